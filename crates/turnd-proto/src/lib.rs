@@ -1,0 +1,31 @@
+//! turnd wire protocol, version 1.
+//!
+//! This crate owns everything that crosses the wire: the request/response/push
+//! envelopes, the error codes, the argument and result shapes of every op and the
+//! objects (`Turn`, `Wait`, `Session`, `Event`, `Stats`, `Worker`, `Function`).
+//! It depends on serde only, so the daemon, the SDK, the CLI and the tests share one
+//! definition and cannot drift apart.
+
+pub mod frame;
+pub mod ids;
+pub mod objects;
+pub mod ops;
+
+pub use frame::{decode_request, ErrorBody, ErrorCode, FrameError, Push, Request};
+pub use ids::{new_connection_id, new_invocation_id, new_turn_id, new_watch_id};
+pub use objects::*;
+pub use ops::*;
+
+/// The only protocol version this crate speaks.
+pub const PROTOCOL_VERSION: u64 = 1;
+/// WebSocket path of protocol v1.
+pub const WS_PATH: &str = "/v1";
+/// Close code sent to a worker connection superseded by a newer `hello` with the
+/// same `worker_id`.
+pub const CLOSE_SUPERSEDED: u16 = 4001;
+/// Close code for a peer that sent too many bad frames in a row (policy violation).
+pub const CLOSE_POLICY: u16 = 1008;
+/// Close code for a frame over `max_frame_bytes`.
+pub const CLOSE_TOO_BIG: u16 = 1009;
+/// Bad frames in a row after which the server closes the connection.
+pub const MAX_BAD_FRAMES: u32 = 16;

@@ -1,0 +1,471 @@
+//! The protocol's objects: Turn, Wait, Session, Event, Stats, Worker, Function, and
+//! the invoke push and step outcomes that workers exchange.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// Lifecycle status of a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnStatus {
+    Queued,
+    Running,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl TurnStatus {
+    pub const ALL: [TurnStatus; 5] = [
+        TurnStatus::Queued,
+        TurnStatus::Running,
+        TurnStatus::Completed,
+        TurnStatus::Failed,
+        TurnStatus::Cancelled,
+    ];
+
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TurnStatus::Completed | TurnStatus::Failed | TurnStatus::Cancelled
+        )
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnStatus::Queued => "queued",
+            TurnStatus::Running => "running",
+            TurnStatus::Completed => "completed",
+            TurnStatus::Failed => "failed",
+            TurnStatus::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<TurnStatus> {
+        TurnStatus::ALL.into_iter().find(|t| t.as_str() == s)
+    }
+}
+
+/// Why a turn failed. Every failed turn has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCause {
+    HandlerFailed,
+    OutcomeUnknown,
+    TimedOut,
+    NoWorker,
+    AttemptsExhausted,
+    StepLimit,
+    InvalidResult,
+}
+
+impl ErrorCause {
+    pub const ALL: [ErrorCause; 7] = [
+        ErrorCause::HandlerFailed,
+        ErrorCause::OutcomeUnknown,
+        ErrorCause::TimedOut,
+        ErrorCause::NoWorker,
+        ErrorCause::AttemptsExhausted,
+        ErrorCause::StepLimit,
+        ErrorCause::InvalidResult,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCause::HandlerFailed => "handler_failed",
+            ErrorCause::OutcomeUnknown => "outcome_unknown",
+            ErrorCause::TimedOut => "timed_out",
+            ErrorCause::NoWorker => "no_worker",
+            ErrorCause::AttemptsExhausted => "attempts_exhausted",
+            ErrorCause::StepLimit => "step_limit",
+            ErrorCause::InvalidResult => "invalid_result",
+        }
+    }
+}
+
+/// `Turn.error`: present on every failed turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnError {
+    pub cause: ErrorCause,
+    #[serde(default)]
+    pub code: String,
+    #[serde(default)]
+    pub message: String,
+    pub step: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invocation_id: Option<String>,
+}
+
+/// `Turn.stop`: present once a stop was asked.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StopInfo {
+    pub requested_at_ms: u64,
+    pub reason: String,
+}
+
+/// What a non-terminal turn waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitState {
+    QueuedBehind,
+    AwaitingWorker,
+    AwaitingResult,
+    AwaitingReconnect,
+    BackingOff,
+    Cancelling,
+    Finalizing,
+}
+
+impl WaitState {
+    pub const ALL: [WaitState; 7] = [
+        WaitState::QueuedBehind,
+        WaitState::AwaitingWorker,
+        WaitState::AwaitingResult,
+        WaitState::AwaitingReconnect,
+        WaitState::BackingOff,
+        WaitState::Cancelling,
+        WaitState::Finalizing,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitState::QueuedBehind => "queued_behind",
+            WaitState::AwaitingWorker => "awaiting_worker",
+            WaitState::AwaitingResult => "awaiting_result",
+            WaitState::AwaitingReconnect => "awaiting_reconnect",
+            WaitState::BackingOff => "backing_off",
+            WaitState::Cancelling => "cancelling",
+            WaitState::Finalizing => "finalizing",
+        }
+    }
+}
+
+/// What happens when a wait's deadline passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnDeadline {
+    Probe,
+    Redispatch,
+    Fail,
+    Cancel,
+    Retry,
+}
+
+/// Why a non-terminal turn is not moving, and what happens next.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Wait {
+    pub state: WaitState,
+    pub reason: String,
+    pub since_ms: u64,
+    pub deadline_ms: Option<u64>,
+    pub on_deadline: Option<OnDeadline>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invocation_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ahead: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// A turn as the protocol shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Turn {
+    pub turn_id: String,
+    pub session_id: String,
+    pub seq: u64,
+    pub function_id: String,
+    pub status: TurnStatus,
+    pub step: u32,
+    pub attempt: u32,
+    pub input: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<TurnError>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopInfo>,
+    #[serde(default)]
+    pub recovered: bool,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<Wait>,
+}
+
+/// `Session.lock`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionLock {
+    pub turn_id: String,
+    pub since_ms: u64,
+    pub wait: Wait,
+}
+
+/// An entry of `Session.queued`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QueuedTurn {
+    pub turn_id: String,
+    pub seq: u64,
+    pub function_id: String,
+    pub created_at_ms: u64,
+}
+
+/// Turn counts by status.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnCounts {
+    pub queued: u64,
+    pub running: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub cancelled: u64,
+}
+
+impl TurnCounts {
+    pub fn get_mut(&mut self, s: TurnStatus) -> &mut u64 {
+        match s {
+            TurnStatus::Queued => &mut self.queued,
+            TurnStatus::Running => &mut self.running,
+            TurnStatus::Completed => &mut self.completed,
+            TurnStatus::Failed => &mut self.failed,
+            TurnStatus::Cancelled => &mut self.cancelled,
+        }
+    }
+
+    pub fn get(&self, s: TurnStatus) -> u64 {
+        match s {
+            TurnStatus::Queued => self.queued,
+            TurnStatus::Running => self.running,
+            TurnStatus::Completed => self.completed,
+            TurnStatus::Failed => self.failed,
+            TurnStatus::Cancelled => self.cancelled,
+        }
+    }
+
+    /// Move one turn from `from` (if any) to `to`.
+    pub fn shift(&mut self, from: Option<TurnStatus>, to: TurnStatus) {
+        if let Some(from) = from {
+            let c = self.get_mut(from);
+            *c = c.saturating_sub(1);
+        }
+        *self.get_mut(to) += 1;
+    }
+}
+
+/// A session as `session.inspect` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Session {
+    pub session_id: String,
+    pub lock: Option<SessionLock>,
+    pub queued: Vec<QueuedTurn>,
+    pub turns: TurnCounts,
+    pub last_event: u64,
+}
+
+/// Kind of a session event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    Admitted,
+    Dispatched,
+    Result,
+    RetryScheduled,
+    Redispatched,
+    OutcomeUnknown,
+    ProbeSent,
+    StopRequested,
+    CancelSent,
+    Completed,
+    Failed,
+    Cancelled,
+    LateResult,
+    Amended,
+}
+
+/// A durable, ordered session event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub seq: u64,
+    pub session_id: String,
+    pub turn_id: String,
+    pub at_ms: u64,
+    pub kind: EventKind,
+    #[serde(default)]
+    pub detail: Value,
+}
+
+/// Daemon-wide counters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    pub sessions: SessionStats,
+    pub turns: TurnCounts,
+    pub invocations_inflight: u64,
+    pub workers_connected: u64,
+    pub oldest_wait_ms: Option<u64>,
+    pub storage: StorageHealth,
+}
+
+/// `Stats.sessions`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SessionStats {
+    pub active: u64,
+    pub blocked: BTreeMap<String, u64>,
+}
+
+/// `Stats.storage`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StorageHealth {
+    pub writable: bool,
+    pub last_error: Option<String>,
+}
+
+/// A worker as `workers.list` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Worker {
+    pub worker_id: String,
+    pub name: String,
+    pub connected: bool,
+    pub instance_id: String,
+    pub since_ms: u64,
+    pub functions: Vec<String>,
+    pub inflight: u64,
+}
+
+/// Delivery mode of a function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Delivery {
+    #[default]
+    AtMostOnce,
+    AtLeastOnce,
+}
+
+impl Delivery {
+    pub fn default_max_attempts(self) -> u32 {
+        match self {
+            Delivery::AtMostOnce => 1,
+            Delivery::AtLeastOnce => 3,
+        }
+    }
+}
+
+/// A function as `functions.list` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Function {
+    pub function_id: String,
+    pub concurrency: u32,
+    pub timeout_ms: u64,
+    pub delivery: Delivery,
+    pub max_attempts: u32,
+    pub workers: u64,
+    pub queued: u64,
+}
+
+/// The `invoke` push: run one attempt of one step of a turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Invoke {
+    pub invocation_id: String,
+    pub function_id: String,
+    pub session_id: String,
+    pub turn_id: String,
+    pub step: u32,
+    pub attempt: u32,
+    pub input: Value,
+    pub deadline_ms: u64,
+}
+
+/// A worker-reported failure.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Failure {
+    #[serde(default)]
+    pub code: String,
+    #[serde(default)]
+    pub message: String,
+    #[serde(default)]
+    pub retryable: bool,
+}
+
+/// A worker-reported cancellation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Cancelled {
+    #[serde(default)]
+    pub message: String,
+}
+
+/// The outcome of one invocation, as a worker reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Complete(Value),
+    Continue(Value),
+    Fail(Failure),
+    Cancelled(Cancelled),
+}
+
+impl Outcome {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Outcome::Complete(_) => "complete",
+            Outcome::Continue(_) => "continue",
+            Outcome::Fail(_) => "fail",
+            Outcome::Cancelled(_) => "cancelled",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn outcome_wire_shapes() {
+        let o: Outcome = serde_json::from_value(json!({"complete": {"a": 1}})).expect("complete");
+        assert_eq!(o, Outcome::Complete(json!({"a": 1})));
+        let o: Outcome = serde_json::from_value(json!({"complete": null})).expect("null");
+        assert_eq!(o, Outcome::Complete(Value::Null));
+        let o: Outcome = serde_json::from_value(
+            json!({"fail": {"code": "x", "message": "m", "retryable": true}}),
+        )
+        .expect("fail");
+        assert!(matches!(
+            o,
+            Outcome::Fail(Failure {
+                retryable: true,
+                ..
+            })
+        ));
+        let o: Outcome = serde_json::from_value(json!({"cancelled": {}})).expect("cancelled");
+        assert_eq!(o.kind(), "cancelled");
+        assert!(serde_json::from_value::<Outcome>(json!({"nope": 1})).is_err());
+        assert!(serde_json::from_value::<Outcome>(json!({"complete": 1, "fail": {}})).is_err());
+    }
+
+    #[test]
+    fn turn_omits_absent_members() {
+        let t = Turn {
+            turn_id: "t_1".into(),
+            session_id: "s".into(),
+            seq: 1,
+            function_id: "f".into(),
+            status: TurnStatus::Queued,
+            step: 0,
+            attempt: 0,
+            input: json!(null),
+            output: None,
+            error: None,
+            stop: None,
+            recovered: false,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            finished_at_ms: None,
+            wait: None,
+        };
+        let v = serde_json::to_value(&t).expect("serialize");
+        assert!(v.get("error").is_none());
+        assert_eq!(v["status"], "queued");
+    }
+}

@@ -1,0 +1,415 @@
+//! Argument and result shapes of every op, and which role may use which op.
+
+use crate::objects::*;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The role a connection declared in `hello`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Worker,
+    Client,
+    Operator,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Worker => "worker",
+            Role::Client => "client",
+            Role::Operator => "operator",
+        }
+    }
+}
+
+/// Every op of protocol v1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    Hello,
+    Ping,
+    FunctionRegister,
+    FunctionUnregister,
+    InvocationResult,
+    InvocationHeartbeat,
+    InvocationStatus,
+    TurnSubmit,
+    TurnGet,
+    TurnWait,
+    TurnStop,
+    TurnList,
+    SessionInspect,
+    SessionStop,
+    SessionEvents,
+    Watch,
+    Unwatch,
+    Stats,
+    WorkersList,
+    FunctionsList,
+    StoreCheck,
+}
+
+impl Op {
+    pub const ALL: [Op; 21] = [
+        Op::Hello,
+        Op::Ping,
+        Op::FunctionRegister,
+        Op::FunctionUnregister,
+        Op::InvocationResult,
+        Op::InvocationHeartbeat,
+        Op::InvocationStatus,
+        Op::TurnSubmit,
+        Op::TurnGet,
+        Op::TurnWait,
+        Op::TurnStop,
+        Op::TurnList,
+        Op::SessionInspect,
+        Op::SessionStop,
+        Op::SessionEvents,
+        Op::Watch,
+        Op::Unwatch,
+        Op::Stats,
+        Op::WorkersList,
+        Op::FunctionsList,
+        Op::StoreCheck,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Hello => "hello",
+            Op::Ping => "ping",
+            Op::FunctionRegister => "function.register",
+            Op::FunctionUnregister => "function.unregister",
+            Op::InvocationResult => "invocation.result",
+            Op::InvocationHeartbeat => "invocation.heartbeat",
+            Op::InvocationStatus => "invocation.status",
+            Op::TurnSubmit => "turn.submit",
+            Op::TurnGet => "turn.get",
+            Op::TurnWait => "turn.wait",
+            Op::TurnStop => "turn.stop",
+            Op::TurnList => "turn.list",
+            Op::SessionInspect => "session.inspect",
+            Op::SessionStop => "session.stop",
+            Op::SessionEvents => "session.events",
+            Op::Watch => "watch",
+            Op::Unwatch => "unwatch",
+            Op::Stats => "stats",
+            Op::WorkersList => "workers.list",
+            Op::FunctionsList => "functions.list",
+            Op::StoreCheck => "store.check",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|o| o.name() == name)
+    }
+
+    /// Whether a connection of `role` may use this op. `hello` is handled before roles
+    /// exist; `ping` is open to every role.
+    pub fn allowed_for(self, role: Role) -> bool {
+        match self {
+            Op::Hello | Op::Ping => true,
+            Op::FunctionRegister
+            | Op::FunctionUnregister
+            | Op::InvocationResult
+            | Op::InvocationHeartbeat
+            | Op::InvocationStatus => matches!(role, Role::Worker | Role::Operator),
+            Op::StoreCheck => role == Role::Operator,
+            Op::TurnSubmit
+            | Op::TurnGet
+            | Op::TurnWait
+            | Op::TurnStop
+            | Op::TurnList
+            | Op::SessionInspect
+            | Op::SessionStop
+            | Op::SessionEvents
+            | Op::Watch
+            | Op::Unwatch
+            | Op::Stats
+            | Op::WorkersList
+            | Op::FunctionsList => matches!(role, Role::Client | Role::Operator),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HelloArgs {
+    pub protocol: u64,
+    pub role: Role,
+    #[serde(default)]
+    pub token: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub worker_id: Option<String>,
+    #[serde(default)]
+    pub instance_id: Option<String>,
+    #[serde(default)]
+    pub inflight: Vec<String>,
+    #[serde(default)]
+    pub finished: Vec<String>,
+}
+
+/// What the server concluded about every invocation assigned to a reconnecting worker.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Reconciled {
+    pub kept: Vec<String>,
+    pub redispatched: Vec<String>,
+    pub unknown: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HelloOk {
+    pub server: String,
+    pub version: String,
+    pub boot_id: String,
+    pub connection_id: String,
+    pub heartbeat_ms: u64,
+    pub max_frame_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconciled: Option<Reconciled>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegisterArgs {
+    pub function_id: String,
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub delivery: Option<Delivery>,
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegisterOk {
+    pub function_id: String,
+    pub workers: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FunctionIdArgs {
+    pub function_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultArgs {
+    pub invocation_id: String,
+    pub outcome: Outcome,
+}
+
+/// How the server took an `invocation.result`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Accepted {
+    Applied,
+    Duplicate,
+    Late,
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultOk {
+    pub accepted: Accepted,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InvocationIdArgs {
+    pub invocation_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeartbeatOk {
+    pub deadline_ms: u64,
+}
+
+/// A worker's answer to a `probe`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InvocationState {
+    Running,
+    Finished,
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusArgs {
+    pub invocation_id: String,
+    pub state: InvocationState,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SubmitArgs {
+    pub session_id: String,
+    pub function_id: String,
+    #[serde(default)]
+    pub input: Value,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    #[serde(default)]
+    pub turn_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SubmitOk {
+    pub turn: Turn,
+    pub deduplicated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnIdArgs {
+    pub turn_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnOk {
+    pub turn: Turn,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WaitArgs {
+    pub turn_id: String,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+/// Default and maximum of `turn.wait`'s `timeout_ms`.
+pub const WAIT_DEFAULT_MS: u64 = 30_000;
+pub const WAIT_MAX_MS: u64 = 300_000;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StopArgs {
+    pub turn_id: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionStopArgs {
+    pub session_id: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnsOk {
+    pub turns: Vec<Turn>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListArgs {
+    pub session_id: String,
+    #[serde(default)]
+    pub status: Option<TurnStatus>,
+    #[serde(default)]
+    pub limit: Option<u64>,
+    #[serde(default)]
+    pub before_seq: Option<u64>,
+}
+
+/// Default and maximum page size of `turn.list` and `session.events`.
+pub const PAGE_DEFAULT: u64 = 100;
+pub const PAGE_MAX: u64 = 1000;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListOk {
+    pub turns: Vec<Turn>,
+    pub next_before_seq: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionIdArgs {
+    pub session_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionOk {
+    pub session: Session,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventsArgs {
+    pub session_id: String,
+    #[serde(default)]
+    pub after: Option<u64>,
+    #[serde(default)]
+    pub limit: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventsOk {
+    pub events: Vec<Event>,
+    pub next: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WatchArgs {
+    #[serde(default)]
+    pub session_id: Option<String>,
+    #[serde(default)]
+    pub turn_id: Option<String>,
+    /// Resume: replay events with `seq` greater than this before live ones.
+    #[serde(default)]
+    pub after: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WatchOk {
+    pub watch_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WatchIdArgs {
+    pub watch_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatsOk {
+    pub stats: Stats,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkersOk {
+    pub workers: Vec<Worker>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FunctionsOk {
+    pub functions: Vec<Function>,
+}
+
+/// One invariant violation found by `store.check`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Violation {
+    pub invariant: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckOk {
+    pub violations: Vec<Violation>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_names_round_trip_and_roles() {
+        for op in Op::ALL {
+            assert_eq!(Op::parse(op.name()), Some(op));
+            assert!(op.allowed_for(Role::Operator));
+        }
+        assert!(!Op::TurnSubmit.allowed_for(Role::Worker));
+        assert!(!Op::InvocationResult.allowed_for(Role::Client));
+        assert!(!Op::StoreCheck.allowed_for(Role::Client));
+        assert!(Op::Ping.allowed_for(Role::Worker));
+        assert_eq!(Op::parse("nope"), None);
+    }
+}
