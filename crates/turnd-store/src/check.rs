@@ -1,0 +1,229 @@
+//! `store.check`: the invariants of the semantics page, checked over a whole store.
+//! Works on a live daemon's store and offline on a stopped daemon's data directory.
+
+use std::collections::{BTreeMap, HashMap};
+
+use turnd_proto::{TurnStatus, Violation};
+
+use crate::{keys, InvState, InvocationRecord, Phase, Store, StoreError, TurnRecord};
+
+fn violation(invariant: &str, t: Option<&TurnRecord>, session: &str, detail: String) -> Violation {
+    Violation {
+        invariant: invariant.to_string(),
+        turn_id: t.map(|t| t.turn_id.clone()),
+        session_id: Some(session.to_string()),
+        detail,
+    }
+}
+
+/// Check every invariant and return each violation found.
+pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
+    let kv = store.kv();
+    let mut out = Vec::new();
+
+    let (ts, te) = keys::turn_range();
+    let mut turns: HashMap<String, TurnRecord> = HashMap::new();
+    for (_, v) in kv.scan(&ts, &te, false, usize::MAX)? {
+        let t: TurnRecord =
+            serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt(format!("turn: {e}")))?;
+        turns.insert(t.turn_id.clone(), t);
+    }
+    let (is, ie) = keys::invocation_range();
+    let mut invs: HashMap<String, InvocationRecord> = HashMap::new();
+    for (_, v) in kv.scan(&is, &ie, false, usize::MAX)? {
+        let i: InvocationRecord = serde_json::from_slice(&v)
+            .map_err(|e| StoreError::Corrupt(format!("invocation: {e}")))?;
+        invs.insert(i.invocation_id.clone(), i);
+    }
+
+    // Active index: every entry names a non-terminal turn, and every non-terminal turn
+    // is in it.
+    let (as_, ae) = keys::active_range();
+    let mut indexed = std::collections::HashSet::new();
+    for (k, v) in kv.scan(&as_, &ae, false, usize::MAX)? {
+        let id = String::from_utf8_lossy(&v).to_string();
+        match turns.get(&id) {
+            None => out.push(Violation {
+                invariant: "active_index_dangling".into(),
+                turn_id: Some(id.clone()),
+                session_id: None,
+                detail: format!("active index entry {k:?} names a turn that does not exist"),
+            }),
+            Some(t) if t.status.is_terminal() => out.push(violation(
+                "terminal_lock_holder",
+                Some(t),
+                &t.session_id,
+                format!(
+                    "turn is {} but still holds a place in the session's active queue",
+                    t.status.as_str()
+                ),
+            )),
+            Some(_) => {}
+        }
+        indexed.insert(id);
+    }
+
+    let mut by_session: BTreeMap<String, Vec<&TurnRecord>> = BTreeMap::new();
+    for t in turns.values() {
+        if t.status == TurnStatus::Failed && t.error.is_none() {
+            out.push(violation(
+                "failed_without_cause",
+                Some(t),
+                &t.session_id,
+                "failed turn has no error.cause".into(),
+            ));
+        }
+        if t.status == TurnStatus::Cancelled && t.stop.is_none() {
+            out.push(violation(
+                "cancelled_without_stop",
+                Some(t),
+                &t.session_id,
+                "cancelled turn has no stop record".into(),
+            ));
+        }
+        if !t.status.is_terminal() {
+            if !indexed.contains(&t.turn_id) {
+                out.push(violation(
+                    "unindexed_active_turn",
+                    Some(t),
+                    &t.session_id,
+                    format!(
+                        "{} turn is missing from the session's active queue",
+                        t.status.as_str()
+                    ),
+                ));
+            }
+            by_session.entry(t.session_id.clone()).or_default().push(t);
+        }
+        if t.status == TurnStatus::Running {
+            let live = match t.phase {
+                Phase::AwaitingWorker => true,
+                Phase::BackingOff => t.retry_at_ms.is_some(),
+                Phase::Invoked => t
+                    .invocation_id
+                    .as_ref()
+                    .and_then(|id| invs.get(id))
+                    .map(|i| i.is_active() && i.turn_id == t.turn_id)
+                    .unwrap_or(false),
+                Phase::Queued | Phase::Done => false,
+            };
+            if !live {
+                out.push(violation(
+                    "running_without_path",
+                    Some(t),
+                    &t.session_id,
+                    format!(
+                        "running turn in phase {:?} has no live invocation and no timer (invocation {:?})",
+                        t.phase, t.invocation_id
+                    ),
+                ));
+            }
+        }
+    }
+
+    // Per session: at most one running turn, and no queued turn ahead of it.
+    for (sid, mut ts) in by_session {
+        ts.sort_by_key(|t| t.seq);
+        let running: Vec<_> = ts
+            .iter()
+            .filter(|t| t.status == TurnStatus::Running)
+            .collect();
+        if running.len() > 1 {
+            out.push(violation(
+                "two_lock_holders",
+                Some(running[1]),
+                &sid,
+                format!("{} running turns in one session", running.len()),
+            ));
+        }
+        if let Some(r) = running.first() {
+            if let Some(q) = ts
+                .iter()
+                .find(|t| t.status == TurnStatus::Queued && t.seq < r.seq)
+            {
+                out.push(violation(
+                    "queued_ahead_of_running",
+                    Some(q),
+                    &sid,
+                    format!(
+                        "queued turn seq {} is ahead of running turn {} (seq {})",
+                        q.seq, r.turn_id, r.seq
+                    ),
+                ));
+            }
+        }
+    }
+
+    // At most one non-terminal invocation per session, and it belongs to a running turn.
+    let mut live_by_session: BTreeMap<&str, Vec<&InvocationRecord>> = BTreeMap::new();
+    for i in invs.values().filter(|i| i.state == InvState::Active) {
+        live_by_session.entry(&i.session_id).or_default().push(i);
+        let owner_running = turns
+            .get(&i.turn_id)
+            .map(|t| {
+                t.status == TurnStatus::Running
+                    && t.invocation_id.as_deref() == Some(&i.invocation_id)
+            })
+            .unwrap_or(false);
+        if !owner_running {
+            out.push(Violation {
+                invariant: "orphan_invocation".into(),
+                turn_id: Some(i.turn_id.clone()),
+                session_id: Some(i.session_id.clone()),
+                detail: format!(
+                    "live invocation {} is not the current invocation of a running turn",
+                    i.invocation_id
+                ),
+            });
+        }
+    }
+    for (sid, live) in live_by_session {
+        if live.len() > 1 {
+            out.push(Violation {
+                invariant: "two_live_invocations".into(),
+                turn_id: None,
+                session_id: Some(sid.to_string()),
+                detail: format!(
+                    "{} non-terminal invocations: {}",
+                    live.len(),
+                    live.iter()
+                        .map(|i| i.invocation_id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
+    }
+
+    // Event sequences: contiguous up to the session's last event.
+    for meta in store.session_metas()? {
+        let events = store.events(&meta.session_id, 0, usize::MAX)?;
+        let mut expect = events.first().map(|e| e.seq).unwrap_or(1);
+        for e in &events {
+            if e.seq != expect {
+                out.push(Violation {
+                    invariant: "event_gap".into(),
+                    turn_id: None,
+                    session_id: Some(meta.session_id.clone()),
+                    detail: format!("event seq {} follows {}", e.seq, expect.saturating_sub(1)),
+                });
+            }
+            expect = e.seq + 1;
+        }
+        if expect.saturating_sub(1) != meta.last_event_seq
+            && !(events.is_empty() && meta.last_event_seq == 0)
+        {
+            out.push(Violation {
+                invariant: "event_gap".into(),
+                turn_id: None,
+                session_id: Some(meta.session_id.clone()),
+                detail: format!(
+                    "last stored event is {} but the session counted {}",
+                    expect.saturating_sub(1),
+                    meta.last_event_seq
+                ),
+            });
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,203 @@
+//! The durable records: what is written for turns, invocations, sessions and
+//! idempotency keys. Times are Unix milliseconds, so deadlines survive a restart and
+//! are re-armed from their absolute value.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use turnd_proto::{Delivery, StopInfo, TurnCounts, TurnError, TurnStatus};
+
+/// Where a non-terminal turn stands, durably. (`finalizing` is not stored: it is the
+/// in-memory state of a transition whose write is being retried.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// In the session queue behind the lock holder.
+    Queued,
+    /// Holds the session lock; no invocation yet: waiting for a worker with capacity.
+    AwaitingWorker,
+    /// Holds the lock; its current invocation is live (see the invocation's wait).
+    Invoked,
+    /// Holds the lock; a retryable failure is waiting out its backoff until
+    /// `retry_at_ms`.
+    BackingOff,
+    /// Terminal.
+    Done,
+}
+
+/// A turn, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnRecord {
+    pub turn_id: String,
+    pub session_id: String,
+    pub seq: u64,
+    pub function_id: String,
+    pub status: TurnStatus,
+    /// Current step (0-based).
+    pub step: u32,
+    /// Current (or last) attempt of the current step; 0 before the first dispatch.
+    pub attempt: u32,
+    /// The turn's input (step 0's input).
+    pub input: Value,
+    /// The current step's input: `input` at step 0, then the state of the last
+    /// `continue`.
+    pub state: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<TurnError>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopInfo>,
+    #[serde(default)]
+    pub recovered: bool,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    /// Absolute deadline of the whole turn (`turn_timeout_ms` after admission).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
+    pub phase: Phase,
+    /// When the turn entered its current phase.
+    pub phase_since_ms: u64,
+    /// When the turn took its session's lock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub locked_at_ms: Option<u64>,
+    /// The current (or last) invocation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invocation_id: Option<String>,
+    /// With `BackingOff`: when the next attempt is dispatched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at_ms: Option<u64>,
+    /// The last retryable failure (shown while backing off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// The settings of the function at its last dispatch, for the backoff and attempt
+    /// accounting of retries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<FunctionSettings>,
+    /// Backoff of the next retry, doubled per retry.
+    #[serde(default)]
+    pub backoff_ms: u64,
+}
+
+/// The settings a function was dispatched under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionSettings {
+    pub timeout_ms: u64,
+    pub delivery: Delivery,
+    pub max_attempts: u32,
+}
+
+/// What a live invocation waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InvWait {
+    /// Dispatched; waiting for the result until the attempt deadline.
+    AwaitingResult,
+    /// Deadline passed; `probe` sent, waiting for `invocation.status`.
+    Probing,
+    /// The worker said `finished`; waiting for the resent result.
+    AwaitingResend,
+    /// `cancel` sent (stop or timeout); waiting for the answer until the grace ends.
+    Cancelling,
+    /// The worker's connection is gone; waiting for it to come back.
+    AwaitingReconnect,
+}
+
+/// Lifecycle of an invocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InvState {
+    /// Dispatched and not given up; see `wait`.
+    Active,
+    /// Its result was taken.
+    Finished,
+    /// Given up with its outcome unknown (may have run).
+    Unknown,
+    /// Confirmed never received by the worker; dispatched again.
+    Lost,
+    /// Still running past its deadline, cancelled, grace passed.
+    TimedOut,
+    /// Given up because the turn was stopped while it may have been running.
+    Abandoned,
+}
+
+impl InvState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InvState::Active => "active",
+            InvState::Finished => "finished",
+            InvState::Unknown => "unknown",
+            InvState::Lost => "lost",
+            InvState::TimedOut => "timed_out",
+            InvState::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// An invocation, as stored: one attempt of one step, with the identity that fences
+/// every signal about it and the settings it was dispatched under.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InvocationRecord {
+    pub invocation_id: String,
+    pub turn_id: String,
+    pub session_id: String,
+    pub function_id: String,
+    pub step: u32,
+    pub attempt: u32,
+    pub worker_id: String,
+    pub instance_id: String,
+    pub settings: FunctionSettings,
+    pub state: InvState,
+    /// With `Active`: what it waits for, since when and until when.
+    pub wait: InvWait,
+    pub wait_since_ms: u64,
+    pub deadline_ms: u64,
+    pub dispatched_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<u64>,
+    /// Kind of the outcome that was taken (`complete`, `continue`, `fail`, `cancelled`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+    /// Whether a result arrived after the invocation was given up.
+    #[serde(default)]
+    pub late: bool,
+}
+
+impl InvocationRecord {
+    pub fn is_active(&self) -> bool {
+        self.state == InvState::Active
+    }
+}
+
+/// An idempotency key of a session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    pub turn_id: String,
+}
+
+/// Per-session counters that must survive restarts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionMeta {
+    pub session_id: String,
+    /// `seq` of the last admitted turn.
+    pub last_turn_seq: u64,
+    /// `seq` of the last event.
+    pub last_event_seq: u64,
+    /// Turns of the session by status.
+    #[serde(default)]
+    pub counts: TurnCounts,
+}
+
+impl SessionMeta {
+    pub fn new(session_id: &str) -> Self {
+        SessionMeta {
+            session_id: session_id.to_string(),
+            last_turn_seq: 0,
+            last_event_seq: 0,
+            counts: TurnCounts::default(),
+        }
+    }
+}

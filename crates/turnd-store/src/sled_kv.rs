@@ -1,0 +1,319 @@
+//! sled 0.34 behind [`Kv`], with group commit.
+//!
+//! sled's own `flush` on Linux ends in `sync_file_range`, which does not flush the
+//! disk's write cache, so it does not make a write survive power loss. The writer
+//! thread here applies every queued batch (each atomically, with `apply_batch`), then
+//! calls `flush` and `fdatasync` on sled's log file once for the whole group, and only
+//! then answers every waiting committer. Batches that arrive while a sync runs wait for
+//! the next one, so no acknowledgement waits for more than one sync after its write.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use crate::{Entry, Batch, CommitStats, CommitTicket, Kv, KvOp, StoreError};
+
+/// Whether commits are made durable with an fsync before they are acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SyncMode {
+    /// fsync before every acknowledgement (group commit). The default.
+    #[default]
+    Always,
+    /// No fsync: acknowledgements survive a crash of the process only as far as
+    /// sled's background flush got. For tests and benchmarks only.
+    Never,
+}
+
+impl SyncMode {
+    pub fn parse(s: &str) -> Option<SyncMode> {
+        match s {
+            "always" => Some(SyncMode::Always),
+            "never" => Some(SyncMode::Never),
+            _ => None,
+        }
+    }
+}
+
+struct Job {
+    batch: Batch,
+    reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+}
+
+/// Largest number of batches one group commit takes.
+const MAX_GROUP: usize = 4096;
+
+/// The sled-backed store.
+pub struct SledKv {
+    db: sled::Db,
+    syncer: Arc<Syncer>,
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    stats: Arc<Mutex<CommitStats>>,
+}
+
+/// Makes sled's files durable: flush, then fdatasync of the log and blob files.
+struct Syncer {
+    db: sled::Db,
+    log: File,
+    dir: PathBuf,
+    mode: SyncMode,
+}
+
+impl Syncer {
+    fn sync(&self) -> Result<(), StoreError> {
+        self.db
+            .flush()
+            .map_err(|e| StoreError::Sync(format!("flush: {e}")))?;
+        self.log
+            .sync_data()
+            .map_err(|e| StoreError::Sync(format!("fdatasync db: {e}")))?;
+        sync_blobs(&self.dir.join("blobs"))
+    }
+}
+
+/// Values too large for sled's log pages live as files under `blobs/`; a blob is
+/// written before the log entry that points at it, so syncing the directory and any
+/// blob files written since the last look keeps them durable too. The directory is
+/// empty unless a value was very large, so this is one `readdir` in the common case.
+fn sync_blobs(dir: &Path) -> Result<(), StoreError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(StoreError::Sync(format!("read blobs dir: {e}"))),
+    };
+    let mut any = false;
+    for entry in entries {
+        let entry = entry.map_err(|e| StoreError::Sync(format!("read blobs dir: {e}")))?;
+        let f = File::open(entry.path())
+            .map_err(|e| StoreError::Sync(format!("open blob {:?}: {e}", entry.path())))?;
+        f.sync_data()
+            .map_err(|e| StoreError::Sync(format!("fdatasync blob: {e}")))?;
+        any = true;
+    }
+    if any {
+        sync_dir(dir)?;
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::Sync(format!("fsync dir {dir:?}: {e}")))
+}
+
+impl SledKv {
+    /// Open (or create) the store in `dir`.
+    pub fn open(dir: &Path, mode: SyncMode) -> Result<SledKv, StoreError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| StoreError::Write(format!("create data dir {dir:?}: {e}")))?;
+        let db = sled::Config::new()
+            .path(dir)
+            .cache_capacity(256 * 1024 * 1024)
+            .open()
+            .map_err(|e| StoreError::Write(format!("open sled at {dir:?}: {e}")))?;
+        let log = File::open(dir.join("db"))
+            .map_err(|e| StoreError::Write(format!("open sled log file: {e}")))?;
+        sync_dir(dir)?;
+        let syncer = Arc::new(Syncer {
+            db: db.clone(),
+            log,
+            dir: dir.to_path_buf(),
+            mode,
+        });
+        let stats = Arc::new(Mutex::new(CommitStats::default()));
+        let (tx, rx) = mpsc::channel::<Job>();
+        let writer = {
+            let db = db.clone();
+            let syncer = syncer.clone();
+            let stats = stats.clone();
+            std::thread::Builder::new()
+                .name("turnd-store-writer".into())
+                .spawn(move || writer_loop(db, syncer, rx, stats))
+                .map_err(|e| StoreError::Write(format!("spawn writer thread: {e}")))?
+        };
+        Ok(SledKv {
+            db,
+            syncer,
+            tx: Mutex::new(Some(tx)),
+            writer: Mutex::new(Some(writer)),
+            stats,
+        })
+    }
+
+    /// Stop the writer thread after it has committed everything queued, then sync.
+    pub fn close(&self) -> Result<(), StoreError> {
+        let tx = self.tx.lock().map_err(|_| StoreError::Closed)?.take();
+        drop(tx);
+        let writer = self.writer.lock().map_err(|_| StoreError::Closed)?.take();
+        if let Some(w) = writer {
+            if w.join().is_err() {
+                return Err(StoreError::Write("writer thread panicked".into()));
+            }
+        }
+        self.syncer.sync()
+    }
+}
+
+impl Drop for SledKv {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::error!("failed to close store: {e}");
+        }
+    }
+}
+
+fn to_sled_batch(batch: Batch) -> sled::Batch {
+    let mut b = sled::Batch::default();
+    for op in batch.ops {
+        match op {
+            KvOp::Put(k, v) => b.insert(k, v),
+            KvOp::Delete(k) => b.remove(k),
+        }
+    }
+    b
+}
+
+fn writer_loop(
+    db: sled::Db,
+    syncer: Arc<Syncer>,
+    rx: mpsc::Receiver<Job>,
+    stats: Arc<Mutex<CommitStats>>,
+) {
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        while jobs.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        let started = tokio::time::Instant::now();
+        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(jobs.len());
+        let mut replies = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let r = db
+                .apply_batch(to_sled_batch(job.batch))
+                .map_err(|e| StoreError::Write(e.to_string()));
+            results.push(r);
+            replies.push(job.reply);
+        }
+        if syncer.mode == SyncMode::Always && results.iter().any(|r| r.is_ok()) {
+            if let Err(e) = syncer.sync() {
+                tracing::error!("failed to sync store: {e}");
+                for r in results.iter_mut().filter(|r| r.is_ok()) {
+                    *r = Err(e.clone());
+                }
+            }
+        }
+        let micros = started.elapsed().as_micros() as u64;
+        if let Ok(mut s) = stats.lock() {
+            s.syncs += 1;
+            s.batches += replies.len() as u64;
+            s.commit_micros += micros;
+            s.max_group = s.max_group.max(replies.len() as u64);
+        }
+        for (reply, r) in replies.into_iter().zip(results) {
+            // A committer that stopped waiting (its request was dropped) needs no
+            // answer; the write itself is done either way.
+            if reply.send(r).is_err() {
+                tracing::debug!("committer went away before its commit finished");
+            }
+        }
+    }
+}
+
+impl Kv for SledKv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.db
+            .get(key)
+            .map(|o| o.map(|v| v.to_vec()))
+            .map_err(|e| StoreError::Read(e.to_string()))
+    }
+
+    fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        let range = self.db.range(start.to_vec()..end.to_vec());
+        let map = |r: sled::Result<(sled::IVec, sled::IVec)>| {
+            r.map(|(k, v)| (k.to_vec(), v.to_vec()))
+                .map_err(|e| StoreError::Read(e.to_string()))
+        };
+        if reverse {
+            range.rev().take(limit).map(map).collect()
+        } else {
+            range.take(limit).map(map).collect()
+        }
+    }
+
+    fn commit(&self, batch: Batch) -> CommitTicket {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let sent = match self.tx.lock() {
+            Ok(tx) => match tx.as_ref() {
+                Some(tx) => tx.send(Job { batch, reply }).map_err(|e| e.0.reply),
+                None => Err(reply),
+            },
+            Err(_) => Err(reply),
+        };
+        if let Err(reply) = sent {
+            if reply.send(Err(StoreError::Closed)).is_err() {
+                tracing::debug!("committer went away before it learned the store is closed");
+            }
+        }
+        rx
+    }
+
+    fn sync(&self) -> Result<(), StoreError> {
+        self.syncer.sync()
+    }
+
+    fn commit_stats(&self) -> CommitStats {
+        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{keys, Store};
+
+    #[tokio::test]
+    async fn committed_batches_survive_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let kv = Arc::new(SledKv::open(dir.path(), SyncMode::Always).expect("open"));
+            let store = Store::new(kv.clone());
+            let mut tickets = Vec::new();
+            for i in 0..50u64 {
+                let mut b = Batch::new();
+                b.put_raw(keys::event("s", i + 1), format!("{i}").into_bytes());
+                tickets.push(kv.commit(b));
+            }
+            for t in tickets {
+                t.await.expect("answered").expect("committed");
+            }
+            let mut b = Batch::new();
+            b.delete(keys::event("s", 1));
+            store.commit(b).await.expect("delete");
+            let s = kv.commit_stats();
+            assert_eq!(s.batches, 51);
+            assert!(s.syncs <= 51);
+        }
+        let kv = SledKv::open(dir.path(), SyncMode::Always).expect("reopen");
+        assert_eq!(kv.get(&keys::event("s", 1)).expect("get"), None);
+        assert_eq!(
+            kv.get(&keys::event("s", 50)).expect("get"),
+            Some(b"49".to_vec())
+        );
+        let all = kv
+            .scan(&keys::event("s", 0), &keys::event_end("s"), true, 3)
+            .expect("scan");
+        assert_eq!(all.len(), 3);
+        assert_eq!(keys::seq_suffix(&all[0].0).expect("seq"), 50);
+    }
+}
