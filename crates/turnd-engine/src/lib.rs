@@ -1,1 +1,17 @@
-//! placeholder
+//! turnd's engine: the turn state machine, per-session FIFO locks, dispatch to
+//! workers, timers and reconciliation of lost results, dispatches and workers.
+//!
+//! It owns no sockets: the server hands it requests and [`Outbox`]es to push frames
+//! to, and it owns no disk format: it writes through `turnd_store::Store`.
+
+pub mod clock;
+pub mod config;
+mod engine;
+pub mod metrics;
+pub mod registry;
+mod session;
+
+pub use clock::Clock;
+pub use config::EngineConfig;
+pub use engine::{fmt_time, fmt_utc, Caller, Engine};
+pub use registry::{CloseReason, Outbox};

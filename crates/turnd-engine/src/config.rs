@@ -1,0 +1,50 @@
+//! The engine's timers and limits (the `[turns]` and `[retention]` config sections).
+
+use serde::{Deserialize, Serialize};
+
+/// Timers and limits of the turn state machine. Every field is a config key of the
+/// `[turns]` section (`retention_terminal_hours` is `[retention] terminal_hours`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Attempt deadline for functions registered without `timeout_ms`.
+    pub default_timeout_ms: u64,
+    /// How long to wait for `invocation.status` after a `probe`, and for a result the
+    /// worker said it holds.
+    pub probe_timeout_ms: u64,
+    /// How long a disconnected worker's invocations wait for it to come back.
+    pub reconnect_grace_ms: u64,
+    /// How long a `cancel` waits for the worker's answer.
+    pub cancel_grace_ms: u64,
+    /// Steps per turn before it fails with `step_limit`.
+    pub max_steps: u32,
+    /// How long a turn waits for a worker before it fails with `no_worker`; `None`
+    /// waits for good.
+    pub dispatch_timeout_ms: Option<u64>,
+    /// First retry backoff; doubled per retry.
+    pub retry_backoff_ms: u64,
+    /// Cap of the retry backoff.
+    pub retry_backoff_max_ms: u64,
+    /// Non-terminal turns a session may hold (queued and running); more are refused
+    /// with `rate_limited`.
+    pub max_queued_per_session: u64,
+    /// Largest `input` (and step output/state) in bytes of JSON.
+    pub max_value_bytes: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            default_timeout_ms: 30_000,
+            probe_timeout_ms: 2_000,
+            reconnect_grace_ms: 10_000,
+            cancel_grace_ms: 5_000,
+            max_steps: 1_000,
+            dispatch_timeout_ms: None,
+            retry_backoff_ms: 500,
+            retry_backoff_max_ms: 60_000,
+            max_queued_per_session: 10_000,
+            max_value_bytes: 512 * 1024,
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! Counters of what the engine did, read by the admin `/metrics` endpoint.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Monotonic counters. Gauges (turns by status, sessions by wait state, in-flight
+/// invocations) are computed from live state when scraped.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub admissions: AtomicU64,
+    pub deduplicated: AtomicU64,
+    pub dispatches: AtomicU64,
+    pub redispatches: AtomicU64,
+    pub results_applied: AtomicU64,
+    pub results_duplicate: AtomicU64,
+    pub results_late: AtomicU64,
+    pub results_unknown: AtomicU64,
+    pub probes_sent: AtomicU64,
+    pub outcome_unknown: AtomicU64,
+    pub amendments: AtomicU64,
+    pub retries_scheduled: AtomicU64,
+    pub cancels_sent: AtomicU64,
+    pub stops: AtomicU64,
+    pub write_failures: AtomicU64,
+    /// Probe answers by state.
+    pub probe_answers: Mutex<BTreeMap<&'static str, u64>>,
+    /// Terminal transitions by status and cause (`completed`, `cancelled`,
+    /// `failed:<cause>`).
+    pub terminal: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Counters {
+    pub fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+
+    pub fn terminal(&self, key: String) {
+        if let Ok(mut m) = self.terminal.lock() {
+            *m.entry(key).or_insert(0) += 1;
+        }
+    }
+
+    pub fn probe_answer(&self, state: &'static str) {
+        if let Ok(mut m) = self.probe_answers.lock() {
+            *m.entry(state).or_insert(0) += 1;
+        }
+    }
+
+    pub fn terminal_snapshot(&self) -> BTreeMap<String, u64> {
+        self.terminal.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    pub fn probe_answers_snapshot(&self) -> BTreeMap<&'static str, u64> {
+        self.probe_answers
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default()
+    }
+}

@@ -1,0 +1,462 @@
+//! Connected workers, the functions they serve, and dispatch capacity.
+//!
+//! The registry is plain data behind one short `std` mutex: it never awaits and never
+//! takes a session lock, so sessions may consult it while holding their own lock.
+//! It records which invocations are assigned to which `worker_id`, so a disconnect
+//! or a reconnect finds every invocation it must reconcile.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use turnd_proto::{Delivery, Function, Worker};
+use turnd_store::FunctionSettings;
+
+/// Why an outgoing frame is sent; the connection task closes with the right code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    /// Superseded by a newer connection of the same worker_id (code 4001).
+    Superseded,
+    /// Its outgoing queue overflowed: the peer does not read fast enough.
+    SlowReader,
+}
+
+/// The sending side of one connection: a bounded queue of text frames. A peer that
+/// cannot keep up is disconnected instead of making the daemon buffer without bound.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    pub conn_id: String,
+    tx: mpsc::Sender<String>,
+    close: CancellationToken,
+    reason: std::sync::Arc<std::sync::Mutex<Option<CloseReason>>>,
+}
+
+impl Outbox {
+    /// A new outbox holding at most `capacity` frames, and its receiving side.
+    pub fn new(conn_id: String, capacity: usize) -> (Outbox, mpsc::Receiver<String>) {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        (
+            Outbox {
+                conn_id,
+                tx,
+                close: CancellationToken::new(),
+                reason: Default::default(),
+            },
+            rx,
+        )
+    }
+
+    /// Queue a frame without waiting. Returns false (and closes the connection when the
+    /// queue is full) if it could not be queued.
+    pub fn push(&self, frame: String) -> bool {
+        match self.tx.try_send(frame) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.close_with(CloseReason::SlowReader);
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+
+    /// Queue a frame, waiting for room (responses: the request task may wait).
+    pub async fn send(&self, frame: String) -> bool {
+        self.tx.send(frame).await.is_ok()
+    }
+
+    pub fn close_with(&self, reason: CloseReason) {
+        if let Ok(mut r) = self.reason.lock() {
+            r.get_or_insert(reason);
+        }
+        self.close.cancel();
+    }
+
+    /// Resolves when the connection must close.
+    pub fn closed(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.close.cancelled()
+    }
+
+    pub fn close_reason(&self) -> Option<CloseReason> {
+        self.reason.lock().ok().and_then(|r| *r)
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.close.is_cancelled() || self.tx.is_closed()
+    }
+}
+
+/// A live invocation assigned to a worker.
+#[derive(Debug, Clone)]
+pub struct Assignment {
+    pub session_id: String,
+    pub function_id: String,
+}
+
+#[derive(Debug)]
+pub struct WorkerEntry {
+    pub worker_id: String,
+    pub name: String,
+    pub instance_id: String,
+    pub outbox: Option<Outbox>,
+    pub since_ms: u64,
+    /// Function → concurrency of this worker's registration.
+    pub functions: BTreeMap<String, u32>,
+    /// Function → invocations running on this worker.
+    pub inflight: HashMap<String, u32>,
+    /// Live invocations assigned to this worker_id.
+    pub assigned: HashMap<String, Assignment>,
+}
+
+impl WorkerEntry {
+    fn connected(&self) -> bool {
+        self.outbox.is_some()
+    }
+}
+
+#[derive(Debug)]
+struct FunctionEntry {
+    settings: FunctionSettings,
+    concurrency: u32,
+    /// Sessions whose lock holder waits for a worker of this function, oldest first.
+    waiting: VecDeque<String>,
+}
+
+/// A reserved dispatch slot.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    pub worker_id: String,
+    pub instance_id: String,
+    pub outbox: Outbox,
+    pub settings: FunctionSettings,
+}
+
+/// Workers, functions and capacity.
+#[derive(Debug, Default)]
+pub struct Registry {
+    workers: HashMap<String, WorkerEntry>,
+    functions: BTreeMap<String, FunctionEntry>,
+    /// Round-robin cursor for picking among workers.
+    cursor: usize,
+}
+
+/// What a worker `hello` replaced.
+pub struct Attached {
+    /// The superseded connection, if the worker_id was connected.
+    pub superseded: Option<Outbox>,
+    /// Live invocations assigned to this worker_id, to reconcile.
+    pub assigned: Vec<(String, Assignment)>,
+}
+
+impl Registry {
+    /// Attach a worker connection (a `hello`). A connection already attached for the
+    /// same worker_id is superseded; what it held stays assigned for reconciliation.
+    pub fn attach(
+        &mut self,
+        worker_id: &str,
+        name: &str,
+        instance_id: &str,
+        outbox: Outbox,
+        now_ms: u64,
+    ) -> Attached {
+        let entry = self
+            .workers
+            .entry(worker_id.to_string())
+            .or_insert_with(|| WorkerEntry {
+                worker_id: worker_id.to_string(),
+                name: name.to_string(),
+                instance_id: instance_id.to_string(),
+                outbox: None,
+                since_ms: now_ms,
+                functions: BTreeMap::new(),
+                inflight: HashMap::new(),
+                assigned: HashMap::new(),
+            });
+        let superseded = entry.outbox.take();
+        entry.functions.clear();
+        entry.name = name.to_string();
+        entry.instance_id = instance_id.to_string();
+        entry.outbox = Some(outbox);
+        entry.since_ms = now_ms;
+        let assigned = entry
+            .assigned
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Attached {
+            superseded,
+            assigned,
+        }
+    }
+
+    /// Detach a connection that ended. Returns false when the worker_id has a newer
+    /// connection (this one was superseded) and nothing changed.
+    pub fn detach(&mut self, worker_id: &str, conn_id: &str, now_ms: u64) -> bool {
+        let Some(entry) = self.workers.get_mut(worker_id) else {
+            return false;
+        };
+        match &entry.outbox {
+            Some(o) if o.conn_id == conn_id => {
+                entry.outbox = None;
+                entry.functions.clear();
+                entry.since_ms = now_ms;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Record a worker known only from stored invocations (after a restart).
+    pub fn remember_assignment(
+        &mut self,
+        worker_id: &str,
+        instance_id: &str,
+        invocation_id: &str,
+        a: Assignment,
+        now_ms: u64,
+    ) {
+        let entry = self
+            .workers
+            .entry(worker_id.to_string())
+            .or_insert_with(|| WorkerEntry {
+                worker_id: worker_id.to_string(),
+                name: String::new(),
+                instance_id: instance_id.to_string(),
+                outbox: None,
+                since_ms: now_ms,
+                functions: BTreeMap::new(),
+                inflight: HashMap::new(),
+                assigned: HashMap::new(),
+            });
+        *entry.inflight.entry(a.function_id.clone()).or_insert(0) += 1;
+        entry.assigned.insert(invocation_id.to_string(), a);
+    }
+
+    /// Register a function on a worker. Returns the number of connected workers now
+    /// serving it.
+    pub fn register(
+        &mut self,
+        worker_id: &str,
+        function_id: &str,
+        concurrency: u32,
+        settings: FunctionSettings,
+    ) -> u64 {
+        if let Some(w) = self.workers.get_mut(worker_id) {
+            w.functions.insert(function_id.to_string(), concurrency);
+        }
+        let f = self
+            .functions
+            .entry(function_id.to_string())
+            .or_insert_with(|| FunctionEntry {
+                settings,
+                concurrency,
+                waiting: VecDeque::new(),
+            });
+        if f.settings != settings || f.concurrency != concurrency {
+            tracing::info!(
+                function_id,
+                worker_id,
+                ?settings,
+                concurrency,
+                "function settings replaced by a new registration"
+            );
+        }
+        f.settings = settings;
+        f.concurrency = concurrency;
+        self.serving(function_id)
+    }
+
+    pub fn unregister(&mut self, worker_id: &str, function_id: &str) -> bool {
+        self.workers
+            .get_mut(worker_id)
+            .map(|w| w.functions.remove(function_id).is_some())
+            .unwrap_or(false)
+    }
+
+    fn serving(&self, function_id: &str) -> u64 {
+        self.workers
+            .values()
+            .filter(|w| w.connected() && w.functions.contains_key(function_id))
+            .count() as u64
+    }
+
+    /// Whether some connected worker serves the function.
+    pub fn has_worker(&self, function_id: &str) -> bool {
+        self.serving(function_id) > 0
+    }
+
+    /// Reserve a slot on a connected worker serving `function_id` with free capacity.
+    pub fn reserve(
+        &mut self,
+        function_id: &str,
+        invocation_id: &str,
+        session_id: &str,
+    ) -> Option<Reservation> {
+        let settings = self.functions.get(function_id)?.settings;
+        let mut candidates: Vec<&String> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                w.outbox.as_ref().map(|o| !o.is_closed()).unwrap_or(false)
+                    && w.functions
+                        .get(function_id)
+                        .map(|c| w.inflight.get(function_id).copied().unwrap_or(0) < *c)
+                        .unwrap_or(false)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        candidates.sort();
+        self.cursor = self.cursor.wrapping_add(1);
+        let id = candidates[self.cursor % candidates.len()].clone();
+        let w = self.workers.get_mut(&id)?;
+        *w.inflight.entry(function_id.to_string()).or_insert(0) += 1;
+        w.assigned.insert(
+            invocation_id.to_string(),
+            Assignment {
+                session_id: session_id.to_string(),
+                function_id: function_id.to_string(),
+            },
+        );
+        Some(Reservation {
+            worker_id: w.worker_id.clone(),
+            instance_id: w.instance_id.clone(),
+            outbox: w.outbox.clone()?,
+            settings,
+        })
+    }
+
+    /// Free the slot of an invocation that ended (or whose dispatch was not written).
+    /// Returns the function whose capacity grew, if any.
+    pub fn release(&mut self, worker_id: &str, invocation_id: &str) -> Option<String> {
+        let w = self.workers.get_mut(worker_id)?;
+        let a = w.assigned.remove(invocation_id)?;
+        if let Some(n) = w.inflight.get_mut(&a.function_id) {
+            *n = n.saturating_sub(1);
+        }
+        Some(a.function_id)
+    }
+
+    /// The outbox of a worker if it is connected as `instance_id`.
+    pub fn outbox_of(&self, worker_id: &str, instance_id: &str) -> Option<Outbox> {
+        self.workers
+            .get(worker_id)
+            .filter(|w| w.instance_id == instance_id)
+            .and_then(|w| w.outbox.clone())
+            .filter(|o| !o.is_closed())
+    }
+
+    /// Note that a session waits for a worker of `function_id`.
+    pub fn wait_for(&mut self, function_id: &str, session_id: &str) {
+        let f = self
+            .functions
+            .entry(function_id.to_string())
+            .or_insert_with(|| FunctionEntry {
+                settings: FunctionSettings {
+                    timeout_ms: 0,
+                    delivery: Delivery::AtMostOnce,
+                    max_attempts: 1,
+                },
+                concurrency: 0,
+                waiting: VecDeque::new(),
+            });
+        if !f.waiting.iter().any(|s| s == session_id) {
+            f.waiting.push_back(session_id.to_string());
+        }
+    }
+
+    /// Take up to `n` sessions waiting for `function_id`, oldest first.
+    pub fn take_waiting(&mut self, function_id: &str, n: usize) -> Vec<String> {
+        match self.functions.get_mut(function_id) {
+            Some(f) => {
+                let n = n.min(f.waiting.len());
+                f.waiting.drain(..n).collect()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Free slots for a function over connected workers.
+    pub fn free_capacity(&self, function_id: &str) -> usize {
+        self.workers
+            .values()
+            .filter(|w| w.connected())
+            .filter_map(|w| {
+                w.functions.get(function_id).map(|c| {
+                    c.saturating_sub(w.inflight.get(function_id).copied().unwrap_or(0)) as usize
+                })
+            })
+            .sum()
+    }
+
+    pub fn is_connected(&self, worker_id: &str, instance_id: &str) -> bool {
+        self.outbox_of(worker_id, instance_id).is_some()
+    }
+
+    pub fn connected_count(&self) -> u64 {
+        self.workers.values().filter(|w| w.connected()).count() as u64
+    }
+
+    pub fn workers(&self) -> Vec<Worker> {
+        let mut out: Vec<Worker> = self
+            .workers
+            .values()
+            .map(|w| Worker {
+                worker_id: w.worker_id.clone(),
+                name: w.name.clone(),
+                connected: w.connected(),
+                instance_id: w.instance_id.clone(),
+                since_ms: w.since_ms,
+                functions: w.functions.keys().cloned().collect(),
+                inflight: w.assigned.len() as u64,
+            })
+            .collect();
+        out.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
+        out
+    }
+
+    pub fn functions(&self) -> Vec<Function> {
+        self.functions
+            .iter()
+            .filter(|(_, f)| f.concurrency > 0 || !f.waiting.is_empty())
+            .map(|(id, f)| Function {
+                function_id: id.clone(),
+                concurrency: f.concurrency,
+                timeout_ms: f.settings.timeout_ms,
+                delivery: f.settings.delivery,
+                max_attempts: f.settings.max_attempts,
+                workers: self.serving(id),
+                queued: f.waiting.len() as u64,
+            })
+            .collect()
+    }
+
+    /// Functions a worker serves (used when it frees capacity).
+    pub fn functions_of(&self, worker_id: &str) -> Vec<String> {
+        self.workers
+            .get(worker_id)
+            .map(|w| w.functions.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Sessions of the live invocations assigned to a worker.
+    pub fn assigned_sessions(&self, worker_id: &str) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .workers
+            .get(worker_id)
+            .map(|w| w.assigned.values().map(|a| a.session_id.clone()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Connected outboxes of every worker (for shutdown notices).
+    pub fn outboxes(&self) -> Vec<Outbox> {
+        self.workers
+            .values()
+            .filter_map(|w| w.outbox.clone())
+            .collect()
+    }
+}

@@ -1,0 +1,539 @@
+//! One session's in-memory state, the transaction overlay every transition is built
+//! in, and the `Wait` each non-terminal turn shows.
+//!
+//! A session's state is only changed by its single writer (the holder of its async
+//! mutex), and only after the transition's batch is durable: a [`Tx`] collects the
+//! changed records, events and side effects on top of the unchanged state; the engine
+//! commits the batch, then [`Tx::apply`]s it. A failed write leaves the state as it was.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde_json::{json, Value};
+use turnd_proto::{Delivery, Event, EventKind, OnDeadline, Turn, TurnStatus, Wait, WaitState};
+use turnd_store::{
+    Batch, IdempotencyRecord, InvWait, InvocationRecord, Phase, SessionMeta, TurnRecord,
+};
+
+use crate::registry::Outbox;
+
+/// What a session's lock holder currently waits for, kept outside the session lock
+/// so `stats` can read every session cheaply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Summary {
+    pub state: WaitState,
+    pub since_ms: u64,
+    pub inflight: bool,
+}
+
+#[derive(Debug)]
+pub struct SessionState {
+    pub id: String,
+    pub loaded: bool,
+    pub meta: SessionMeta,
+    /// Non-terminal turns by `seq`; the first is the lock holder.
+    pub active: BTreeMap<u64, TurnRecord>,
+    /// The lock holder's live invocation.
+    pub inv: Option<InvocationRecord>,
+    /// The armed timer and the Unix ms it fires at.
+    pub timer: Option<(u64, tokio::task::AbortHandle)>,
+    /// A transition whose write failed and is being retried: (error, since, retry delay).
+    pub pending: Option<Pending>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Pending {
+    pub error: String,
+    pub since_ms: u64,
+    pub retry_at_ms: u64,
+    pub delay_ms: u64,
+}
+
+impl SessionState {
+    pub fn new(id: &str) -> Self {
+        SessionState {
+            id: id.to_string(),
+            loaded: false,
+            meta: SessionMeta::new(id),
+            active: BTreeMap::new(),
+            inv: None,
+            timer: None,
+            pending: None,
+        }
+    }
+
+    pub fn holder(&self) -> Option<&TurnRecord> {
+        self.active.values().next()
+    }
+
+    pub fn find(&self, turn_id: &str) -> Option<&TurnRecord> {
+        self.active.values().find(|t| t.turn_id == turn_id)
+    }
+}
+
+/// A side effect run only after the transition is durable.
+#[derive(Debug)]
+pub enum Effect {
+    /// Send a frame to a connection.
+    Push(Outbox, String),
+}
+
+/// The overlay a transition is built in.
+pub struct Tx {
+    pub now: u64,
+    pub meta: SessionMeta,
+    /// Changed turns by seq, with the status each had before the transaction (None for
+    /// a new turn).
+    pub turns: BTreeMap<u64, TurnRecord>,
+    pub orig_status: HashMap<u64, Option<TurnStatus>>,
+    /// The live invocation after the transaction, if changed (Some(None): none live).
+    pub live: Option<Option<InvocationRecord>>,
+    /// Invocation records to write.
+    pub inv_writes: Vec<InvocationRecord>,
+    pub idempotency: Option<(String, IdempotencyRecord)>,
+    pub events: Vec<Event>,
+    pub effects: Vec<Effect>,
+    /// Dispatch slots reserved by this transaction: (worker_id, invocation_id).
+    pub reserved: Vec<(String, String)>,
+    /// Slots freed by this transaction before its write, to restore if it fails:
+    /// (worker_id, instance_id, invocation_id, function_id).
+    pub released: Vec<(String, String, String, String)>,
+}
+
+impl Tx {
+    pub fn new(st: &SessionState, now: u64) -> Tx {
+        Tx {
+            now,
+            meta: st.meta.clone(),
+            turns: BTreeMap::new(),
+            orig_status: HashMap::new(),
+            live: None,
+            inv_writes: Vec::new(),
+            idempotency: None,
+            events: Vec::new(),
+            effects: Vec::new(),
+            reserved: Vec::new(),
+            released: Vec::new(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.turns.is_empty() && self.inv_writes.is_empty() && self.events.is_empty()
+    }
+
+    /// The turn with `seq` as of this transaction.
+    pub fn turn<'a>(&'a self, st: &'a SessionState, seq: u64) -> Option<&'a TurnRecord> {
+        self.turns.get(&seq).or_else(|| st.active.get(&seq))
+    }
+
+    /// A copy of the turn with `seq` to modify and [`Tx::put_turn`] back.
+    pub fn take(&self, st: &SessionState, seq: u64) -> Option<TurnRecord> {
+        self.turn(st, seq).cloned()
+    }
+
+    pub fn put_turn(&mut self, st: &SessionState, t: TurnRecord) {
+        let orig = st.active.get(&t.seq).map(|o| o.status);
+        self.put_turn_from(t, orig);
+    }
+
+    /// Put a turn whose status before this transaction was `orig` (None: a new turn).
+    pub fn put_turn_from(&mut self, mut t: TurnRecord, orig: Option<TurnStatus>) {
+        t.updated_at_ms = self.now;
+        self.orig_status.entry(t.seq).or_insert(orig);
+        self.turns.insert(t.seq, t);
+    }
+
+    /// The lock holder as of this transaction: the first non-terminal turn.
+    pub fn holder_seq(&self, st: &SessionState) -> Option<u64> {
+        let from_state = st
+            .active
+            .keys()
+            .find(|seq| match self.turns.get(seq) {
+                Some(t) => !t.status.is_terminal(),
+                None => true,
+            })
+            .copied();
+        let from_tx = self
+            .turns
+            .values()
+            .filter(|t| !t.status.is_terminal())
+            .map(|t| t.seq)
+            .next();
+        match (from_state, from_tx) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub fn live<'a>(&'a self, st: &'a SessionState) -> Option<&'a InvocationRecord> {
+        match &self.live {
+            Some(l) => l.as_ref(),
+            None => st.inv.as_ref(),
+        }
+    }
+
+    /// Write an invocation record; it is the live one when it is active.
+    pub fn put_invocation(&mut self, st: &SessionState, inv: InvocationRecord) {
+        if inv.is_active() {
+            self.live = Some(Some(inv.clone()));
+        } else if self.live(st).map(|l| l.invocation_id == inv.invocation_id) == Some(true) {
+            self.live = Some(None);
+        }
+        self.inv_writes
+            .retain(|i| i.invocation_id != inv.invocation_id);
+        self.inv_writes.push(inv);
+    }
+
+    pub fn event(&mut self, session_id: &str, turn_id: &str, kind: EventKind, detail: Value) {
+        self.meta.last_event_seq += 1;
+        self.events.push(Event {
+            seq: self.meta.last_event_seq,
+            session_id: session_id.to_string(),
+            turn_id: turn_id.to_string(),
+            at_ms: self.now,
+            kind,
+            detail,
+        });
+    }
+
+    /// The durable batch of this transaction.
+    pub fn batch(&mut self) -> Batch {
+        for (seq, t) in &self.turns {
+            let orig = self.orig_status.get(seq).copied().flatten();
+            if orig != Some(t.status) {
+                self.meta.counts.shift(orig, t.status);
+            }
+        }
+        let mut b = Batch::new();
+        for (seq, t) in &self.turns {
+            if self.orig_status.get(seq).copied().flatten().is_none() {
+                b.put_turn_index(t);
+            }
+            b.put_turn(t);
+        }
+        for i in &self.inv_writes {
+            b.put_invocation(i);
+        }
+        for e in &self.events {
+            b.put_event(e);
+        }
+        if let Some((key, rec)) = &self.idempotency {
+            b.put_idempotency(&self.meta.session_id, key, rec);
+        }
+        b.put_session_meta(&self.meta);
+        b
+    }
+
+    /// Apply a committed transaction to the state. Returns the status changes
+    /// (from, to) for global counters and the turns that became terminal.
+    pub fn apply(self, st: &mut SessionState) -> Applied {
+        let mut shifts = Vec::new();
+        let mut terminal = Vec::new();
+        for (seq, t) in self.turns {
+            let orig = self.orig_status.get(&seq).copied().flatten();
+            if orig != Some(t.status) {
+                shifts.push((orig, t.status));
+            }
+            if t.status.is_terminal() {
+                st.active.remove(&seq);
+                terminal.push(t.turn_id.clone());
+            } else {
+                st.active.insert(seq, t);
+            }
+        }
+        if let Some(l) = self.live {
+            st.inv = l;
+        }
+        st.meta = self.meta;
+        st.pending = None;
+        Applied {
+            shifts,
+            terminal,
+            events: self.events,
+            effects: self.effects,
+        }
+    }
+}
+
+pub struct Applied {
+    pub shifts: Vec<(Option<TurnStatus>, TurnStatus)>,
+    pub terminal: Vec<String>,
+    pub events: Vec<Event>,
+    pub effects: Vec<Effect>,
+}
+
+/// A fresh turn record as admitted.
+#[allow(clippy::too_many_arguments)]
+pub fn new_turn(
+    turn_id: String,
+    session_id: &str,
+    seq: u64,
+    function_id: &str,
+    input: Value,
+    idempotency_key: Option<String>,
+    deadline_ms: Option<u64>,
+    now: u64,
+) -> TurnRecord {
+    TurnRecord {
+        turn_id,
+        session_id: session_id.to_string(),
+        seq,
+        function_id: function_id.to_string(),
+        status: TurnStatus::Queued,
+        step: 0,
+        attempt: 0,
+        state: input.clone(),
+        input,
+        output: None,
+        error: None,
+        stop: None,
+        recovered: false,
+        created_at_ms: now,
+        updated_at_ms: now,
+        finished_at_ms: None,
+        idempotency_key,
+        deadline_ms,
+        phase: Phase::Queued,
+        phase_since_ms: now,
+        locked_at_ms: None,
+        invocation_id: None,
+        retry_at_ms: None,
+        last_error: None,
+        settings: None,
+        backoff_ms: 0,
+    }
+}
+
+/// The protocol view of a stored turn.
+pub fn to_turn(t: &TurnRecord, wait: Option<Wait>) -> Turn {
+    Turn {
+        turn_id: t.turn_id.clone(),
+        session_id: t.session_id.clone(),
+        seq: t.seq,
+        function_id: t.function_id.clone(),
+        status: t.status,
+        step: t.step,
+        attempt: t.attempt,
+        input: t.input.clone(),
+        output: t.output.clone(),
+        error: t.error.clone(),
+        stop: t.stop.clone(),
+        recovered: t.recovered,
+        created_at_ms: t.created_at_ms,
+        updated_at_ms: t.updated_at_ms,
+        finished_at_ms: t.finished_at_ms,
+        wait: if t.status.is_terminal() { None } else { wait },
+    }
+}
+
+fn base_wait(state: WaitState, reason: String, since_ms: u64) -> Wait {
+    Wait {
+        state,
+        reason,
+        since_ms,
+        deadline_ms: None,
+        on_deadline: None,
+        invocation_id: None,
+        worker_id: None,
+        ahead: None,
+        last_error: None,
+    }
+}
+
+/// What happens to an invocation whose outcome becomes unknown.
+fn on_unknown(inv: &InvocationRecord) -> OnDeadline {
+    if inv.settings.delivery == Delivery::AtLeastOnce && inv.attempt < inv.settings.max_attempts {
+        OnDeadline::Redispatch
+    } else {
+        OnDeadline::Fail
+    }
+}
+
+/// Why a non-terminal turn is not moving, and what happens next.
+pub fn wait_of(
+    st: &SessionState,
+    t: &TurnRecord,
+    dispatch_timeout_ms: Option<u64>,
+    fmt_ms: &dyn Fn(u64) -> String,
+) -> Wait {
+    let holder = st.holder().map(|h| h.seq);
+    if holder != Some(t.seq) {
+        let ahead = st.active.range(..t.seq).count() as u64;
+        let h = st.holder().map(|h| h.turn_id.clone()).unwrap_or_default();
+        let mut w = base_wait(
+            WaitState::QueuedBehind,
+            format!(
+                "queued behind turn {h} ({ahead} ahead in session {})",
+                st.id
+            ),
+            t.created_at_ms,
+        );
+        w.ahead = Some(ahead);
+        return w;
+    }
+    if let Some(p) = &st.pending {
+        let mut w = base_wait(
+            WaitState::Finalizing,
+            format!(
+                "a state change could not be written; retrying since {}: {}",
+                fmt_ms(p.since_ms),
+                p.error
+            ),
+            p.since_ms,
+        );
+        w.deadline_ms = Some(p.retry_at_ms);
+        w.on_deadline = Some(OnDeadline::Retry);
+        w.last_error = Some(p.error.clone());
+        return with_turn_deadline(w, t);
+    }
+    let w = match t.phase {
+        Phase::Queued | Phase::AwaitingWorker | Phase::Done => {
+            let mut w = base_wait(
+                WaitState::AwaitingWorker,
+                format!(
+                    "no connected worker serving {} has free capacity (waiting since {})",
+                    t.function_id,
+                    fmt_ms(t.phase_since_ms)
+                ),
+                t.phase_since_ms,
+            );
+            if let Some(d) = dispatch_timeout_ms {
+                w.deadline_ms = Some(t.phase_since_ms + d);
+                w.on_deadline = Some(OnDeadline::Fail);
+            }
+            w
+        }
+        Phase::BackingOff => {
+            let mut w = base_wait(
+                WaitState::BackingOff,
+                format!(
+                    "attempt {} of step {} failed ({}); retrying at {}",
+                    t.attempt,
+                    t.step,
+                    t.last_error.as_deref().unwrap_or("retryable failure"),
+                    fmt_ms(t.retry_at_ms.unwrap_or(0))
+                ),
+                t.phase_since_ms,
+            );
+            w.deadline_ms = t.retry_at_ms;
+            w.on_deadline = Some(OnDeadline::Retry);
+            w.last_error = t.last_error.clone();
+            w
+        }
+        Phase::Invoked => match &st.inv {
+            Some(inv) => inv_wait(t, inv, fmt_ms),
+            None => base_wait(
+                WaitState::AwaitingWorker,
+                "invocation record missing; waiting to dispatch again".into(),
+                t.phase_since_ms,
+            ),
+        },
+    };
+    with_turn_deadline(w, t)
+}
+
+fn with_turn_deadline(mut w: Wait, t: &TurnRecord) -> Wait {
+    if let Some(d) = t.deadline_ms {
+        if w.deadline_ms.map(|x| d < x).unwrap_or(true) {
+            w.deadline_ms = Some(d);
+            w.on_deadline = Some(OnDeadline::Fail);
+            w.reason.push_str(" (the turn's own deadline comes first)");
+        }
+    }
+    w
+}
+
+fn inv_wait(t: &TurnRecord, inv: &InvocationRecord, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
+    let id = &inv.invocation_id;
+    let (state, reason, on) = match inv.wait {
+        InvWait::AwaitingResult => (
+            WaitState::AwaitingResult,
+            format!(
+                "awaiting result of {id} ({}) from worker {} since {}",
+                t.function_id,
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            OnDeadline::Probe,
+        ),
+        InvWait::Probing => (
+            WaitState::AwaitingResult,
+            format!(
+                "deadline of {id} passed; probe sent to worker {} at {}, awaiting its status",
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            on_unknown(inv),
+        ),
+        InvWait::AwaitingResend => (
+            WaitState::AwaitingResult,
+            format!(
+                "worker {} reported {id} finished at {}; awaiting the resent result",
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            on_unknown(inv),
+        ),
+        InvWait::Cancelling => (
+            WaitState::Cancelling,
+            if t.stop.is_some() {
+                format!(
+                    "stop requested; cancel of {id} sent to worker {} at {}",
+                    inv.worker_id,
+                    fmt_ms(inv.wait_since_ms)
+                )
+            } else {
+                format!(
+                    "{id} ran past its deadline; cancel sent to worker {} at {}",
+                    inv.worker_id,
+                    fmt_ms(inv.wait_since_ms)
+                )
+            },
+            if t.stop.is_some() {
+                OnDeadline::Cancel
+            } else if inv.settings.delivery == Delivery::AtLeastOnce
+                && inv.attempt < inv.settings.max_attempts
+            {
+                OnDeadline::Retry
+            } else {
+                OnDeadline::Fail
+            },
+        ),
+        InvWait::AwaitingReconnect => (
+            WaitState::AwaitingReconnect,
+            format!(
+                "worker {} running {id} is disconnected since {}; awaiting its reconnect",
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            on_unknown(inv),
+        ),
+    };
+    let mut w = base_wait(state, reason, inv.wait_since_ms);
+    w.deadline_ms = Some(inv.deadline_ms);
+    w.on_deadline = Some(on);
+    w.invocation_id = Some(id.clone());
+    w.worker_id = Some(inv.worker_id.clone());
+    w
+}
+
+/// Detail of a dispatch event.
+pub fn dispatch_detail(
+    inv: &InvocationRecord,
+    previous: Option<&str>,
+    reason: Option<&str>,
+) -> Value {
+    let mut d = json!({
+        "invocation_id": inv.invocation_id,
+        "worker_id": inv.worker_id,
+        "step": inv.step,
+        "attempt": inv.attempt,
+        "deadline_ms": inv.deadline_ms,
+    });
+    if let Some(p) = previous {
+        d["previous_invocation_id"] = json!(p);
+    }
+    if let Some(r) = reason {
+        d["reason"] = json!(r);
+    }
+    d
+}
