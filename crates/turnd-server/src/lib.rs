@@ -1,1 +1,194 @@
-//! placeholder
+//! turnd's network face: the WebSocket protocol v1 listener, the admin HTTP listener,
+//! the configuration, and the daemon's start-up and graceful shutdown.
+//!
+//! [`Daemon::start`] takes already-bound listeners and a store, so the binary, the
+//! integration tests and the benchmarks all start the real server the same way
+//! (tests on `127.0.0.1:0`, optionally on a fault-injecting store).
+
+pub mod admin;
+pub mod config;
+pub mod ws;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use turnd_engine::Engine;
+use turnd_store::{Kv, SledKv, Store, SyncMode};
+
+pub use config::Config;
+use ws::{ConnectionCounts, Shared};
+
+/// Both listeners, bound before any heavy start-up work.
+pub struct Listeners {
+    pub ws: TcpListener,
+    pub admin: TcpListener,
+}
+
+impl Listeners {
+    pub async fn bind(cfg: &Config) -> anyhow::Result<Listeners> {
+        let ws = TcpListener::bind(&cfg.server.listen)
+            .await
+            .with_context(|| format!("bind WebSocket listener {}", cfg.server.listen))?;
+        let admin = TcpListener::bind(&cfg.server.admin_listen)
+            .await
+            .with_context(|| format!("bind admin listener {}", cfg.server.admin_listen))?;
+        Ok(Listeners { ws, admin })
+    }
+}
+
+/// Open the sled store the config names.
+pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<SledKv>> {
+    let mode = SyncMode::parse(&cfg.storage.sync)
+        .with_context(|| format!("storage.sync {:?}", cfg.storage.sync))?;
+    let kv = SledKv::open(&cfg.storage.data_dir, mode)
+        .with_context(|| format!("open store in {}", cfg.storage.data_dir.display()))?;
+    Ok(Arc::new(kv))
+}
+
+/// A running daemon.
+pub struct Daemon {
+    pub ws_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub engine: Engine,
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Daemon {
+    /// Recover the store and serve on the given listeners until `shutdown()`.
+    pub async fn start(
+        cfg: Config,
+        listeners: Listeners,
+        kv: Arc<dyn Kv>,
+    ) -> anyhow::Result<Daemon> {
+        let ws_addr = listeners
+            .ws
+            .local_addr()
+            .context("WebSocket listener address")?;
+        let admin_addr = listeners
+            .admin
+            .local_addr()
+            .context("admin listener address")?;
+        let store = Store::new(kv.clone());
+        let engine = Engine::open(store, cfg.engine_config())
+            .await
+            .context("recover the store")?;
+        let shared = Arc::new(Shared {
+            engine: engine.clone(),
+            config: cfg,
+            draining: CancellationToken::new(),
+            closing: CancellationToken::new(),
+            requests: TaskTracker::new(),
+            connections: ConnectionCounts::default(),
+        });
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(serve(shared, listeners, kv, shutdown.clone()));
+        Ok(Daemon {
+            ws_addr,
+            admin_addr,
+            engine,
+            shutdown,
+            task,
+        })
+    }
+
+    /// `ws://ADDR/v1`.
+    pub fn ws_url(&self) -> String {
+        format!("ws://{}{}", self.ws_addr, turnd_proto::WS_PATH)
+    }
+
+    /// `http://ADDR`.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin_addr)
+    }
+
+    /// A token that starts a graceful shutdown when cancelled.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Shut down gracefully and wait until done.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.join().await
+    }
+
+    /// Wait until the daemon has stopped (after its shutdown token was cancelled).
+    pub async fn join(self) -> anyhow::Result<()> {
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(anyhow::anyhow!("server task failed: {e}")),
+        }
+    }
+}
+
+async fn serve(
+    shared: Arc<Shared>,
+    listeners: Listeners,
+    kv: Arc<dyn Kv>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let conns = TaskTracker::new();
+    let admin_shutdown = shared.closing.clone();
+    let admin = tokio::spawn({
+        let router = admin::router(shared.clone());
+        async move {
+            axum::serve(listeners.admin, router)
+                .with_graceful_shutdown(async move { admin_shutdown.cancelled().await })
+                .await
+        }
+    });
+    loop {
+        tokio::select! {
+            accepted = listeners.ws.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(%peer, "set TCP_NODELAY: {e}");
+                    }
+                    conns.spawn(ws::serve_connection(shared.clone(), stream, peer));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!("failed to accept a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    let limit = Duration::from_millis(shared.config.server.shutdown_timeout_ms);
+    tracing::info!("shutting down: draining requests in progress");
+    shared.draining.cancel();
+    drop(listeners.ws);
+    // turn.wait requests end at once; every other request finishes its write.
+    shared.engine.shutdown();
+    shared.requests.close();
+    if tokio::time::timeout(limit, shared.requests.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still running after {limit:?}; closing anyway");
+    }
+    shared.closing.cancel();
+    conns.close();
+    if tokio::time::timeout(Duration::from_secs(3), conns.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after 3s; closing anyway");
+    }
+    match admin.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("admin listener ended with an error: {e}"),
+        Err(e) => tracing::warn!("admin listener task failed: {e}"),
+    }
+    kv.sync().context("sync the store at shutdown")?;
+    tracing::info!("shutdown complete");
+    Ok(())
+}

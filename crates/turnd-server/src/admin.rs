@@ -1,0 +1,291 @@
+//! The admin HTTP listener: `GET /healthz`, `GET /readyz`, `GET /metrics`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use turnd_engine::metrics::Counters;
+use turnd_proto::{TurnStatus, WaitState};
+
+use crate::ws::Shared;
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(shared)
+}
+
+async fn healthz() -> impl IntoResponse {
+    (StatusCode::OK, "ok\n")
+}
+
+async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    if s.draining.is_cancelled() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting down\n".to_string(),
+        );
+    }
+    let health = s.engine.storage_health();
+    if !s.engine.ready() {
+        let why = health
+            .last_error
+            .map(|e| format!("storage not writable: {e}\n"))
+            .unwrap_or_else(|| "recovery has not finished\n".into());
+        return (StatusCode::SERVICE_UNAVAILABLE, why);
+    }
+    (StatusCode::OK, "ready\n".to_string())
+}
+
+type Labels = Vec<(String, String)>;
+
+fn counter(reg: &mut Registry, name: &str, help: &str, v: u64) {
+    let c: Counter = Counter::default();
+    c.inc_by(v);
+    reg.register(name, help, c);
+}
+
+fn gauge(reg: &mut Registry, name: &str, help: &str, v: i64) {
+    let g: Gauge = Gauge::default();
+    g.set(v);
+    reg.register(name, help, g);
+}
+
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let e = &s.engine;
+    let stats = e.stats();
+    let c = e.counters();
+    let mut reg = Registry::with_prefix("turnd");
+
+    let turns = Family::<Labels, Gauge>::default();
+    for st in TurnStatus::ALL {
+        turns
+            .get_or_create(&vec![("status".into(), st.as_str().into())])
+            .set(stats.turns.get(st) as i64);
+    }
+    reg.register("turns", "Turns by status", turns);
+
+    let waits = Family::<Labels, Gauge>::default();
+    for w in WaitState::ALL {
+        let n = stats.sessions.blocked.get(w.as_str()).copied().unwrap_or(0);
+        waits
+            .get_or_create(&vec![("state".into(), w.as_str().into())])
+            .set(n as i64);
+    }
+    reg.register(
+        "sessions_waiting",
+        "Active sessions by the wait state of their lock holder",
+        waits,
+    );
+    gauge(
+        &mut reg,
+        "sessions_active",
+        "Sessions with unfinished turns",
+        stats.sessions.active as i64,
+    );
+    gauge(
+        &mut reg,
+        "invocations_inflight",
+        "Invocations dispatched and not finished",
+        stats.invocations_inflight as i64,
+    );
+    gauge(
+        &mut reg,
+        "oldest_wait_seconds",
+        "Age of the oldest wait of any session's lock holder",
+        stats.oldest_wait_ms.map(|m| (m / 1000) as i64).unwrap_or(0),
+    );
+    gauge(
+        &mut reg,
+        "workers_connected",
+        "Connected workers",
+        stats.workers_connected as i64,
+    );
+    gauge(
+        &mut reg,
+        "storage_writable",
+        "1 when the last storage write succeeded",
+        stats.storage.writable as i64,
+    );
+
+    let conns = Family::<Labels, Gauge>::default();
+    for (role, v) in [
+        ("unauthenticated", &s.connections.unauthenticated),
+        ("worker", &s.connections.worker),
+        ("client", &s.connections.client),
+        ("operator", &s.connections.operator),
+    ] {
+        conns
+            .get_or_create(&vec![("role".into(), role.into())])
+            .set(load(v) as i64);
+    }
+    reg.register("connections", "Open connections by role", conns);
+
+    counter(
+        &mut reg,
+        "admissions",
+        "Turns admitted",
+        Counters::get(&c.admissions),
+    );
+    counter(
+        &mut reg,
+        "admissions_deduplicated",
+        "Submits answered with an existing turn",
+        Counters::get(&c.deduplicated),
+    );
+    let terminal = Family::<Labels, Counter>::default();
+    for (k, v) in c.terminal_snapshot() {
+        let (status, cause) = match k.split_once(':') {
+            Some((s, c)) => (s.to_string(), c.to_string()),
+            None => (k.clone(), String::new()),
+        };
+        terminal
+            .get_or_create(&vec![("status".into(), status), ("cause".into(), cause)])
+            .inc_by(v);
+    }
+    reg.register(
+        "terminal_transitions",
+        "Turns that reached a terminal state, by status and cause",
+        terminal,
+    );
+    counter(
+        &mut reg,
+        "dispatches",
+        "Invocations dispatched",
+        Counters::get(&c.dispatches),
+    );
+    counter(
+        &mut reg,
+        "redispatches",
+        "Invocations dispatched again after a lost dispatch or unknown outcome",
+        Counters::get(&c.redispatches),
+    );
+    let results = Family::<Labels, Counter>::default();
+    for (k, v) in [
+        ("applied", &c.results_applied),
+        ("duplicate", &c.results_duplicate),
+        ("late", &c.results_late),
+        ("unknown", &c.results_unknown),
+    ] {
+        results
+            .get_or_create(&vec![("accepted".into(), k.into())])
+            .inc_by(Counters::get(v));
+    }
+    reg.register(
+        "results",
+        "invocation.result frames by how they were taken",
+        results,
+    );
+    counter(
+        &mut reg,
+        "probes_sent",
+        "Probes sent at attempt deadlines",
+        Counters::get(&c.probes_sent),
+    );
+    let answers = Family::<Labels, Counter>::default();
+    for (k, v) in c.probe_answers_snapshot() {
+        answers
+            .get_or_create(&vec![("state".into(), k.into())])
+            .inc_by(v);
+    }
+    reg.register(
+        "probe_answers",
+        "invocation.status answers by state",
+        answers,
+    );
+    counter(
+        &mut reg,
+        "outcome_unknown",
+        "Attempts whose outcome became unknown",
+        Counters::get(&c.outcome_unknown),
+    );
+    counter(
+        &mut reg,
+        "amendments",
+        "Turns amended to completed by a late result",
+        Counters::get(&c.amendments),
+    );
+    counter(
+        &mut reg,
+        "retries_scheduled",
+        "Retries scheduled after retryable failures or timeouts",
+        Counters::get(&c.retries_scheduled),
+    );
+    counter(
+        &mut reg,
+        "cancels_sent",
+        "cancel pushes sent",
+        Counters::get(&c.cancels_sent),
+    );
+    counter(&mut reg, "stops", "Turns stopped", Counters::get(&c.stops));
+    counter(
+        &mut reg,
+        "storage_write_failures",
+        "Storage commits that failed",
+        Counters::get(&c.write_failures),
+    );
+
+    let cs = e.store().kv().commit_stats();
+    counter(
+        &mut reg,
+        "storage_commits",
+        "Group commits (syncs) performed",
+        cs.syncs,
+    );
+    counter(
+        &mut reg,
+        "storage_batches",
+        "Atomic batches written",
+        cs.batches,
+    );
+    counter(
+        &mut reg,
+        "storage_commit_seconds",
+        "Total time spent applying and syncing group commits (divide by storage_commits for the mean)",
+        cs.commit_micros / 1_000_000,
+    );
+    gauge(
+        &mut reg,
+        "storage_commit_micros_total",
+        "Total microseconds spent in group commits",
+        cs.commit_micros as i64,
+    );
+    gauge(
+        &mut reg,
+        "storage_max_group",
+        "Largest number of batches that shared one sync",
+        cs.max_group as i64,
+    );
+
+    let mut body = String::new();
+    if let Err(e) = encode(&mut body, &reg) {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain")],
+            format!("encode metrics: {e}\n"),
+        );
+    }
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+}

@@ -1,0 +1,439 @@
+//! The daemon's configuration: defaults → TOML file → `TURND_<SECTION>__<KEY>`
+//! environment → CLI flags, then one `validate()` that reports every problem at once.
+//! Unknown keys are warned about, not refused, so a rollback to an older binary
+//! still starts on a newer config file.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use turnd_engine::EngineConfig;
+use turnd_proto::Role;
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub storage: StorageConfig,
+    pub turns: TurnsConfig,
+    pub retention: RetentionConfig,
+    pub auth: AuthConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServerConfig {
+    /// WebSocket listen address (protocol v1 at `/v1`).
+    pub listen: String,
+    /// Admin HTTP listen address (`/healthz`, `/readyz`, `/metrics`).
+    pub admin_listen: String,
+    /// Largest frame accepted, in bytes.
+    pub max_frame_bytes: u64,
+    /// Interval of server WebSocket pings; a peer silent for 3× this is gone.
+    pub heartbeat_ms: u64,
+    /// Frames queued for one connection before it counts as a slow reader and is
+    /// disconnected.
+    pub outbox_frames: u64,
+    /// Watches one connection may hold.
+    pub max_watches_per_connection: u64,
+    /// How long a graceful shutdown waits for requests in progress.
+    pub shutdown_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StorageConfig {
+    /// Directory of the sled store.
+    pub data_dir: PathBuf,
+    /// `always` (fsync before every acknowledgement, group-committed) or `never`
+    /// (tests and benchmarks only: acknowledged writes may be lost on power loss).
+    pub sync: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TurnsConfig {
+    /// SDK setting, accepted here so one file serves daemon and workers: how long a
+    /// worker waits for a result's acknowledgement before resending it.
+    pub result_ack_timeout_ms: u64,
+    pub default_timeout_ms: u64,
+    pub probe_timeout_ms: u64,
+    pub reconnect_grace_ms: u64,
+    pub cancel_grace_ms: u64,
+    pub max_steps: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dispatch_timeout_ms: Option<u64>,
+    pub retry_backoff_ms: u64,
+    pub retry_backoff_max_ms: u64,
+    pub max_queued_per_session: u64,
+    pub max_value_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RetentionConfig {
+    /// Hours terminal turns are kept (reserved: not enforced yet).
+    pub terminal_hours: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenConfig {
+    pub role: Role,
+    pub token: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct AuthConfig {
+    pub tokens: Vec<TokenConfig>,
+    pub allow_unauthenticated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    pub format: String,
+    /// A tracing filter, e.g. `info` or `turnd_engine=debug,info`.
+    pub level: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:7420".into(),
+            admin_listen: "127.0.0.1:7421".into(),
+            max_frame_bytes: 1024 * 1024,
+            heartbeat_ms: 5_000,
+            outbox_frames: 4_096,
+            max_watches_per_connection: 64,
+            shutdown_timeout_ms: 10_000,
+        }
+    }
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        StorageConfig {
+            data_dir: PathBuf::from("./data"),
+            sync: "always".into(),
+        }
+    }
+}
+
+impl Default for TurnsConfig {
+    fn default() -> Self {
+        let e = EngineConfig::default();
+        TurnsConfig {
+            result_ack_timeout_ms: 2_000,
+            default_timeout_ms: e.default_timeout_ms,
+            probe_timeout_ms: e.probe_timeout_ms,
+            reconnect_grace_ms: e.reconnect_grace_ms,
+            cancel_grace_ms: e.cancel_grace_ms,
+            max_steps: e.max_steps,
+            dispatch_timeout_ms: e.dispatch_timeout_ms,
+            retry_backoff_ms: e.retry_backoff_ms,
+            retry_backoff_max_ms: e.retry_backoff_max_ms,
+            max_queued_per_session: e.max_queued_per_session,
+            max_value_bytes: e.max_value_bytes,
+        }
+    }
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig { terminal_hours: 72 }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: "text".into(),
+            level: "info".into(),
+        }
+    }
+}
+
+/// Keys that are valid but absent from the serialized defaults.
+const OPTIONAL_KEYS: &[&str] = &["turns.dispatch_timeout_ms"];
+
+/// A config that could not be loaded, with every problem found.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration:\n  - {}", .problems.join("\n  - "))]
+pub struct ConfigError {
+    pub problems: Vec<String>,
+}
+
+impl ConfigError {
+    fn one(p: String) -> Self {
+        ConfigError { problems: vec![p] }
+    }
+}
+
+/// A loaded config and the warnings met on the way (unknown keys).
+pub struct Loaded {
+    pub config: Config,
+    pub warnings: Vec<String>,
+}
+
+impl Config {
+    /// Load: defaults, then the file (if any), then `TURND_*` variables from `env`.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Loaded, ConfigError> {
+        let defaults = toml::Value::try_from(Config::default())
+            .map_err(|e| ConfigError::one(format!("defaults: {e}")))?;
+        let mut merged = defaults.clone();
+        let mut warnings = Vec::new();
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| ConfigError::one(format!("read {}: {e}", path.display())))?;
+            let file_value: toml::Value = toml::from_str(&text)
+                .map_err(|e| ConfigError::one(format!("parse {}: {e}", path.display())))?;
+            unknown_keys(&defaults, &file_value, "", &mut warnings);
+            merge(&mut merged, file_value);
+        }
+        let mut problems = Vec::new();
+        for (k, v) in env {
+            let Some(rest) = k.strip_prefix("TURND_") else {
+                continue;
+            };
+            let Some((section, key)) = rest.split_once("__") else {
+                continue;
+            };
+            let (section, key) = (section.to_ascii_lowercase(), key.to_ascii_lowercase());
+            let path = format!("{section}.{key}");
+            let known = defaults.get(&section).and_then(|s| s.get(&key)).is_some()
+                || OPTIONAL_KEYS.contains(&path.as_str());
+            if !known {
+                warnings.push(format!("unknown config key {path} (from {k}) ignored"));
+                continue;
+            }
+            let value = parse_env_value(&v);
+            match merged.as_table_mut().and_then(|t| {
+                t.entry(section.clone())
+                    .or_insert_with(|| toml::Value::Table(Default::default()))
+                    .as_table_mut()
+            }) {
+                Some(t) => {
+                    t.insert(key, value);
+                }
+                None => problems.push(format!("{k}: section {section} is not a table")),
+            }
+        }
+        if !problems.is_empty() {
+            return Err(ConfigError { problems });
+        }
+        let config: Config = merged
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::one(e.to_string()))?;
+        Ok(Loaded { config, warnings })
+    }
+
+    /// Check every value; report all problems at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut p = Vec::new();
+        let listen = self.server.listen.parse::<SocketAddr>();
+        if let Err(e) = &listen {
+            p.push(format!("server.listen {:?}: {e}", self.server.listen));
+        }
+        if let Err(e) = self.server.admin_listen.parse::<SocketAddr>() {
+            p.push(format!(
+                "server.admin_listen {:?}: {e}",
+                self.server.admin_listen
+            ));
+        }
+        if self.server.max_frame_bytes < 1024 {
+            p.push("server.max_frame_bytes must be at least 1024".into());
+        }
+        if self.server.heartbeat_ms < 10 {
+            p.push("server.heartbeat_ms must be at least 10".into());
+        }
+        if self.server.outbox_frames == 0 {
+            p.push("server.outbox_frames must be positive".into());
+        }
+        if !matches!(self.storage.sync.as_str(), "always" | "never") {
+            p.push(format!(
+                "storage.sync must be \"always\" or \"never\", not {:?}",
+                self.storage.sync
+            ));
+        }
+        if self.storage.data_dir.as_os_str().is_empty() {
+            p.push("storage.data_dir must not be empty".into());
+        }
+        let t = &self.turns;
+        for (name, v) in [
+            ("turns.default_timeout_ms", t.default_timeout_ms),
+            ("turns.probe_timeout_ms", t.probe_timeout_ms),
+            ("turns.reconnect_grace_ms", t.reconnect_grace_ms),
+            ("turns.cancel_grace_ms", t.cancel_grace_ms),
+            ("turns.retry_backoff_ms", t.retry_backoff_ms),
+            ("turns.retry_backoff_max_ms", t.retry_backoff_max_ms),
+            ("turns.max_queued_per_session", t.max_queued_per_session),
+            ("turns.max_value_bytes", t.max_value_bytes),
+            ("turns.result_ack_timeout_ms", t.result_ack_timeout_ms),
+        ] {
+            if v == 0 {
+                p.push(format!("{name} must be positive"));
+            }
+        }
+        if t.max_steps == 0 {
+            p.push("turns.max_steps must be positive".into());
+        }
+        if t.dispatch_timeout_ms == Some(0) {
+            p.push("turns.dispatch_timeout_ms must be positive (omit it to wait for good)".into());
+        }
+        if !matches!(self.log.format.as_str(), "text" | "json") {
+            p.push(format!(
+                "log.format must be \"text\" or \"json\", not {:?}",
+                self.log.format
+            ));
+        }
+        for (i, tok) in self.auth.tokens.iter().enumerate() {
+            if tok.token.len() < 8 {
+                p.push(format!(
+                    "auth.tokens[{i}] ({}) is shorter than 8 characters",
+                    tok.role.as_str()
+                ));
+            }
+        }
+        if let Ok(addr) = listen {
+            if !addr.ip().is_loopback()
+                && self.auth.tokens.is_empty()
+                && !self.auth.allow_unauthenticated
+            {
+                p.push(format!(
+                    "server.listen {addr} is not a loopback address and auth.tokens is empty; \
+                     configure tokens or set auth.allow_unauthenticated = true"
+                ));
+            }
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems: p })
+        }
+    }
+
+    pub fn engine_config(&self) -> EngineConfig {
+        let t = &self.turns;
+        EngineConfig {
+            default_timeout_ms: t.default_timeout_ms,
+            probe_timeout_ms: t.probe_timeout_ms,
+            reconnect_grace_ms: t.reconnect_grace_ms,
+            cancel_grace_ms: t.cancel_grace_ms,
+            max_steps: t.max_steps,
+            dispatch_timeout_ms: t.dispatch_timeout_ms,
+            retry_backoff_ms: t.retry_backoff_ms,
+            retry_backoff_max_ms: t.retry_backoff_max_ms,
+            max_queued_per_session: t.max_queued_per_session,
+            max_value_bytes: t.max_value_bytes,
+        }
+    }
+
+    /// The effective config as TOML (tokens redacted).
+    pub fn to_toml_redacted(&self) -> String {
+        let mut c = self.clone();
+        for t in &mut c.auth.tokens {
+            t.token = "<redacted>".into();
+        }
+        toml::to_string_pretty(&c).unwrap_or_else(|e| format!("# cannot render config: {e}"))
+    }
+}
+
+fn parse_env_value(v: &str) -> toml::Value {
+    // A TOML scalar (number, bool, quoted string, array/inline table) when it parses
+    // as one; a bare string otherwise.
+    match toml::from_str::<toml::Table>(&format!("v = {v}")) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(v.into())),
+        Err(_) => toml::Value::String(v.into()),
+    }
+}
+
+fn merge(base: &mut toml::Value, over: toml::Value) {
+    match (base, over) {
+        (toml::Value::Table(b), toml::Value::Table(o)) => {
+            for (k, v) in o {
+                match b.get_mut(&k) {
+                    Some(bv) if bv.is_table() && v.is_table() => merge(bv, v),
+                    _ => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (b, o) => *b = o,
+    }
+}
+
+fn unknown_keys(defaults: &toml::Value, given: &toml::Value, prefix: &str, out: &mut Vec<String>) {
+    let (Some(d), Some(g)) = (defaults.as_table(), given.as_table()) else {
+        return;
+    };
+    for (k, v) in g {
+        let path = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match d.get(k) {
+            Some(dv) if dv.is_table() => unknown_keys(dv, v, &path, out),
+            Some(_) => {}
+            None if OPTIONAL_KEYS.contains(&path.as_str()) => {}
+            None => out.push(format!("unknown config key {path} ignored")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_and_warnings() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("t.toml");
+        std::fs::write(
+            &f,
+            "[server]\nheartbeat_ms = 250\nbogus = 1\n[turns]\ndispatch_timeout_ms = 900\n",
+        )
+        .expect("write");
+        let env = vec![
+            (
+                "TURND_TURNS__PROBE_TIMEOUT_MS".to_string(),
+                "77".to_string(),
+            ),
+            ("TURND_STORAGE__DATA_DIR".to_string(), "/tmp/x".to_string()),
+            ("TURND_NOPE__X".to_string(), "1".to_string()),
+            ("HOME".to_string(), "/root".to_string()),
+        ];
+        let l = Config::load(Some(&f), env).expect("loads");
+        assert_eq!(l.config.server.heartbeat_ms, 250);
+        assert_eq!(l.config.turns.probe_timeout_ms, 77);
+        assert_eq!(l.config.turns.dispatch_timeout_ms, Some(900));
+        assert_eq!(l.config.storage.data_dir, PathBuf::from("/tmp/x"));
+        assert_eq!(l.config.turns.reconnect_grace_ms, 10_000);
+        assert_eq!(l.warnings.len(), 2, "{:?}", l.warnings);
+        l.config.validate().expect("valid");
+    }
+
+    #[test]
+    fn validate_reports_every_problem() {
+        let mut c = Config::default();
+        c.server.listen = "0.0.0.0:7420".into();
+        c.storage.sync = "sometimes".into();
+        c.turns.max_steps = 0;
+        let e = c.validate().expect_err("invalid");
+        assert_eq!(e.problems.len(), 3, "{e}");
+        c.auth.allow_unauthenticated = true;
+        c.storage.sync = "never".into();
+        c.turns.max_steps = 5;
+        c.validate().expect("valid with allow_unauthenticated");
+    }
+}

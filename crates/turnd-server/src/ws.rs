@@ -1,0 +1,563 @@
+//! WebSocket protocol v1: one task reads a connection, one writes it.
+//!
+//! The reader decodes frames, answers bad ones, runs `hello` in line (so the
+//! connection's role is settled before anything else runs) and spawns every other
+//! request as its own task, so a `turn.wait` never holds up the connection. The
+//! writer drains the connection's bounded [`Outbox`] and sends the server pings. A
+//! peer that does not read fast enough overflows its outbox and is disconnected.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::handshake::server::{
+    ErrorResponse, Request as HttpRequest, Response,
+};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use turnd_engine::{Caller, CloseReason, Engine, Outbox};
+use turnd_proto::frame::{encode_error, encode_ok};
+use turnd_proto::*;
+
+use crate::config::Config;
+
+/// State shared by every connection.
+pub struct Shared {
+    pub engine: Engine,
+    pub config: Config,
+    /// Cancelled when the daemon starts draining: new requests get `shutting_down`.
+    pub draining: CancellationToken,
+    /// Cancelled when connections must close.
+    pub closing: CancellationToken,
+    /// Requests in progress, waited for on shutdown.
+    pub requests: TaskTracker,
+    pub connections: ConnectionCounts,
+}
+
+/// Connections by role, for metrics.
+#[derive(Default)]
+pub struct ConnectionCounts {
+    pub unauthenticated: AtomicU64,
+    pub worker: AtomicU64,
+    pub client: AtomicU64,
+    pub operator: AtomicU64,
+}
+
+impl ConnectionCounts {
+    fn of(&self, role: Option<Role>) -> &AtomicU64 {
+        match role {
+            None => &self.unauthenticated,
+            Some(Role::Worker) => &self.worker,
+            Some(Role::Client) => &self.client,
+            Some(Role::Operator) => &self.operator,
+        }
+    }
+}
+
+struct Auth {
+    role: Role,
+    worker_id: Option<String>,
+}
+
+struct Conn {
+    shared: Arc<Shared>,
+    outbox: Outbox,
+    auth: OnceLock<Auth>,
+    peer: SocketAddr,
+}
+
+fn bad(code: ErrorCode, msg: impl Into<String>) -> ErrorBody {
+    ErrorBody::new(code, msg)
+}
+
+fn args<T: DeserializeOwned>(v: Value) -> Result<T, ErrorBody> {
+    serde_json::from_value(v).map_err(|e| bad(ErrorCode::BadRequest, format!("bad `args`: {e}")))
+}
+
+fn ok<T: serde::Serialize>(v: T) -> Result<Value, ErrorBody> {
+    serde_json::to_value(v).map_err(|e| bad(ErrorCode::Internal, format!("encode response: {e}")))
+}
+
+/// Serve one accepted TCP connection until it ends.
+pub async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+    let max = shared.config.server.max_frame_bytes as usize;
+    let ws_config = WebSocketConfig::default()
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max));
+    // The handshake callback's error type is fixed by tungstenite.
+    #[allow(clippy::result_large_err)]
+    let check_path = |req: &HttpRequest, resp: Response| -> Result<Response, ErrorResponse> {
+        if req.uri().path() == WS_PATH {
+            Ok(resp)
+        } else {
+            let mut r = ErrorResponse::new(Some(format!(
+                "no such path; protocol v1 is served at {WS_PATH}\n"
+            )));
+            *r.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::NOT_FOUND;
+            Err(r)
+        }
+    };
+    let ws =
+        match tokio_tungstenite::accept_hdr_async_with_config(stream, check_path, Some(ws_config))
+            .await
+        {
+            Ok(ws) => ws,
+            Err(e) => {
+                tracing::debug!(%peer, "WebSocket handshake failed: {e}");
+                return;
+            }
+        };
+    let conn_id = new_connection_id();
+    let (outbox, mut out_rx) =
+        Outbox::new(conn_id.clone(), shared.config.server.outbox_frames as usize);
+    let conn = Arc::new(Conn {
+        shared: shared.clone(),
+        outbox: outbox.clone(),
+        auth: OnceLock::new(),
+        peer,
+    });
+    shared.connections.of(None).fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(%peer, conn_id, "connection opened");
+    let (mut sink, mut stream) = ws.split();
+    let heartbeat = Duration::from_millis(shared.config.server.heartbeat_ms);
+
+    // Writer: drains the outbox, pings, and sends the close frame.
+    let writer_outbox = outbox.clone();
+    let (close_tx, mut close_rx) = tokio::sync::mpsc::channel::<(u16, String)>(1);
+    let writer = tokio::spawn(async move {
+        let mut ping = tokio::time::interval(heartbeat);
+        ping.tick().await;
+        let close = loop {
+            tokio::select! {
+                frame = out_rx.recv() => match frame {
+                    Some(f) => {
+                        if sink.send(Message::text(f)).await.is_err() {
+                            break None;
+                        }
+                    }
+                    None => break None,
+                },
+                _ = ping.tick() => {
+                    if sink.send(Message::Ping(Vec::new().into())).await.is_err() {
+                        break None;
+                    }
+                }
+                c = close_rx.recv() => break c,
+                _ = writer_outbox.closed() => {
+                    break match writer_outbox.close_reason() {
+                        Some(CloseReason::Superseded) => Some((CLOSE_SUPERSEDED, "superseded by a newer connection of this worker_id".to_string())),
+                        Some(CloseReason::SlowReader) => Some((1008, "outgoing queue full: the peer does not read fast enough".to_string())),
+                        None => Some((1001, "server closing".to_string())),
+                    };
+                }
+            }
+        };
+        // Flush what is queued (responses already promised), then close.
+        while let Ok(f) = out_rx.try_recv() {
+            if sink.send(Message::text(f)).await.is_err() {
+                break;
+            }
+        }
+        if let Some((code, reason)) = close {
+            let frame = CloseFrame {
+                code: CloseCode::from(code),
+                reason: reason.into(),
+            };
+            if let Err(e) = sink.send(Message::Close(Some(frame))).await {
+                tracing::debug!("close frame not sent: {e}");
+            }
+        }
+        if let Err(e) = sink.close().await {
+            tracing::trace!("socket close: {e}");
+        }
+    });
+
+    let mut bad_in_row = 0u32;
+    let close: Option<(u16, String)> = loop {
+        let next = tokio::select! {
+            n = tokio::time::timeout(heartbeat * 3, stream.next()) => n,
+            _ = outbox.closed() => break None,
+            _ = shared.closing.cancelled() => break Some((1001, "server shutting down".into())),
+        };
+        let msg = match next {
+            Err(_) => {
+                tracing::info!(%peer, conn_id, "peer silent for 3 heartbeats; closing");
+                break Some((1001, "no frames for 3 heartbeats".into()));
+            }
+            Ok(None) => break None,
+            Ok(Some(Err(WsError::Capacity(e)))) => {
+                let body = bad(
+                    ErrorCode::TooLarge,
+                    format!("frame over max_frame_bytes ({max}): {e}"),
+                );
+                outbox.push(encode_error(None, &body));
+                break Some((CLOSE_TOO_BIG, "frame too large".into()));
+            }
+            Ok(Some(Err(e))) => {
+                tracing::debug!(%peer, conn_id, "connection error: {e}");
+                break None;
+            }
+            Ok(Some(Ok(m))) => m,
+        };
+        let text = match msg {
+            Message::Text(t) => t,
+            Message::Binary(_) => {
+                bad_in_row += 1;
+                let body = bad(
+                    ErrorCode::BadFrame,
+                    "binary frames are not accepted; send JSON text frames",
+                );
+                if !conn.respond_error(None, body).await {
+                    break None;
+                }
+                if bad_in_row >= MAX_BAD_FRAMES {
+                    break Some((CLOSE_POLICY, "too many bad frames in a row".into()));
+                }
+                continue;
+            }
+            Message::Close(_) => break None,
+            _ => continue,
+        };
+        let req = match decode_request(text.as_str()) {
+            Ok(r) => r,
+            Err(fe) => {
+                bad_in_row += 1;
+                if !conn
+                    .respond_error(fe.id, bad(ErrorCode::BadFrame, fe.message))
+                    .await
+                {
+                    break None;
+                }
+                if bad_in_row >= MAX_BAD_FRAMES {
+                    break Some((CLOSE_POLICY, "too many bad frames in a row".into()));
+                }
+                continue;
+            }
+        };
+        bad_in_row = 0;
+        if req.op == Op::Hello.name() {
+            let r = conn.hello(req.args).await;
+            if !conn.respond(req.id, r).await {
+                break None;
+            }
+            continue;
+        }
+        let Some(auth) = conn.auth.get() else {
+            let body = bad(ErrorCode::NotAuthenticated, "send `hello` first");
+            if !conn.respond_error(Some(req.id), body).await {
+                break None;
+            }
+            continue;
+        };
+        let Some(op) = Op::parse(&req.op) else {
+            let body = bad(
+                ErrorCode::UnknownOp,
+                format!("no op {:?} in protocol v1", req.op),
+            );
+            if !conn.respond_error(Some(req.id), body).await {
+                break None;
+            }
+            continue;
+        };
+        if !op.allowed_for(auth.role) {
+            let body = bad(
+                ErrorCode::Forbidden,
+                format!("role {} may not use {}", auth.role.as_str(), op.name()),
+            );
+            if !conn.respond_error(Some(req.id), body).await {
+                break None;
+            }
+            continue;
+        }
+        if shared.draining.is_cancelled() && op != Op::Ping {
+            let body = bad(
+                ErrorCode::ShuttingDown,
+                "the server is shutting down; nothing was changed",
+            );
+            if !conn.respond_error(Some(req.id), body).await {
+                break None;
+            }
+            continue;
+        }
+        let c = conn.clone();
+        shared.requests.spawn(async move {
+            let id = req.id;
+            let r = c.run(op, req.args, id).await;
+            if let Some(r) = r {
+                c.respond(id, r).await;
+            }
+        });
+    };
+    if let Some(c) = close {
+        if close_tx.send(c).await.is_err() {
+            tracing::trace!("writer already gone");
+        }
+    } else {
+        outbox.close_with(CloseReason::SlowReader);
+    }
+    shared.engine.connection_closed(&conn_id);
+    let role = conn.auth.get().map(|a| a.role);
+    if let Some(Auth {
+        worker_id: Some(w),
+        role: Role::Worker,
+    }) = conn.auth.get()
+    {
+        shared.engine.worker_disconnected(w, &conn_id).await;
+    }
+    shared.connections.of(role).fetch_sub(1, Ordering::Relaxed);
+    if tokio::time::timeout(Duration::from_secs(2), writer)
+        .await
+        .is_err()
+    {
+        tracing::debug!(conn_id, "writer did not finish in time");
+    }
+    tracing::debug!(%peer, conn_id, "connection closed");
+}
+
+impl Conn {
+    async fn respond(&self, id: u64, r: Result<Value, ErrorBody>) -> bool {
+        match r {
+            Ok(v) => self.outbox.send(encode_ok(id, &v)).await,
+            Err(e) => self.respond_error(Some(id), e).await,
+        }
+    }
+
+    async fn respond_error(&self, id: Option<u64>, e: ErrorBody) -> bool {
+        self.outbox.send(encode_error(id, &e)).await
+    }
+
+    fn token_ok(&self, role: Role, token: Option<&str>) -> bool {
+        let tokens = &self.shared.config.auth.tokens;
+        if tokens.is_empty() {
+            return true;
+        }
+        let given = token.unwrap_or("").as_bytes();
+        let mut ok = false;
+        for t in tokens {
+            // Compare against every token in constant time, whatever matches first.
+            let eq = constant_time_eq::constant_time_eq(t.token.as_bytes(), given);
+            ok |= eq && (t.role == role || t.role == Role::Operator);
+        }
+        ok
+    }
+
+    async fn hello(&self, a: Value) -> Result<Value, ErrorBody> {
+        if self.auth.get().is_some() {
+            return Err(bad(
+                ErrorCode::Conflict,
+                "this connection already said hello",
+            ));
+        }
+        if self.shared.draining.is_cancelled() {
+            return Err(bad(ErrorCode::ShuttingDown, "the server is shutting down"));
+        }
+        let h: HelloArgs = args(a)?;
+        if h.protocol != PROTOCOL_VERSION {
+            return Err(bad(
+                ErrorCode::UnsupportedProtocol,
+                format!(
+                    "protocol {} is not supported; this server speaks {PROTOCOL_VERSION}",
+                    h.protocol
+                ),
+            ));
+        }
+        if !self.token_ok(h.role, h.token.as_deref()) {
+            tracing::warn!(peer = %self.peer, role = h.role.as_str(), "hello refused: token does not match");
+            return Err(bad(
+                ErrorCode::NotAuthenticated,
+                format!("token not accepted for role {}", h.role.as_str()),
+            ));
+        }
+        let reconciled = if h.role == Role::Worker {
+            Some(
+                self.shared
+                    .engine
+                    .worker_hello(&h, self.outbox.clone())
+                    .await?,
+            )
+        } else {
+            None
+        };
+        let auth = Auth {
+            role: h.role,
+            worker_id: if h.role == Role::Worker {
+                h.worker_id.clone()
+            } else {
+                None
+            },
+        };
+        if self.auth.set(auth).is_err() {
+            return Err(bad(
+                ErrorCode::Conflict,
+                "this connection already said hello",
+            ));
+        }
+        let counts = &self.shared.connections;
+        counts.of(None).fetch_sub(1, Ordering::Relaxed);
+        counts.of(Some(h.role)).fetch_add(1, Ordering::Relaxed);
+        let cfg = &self.shared.config.server;
+        ok(HelloOk {
+            server: "turnd".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            boot_id: self.shared.engine.boot_id().to_string(),
+            connection_id: self.outbox.conn_id.clone(),
+            heartbeat_ms: cfg.heartbeat_ms,
+            max_frame_bytes: cfg.max_frame_bytes,
+            reconciled,
+        })
+    }
+
+    fn caller(&self) -> Caller {
+        let a = self.auth.get();
+        Caller {
+            role: a.map(|a| a.role).unwrap_or(Role::Client),
+            worker_id: a.and_then(|a| a.worker_id.clone()),
+        }
+    }
+
+    fn worker_id(&self) -> Result<String, ErrorBody> {
+        self.auth
+            .get()
+            .and_then(|a| a.worker_id.clone())
+            .ok_or_else(|| {
+                bad(
+                    ErrorCode::Forbidden,
+                    "this op needs a worker connection (hello with role worker)",
+                )
+            })
+    }
+
+    /// Run one request. `None` means the response was already sent (watch).
+    async fn run(&self, op: Op, a: Value, id: u64) -> Option<Result<Value, ErrorBody>> {
+        let e = &self.shared.engine;
+        let r = match op {
+            Op::Hello => Err(bad(
+                ErrorCode::Conflict,
+                "this connection already said hello",
+            )),
+            Op::Ping => ok(serde_json::json!({})),
+            Op::FunctionRegister => match (self.worker_id(), args::<RegisterArgs>(a)) {
+                (Ok(w), Ok(r)) => e.register(&w, &r).and_then(ok),
+                (Err(x), _) | (_, Err(x)) => Err(x),
+            },
+            Op::FunctionUnregister => match (self.worker_id(), args::<FunctionIdArgs>(a)) {
+                (Ok(w), Ok(r)) => e
+                    .unregister(&w, &r.function_id)
+                    .and_then(|_| ok(serde_json::json!({}))),
+                (Err(x), _) | (_, Err(x)) => Err(x),
+            },
+            Op::InvocationResult => match args::<ResultArgs>(a) {
+                Ok(r) => e.result(&self.caller(), r).await.and_then(ok),
+                Err(x) => Err(x),
+            },
+            Op::InvocationHeartbeat => match args::<InvocationIdArgs>(a) {
+                Ok(r) => e
+                    .heartbeat(&self.caller(), &r.invocation_id)
+                    .await
+                    .and_then(ok),
+                Err(x) => Err(x),
+            },
+            Op::InvocationStatus => match args::<StatusArgs>(a) {
+                Ok(r) => e
+                    .status(&self.caller(), &r)
+                    .await
+                    .and_then(|_| ok(serde_json::json!({}))),
+                Err(x) => Err(x),
+            },
+            Op::TurnSubmit => match args::<SubmitArgs>(a) {
+                Ok(r) => e.submit(r).await.and_then(ok),
+                Err(x) => Err(x),
+            },
+            Op::TurnGet => match args::<TurnIdArgs>(a) {
+                Ok(r) => e
+                    .get_turn(&r.turn_id)
+                    .await
+                    .and_then(|turn| ok(TurnOk { turn })),
+                Err(x) => Err(x),
+            },
+            Op::TurnWait => match args::<WaitArgs>(a) {
+                Ok(r) => e
+                    .wait_turn(&r.turn_id, r.timeout_ms)
+                    .await
+                    .and_then(|turn| ok(TurnOk { turn })),
+                Err(x) => Err(x),
+            },
+            Op::TurnStop => match args::<StopArgs>(a) {
+                Ok(r) => e
+                    .stop_turn(&r.turn_id, r.reason)
+                    .await
+                    .and_then(|turn| ok(TurnOk { turn })),
+                Err(x) => Err(x),
+            },
+            Op::TurnList => match args::<ListArgs>(a) {
+                Ok(r) => e.list_turns(r).await.and_then(ok),
+                Err(x) => Err(x),
+            },
+            Op::SessionInspect => match args::<SessionIdArgs>(a) {
+                Ok(r) => e
+                    .inspect(&r.session_id)
+                    .await
+                    .and_then(|session| ok(SessionOk { session })),
+                Err(x) => Err(x),
+            },
+            Op::SessionStop => match args::<SessionStopArgs>(a) {
+                Ok(r) => e
+                    .stop_session(&r.session_id, r.reason)
+                    .await
+                    .and_then(|turns| ok(TurnsOk { turns })),
+                Err(x) => Err(x),
+            },
+            Op::SessionEvents => match args::<EventsArgs>(a) {
+                Ok(r) => e.events(r).await.and_then(ok),
+                Err(x) => Err(x),
+            },
+            Op::Watch => match args::<WatchArgs>(a) {
+                Ok(r) => {
+                    let max = self.shared.config.server.max_watches_per_connection as usize;
+                    let res = e
+                        .watch(r, &self.outbox, max, |w| {
+                            encode_ok(id, &serde_json::to_value(w).unwrap_or(Value::Null))
+                        })
+                        .await;
+                    return match res {
+                        Ok(()) => None,
+                        Err(x) => Some(Err(x)),
+                    };
+                }
+                Err(x) => Err(x),
+            },
+            Op::Unwatch => match args::<WatchIdArgs>(a) {
+                Ok(r) => e
+                    .unwatch(&self.outbox.conn_id, &r.watch_id)
+                    .and_then(|_| ok(serde_json::json!({}))),
+                Err(x) => Err(x),
+            },
+            Op::Stats => ok(StatsOk { stats: e.stats() }),
+            Op::WorkersList => ok(WorkersOk {
+                workers: e.workers(),
+            }),
+            Op::FunctionsList => ok(FunctionsOk {
+                functions: e.functions(),
+            }),
+            Op::StoreCheck => {
+                let engine = e.clone();
+                match tokio::task::spawn_blocking(move || engine.check()).await {
+                    Ok(r) => r.and_then(|violations| ok(CheckOk { violations })),
+                    Err(j) => Err(bad(
+                        ErrorCode::Internal,
+                        format!("store check task failed: {j}"),
+                    )),
+                }
+            }
+        };
+        Some(r)
+    }
+}
