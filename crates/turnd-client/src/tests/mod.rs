@@ -1,0 +1,6 @@
+//! Unit tests of the SDK against a scripted fake server.
+
+mod caller;
+mod connection;
+mod fake;
+mod worker;
