@@ -1,0 +1,44 @@
+# turnd — run `make` to list the targets.
+.DEFAULT_GOAL := help
+CARGO ?= cargo
+PYTHON ?= python3
+NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
+
+.PHONY: help build run test test-rust test-python lint fmt doc bench clean
+
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+build: ## Build every crate and the turnd binary (debug)
+	$(CARGO) build --workspace --all-targets
+
+run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data)
+	$(CARGO) run --release -p turnd -- serve
+
+test: test-rust test-python ## Run the whole test suite
+
+test-rust: ## Rust unit and end-to-end tests
+	$(CARGO) build -p turnd --bin turnd
+ifeq ($(NEXTEST),yes)
+	$(CARGO) nextest run --workspace --no-fail-fast
+else
+	$(CARGO) test --workspace --no-fail-fast
+endif
+
+test-python: ## The independent Python protocol client against the built binary
+	$(CARGO) build -p turnd --bin turnd
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+	$(PYTHON) tests/python/test_protocol.py --turnd target/debug/turnd
+
+lint: ## fmt check and clippy with warnings denied
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt: ## Format the code
+	$(CARGO) fmt --all
+
+doc: ## Build the API docs
+	$(CARGO) doc --workspace --no-deps
+
+clean: ## Remove build output
+	$(CARGO) clean

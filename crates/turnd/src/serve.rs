@@ -1,0 +1,202 @@
+//! `turnd serve` and `turnd check-config`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tokio_util::sync::CancellationToken;
+use turnd_server::{open_store, Config, Daemon, Listeners};
+
+/// Where the configuration comes from.
+#[derive(Args, Debug, Clone)]
+pub struct ConfigArgs {
+    /// TOML config file; without it the embedded defaults apply.
+    #[arg(long, short = 'c', env = "TURND_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration (tokens redacted).
+    #[arg(long)]
+    pub dump_config: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// WebSocket listen address (overrides server.listen); port 0 picks a free port.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Admin HTTP listen address (overrides server.admin_listen).
+    #[arg(long)]
+    pub admin_listen: Option<String>,
+    /// Data directory (overrides storage.data_dir).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Once serving, write {"ws": …, "admin": …, "pid": …} here.
+    #[arg(long)]
+    pub ready_file: Option<PathBuf>,
+    /// Log format: text or json (overrides log.format).
+    #[arg(long)]
+    pub log_format: Option<String>,
+}
+
+fn load(args: &ConfigArgs) -> Result<Config, i32> {
+    match Config::load(args.config.as_deref(), std::env::vars()) {
+        Ok(l) => {
+            for w in &l.warnings {
+                eprintln!("turnd: warning: {w}");
+            }
+            Ok(l.config)
+        }
+        Err(e) => {
+            eprintln!("turnd: {e}");
+            Err(2)
+        }
+    }
+}
+
+pub fn check_config(args: ConfigArgs) -> i32 {
+    let cfg = match load(&args) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if let Err(e) = cfg.validate() {
+        eprintln!("turnd: {e}");
+        return 2;
+    }
+    if args.dump_config {
+        print!("{}", cfg.to_toml_redacted());
+    } else {
+        println!("configuration ok");
+    }
+    0
+}
+
+fn init_tracing(cfg: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TURND_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if cfg.log.format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+pub fn serve(args: ServeArgs) -> i32 {
+    let mut cfg = match load(&args.config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if let Some(l) = &args.listen {
+        cfg.server.listen = l.clone();
+    }
+    if let Some(l) = &args.admin_listen {
+        cfg.server.admin_listen = l.clone();
+    }
+    if let Some(d) = &args.data_dir {
+        cfg.storage.data_dir = d.clone();
+    }
+    if let Some(f) = &args.log_format {
+        cfg.log.format = f.clone();
+    }
+    if let Err(e) = cfg.validate() {
+        eprintln!("turnd: {e}");
+        return 2;
+    }
+    if args.config.dump_config {
+        print!("{}", cfg.to_toml_redacted());
+    }
+    init_tracing(&cfg);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("turnd: failed to start the runtime: {e}");
+            return 1;
+        }
+    };
+    match rt.block_on(run(cfg, args.ready_file)) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!("failed to serve: {e:#}");
+            eprintln!("turnd: {e:#}");
+            1
+        }
+    }
+}
+
+async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
+    if cfg.storage.sync == "never" {
+        tracing::warn!("storage.sync = \"never\": acknowledged writes can be lost on a crash; use only for tests and benchmarks");
+    }
+    // Bind before the heavy work (opening and recovering the store).
+    let listeners = Listeners::bind(&cfg).await?;
+    let kv = open_store(&cfg)?;
+    let daemon = Daemon::start(cfg, listeners, kv).await?;
+    let line = format!(
+        "turnd listening on {} admin {}",
+        daemon.ws_url(),
+        daemon.admin_url()
+    );
+    println!("{line}");
+    tracing::info!("{line}");
+    if let Some(path) = &ready_file {
+        let body = serde_json::json!({
+            "ws": daemon.ws_url(),
+            "admin": daemon.admin_url(),
+            "pid": std::process::id(),
+        });
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, body.to_string())
+            .with_context(|| format!("write {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("write {}", path.display()))?;
+    }
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::debug!("sd_notify READY not sent: {e}");
+    }
+    let shutdown = daemon.shutdown_token();
+    tokio::spawn(watch_signals(shutdown));
+    daemon.join().await?;
+    if let Some(path) = &ready_file {
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::debug!("remove ready file: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// First SIGTERM/SIGINT: graceful shutdown. Second: exit at once.
+async fn watch_signals(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut term, mut int) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(t), Ok(i)) => (t, i),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!("failed to install signal handlers: {e}");
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("signal received: shutting down gracefully (send it again to exit at once)");
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Stopping]) {
+        tracing::debug!("sd_notify STOPPING not sent: {e}");
+    }
+    shutdown.cancel();
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    eprintln!("turnd: second signal: exiting now");
+    tokio::time::sleep(Duration::from_millis(0)).await;
+    std::process::exit(130);
+}
