@@ -1,1 +1,348 @@
-//! placeholder
+//! Test support: start the real daemon in-process on `127.0.0.1:0` (optionally on a
+//! fault-injecting store) or as the built binary when process death matters, and
+//! talk raw frames to it.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use turnd_client::{Caller, FunctionSpec, Worker, WorkerHandle, WorkerOptions};
+use turnd_proto::{Outcome, Turn};
+use turnd_server::{open_store, Config, Daemon, Listeners};
+use turnd_store::faulty::{Faults, FaultyKv};
+use turnd_store::Kv;
+
+/// A config for tests: loopback port 0, a data dir, short timers.
+pub fn test_config(data_dir: &Path) -> Config {
+    let mut c = Config::default();
+    c.server.listen = "127.0.0.1:0".into();
+    c.server.admin_listen = "127.0.0.1:0".into();
+    c.storage.data_dir = data_dir.to_path_buf();
+    c.server.heartbeat_ms = 1_000;
+    c.turns.retry_backoff_ms = 20;
+    c.turns.probe_timeout_ms = 300;
+    c.turns.reconnect_grace_ms = 600;
+    c.turns.cancel_grace_ms = 300;
+    c.turns.default_timeout_ms = 5_000;
+    c
+}
+
+/// An in-process daemon and its data directory.
+pub struct TestDaemon {
+    pub daemon: Option<Daemon>,
+    pub dir: Arc<tempfile::TempDir>,
+    pub faults: Option<Arc<Faults>>,
+    pub url: String,
+    pub admin: String,
+}
+
+impl TestDaemon {
+    /// Start with the test config, adjusted by `f`.
+    pub async fn start(f: impl FnOnce(&mut Config)) -> anyhow::Result<TestDaemon> {
+        let dir = Arc::new(tempfile::tempdir()?);
+        Self::start_in(dir, f, false).await
+    }
+
+    /// Start on a fault-injecting store (see [`Faults`]).
+    pub async fn start_faulty(f: impl FnOnce(&mut Config)) -> anyhow::Result<TestDaemon> {
+        let dir = Arc::new(tempfile::tempdir()?);
+        Self::start_in(dir, f, true).await
+    }
+
+    pub async fn start_in(
+        dir: Arc<tempfile::TempDir>,
+        f: impl FnOnce(&mut Config),
+        faulty: bool,
+    ) -> anyhow::Result<TestDaemon> {
+        let mut cfg = test_config(&dir.path().join("data"));
+        f(&mut cfg);
+        cfg.validate()?;
+        let listeners = Listeners::bind(&cfg).await?;
+        let sled = open_store(&cfg)?;
+        let (kv, faults): (Arc<dyn Kv>, _) = if faulty {
+            let (k, f) = FaultyKv::new(sled);
+            (Arc::new(k), Some(f))
+        } else {
+            (sled, None)
+        };
+        let daemon = Daemon::start(cfg, listeners, kv).await?;
+        let url = daemon.ws_url();
+        let admin = daemon.admin_url();
+        Ok(TestDaemon {
+            daemon: Some(daemon),
+            dir,
+            faults,
+            url,
+            admin,
+        })
+    }
+
+    pub fn engine(&self) -> &turnd_engine::Engine {
+        &self.daemon.as_ref().expect("running").engine
+    }
+
+    pub async fn caller(&self) -> anyhow::Result<Caller> {
+        Ok(Caller::connect(&self.url, None).await?)
+    }
+
+    pub async fn operator(&self) -> anyhow::Result<Caller> {
+        Ok(Caller::connect_as(&self.url, turnd_proto::Role::Operator, None).await?)
+    }
+
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        if let Some(d) = self.daemon.take() {
+            d.shutdown().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Worker options for tests: short ack timeout and reconnect delay.
+pub fn worker_options(url: &str, worker_id: &str) -> WorkerOptions {
+    let mut o = WorkerOptions::new(url, worker_id);
+    o.result_ack_timeout = Duration::from_millis(300);
+    o.reconnect_delay = Duration::from_millis(50);
+    o
+}
+
+/// A worker serving `echo` (completes with its input), connected.
+pub async fn echo_worker(url: &str, worker_id: &str, concurrency: u32) -> WorkerHandle {
+    let w = Worker::new(worker_options(url, worker_id)).function(
+        FunctionSpec::new("echo").concurrency(concurrency),
+        |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
+    );
+    let h = w.spawn(tokio_util::sync::CancellationToken::new());
+    h.connected().await;
+    h
+}
+
+/// Wait until the turn is terminal (at most `secs`).
+pub async fn wait_done(c: &Caller, turn_id: &str, secs: u64) -> anyhow::Result<Turn> {
+    Ok(c.wait_terminal(turn_id, Duration::from_secs(secs)).await?)
+}
+
+/// Poll `f` every 10 ms until it returns Some, at most `secs`.
+pub async fn eventually<T, F, Fut>(secs: u64, what: &str, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A raw WebSocket peer speaking JSON frames, for protocol-level tests.
+pub struct Raw {
+    pub ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    next_id: u64,
+    /// Pushes received while waiting for responses.
+    pub pushes: Vec<Value>,
+}
+
+impl Raw {
+    pub async fn connect(url: &str) -> anyhow::Result<Raw> {
+        let (ws, _) = tokio_tungstenite::connect_async(url).await?;
+        Ok(Raw {
+            ws,
+            next_id: 1,
+            pushes: Vec::new(),
+        })
+    }
+
+    /// Connect and say hello with `role` (extra hello args merged in).
+    pub async fn hello(url: &str, role: &str, extra: Value) -> anyhow::Result<(Raw, Value)> {
+        let mut r = Raw::connect(url).await?;
+        let mut args = json!({"protocol": 1, "role": role, "token": "t"});
+        if let (Some(a), Some(e)) = (args.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                a.insert(k.clone(), v.clone());
+            }
+        }
+        let resp = r.request("hello", args).await?;
+        Ok((r, resp))
+    }
+
+    pub async fn send_text(&mut self, text: &str) -> anyhow::Result<()> {
+        self.ws.send(Message::text(text.to_string())).await?;
+        Ok(())
+    }
+
+    /// Next JSON frame (responses and pushes), at most 5 s.
+    pub async fn recv(&mut self) -> anyhow::Result<Value> {
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(5), self.ws.next())
+                .await
+                .context("no frame within 5s")?;
+            match m {
+                Some(Ok(Message::Text(t))) => return Ok(serde_json::from_str(t.as_str())?),
+                Some(Ok(Message::Close(c))) => bail!("closed: {c:?}"),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => bail!("socket error: {e}"),
+                None => bail!("connection ended"),
+            }
+        }
+    }
+
+    /// Send a request and return the whole response frame (pushes are kept aside).
+    pub async fn request(&mut self, op: &str, args: Value) -> anyhow::Result<Value> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send_text(&json!({"id": id, "op": op, "args": args}).to_string())
+            .await?;
+        loop {
+            let f = self.recv().await?;
+            if f.get("push").is_some() {
+                self.pushes.push(f);
+                continue;
+            }
+            if f.get("id") == Some(&json!(id)) {
+                return Ok(f);
+            }
+        }
+    }
+
+    /// Send a request and return its `ok` member, failing on an error response.
+    pub async fn ok(&mut self, op: &str, args: Value) -> anyhow::Result<Value> {
+        let f = self.request(op, args).await?;
+        match f.get("ok") {
+            Some(v) => Ok(v.clone()),
+            None => bail!("{op} failed: {f}"),
+        }
+    }
+
+    /// Send a request and return its error code, failing on success.
+    pub async fn error_code(&mut self, op: &str, args: Value) -> anyhow::Result<String> {
+        let f = self.request(op, args).await?;
+        match f.pointer("/error/code").and_then(Value::as_str) {
+            Some(c) => Ok(c.to_string()),
+            None => bail!("{op} unexpectedly succeeded: {f}"),
+        }
+    }
+
+    /// The next push (from the kept ones first), at most 5 s.
+    pub async fn next_push(&mut self) -> anyhow::Result<Value> {
+        if !self.pushes.is_empty() {
+            return Ok(self.pushes.remove(0));
+        }
+        loop {
+            let f = self.recv().await?;
+            if f.get("push").is_some() {
+                return Ok(f);
+            }
+        }
+    }
+}
+
+/// The built `turnd` binary, built once per test run if missing.
+pub fn turnd_bin() -> anyhow::Result<PathBuf> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Ok(p) = std::env::var("TURND_BIN") {
+            return Ok(PathBuf::from(p));
+        }
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .ok_or("no workspace root")?
+            .to_path_buf();
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "turnd", "--bin", "turnd"])
+            .current_dir(&root)
+            .status()
+            .map_err(|e| format!("run cargo build: {e}"))?;
+        if !status.success() {
+            return Err("cargo build -p turnd failed".into());
+        }
+        let target = std::env::var("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| root.join("target"));
+        Ok(target.join("debug").join("turnd"))
+    })
+    .clone()
+    .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// The real binary running as a child process.
+pub struct BinDaemon {
+    pub child: tokio::process::Child,
+    pub url: String,
+    pub admin: String,
+    pub data_dir: PathBuf,
+}
+
+impl BinDaemon {
+    /// Start `turnd serve` on `data_dir` with extra `TURND_*` environment settings;
+    /// returns once its ready file names its addresses.
+    pub async fn start(data_dir: &Path, env: &[(&str, &str)]) -> anyhow::Result<BinDaemon> {
+        let bin = turnd_bin()?;
+        let ready = data_dir.with_extension("ready.json");
+        if ready.exists() {
+            std::fs::remove_file(&ready)?;
+        }
+        let mut cmd = tokio::process::Command::new(bin);
+        cmd.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(data_dir)
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().context("spawn turnd")?;
+        let body = eventually(20, "the ready file", || {
+            let ready = ready.clone();
+            async move { std::fs::read_to_string(&ready).ok() }
+        })
+        .await?;
+        let v: Value = serde_json::from_str(&body)?;
+        Ok(BinDaemon {
+            child,
+            url: v["ws"].as_str().context("ws in ready file")?.to_string(),
+            admin: v["admin"]
+                .as_str()
+                .context("admin in ready file")?
+                .to_string(),
+            data_dir: data_dir.to_path_buf(),
+        })
+    }
+
+    /// SIGKILL and reap.
+    pub async fn kill(mut self) -> anyhow::Result<()> {
+        self.child.kill().await?;
+        Ok(())
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub async fn terminate(mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let pid = self.child.id().context("child pid")?;
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM failed");
+        }
+        Ok(tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await??)
+    }
+}

@@ -1,0 +1,1 @@
+//! The turnd command line against a real daemon.

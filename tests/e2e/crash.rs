@@ -1,0 +1,1 @@
+//! Durability: acknowledged writes survive SIGKILL of the real binary.

@@ -1,0 +1,1 @@
+//! Truthful terminal states under storage faults, and store.check.

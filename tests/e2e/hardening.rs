@@ -1,0 +1,1 @@
+//! Auth, limits, hostile input, graceful shutdown, CI use of the binary.

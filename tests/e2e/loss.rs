@@ -1,0 +1,1 @@
+//! Lost results, dispatches and workers, reconciled in bounded time (semantics: Loss, Late results).

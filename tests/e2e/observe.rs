@@ -1,0 +1,1 @@
+//! What operators see: wait states, inspect, stats, events, watch, metrics.

@@ -1,0 +1,1 @@
+//! Stop always terminalizes (semantics: Stop).
