@@ -372,9 +372,13 @@ impl Engine {
         if let Ok(mut s) = cell.summary.lock() {
             *s = summary;
         }
-        if let Some(h) = st.holder() {
-            if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) {
-                self.registry().wait_for(&h.function_id, &st.id);
+        {
+            let mut reg = self.registry();
+            match st.holder() {
+                Some(h) if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) => {
+                    reg.wait_for(&h.function_id, &st.id)
+                }
+                _ => reg.not_waiting(&st.id),
             }
         }
         self.arm(st);
@@ -725,6 +729,7 @@ impl Engine {
             wait: InvWait::AwaitingResult,
             wait_since_ms: now,
             deadline_ms: now + r.settings.timeout_ms,
+            attempt_deadline_ms: now + r.settings.timeout_ms,
             dispatched_at_ms: now,
             ended_at_ms: None,
             outcome: None,
@@ -1756,9 +1761,11 @@ impl Engine {
                     if inv.wait == InvWait::Cancelling {
                         self.send_cancel(&mut tx, &inv, "stop requested");
                     } else {
+                        // Kept: the attempt's own deadline applies again (a deadline that
+                        // passed while it was away leads to a probe at once).
                         inv.wait = InvWait::AwaitingResult;
                         inv.wait_since_ms = now;
-                        inv.deadline_ms = inv.deadline_ms.max(now);
+                        inv.deadline_ms = inv.attempt_deadline_ms.max(now);
                     }
                     tx.put_invocation(&st, inv);
                     verdict = 0;

@@ -137,6 +137,9 @@ pub struct Registry {
     functions: BTreeMap<String, FunctionEntry>,
     /// Round-robin cursor for picking among workers.
     cursor: usize,
+    /// The function each waiting session's lock holder waits for. The per-function
+    /// queues may hold stale entries; this map is the truth.
+    waiting_for: HashMap<String, String>,
 }
 
 /// What a worker `hello` replaced.
@@ -310,6 +313,7 @@ impl Registry {
         candidates.sort();
         self.cursor = self.cursor.wrapping_add(1);
         let id = candidates[self.cursor % candidates.len()].clone();
+        self.waiting_for.remove(session_id);
         let w = self.workers.get_mut(&id)?;
         *w.inflight.entry(function_id.to_string()).or_insert(0) += 1;
         w.assigned.insert(
@@ -361,20 +365,43 @@ impl Registry {
                 concurrency: 0,
                 waiting: VecDeque::new(),
             });
-        if !f.waiting.iter().any(|s| s == session_id) {
+        let prev = self
+            .waiting_for
+            .insert(session_id.to_string(), function_id.to_string());
+        if prev.as_deref() != Some(function_id) {
             f.waiting.push_back(session_id.to_string());
         }
     }
 
+    /// The session no longer waits for a worker.
+    pub fn not_waiting(&mut self, session_id: &str) {
+        self.waiting_for.remove(session_id);
+    }
+
     /// Take up to `n` sessions waiting for `function_id`, oldest first.
     pub fn take_waiting(&mut self, function_id: &str, n: usize) -> Vec<String> {
-        match self.functions.get_mut(function_id) {
-            Some(f) => {
-                let n = n.min(f.waiting.len());
-                f.waiting.drain(..n).collect()
+        let mut out = Vec::new();
+        let Some(f) = self.functions.get_mut(function_id) else {
+            return out;
+        };
+        while out.len() < n {
+            let Some(s) = f.waiting.pop_front() else {
+                break;
+            };
+            if self.waiting_for.get(&s).map(|x| x == function_id) == Some(true) {
+                self.waiting_for.remove(&s);
+                out.push(s);
             }
-            None => Vec::new(),
         }
+        out
+    }
+
+    /// Sessions waiting for a function (for `functions.list`).
+    fn waiting_count(&self, function_id: &str) -> u64 {
+        self.waiting_for
+            .values()
+            .filter(|f| *f == function_id)
+            .count() as u64
     }
 
     /// Free slots for a function over connected workers.
@@ -419,7 +446,7 @@ impl Registry {
     pub fn functions(&self) -> Vec<Function> {
         self.functions
             .iter()
-            .filter(|(_, f)| f.concurrency > 0 || !f.waiting.is_empty())
+            .filter(|(id, f)| f.concurrency > 0 || self.waiting_count(id) > 0)
             .map(|(id, f)| Function {
                 function_id: id.clone(),
                 concurrency: f.concurrency,
@@ -427,7 +454,7 @@ impl Registry {
                 delivery: f.settings.delivery,
                 max_attempts: f.settings.max_attempts,
                 workers: self.serving(id),
-                queued: f.waiting.len() as u64,
+                queued: self.waiting_count(id),
             })
             .collect()
     }

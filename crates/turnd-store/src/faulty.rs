@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::{Entry, Batch, CommitStats, CommitTicket, Kv, StoreError};
+use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, StoreError};
 
 /// Switches shared between a test and the [`FaultyKv`] it wrapped.
 #[derive(Debug, Default)]
@@ -19,6 +19,11 @@ pub struct Faults {
     commits: AtomicU64,
     /// Commits refused so far.
     pub refused: AtomicU64,
+    /// Fail commits whose batch contains this byte string (in any key or value),
+    /// while `matching_left` is positive: a chosen cut such as the batch that holds a
+    /// `"kind":"dispatched"` event.
+    matching: std::sync::Mutex<Option<Vec<u8>>>,
+    matching_left: AtomicU64,
 }
 
 impl Faults {
@@ -34,6 +39,19 @@ impl Faults {
 
     pub fn set_fail_reads(&self, on: bool) {
         self.fail_reads.store(on, Ordering::SeqCst);
+    }
+
+    /// Fail the next `times` commits whose batch contains `needle`.
+    pub fn fail_matching(&self, needle: &[u8], times: u64) {
+        if let Ok(mut m) = self.matching.lock() {
+            *m = Some(needle.to_vec());
+        }
+        self.matching_left.store(times, Ordering::SeqCst);
+    }
+
+    /// Commits whose batch matched and that are still to be failed.
+    pub fn matching_left(&self) -> u64 {
+        self.matching_left.load(Ordering::SeqCst)
     }
 
     /// Commits attempted so far.
@@ -60,15 +78,40 @@ impl FaultyKv {
         )
     }
 
-    fn refuse_commit(&self) -> bool {
+    fn matches(&self, batch: &Batch) -> bool {
+        if self.faults.matching_left.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let Ok(m) = self.faults.matching.lock() else {
+            return false;
+        };
+        let Some(needle) = m.as_ref() else {
+            return false;
+        };
+        let hit = batch.ops.iter().any(|op| match op {
+            crate::KvOp::Put(k, v) => contains(k, needle) || contains(v, needle),
+            crate::KvOp::Delete(k) => contains(k, needle),
+        });
+        hit && self
+            .faults
+            .matching_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    fn refuse_commit(&self, batch: &Batch) -> bool {
         let n = self.faults.commits.fetch_add(1, Ordering::SeqCst) + 1;
         let nth = self.faults.fail_at.load(Ordering::SeqCst) == n;
-        let refuse = nth || self.faults.fail_writes.load(Ordering::SeqCst);
+        let refuse = nth || self.faults.fail_writes.load(Ordering::SeqCst) || self.matches(batch);
         if refuse {
             self.faults.refused.fetch_add(1, Ordering::SeqCst);
         }
         refuse
     }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
 }
 
 impl Kv for FaultyKv {
@@ -93,7 +136,7 @@ impl Kv for FaultyKv {
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
-        if self.refuse_commit() {
+        if self.refuse_commit(&batch) {
             let (tx, rx) = tokio::sync::oneshot::channel();
             if tx
                 .send(Err(StoreError::Write("injected write fault".into())))

@@ -155,6 +155,10 @@ pub struct InvocationRecord {
     pub wait: InvWait,
     pub wait_since_ms: u64,
     pub deadline_ms: u64,
+    /// The attempt's own deadline (`timeout_ms` after dispatch or the last
+    /// heartbeat), kept while `deadline_ms` follows other waits.
+    #[serde(default)]
+    pub attempt_deadline_ms: u64,
     pub dispatched_at_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at_ms: Option<u64>,

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
-use crate::{Entry, Batch, CommitStats, CommitTicket, Kv, KvOp, StoreError};
+use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
 
 /// Whether commits are made durable with an fsync before they are acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -58,10 +58,33 @@ struct Syncer {
     log: File,
     dir: PathBuf,
     mode: SyncMode,
+    /// Set after a failed sync. Linux may drop dirty pages whose write-back failed,
+    /// so after an fsync error nothing tells what reached the disk: every later
+    /// commit is refused until the daemon restarts and recovers from the disk.
+    poisoned: std::sync::Mutex<Option<String>>,
 }
 
 impl Syncer {
+    fn poisoned(&self) -> Option<String> {
+        self.poisoned.lock().ok().and_then(|p| p.clone())
+    }
+
     fn sync(&self) -> Result<(), StoreError> {
+        if let Some(p) = self.poisoned() {
+            return Err(StoreError::Sync(format!(
+                "an earlier sync failed ({p}); restart the daemon to recover from disk"
+            )));
+        }
+        let r = self.sync_files();
+        if let Err(e) = &r {
+            if let Ok(mut p) = self.poisoned.lock() {
+                *p = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    fn sync_files(&self) -> Result<(), StoreError> {
         self.db
             .flush()
             .map_err(|e| StoreError::Sync(format!("flush: {e}")))?;
@@ -121,6 +144,7 @@ impl SledKv {
             log,
             dir: dir.to_path_buf(),
             mode,
+            poisoned: std::sync::Mutex::new(None),
         });
         let stats = Arc::new(Mutex::new(CommitStats::default()));
         let (tx, rx) = mpsc::channel::<Job>();
@@ -192,10 +216,16 @@ fn writer_loop(
         let started = tokio::time::Instant::now();
         let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(jobs.len());
         let mut replies = Vec::with_capacity(jobs.len());
+        let poisoned = syncer.poisoned();
         for job in jobs {
-            let r = db
-                .apply_batch(to_sled_batch(job.batch))
-                .map_err(|e| StoreError::Write(e.to_string()));
+            let r = match &poisoned {
+                Some(p) => Err(StoreError::Sync(format!(
+                    "an earlier sync failed ({p}); restart the daemon to recover from disk"
+                ))),
+                None => db
+                    .apply_batch(to_sled_batch(job.batch))
+                    .map_err(|e| StoreError::Write(e.to_string())),
+            };
             results.push(r);
             replies.push(job.reply);
         }
