@@ -1,13 +1,398 @@
-//! Client commands (placeholder until the CLI lands).
+//! The client commands of the `turnd` binary: submit, inspect, stop and follow turns
+//! and sessions on a running daemon, list its workers and functions, show its status,
+//! and check a store (online through the daemon, or offline on a stopped daemon's
+//! data directory).
+//!
+//! Every daemon call goes through the SDK (`turnd-client`), so the CLI is one more
+//! well-behaved peer of protocol v1. This module owns the arguments, the connection
+//! and the mapping of failures to messages and exit codes; [`commands`] has one
+//! function per command, [`render`] the human views and [`fmt`] the text helpers.
+//!
+//! Exit codes: 0 success; 1 the daemon refused the request (`turnd: <code>:
+//! <message>`), a turn did not complete, or `check` found violations; 2 the daemon
+//! cannot be reached (or the connection was lost), bad usage, or an offline store
+//! cannot be opened; 3 a wait timed out with the turn still unfinished.
 
-use clap::Subcommand;
+mod commands;
+mod fmt;
+mod render;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use serde_json::Value;
+use turnd_client::{Caller, ClientError, Connection};
+use turnd_proto::{ErrorBody, HelloArgs, HelloOk, Role, PROTOCOL_VERSION};
+
+/// Where the daemon listens unless told otherwise (its embedded default).
+pub const DEFAULT_URL: &str = "ws://127.0.0.1:7420/v1";
+
+/// How long connecting (TCP, WebSocket upgrade and `hello`) may take before the
+/// daemon is taken to be unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Options every client command takes.
+#[derive(Args, Debug, Clone)]
+pub struct Common {
+    /// The daemon's WebSocket URL.
+    #[arg(long, env = "TURND_URL", default_value = DEFAULT_URL)]
+    pub url: String,
+    /// Token sent in `hello` (a client token, or an operator token).
+    #[arg(long, env = "TURND_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Print JSON (the protocol's objects) instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
 
 #[derive(Subcommand, Debug)]
 pub enum ClientCommand {
-    /// Show the daemon's version.
-    Ping,
+    /// Submit a turn to a session's queue and print it.
+    ///
+    /// With --wait, wait until the turn is finished: exit 0 when it completed, 1 when
+    /// it failed or was cancelled, 3 when --timeout-secs passed first.
+    Submit(SubmitCmd),
+    /// Show one turn: status, step, attempt, times, output or error, and its wait.
+    Turn(TurnCmd),
+    /// Wait until a turn is finished and print it.
+    ///
+    /// Exit 0 when it completed, 1 when it failed or was cancelled, 3 when
+    /// --timeout-secs passed with the turn still unfinished.
+    Wait(WaitCmd),
+    /// Stop a turn, or every unfinished turn of a session (--session).
+    Stop(StopCmd),
+    /// Show a session: who holds its lock and why it waits, its queue, its counts.
+    Inspect(InspectCmd),
+    /// List a session's events; --follow keeps printing new ones until Ctrl-C.
+    Events(EventsCmd),
+    /// List the workers the daemon knows.
+    Workers(PlainCmd),
+    /// List the registered functions and their settings.
+    Functions(PlainCmd),
+    /// One screen of daemon health: sessions, waits, turns, workers, storage.
+    Status(PlainCmd),
+    /// Check the store's invariants: online through the daemon (operator role), or
+    /// offline on a stopped daemon's data directory (--data-dir).
+    ///
+    /// Exit 0 when there are no violations, 1 when there are.
+    Check(CheckCmd),
+    /// Check that the daemon answers, and show its version.
+    Ping(PlainCmd),
 }
 
-pub fn main(_c: ClientCommand) -> i32 {
-    0
+#[derive(Args, Debug)]
+pub struct SubmitCmd {
+    /// The session whose FIFO queue the turn joins.
+    #[arg(long)]
+    pub session: String,
+    /// The function that runs the turn's steps.
+    #[arg(long)]
+    pub function: String,
+    /// The turn's input, as JSON.
+    #[arg(long, default_value = "null", value_parser = parse_json)]
+    pub input: Value,
+    /// Resubmitting with the same key in the same session returns the existing turn.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    /// The whole turn's time limit (the daemon's default when absent).
+    #[arg(long)]
+    pub turn_timeout_ms: Option<u64>,
+    /// Wait until the turn is finished.
+    #[arg(long)]
+    pub wait: bool,
+    /// With --wait: give up waiting after this long (exit 3).
+    #[arg(long, default_value_t = 30, requires = "wait")]
+    pub timeout_secs: u64,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct TurnCmd {
+    /// The turn's id (`t_…`).
+    pub turn_id: String,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct WaitCmd {
+    /// The turn's id (`t_…`).
+    pub turn_id: String,
+    /// Give up waiting after this long (exit 3).
+    #[arg(long, default_value_t = 30)]
+    pub timeout_secs: u64,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["turn_id", "session"])))]
+pub struct StopCmd {
+    /// The turn to stop.
+    pub turn_id: Option<String>,
+    /// Stop every unfinished turn of this session instead.
+    #[arg(long)]
+    pub session: Option<String>,
+    /// Why; recorded with the stop and shown on the turn.
+    #[arg(long, default_value = "stopped with turnd stop")]
+    pub reason: String,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectCmd {
+    /// The session's id.
+    pub session: String,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct EventsCmd {
+    /// The session's id.
+    pub session: String,
+    /// Only events with a sequence number greater than this.
+    #[arg(long)]
+    pub after: Option<u64>,
+    /// At most this many events (1 to 1000; the daemon's default is 100). With
+    /// --follow, the page size used to read the history.
+    #[arg(long)]
+    pub limit: Option<u64>,
+    /// Keep printing new events until Ctrl-C, reconnecting and resuming after the
+    /// last one printed if the connection is lost. With --json, one event per line.
+    #[arg(long)]
+    pub follow: bool,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct PlainCmd {
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckCmd {
+    /// Check the store in this directory (a stopped daemon's storage.data_dir)
+    /// without a daemon.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+fn parse_json(s: &str) -> Result<Value, String> {
+    serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))
+}
+
+/// Why a command did not succeed; each maps to one message line and an exit code.
+#[derive(Debug)]
+pub enum Failure {
+    /// Connecting failed: refused, unresolvable, timed out, not a WebSocket server.
+    Unreachable { url: String, reason: String },
+    /// The connection ended before an answer arrived.
+    Lost { url: String },
+    /// The daemon refused the request.
+    Protocol(ErrorBody),
+    /// Bad usage, or something the command needs is missing (exit 2).
+    Usage(String),
+    /// Anything else (exit 1).
+    Other(String),
+    /// Exit with this code without a message (the output was already printed, or
+    /// stdout was closed by its reader).
+    Quiet(i32),
+}
+
+impl Failure {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Failure::Unreachable { .. } | Failure::Lost { .. } | Failure::Usage(_) => 2,
+            Failure::Protocol(_) | Failure::Other(_) => 1,
+            Failure::Quiet(code) => *code,
+        }
+    }
+
+    /// Whether reconnecting may help (used by `events --follow`).
+    fn is_transient(&self) -> bool {
+        match self {
+            Failure::Unreachable { .. } | Failure::Lost { .. } => true,
+            Failure::Protocol(body) => body.retryable || body.code.retryable(),
+            _ => false,
+        }
+    }
+
+    fn from_client(url: &str, e: ClientError) -> Failure {
+        match e {
+            ClientError::Protocol(body) => Failure::Protocol(body),
+            ClientError::Connect(msg) => Failure::Unreachable {
+                url: url.to_string(),
+                // The SDK prefixes the URL; it is in our message already.
+                reason: msg
+                    .strip_prefix(&format!("{url}: "))
+                    .unwrap_or(&msg)
+                    .to_string(),
+            },
+            ClientError::Closed => Failure::Lost {
+                url: url.to_string(),
+            },
+            ClientError::Decode(msg) => {
+                Failure::Other(format!("could not understand the daemon's answer: {msg}"))
+            }
+            ClientError::Timeout => Failure::Other("timed out".to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Unreachable { url, reason } => {
+                write!(f, "cannot reach the daemon at {url}: {reason}")
+            }
+            Failure::Lost { url } => write!(
+                f,
+                "lost the connection to the daemon at {url} before it answered"
+            ),
+            Failure::Protocol(body) => write!(f, "{}: {}", body.code, body.message),
+            Failure::Usage(m) | Failure::Other(m) => f.write_str(m),
+            Failure::Quiet(_) => Ok(()),
+        }
+    }
+}
+
+/// Attach the daemon's URL to an SDK result.
+trait At<T> {
+    fn at(self, url: &str) -> Result<T, Failure>;
+}
+
+impl<T> At<T> for Result<T, ClientError> {
+    fn at(self, url: &str) -> Result<T, Failure> {
+        self.map_err(|e| Failure::from_client(url, e))
+    }
+}
+
+/// A greeted connection to the daemon.
+pub struct Conn {
+    pub caller: Caller,
+    pub hello: HelloOk,
+    pub url: String,
+}
+
+impl Conn {
+    /// Connect to `common.url` and say hello as `role`.
+    pub async fn open(common: &Common, role: Role) -> Result<Conn, Failure> {
+        let url = common.url.clone();
+        let hello = HelloArgs {
+            protocol: PROTOCOL_VERSION,
+            role,
+            token: common.token.clone().filter(|t| !t.is_empty()),
+            name: Some("turnd-cli".to_string()),
+            worker_id: None,
+            instance_id: None,
+            inflight: Vec::new(),
+            finished: Vec::new(),
+        };
+        let (conn, hello) =
+            match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&url, hello)).await {
+                Ok(Ok(x)) => x,
+                Ok(Err(ClientError::Closed)) => {
+                    return Err(Failure::Unreachable {
+                        url,
+                        reason: "the connection closed before `hello` was answered".to_string(),
+                    })
+                }
+                Ok(Err(e)) => return Err(Failure::from_client(&url, e)),
+                Err(_) => {
+                    return Err(Failure::Unreachable {
+                        url,
+                        reason: format!("no answer within {}s", CONNECT_TIMEOUT.as_secs()),
+                    })
+                }
+            };
+        Ok(Conn {
+            caller: Caller::from_connection(conn),
+            hello,
+            url,
+        })
+    }
+
+    /// Close the connection politely (close handshake) and wait for it to end.
+    pub async fn close(self) {
+        self.caller.connection().close().await;
+    }
+}
+
+/// Logs only when `TURND_LOG` asks for them: the CLI's own messages go to stderr
+/// directly, and the SDK's debug logs would only get in their way.
+fn init_tracing() {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("TURND_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
+}
+
+/// Run a client command; returns the process exit code.
+pub fn main(c: ClientCommand) -> i32 {
+    init_tracing();
+    let result = match c {
+        // Offline: no daemon, no runtime.
+        ClientCommand::Check(CheckCmd {
+            data_dir: Some(dir),
+            common,
+        }) => commands::check_offline(&dir, common.json),
+        c => match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt.block_on(run(c)),
+            Err(e) => Err(Failure::Other(format!("failed to start the runtime: {e}"))),
+        },
+    };
+    match result {
+        Ok(code) => code,
+        Err(f) => {
+            if !matches!(f, Failure::Quiet(_)) {
+                eprintln!("turnd: {f}");
+            }
+            f.exit_code()
+        }
+    }
+}
+
+async fn run(c: ClientCommand) -> Result<i32, Failure> {
+    let (common, role) = match &c {
+        ClientCommand::Submit(a) => (&a.common, Role::Client),
+        ClientCommand::Turn(a) => (&a.common, Role::Client),
+        ClientCommand::Wait(a) => (&a.common, Role::Client),
+        ClientCommand::Stop(a) => (&a.common, Role::Client),
+        ClientCommand::Inspect(a) => (&a.common, Role::Client),
+        ClientCommand::Events(a) => (&a.common, Role::Client),
+        ClientCommand::Workers(a)
+        | ClientCommand::Functions(a)
+        | ClientCommand::Status(a)
+        | ClientCommand::Ping(a) => (&a.common, Role::Client),
+        ClientCommand::Check(a) => (&a.common, Role::Operator),
+    };
+    let conn = Conn::open(common, role).await?;
+    let result = match &c {
+        ClientCommand::Submit(a) => commands::submit(&conn, a).await,
+        ClientCommand::Turn(a) => commands::turn(&conn, a).await,
+        ClientCommand::Wait(a) => commands::wait(&conn, a).await,
+        ClientCommand::Stop(a) => commands::stop(&conn, a).await,
+        ClientCommand::Inspect(a) => commands::inspect(&conn, a).await,
+        ClientCommand::Events(a) => commands::events(&conn, a).await,
+        ClientCommand::Workers(a) => commands::workers(&conn, &a.common).await,
+        ClientCommand::Functions(a) => commands::functions(&conn, &a.common).await,
+        ClientCommand::Status(a) => commands::status(&conn, &a.common).await,
+        ClientCommand::Check(a) => commands::check_online(&conn, &a.common).await,
+        ClientCommand::Ping(a) => commands::ping(&conn, &a.common).await,
+    };
+    conn.close().await;
+    result
 }
