@@ -326,7 +326,47 @@ impl Engine {
         }
     }
 
+    /// Log a durable event with the identity fields every turn log line carries.
+    fn log_event(&self, e: &Event) {
+        let d = &e.detail;
+        let step = d.get("step").and_then(Value::as_u64);
+        let attempt = d.get("attempt").and_then(Value::as_u64);
+        let inv = d.get("invocation_id").and_then(Value::as_str).unwrap_or("");
+        let kind = serde_json::to_value(e.kind).unwrap_or(Value::Null);
+        let kind = kind.as_str().unwrap_or("");
+        macro_rules! log {
+            ($lvl:ident) => {
+                tracing::$lvl!(
+                    session_id = %e.session_id,
+                    turn_id = %e.turn_id,
+                    step,
+                    attempt,
+                    invocation_id = inv,
+                    seq = e.seq,
+                    event = kind,
+                    detail = %d,
+                    "turn event"
+                )
+            };
+        }
+        match e.kind {
+            EventKind::Failed
+            | EventKind::OutcomeUnknown
+            | EventKind::LateResult
+            | EventKind::Amended
+            | EventKind::Redispatched => log!(warn),
+            EventKind::Completed
+            | EventKind::Cancelled
+            | EventKind::StopRequested
+            | EventKind::ProbeSent
+            | EventKind::CancelSent
+            | EventKind::RetryScheduled => log!(info),
+            EventKind::Admitted | EventKind::Dispatched | EventKind::Result => log!(debug),
+        }
+    }
+
     fn count_event(&self, e: &Event) {
+        self.log_event(e);
         let c = &self.inner.counters;
         match e.kind {
             EventKind::Admitted => Counters::inc(&c.admissions),
@@ -834,7 +874,7 @@ impl Engine {
             step: h.step,
             invocation_id,
         };
-        let detail = json!({ "error": error });
+        let detail = json!({ "error": error, "step": h.step });
         h.error = Some(error);
         self.terminal(st, tx, h, TurnStatus::Failed, detail);
     }

@@ -40,6 +40,15 @@ pub struct ServerConfig {
     pub max_watches_per_connection: u64,
     /// How long a graceful shutdown waits for requests in progress.
     pub shutdown_timeout_ms: u64,
+    /// Deepest JSON nesting accepted in a frame; deeper frames get `too_large`.
+    pub max_json_depth: u64,
+    /// Open connections in total; more are refused (`rate_limited`, close 1013).
+    pub max_connections: u64,
+    /// Open connections from one IP address.
+    pub max_connections_per_ip: u64,
+    /// Requests per second one connection may send (a token bucket of this size
+    /// refilled every second); more get `rate_limited`.
+    pub max_requests_per_second: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,7 +96,13 @@ pub struct TokenConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default)]
 pub struct AuthConfig {
+    /// Tokens by role: `tokens = [{ role = "worker", token = "…" }, …]`.
     pub tokens: Vec<TokenConfig>,
+    /// A file of more tokens, one `ROLE TOKEN` pair per line (`#` comments), so
+    /// secrets can stay out of the main config file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+    /// Start without tokens on a non-loopback address.
     pub allow_unauthenticated: bool,
 }
 
@@ -110,6 +125,10 @@ impl Default for ServerConfig {
             outbox_frames: 4_096,
             max_watches_per_connection: 64,
             shutdown_timeout_ms: 10_000,
+            max_json_depth: 64,
+            max_connections: 10_000,
+            max_connections_per_ip: 1_000,
+            max_requests_per_second: 2_000,
         }
     }
 }
@@ -158,7 +177,7 @@ impl Default for LogConfig {
 }
 
 /// Keys that are valid but absent from the serialized defaults.
-const OPTIONAL_KEYS: &[&str] = &["turns.dispatch_timeout_ms"];
+const OPTIONAL_KEYS: &[&str] = &["turns.dispatch_timeout_ms", "auth.token_file"];
 
 /// A config that could not be loaded, with every problem found.
 #[derive(Debug, thiserror::Error)]
@@ -228,9 +247,12 @@ impl Config {
         if !problems.is_empty() {
             return Err(ConfigError { problems });
         }
-        let config: Config = merged
+        let mut config: Config = merged
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::one(e.to_string()))?;
+        if let Some(path) = config.auth.token_file.clone() {
+            config.auth.tokens.extend(read_token_file(&path)?);
+        }
         Ok(Loaded { config, warnings })
     }
 
@@ -253,8 +275,26 @@ impl Config {
         if self.server.heartbeat_ms < 10 {
             p.push("server.heartbeat_ms must be at least 10".into());
         }
-        if self.server.outbox_frames == 0 {
-            p.push("server.outbox_frames must be positive".into());
+        for (name, v) in [
+            ("server.outbox_frames", self.server.outbox_frames),
+            ("server.max_json_depth", self.server.max_json_depth),
+            ("server.max_connections", self.server.max_connections),
+            (
+                "server.max_connections_per_ip",
+                self.server.max_connections_per_ip,
+            ),
+            (
+                "server.max_requests_per_second",
+                self.server.max_requests_per_second,
+            ),
+            (
+                "server.max_watches_per_connection",
+                self.server.max_watches_per_connection,
+            ),
+        ] {
+            if v == 0 {
+                p.push(format!("{name} must be positive"));
+            }
         }
         if !matches!(self.storage.sync.as_str(), "always" | "never") {
             p.push(format!(
@@ -338,10 +378,59 @@ impl Config {
     /// The effective config as TOML (tokens redacted).
     pub fn to_toml_redacted(&self) -> String {
         let mut c = self.clone();
+        // Tokens read from the token file stay in the file.
+        if c.auth.token_file.is_some() {
+            c.auth.tokens.clear();
+        }
         for t in &mut c.auth.tokens {
             t.token = "<redacted>".into();
         }
         toml::to_string_pretty(&c).unwrap_or_else(|e| format!("# cannot render config: {e}"))
+    }
+}
+
+/// Read `ROLE TOKEN` lines.
+fn read_token_file(path: &Path) -> Result<Vec<TokenConfig>, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::one(format!("read auth.token_file {}: {e}", path.display())))?;
+    let mut out = Vec::new();
+    let mut problems = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut parts = line.split_whitespace();
+        let role = match parts.next() {
+            Some("worker") => Role::Worker,
+            Some("client") => Role::Client,
+            Some("operator") => Role::Operator,
+            other => {
+                problems.push(format!(
+                    "{}:{}: role must be worker, client or operator, not {:?}",
+                    path.display(),
+                    n + 1,
+                    other.unwrap_or("")
+                ));
+                continue;
+            }
+        };
+        match (parts.next(), parts.next()) {
+            (Some(token), None) => out.push(TokenConfig {
+                role,
+                token: token.to_string(),
+            }),
+            _ => problems.push(format!(
+                "{}:{}: expected `ROLE TOKEN`",
+                path.display(),
+                n + 1
+            )),
+        }
+    }
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(ConfigError { problems })
     }
 }
 

@@ -42,13 +42,124 @@ pub struct Shared {
     pub connections: ConnectionCounts,
 }
 
-/// Connections by role, for metrics.
+/// Connections by role, for metrics, and by address, for limits.
 #[derive(Default)]
 pub struct ConnectionCounts {
     pub unauthenticated: AtomicU64,
     pub worker: AtomicU64,
     pub client: AtomicU64,
     pub operator: AtomicU64,
+    pub total: AtomicU64,
+    pub per_ip: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u64>>,
+    /// Connections refused by a limit.
+    pub refused: AtomicU64,
+}
+
+/// A connection's place in the limits; released when dropped.
+struct Slot<'a> {
+    counts: &'a ConnectionCounts,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.counts.total.fetch_sub(1, Ordering::Relaxed);
+        if let Ok(mut m) = self.counts.per_ip.lock() {
+            if let Some(n) = m.get_mut(&self.ip) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    m.remove(&self.ip);
+                }
+            }
+        }
+    }
+}
+
+impl ConnectionCounts {
+    /// Take a slot for a new connection from `ip`, or say which limit refuses it.
+    fn admit(&self, ip: std::net::IpAddr, max_total: u64, max_ip: u64) -> Result<Slot<'_>, String> {
+        let total = self.total.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut m = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        *n += 1;
+        let per_ip = *n;
+        drop(m);
+        let slot = Slot { counts: self, ip };
+        if total > max_total {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(format!(
+                "the server holds its maximum of {max_total} connections (server.max_connections)"
+            ));
+        }
+        if per_ip > max_ip {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(format!(
+                "{ip} holds its maximum of {max_ip} connections (server.max_connections_per_ip)"
+            ));
+        }
+        Ok(slot)
+    }
+}
+
+/// Whether a JSON text nests deeper than `max` (counted without parsing, so a
+/// hostile frame cannot make the parser recurse).
+fn too_deep(text: &str, max: u64) -> bool {
+    let mut depth = 0u64;
+    let mut in_str = false;
+    let mut escaped = false;
+    for b in text.bytes() {
+        if in_str {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'{' | b'[' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// A token bucket: `rate` requests per second, bursts up to `rate`.
+struct Bucket {
+    rate: f64,
+    tokens: f64,
+    at: tokio::time::Instant,
+}
+
+impl Bucket {
+    fn new(rate: u64) -> Bucket {
+        Bucket {
+            rate: rate as f64,
+            tokens: rate as f64,
+            at: tokio::time::Instant::now(),
+        }
+    }
+
+    fn take(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        let dt = now.duration_since(self.at).as_secs_f64();
+        self.at = now;
+        self.tokens = (self.tokens + dt * self.rate).min(self.rate);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 impl ConnectionCounts {
@@ -115,6 +226,33 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: Sock
                 return;
             }
         };
+    let limits = &shared.config.server;
+    let _slot = match shared.connections.admit(
+        peer.ip(),
+        limits.max_connections,
+        limits.max_connections_per_ip,
+    ) {
+        Ok(slot) => slot,
+        Err(why) => {
+            tracing::warn!(%peer, "connection refused: {why}");
+            let mut ws = ws;
+            let body = bad(ErrorCode::RateLimited, why);
+            if ws
+                .send(Message::text(encode_error(None, &body)))
+                .await
+                .is_ok()
+            {
+                let frame = CloseFrame {
+                    code: CloseCode::from(1013),
+                    reason: "connection limit".into(),
+                };
+                if let Err(e) = ws.send(Message::Close(Some(frame))).await {
+                    tracing::debug!("close frame not sent: {e}");
+                }
+            }
+            return;
+        }
+    };
     let conn_id = new_connection_id();
     let (outbox, mut out_rx) =
         Outbox::new(conn_id.clone(), shared.config.server.outbox_frames as usize);
@@ -181,6 +319,8 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: Sock
     });
 
     let mut bad_in_row = 0u32;
+    let mut bucket = Bucket::new(shared.config.server.max_requests_per_second);
+    let max_depth = shared.config.server.max_json_depth;
     let close: Option<(u16, String)> = loop {
         let next = tokio::select! {
             n = tokio::time::timeout(heartbeat * 3, stream.next()) => n,
@@ -226,6 +366,20 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: Sock
             Message::Close(_) => break None,
             _ => continue,
         };
+        if too_deep(text.as_str(), max_depth) {
+            bad_in_row += 1;
+            let body = bad(
+                ErrorCode::TooLarge,
+                format!("JSON nests deeper than server.max_json_depth ({max_depth})"),
+            );
+            if !conn.respond_error(None, body).await {
+                break None;
+            }
+            if bad_in_row >= MAX_BAD_FRAMES {
+                break Some((CLOSE_POLICY, "too many bad frames in a row".into()));
+            }
+            continue;
+        }
         let req = match decode_request(text.as_str()) {
             Ok(r) => r,
             Err(fe) => {
@@ -243,6 +397,19 @@ pub async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: Sock
             }
         };
         bad_in_row = 0;
+        if !bucket.take() {
+            let body = bad(
+                ErrorCode::RateLimited,
+                format!(
+                    "more than {} requests per second on this connection",
+                    shared.config.server.max_requests_per_second
+                ),
+            );
+            if !conn.respond_error(Some(req.id), body).await {
+                break None;
+            }
+            continue;
+        }
         if req.op == Op::Hello.name() {
             let r = conn.hello(req.args).await;
             if !conn.respond(req.id, r).await {
@@ -559,5 +726,29 @@ impl Conn {
             }
         };
         Some(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_is_counted_outside_strings() {
+        assert!(!too_deep(r#"{"a":[1,{"b":2}]}"#, 3));
+        assert!(too_deep(r#"{"a":[1,{"b":[2]}]}"#, 3));
+        assert!(!too_deep(r#"{"a":"[[[[[[[[[[\"[[[["}"#, 2));
+        assert!(too_deep(&"[".repeat(100), 64));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bucket_refills_with_time() {
+        let mut b = Bucket::new(2);
+        assert!(b.take());
+        assert!(b.take());
+        assert!(!b.take());
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(b.take());
+        assert!(!b.take());
     }
 }
