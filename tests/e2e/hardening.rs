@@ -1,1 +1,505 @@
-//! Auth, limits, hostile input, graceful shutdown, CI use of the binary.
+//! Auth, limits, hostile input, graceful shutdown, and CI use of the built binary.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::Message;
+use turnd_client::{Caller, FunctionSpec, Worker};
+use turnd_proto::{Outcome, Role, TurnStatus, WaitState};
+use turnd_server::config::TokenConfig;
+use turnd_tests::{eventually, wait_done, worker_options, BinDaemon, Raw, TestDaemon};
+
+const T: u64 = 15;
+
+fn tokens() -> Vec<TokenConfig> {
+    vec![
+        TokenConfig {
+            role: Role::Worker,
+            token: "worker-secret-1".into(),
+        },
+        TokenConfig {
+            role: Role::Client,
+            token: "client-secret-1".into(),
+        },
+        TokenConfig {
+            role: Role::Operator,
+            token: "operator-secret-1".into(),
+        },
+    ]
+}
+
+async fn hello_code(url: &str, role: &str, token: &str) -> anyhow::Result<Option<String>> {
+    let mut r = Raw::connect(url).await?;
+    let f = r
+        .request("hello", json!({"protocol": 1, "role": role, "token": token, "worker_id": "w", "instance_id": "i"}))
+        .await?;
+    Ok(f.pointer("/error/code")
+        .and_then(Value::as_str)
+        .map(str::to_string))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_checked_per_role() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| c.auth.tokens = tokens()).await?;
+    assert_eq!(
+        hello_code(&td.url, "client", "wrong").await?.as_deref(),
+        Some("not_authenticated")
+    );
+    assert_eq!(
+        hello_code(&td.url, "client", "").await?.as_deref(),
+        Some("not_authenticated")
+    );
+    assert_eq!(
+        hello_code(&td.url, "client", "worker-secret-1")
+            .await?
+            .as_deref(),
+        Some("not_authenticated")
+    );
+    assert_eq!(
+        hello_code(&td.url, "client", "client-secret-1").await?,
+        None
+    );
+    assert_eq!(
+        hello_code(&td.url, "worker", "worker-secret-1").await?,
+        None
+    );
+    // An operator token opens every role.
+    assert_eq!(
+        hello_code(&td.url, "client", "operator-secret-1").await?,
+        None
+    );
+    assert_eq!(
+        hello_code(&td.url, "operator", "client-secret-1")
+            .await?
+            .as_deref(),
+        Some("not_authenticated")
+    );
+    // After a refused hello the connection is still unauthenticated.
+    let mut r = Raw::connect(&td.url).await?;
+    let f = r
+        .request(
+            "hello",
+            json!({"protocol": 1, "role": "client", "token": "nope"}),
+        )
+        .await?;
+    assert_eq!(f["error"]["code"], "not_authenticated");
+    assert_eq!(r.error_code("stats", json!({})).await?, "not_authenticated");
+    r.ok(
+        "hello",
+        json!({"protocol": 1, "role": "client", "token": "client-secret-1"}),
+    )
+    .await?;
+    r.ok("stats", json!({})).await?;
+    td.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cannot_touch_another_workers_invocation() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let c = td.caller().await?;
+    let (mut owner, _) = Raw::hello(
+        &td.url,
+        "worker",
+        json!({"worker_id": "owner", "instance_id": "i1"}),
+    )
+    .await?;
+    owner
+        .ok("function.register", json!({"function_id": "f"}))
+        .await?;
+    let (mut thief, _) = Raw::hello(
+        &td.url,
+        "worker",
+        json!({"worker_id": "thief", "instance_id": "i2"}),
+    )
+    .await?;
+    let t = c.submit_simple("own", "f", json!(1)).await?;
+    let invoke = owner.next_push().await?;
+    let inv = invoke["invocation_id"].clone();
+    let args = json!({"invocation_id": inv, "outcome": {"complete": "stolen"}});
+    assert_eq!(
+        thief.error_code("invocation.result", args).await?,
+        "forbidden"
+    );
+    assert_eq!(
+        thief
+            .error_code("invocation.heartbeat", json!({"invocation_id": inv}))
+            .await?,
+        "forbidden"
+    );
+    assert_eq!(
+        thief
+            .error_code(
+                "invocation.status",
+                json!({"invocation_id": inv, "state": "unknown"})
+            )
+            .await?,
+        "forbidden"
+    );
+    let now = c.get(&t.turn_id).await?;
+    assert_eq!(now.status, TurnStatus::Running, "nothing changed");
+    assert_eq!(now.wait.map(|w| w.state), Some(WaitState::AwaitingResult));
+    let ok = owner
+        .ok(
+            "invocation.result",
+            json!({"invocation_id": inv, "outcome": {"complete": "mine"}}),
+        )
+        .await?;
+    assert_eq!(ok["accepted"], "applied");
+    assert_eq!(
+        wait_done(&c, &t.turn_id, T).await?.output,
+        Some(json!("mine"))
+    );
+    td.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frame_depth_and_value_limits() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| {
+        c.server.max_frame_bytes = 4096;
+        c.server.max_json_depth = 8;
+        c.turns.max_value_bytes = 1024;
+    })
+    .await?;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    // JSON nested deeper than the limit: too_large, and the connection survives.
+    let deep = format!(
+        "{{\"id\":5,\"op\":\"ping\",\"args\":{{\"x\":{}1{}}}}}",
+        "[".repeat(20),
+        "]".repeat(20)
+    );
+    r.send_text(&deep).await?;
+    let f = r.recv().await?;
+    assert_eq!(f["error"]["code"], "too_large", "{f}");
+    r.ok("ping", json!({})).await?;
+    // An input over max_value_bytes: too_large, no turn created.
+    let code = r
+        .error_code(
+            "turn.submit",
+            json!({"session_id": "lim", "function_id": "f", "input": "x".repeat(2000)}),
+        )
+        .await?;
+    assert_eq!(code, "too_large");
+    assert_eq!(
+        r.error_code("session.inspect", json!({"session_id": "lim"}))
+            .await?,
+        "not_found"
+    );
+    // A frame over max_frame_bytes: too_large where possible, then close 1009.
+    r.send_text(&format!(
+        "{{\"id\":9,\"op\":\"ping\",\"args\":{{\"pad\":\"{}\"}}}}",
+        "y".repeat(8000)
+    ))
+    .await?;
+    let mut code = None;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), r.ws.next()).await? {
+            Some(Ok(Message::Close(Some(c)))) => {
+                code = Some(u16::from(c.code));
+                break;
+            }
+            Some(Ok(_)) => continue,
+            _ => break,
+        }
+    }
+    assert_eq!(code, Some(1009));
+    td.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_request_watch_and_queue_limits() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| {
+        c.server.max_connections_per_ip = 3;
+        c.server.max_requests_per_second = 5;
+        c.server.max_watches_per_connection = 2;
+        c.turns.max_queued_per_session = 3;
+    })
+    .await?;
+    // Requests per second: a burst over the bucket is refused, retryable.
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    let mut limited = 0;
+    for _ in 0..10 {
+        let f = r.request("ping", json!({})).await?;
+        if f.pointer("/error/code") == Some(&json!("rate_limited")) {
+            assert_eq!(f["error"]["retryable"], true);
+            limited += 1;
+        }
+    }
+    assert!(
+        limited >= 4,
+        "expected refusals past 5 requests in a burst, got {limited}"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    r.ok("ping", json!({})).await?;
+    // Turns queued per session.
+    for i in 0..3 {
+        r.ok(
+            "turn.submit",
+            json!({"session_id": "q", "function_id": "none", "input": i}),
+        )
+        .await?;
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        r.error_code(
+            "turn.submit",
+            json!({"session_id": "q", "function_id": "none", "input": 9})
+        )
+        .await?,
+        "rate_limited"
+    );
+    // Watches per connection.
+    r.ok("watch", json!({"session_id": "q"})).await?;
+    r.ok("watch", json!({"session_id": "q"})).await?;
+    assert_eq!(
+        r.error_code("watch", json!({"session_id": "q"})).await?,
+        "rate_limited"
+    );
+    // Connections per address: this one plus two more are allowed, the fourth is refused.
+    let _b = Raw::connect(&td.url).await?;
+    let _c = Raw::connect(&td.url).await?;
+    let mut d = Raw::connect(&td.url).await?;
+    let f = d.recv().await?;
+    assert_eq!(f["error"]["code"], "rate_limited", "{f}");
+    td.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_bad_frames_close_the_connection() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    for i in 0..15 {
+        r.send_text("not json").await?;
+        let f = r.recv().await?;
+        assert_eq!(f["error"]["code"], "bad_frame", "frame {i}: {f}");
+    }
+    // A good frame resets the count.
+    r.ok("ping", json!({})).await?;
+    for _ in 0..16 {
+        r.send_text("{}").await?;
+    }
+    let mut close = None;
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(5), r.ws.next()).await {
+        match m {
+            Ok(Message::Close(c)) => {
+                close = c.map(|c| u16::from(c.code));
+                break;
+            }
+            Ok(_) => continue,
+            Err(_) => break,
+        }
+    }
+    assert_eq!(close, Some(1008));
+    td.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_worker_is_disconnected_and_its_work_awaits_the_reconnect() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| {
+        c.server.outbox_frames = 4;
+        c.turns.reconnect_grace_ms = 60_000;
+        c.turns.max_value_bytes = 600_000;
+        c.server.max_frame_bytes = 2 * 1024 * 1024;
+    })
+    .await?;
+    let c = td.caller().await?;
+    // A worker that never reads after registering, with a tiny receive buffer: its
+    // socket fills up and the daemon's outgoing queue with it.
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    sock.set_recv_buffer_size(4096)?;
+    let addr = td
+        .url
+        .trim_start_matches("ws://")
+        .trim_end_matches("/v1")
+        .parse()?;
+    let stream = sock.connect(addr).await?;
+    let (ws, _) = tokio_tungstenite::client_async(td.url.as_str(), stream).await?;
+    let mut w = Raw::from_stream(ws);
+    w.ok("hello", json!({"protocol": 1, "role": "worker", "token": "t", "worker_id": "slow", "instance_id": "i1"})).await?;
+    w.ok(
+        "function.register",
+        json!({"function_id": "big", "concurrency": 1000}),
+    )
+    .await?;
+    let big = "z".repeat(100_000);
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        ids.push(
+            c.submit_simple(&format!("slow-{i}"), "big", json!(big))
+                .await?
+                .turn_id,
+        );
+    }
+    // The daemon cut it off instead of buffering without bound…
+    eventually(T, "the slow worker to be disconnected", || {
+        let c = &c;
+        async move {
+            let ws = c.workers().await.ok()?;
+            ws.iter()
+                .find(|x| x.worker_id == "slow")
+                .filter(|x| !x.connected)
+                .map(|_| ())
+        }
+    })
+    .await?;
+    // …and its dispatched invocations wait for its reconnect: nothing failed.
+    let t = c.get(&ids[0]).await?;
+    assert_eq!(t.status, TurnStatus::Running);
+    assert_eq!(t.wait.map(|w| w.state), Some(WaitState::AwaitingReconnect));
+    let stats = c.stats().await?;
+    assert_eq!(stats.turns.failed, 0);
+    drop(w);
+    td.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_waits_and_refuses_new_work() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let c = td.caller().await?;
+    let t = c.submit_simple("sd", "none", json!(null)).await?;
+    let waiter = {
+        let c = Caller::connect(&td.url, None).await?;
+        let id = t.turn_id.clone();
+        tokio::spawn(async move { c.wait(&id, Some(60_000)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = tokio::time::Instant::now();
+    td.shutdown().await?;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "shutdown did not wait out the turn.wait"
+    );
+    // The wait was answered with the turn as it is, or its connection closed.
+    match waiter.await? {
+        Ok(turn) => assert_eq!(turn.status, TurnStatus::Queued),
+        Err(e) => assert!(e.code().is_none() || e.is_retryable(), "{e}"),
+    }
+    Ok(())
+}
+
+/// A free loopback port (the daemon is restarted on the same one so SDK workers
+/// reconnect by themselves).
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_load_exits_zero_and_loses_nothing_acknowledged() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let port = free_port()?.to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let env = [
+        ("TURND_TURNS__RECONNECT_GRACE_MS", "30000"),
+        ("TURND_TURNS__DEFAULT_TIMEOUT_MS", "10000"),
+    ];
+    let d = BinDaemon::start_on(&data, &listen, &env).await?;
+    let url = d.url.clone();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let runs = runs.clone();
+        Worker::new(worker_options(&url, "w-term"))
+            .function(FunctionSpec::new("slowecho").concurrency(16), move |ctx| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                    Outcome::Complete(ctx.invoke.input.clone())
+                }
+            })
+            .spawn(tokio_util::sync::CancellationToken::new())
+    };
+    worker.connected().await;
+    // Load: submitters keep going until the daemon stops answering.
+    let acked = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let mut load = Vec::new();
+    for s in 0..4 {
+        let url = url.clone();
+        let acked = acked.clone();
+        load.push(tokio::spawn(async move {
+            let Ok(c) = Caller::connect(&url, None).await else {
+                return;
+            };
+            for i in 0..1000 {
+                match c
+                    .submit_simple(&format!("term-{s}"), "slowecho", json!(i))
+                    .await
+                {
+                    Ok(t) => acked.lock().map(|mut a| a.push(t.turn_id)).unwrap_or(()),
+                    Err(_) => return,
+                }
+            }
+        }));
+    }
+    eventually(T, "some acknowledged work", || {
+        let acked = acked.clone();
+        async move { (acked.lock().map(|a| a.len()).unwrap_or(0) >= 20).then_some(()) }
+    })
+    .await?;
+    let status = d.terminate().await?;
+    assert!(status.success(), "SIGTERM exit status: {status:?}");
+    for l in load {
+        l.await?;
+    }
+    let acked: Vec<String> = acked.lock().map(|a| a.clone()).unwrap_or_default();
+    // Restart on the same port and data; the worker reconnects by itself and its
+    // in-flight work is reconciled.
+    let d2 = BinDaemon::start_on(&data, &listen, &env).await?;
+    let c = Caller::connect(&d2.url, None).await?;
+    for id in &acked {
+        let t = c.wait_terminal(id, Duration::from_secs(60)).await?;
+        assert_eq!(t.status, TurnStatus::Completed, "{id}: {t:?}");
+    }
+    let op = Caller::connect_as(&d2.url, Role::Operator, None).await?;
+    let v = op.store_check().await?;
+    assert!(v.is_empty(), "{v:?}");
+    eprintln!(
+        "acknowledged {} turns, handler runs {}",
+        acked.len(),
+        runs.load(Ordering::SeqCst)
+    );
+    worker.shutdown();
+    d2.terminate().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ci_use_ready_file_and_check_config() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = BinDaemon::start(&dir.path().join("data"), &[]).await?;
+    let c = Caller::connect(&d.url, None).await?;
+    c.ping().await?;
+    assert!(d.admin.starts_with("http://127.0.0.1:"));
+    let status = d.terminate().await?;
+    assert!(status.success());
+    let bin = turnd_tests::turnd_bin()?;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new(&bin)
+        .args(["check-config", "--config"])
+        .arg(root.join("config/turnd.toml"))
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[storage]\nsync = \"maybe\"\n[server]\nlisten = \"nope\"\n",
+    )?;
+    let out = std::process::Command::new(&bin)
+        .args(["check-config", "--config"])
+        .arg(&bad)
+        .output()?;
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("storage.sync") && err.contains("server.listen"),
+        "{err}"
+    );
+    Ok(())
+}

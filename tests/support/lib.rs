@@ -163,6 +163,11 @@ impl Raw {
         })
     }
 
+    /// Wrap a plain TCP WebSocket made by the caller (e.g. with socket options).
+    pub fn from_stream(ws: WebSocketStream<TcpStream>) -> RawTcp {
+        RawTcp { ws, next_id: 1 }
+    }
+
     /// Connect and say hello with `role` (extra hello args merged in).
     pub async fn hello(url: &str, role: &str, extra: Value) -> anyhow::Result<(Raw, Value)> {
         let mut r = Raw::connect(url).await?;
@@ -247,6 +252,42 @@ impl Raw {
     }
 }
 
+/// A raw peer over a plain TCP stream (see [`Raw::from_stream`]).
+pub struct RawTcp {
+    pub ws: WebSocketStream<TcpStream>,
+    next_id: u64,
+}
+
+impl RawTcp {
+    /// Send a request and return its `ok` member (pushes before it are skipped).
+    pub async fn ok(&mut self, op: &str, args: Value) -> anyhow::Result<Value> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.ws
+            .send(Message::text(
+                json!({"id": id, "op": op, "args": args}).to_string(),
+            ))
+            .await?;
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(5), self.ws.next())
+                .await
+                .context("no frame within 5s")?;
+            let f: Value = match m {
+                Some(Ok(Message::Text(t))) => serde_json::from_str(t.as_str())?,
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => bail!("socket error: {e}"),
+                None => bail!("connection ended"),
+            };
+            if f.get("id") == Some(&json!(id)) {
+                return f
+                    .get("ok")
+                    .cloned()
+                    .with_context(|| format!("{op} failed: {f}"));
+            }
+        }
+    }
+}
+
 /// The built `turnd` binary, built once per test run if missing.
 pub fn turnd_bin() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
@@ -287,6 +328,16 @@ impl BinDaemon {
     /// Start `turnd serve` on `data_dir` with extra `TURND_*` environment settings;
     /// returns once its ready file names its addresses.
     pub async fn start(data_dir: &Path, env: &[(&str, &str)]) -> anyhow::Result<BinDaemon> {
+        Self::start_on(data_dir, "127.0.0.1:0", env).await
+    }
+
+    /// Like [`BinDaemon::start`], on a chosen WebSocket listen address (to restart a
+    /// daemon where its workers will reconnect by themselves).
+    pub async fn start_on(
+        data_dir: &Path,
+        listen: &str,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<BinDaemon> {
         let bin = turnd_bin()?;
         let ready = data_dir.with_extension("ready.json");
         if ready.exists() {
@@ -296,7 +347,7 @@ impl BinDaemon {
         cmd.args([
             "serve",
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--admin-listen",
             "127.0.0.1:0",
         ])
