@@ -503,3 +503,82 @@ async fn ci_use_ready_file_and_check_config() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A self-signed certificate for 127.0.0.1, its PEM files, and a client config
+/// that trusts it.
+fn self_signed(
+    dir: &std::path::Path,
+) -> anyhow::Result<(
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Arc<rustls::ClientConfig>,
+)> {
+    let ck =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
+    let cert_path = dir.join("cert.pem");
+    let key_path = dir.join("key.pem");
+    std::fs::write(&cert_path, ck.cert.pem())?;
+    std::fs::write(&key_path, ck.signing_key.serialize_pem())?;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ck.cert.der().clone())?;
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok((cert_path, key_path, Arc::new(config)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_on_both_listeners_with_a_self_signed_certificate() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let certs = tempfile::tempdir()?;
+    let (cert, key, client) = self_signed(certs.path())?;
+    let td = TestDaemon::start(|c| {
+        c.server.tls_cert = Some(cert.clone());
+        c.server.tls_key = Some(key.clone());
+    })
+    .await?;
+    assert!(td.url.starts_with("wss://"), "{}", td.url);
+    assert!(td.admin.starts_with("https://"), "{}", td.admin);
+    let hello = turnd_proto::HelloArgs {
+        protocol: 1,
+        role: Role::Client,
+        token: None,
+        name: None,
+        worker_id: None,
+        instance_id: None,
+        inflight: vec![],
+        finished: vec![],
+    };
+    let (conn, ok) = turnd_client::Connection::connect_tls(&td.url, hello, client.clone()).await?;
+    assert_eq!(ok.server, "turnd");
+    let c = Caller::from_connection(conn);
+    let t = c.submit_simple("tls", "none", json!("over tls")).await?;
+    assert_eq!(c.get(&t.turn_id).await?.input, json!("over tls"));
+    // Plain WebSocket to the TLS port does not get through.
+    let plain = td.url.replacen("wss://", "ws://", 1);
+    assert!(Caller::connect(&plain, None).await.is_err());
+    // The admin port answers over TLS.
+    let addr = td.admin.trim_start_matches("https://").to_string();
+    let tcp = tokio::net::TcpStream::connect(&addr).await?;
+    let connector = tokio_rustls::TlsConnector::from(client);
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?.to_owned();
+    let mut s = connector.connect(name, tcp).await?;
+    s.write_all(
+        format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
+    let mut body = Vec::new();
+    s.read_to_end(&mut body).await.or_else(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            Ok(0)
+        } else {
+            Err(e)
+        }
+    })?;
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    td.shutdown().await
+}

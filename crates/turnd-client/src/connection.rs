@@ -150,11 +150,40 @@ impl Connection {
     /// Connect to `url` without sending `hello` (tests of `not_authenticated`, or a
     /// caller that builds its own hello with [`Connection::request`]).
     pub async fn connect_raw(url: &str) -> Result<Connection, ClientError> {
+        Connection::connect_raw_tls(url, None).await
+    }
+
+    /// Like [`Connection::connect_raw`], with a TLS client configuration for `wss://`
+    /// URLs (for example one that trusts a private CA). Without one, `wss://` uses
+    /// the system's root certificates.
+    pub async fn connect_raw_tls(
+        url: &str,
+        tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+    ) -> Result<Connection, ClientError> {
         // Nagle off: requests are small and latency matters more than packet count.
-        let (ws, _response) = tokio_tungstenite::connect_async_with_config(url, None, true)
-            .await
-            .map_err(|e| ClientError::Connect(format!("{url}: {e}")))?;
+        let connector = tls.map(tokio_tungstenite::Connector::Rustls);
+        let (ws, _response) =
+            tokio_tungstenite::connect_async_tls_with_config(url, None, true, connector)
+                .await
+                .map_err(|e| ClientError::Connect(format!("{url}: {e}")))?;
         Ok(Connection::from_stream(ws))
+    }
+
+    /// Like [`Connection::connect`], with a TLS client configuration (see
+    /// [`Connection::connect_raw_tls`]).
+    pub async fn connect_tls(
+        url: &str,
+        hello: HelloArgs,
+        tls: std::sync::Arc<rustls::ClientConfig>,
+    ) -> Result<(Connection, HelloOk), ClientError> {
+        let conn = Connection::connect_raw_tls(url, Some(tls)).await?;
+        let ok: HelloOk = conn.call("hello", &hello).await?;
+        if ok.heartbeat_ms > 0 {
+            conn.set_idle_timeout(Some(Duration::from_millis(
+                ok.heartbeat_ms.saturating_mul(IDLE_HEARTBEATS),
+            )));
+        }
+        Ok((conn, ok))
     }
 
     fn from_stream(ws: Ws) -> Connection {

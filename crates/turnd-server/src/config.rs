@@ -46,6 +46,12 @@ pub struct ServerConfig {
     pub max_connections: u64,
     /// Open connections from one IP address.
     pub max_connections_per_ip: u64,
+    /// PEM certificate chain; with `tls_key`, both listeners speak TLS (wss, https).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
     /// Requests per second one connection may send (a token bucket of this size
     /// refilled every second); more get `rate_limited`.
     pub max_requests_per_second: u64,
@@ -129,6 +135,8 @@ impl Default for ServerConfig {
             max_connections: 10_000,
             max_connections_per_ip: 1_000,
             max_requests_per_second: 2_000,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -177,7 +185,12 @@ impl Default for LogConfig {
 }
 
 /// Keys that are valid but absent from the serialized defaults.
-const OPTIONAL_KEYS: &[&str] = &["turns.dispatch_timeout_ms", "auth.token_file"];
+const OPTIONAL_KEYS: &[&str] = &[
+    "turns.dispatch_timeout_ms",
+    "auth.token_file",
+    "server.tls_cert",
+    "server.tls_key",
+];
 
 /// A config that could not be loaded, with every problem found.
 #[derive(Debug, thiserror::Error)]
@@ -295,6 +308,17 @@ impl Config {
             if v == 0 {
                 p.push(format!("{name} must be positive"));
             }
+        }
+        match (&self.server.tls_cert, &self.server.tls_key) {
+            (Some(c), Some(k)) => {
+                for (name, f) in [("server.tls_cert", c), ("server.tls_key", k)] {
+                    if !f.is_file() {
+                        p.push(format!("{name} {} is not a readable file", f.display()));
+                    }
+                }
+            }
+            (None, None) => {}
+            _ => p.push("server.tls_cert and server.tls_key must be set together".into()),
         }
         if !matches!(self.storage.sync.as_str(), "always" | "never") {
             p.push(format!(

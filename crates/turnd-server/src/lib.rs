@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod tls;
 pub mod ws;
 
 use std::net::SocketAddr;
@@ -55,6 +56,8 @@ pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<SledKv>> {
 pub struct Daemon {
     pub ws_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// Whether both listeners speak TLS.
+    pub tls: bool,
     pub engine: Engine,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
@@ -75,6 +78,10 @@ impl Daemon {
             .admin
             .local_addr()
             .context("admin listener address")?;
+        let tls = match (&cfg.server.tls_cert, &cfg.server.tls_key) {
+            (Some(c), Some(k)) => Some(tls::acceptor(c, k)?),
+            _ => None,
+        };
         let store = Store::new(kv.clone());
         let engine = Engine::open(store, cfg.engine_config())
             .await
@@ -88,24 +95,28 @@ impl Daemon {
             connections: ConnectionCounts::default(),
         });
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(serve(shared, listeners, kv, shutdown.clone()));
+        let is_tls = tls.is_some();
+        let task = tokio::spawn(serve(shared, listeners, tls, kv, shutdown.clone()));
         Ok(Daemon {
             ws_addr,
             admin_addr,
+            tls: is_tls,
             engine,
             shutdown,
             task,
         })
     }
 
-    /// `ws://ADDR/v1`.
+    /// `ws://ADDR/v1` (`wss://` with TLS).
     pub fn ws_url(&self) -> String {
-        format!("ws://{}{}", self.ws_addr, turnd_proto::WS_PATH)
+        let scheme = if self.tls { "wss" } else { "ws" };
+        format!("{scheme}://{}{}", self.ws_addr, turnd_proto::WS_PATH)
     }
 
-    /// `http://ADDR`.
+    /// `http://ADDR` (`https://` with TLS).
     pub fn admin_url(&self) -> String {
-        format!("http://{}", self.admin_addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.admin_addr)
     }
 
     /// A token that starts a graceful shutdown when cancelled.
@@ -131,6 +142,7 @@ impl Daemon {
 async fn serve(
     shared: Arc<Shared>,
     listeners: Listeners,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     kv: Arc<dyn Kv>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -138,10 +150,26 @@ async fn serve(
     let admin_shutdown = shared.closing.clone();
     let admin = tokio::spawn({
         let router = admin::router(shared.clone());
+        let graceful = async move { admin_shutdown.cancelled().await };
+        let listener = listeners.admin;
+        let tls = tls.clone();
         async move {
-            axum::serve(listeners.admin, router)
-                .with_graceful_shutdown(async move { admin_shutdown.cancelled().await })
-                .await
+            match tls {
+                Some(acceptor) => {
+                    let l = tls::TlsListener {
+                        inner: listener,
+                        acceptor,
+                    };
+                    axum::serve(l, router)
+                        .with_graceful_shutdown(graceful)
+                        .await
+                }
+                None => {
+                    axum::serve(listener, router)
+                        .with_graceful_shutdown(graceful)
+                        .await
+                }
+            }
         }
     });
     loop {
@@ -151,7 +179,22 @@ async fn serve(
                     if let Err(e) = stream.set_nodelay(true) {
                         tracing::debug!(%peer, "set TCP_NODELAY: {e}");
                     }
-                    conns.spawn(ws::serve_connection(shared.clone(), stream, peer));
+                    match &tls {
+                        Some(acceptor) => {
+                            let acceptor = acceptor.clone();
+                            let shared = shared.clone();
+                            conns.spawn(async move {
+                                match tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                                    Ok(Ok(s)) => ws::serve_connection(shared, s, peer).await,
+                                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
+                                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                                }
+                            });
+                        }
+                        None => {
+                            conns.spawn(ws::serve_connection(shared.clone(), stream, peer));
+                        }
+                    }
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.

@@ -14,7 +14,6 @@ use std::time::Duration;
 use futures_util::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::handshake::server::{
     ErrorResponse, Request as HttpRequest, Response,
 };
@@ -198,7 +197,10 @@ fn ok<T: serde::Serialize>(v: T) -> Result<Value, ErrorBody> {
 }
 
 /// Serve one accepted TCP connection until it ends.
-pub async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+pub async fn serve_connection<S>(shared: Arc<Shared>, stream: S, peer: SocketAddr)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let max = shared.config.server.max_frame_bytes as usize;
     let ws_config = WebSocketConfig::default()
         .max_message_size(Some(max))
