@@ -448,3 +448,41 @@ async fn metrics_count_terminal_transitions_by_cause_and_health_answers() -> any
     assert_eq!(http_get(&td.admin, "/nope").await?.0, 404);
     td.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_registering_during_admission_is_never_missed() -> anyhow::Result<()> {
+    // A turn admitted while its function's first worker registers must be
+    // dispatched: the session is noted as waiting in the same critical section
+    // as its failed reservation, so the registration wakes it.
+    let td = TestDaemon::start(|_| {}).await?;
+    let c = td.caller().await?;
+    for i in 0..40 {
+        let function = format!("race-{i}");
+        let session = format!("race-{i}");
+        let submit = c.submit_simple(&session, &function, json!(i));
+        let url = td.url.clone();
+        let f2 = function.clone();
+        let worker = tokio::spawn(async move {
+            let (mut w, _) = Raw::hello(
+                &url,
+                "worker",
+                json!({"worker_id": format!("w-{f2}"), "instance_id": "i"}),
+            )
+            .await?;
+            w.ok("function.register", json!({"function_id": f2}))
+                .await?;
+            let invoke = w.next_push().await?;
+            w.ok(
+                "invocation.result",
+                json!({"invocation_id": invoke["invocation_id"], "outcome": {"complete": true}}),
+            )
+            .await?;
+            anyhow::Ok(w)
+        });
+        let t = submit.await?;
+        let done = wait_done(&c, &t.turn_id, 5).await?;
+        assert_eq!(done.status, TurnStatus::Completed, "iteration {i}");
+        drop(worker.await??);
+    }
+    td.shutdown().await
+}

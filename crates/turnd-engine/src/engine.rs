@@ -1775,6 +1775,7 @@ impl Engine {
             .clone()
             .unwrap_or_else(|| outbox.conn_id.clone());
         let name = hello.name.clone().unwrap_or_else(|| worker_id.to_string());
+        let conn_id = outbox.conn_id.clone();
         let attached =
             self.registry()
                 .attach(worker_id, &name, &instance_id, outbox, self.now_ms());
@@ -1782,8 +1783,25 @@ impl Engine {
             tracing::info!(worker_id, old_conn = %old.conn_id, "worker connection superseded by a new hello");
             old.close_with(CloseReason::Superseded);
         }
+        match self.reconcile(hello, &instance_id, attached.assigned).await {
+            Ok(rec) => Ok(rec),
+            Err(e) => {
+                // The hello is refused: the connection must not stay attached.
+                self.worker_disconnected(worker_id, &conn_id).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Reconcile every invocation assigned to a worker_id that said hello.
+    async fn reconcile(
+        &self,
+        hello: &HelloArgs,
+        instance_id: &str,
+        assigned: Vec<(String, Assignment)>,
+    ) -> ApiResult<Reconciled> {
         let mut rec = Reconciled::default();
-        for (inv_id, a) in attached.assigned {
+        for (inv_id, a) in assigned {
             let cell = self.cell(&a.session_id);
             let mut st = self.lock(&cell).await.map_err(read_failed)?;
             let Some(inv) = st.inv.clone().filter(|i| i.invocation_id == inv_id) else {
@@ -2086,13 +2104,12 @@ impl Engine {
         let now = self.now_ms();
         let mut tx = Tx::new(&st, now);
         let mut inv = inv;
-        inv.wait = InvWait::AwaitingResult;
-        inv.wait_since_ms = if inv.wait == InvWait::AwaitingResult {
-            inv.wait_since_ms
-        } else {
-            now
-        };
+        if inv.wait != InvWait::AwaitingResult {
+            inv.wait = InvWait::AwaitingResult;
+            inv.wait_since_ms = now;
+        }
         inv.deadline_ms = now + inv.settings.timeout_ms;
+        inv.attempt_deadline_ms = inv.deadline_ms;
         let deadline_ms = inv.deadline_ms;
         tx.put_invocation(&st, inv);
         self.commit(&cell, &mut st, tx)

@@ -287,14 +287,18 @@ impl Registry {
         self.serving(function_id) > 0
     }
 
-    /// Reserve a slot on a connected worker serving `function_id` with free capacity.
+    /// Reserve a slot on a connected worker serving `function_id` with free capacity;
+    /// without one, the session is noted as waiting for the function.
     pub fn reserve(
         &mut self,
         function_id: &str,
         invocation_id: &str,
         session_id: &str,
     ) -> Option<Reservation> {
-        let settings = self.functions.get(function_id)?.settings;
+        let Some(settings) = self.functions.get(function_id).map(|f| f.settings) else {
+            self.wait_for(function_id, session_id);
+            return None;
+        };
         let mut candidates: Vec<&String> = self
             .workers
             .iter()
@@ -308,6 +312,9 @@ impl Registry {
             .map(|(k, _)| k)
             .collect();
         if candidates.is_empty() {
+            // Noted in the same critical section as the failed reservation, so a
+            // worker that registers right after wakes this session.
+            self.wait_for(function_id, session_id);
             return None;
         }
         candidates.sort();

@@ -253,17 +253,12 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "Atomic batches written",
         cs.batches,
     );
-    counter(
-        &mut reg,
+    let secs: Counter<f64, AtomicU64> = Counter::default();
+    secs.inc_by(cs.commit_micros as f64 / 1e6);
+    reg.register(
         "storage_commit_seconds",
-        "Total time spent applying and syncing group commits (divide by storage_commits for the mean)",
-        cs.commit_micros / 1_000_000,
-    );
-    gauge(
-        &mut reg,
-        "storage_commit_micros_total",
-        "Total microseconds spent in group commits",
-        cs.commit_micros as i64,
+        "Time spent applying and syncing group commits (divide by storage_commits for the mean)",
+        secs,
     );
     gauge(
         &mut reg,
