@@ -582,3 +582,43 @@ async fn tls_on_both_listeners_with_a_self_signed_certificate() -> anyhow::Resul
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     td.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_with_a_worker_id_may_serve_functions() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let (mut plain, _) = Raw::hello(&td.url, "operator", json!({})).await?;
+    assert_eq!(
+        plain
+            .error_code("function.register", json!({"function_id": "f"}))
+            .await?,
+        "forbidden"
+    );
+    let (mut op, ok) = Raw::hello(
+        &td.url,
+        "operator",
+        json!({"worker_id": "ops-1", "instance_id": "i"}),
+    )
+    .await?;
+    assert!(ok["ok"]["reconciled"].is_object(), "{ok}");
+    op.ok("function.register", json!({"function_id": "f"}))
+        .await?;
+    let t = op
+        .ok(
+            "turn.submit",
+            json!({"session_id": "ops", "function_id": "f", "input": 5}),
+        )
+        .await?;
+    let invoke = op.next_push().await?;
+    op.ok(
+        "invocation.result",
+        json!({"invocation_id": invoke["invocation_id"], "outcome": {"complete": 6}}),
+    )
+    .await?;
+    let c = td.caller().await?;
+    let id = t["turn"]["turn_id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(wait_done(&c, &id, T).await?.output, Some(json!(6)));
+    td.shutdown().await
+}

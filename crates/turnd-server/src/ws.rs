@@ -475,8 +475,7 @@ where
     shared.engine.connection_closed(&conn_id);
     let role = conn.auth.get().map(|a| a.role);
     if let Some(Auth {
-        worker_id: Some(w),
-        role: Role::Worker,
+        worker_id: Some(w), ..
     }) = conn.auth.get()
     {
         shared.engine.worker_disconnected(w, &conn_id).await;
@@ -545,7 +544,10 @@ impl Conn {
                 format!("token not accepted for role {}", h.role.as_str()),
             ));
         }
-        let reconciled = if h.role == Role::Worker {
+        // A worker, or an operator that names a worker_id, serves functions from this
+        // connection; an operator may use every op.
+        let serves = h.role == Role::Worker || (h.role == Role::Operator && h.worker_id.is_some());
+        let reconciled = if serves {
             Some(
                 self.shared
                     .engine
@@ -557,11 +559,7 @@ impl Conn {
         };
         let auth = Auth {
             role: h.role,
-            worker_id: if h.role == Role::Worker {
-                h.worker_id.clone()
-            } else {
-                None
-            },
+            worker_id: if serves { h.worker_id.clone() } else { None },
         };
         if self.auth.set(auth).is_err() {
             return Err(bad(
@@ -599,7 +597,7 @@ impl Conn {
             .ok_or_else(|| {
                 bad(
                     ErrorCode::Forbidden,
-                    "this op needs a worker connection (hello with role worker)",
+                    "this op needs a worker connection (hello with role worker, or operator with a worker_id)",
                 )
             })
     }
