@@ -563,6 +563,15 @@ impl Engine {
         let Some(h) = tx.holder_seq(st).and_then(|s| tx.take(st, s)) else {
             return;
         };
+        if h.deadline_ms.map(|d| d <= now).unwrap_or(false) && h.stop.is_some() {
+            // Stopped before its own deadline passed: the stop is what ends it.
+            if let Some(inv) = tx.live(st).cloned() {
+                self.send_cancel(tx, &inv, "stop requested");
+                self.give_up(st, tx, inv, InvState::Abandoned);
+            }
+            self.cancel_turn(st, tx, h, None);
+            return;
+        }
         if h.deadline_ms.map(|d| d <= now).unwrap_or(false) {
             let inv = tx.live(st).cloned();
             if let Some(inv) = &inv {
@@ -1862,6 +1871,36 @@ impl Engine {
                 1 => rec.redispatched.push(inv_id),
                 _ => rec.unknown.push(inv_id),
             }
+        }
+        // Work the worker still runs that the daemon already gave up (stopped while
+        // it was away, outcome unknown, superseded): tell it to stop, and list it.
+        let worker_id = hello.worker_id.as_deref().unwrap_or("");
+        for inv_id in &hello.inflight {
+            if rec.kept.contains(inv_id)
+                || rec.redispatched.contains(inv_id)
+                || rec.unknown.contains(inv_id)
+            {
+                continue;
+            }
+            let Ok(Some(inv)) = self.inner.store.invocation(inv_id) else {
+                continue;
+            };
+            if inv.worker_id != worker_id || inv.is_active() {
+                continue;
+            }
+            if let Some(o) = self.registry().outbox_of(worker_id, instance_id) {
+                let frame = push_frame(&Push::Cancel {
+                    invocation_id: inv_id.clone(),
+                    reason: format!(
+                        "the invocation was given up ({}) while the worker was away",
+                        inv.state.as_str()
+                    ),
+                });
+                if !o.push(frame) {
+                    tracing::debug!(invocation_id = %inv_id, "cancel for a given-up invocation not queued");
+                }
+            }
+            rec.unknown.push(inv_id.clone());
         }
         Ok(rec)
     }
