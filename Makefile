@@ -17,12 +17,12 @@ run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421,
 
 test: test-rust test-python ## Run the whole test suite
 
-test-rust: ## Rust unit and end-to-end tests
+test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd)
 	$(CARGO) build -p turnd --bin turnd
 ifeq ($(NEXTEST),yes)
-	$(CARGO) nextest run --workspace --no-fail-fast
+	TURND_BIN=$(CURDIR)/target/debug/turnd $(CARGO) nextest run --workspace --no-fail-fast
 else
-	$(CARGO) test --workspace --no-fail-fast
+	TURND_BIN=$(CURDIR)/target/debug/turnd $(CARGO) test --workspace --no-fail-fast
 endif
 
 test-python: ## The independent Python protocol client against the built binary
