@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use turnd_client::{Caller, ClientError, FunctionSpec, Worker, WorkerHandle};
 use turnd_proto::{ErrorCode, EventKind, Outcome, SubmitArgs, TurnStatus, WaitState};
@@ -20,23 +19,9 @@ use turnd_tests::{eventually, wait_done, worker_options, Raw, TestDaemon};
 
 const T: u64 = 15;
 
-/// GET a path on the admin listener; returns the status code.
+/// The status code of a GET on the admin listener.
 async fn http_status(admin: &str, path: &str) -> anyhow::Result<u16> {
-    let addr = admin.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await?;
-    let text = String::from_utf8_lossy(&buf);
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no status line in {text:?}"))?;
-    Ok(code)
+    Ok(turnd_tests::http_get(admin, path).await?.0)
 }
 
 /// An echo worker that counts its executions.

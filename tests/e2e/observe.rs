@@ -5,34 +5,11 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use turnd_client::Caller;
 use turnd_proto::{OnDeadline, Turn, TurnStatus, Wait, WaitState, WatchArgs};
-use turnd_tests::{eventually, wait_done, Raw, TestDaemon};
+use turnd_tests::{eventually, http_get, wait_done, Raw, TestDaemon};
 
 const T: u64 = 15;
-
-async fn http_get(admin: &str, path: &str) -> anyhow::Result<(u16, String)> {
-    let addr = admin.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await?;
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no status line"))?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
-}
 
 /// The value of one sample line of /metrics, e.g. `turnd_sessions_waiting{state="backing_off"}`.
 fn metric(body: &str, sample: &str) -> Option<f64> {

@@ -145,6 +145,30 @@ where
     }
 }
 
+/// GET a path on a plain-HTTP admin listener (`http://ADDR`): status and body.
+pub async fn http_get(admin: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = admin.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await?;
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("no status line in {text:?}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
 /// A raw WebSocket peer speaking JSON frames, for protocol-level tests.
 pub struct Raw {
     pub ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
@@ -344,20 +368,14 @@ impl BinDaemon {
             std::fs::remove_file(&ready)?;
         }
         let mut cmd = tokio::process::Command::new(bin);
-        cmd.args([
-            "serve",
-            "--listen",
-            listen,
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--data-dir")
-        .arg(data_dir)
-        .arg("--ready-file")
-        .arg(&ready)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::inherit())
-        .kill_on_drop(true);
+        cmd.args(["serve", "--listen", listen, "--admin-listen", "127.0.0.1:0"])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);
         }
