@@ -369,3 +369,25 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
     assert!(detail.to_string().contains("inv_missing"), "{detail}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_faults_answer_unavailable_and_change_nothing() -> anyhow::Result<()> {
+    let td = TestDaemon::start_faulty(|_| {}).await?;
+    let c = td.caller().await?;
+    let t = c.submit_simple("reads", "nobody", json!(1)).await?;
+    let f = faults(&td);
+    f.set_fail_reads(true);
+    unavailable(c.get(&t.turn_id).await.expect_err("read refused"));
+    unavailable(c.stop(&t.turn_id, "x").await.expect_err("read refused"));
+    unavailable(
+        c.events("reads", None, None)
+            .await
+            .expect_err("read refused"),
+    );
+    f.set_fail_reads(false);
+    let now = c.get(&t.turn_id).await?;
+    assert_eq!(now.status, TurnStatus::Queued);
+    assert!(now.stop.is_none(), "the refused stop changed nothing");
+    assert_clean(&td).await?;
+    td.shutdown().await
+}
