@@ -12,6 +12,7 @@
 pub mod check;
 pub mod faulty;
 pub mod keys;
+pub mod mem;
 pub mod records;
 pub mod sled_kv;
 
