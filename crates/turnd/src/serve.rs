@@ -1,7 +1,6 @@
 //! `turnd serve` and `turnd check-config`.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
@@ -134,6 +133,11 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     if cfg.storage.sync == "never" {
         tracing::warn!("storage.sync = \"never\": acknowledged writes can be lost on a crash; use only for tests and benchmarks");
     }
+    // Take over SIGTERM/SIGINT before anything can report readiness, so a signal
+    // right after READY starts a graceful shutdown instead of killing the process.
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
+    let int = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
     // Bind before the heavy work (opening and recovering the store).
     let listeners = Listeners::bind(&cfg).await?;
     let kv = open_store(&cfg)?;
@@ -160,7 +164,7 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
         tracing::debug!("sd_notify READY not sent: {e}");
     }
     let shutdown = daemon.shutdown_token();
-    tokio::spawn(watch_signals(shutdown));
+    tokio::spawn(watch_signals(shutdown, term, int));
     daemon.join().await?;
     if let Some(path) = &ready_file {
         if let Err(e) = std::fs::remove_file(path) {
@@ -171,18 +175,11 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
 }
 
 /// First SIGTERM/SIGINT: graceful shutdown. Second: exit at once.
-async fn watch_signals(shutdown: CancellationToken) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (mut term, mut int) = match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(t), Ok(i)) => (t, i),
-        (Err(e), _) | (_, Err(e)) => {
-            tracing::error!("failed to install signal handlers: {e}");
-            return;
-        }
-    };
+async fn watch_signals(
+    shutdown: CancellationToken,
+    mut term: tokio::signal::unix::Signal,
+    mut int: tokio::signal::unix::Signal,
+) {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
@@ -197,6 +194,5 @@ async fn watch_signals(shutdown: CancellationToken) {
         _ = int.recv() => {}
     }
     eprintln!("turnd: second signal: exiting now");
-    tokio::time::sleep(Duration::from_millis(0)).await;
     std::process::exit(130);
 }
