@@ -4,7 +4,7 @@ CARGO ?= cargo
 PYTHON ?= python3
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help build run test test-rust test-python lint fmt doc bench clean
+.PHONY: help build run test test-rust test-python lint fmt doc bench check-fsync fuzz clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -39,6 +39,18 @@ fmt: ## Format the code
 
 doc: ## Build the API docs
 	$(CARGO) doc --workspace --no-deps
+
+bench: ## Benchmarks (release build; see docs/benchmarks.md for each scenario's command)
+	$(CARGO) build --release -p turnd -p turnd-bench
+	target/release/turnd-bench sequential
+	target/release/turnd-bench sessions
+	target/release/turnd-bench multistep
+
+check-fsync: ## Prove from strace that an fdatasync precedes every acknowledgement
+	scripts/check-fsync.sh
+
+fuzz: ## Run the cargo-fuzz targets (FUZZ_SECONDS each, default 60; see docs/fuzzing.md)
+	scripts/fuzz.sh
 
 clean: ## Remove build output
 	$(CARGO) clean

@@ -1,0 +1,250 @@
+//! The system under test, started the way the binary starts it: the real
+//! [`Daemon`] on `127.0.0.1:0` over a real sled store in a data directory, with echo
+//! workers and callers that speak protocol v1 over WebSocket through the SDK.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+use turnd_client::turnd_proto::Outcome;
+use turnd_client::{Caller, FunctionSpec, InvocationCtx, Worker, WorkerHandle, WorkerOptions};
+use turnd_server::{open_store, Config, Daemon, Listeners};
+use turnd_store::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, SledKv, StoreError};
+
+/// The function every benchmark turn runs: completes with its input after
+/// `input.steps` steps (default 1), continuing with the same state until then.
+pub const ECHO: &str = "echo";
+
+/// A function no worker serves: its turns wait as `awaiting_worker`.
+pub const NOBODY: &str = "nobody";
+
+/// The daemon's config for benchmarks: defaults except loopback port 0, the data
+/// directory and sync mode given, and no per-connection request rate limit
+/// (`server.max_requests_per_second`, an abuse guard of 2000/s by default, would
+/// otherwise throttle a benchmark's busiest connection rather than the daemon).
+pub fn bench_config(data_dir: &Path, sync: &str) -> Config {
+    let mut cfg = Config::default();
+    cfg.server.listen = "127.0.0.1:0".into();
+    cfg.server.admin_listen = "127.0.0.1:0".into();
+    cfg.server.max_requests_per_second = 1_000_000_000;
+    cfg.storage.data_dir = data_dir.to_path_buf();
+    cfg.storage.sync = sync.to_string();
+    cfg
+}
+
+/// What the engine asks of the store: batches, key-value operations and bytes
+/// committed, and reads. Counted by [`CountingKv`] around the real sled store.
+#[derive(Debug, Default)]
+pub struct KvCounts {
+    pub batches: AtomicU64,
+    pub ops: AtomicU64,
+    pub bytes: AtomicU64,
+    pub reads: AtomicU64,
+}
+
+/// A snapshot of [`KvCounts`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KvSnapshot {
+    pub batches: u64,
+    pub ops: u64,
+    pub bytes: u64,
+    pub reads: u64,
+}
+
+impl KvSnapshot {
+    pub fn since(self, earlier: KvSnapshot) -> KvSnapshot {
+        KvSnapshot {
+            batches: self.batches.saturating_sub(earlier.batches),
+            ops: self.ops.saturating_sub(earlier.ops),
+            bytes: self.bytes.saturating_sub(earlier.bytes),
+            reads: self.reads.saturating_sub(earlier.reads),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        let b = self.batches.max(1) as f64;
+        format!(
+            "store writes: {:.1} keys and {:.0} bytes per batch; {} point/range reads",
+            self.ops as f64 / b,
+            self.bytes as f64 / b,
+            self.reads
+        )
+    }
+}
+
+/// Forwards everything to the sled store and counts it (a few relaxed atomic adds
+/// per call: no measurable cost next to a commit).
+pub struct CountingKv {
+    inner: Arc<SledKv>,
+    counts: Arc<KvCounts>,
+}
+
+impl Kv for CountingKv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.counts.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.get(key)
+    }
+
+    fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        self.counts.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.scan(start, end, reverse, limit)
+    }
+
+    fn commit(&self, batch: Batch) -> CommitTicket {
+        let bytes: usize = batch
+            .ops
+            .iter()
+            .map(|op| match op {
+                KvOp::Put(k, v) => k.len() + v.len(),
+                KvOp::Delete(k) => k.len(),
+            })
+            .sum();
+        let c = &self.counts;
+        c.batches.fetch_add(1, Ordering::Relaxed);
+        c.ops.fetch_add(batch.ops.len() as u64, Ordering::Relaxed);
+        c.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.inner.commit(batch)
+    }
+
+    fn sync(&self) -> Result<(), StoreError> {
+        self.inner.sync()
+    }
+
+    fn commit_stats(&self) -> CommitStats {
+        self.inner.commit_stats()
+    }
+}
+
+/// An in-process daemon on its own data directory.
+pub struct BenchDaemon {
+    pub daemon: Daemon,
+    pub kv: Arc<SledKv>,
+    pub counts: Arc<KvCounts>,
+    pub url: String,
+}
+
+impl BenchDaemon {
+    pub async fn start(data_dir: &Path, sync: &str) -> anyhow::Result<BenchDaemon> {
+        let cfg = bench_config(data_dir, sync);
+        cfg.validate()?;
+        let listeners = Listeners::bind(&cfg).await?;
+        let kv = open_store(&cfg)?;
+        let counts = Arc::new(KvCounts::default());
+        let counting = Arc::new(CountingKv {
+            inner: kv.clone(),
+            counts: counts.clone(),
+        });
+        let daemon = Daemon::start(cfg, listeners, counting).await?;
+        let url = daemon.ws_url();
+        Ok(BenchDaemon {
+            daemon,
+            kv,
+            counts,
+            url,
+        })
+    }
+
+    pub fn kv_counts(&self) -> KvSnapshot {
+        let c = &self.counts;
+        KvSnapshot {
+            batches: c.batches.load(Ordering::Relaxed),
+            ops: c.ops.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            reads: c.reads.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn commit_stats(&self) -> CommitStats {
+        self.kv.commit_stats()
+    }
+
+    /// Graceful shutdown (drain, sync). The store closes when the last reference to
+    /// it is gone.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        self.daemon.shutdown().await
+    }
+}
+
+/// The echo handler: `continue` until the last step, then `complete`, both with the
+/// input unchanged.
+pub async fn echo(ctx: InvocationCtx) -> Outcome {
+    let steps = ctx
+        .invoke
+        .input
+        .get("steps")
+        .and_then(Value::as_u64)
+        .unwrap_or(1);
+    if u64::from(ctx.invoke.step) + 1 < steps {
+        Outcome::Continue(ctx.invoke.input.clone())
+    } else {
+        Outcome::Complete(ctx.invoke.input.clone())
+    }
+}
+
+/// Echo workers: `n` connections serving [`ECHO`] with `concurrency` each; returns
+/// once all are connected and registered.
+pub struct Workers {
+    pub handles: Vec<WorkerHandle>,
+    shutdown: CancellationToken,
+}
+
+impl Workers {
+    pub async fn start(url: &str, n: usize, concurrency: u32) -> anyhow::Result<Workers> {
+        let shutdown = CancellationToken::new();
+        let pid = std::process::id();
+        let mut handles = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut opts = WorkerOptions::new(url, format!("bench-{pid}-w{i}"));
+            opts.reconnect_delay = Duration::from_millis(50);
+            let h = Worker::new(opts)
+                .function(FunctionSpec::new(ECHO).concurrency(concurrency), echo)
+                .spawn(shutdown.clone());
+            handles.push(h);
+        }
+        for h in &handles {
+            tokio::time::timeout(Duration::from_secs(10), h.connected())
+                .await
+                .context("echo worker did not connect within 10 s")?;
+        }
+        Ok(Workers { handles, shutdown })
+    }
+
+    /// Stop every worker and wait for them.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        for h in self.handles {
+            h.join().await.context("echo worker ended with an error")?;
+        }
+        Ok(())
+    }
+}
+
+/// `n` client connections.
+pub async fn callers(url: &str, n: usize) -> anyhow::Result<Vec<Arc<Caller>>> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n.max(1) {
+        out.push(Arc::new(
+            Caller::connect(url, None)
+                .await
+                .context("connect a caller")?,
+        ));
+    }
+    Ok(out)
+}
+
+/// Close every caller connection.
+pub async fn close_callers(callers: Vec<Arc<Caller>>) {
+    for c in callers {
+        c.connection().close().await;
+    }
+}

@@ -1,0 +1,293 @@
+//! `turnd-bench`: end-to-end benchmarks of turnd (issue 7).
+//!
+//! Every scenario starts the real daemon *in this process* ([`turnd_server::Daemon`]
+//! on `127.0.0.1:0`, a sled store in a temporary data directory, `storage.sync =
+//! "always"` unless `--sync never` is given, which is NOT durable and labelled so in
+//! every row), echo workers and callers that talk protocol v1 over loopback WebSocket
+//! through the SDK, and prints a markdown row with the exact command line. Because
+//! daemon, workers and callers share the process and its two cores, CPU and memory
+//! figures are for all of them together.
+//!
+//! Scenarios: `sessions`, `sequential`, `multistep`, `idle`, `recovery`. `drive` runs
+//! a small known load against an external daemon (used by `scripts/check-fsync.sh`),
+//! `reopen` is the fresh process `recovery` times, and `sled-batching` times sled
+//! alone with daemon-shaped batches (where a group commit's time goes).
+
+mod daemon;
+mod drive;
+mod measure;
+mod scenarios;
+mod sled_probe;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// End-to-end benchmarks of turnd: the real daemon in-process, echo workers and callers
+/// over loopback WebSocket through the SDK.
+#[derive(Parser)]
+#[command(name = "turnd-bench")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+/// Settings every scenario shares.
+#[derive(Args, Debug, Clone)]
+pub struct Common {
+    /// storage.sync of the daemon: `always` (durable: group-committed fdatasync before
+    /// every acknowledgement) or `never` (NOT DURABLE: for comparison only).
+    #[arg(long, default_value = "always", value_parser = ["always", "never"])]
+    pub sync: String,
+    /// Echo worker connections.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Concurrency each worker connection registers.
+    #[arg(long, default_value_t = 512)]
+    pub concurrency: u32,
+    /// Caller (client) connections.
+    #[arg(long, default_value_t = 32)]
+    pub callers: usize,
+    /// Directory for the temporary data directory (default: the system temp dir).
+    #[arg(long)]
+    pub tmp: Option<PathBuf>,
+    /// Tracing filter for the daemon's logs on stderr. The real binary's default is
+    /// `info`, which logs one line per finished turn.
+    #[arg(long, default_value = "warn")]
+    pub log: String,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// K sessions × M one-step turns, every session submitting at once.
+    Sessions {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 1000)]
+        sessions: usize,
+        #[arg(long, default_value_t = 20)]
+        turns: usize,
+    },
+    /// One session, N turns one after the other (submit, wait until terminal, next).
+    Sequential {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 2000)]
+        turns: usize,
+        /// Turns run first and not counted.
+        #[arg(long, default_value_t = 100)]
+        warmup: usize,
+    },
+    /// K sessions × M turns of S steps each (the worker answers `continue` S-1 times).
+    Multistep {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 100)]
+        sessions: usize,
+        #[arg(long, default_value_t = 10)]
+        turns: usize,
+        #[arg(long, default_value_t = 5)]
+        steps: u64,
+    },
+    /// N sessions with one queued turn each and no worker: memory.
+    Idle {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 100_000)]
+        sessions: usize,
+        /// Submits in flight at once.
+        #[arg(long, default_value_t = 1024)]
+        inflight: usize,
+    },
+    /// Fill a store with R finished turns, then time restarts: the real `turnd`
+    /// binary (spawn → ready file) and a fresh in-process open (sled open +
+    /// Engine::open).
+    Recovery {
+        #[command(flatten)]
+        common: Common,
+        /// Finished turns to retain.
+        #[arg(long, default_value_t = 1_000_000)]
+        turns: u64,
+        #[arg(long, default_value_t = 1000)]
+        sessions: usize,
+        /// Extra turns left queued (no worker) so recovery has live turns to load.
+        #[arg(long, default_value_t = 1000)]
+        queued: usize,
+        /// Keep the data directory here (`DIR/data`) instead of a temporary one.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Measure the existing `DIR/data` without filling it again.
+        #[arg(long, requires = "dir")]
+        reuse: bool,
+        /// The turnd binary (default: `turnd` next to this executable, if present).
+        #[arg(long)]
+        turnd: Option<PathBuf>,
+        /// Restarts measured of each kind.
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+        /// With --reuse: write this many more finished turns before the restarts (the
+        /// first restart then replays what they wrote).
+        #[arg(long, default_value_t = 0, requires = "reuse")]
+        top_up: u64,
+    },
+    /// (used by `recovery`) Open a data directory in this fresh process and time it.
+    #[command(hide = true)]
+    Reopen {
+        #[arg(long)]
+        data_dir: PathBuf,
+    },
+    /// sled alone: groups of daemon-shaped batches applied one by one vs merged.
+    SledBatching {
+        #[arg(long, default_value_t = 200)]
+        groups: usize,
+        #[arg(long, default_value_t = 50)]
+        per_group: usize,
+        #[arg(long, default_value_t = 7)]
+        keys: usize,
+        #[arg(long, default_value_t = 270)]
+        value_bytes: usize,
+    },
+    /// A small known load against an external daemon (for scripts/check-fsync.sh).
+    Drive {
+        /// The daemon's WebSocket URL, e.g. ws://127.0.0.1:7420/v1.
+        #[arg(long)]
+        url: String,
+        #[arg(long, default_value_t = 3)]
+        sessions: usize,
+        #[arg(long, default_value_t = 4)]
+        turns: usize,
+        #[arg(long, default_value_t = 2)]
+        steps: u64,
+    },
+}
+
+/// A runtime like the daemon's own: multi-threaded, one worker per core.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn init_tracing(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn announce(common: &Common) {
+    if common.sync == "never" {
+        eprintln!("turnd-bench: storage.sync = never: acknowledgements are NOT durable in this run (comparison only)");
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::Sessions {
+            common,
+            sessions,
+            turns,
+        } => {
+            init_tracing(&common.log);
+            announce(&common);
+            runtime()?.block_on(scenarios::sessions(&common, "sessions", sessions, turns, 1))
+        }
+        Cmd::Sequential {
+            common,
+            turns,
+            warmup,
+        } => {
+            init_tracing(&common.log);
+            announce(&common);
+            runtime()?.block_on(scenarios::sequential(&common, turns, warmup))
+        }
+        Cmd::Multistep {
+            common,
+            sessions,
+            turns,
+            steps,
+        } => {
+            init_tracing(&common.log);
+            announce(&common);
+            runtime()?.block_on(scenarios::sessions(
+                &common,
+                "multistep",
+                sessions,
+                turns,
+                steps.max(1),
+            ))
+        }
+        Cmd::Idle {
+            common,
+            sessions,
+            inflight,
+        } => {
+            init_tracing(&common.log);
+            announce(&common);
+            runtime()?.block_on(scenarios::idle(&common, sessions, inflight))
+        }
+        Cmd::Recovery {
+            common,
+            turns,
+            sessions,
+            queued,
+            dir,
+            reuse,
+            turnd,
+            repeat,
+            top_up,
+        } => {
+            init_tracing(&common.log);
+            announce(&common);
+            let a = scenarios::RecoveryArgs {
+                turns,
+                sessions,
+                queued,
+                dir,
+                reuse,
+                turnd,
+                repeat: repeat.max(1),
+                top_up,
+            };
+            let prepared = scenarios::prepare_recovery(&common, &a)?;
+            runtime()?.block_on(scenarios::recovery(&common, &a, &prepared))
+        }
+        Cmd::Reopen { data_dir } => {
+            init_tracing("warn");
+            runtime()?.block_on(scenarios::reopen(&data_dir))
+        }
+        Cmd::SledBatching {
+            groups,
+            per_group,
+            keys,
+            value_bytes,
+        } => sled_probe::probe(sled_probe::Shape {
+            groups,
+            per_group,
+            keys,
+            value_bytes,
+        }),
+        Cmd::Drive {
+            url,
+            sessions,
+            turns,
+            steps,
+        } => {
+            init_tracing("warn");
+            runtime()?.block_on(drive::drive(&url, sessions, turns, steps))
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("turnd-bench: failed to run: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

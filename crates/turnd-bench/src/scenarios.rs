@@ -1,0 +1,801 @@
+//! The benchmark scenarios of issue 7. Each starts the real daemon in this process,
+//! drives it over WebSocket through the SDK and prints one markdown row.
+//!
+//! Latency is measured from just before `turn.submit` is sent to the answer of the
+//! `turn.wait` that saw the turn terminal; both requests go over the same caller
+//! connection. Throughput is finished turns over the wall time from the first submit
+//! to the last terminal answer.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use turnd_client::turnd_proto::TurnStatus;
+use turnd_client::Caller;
+
+use crate::daemon::{callers, close_callers, BenchDaemon, KvSnapshot, Workers, ECHO, NOBODY};
+use crate::measure::{
+    commit_delta, describe_threads, loadavg, proc_status_kb, threads_cpu, Cpu, Latencies, Row,
+};
+use crate::Common;
+
+/// How long one turn may take before the benchmark gives up on it.
+const TURN_LIMIT: Duration = Duration::from_secs(300);
+
+/// Everything measured about the daemon over one phase.
+pub struct Probe {
+    cpu: Cpu,
+    commits: turnd_store::CommitStats,
+    kv: KvSnapshot,
+    threads: BTreeMap<String, Duration>,
+    start: Instant,
+    load: Option<f64>,
+}
+
+/// What [`Probe::finish`] found.
+pub struct Measured {
+    pub cpu: Cpu,
+    pub commits: turnd_store::CommitStats,
+    pub notes: String,
+}
+
+impl Probe {
+    pub fn start(d: &BenchDaemon) -> Probe {
+        Probe {
+            cpu: Cpu::now(),
+            commits: d.commit_stats(),
+            kv: d.kv_counts(),
+            threads: threads_cpu(),
+            start: Instant::now(),
+            load: loadavg(),
+        }
+    }
+
+    pub fn finish(self, d: &BenchDaemon) -> Measured {
+        let wall = self.start.elapsed();
+        let cpu = Cpu::now().since(self.cpu);
+        let commits = commit_delta(&d.commit_stats(), &self.commits);
+        let kv = d.kv_counts().since(self.kv);
+        let threads = describe_threads(&self.threads, &threads_cpu(), cpu.total());
+        let busy = commits.commit_micros as f64 / 1e6 / wall.as_secs_f64().max(1e-9);
+        let load = |l: Option<f64>| l.map(|l| format!("{l:.1}")).unwrap_or_else(|| "?".into());
+        let notes = format!(
+            "store writer busy {:.0}% of the wall time (apply + flush + fdatasync); {}; {}; machine load average {} at start, {} at end (2 cores, shared)",
+            busy * 100.0,
+            kv.describe(),
+            threads,
+            load(self.load),
+            load(loadavg())
+        );
+        Measured {
+            cpu,
+            commits,
+            notes,
+        }
+    }
+}
+
+/// What one batch of turns did.
+#[derive(Debug, Default)]
+pub struct TurnsRun {
+    pub completed: u64,
+    pub failed: u64,
+    pub first_error: Option<String>,
+    pub wall: Duration,
+    /// submit → terminal.
+    pub terminal: Latencies,
+    /// submit → acknowledged (one durable commit).
+    pub submit: Latencies,
+}
+
+#[derive(Debug, Default)]
+struct SessionRun {
+    completed: u64,
+    failed: u64,
+    first_error: Option<String>,
+    terminal: Latencies,
+    submit: Latencies,
+}
+
+impl SessionRun {
+    fn error(&mut self, e: String) {
+        self.failed += 1;
+        if self.first_error.is_none() {
+            self.first_error = Some(e);
+        }
+    }
+}
+
+/// `sessions` sessions × `turns` turns of `steps` steps, all sessions at once: each
+/// session submits its turns one after the other (each as soon as the previous submit
+/// is acknowledged, so its FIFO order is the submit order) and waits for each on the
+/// same connection in the background.
+pub async fn run_turns(
+    callers: &[Arc<Caller>],
+    prefix: &str,
+    sessions: usize,
+    turns: usize,
+    steps: u64,
+) -> anyhow::Result<TurnsRun> {
+    if callers.is_empty() {
+        bail!("no caller connections");
+    }
+    let start = Instant::now();
+    let mut set = JoinSet::new();
+    for s in 0..sessions {
+        let caller = callers[s % callers.len()].clone();
+        let sid = format!("{prefix}-{s}");
+        set.spawn(async move {
+            let mut run = SessionRun::default();
+            let mut waits = JoinSet::new();
+            for j in 0..turns {
+                let t0 = Instant::now();
+                let input = json!({"steps": steps, "j": j});
+                match caller.submit_simple(&sid, ECHO, input).await {
+                    Ok(turn) => {
+                        run.submit.push(t0.elapsed());
+                        let caller = caller.clone();
+                        waits.spawn(async move {
+                            let r = caller.wait_terminal(&turn.turn_id, TURN_LIMIT).await;
+                            (r, t0.elapsed())
+                        });
+                    }
+                    Err(e) => run.error(format!("submit: {e}")),
+                }
+            }
+            while let Some(joined) = waits.join_next().await {
+                match joined {
+                    Ok((Ok(turn), took)) if turn.status == TurnStatus::Completed => {
+                        run.completed += 1;
+                        run.terminal.push(took);
+                    }
+                    Ok((Ok(turn), _)) => run.error(format!(
+                        "turn {} ended {} ({:?})",
+                        turn.turn_id,
+                        turn.status.as_str(),
+                        turn.error
+                    )),
+                    Ok((Err(e), _)) => run.error(format!("wait: {e}")),
+                    Err(e) => run.error(format!("wait task: {e}")),
+                }
+            }
+            run
+        });
+    }
+    let mut out = TurnsRun::default();
+    while let Some(joined) = set.join_next().await {
+        let run = joined.context("session task failed")?;
+        out.completed += run.completed;
+        out.failed += run.failed;
+        if out.first_error.is_none() {
+            out.first_error = run.first_error;
+        }
+        out.terminal.extend(run.terminal);
+        out.submit.extend(run.submit);
+    }
+    out.wall = start.elapsed();
+    Ok(out)
+}
+
+fn data_dir(common: &Common) -> anyhow::Result<(tempfile::TempDir, PathBuf)> {
+    let tmp = match &common.tmp {
+        Some(p) => tempfile::Builder::new()
+            .prefix("turnd-bench-")
+            .tempdir_in(p)?,
+        None => tempfile::Builder::new().prefix("turnd-bench-").tempdir()?,
+    };
+    let data = tmp.path().join("data");
+    Ok((tmp, data))
+}
+
+fn sync_label(sync: &str) -> String {
+    match sync {
+        "never" => "**never (NOT durable)**".into(),
+        other => other.into(),
+    }
+}
+
+fn report_turns(
+    scenario: &str,
+    common: &Common,
+    work: String,
+    mut run: TurnsRun,
+    m: Measured,
+    steps: u64,
+) -> anyhow::Result<()> {
+    let Measured {
+        cpu,
+        commits,
+        notes: diag,
+    } = m;
+    let secs = run.wall.as_secs_f64().max(1e-9);
+    let rate = run.completed as f64 / secs;
+    let mut throughput = format!("{rate:.0} turns/s");
+    if steps > 1 {
+        throughput.push_str(&format!(" ({:.0} steps/s)", rate * steps as f64));
+    }
+    let [s50, s90, s99, smax] = run.submit.summary();
+    let f = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or_else(|| "–".into());
+    let mut notes = format!(
+        "submit→ack p50/p90/p99/max {}/{}/{}/{} ms; CPU {:.0} µs per turn",
+        f(s50),
+        f(s90),
+        f(s99),
+        f(smax),
+        cpu.total().as_secs_f64() * 1e6 / run.completed.max(1) as f64
+    );
+    notes.push_str("; ");
+    notes.push_str(&diag);
+    if run.failed > 0 {
+        notes.push_str(&format!(
+            "; **{} turns failed** (first: {})",
+            run.failed,
+            run.first_error.as_deref().unwrap_or("?")
+        ));
+    }
+    let row = Row {
+        scenario: scenario.into(),
+        sync: sync_label(&common.sync),
+        work,
+        wall: Some(run.wall),
+        throughput,
+        latency: run.terminal.summary(),
+        cpu: Some(cpu),
+        rss_peak_kb: proc_status_kb("VmHWM"),
+        commits: Some(commits),
+        notes,
+    };
+    println!(
+        "{scenario}: {} completed, {} failed in {:.2} s = {rate:.0} turns/s",
+        run.completed,
+        run.failed,
+        run.wall.as_secs_f64()
+    );
+    row.print();
+    if run.failed > 0 {
+        bail!("{} turns did not complete", run.failed);
+    }
+    Ok(())
+}
+
+/// `sessions`: K sessions × M one-step turns (or `steps` steps: `multistep`).
+pub async fn sessions(
+    common: &Common,
+    scenario: &str,
+    k: usize,
+    m: usize,
+    steps: u64,
+) -> anyhow::Result<()> {
+    let (_tmp, data) = data_dir(common)?;
+    let d = BenchDaemon::start(&data, &common.sync).await?;
+    let workers = Workers::start(&d.url, common.workers, common.concurrency).await?;
+    let cs = callers(&d.url, common.callers).await?;
+    // Warm up connections and code paths; not measured.
+    run_turns(&cs, "warm", cs.len(), 2, 1).await?;
+    let probe = Probe::start(&d);
+    let run = run_turns(&cs, "bench", k, m, steps).await?;
+    let measured = probe.finish(&d);
+    let work = if steps > 1 {
+        format!(
+            "{k} sessions × {m} turns × {steps} steps; {} workers × concurrency {}; {} caller conns",
+            common.workers, common.concurrency, common.callers
+        )
+    } else {
+        format!(
+            "{k} sessions × {m} one-step turns; {} workers × concurrency {}; {} caller conns",
+            common.workers, common.concurrency, common.callers
+        )
+    };
+    close_callers(cs).await;
+    workers.stop().await?;
+    d.shutdown().await?;
+    report_turns(scenario, common, work, run, measured, steps)
+}
+
+/// `sequential`: one session, `n` turns, each submitted after the previous finished.
+pub async fn sequential(common: &Common, n: usize, warmup: usize) -> anyhow::Result<()> {
+    let (_tmp, data) = data_dir(common)?;
+    let d = BenchDaemon::start(&data, &common.sync).await?;
+    let workers = Workers::start(&d.url, 1, 1).await?;
+    let cs = callers(&d.url, 1).await?;
+    let caller = cs[0].clone();
+    let mut run = TurnsRun::default();
+    let mut probe = Probe::start(&d);
+    let mut start = Instant::now();
+    for i in 0..warmup + n {
+        if i == warmup {
+            probe = Probe::start(&d);
+            start = Instant::now();
+        }
+        let t0 = Instant::now();
+        let turn = caller
+            .submit_simple("seq", ECHO, json!({"i": i}))
+            .await
+            .context("submit")?;
+        let acked = t0.elapsed();
+        let done = caller
+            .wait_terminal(&turn.turn_id, TURN_LIMIT)
+            .await
+            .context("wait")?;
+        let took = t0.elapsed();
+        if done.status != TurnStatus::Completed {
+            bail!("turn {} ended {}", done.turn_id, done.status.as_str());
+        }
+        if i >= warmup {
+            run.completed += 1;
+            run.submit.push(acked);
+            run.terminal.push(took);
+        }
+    }
+    run.wall = start.elapsed();
+    let measured = probe.finish(&d);
+    close_callers(cs).await;
+    workers.stop().await?;
+    d.shutdown().await?;
+    let work = format!(
+        "1 session × {n} sequential turns (submit, wait, next); {warmup} warm-up turns not counted"
+    );
+    report_turns("sequential", common, work, run, measured, 1)
+}
+
+/// `idle`: `n` sessions with one queued turn each, no worker; reports memory.
+pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<()> {
+    let (_tmp, data) = data_dir(common)?;
+    let rss_before_start = proc_status_kb("VmRSS");
+    let d = BenchDaemon::start(&data, &common.sync).await?;
+    let cs = callers(&d.url, common.callers).await?;
+    let rss_base = proc_status_kb("VmRSS");
+    let probe = Probe::start(&d);
+    let start = Instant::now();
+    let mut submit = Latencies::default();
+    let mut failed = 0u64;
+    let mut first_error = None;
+    let mut set = JoinSet::new();
+    for s in 0..n {
+        while set.len() >= inflight.max(1) {
+            collect_submit(&mut set, &mut submit, &mut failed, &mut first_error).await;
+        }
+        let caller = cs[s % cs.len()].clone();
+        set.spawn(async move {
+            let t0 = Instant::now();
+            let r = caller
+                .submit_simple(&format!("idle-{s}"), NOBODY, json!({"s": s}))
+                .await;
+            (r.map(|_| ()).map_err(|e| e.to_string()), t0.elapsed())
+        });
+    }
+    while !set.is_empty() {
+        collect_submit(&mut set, &mut submit, &mut failed, &mut first_error).await;
+    }
+    let wall = start.elapsed();
+    let measured = probe.finish(&d);
+    let stats = cs[0].stats().await.context("stats")?;
+    let rss_loaded = proc_status_kb("VmRSS");
+    close_callers(cs).await;
+    // Let the closed connections' tasks and buffers go.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_settled = proc_status_kb("VmRSS");
+    let hwm = proc_status_kb("VmHWM");
+    d.shutdown().await?;
+    let kb = |v: Option<u64>| crate::measure::mb(v);
+    println!(
+        "idle: {} submitted ({} failed) in {:.2} s; daemon counts {} queued, {} sessions active",
+        submit.len(),
+        failed,
+        wall.as_secs_f64(),
+        stats.turns.queued,
+        stats.sessions.active
+    );
+    let row = Row {
+        scenario: "idle".into(),
+        sync: sync_label(&common.sync),
+        work: format!(
+            "{n} sessions × 1 queued turn, no worker; {} caller conns, {inflight} submits in flight",
+            common.callers
+        ),
+        wall: Some(wall),
+        throughput: format!("{:.0} submits/s", submit.len() as f64 / wall.as_secs_f64().max(1e-9)),
+        latency: submit.summary(),
+        cpu: Some(measured.cpu),
+        rss_peak_kb: hwm,
+        commits: Some(measured.commits),
+        notes: format!(
+            "latency columns = submit→ack; RSS: {} before the daemon started, {} after start, {} with all {} turns queued (connections open), {} after the callers closed; daemon reports {} queued turns; {}",
+            kb(rss_before_start),
+            kb(rss_base),
+            kb(rss_loaded),
+            n,
+            kb(rss_settled),
+            stats.turns.queued,
+            measured.notes
+        ),
+    };
+    row.print();
+    if failed > 0 {
+        bail!(
+            "{failed} submits failed (first: {})",
+            first_error.unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+type SubmitResult = (Result<(), String>, Duration);
+
+async fn collect_submit(
+    set: &mut JoinSet<SubmitResult>,
+    lat: &mut Latencies,
+    failed: &mut u64,
+    first_error: &mut Option<String>,
+) {
+    if let Some(joined) = set.join_next().await {
+        match joined {
+            Ok((Ok(()), took)) => lat.push(took),
+            Ok((Err(e), _)) => {
+                *failed += 1;
+                first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                *failed += 1;
+                first_error.get_or_insert(e.to_string());
+            }
+        }
+    }
+}
+
+/// Settings of the `recovery` scenario.
+#[derive(Debug, Clone)]
+pub struct RecoveryArgs {
+    pub turns: u64,
+    pub sessions: usize,
+    pub queued: usize,
+    pub dir: Option<PathBuf>,
+    pub reuse: bool,
+    pub turnd: Option<PathBuf>,
+    pub repeat: usize,
+    /// With `reuse`: finished turns written to the reused store before measuring.
+    pub top_up: u64,
+}
+
+/// Fill a data directory with `turns` finished turns (plus `queued` waiting ones)
+/// through the daemon, then shut it down cleanly.
+pub async fn fill(
+    common: &Common,
+    data: &Path,
+    a: &RecoveryArgs,
+    prefix: &str,
+) -> anyhow::Result<()> {
+    let d = BenchDaemon::start(data, &common.sync).await?;
+    let workers = Workers::start(&d.url, common.workers, common.concurrency).await?;
+    let cs = callers(&d.url, common.callers).await?;
+    let start = Instant::now();
+    let mut done = 0u64;
+    let sessions = a.sessions.max(1);
+    while done < a.turns {
+        let left = a.turns - done;
+        let per = (left.div_ceil(sessions as u64)).min(50) as usize;
+        let k = if (per as u64) * (sessions as u64) > left {
+            (left as usize).div_ceil(per).min(sessions)
+        } else {
+            sessions
+        };
+        let run = run_turns(&cs, prefix, k, per, 1).await?;
+        if run.failed > 0 {
+            bail!(
+                "fill: {} turns failed (first: {})",
+                run.failed,
+                run.first_error.unwrap_or_default()
+            );
+        }
+        done += run.completed;
+        eprintln!(
+            "fill: {done}/{} turns ({:.0}/s so far)",
+            a.turns,
+            done as f64 / start.elapsed().as_secs_f64().max(1e-9)
+        );
+    }
+    for s in 0..a.queued {
+        cs[s % cs.len()]
+            .submit_simple(
+                &format!("{prefix}-{}", s % sessions),
+                NOBODY,
+                json!({"q": s}),
+            )
+            .await
+            .context("submit a queued turn")?;
+    }
+    eprintln!(
+        "fill: {done} finished + {} queued turns in {:.1} s",
+        a.queued,
+        start.elapsed().as_secs_f64()
+    );
+    close_callers(cs).await;
+    workers.stop().await?;
+    d.shutdown().await?;
+    Ok(())
+}
+
+/// In a fresh process: open the store and start the daemon on it (recovery), timing
+/// each part. Prints one `reopen …` line that `recovery` parses.
+pub async fn reopen(data: &Path) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let cfg = crate::daemon::bench_config(data, "always");
+    let listeners = turnd_server::Listeners::bind(&cfg).await?;
+    let t_bind = t0.elapsed();
+    let kv = turnd_server::open_store(&cfg)?;
+    let t_open = t0.elapsed();
+    let daemon = turnd_server::Daemon::start(cfg, listeners, kv).await?;
+    let t_ready = t0.elapsed();
+    let rss = proc_status_kb("VmRSS").unwrap_or(0);
+    let stats = daemon.engine.stats();
+    println!(
+        "reopen bind_ms={:.1} open_store_ms={:.1} engine_open_ms={:.1} total_ms={:.1} rss_kb={rss} queued={} completed={}",
+        t_bind.as_secs_f64() * 1e3,
+        (t_open - t_bind).as_secs_f64() * 1e3,
+        (t_ready - t_open).as_secs_f64() * 1e3,
+        t_ready.as_secs_f64() * 1e3,
+        stats.turns.queued + stats.turns.running,
+        stats.turns.completed,
+    );
+    daemon.shutdown().await
+}
+
+fn du_mb(dir: &Path) -> f64 {
+    fn walk(p: &Path) -> u64 {
+        let Ok(rd) = std::fs::read_dir(p) else {
+            return 0;
+        };
+        rd.flatten()
+            .map(|e| match e.metadata() {
+                Ok(m) if m.is_dir() => walk(&e.path()),
+                Ok(m) => m.len(),
+                Err(_) => 0,
+            })
+            .sum()
+    }
+    walk(dir) as f64 / (1024.0 * 1024.0)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Time from spawning `turnd serve` on `data` to its ready file (written after
+/// recovery, once it serves).
+async fn time_binary(turnd: &Path, data: &Path) -> anyhow::Result<Duration> {
+    let ready = data.with_extension("ready.json");
+    if ready.exists() {
+        std::fs::remove_file(&ready)?;
+    }
+    let t0 = Instant::now();
+    let mut child = tokio::process::Command::new(turnd)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(data)
+        .arg("--ready-file")
+        .arg(&ready)
+        .env("TURND_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("spawn {}", turnd.display()))?;
+    let took = loop {
+        if ready.exists() {
+            break t0.elapsed();
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("turnd exited before it was ready: {status}");
+        }
+        if t0.elapsed() > Duration::from_secs(600) {
+            bail!("turnd not ready within 600 s");
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    // turnd writes its ready file just before it installs its SIGTERM handler; a
+    // SIGTERM in between ends it by the default action. Give it a moment.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pid = child.id().context("child pid")?;
+    // SAFETY: kill(2) with a pid of our own running child and a valid signal number.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    if rc != 0 {
+        bail!("failed to send SIGTERM to turnd");
+    }
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .context("turnd did not exit within 60 s of SIGTERM")??;
+    if !status.success() {
+        bail!("turnd exited with {status}");
+    }
+    Ok(took)
+}
+
+/// Time a fresh `turnd-bench reopen` process: its own breakdown, and spawn → line.
+async fn time_reopen(data: &Path) -> anyhow::Result<(Duration, String)> {
+    let exe = std::env::current_exe().context("own executable")?;
+    let t0 = Instant::now();
+    let out = tokio::process::Command::new(exe)
+        .arg("reopen")
+        .arg("--data-dir")
+        .arg(data)
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .context("run turnd-bench reopen")?;
+    let took = t0.elapsed();
+    if !out.status.success() {
+        bail!("reopen failed: {}", out.status);
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("reopen "))
+        .context("no reopen line")?
+        .to_string();
+    Ok((took, line))
+}
+
+fn field(line: &str, key: &str) -> Option<f64> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+}
+
+/// Where `recovery` measures: the data directory, and the temporary directory that
+/// holds it (removed on drop) unless `--dir` was given.
+pub struct Prepared {
+    pub data: PathBuf,
+    pub reused: bool,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+/// `recovery`, first part: fill a data directory (unless reused). The fill runs in
+/// its own runtime, dropped before this returns, so every task holding the store is
+/// gone and sled's lock released before the restarts are timed.
+pub fn prepare_recovery(common: &Common, a: &RecoveryArgs) -> anyhow::Result<Prepared> {
+    let (tmp, data) = match &a.dir {
+        Some(d) => (None, d.join("data")),
+        None => {
+            let (t, d) = data_dir(common)?;
+            (Some(t), d)
+        }
+    };
+    let reused = a.reuse && data.join("db").exists();
+    if reused {
+        eprintln!("recovery: reusing {}", data.display());
+        if a.top_up > 0 {
+            // sled 0.34 writes its snapshot only while it opens a store, so the first
+            // start after a run replays everything that run wrote: top up to see it.
+            let top = RecoveryArgs {
+                turns: a.top_up,
+                queued: 0,
+                ..a.clone()
+            };
+            let rt = crate::runtime()?;
+            // Other sessions: the first fill's queued turns hold the locks of its own.
+            rt.block_on(fill(common, &data, &top, "top"))?;
+            drop(rt);
+        }
+    } else {
+        if data.exists() {
+            bail!(
+                "{} exists; pass --reuse to measure it, or remove it",
+                data.display()
+            );
+        }
+        let rt = crate::runtime()?;
+        rt.block_on(fill(common, &data, a, "rec"))?;
+        drop(rt);
+    }
+    Ok(Prepared {
+        data,
+        reused,
+        _tmp: tmp,
+    })
+}
+
+/// `recovery`, second part: time restarts of the real binary and of an in-process
+/// open in a fresh process.
+pub async fn recovery(common: &Common, a: &RecoveryArgs, p: &Prepared) -> anyhow::Result<()> {
+    let data = p.data.clone();
+    let reused = p.reused;
+    let size = du_mb(&data);
+    let mut bin_ms = Vec::new();
+    let turnd = a.turnd.clone().or_else(|| {
+        let sibling = std::env::current_exe().ok()?.parent()?.join("turnd");
+        sibling.exists().then_some(sibling)
+    });
+    if let Some(turnd) = &turnd {
+        for i in 0..a.repeat {
+            let took = time_binary(turnd, &data).await?;
+            eprintln!(
+                "recovery: {} start → ready #{i}: {:.1} ms",
+                turnd.display(),
+                took.as_secs_f64() * 1e3
+            );
+            bin_ms.push(took.as_secs_f64() * 1e3);
+        }
+    } else {
+        eprintln!("recovery: no turnd binary next to turnd-bench (build it: cargo build --release -p turnd) — only the in-process reopen is measured");
+    }
+    let mut reopen_ms = Vec::new();
+    let mut engine_ms = Vec::new();
+    let mut store_ms = Vec::new();
+    let mut rss = Vec::new();
+    let mut last = String::new();
+    for i in 0..a.repeat {
+        let (took, line) = time_reopen(&data).await?;
+        eprintln!(
+            "recovery: reopen #{i}: process {:.1} ms; {line}",
+            took.as_secs_f64() * 1e3
+        );
+        reopen_ms.push(took.as_secs_f64() * 1e3);
+        engine_ms.push(field(&line, "engine_open_ms").unwrap_or(f64::NAN));
+        store_ms.push(field(&line, "open_store_ms").unwrap_or(f64::NAN));
+        rss.push(field(&line, "rss_kb").unwrap_or(f64::NAN));
+        last = line;
+    }
+    // sled 0.34 writes its snapshot only while it opens a store: the first start
+    // after writes replays their log, later starts do not. Both are reported.
+    let throughput = match bin_ms.split_first() {
+        None => "binary not measured".to_string(),
+        Some((first, rest)) => format!(
+            "`turnd serve` start → ready: first start after the writes {first:.0} ms; next starts {}",
+            rest.iter()
+                .map(|v| format!("{v:.0} ms"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let row = Row {
+        scenario: "recovery".into(),
+        sync: match (reused, a.top_up > 0) {
+            (true, false) => "restarts: always; store reused as it was".to_string(),
+            (true, true) => format!(
+                "restarts: always; top-up writes: {}",
+                sync_label(&common.sync)
+            ),
+            (false, _) => format!("restarts: always; fill: {}", sync_label(&common.sync)),
+        },
+        work: format!(
+            "{} finished turns in {} sessions + {} queued turns{}; data dir {:.0} MB",
+            a.turns,
+            a.sessions,
+            a.queued,
+            if reused && a.top_up > 0 {
+                format!(" (reused store, {} more finished turns written just before the restarts)", a.top_up)
+            } else {
+                String::new()
+            },
+            size
+        ),
+        wall: None,
+        throughput,
+        latency: [None; 4],
+        cpu: None,
+        rss_peak_kb: None,
+        commits: None,
+        notes: format!(
+            "fresh `turnd-bench reopen` process: spawn → recovered median {:.0} ms; inside it sled open median {:.0} ms, Engine::open (recovery) median {:.0} ms, RSS after recovery {:.0} MB; last: {last}; machine load average {} (2 cores, shared)",
+            median(&mut reopen_ms),
+            median(&mut store_ms),
+            median(&mut engine_ms),
+            median(&mut rss) / 1024.0,
+            loadavg().map(|l| format!("{l:.1}")).unwrap_or_else(|| "?".into())
+        ),
+    };
+    row.print();
+    Ok(())
+}
