@@ -1226,15 +1226,19 @@ impl Engine {
         self.inner.store.turn(turn_id)
     }
 
-    /// `turn.get`.
-    pub async fn get_turn(&self, turn_id: &str) -> ApiResult<Turn> {
+    /// A turn's stored record, or `not_found`.
+    fn stored_turn(&self, turn_id: &str) -> ApiResult<TurnRecord> {
         check_id("turn_id", turn_id)?;
-        let rec = self
-            .inner
+        self.inner
             .store
             .turn(turn_id)
             .map_err(read_failed)?
-            .ok_or_else(|| err(ErrorCode::NotFound, format!("no turn {turn_id} exists")))?;
+            .ok_or_else(|| err(ErrorCode::NotFound, format!("no turn {turn_id} exists")))
+    }
+
+    /// `turn.get`.
+    pub async fn get_turn(&self, turn_id: &str) -> ApiResult<Turn> {
+        let rec = self.stored_turn(turn_id)?;
         if rec.status.is_terminal() {
             return Ok(to_turn(&rec, None));
         }
@@ -1312,13 +1316,7 @@ impl Engine {
 
     /// `turn.stop`.
     pub async fn stop_turn(&self, turn_id: &str, reason: Option<String>) -> ApiResult<Turn> {
-        check_id("turn_id", turn_id)?;
-        let rec = self
-            .inner
-            .store
-            .turn(turn_id)
-            .map_err(read_failed)?
-            .ok_or_else(|| err(ErrorCode::NotFound, format!("no turn {turn_id} exists")))?;
+        let rec = self.stored_turn(turn_id)?;
         let cell = self.cell(&rec.session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
         let Some(t) = st.find(turn_id).cloned() else {
@@ -1587,13 +1585,7 @@ impl Engine {
                 (s.clone(), None)
             }
             (None, Some(t)) => {
-                check_id("turn_id", t)?;
-                let rec = self
-                    .inner
-                    .store
-                    .turn(t)
-                    .map_err(read_failed)?
-                    .ok_or_else(|| err(ErrorCode::NotFound, format!("no turn {t} exists")))?;
+                let rec = self.stored_turn(t)?;
                 (rec.session_id, Some(t.clone()))
             }
             _ => {
