@@ -1,0 +1,174 @@
+//! Fuzz targets of turnd: their bodies live here so plain `cargo test` (on stable,
+//! without cargo-fuzz) can replay the seeds and the kept regressions.
+//!
+//! - [`frames::frame_decode`]: the frame decoders of the server and the SDK.
+//! - [`requests::run`]: request handling against a real engine on
+//!   `turnd_store::mem::MemKv`.
+
+pub mod frames;
+pub mod requests;
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// Every file under `dir/<target>` (seeds, kept regressions).
+    fn inputs(dir: &str, target: &str) -> Vec<(String, Vec<u8>)> {
+        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir).join(target);
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            return Vec::new();
+        };
+        let mut v: Vec<_> = rd
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_file())
+            .filter(|e| e.file_name() != "README.md")
+            .map(|e| {
+                let p = e.path();
+                (
+                    p.display().to_string(),
+                    std::fs::read(&p).expect("read input"),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn frame_decode_seeds_run_clean() {
+        for (name, data) in inputs("seeds", "frame_decode") {
+            eprintln!("{name}");
+            crate::frames::frame_decode(&data);
+        }
+    }
+
+    /// Kept crashing inputs: each must run clean (see regressions/README.md).
+    #[test]
+    fn regressions_run_clean() {
+        for (name, data) in inputs("regressions", "frame_decode") {
+            eprintln!("{name}");
+            crate::frames::frame_decode(&data);
+        }
+        for (name, data) in inputs("regressions", "requests") {
+            eprintln!("{name}");
+            crate::requests::run(&data);
+        }
+    }
+
+    #[test]
+    fn requests_seeds_run_clean() {
+        for (name, data) in inputs("seeds", "requests") {
+            eprintln!("{name}");
+            crate::requests::run(&data);
+        }
+    }
+
+    /// The harness reaches real state: a worker registers, a turn is dispatched to
+    /// it, its result completes the turn, a restart recovers, and the checks pass.
+    #[test]
+    fn requests_harness_drives_a_turn_to_completion() {
+        use crate::requests::{run_actions, Action, Json, OutcomeChoice, Setup};
+        let setup = Setup {
+            dispatch_timeout: 0,
+            max_queued: 0,
+            max_steps: 0,
+            max_value: 0,
+            small_worker_outbox: false,
+        };
+        let submit = |session| Action::Submit {
+            session,
+            function: 0,
+            input: Json(serde_json::json!({"q": 1})),
+            key: 0,
+            timeout: 0,
+        };
+        let actions = vec![
+            Action::Hello {
+                worker: 0,
+                instance: 0,
+                inflight: vec![],
+                finished: vec![],
+            },
+            Action::Register {
+                worker: 0,
+                function: 0,
+                concurrency: 1,
+                timeout: 4,
+                delivery: 2,
+                max_attempts: 3,
+            },
+            submit(0),
+            submit(0),
+            Action::Result {
+                caller: 0,
+                invocation: 0,
+                outcome: OutcomeChoice::Continue(Json(serde_json::json!({"s": 2}))),
+            },
+            Action::Result {
+                caller: 0,
+                invocation: 1,
+                outcome: OutcomeChoice::Complete(Json(serde_json::json!("done"))),
+            },
+            Action::Get { turn: 0 },
+            Action::Advance { step: 7 },
+            Action::Restart,
+            Action::Hello {
+                worker: 0,
+                instance: 0,
+                inflight: vec![2],
+                finished: vec![],
+            },
+            Action::Stop {
+                turn: 1,
+                reason: true,
+            },
+            Action::Inspect { session: 0 },
+            Action::Events {
+                session: 0,
+                after: 0,
+                limit: 0,
+            },
+            Action::Check,
+        ];
+        let r = run_actions(&setup, &actions);
+        eprintln!("{r:#?}");
+        assert_eq!(r.count("function.register", "ok"), 1);
+        assert_eq!(r.count("turn.submit", "ok"), 2);
+        assert_eq!(r.count("invocation.result", "ok"), 2);
+        assert!(
+            r.invocations >= 3,
+            "continue and the second turn dispatch again"
+        );
+        assert_eq!(r.count("turn.stop", "ok"), 1);
+        assert_eq!(r.count("session.inspect", "ok"), 1);
+        assert_eq!(r.count("store.check", "ok"), 1);
+    }
+
+    /// The float finding through the engine: the same submit, once with an integer
+    /// above u64::MAX and once with the number as the daemon prints it, is one turn
+    /// (deduplicated), not a `conflict`.
+    #[test]
+    fn idempotent_submit_survives_the_daemons_own_float_text() {
+        use crate::requests::{run_actions, Action, Setup};
+        let setup = Setup {
+            dispatch_timeout: 0,
+            max_queued: 0,
+            max_steps: 0,
+            max_value: 0,
+            small_worker_outbox: false,
+        };
+        let submit = |id: u64, input: &str| Action::RawText {
+            role: 2,
+            text: format!(
+                r#"{{"id":{id},"op":"turn.submit","args":{{"session_id":"s0","function_id":"f0","input":{input},"idempotency_key":"k0"}}}}"#
+            ),
+        };
+        let actions = vec![
+            submit(90, "118446744073709551615"),
+            submit(91, "1.1844674407370955e+20"),
+        ];
+        let r = run_actions(&setup, &actions);
+        assert_eq!(r.count("turn.submit", "ok"), 2, "{:?}", r.answers);
+        assert_eq!(r.turns, 1);
+    }
+}
