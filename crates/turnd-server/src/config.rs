@@ -65,6 +65,9 @@ pub struct StorageConfig {
     /// `always` (fsync before every acknowledgement, group-committed) or `never`
     /// (tests and benchmarks only: acknowledged writes may be lost on power loss).
     pub sync: String,
+    /// MiB of decoded pages sled keeps in memory. The engine holds every live turn
+    /// itself; the cache serves reads of finished turns and events.
+    pub cache_mb: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -146,6 +149,7 @@ impl Default for StorageConfig {
         StorageConfig {
             data_dir: PathBuf::from("./data"),
             sync: "always".into(),
+            cache_mb: turnd_store::DEFAULT_CACHE_MB,
         }
     }
 }
@@ -328,6 +332,12 @@ impl Config {
         }
         if self.storage.data_dir.as_os_str().is_empty() {
             p.push("storage.data_dir must not be empty".into());
+        }
+        if !(1..=1 << 20).contains(&self.storage.cache_mb) {
+            p.push(format!(
+                "storage.cache_mb must be between 1 and 1048576, not {}",
+                self.storage.cache_mb
+            ));
         }
         let t = &self.turns;
         for (name, v) in [

@@ -47,7 +47,7 @@ impl Listeners {
 pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<SledKv>> {
     let mode = SyncMode::parse(&cfg.storage.sync)
         .with_context(|| format!("storage.sync {:?}", cfg.storage.sync))?;
-    let kv = SledKv::open(&cfg.storage.data_dir, mode)
+    let kv = SledKv::open_with_cache(&cfg.storage.data_dir, mode, cfg.storage.cache_mb)
         .with_context(|| format!("open store in {}", cfg.storage.data_dir.display()))?;
     Ok(Arc::new(kv))
 }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 pub use check::check_store;
 pub use records::*;
-pub use sled_kv::{SledKv, SyncMode};
+pub use sled_kv::{SledKv, SyncMode, DEFAULT_CACHE_MB};
 
 use turnd_proto::Event;
 

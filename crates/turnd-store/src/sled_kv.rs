@@ -2,9 +2,9 @@
 //!
 //! sled's own `flush` on Linux ends in `sync_file_range`, which does not flush the
 //! disk's write cache, so it does not make a write survive power loss. The writer
-//! thread here applies every queued batch (each atomically, with `apply_batch`), then
-//! calls `flush` and `fdatasync` on sled's log file once for the whole group, and only
-//! then answers every waiting committer. Batches that arrive while a sync runs wait for
+//! thread takes every queued batch, applies them together as one atomic sled
+//! `apply_batch`, then calls `flush` and `fdatasync` on sled's log file once for the
+//! whole group, and only then answers every waiting committer. Batches that arrive while a sync runs wait for
 //! the next one, so no acknowledgement waits for more than one sync after its write.
 
 use std::fs::File;
@@ -126,14 +126,28 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(|e| StoreError::Sync(format!("fsync dir {dir:?}: {e}")))
 }
 
+/// Default size of sled's page cache (`storage.cache_mb`).
+pub const DEFAULT_CACHE_MB: u64 = 64;
+
 impl SledKv {
-    /// Open (or create) the store in `dir`.
+    /// Open (or create) the store in `dir` with the default page cache size.
     pub fn open(dir: &Path, mode: SyncMode) -> Result<SledKv, StoreError> {
+        SledKv::open_with_cache(dir, mode, DEFAULT_CACHE_MB)
+    }
+
+    /// Open (or create) the store in `dir`; sled keeps up to `cache_mb` MiB of
+    /// decoded pages in memory (the engine keeps every live turn itself, so the cache
+    /// serves reads of finished turns and events).
+    pub fn open_with_cache(
+        dir: &Path,
+        mode: SyncMode,
+        cache_mb: u64,
+    ) -> Result<SledKv, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Write(format!("create data dir {dir:?}: {e}")))?;
         let db = sled::Config::new()
             .path(dir)
-            .cache_capacity(256 * 1024 * 1024)
+            .cache_capacity(cache_mb.saturating_mul(1024 * 1024))
             .open()
             .map_err(|e| StoreError::Write(format!("open sled at {dir:?}: {e}")))?;
         let log = File::open(dir.join("db"))
@@ -188,15 +202,13 @@ impl Drop for SledKv {
     }
 }
 
-fn to_sled_batch(batch: Batch) -> sled::Batch {
-    let mut b = sled::Batch::default();
+fn add_to_sled_batch(b: &mut sled::Batch, batch: Batch) {
     for op in batch.ops {
         match op {
             KvOp::Put(k, v) => b.insert(k, v),
             KvOp::Delete(k) => b.remove(k),
         }
     }
-    b
 }
 
 fn writer_loop(
@@ -214,27 +226,31 @@ fn writer_loop(
             }
         }
         let started = tokio::time::Instant::now();
-        let mut results: Vec<Result<(), StoreError>> = Vec::with_capacity(jobs.len());
-        let mut replies = Vec::with_capacity(jobs.len());
-        let poisoned = syncer.poisoned();
+        let count = jobs.len();
+        // The whole group goes to sled as one batch. sled seals and writes its log
+        // buffer around every `apply_batch`, so a batch per job would cost two
+        // synchronous device writes per job; one merged batch costs two per group.
+        // The group is all-or-nothing anyway: every job in it is acknowledged only
+        // after the same sync. Operations are inserted in queue order, so a later
+        // job's write of a key wins, as it would applied one by one.
+        let mut merged = sled::Batch::default();
+        let mut replies = Vec::with_capacity(count);
         for job in jobs {
-            let r = match &poisoned {
-                Some(p) => Err(StoreError::Sync(format!(
-                    "an earlier sync failed ({p}); restart the daemon to recover from disk"
-                ))),
-                None => db
-                    .apply_batch(to_sled_batch(job.batch))
-                    .map_err(|e| StoreError::Write(e.to_string())),
-            };
-            results.push(r);
+            add_to_sled_batch(&mut merged, job.batch);
             replies.push(job.reply);
         }
-        if syncer.mode == SyncMode::Always && results.iter().any(|r| r.is_ok()) {
+        let mut result = match syncer.poisoned() {
+            Some(p) => Err(StoreError::Sync(format!(
+                "an earlier sync failed ({p}); restart the daemon to recover from disk"
+            ))),
+            None => db
+                .apply_batch(merged)
+                .map_err(|e| StoreError::Write(e.to_string())),
+        };
+        if syncer.mode == SyncMode::Always && result.is_ok() {
             if let Err(e) = syncer.sync() {
                 tracing::error!("failed to sync store: {e}");
-                for r in results.iter_mut().filter(|r| r.is_ok()) {
-                    *r = Err(e.clone());
-                }
+                result = Err(e);
             }
         }
         let micros = started.elapsed().as_micros() as u64;
@@ -244,10 +260,10 @@ fn writer_loop(
             s.commit_micros += micros;
             s.max_group = s.max_group.max(replies.len() as u64);
         }
-        for (reply, r) in replies.into_iter().zip(results) {
+        for reply in replies {
             // A committer that stopped waiting (its request was dropped) needs no
             // answer; the write itself is done either way.
-            if reply.send(r).is_err() {
+            if reply.send(result.clone()).is_err() {
                 tracing::debug!("committer went away before its commit finished");
             }
         }
