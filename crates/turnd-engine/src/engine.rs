@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use turnd_proto::*;
 use turnd_store::{
     check_store, FunctionSettings, IdempotencyRecord, InvState, InvWait, InvocationRecord, Phase,
-    Store, StoreError, TurnRecord,
+    RawJson, Store, StoreError, TurnRecord,
 };
 
 use crate::clock::Clock;
@@ -799,7 +799,7 @@ impl Engine {
             turn_id: h.turn_id.clone(),
             step: h.step,
             attempt,
-            input: h.state.clone(),
+            input: h.state.to_value(),
             deadline_ms: inv.deadline_ms,
         }));
         tx.effects.push(Effect::Push(r.outbox, frame));
@@ -888,7 +888,7 @@ impl Engine {
         self.terminal(st, tx, h, TurnStatus::Failed, detail);
     }
 
-    fn complete(&self, st: &SessionState, tx: &mut Tx, mut h: TurnRecord, output: Value) {
+    fn complete(&self, st: &SessionState, tx: &mut Tx, mut h: TurnRecord, output: RawJson) {
         h.output = Some(output);
         let detail = json!({ "step": h.step });
         self.terminal(st, tx, h, TurnStatus::Completed, detail);
@@ -1054,7 +1054,7 @@ impl Engine {
                     Some(inv_id),
                 );
             }
-            Outcome::Complete(v) => self.complete(st, tx, h, v),
+            Outcome::Complete(v) => self.complete(st, tx, h, RawJson::from_value(&v)),
             Outcome::Continue(_) if stopped => self.cancel_turn(st, tx, h, None),
             Outcome::Continue(state) => {
                 if h.step + 1 >= self.inner.cfg.max_steps {
@@ -1072,7 +1072,7 @@ impl Engine {
                     h.step += 1;
                     h.attempt = 0;
                     h.backoff_ms = 0;
-                    h.state = state;
+                    h.state = RawJson::from_value(&state);
                     h.last_error = None;
                     h.phase = Phase::AwaitingWorker;
                     h.phase_since_ms = tx.now;
@@ -1116,7 +1116,8 @@ impl Engine {
             check_id("idempotency_key", k)?;
         }
         let max = self.inner.cfg.max_value_bytes;
-        if json_len(&args.input) > max {
+        let input = RawJson::from_value(&args.input);
+        if input.len() as u64 > max {
             return Err(err(
                 ErrorCode::TooLarge,
                 format!("`input` is larger than max_value_bytes ({max})"),
@@ -1146,7 +1147,7 @@ impl Engine {
                             format!("idempotency key names missing turn {}", rec.turn_id),
                         )
                     })?;
-                if t.function_id != args.function_id || t.input != args.input {
+                if t.function_id != args.function_id || t.input.to_value() != args.input {
                     return Err(err(
                         ErrorCode::Conflict,
                         format!("idempotency key {key:?} was used for turn {} with a different function_id or input", t.turn_id),
@@ -1179,7 +1180,7 @@ impl Engine {
             &st.id,
             seq,
             &args.function_id,
-            args.input,
+            input,
             args.idempotency_key.clone(),
             args.turn_timeout_ms.map(|d| now + d),
             now,
@@ -1435,13 +1436,13 @@ impl Engine {
         }
         let now = self.now_ms();
         let mut tx = Tx::new(&st, now);
-        let seqs: Vec<u64> = st.active.keys().copied().collect();
+        let seqs: Vec<u64> = st.active.seqs().collect();
         let reason = reason.unwrap_or_default();
         // Queued turns first, newest first, so stopping the holder promotes nothing.
         for seq in seqs.iter().rev() {
             self.stop_one(&st, &mut tx, *seq, reason.clone());
         }
-        let ids: Vec<String> = st.active.values().map(|t| t.turn_id.clone()).collect();
+        let ids: Vec<String> = st.active.iter().map(|t| t.turn_id.clone()).collect();
         self.commit(&cell, &mut st, tx)
             .await
             .map_err(|e| unavailable(&e))?;
@@ -1520,7 +1521,7 @@ impl Engine {
         });
         let queued = st
             .active
-            .values()
+            .iter()
             .skip(1)
             .map(|t| QueuedTurn {
                 turn_id: t.turn_id.clone(),
@@ -1805,7 +1806,12 @@ impl Engine {
         for (inv_id, a) in assigned {
             let cell = self.cell(&a.session_id);
             let mut st = self.lock(&cell).await.map_err(read_failed)?;
-            let Some(inv) = st.inv.clone().filter(|i| i.invocation_id == inv_id) else {
+            let Some(inv) = st
+                .inv
+                .as_deref()
+                .cloned()
+                .filter(|i| i.invocation_id == inv_id)
+            else {
                 continue;
             };
             let Some(h) = st.holder().cloned() else {
@@ -2025,7 +2031,8 @@ impl Engine {
         if current {
             let inv = st
                 .inv
-                .clone()
+                .as_deref()
+                .cloned()
                 .ok_or_else(|| err(ErrorCode::Internal, "live invocation vanished"))?;
             let h = st
                 .holder()
@@ -2089,7 +2096,7 @@ impl Engine {
                     let before = json!({"status": t.status, "error": t.error});
                     let mut amended = t.clone();
                     amended.status = TurnStatus::Completed;
-                    amended.output = Some(output.clone());
+                    amended.output = Some(RawJson::from_value(output));
                     amended.recovered = true;
                     amended.error = None;
                     tx.event(
@@ -2124,7 +2131,12 @@ impl Engine {
             .ok_or_else(not_current)?;
         let cell = self.cell(&rec.session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
-        let Some(inv) = st.inv.clone().filter(|i| i.invocation_id == invocation_id) else {
+        let Some(inv) = st
+            .inv
+            .as_deref()
+            .cloned()
+            .filter(|i| i.invocation_id == invocation_id)
+        else {
             return Err(not_current());
         };
         if matches!(inv.wait, InvWait::Cancelling | InvWait::AwaitingResend) {
@@ -2169,7 +2181,8 @@ impl Engine {
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
         let Some(inv) = st
             .inv
-            .clone()
+            .as_deref()
+            .cloned()
             .filter(|i| i.invocation_id == args.invocation_id && i.wait == InvWait::Probing)
         else {
             // Not probing this invocation (any more): a stale status changes nothing.
@@ -2246,7 +2259,7 @@ impl Engine {
             let cell = self.cell(&sid);
             let mut st = self.lock(&cell).await?;
             for t in ts {
-                st.active.insert(t.seq, t);
+                st.active.insert(t);
             }
             let holder = st.holder().cloned();
             if let Some(h) = holder.filter(|h| h.phase == Phase::Invoked) {
@@ -2268,14 +2281,14 @@ impl Engine {
                             },
                             now,
                         );
-                        st.inv = Some(inv);
+                        st.inv = Some(Box::new(inv));
                     }
                 }
             }
             // Every in-flight invocation waits a fresh grace for its worker; a cancel
             // in progress keeps its own (earlier) deadline.
             let mut tx = Tx::new(&st, now);
-            if let Some(inv) = st.inv.clone() {
+            if let Some(inv) = st.inv.as_deref().cloned() {
                 if inv.wait != InvWait::Cancelling {
                     let mut inv = inv;
                     inv.wait = InvWait::AwaitingReconnect;

@@ -3,8 +3,68 @@
 //! are re-armed from their absolute value.
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use turnd_proto::{Delivery, StopInfo, TurnCounts, TurnError, TurnStatus};
+
+/// A JSON value the daemon stores and forwards but never looks into (a turn's input,
+/// state and output), kept as its compact text. The engine holds every live turn in
+/// memory, and a parsed `Value` costs several hundred bytes per small object where the
+/// text costs its length; the text is also written to the store and sent to workers
+/// without being rebuilt.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RawJson(Box<RawValue>);
+
+impl RawJson {
+    /// The compact text of `v`.
+    pub fn from_value(v: &Value) -> RawJson {
+        // A `Value` always serializes: its map keys are strings and its numbers finite.
+        RawJson(serde_json::value::to_raw_value(v).expect("a JSON value serializes"))
+    }
+
+    /// The value, parsed.
+    pub fn to_value(&self) -> Value {
+        // The text was produced by serializing a `Value` or validated as JSON when the
+        // record was read, so it parses.
+        serde_json::from_str(self.0.get()).unwrap_or_else(|e| {
+            tracing::error!("stored JSON value does not parse: {e}");
+            Value::Null
+        })
+    }
+
+    /// The JSON text.
+    pub fn as_str(&self) -> &str {
+        self.0.get()
+    }
+
+    /// Length of the JSON text in bytes.
+    pub fn len(&self) -> usize {
+        self.0.get().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.get().is_empty()
+    }
+}
+
+impl PartialEq for RawJson {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.get() == other.0.get()
+    }
+}
+
+impl std::fmt::Debug for RawJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.get())
+    }
+}
+
+impl From<&Value> for RawJson {
+    fn from(v: &Value) -> Self {
+        RawJson::from_value(v)
+    }
+}
 
 /// Where a non-terminal turn stands, durably. (`finalizing` is not stored: it is the
 /// in-memory state of a transition whose write is being retried.)
@@ -37,12 +97,12 @@ pub struct TurnRecord {
     /// Current (or last) attempt of the current step; 0 before the first dispatch.
     pub attempt: u32,
     /// The turn's input (step 0's input).
-    pub input: Value,
+    pub input: RawJson,
     /// The current step's input: `input` at step 0, then the state of the last
     /// `continue`.
-    pub state: Value,
+    pub state: RawJson,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub output: Option<Value>,
+    pub output: Option<RawJson>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<TurnError>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -203,5 +263,42 @@ impl SessionMeta {
             last_event_seq: 0,
             counts: TurnCounts::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn raw_json_keeps_the_value_and_its_stored_form() {
+        let v = json!({"b": [1, 2.5, "x"], "a": {"nested": null}});
+        let raw = RawJson::from_value(&v);
+        assert_eq!(raw.to_value(), v);
+        assert_eq!(
+            raw.len(),
+            serde_json::to_string(&v).expect("serialize").len()
+        );
+        // Inside a record it is stored as the JSON value itself, not as a string.
+        let rec = serde_json::to_value(IdRaw {
+            id: "t".into(),
+            input: raw.clone(),
+        })
+        .expect("serialize");
+        assert_eq!(rec, json!({"id": "t", "input": v}));
+        let back: IdRaw = serde_json::from_slice(&serde_json::to_vec(&rec).expect("serialize"))
+            .expect("deserialize");
+        assert_eq!(back.input, raw);
+        assert_ne!(
+            RawJson::from_value(&json!(1)),
+            RawJson::from_value(&json!(2))
+        );
+    }
+
+    #[derive(Serialize, Deserialize)]
+    struct IdRaw {
+        id: String,
+        input: RawJson,
     }
 }
