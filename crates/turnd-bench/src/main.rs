@@ -13,6 +13,14 @@
 //! `reopen` is the fresh process `recovery` times, and `sled-batching` times sled
 //! alone with daemon-shaped batches (where a group commit's time goes).
 
+/// jemalloc instead of the system allocator: the daemon allocates and frees many
+/// small buffers per request (frames, JSON values, store batches); in profiles glibc
+/// malloc took about a quarter of all CPU time, and jemalloc keeps the resident size
+/// of a daemon holding many sessions lower than glibc and mimalloc did (see
+/// docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod daemon;
 mod drive;
 mod measure;
