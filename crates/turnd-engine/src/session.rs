@@ -256,10 +256,17 @@ impl Tx {
         }
         let mut b = Batch::new();
         for (seq, t) in &self.turns {
-            if self.orig_status.get(seq).copied().flatten().is_none() {
+            let orig = self.orig_status.get(seq).copied().flatten();
+            if orig.is_none() {
                 b.put_turn_index(t);
             }
-            b.put_turn(t);
+            b.put_turn_record(t);
+            // The active index changes only when a turn is admitted or ends.
+            let was_active = orig.is_some_and(|s| !s.is_terminal());
+            let is_active = !t.status.is_terminal();
+            if was_active != is_active {
+                b.set_active(t, is_active);
+            }
         }
         for i in &self.inv_writes {
             b.put_invocation(i);
@@ -286,7 +293,7 @@ impl Tx {
             }
             if t.status.is_terminal() {
                 st.active.remove(seq);
-                terminal.push(t.turn_id.clone());
+                terminal.push(t);
             } else {
                 st.active.insert(t);
             }
@@ -307,7 +314,8 @@ impl Tx {
 
 pub struct Applied {
     pub shifts: Vec<(Option<TurnStatus>, TurnStatus)>,
-    pub terminal: Vec<String>,
+    /// Turns that are terminal after the transaction, as written.
+    pub terminal: Vec<TurnRecord>,
     pub events: Vec<Event>,
     pub effects: Vec<Effect>,
 }

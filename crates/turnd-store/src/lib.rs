@@ -79,12 +79,24 @@ impl Batch {
 
     /// Write a turn record (and keep its active index in step with its status).
     pub fn put_turn(&mut self, t: &TurnRecord) {
+        self.put_turn_record(t);
+        self.set_active(t, !t.status.is_terminal());
+    }
+
+    /// Write a turn record alone, for a caller that knows its active index entry is
+    /// already right (see [`Batch::set_active`]).
+    pub fn put_turn_record(&mut self, t: &TurnRecord) {
         self.put_json(keys::turn(&t.turn_id), t);
-        let active = keys::active(&t.session_id, t.seq);
-        if t.status.is_terminal() {
-            self.delete(active);
+    }
+
+    /// Add (`active`) or remove the turn's entry in the index of non-terminal turns
+    /// that recovery starts from.
+    pub fn set_active(&mut self, t: &TurnRecord, active: bool) {
+        let key = keys::active(&t.session_id, t.seq);
+        if active {
+            self.put_raw(key, t.turn_id.as_bytes().to_vec());
         } else {
-            self.put_raw(active, t.turn_id.as_bytes().to_vec());
+            self.delete(key);
         }
     }
 
@@ -150,6 +162,9 @@ pub struct CommitStats {
     pub batches: u64,
     /// Total microseconds spent in apply + sync.
     pub commit_micros: u64,
+    /// Of `commit_micros`, the microseconds spent making the writes durable (sled
+    /// flush and fdatasync); the rest is applying the batches.
+    pub sync_micros: u64,
     /// Largest number of batches that shared one sync.
     pub max_group: u64,
 }
