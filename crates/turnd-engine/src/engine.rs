@@ -87,7 +87,8 @@ struct Inner {
     boot_id: String,
     sessions: Mutex<HashMap<String, Arc<SessionCell>>>,
     registry: Mutex<Registry>,
-    waiters: Mutex<HashMap<String, Vec<oneshot::Sender<()>>>>,
+    /// `turn.wait` callers by turn id; sent the turn once it is terminal.
+    waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Turn>>>>,
     watches: Mutex<HashMap<String, Vec<Watch>>>,
     counts: Mutex<TurnCounts>,
     counters: Counters,
@@ -1273,12 +1274,17 @@ impl Engine {
                 return other;
             }
         };
-        tokio::select! {
-            _ = rx => {}
-            _ = tokio::time::sleep(Duration::from_millis(timeout)) => {}
-            _ = self.inner.shutdown.cancelled() => {}
-        }
+        let done = tokio::select! {
+            t = rx => t.ok(),
+            _ = tokio::time::sleep(Duration::from_millis(timeout)) => None,
+            _ = self.inner.shutdown.cancelled() => None,
+        };
         self.prune_waiters(turn_id);
+        // The terminal turn comes with the notice, as committed; otherwise (timeout,
+        // shutdown) the turn as it stands now.
+        if let Some(done) = done {
+            return Ok(done);
+        }
         match self.get_turn(turn_id).await {
             Ok(t) => Ok(t),
             Err(e) if e.code == ErrorCode::NotFound => Ok(t),
@@ -1297,17 +1303,18 @@ impl Engine {
         }
     }
 
-    fn notify_terminal(&self, turns: &[String]) {
+    fn notify_terminal(&self, turns: &[TurnRecord]) {
         if turns.is_empty() {
             return;
         }
         if let Ok(mut w) = self.inner.waiters.lock() {
             for t in turns {
-                if let Some(v) = w.remove(t) {
+                if let Some(v) = w.remove(&t.turn_id) {
+                    let turn = to_turn(t, None);
                     for s in v {
                         // A waiter that gave up needs no notice.
-                        if s.send(()).is_err() {
-                            tracing::trace!(turn_id = %t, "turn.wait caller already gone");
+                        if s.send(turn.clone()).is_err() {
+                            tracing::trace!(turn_id = %t.turn_id, "turn.wait caller already gone");
                         }
                     }
                 }
