@@ -183,6 +183,7 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         syncs: after.syncs.saturating_sub(before.syncs),
         batches: after.batches.saturating_sub(before.batches),
         commit_micros: after.commit_micros.saturating_sub(before.commit_micros),
+        sync_micros: after.sync_micros.saturating_sub(before.sync_micros),
         max_group: after.max_group,
     }
 }
@@ -192,12 +193,13 @@ pub fn fmt_commits(c: &CommitStats) -> String {
         return "0 commits".into();
     }
     format!(
-        "{} groups / {} batches (avg {:.1}, max {}) / {:.0} µs per group",
+        "{} group commits / {} batches (avg {:.1} per group, max {}) / per group {:.0} µs applying + {:.0} µs in flush and fdatasync",
         c.syncs,
         c.batches,
         c.batches as f64 / c.syncs as f64,
         c.max_group,
-        c.commit_micros as f64 / c.syncs as f64
+        c.commit_micros.saturating_sub(c.sync_micros) as f64 / c.syncs as f64,
+        c.sync_micros as f64 / c.syncs as f64
     )
 }
 

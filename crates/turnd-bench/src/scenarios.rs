@@ -63,11 +63,14 @@ impl Probe {
         let commits = commit_delta(&d.commit_stats(), &self.commits);
         let kv = d.kv_counts().since(self.kv);
         let threads = describe_threads(&self.threads, &threads_cpu(), cpu.total());
-        let busy = commits.commit_micros as f64 / 1e6 / wall.as_secs_f64().max(1e-9);
+        let secs = wall.as_secs_f64().max(1e-9);
+        let apply = commits.commit_micros.saturating_sub(commits.sync_micros) as f64 / 1e6 / secs;
+        let sync = commits.sync_micros as f64 / 1e6 / secs;
         let load = |l: Option<f64>| l.map(|l| format!("{l:.1}")).unwrap_or_else(|| "?".into());
         let notes = format!(
-            "store writer busy {:.0}% of the wall time (apply + flush + fdatasync); {}; {}; machine load average {} at start, {} at end (2 cores, shared)",
-            busy * 100.0,
+            "store writer busy {:.0}% of the wall time applying batches and {:.0}% in flush + fdatasync; {}; {}; machine load average {} at start, {} at end (2 cores, shared)",
+            apply * 100.0,
+            sync * 100.0,
             kv.describe(),
             threads,
             load(self.load),

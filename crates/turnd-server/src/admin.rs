@@ -260,6 +260,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "Time spent applying and syncing group commits (divide by storage_commits for the mean)",
         secs,
     );
+    let sync_secs: Counter<f64, AtomicU64> = Counter::default();
+    sync_secs.inc_by(cs.sync_micros as f64 / 1e6);
+    reg.register(
+        "storage_sync_seconds",
+        "Of storage_commit_seconds, the time spent making writes durable (flush and fdatasync)",
+        sync_secs,
+    );
     gauge(
         &mut reg,
         "storage_max_group",

@@ -247,6 +247,7 @@ fn writer_loop(
                 .apply_batch(merged)
                 .map_err(|e| StoreError::Write(e.to_string())),
         };
+        let applied = started.elapsed();
         if syncer.mode == SyncMode::Always && result.is_ok() {
             if let Err(e) = syncer.sync() {
                 tracing::error!("failed to sync store: {e}");
@@ -258,6 +259,7 @@ fn writer_loop(
             s.syncs += 1;
             s.batches += replies.len() as u64;
             s.commit_micros += micros;
+            s.sync_micros += micros.saturating_sub(applied.as_micros() as u64);
             s.max_group = s.max_group.max(replies.len() as u64);
         }
         for reply in replies {
