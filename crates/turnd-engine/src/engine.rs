@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use turnd_proto::*;
 use turnd_store::{
     check_store, FunctionSettings, IdempotencyRecord, InvState, InvWait, InvocationRecord, Phase,
-    RawJson, Store, StoreError, TurnRecord,
+    RawJson, SessionMeta, Store, StoreError, TurnRecord,
 };
 
 use crate::clock::Clock;
@@ -2243,73 +2243,114 @@ impl Engine {
 
     /// Load every non-terminal turn, give every in-flight invocation a fresh reconnect
     /// grace, and re-arm every timer from its stored absolute time.
+    /// Install one session's unfinished turns (in `seq` order) at start-up, and queue
+    /// the write that gives its in-flight invocation a fresh reconnect grace.
+    async fn recover_session(
+        &self,
+        ts: Vec<TurnRecord>,
+        metas: &mut HashMap<String, SessionMeta>,
+        now: u64,
+        pending: &mut Vec<(String, Tx, turnd_store::CommitTicket)>,
+    ) -> Result<(), StoreError> {
+        let Some(sid) = ts.first().map(|t| t.session_id.clone()) else {
+            return Ok(());
+        };
+        let store = &self.inner.store;
+        let grace = self.inner.cfg.reconnect_grace_ms;
+        let cell = self.cell(&sid);
+        let mut st = match metas.remove(&sid) {
+            Some(meta) => {
+                let mut st = cell.state.lock().await;
+                if !st.loaded {
+                    st.meta = meta;
+                    st.loaded = true;
+                }
+                st
+            }
+            None => self.lock(&cell).await?,
+        };
+        for t in ts {
+            st.active.insert(t);
+        }
+        let holder = st.holder().cloned();
+        if let Some(h) = holder.filter(|h| h.phase == Phase::Invoked) {
+            if let Some(inv) = h
+                .invocation_id
+                .as_deref()
+                .map(|id| store.invocation(id))
+                .transpose()?
+                .flatten()
+            {
+                if inv.is_active() {
+                    self.registry().remember_assignment(
+                        &inv.worker_id,
+                        &inv.instance_id,
+                        &inv.invocation_id,
+                        Assignment {
+                            session_id: sid.clone(),
+                            function_id: inv.function_id.clone(),
+                        },
+                        now,
+                    );
+                    st.inv = Some(Box::new(inv));
+                }
+            }
+        }
+        // Every in-flight invocation waits a fresh grace for its worker; a cancel
+        // in progress keeps its own (earlier) deadline.
+        let mut tx = Tx::new(&st, now);
+        if let Some(inv) = st.inv.as_deref().cloned() {
+            if inv.wait != InvWait::Cancelling {
+                let mut inv = inv;
+                inv.wait = InvWait::AwaitingReconnect;
+                inv.wait_since_ms = now;
+                inv.deadline_ms = now + grace;
+                tx.put_invocation(&st, inv);
+            }
+        }
+        if !tx.is_empty() {
+            let batch = tx.batch();
+            pending.push((sid, tx, store.kv().commit(batch)));
+        }
+        Ok(())
+    }
+
     async fn recover(&self) -> Result<(), StoreError> {
         let store = &self.inner.store;
-        let turns = store.active_turns()?;
-        let mut by_session: HashMap<String, Vec<TurnRecord>> = HashMap::new();
-        for t in turns {
-            by_session.entry(t.session_id.clone()).or_default().push(t);
-        }
         let mut totals = TurnCounts::default();
+        // Session metas seed the state of sessions with unfinished turns below (one
+        // scan instead of a point read per session); the rest are only counted.
+        let mut metas = HashMap::new();
         for meta in store.session_metas()? {
             for s in TurnStatus::ALL {
                 *totals.get_mut(s) += meta.counts.get(s);
             }
+            metas.insert(meta.session_id.clone(), meta);
         }
         if let Ok(mut c) = self.inner.counts.lock() {
             *c = totals;
         }
         let now = self.now_ms();
-        let grace = self.inner.cfg.reconnect_grace_ms;
         let mut pending = Vec::new();
-        for (sid, ts) in by_session {
-            let cell = self.cell(&sid);
-            let mut st = self.lock(&cell).await?;
-            for t in ts {
-                st.active.insert(t);
+        // The active index is ordered by session, then seq: each session's unfinished
+        // turns are read and installed together, without holding every record at once.
+        let mut group: Vec<TurnRecord> = Vec::new();
+        for id in store.active_turn_ids()? {
+            let t = store.turn(&id)?.ok_or_else(|| {
+                StoreError::Corrupt(format!("active index names missing turn {id}"))
+            })?;
+            if group.first().is_some_and(|g| g.session_id != t.session_id) {
+                let ts = std::mem::take(&mut group);
+                self.recover_session(ts, &mut metas, now, &mut pending)
+                    .await?;
             }
-            let holder = st.holder().cloned();
-            if let Some(h) = holder.filter(|h| h.phase == Phase::Invoked) {
-                if let Some(inv) = h
-                    .invocation_id
-                    .as_deref()
-                    .map(|id| store.invocation(id))
-                    .transpose()?
-                    .flatten()
-                {
-                    if inv.is_active() {
-                        self.registry().remember_assignment(
-                            &inv.worker_id,
-                            &inv.instance_id,
-                            &inv.invocation_id,
-                            Assignment {
-                                session_id: sid.clone(),
-                                function_id: inv.function_id.clone(),
-                            },
-                            now,
-                        );
-                        st.inv = Some(Box::new(inv));
-                    }
-                }
-            }
-            // Every in-flight invocation waits a fresh grace for its worker; a cancel
-            // in progress keeps its own (earlier) deadline.
-            let mut tx = Tx::new(&st, now);
-            if let Some(inv) = st.inv.as_deref().cloned() {
-                if inv.wait != InvWait::Cancelling {
-                    let mut inv = inv;
-                    inv.wait = InvWait::AwaitingReconnect;
-                    inv.wait_since_ms = now;
-                    inv.deadline_ms = now + grace;
-                    tx.put_invocation(&st, inv);
-                }
-            }
-            if !tx.is_empty() {
-                let batch = tx.batch();
-                pending.push((sid.clone(), tx, store.kv().commit(batch)));
-            }
-            drop(st);
+            group.push(t);
         }
+        if !group.is_empty() {
+            self.recover_session(group, &mut metas, now, &mut pending)
+                .await?;
+        }
+        drop(metas);
         for (sid, tx, ticket) in pending {
             match ticket.await {
                 Ok(Ok(())) => {

@@ -269,13 +269,23 @@ impl Store {
             .collect()
     }
 
+    /// Ids of every non-terminal turn, grouped by session in admission order.
+    pub fn active_turn_ids(&self) -> Result<Vec<String>, StoreError> {
+        let (start, end) = keys::active_range();
+        self.kv
+            .scan(&start, &end, false, usize::MAX)?
+            .into_iter()
+            .map(|(k, v)| {
+                String::from_utf8(v)
+                    .map_err(|e| StoreError::Corrupt(format!("active index {k:?}: {e}")))
+            })
+            .collect()
+    }
+
     /// Every non-terminal turn, grouped by session in admission order.
     pub fn active_turns(&self) -> Result<Vec<TurnRecord>, StoreError> {
-        let (start, end) = keys::active_range();
         let mut out = Vec::new();
-        for (k, v) in self.kv.scan(&start, &end, false, usize::MAX)? {
-            let id = String::from_utf8(v)
-                .map_err(|e| StoreError::Corrupt(format!("active index {k:?}: {e}")))?;
+        for id in self.active_turn_ids()? {
             match self.turn(&id)? {
                 Some(t) => out.push(t),
                 None => {
