@@ -151,7 +151,14 @@ pub fn decode_request(text: &str) -> Result<Request, FrameError> {
 
 /// Encode a success response.
 pub fn encode_ok(id: u64, ok: &Value) -> String {
-    serde_json::json!({ "id": id, "ok": ok }).to_string()
+    #[derive(Serialize)]
+    struct OkFrame<'a> {
+        id: u64,
+        ok: &'a Value,
+    }
+    // Written straight from the borrowed value: `json!` would copy the whole answer
+    // into a new tree first. A `Value` always serializes.
+    serde_json::to_string(&OkFrame { id, ok }).expect("a JSON value serializes")
 }
 
 /// Encode an error response; `id` is `null` when none could be read.
@@ -301,6 +308,12 @@ mod tests {
             ServerFrame::Push(Push::Probe {
                 invocation_id: "inv_1".into()
             })
+        );
+        let ok = serde_json::json!({"turn": {"seq": 3, "output": [1.5, "x", null]}});
+        let text = encode_ok(7, &ok);
+        assert_eq!(
+            decode_server_frame(&text).expect("encoded ok frame"),
+            ServerFrame::Ok { id: 7, ok }
         );
     }
 }
