@@ -1715,6 +1715,23 @@ async fn restart_keeps_queued_turns_and_runs_them_in_order(kill: bool) -> Result
     let env = [("TURND_LOG", "warn")];
     let d = BinDaemon::start(&data, &env).await?;
     let c = Caller::connect(&d.url, None).await?;
+    // Sessions with only finished turns, whose ids sort between and after the
+    // sessions with queued turns: recovery walks the session metas alongside the
+    // active index and must count these too.
+    let finished_sessions = ["s-restart-1a-done", "s-restart-9-done"];
+    let early = echo_worker(&d.url, "w-before-restart", 1).await;
+    for s in finished_sessions {
+        let t = c
+            .submit(submit_args(s, "echo", json!({ "s": s }), None))
+            .await?
+            .turn;
+        assert_eq!(
+            wait_done(&c, &t.turn_id, 20).await?.status,
+            TurnStatus::Completed
+        );
+    }
+    early.shutdown();
+    early.join().await?;
     let sessions = ["s-restart-1", "s-restart-2"];
     let mut admitted: HashMap<&str, Vec<Turn>> = HashMap::new();
     for i in 0..10u64 {
@@ -1765,6 +1782,7 @@ async fn restart_keeps_queued_turns_and_runs_them_in_order(kill: bool) -> Result
     }
     let stats = c.stats().await?;
     assert_eq!(stats.turns.queued, 10, "{stats:?}");
+    assert_eq!(stats.turns.completed, 2, "{stats:?}");
     assert_eq!(stats.sessions.active, 2, "{stats:?}");
     assert_eq!(
         stats.sessions.blocked.get("awaiting_worker"),
@@ -1805,7 +1823,7 @@ async fn restart_keeps_queued_turns_and_runs_them_in_order(kill: bool) -> Result
     let stats = c.stats().await?;
     assert_eq!(
         (stats.turns.completed, stats.turns.queued),
-        (10, 0),
+        (10 + finished_sessions.len() as u64, 0),
         "{stats:?}"
     );
     // Idempotency records and seq numbering survive too.

@@ -2248,7 +2248,7 @@ impl Engine {
     async fn recover_session(
         &self,
         ts: Vec<TurnRecord>,
-        metas: &mut HashMap<String, SessionMeta>,
+        metas: &mut MetaCursor<'_>,
         now: u64,
         pending: &mut Vec<(String, Tx, turnd_store::CommitTicket)>,
     ) -> Result<(), StoreError> {
@@ -2258,7 +2258,7 @@ impl Engine {
         let store = &self.inner.store;
         let grace = self.inner.cfg.reconnect_grace_ms;
         let cell = self.cell(&sid);
-        let mut st = match metas.remove(&sid) {
+        let mut st = match metas.seek(&sid)? {
             Some(meta) => {
                 let mut st = cell.state.lock().await;
                 if !st.loaded {
@@ -2317,40 +2317,40 @@ impl Engine {
 
     async fn recover(&self) -> Result<(), StoreError> {
         let store = &self.inner.store;
-        let mut totals = TurnCounts::default();
-        // Session metas seed the state of sessions with unfinished turns below (one
-        // scan instead of a point read per session); the rest are only counted.
-        let mut metas = HashMap::new();
-        for meta in store.session_metas()? {
-            for s in TurnStatus::ALL {
-                *totals.get_mut(s) += meta.counts.get(s);
-            }
-            metas.insert(meta.session_id.clone(), meta);
-        }
-        if let Ok(mut c) = self.inner.counts.lock() {
-            *c = totals;
-        }
         let now = self.now_ms();
         let mut pending = Vec::new();
-        // The active index is ordered by session, then seq: each session's unfinished
-        // turns are read and installed together, without holding every record at once.
+        // The active index and the session metas are both ordered by session id, so
+        // one pass over each, page by page, installs every session's unfinished turns
+        // with its meta and counts every session, with memory bounded by a page.
+        let mut metas = MetaCursor::new(store);
         let mut group: Vec<TurnRecord> = Vec::new();
-        for id in store.active_turn_ids()? {
-            let t = store.turn(&id)?.ok_or_else(|| {
-                StoreError::Corrupt(format!("active index names missing turn {id}"))
-            })?;
-            if group.first().is_some_and(|g| g.session_id != t.session_id) {
-                let ts = std::mem::take(&mut group);
-                self.recover_session(ts, &mut metas, now, &mut pending)
-                    .await?;
+        let mut from = Store::FIRST.to_vec();
+        loop {
+            let (ids, next) = store.active_turn_ids_page(&from, RECOVERY_PAGE)?;
+            for id in ids {
+                let t = store.turn(&id)?.ok_or_else(|| {
+                    StoreError::Corrupt(format!("active index names missing turn {id}"))
+                })?;
+                if group.first().is_some_and(|g| g.session_id != t.session_id) {
+                    let ts = std::mem::take(&mut group);
+                    self.recover_session(ts, &mut metas, now, &mut pending)
+                        .await?;
+                }
+                group.push(t);
             }
-            group.push(t);
+            match next {
+                Some(n) => from = n,
+                None => break,
+            }
         }
         if !group.is_empty() {
             self.recover_session(group, &mut metas, now, &mut pending)
                 .await?;
         }
-        drop(metas);
+        let totals = metas.finish()?;
+        if let Ok(mut c) = self.inner.counts.lock() {
+            *c = totals;
+        }
         for (sid, tx, ticket) in pending {
             match ticket.await {
                 Ok(Ok(())) => {
@@ -2374,6 +2374,70 @@ impl Engine {
         }
         self.inner.recovered.store(true, Ordering::SeqCst);
         Ok(())
+    }
+}
+
+/// Session metas read in pages during recovery.
+const RECOVERY_PAGE: usize = 4096;
+
+/// Walks the session metas in key order alongside the active index, handing out the
+/// meta of each session recovery reaches and adding every meta to the totals.
+struct MetaCursor<'a> {
+    store: &'a Store,
+    page: std::collections::VecDeque<SessionMeta>,
+    next: Option<Vec<u8>>,
+    totals: TurnCounts,
+}
+
+impl<'a> MetaCursor<'a> {
+    fn new(store: &'a Store) -> Self {
+        MetaCursor {
+            store,
+            page: Default::default(),
+            next: Some(Store::FIRST.to_vec()),
+            totals: TurnCounts::default(),
+        }
+    }
+
+    /// The next meta in key order, counted into the totals.
+    fn pop(&mut self) -> Result<Option<SessionMeta>, StoreError> {
+        if self.page.is_empty() {
+            let Some(from) = self.next.take() else {
+                return Ok(None);
+            };
+            let (metas, next) = self.store.session_metas_page(&from, RECOVERY_PAGE)?;
+            self.page = metas.into();
+            self.next = next;
+        }
+        let m = self.page.pop_front();
+        if let Some(m) = &m {
+            for s in TurnStatus::ALL {
+                *self.totals.get_mut(s) += m.counts.get(s);
+            }
+        }
+        Ok(m)
+    }
+
+    /// The meta of `session_id`, if stored. Sessions are asked for in key order.
+    fn seek(&mut self, session_id: &str) -> Result<Option<SessionMeta>, StoreError> {
+        loop {
+            if let Some(front) = self.page.front() {
+                if front.session_id.as_str() > session_id {
+                    return Ok(None);
+                }
+            }
+            match self.pop()? {
+                Some(m) if m.session_id == session_id => return Ok(Some(m)),
+                Some(_) => continue,
+                None => return Ok(None),
+            }
+        }
+    }
+
+    /// Count the remaining metas and return the totals.
+    fn finish(mut self) -> Result<TurnCounts, StoreError> {
+        while self.pop()?.is_some() {}
+        Ok(self.totals)
     }
 }
 

@@ -128,6 +128,19 @@ impl Batch {
 /// A key and its value.
 pub type Entry = (Vec<u8>, Vec<u8>);
 
+/// The first key after a full page of a scan (the last key with a zero byte appended),
+/// or None when the page was the last.
+fn next_page(page: &[Entry], limit: usize) -> Option<Vec<u8>> {
+    if page.len() < limit {
+        return None;
+    }
+    page.last().map(|(k, _)| {
+        let mut next = k.clone();
+        next.push(0);
+        next
+    })
+}
+
 /// A pending group commit: resolves once the batch is durable (or failed).
 pub type CommitTicket = tokio::sync::oneshot::Receiver<Result<(), StoreError>>;
 
@@ -298,6 +311,49 @@ impl Store {
         Ok(out)
     }
 
+    /// Up to `limit` session metas with keys from `from` on (start with
+    /// [`Store::FIRST`]), and where the next page starts (None: no more).
+    pub fn session_metas_page(
+        &self,
+        from: &[u8],
+        limit: usize,
+    ) -> Result<(Vec<SessionMeta>, Option<Vec<u8>>), StoreError> {
+        let (start, end) = keys::session_meta_range();
+        let from = if from.is_empty() { &start[..] } else { from };
+        let page = self.kv.scan(from, &end, false, limit)?;
+        let next = next_page(&page, limit);
+        let metas = page
+            .iter()
+            .map(|(_, v)| decode("session meta", v))
+            .collect::<Result<_, _>>()?;
+        Ok((metas, next))
+    }
+
+    /// Up to `limit` ids of non-terminal turns (grouped by session in admission order)
+    /// with index keys from `from` on (start with [`Store::FIRST`]), and where the next
+    /// page starts (None: no more).
+    pub fn active_turn_ids_page(
+        &self,
+        from: &[u8],
+        limit: usize,
+    ) -> Result<(Vec<String>, Option<Vec<u8>>), StoreError> {
+        let (start, end) = keys::active_range();
+        let from = if from.is_empty() { &start[..] } else { from };
+        let page = self.kv.scan(from, &end, false, limit)?;
+        let next = next_page(&page, limit);
+        let ids = page
+            .into_iter()
+            .map(|(k, v)| {
+                String::from_utf8(v)
+                    .map_err(|e| StoreError::Corrupt(format!("active index {k:?}: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok((ids, next))
+    }
+
+    /// Where a paged scan starts.
+    pub const FIRST: &'static [u8] = &[];
+
     /// All session metas (used by the checker and for listing).
     pub fn session_metas(&self) -> Result<Vec<SessionMeta>, StoreError> {
         let (start, end) = keys::session_meta_range();
@@ -306,5 +362,58 @@ impl Store {
             .iter()
             .map(|(_, v)| decode("session meta", v))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn paged_scans_visit_every_entry_once_in_key_order() {
+        let store = Store::new(Arc::new(mem::MemKv::new()));
+        let mut b = Batch::new();
+        let ids: Vec<String> = (0..10).map(|i| format!("s{i:02}")).collect();
+        for id in &ids {
+            b.put_session_meta(&SessionMeta::new(id));
+            // Two active turns per session, so pages end inside a session too.
+            for seq in 1..=2u64 {
+                b.put_raw(keys::active(id, seq), format!("t-{id}-{seq}").into_bytes());
+            }
+        }
+        store.commit(b).await.expect("commit");
+
+        for limit in [1, 3, 10, 50] {
+            let mut seen = Vec::new();
+            let mut from = Store::FIRST.to_vec();
+            for round in 0.. {
+                assert!(round <= 60, "metas: pages of {limit} do not end");
+                let (page, next) = store.session_metas_page(&from, limit).expect("page");
+                assert!(page.len() <= limit);
+                seen.extend(page.into_iter().map(|m| m.session_id));
+                match next {
+                    Some(n) => from = n,
+                    None => break,
+                }
+            }
+            assert_eq!(seen, ids, "metas with pages of {limit}");
+
+            let mut turns = Vec::new();
+            let mut from = Store::FIRST.to_vec();
+            for round in 0.. {
+                assert!(round <= 60, "active index: pages of {limit} do not end");
+                let (page, next) = store.active_turn_ids_page(&from, limit).expect("page");
+                turns.extend(page);
+                match next {
+                    Some(n) => from = n,
+                    None => break,
+                }
+            }
+            let want: Vec<String> = ids
+                .iter()
+                .flat_map(|id| [format!("t-{id}-1"), format!("t-{id}-2")])
+                .collect();
+            assert_eq!(turns, want, "active index with pages of {limit}");
+        }
     }
 }
