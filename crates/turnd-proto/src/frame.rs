@@ -161,6 +161,11 @@ pub fn encode_ok(id: u64, ok: &Value) -> String {
     serde_json::to_string(&OkFrame { id, ok }).expect("a JSON value serializes")
 }
 
+/// Encode a success response whose answer is already JSON text.
+pub fn encode_ok_raw(id: u64, ok: &serde_json::value::RawValue) -> String {
+    format!("{{\"id\":{id},\"ok\":{}}}", ok.get())
+}
+
 /// Encode an error response; `id` is `null` when none could be read.
 pub fn encode_error(id: Option<u64>, err: &ErrorBody) -> String {
     serde_json::json!({ "id": id, "error": err }).to_string()
@@ -313,7 +318,12 @@ mod tests {
         let text = encode_ok(7, &ok);
         assert_eq!(
             decode_server_frame(&text).expect("encoded ok frame"),
-            ServerFrame::Ok { id: 7, ok }
+            ServerFrame::Ok {
+                id: 7,
+                ok: ok.clone()
+            }
         );
+        let raw = serde_json::value::to_raw_value(&ok).expect("raw");
+        assert_eq!(encode_ok_raw(7, &raw), text);
     }
 }

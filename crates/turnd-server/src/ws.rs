@@ -23,7 +23,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use turnd_engine::{Caller, CloseReason, Engine, Outbox};
-use turnd_proto::frame::{encode_error, encode_ok};
+use turnd_proto::frame::{encode_error, encode_ok, encode_ok_raw};
 use turnd_proto::*;
 
 use crate::config::Config;
@@ -192,8 +192,12 @@ fn args<T: DeserializeOwned>(v: Value) -> Result<T, ErrorBody> {
     serde_json::from_value(v).map_err(|e| bad(ErrorCode::BadRequest, format!("bad `args`: {e}")))
 }
 
-fn ok<T: serde::Serialize>(v: T) -> Result<Value, ErrorBody> {
-    serde_json::to_value(v).map_err(|e| bad(ErrorCode::Internal, format!("encode response: {e}")))
+/// A successful answer, already serialized: written into the `ok` frame as is.
+type Reply = Box<serde_json::value::RawValue>;
+
+fn ok<T: serde::Serialize>(v: T) -> Result<Reply, ErrorBody> {
+    serde_json::value::to_raw_value(&v)
+        .map_err(|e| bad(ErrorCode::Internal, format!("encode response: {e}")))
 }
 
 /// Serve one accepted TCP connection until it ends.
@@ -491,9 +495,9 @@ where
 }
 
 impl Conn {
-    async fn respond(&self, id: u64, r: Result<Value, ErrorBody>) -> bool {
+    async fn respond(&self, id: u64, r: Result<Reply, ErrorBody>) -> bool {
         match r {
-            Ok(v) => self.outbox.send(encode_ok(id, &v)).await,
+            Ok(v) => self.outbox.send(encode_ok_raw(id, &v)).await,
             Err(e) => self.respond_error(Some(id), e).await,
         }
     }
@@ -517,7 +521,7 @@ impl Conn {
         ok
     }
 
-    async fn hello(&self, a: Value) -> Result<Value, ErrorBody> {
+    async fn hello(&self, a: Value) -> Result<Reply, ErrorBody> {
         if self.auth.get().is_some() {
             return Err(bad(
                 ErrorCode::Conflict,
@@ -603,7 +607,7 @@ impl Conn {
     }
 
     /// Run one request. `None` means the response was already sent (watch).
-    async fn run(&self, op: Op, a: Value, id: u64) -> Option<Result<Value, ErrorBody>> {
+    async fn run(&self, op: Op, a: Value, id: u64) -> Option<Result<Reply, ErrorBody>> {
         let e = &self.shared.engine;
         let r = match op {
             Op::Hello => Err(bad(
