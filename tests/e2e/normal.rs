@@ -2068,3 +2068,47 @@ async fn turn_list_and_session_events_page_without_gaps() -> Result<()> {
     worker.shutdown();
     d.shutdown().await
 }
+
+/// A turn that completes with a JSON `null` output reads the same from a `turn.wait`
+/// woken by the completion as from `turn.get` (which reads the stored record): the
+/// `output` member is left out of both.
+#[tokio::test]
+async fn null_output_reads_the_same_from_wait_and_get() -> Result<()> {
+    let d = TestDaemon::start(|_| {}).await?;
+    let (mut raw, _) = Raw::hello(&d.url, "client", json!({})).await?;
+    let submitted = raw
+        .ok(
+            "turn.submit",
+            json!({"session_id": "s-null", "function_id": "echo", "input": null}),
+        )
+        .await?;
+    let turn_id = submitted
+        .pointer("/turn/turn_id")
+        .and_then(Value::as_str)
+        .context("turn_id")?
+        .to_string();
+    // The wait is in place before any worker exists, so the completion wakes it.
+    raw.send_text(
+        &json!({"id": 900, "op": "turn.wait", "args": {"turn_id": turn_id, "timeout_ms": 10_000}})
+            .to_string(),
+    )
+    .await?;
+    let _worker = echo_worker(&d.url, "w-null", 1).await;
+    let waited = loop {
+        let f = raw.recv().await?;
+        if f.get("id") == Some(&json!(900)) {
+            break f;
+        }
+    };
+    let waited = waited.pointer("/ok/turn").context("wait answer")?.clone();
+    ensure!(waited["status"] == json!("completed"), "{waited}");
+    let got = raw.ok("turn.get", json!({"turn_id": turn_id})).await?;
+    let got = got.get("turn").context("get answer")?;
+    assert_eq!(
+        waited.get("output"),
+        got.get("output"),
+        "wait {waited} / get {got}"
+    );
+    assert_eq!(waited.get("output"), None, "{waited}");
+    Ok(())
+}

@@ -890,7 +890,7 @@ impl Engine {
     }
 
     fn complete(&self, st: &SessionState, tx: &mut Tx, mut h: TurnRecord, output: RawJson) {
-        h.output = Some(output);
+        h.output = output.non_null();
         let detail = json!({ "step": h.step });
         self.terminal(st, tx, h, TurnStatus::Completed, detail);
     }
@@ -2103,7 +2103,7 @@ impl Engine {
                     let before = json!({"status": t.status, "error": t.error});
                     let mut amended = t.clone();
                     amended.status = TurnStatus::Completed;
-                    amended.output = Some(RawJson::from_value(output));
+                    amended.output = RawJson::from_value(output).non_null();
                     amended.recovered = true;
                     amended.error = None;
                     tx.event(

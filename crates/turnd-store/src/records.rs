@@ -46,6 +46,13 @@ impl RawJson {
     pub fn is_empty(&self) -> bool {
         self.0.get().is_empty()
     }
+
+    /// `Some(self)` unless the value is JSON `null`. An optional field holding `null`
+    /// is read back from the store as absent, so the engine keeps it absent in memory
+    /// too, and a turn reads the same from memory and from disk.
+    pub fn non_null(self) -> Option<RawJson> {
+        (self.0.get() != "null").then_some(self)
+    }
 }
 
 impl PartialEq for RawJson {
