@@ -58,9 +58,10 @@ struct Syncer {
     log: File,
     dir: PathBuf,
     mode: SyncMode,
-    /// Set after a failed sync. Linux may drop dirty pages whose write-back failed,
-    /// so after an fsync error nothing tells what reached the disk: every later
-    /// commit is refused until the daemon restarts and recovers from the disk.
+    /// Set after a failed sync or apply. Linux may drop dirty pages whose write-back
+    /// failed, so after an fsync error nothing tells what reached the disk; a failed
+    /// `apply_batch` may leave part of its group in sled's memory. Every later commit
+    /// is refused until the daemon restarts and recovers from the disk.
     poisoned: std::sync::Mutex<Option<String>>,
 }
 
@@ -72,16 +73,25 @@ impl Syncer {
     fn sync(&self) -> Result<(), StoreError> {
         if let Some(p) = self.poisoned() {
             return Err(StoreError::Sync(format!(
-                "an earlier sync failed ({p}); restart the daemon to recover from disk"
+                "an earlier write or sync failed ({p}); restart the daemon to recover from disk"
             )));
         }
         let r = self.sync_files();
         if let Err(e) = &r {
-            if let Ok(mut p) = self.poisoned.lock() {
+            self.poison(e);
+        }
+        r
+    }
+
+    /// Refuse every later commit: after a failed sync nothing tells what reached the
+    /// disk, and after a failed apply sled may hold part of the group, so nothing more
+    /// is built on top of it before a restart.
+    fn poison(&self, e: &StoreError) {
+        if let Ok(mut p) = self.poisoned.lock() {
+            if p.is_none() {
                 *p = Some(e.to_string());
             }
         }
-        r
     }
 
     fn sync_files(&self) -> Result<(), StoreError> {
@@ -241,11 +251,14 @@ fn writer_loop(
         }
         let mut result = match syncer.poisoned() {
             Some(p) => Err(StoreError::Sync(format!(
-                "an earlier sync failed ({p}); restart the daemon to recover from disk"
+                "an earlier write or sync failed ({p}); restart the daemon to recover from disk"
             ))),
-            None => db
-                .apply_batch(merged)
-                .map_err(|e| StoreError::Write(e.to_string())),
+            None => db.apply_batch(merged).map_err(|e| {
+                let e = StoreError::Write(e.to_string());
+                tracing::error!("failed to apply a group commit: {e}");
+                syncer.poison(&e);
+                e
+            }),
         };
         let applied = started.elapsed();
         if syncer.mode == SyncMode::Always && result.is_ok() {
