@@ -45,7 +45,7 @@ use turnd_client::turnd_proto::{
 };
 use turnd_client::{Caller, ClientError};
 use turnd_testkit::SplitMix64;
-use turnd_tests::BinDaemon;
+use turnd_tests::{all_events, BinDaemon};
 
 /// SIGKILLs (each followed by a restart on the same data directory).
 const KILLS: usize = 4;
@@ -499,23 +499,6 @@ fn note_stop(record: &Shared, t: &Turn) {
 }
 
 // ---------------------------------------------------------------- checks
-
-/// Every event of a session, in order.
-async fn all_events(op: &Caller, session_id: &str) -> anyhow::Result<Vec<Event>> {
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = op
-            .events(session_id, Some(after), Some(1000))
-            .await
-            .with_context(|| format!("session.events {session_id}"))?;
-        if page.events.is_empty() {
-            return Ok(out);
-        }
-        after = page.next;
-        out.extend(page.events);
-    }
-}
 
 fn detail_str<'a>(e: &'a Event, key: &str) -> Option<&'a str> {
     e.detail.get(key).and_then(Value::as_str)

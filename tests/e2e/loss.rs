@@ -22,7 +22,7 @@ use turnd_server::Config;
 use turnd_testkit::{
     Act, Dir, Gate, Instance, KitWorker, Match, Proxy, Rule, Runs, Script, SplitMix64,
 };
-use turnd_tests::{eventually, BinDaemon, Raw, TestDaemon};
+use turnd_tests::{all_events, event_kinds, eventually, BinDaemon, Raw, TestDaemon};
 
 /// Timers of the test config (tests/support `test_config`), named for the reports.
 const PROBE_TIMEOUT_MS: u64 = 300;
@@ -120,28 +120,6 @@ async fn store_clean(operator: &Caller) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Every event of a session, in order.
-async fn all_events(c: &Caller, session: &str) -> anyhow::Result<Vec<Event>> {
-    let mut out: Vec<Event> = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = c.events(session, Some(after), Some(1000)).await?;
-        if page.events.is_empty() {
-            return Ok(out);
-        }
-        after = page.next;
-        out.extend(page.events);
-    }
-}
-
-fn kinds(events: &[Event], turn_id: &str) -> Vec<EventKind> {
-    events
-        .iter()
-        .filter(|e| e.turn_id == turn_id)
-        .map(|e| e.kind)
-        .collect()
-}
-
 fn count(events: &[Event], turn_id: &str, kind: EventKind) -> usize {
     events
         .iter()
@@ -156,7 +134,7 @@ fn first<'a>(events: &'a [Event], turn_id: &str, kind: EventKind) -> anyhow::Res
         .with_context(|| {
             format!(
                 "no {kind:?} event for {turn_id}; events: {:?}",
-                kinds(events, turn_id)
+                event_kinds(events, turn_id)
             )
         })
 }
@@ -246,7 +224,7 @@ async fn lost_result_is_resent_and_applied_once() -> anyhow::Result<()> {
         ensure!(
             count(&ev, &t.turn_id, k) == 0,
             "unexpected {k:?}: {:?}",
-            kinds(&ev, &t.turn_id)
+            event_kinds(&ev, &t.turn_id)
         );
     }
     let dispatched = first(&ev, &t.turn_id, EventKind::Dispatched)?;
@@ -376,7 +354,7 @@ async fn hung_handler_ignoring_cancel_times_out_at_most_once() -> anyhow::Result
     );
     let failed = first(&ev, &t.turn_id, EventKind::Failed)?;
     ensure!(
-        kinds(&ev, &t.turn_id)
+        event_kinds(&ev, &t.turn_id)
             == vec![
                 EventKind::Admitted,
                 EventKind::Dispatched,
@@ -385,7 +363,7 @@ async fn hung_handler_ignoring_cancel_times_out_at_most_once() -> anyhow::Result
                 EventKind::Failed
             ],
         "{:?}",
-        kinds(&ev, &t.turn_id)
+        event_kinds(&ev, &t.turn_id)
     );
     let running = Match::op("invocation.status").and(Match::field("/args/state", json!("running")));
     ensure!(rig.proxy.count(Dir::ToServer, &running) == 1);
@@ -450,7 +428,7 @@ async fn hung_handler_ignoring_cancel_is_retried_at_least_once() -> anyhow::Resu
     );
 
     let ev = rig.events("s-c2").await?;
-    let k = kinds(&ev, &t.turn_id);
+    let k = event_kinds(&ev, &t.turn_id);
     ensure!(
         k == vec![
             EventKind::Admitted,
@@ -779,7 +757,7 @@ async fn same_instance_reconnect_keeps_running_step() -> anyhow::Result<()> {
     );
     ensure!(runs.for_turn(&t.turn_id) == 1);
     let ev = rig.events("s-e").await?;
-    let k = kinds(&ev, &t.turn_id);
+    let k = event_kinds(&ev, &t.turn_id);
     ensure!(
         k == vec![
             EventKind::Admitted,
@@ -828,7 +806,7 @@ async fn same_instance_reconnect_keeps_attempt_deadline() -> anyhow::Result<()> 
     ensure!(
         done.status == TurnStatus::Completed,
         "the kept step was cut short: {done:?}; events {:?}",
-        kinds(&ev, &t.turn_id)
+        event_kinds(&ev, &t.turn_id)
     );
     ensure!(count(&ev, &t.turn_id, EventKind::ProbeSent) == 0);
     ensure!(runs.for_turn(&t.turn_id) == 1);
@@ -864,7 +842,7 @@ async fn same_instance_reconnect_keeps_heartbeat_renewed_deadline() -> anyhow::R
     ensure!(
         count(&ev, &t.turn_id, EventKind::ProbeSent) == 0,
         "heartbeats did not renew the deadline: {:?}",
-        kinds(&ev, &t.turn_id)
+        event_kinds(&ev, &t.turn_id)
     );
     let cut_at = cut_and_reconnect(&rig, &w, &t.turn_id, &invoke.invocation_id).await?;
     // Keep heartbeating a while after the reconnect, then finish.
@@ -875,7 +853,7 @@ async fn same_instance_reconnect_keeps_heartbeat_renewed_deadline() -> anyhow::R
     ensure!(
         done.status == TurnStatus::Completed,
         "the kept, heartbeating step was cut short: {done:?}; events {:?}",
-        kinds(&ev, &t.turn_id)
+        event_kinds(&ev, &t.turn_id)
     );
     ensure!(count(&ev, &t.turn_id, EventKind::ProbeSent) == 0);
     ensure!(runs.for_turn(&t.turn_id) == 1);
@@ -927,7 +905,7 @@ async fn supersede_by_same_instance_fails_nothing() -> anyhow::Result<()> {
         "{done:?}"
     );
     let ev = rig.events("s-l").await?;
-    let k = kinds(&ev, &t.turn_id);
+    let k = event_kinds(&ev, &t.turn_id);
     ensure!(
         k == vec![
             EventKind::Admitted,
@@ -1000,7 +978,7 @@ async fn finished_but_result_lost_is_unknown_then_amended() -> anyhow::Result<()
     ensure!(runs.for_turn(&t.turn_id) == 1);
 
     let ev = rig.events("s-k").await?;
-    let k = kinds(&ev, &t.turn_id);
+    let k = event_kinds(&ev, &t.turn_id);
     ensure!(
         k == vec![
             EventKind::Admitted,
@@ -1101,7 +1079,7 @@ async fn late_result_amends_outcome_unknown_failure() -> anyhow::Result<()> {
     ensure!(t2_done.status == TurnStatus::Completed && t2_done.output == Some(next_input));
 
     let ev = rig.events("s-f").await?;
-    let k = kinds(&ev, &t1.turn_id);
+    let k = event_kinds(&ev, &t1.turn_id);
     ensure!(
         k == vec![
             EventKind::Admitted,

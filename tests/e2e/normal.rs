@@ -21,7 +21,9 @@ use turnd_proto::{
     Role, SubmitArgs, Turn, TurnStatus, WaitState, WatchArgs,
 };
 use turnd_server::config::TokenConfig;
-use turnd_tests::{echo_worker, wait_done, worker_options, BinDaemon, Raw, TestDaemon};
+use turnd_tests::{
+    all_events, echo_worker, event_kinds, wait_done, worker_options, BinDaemon, Raw, TestDaemon,
+};
 
 // ------------------------------------------------------------------------ helpers
 
@@ -56,29 +58,6 @@ fn list_args(
         limit,
         before_seq: before,
     }
-}
-
-/// Every event of a session, paging through `session.events`.
-async fn all_events(c: &Caller, session: &str) -> Result<Vec<Event>> {
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = c.events(session, Some(after), Some(1000)).await?;
-        if page.events.is_empty() {
-            return Ok(out);
-        }
-        after = page.next;
-        out.extend(page.events);
-    }
-}
-
-/// The kinds of a turn's events, in session order.
-fn kinds_of(events: &[Event], turn_id: &str) -> Vec<EventKind> {
-    events
-        .iter()
-        .filter(|e| e.turn_id == turn_id)
-        .map(|e| e.kind)
-        .collect()
 }
 
 /// Turn ids in the order their events of `kind` appear in the session.
@@ -578,7 +557,7 @@ async fn multi_step_turn_counts_to_n_through_continue() -> Result<()> {
         .collect();
     assert_eq!(steps, vec![0, 1, 2, 3, 4, 5]);
     assert_eq!(
-        kinds_of(&events, &t.turn_id).last(),
+        event_kinds(&events, &t.turn_id).last(),
         Some(&EventKind::Completed)
     );
     worker.shutdown();
@@ -889,7 +868,7 @@ async fn retryable_failures_retry_and_exhaust_non_retryable_fail_at_once() -> Re
     let events = all_events(&c, "s-flaky").await?;
     use EventKind::*;
     assert_eq!(
-        kinds_of(&events, &flaky.turn_id),
+        event_kinds(&events, &flaky.turn_id),
         vec![
             Admitted,
             Dispatched,
@@ -959,7 +938,7 @@ async fn retryable_failures_retry_and_exhaust_non_retryable_fail_at_once() -> Re
     assert_eq!(e.cause, ErrorCause::AttemptsExhausted);
     assert_eq!(calls_of("once-busy").len(), 1);
     let once_events = all_events(&c, "s-once").await?;
-    assert!(!kinds_of(&once_events, &once.turn_id).contains(&RetryScheduled));
+    assert!(!event_kinds(&once_events, &once.turn_id).contains(&RetryScheduled));
 
     let done = wait_done(&c, &stepped.turn_id, 10).await?;
     assert_eq!(done.status, TurnStatus::Completed, "{done:?}");

@@ -191,18 +191,9 @@ fn input(mode: &str, key: &str) -> Value {
 
 // ------------------------------------------------------------------------- checks
 
-/// Every event of a session, in order.
+/// Every event of a session, in order (and checked to be in order).
 async fn all_events(c: &Caller, session_id: &str) -> anyhow::Result<Vec<Event>> {
-    let mut out: Vec<Event> = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = c.events(session_id, Some(after), Some(1000)).await?;
-        if page.events.is_empty() {
-            break;
-        }
-        after = page.next;
-        out.extend(page.events);
-    }
+    let out = turnd_tests::all_events(c, session_id).await?;
     for w in out.windows(2) {
         ensure!(
             w[0].seq < w[1].seq,

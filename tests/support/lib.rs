@@ -13,7 +13,7 @@ use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use turnd_client::{Caller, FunctionSpec, Worker, WorkerHandle, WorkerOptions};
-use turnd_proto::{Outcome, Turn};
+use turnd_proto::{Event, EventKind, Outcome, Turn};
 use turnd_server::{open_store, Config, Daemon, Listeners};
 use turnd_store::faulty::{Faults, FaultyKv};
 use turnd_store::Kv;
@@ -120,6 +120,32 @@ pub async fn echo_worker(url: &str, worker_id: &str, concurrency: u32) -> Worker
     let h = w.spawn(tokio_util::sync::CancellationToken::new());
     h.connected().await;
     h
+}
+
+/// Every event of a session, in order, paging through `session.events`.
+pub async fn all_events(c: &Caller, session_id: &str) -> anyhow::Result<Vec<Event>> {
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = c
+            .events(session_id, Some(after), Some(1000))
+            .await
+            .with_context(|| format!("session.events {session_id}"))?;
+        if page.events.is_empty() {
+            return Ok(out);
+        }
+        after = page.next;
+        out.extend(page.events);
+    }
+}
+
+/// The kinds of a turn's events, in session order.
+pub fn event_kinds(events: &[Event], turn_id: &str) -> Vec<EventKind> {
+    events
+        .iter()
+        .filter(|e| e.turn_id == turn_id)
+        .map(|e| e.kind)
+        .collect()
 }
 
 /// Wait until the turn is terminal (at most `secs`).

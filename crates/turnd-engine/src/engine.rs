@@ -1043,22 +1043,44 @@ impl Engine {
         done.outcome = Some(outcome.kind().to_string());
         self.give_up(st, tx, done, InvState::Finished);
         let stopped = h.stop.is_some();
+        // A step's value is serialized once, for the size limit and for the record.
+        let too_large = |v: &RawJson| v.len() as u64 > max_value;
+        let too_large_message =
+            || format!("the step's result is larger than max_value_bytes ({max_value})");
         match outcome {
-            Outcome::Complete(v) | Outcome::Continue(v) if json_len(&v) > max_value => {
-                self.fail(
-                    st,
-                    tx,
-                    h,
-                    ErrorCause::InvalidResult,
-                    "too_large",
-                    format!("the step's result is larger than max_value_bytes ({max_value})"),
-                    Some(inv_id),
-                );
+            Outcome::Complete(v) => {
+                let output = RawJson::from_value(&v);
+                if too_large(&output) {
+                    let msg = too_large_message();
+                    self.fail(
+                        st,
+                        tx,
+                        h,
+                        ErrorCause::InvalidResult,
+                        "too_large",
+                        msg,
+                        Some(inv_id),
+                    );
+                } else {
+                    self.complete(st, tx, h, output);
+                }
             }
-            Outcome::Complete(v) => self.complete(st, tx, h, RawJson::from_value(&v)),
-            Outcome::Continue(_) if stopped => self.cancel_turn(st, tx, h, None),
-            Outcome::Continue(state) => {
-                if h.step + 1 >= self.inner.cfg.max_steps {
+            Outcome::Continue(v) => {
+                let state = RawJson::from_value(&v);
+                if too_large(&state) {
+                    let msg = too_large_message();
+                    self.fail(
+                        st,
+                        tx,
+                        h,
+                        ErrorCause::InvalidResult,
+                        "too_large",
+                        msg,
+                        Some(inv_id),
+                    );
+                } else if stopped {
+                    self.cancel_turn(st, tx, h, None);
+                } else if h.step + 1 >= self.inner.cfg.max_steps {
                     let max = self.inner.cfg.max_steps;
                     self.fail(
                         st,
@@ -1073,7 +1095,7 @@ impl Engine {
                     h.step += 1;
                     h.attempt = 0;
                     h.backoff_ms = 0;
-                    h.state = RawJson::from_value(&state);
+                    h.state = state;
                     h.last_error = None;
                     h.phase = Phase::AwaitingWorker;
                     h.phase_since_ms = tx.now;
@@ -2099,11 +2121,12 @@ impl Engine {
                                 && e.invocation_id.as_deref() == Some(&rec.invocation_id)
                         })
                         .unwrap_or(false);
-                if names_it && json_len(output) <= self.inner.cfg.max_value_bytes {
+                let output = RawJson::from_value(output);
+                if names_it && output.len() as u64 <= self.inner.cfg.max_value_bytes {
                     let before = json!({"status": t.status, "error": t.error});
                     let mut amended = t.clone();
                     amended.status = TurnStatus::Completed;
-                    amended.output = RawJson::from_value(output).non_null();
+                    amended.output = output.non_null();
                     amended.recovered = true;
                     amended.error = None;
                     tx.event(
@@ -2444,24 +2467,6 @@ impl<'a> MetaCursor<'a> {
 fn push_frame(p: &Push) -> String {
     // Pushes are built from our own types; serialization cannot fail.
     serde_json::to_string(p).expect("push frames serialize")
-}
-
-fn json_len(v: &Value) -> u64 {
-    struct Counter(u64);
-    impl std::io::Write for Counter {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len() as u64;
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut c = Counter(0);
-    match serde_json::to_writer(&mut c, v) {
-        Ok(()) => c.0,
-        Err(_) => u64::MAX,
-    }
 }
 
 /// A Unix-ms time for a reason string: ISO-like UTC plus how long ago or ahead.

@@ -282,35 +282,6 @@ impl Store {
             .collect()
     }
 
-    /// Ids of every non-terminal turn, grouped by session in admission order.
-    pub fn active_turn_ids(&self) -> Result<Vec<String>, StoreError> {
-        let (start, end) = keys::active_range();
-        self.kv
-            .scan(&start, &end, false, usize::MAX)?
-            .into_iter()
-            .map(|(k, v)| {
-                String::from_utf8(v)
-                    .map_err(|e| StoreError::Corrupt(format!("active index {k:?}: {e}")))
-            })
-            .collect()
-    }
-
-    /// Every non-terminal turn, grouped by session in admission order.
-    pub fn active_turns(&self) -> Result<Vec<TurnRecord>, StoreError> {
-        let mut out = Vec::new();
-        for id in self.active_turn_ids()? {
-            match self.turn(&id)? {
-                Some(t) => out.push(t),
-                None => {
-                    return Err(StoreError::Corrupt(format!(
-                        "active index names missing turn {id}"
-                    )))
-                }
-            }
-        }
-        Ok(out)
-    }
-
     /// Up to `limit` session metas with keys from `from` on (start with
     /// [`Store::FIRST`]), and where the next page starts (None: no more).
     pub fn session_metas_page(

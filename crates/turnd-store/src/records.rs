@@ -33,11 +33,6 @@ impl RawJson {
         })
     }
 
-    /// The JSON text.
-    pub fn as_str(&self) -> &str {
-        self.0.get()
-    }
-
     /// Length of the JSON text in bytes.
     pub fn len(&self) -> usize {
         self.0.get().len()
@@ -64,12 +59,6 @@ impl PartialEq for RawJson {
 impl std::fmt::Debug for RawJson {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.0.get())
-    }
-}
-
-impl From<&Value> for RawJson {
-    fn from(v: &Value) -> Self {
-        RawJson::from_value(v)
     }
 }
 

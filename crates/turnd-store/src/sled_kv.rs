@@ -66,16 +66,18 @@ struct Syncer {
 }
 
 impl Syncer {
-    fn poisoned(&self) -> Option<String> {
-        self.poisoned.lock().ok().and_then(|p| p.clone())
+    /// Err once the store is poisoned (see `poisoned`).
+    fn check(&self) -> Result<(), StoreError> {
+        match self.poisoned.lock().ok().and_then(|p| p.clone()) {
+            Some(p) => Err(StoreError::Sync(format!(
+                "an earlier write or sync failed ({p}); restart the daemon to recover from disk"
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn sync(&self) -> Result<(), StoreError> {
-        if let Some(p) = self.poisoned() {
-            return Err(StoreError::Sync(format!(
-                "an earlier write or sync failed ({p}); restart the daemon to recover from disk"
-            )));
-        }
+        self.check()?;
         let r = self.sync_files();
         if let Err(e) = &r {
             self.poison(e);
@@ -249,17 +251,14 @@ fn writer_loop(
             add_to_sled_batch(&mut merged, job.batch);
             replies.push(job.reply);
         }
-        let mut result = match syncer.poisoned() {
-            Some(p) => Err(StoreError::Sync(format!(
-                "an earlier write or sync failed ({p}); restart the daemon to recover from disk"
-            ))),
-            None => db.apply_batch(merged).map_err(|e| {
+        let mut result = syncer.check().and_then(|()| {
+            db.apply_batch(merged).map_err(|e| {
                 let e = StoreError::Write(e.to_string());
                 tracing::error!("failed to apply a group commit: {e}");
                 syncer.poison(&e);
                 e
-            }),
-        };
+            })
+        });
         let applied = started.elapsed();
         if syncer.mode == SyncMode::Always && result.is_ok() {
             if let Err(e) = syncer.sync() {
