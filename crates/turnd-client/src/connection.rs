@@ -23,6 +23,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use tokio_util::sync::CancellationToken;
@@ -37,6 +38,11 @@ type Reply = oneshot::Sender<Result<Value, ClientError>>;
 
 /// Heartbeat intervals of silence after which the server is taken to be gone.
 const IDLE_HEARTBEATS: u64 = 3;
+
+/// Size of the WebSocket read buffer. tungstenite zero-fills the whole buffer before
+/// every read of the socket, so its 128 KiB default costs a 128 KiB memset per read;
+/// answers and pushes are mostly far smaller, and a larger frame only takes more reads.
+const READ_BUFFER_BYTES: usize = 8 * 1024;
 /// A deadline that does not come (a year).
 const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -162,8 +168,9 @@ impl Connection {
     ) -> Result<Connection, ClientError> {
         // Nagle off: requests are small and latency matters more than packet count.
         let connector = tls.map(tokio_tungstenite::Connector::Rustls);
+        let ws_config = WebSocketConfig::default().read_buffer_size(READ_BUFFER_BYTES);
         let (ws, _response) =
-            tokio_tungstenite::connect_async_tls_with_config(url, None, true, connector)
+            tokio_tungstenite::connect_async_tls_with_config(url, Some(ws_config), true, connector)
                 .await
                 .map_err(|e| ClientError::Connect(format!("{url}: {e}")))?;
         Ok(Connection::from_stream(ws))
