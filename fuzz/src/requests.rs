@@ -2,7 +2,7 @@
 //! workers, applied to a real [`Engine`] on an in-memory store.
 //!
 //! Every request is built as a JSON text frame, decoded with the server's
-//! `decode_request`, its `args` parsed into the op's argument type and run against
+//! `decode_raw_request`, its `args` parsed into the op's argument type and run against
 //! the engine exactly as `turnd_server::ws::Conn::run` does (that function is
 //! private, so [`World::dispatch`] mirrors it; keep the two in step). Responses are
 //! encoded with the server's encoders and decoded again with the SDK's
@@ -931,10 +931,10 @@ impl<'d> World<'d> {
 
     /// A worker connection's `hello` frame: a new connection for `wi`.
     async fn hello(&mut self, wi: usize, text: &str) {
-        let req = decode_request(text).expect("the harness builds valid frames");
+        let req = decode_raw_request(text).expect("the harness builds valid frames");
         let (outbox, rx) = Outbox::new(Self::conn_id(self.d, "worker"), self.worker_cap);
         let r: Answer = async {
-            let h: HelloArgs = args(req.args)?;
+            let h: HelloArgs = args(req.args_text())?;
             if h.protocol != PROTOCOL_VERSION {
                 return Err(ErrorBody::new(ErrorCode::UnsupportedProtocol, "protocol"));
             }
@@ -970,7 +970,7 @@ impl<'d> World<'d> {
 
     /// Handle one text frame from a connection, as the server's reader loop does.
     async fn frame_from(&mut self, who: Who, text: &str) {
-        let req = match decode_request(text) {
+        let req = match decode_raw_request(text) {
             Ok(r) => r,
             Err(fe) => {
                 self.respond_error(
@@ -1017,14 +1017,14 @@ impl<'d> World<'d> {
             return;
         }
         let caller = Caller { role, worker_id };
-        if let Some(r) = self.dispatch(&caller, op, req.args, req.id).await {
+        if let Some(r) = self.dispatch(&caller, op, req.args_text(), req.id).await {
             self.respond(req.id, op.name(), r);
         }
     }
 
     /// Mirror of `turnd_server::ws::Conn::run` (private there): one request.
     /// `None` means the response was already queued (watch).
-    async fn dispatch(&self, caller: &Caller, op: Op, a: Value, id: u64) -> Option<Answer> {
+    async fn dispatch(&self, caller: &Caller, op: Op, a: &str, id: u64) -> Option<Answer> {
         let e = &self.engine;
         let worker_id = || {
             caller.worker_id.clone().ok_or_else(|| {
@@ -1250,8 +1250,8 @@ fn raw_who(r: u8) -> Who {
     }
 }
 
-fn args<T: DeserializeOwned>(v: Value) -> Result<T, ErrorBody> {
-    serde_json::from_value(v)
+fn args<T: DeserializeOwned>(text: &str) -> Result<T, ErrorBody> {
+    serde_json::from_str(text)
         .map_err(|e| ErrorBody::new(ErrorCode::BadRequest, format!("bad `args`: {e}")))
 }
 

@@ -1101,6 +1101,16 @@ async fn bad_frames_get_bad_frame_with_null_or_echoed_id() -> Result<()> {
                 Message::binary(br#"{"id":10,"op":"ping"}"#.to_vec()),
                 null.clone(),
             ),
+            // A member given twice is ambiguous; text after the object is not JSON.
+            (
+                Message::text(r#"{"id": 11, "id": 12, "op": "ping"}"#),
+                null.clone(),
+            ),
+            (Message::text(r#"{"id": 13, "op": "ping"} x"#), null.clone()),
+            (
+                Message::text(r#"{"id": 14, "op": "ping", "op": "ping"}"#),
+                null.clone(),
+            ),
         ]
     };
     // Before hello: each is a bad frame; hello still works afterwards.
@@ -1130,6 +1140,7 @@ async fn bad_frames_get_bad_frame_with_null_or_echoed_id() -> Result<()> {
             r#"{"id": 6, "op": "ping", "args": {"bogus": 1}, "extra": true}"#,
             json!(6),
         ),
+        (r#"{"id": 7, "op": "p\u0069ng", "args": {}}"#, json!(7)),
     ] {
         raw.send_text(frame).await?;
         let f = next_response(&mut raw).await?;
@@ -1143,6 +1154,26 @@ async fn bad_frames_get_bad_frame_with_null_or_echoed_id() -> Result<()> {
         )
         .await?;
     assert_eq!(ok.pointer("/turn/seq"), Some(&json!(1)), "{ok}");
+    // A member of `args` given twice is `bad_request`, and nothing is submitted.
+    raw.send_text(
+        r#"{"id": 20, "op": "turn.submit", "args": {"session_id": "s-dup", "session_id": "s-other", "function_id": "f"}}"#,
+    )
+    .await?;
+    let f = next_response(&mut raw).await?;
+    check_error(&f, &json!(20), "bad_request")?;
+    assert!(
+        f.pointer("/error/message")
+            .and_then(Value::as_str)
+            .is_some_and(|m| m.contains("duplicate")),
+        "{f}"
+    );
+    for s in ["s-dup", "s-other"] {
+        assert_eq!(
+            raw.error_code("session.inspect", json!({"session_id": s}))
+                .await?,
+            "not_found"
+        );
+    }
     d.shutdown().await
 }
 

@@ -18,6 +18,7 @@ use std::time::Duration;
 use futures_util::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -28,13 +29,15 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, trace, warn};
-use turnd_proto::frame::{decode_server_frame, encode_request, ServerFrame};
+use turnd_proto::frame::{
+    decode_raw_server_frame, encode_request, encode_request_typed, RawServerFrame,
+};
 use turnd_proto::{HelloArgs, HelloOk, Push};
 
 use crate::error::ClientError;
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
-type Reply = oneshot::Sender<Result<Value, ClientError>>;
+type Reply = oneshot::Sender<Result<Box<RawValue>, ClientError>>;
 
 /// Heartbeat intervals of silence after which the server is taken to be gone.
 const IDLE_HEARTBEATS: u64 = 3;
@@ -43,6 +46,7 @@ const IDLE_HEARTBEATS: u64 = 3;
 /// every read of the socket, so its 128 KiB default costs a 128 KiB memset per read;
 /// answers and pushes are mostly far smaller, and a larger frame only takes more reads.
 const READ_BUFFER_BYTES: usize = 8 * 1024;
+
 /// A deadline that does not come (a year).
 const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -221,8 +225,38 @@ impl Connection {
     /// error as [`ClientError::Protocol`], or [`ClientError::Closed`] when the
     /// connection ends first. Other requests proceed concurrently.
     pub async fn request(&self, op: &str, args: Value) -> Result<Value, ClientError> {
+        let ok = self
+            .exchange(op, |id| Ok(encode_request(id, op, &args)))
+            .await?;
+        serde_json::from_str(ok.get()).map_err(|e| ClientError::Decode(format!("{op} answer: {e}")))
+    }
+
+    /// [`Connection::request`] with typed arguments and a typed answer, each encoded
+    /// or decoded in one pass.
+    pub async fn call<A: Serialize, R: DeserializeOwned>(
+        &self,
+        op: &str,
+        args: &A,
+    ) -> Result<R, ClientError> {
+        let ok = self
+            .exchange(op, |id| {
+                encode_request_typed(id, op, args)
+                    .map_err(|e| ClientError::Decode(format!("encode {op} args: {e}")))
+            })
+            .await?;
+        serde_json::from_str(ok.get()).map_err(|e| ClientError::Decode(format!("{op} answer: {e}")))
+    }
+
+    /// Send the request `frame(id)` encodes under a fresh id, and wait for its answer
+    /// as JSON text.
+    async fn exchange(
+        &self,
+        op: &str,
+        frame: impl FnOnce(u64) -> Result<String, ClientError>,
+    ) -> Result<Box<RawValue>, ClientError> {
         let shared = &*self.inner.shared;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let text = frame(id)?;
         let (tx, rx) = oneshot::channel();
         match lock(&shared.pending).as_mut() {
             Some(pending) => {
@@ -231,7 +265,6 @@ impl Connection {
             None => return Err(ClientError::Closed),
         }
         let _guard = PendingGuard { shared, id };
-        let text = encode_request(id, op, &args);
         trace!(id, op, "sending request");
         if self.inner.out.send(Message::text(text)).is_err() {
             return Err(ClientError::Closed);
@@ -240,18 +273,6 @@ impl Connection {
             Ok(result) => result,
             Err(_) => Err(ClientError::Closed),
         }
-    }
-
-    /// [`Connection::request`] with typed arguments and a typed answer.
-    pub async fn call<A: Serialize, R: DeserializeOwned>(
-        &self,
-        op: &str,
-        args: &A,
-    ) -> Result<R, ClientError> {
-        let args = serde_json::to_value(args)
-            .map_err(|e| ClientError::Decode(format!("encode {op} args: {e}")))?;
-        let ok = self.request(op, args).await?;
-        serde_json::from_value(ok).map_err(|e| ClientError::Decode(format!("{op} answer: {e}")))
     }
 
     /// Take the stream of pushes (`invoke`, `cancel`, `probe`, `event`). Only the first
@@ -408,7 +429,7 @@ async fn run_io(
 }
 
 fn handle_text(shared: &Shared, push_tx: &mpsc::UnboundedSender<Push>, text: &str) {
-    let frame = match decode_server_frame(text) {
+    let frame = match decode_raw_server_frame(text) {
         Ok(frame) => frame,
         Err(e) => {
             warn!("ignoring an undecodable frame from the server: {e}");
@@ -416,18 +437,18 @@ fn handle_text(shared: &Shared, push_tx: &mpsc::UnboundedSender<Push>, text: &st
         }
     };
     let (id, result) = match frame {
-        ServerFrame::Push(push) => {
+        RawServerFrame::Push(push) => {
             if push_tx.send(push).is_err() {
                 trace!("push dropped: its receiver is gone");
             }
             return;
         }
-        ServerFrame::Ok { id, ok } => (id, Ok(ok)),
-        ServerFrame::Error {
+        RawServerFrame::Ok { id, ok } => (id, Ok(ok.to_owned())),
+        RawServerFrame::Error {
             id: Some(id),
             error,
         } => (id, Err(ClientError::Protocol(error))),
-        ServerFrame::Error { id: None, error } => {
+        RawServerFrame::Error { id: None, error } => {
             warn!("server reported an error for no request: {error}");
             return;
         }

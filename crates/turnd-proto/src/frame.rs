@@ -1,7 +1,8 @@
 //! Envelopes: requests, responses, pushes, and the protocol's error codes.
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::value::RawValue;
+use serde_json::Value;
 
 /// The whole set of protocol error codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -94,6 +95,23 @@ pub struct Request {
     pub args: Value,
 }
 
+/// A request envelope whose `args` is still JSON text, borrowed from the frame: the
+/// server decodes it straight into the op's typed arguments, without building a
+/// `Value` tree of the whole frame first.
+#[derive(Debug, Clone)]
+pub struct RawRequest<'a> {
+    pub id: u64,
+    pub op: std::borrow::Cow<'a, str>,
+    args: Option<&'a RawValue>,
+}
+
+impl<'a> RawRequest<'a> {
+    /// The JSON text of `args`: an object (`{}` when absent or `null`).
+    pub fn args_text(&self) -> &'a str {
+        self.args.map_or("{}", RawValue::get)
+    }
+}
+
 /// Why a frame could not be decoded into a [`Request`]; carries the `id` when one
 /// could be read so the error response can echo it.
 #[derive(Debug, Clone, PartialEq)]
@@ -102,51 +120,151 @@ pub struct FrameError {
     pub message: String,
 }
 
-/// Decode one text frame into a request, or say why it is a bad frame.
+/// The members of a JSON object named in `names`, as their JSON text; other members
+/// are skipped. A name given twice is refused: which of the two was meant is unknown.
+struct Members<'n> {
+    names: &'n [&'static str],
+}
+
+type Found<'de> = [Option<&'de RawValue>; 4];
+
+impl<'de> serde::de::DeserializeSeed<'de> for Members<'_> {
+    type Value = Found<'de>;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Found<'de>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Members<'_> {
+    type Value = Found<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Found<'de>, A::Error> {
+        let mut found: Found<'de> = [None; 4];
+        while let Some(key) = map.next_key_seed(MemberName { names: self.names })? {
+            match key {
+                Some(i) => {
+                    if found[i].is_some() {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "duplicate member `{}`",
+                            self.names[i]
+                        )));
+                    }
+                    found[i] = Some(map.next_value()?);
+                }
+                None => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// A member name: its index in `names`, or `None` for any other name.
+struct MemberName<'n> {
+    names: &'n [&'static str],
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for MemberName<'_> {
+    type Value = Option<usize>;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Option<usize>, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for MemberName<'_> {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Option<usize>, E> {
+        Ok(self.names.iter().position(|n| *n == v))
+    }
+}
+
+/// Read the members `names` (at most four) of the JSON object `text`, or say why it is
+/// not one.
+fn members<'a>(text: &'a str, names: &[&'static str]) -> Result<Found<'a>, String> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let found = Members { names }
+        .deserialize(&mut de)
+        .and_then(|f| de.end().map(|()| f));
+    found.map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => {
+            if text.trim_start().starts_with('{') {
+                format!("frame is not a valid envelope: {e}")
+            } else {
+                "frame is not a JSON object".into()
+            }
+        }
+        _ => format!("frame is not valid JSON: {e}"),
+    })
+}
+
+/// The string `raw` holds, borrowed unless it has escapes; `None` if it is no string.
+fn json_str(raw: &RawValue) -> Option<std::borrow::Cow<'_, str>> {
+    match serde_json::from_str::<&str>(raw.get()) {
+        Ok(s) => Some(s.into()),
+        Err(_) => serde_json::from_str::<String>(raw.get())
+            .ok()
+            .map(Into::into),
+    }
+}
+
+/// Decode one text frame into a request envelope whose `args` stays JSON text, or say
+/// why it is a bad frame.
 ///
 /// A frame is a request when it is a JSON object with a non-negative integer `id` and a
-/// string `op`; `args`, when present, must be an object (absent means `{}`).
-pub fn decode_request(text: &str) -> Result<Request, FrameError> {
-    let value: Value = serde_json::from_str(text).map_err(|e| FrameError {
-        id: None,
-        message: format!("frame is not valid JSON: {e}"),
-    })?;
-    let Value::Object(mut obj) = value else {
-        return Err(FrameError {
-            id: None,
-            message: "frame is not a JSON object".into(),
-        });
-    };
-    let id = match obj.get("id") {
-        Some(Value::Number(n)) => n.as_u64(),
-        _ => None,
-    };
-    let Some(id) = id else {
+/// string `op`; `args`, when present, must be an object (absent or `null` means `{}`).
+pub fn decode_raw_request(text: &str) -> Result<RawRequest<'_>, FrameError> {
+    let [id, op, args, _] =
+        members(text, &["id", "op", "args"]).map_err(|message| FrameError { id: None, message })?;
+    let Some(id) = id.and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok()) else {
         return Err(FrameError {
             id: None,
             message: "frame has no non-negative integer `id`".into(),
         });
     };
-    let op = match obj.remove("op") {
-        Some(Value::String(s)) => s,
-        _ => {
-            return Err(FrameError {
-                id: Some(id),
-                message: "frame has no string `op`".into(),
-            })
-        }
+    let Some(op) = op.and_then(json_str) else {
+        return Err(FrameError {
+            id: Some(id),
+            message: "frame has no string `op`".into(),
+        });
     };
-    let args = match obj.remove("args") {
-        None | Some(Value::Null) => Value::Object(Map::new()),
-        Some(v @ Value::Object(_)) => v,
-        Some(_) => {
+    let args = match args {
+        Some(raw) if raw.get() == "null" => None,
+        Some(raw) if !raw.get().starts_with('{') => {
             return Err(FrameError {
                 id: Some(id),
                 message: "`args` must be a JSON object".into(),
             })
         }
+        other => other,
     };
-    Ok(Request { id, op, args })
+    Ok(RawRequest { id, op, args })
+}
+
+/// Decode one text frame into a request, or say why it is a bad frame (see
+/// [`decode_raw_request`]), with `args` parsed.
+pub fn decode_request(text: &str) -> Result<Request, FrameError> {
+    let raw = decode_raw_request(text)?;
+    // The envelope's `args` text was read as one valid JSON value.
+    let args = serde_json::from_str(raw.args_text()).map_err(|e| FrameError {
+        id: Some(raw.id),
+        message: format!("`args` is not valid JSON: {e}"),
+    })?;
+    Ok(Request {
+        id: raw.id,
+        op: raw.op.into_owned(),
+        args,
+    })
 }
 
 /// Encode a success response.
@@ -173,7 +291,23 @@ pub fn encode_error(id: Option<u64>, err: &ErrorBody) -> String {
 
 /// Encode a request frame (used by clients).
 pub fn encode_request(id: u64, op: &str, args: &Value) -> String {
-    serde_json::json!({ "id": id, "op": op, "args": args }).to_string()
+    // A `Value` always serializes.
+    encode_request_typed(id, op, args).expect("a JSON value serializes")
+}
+
+/// Encode a request frame from typed arguments, without building a `Value` first.
+pub fn encode_request_typed<A: Serialize + ?Sized>(
+    id: u64,
+    op: &str,
+    args: &A,
+) -> Result<String, serde_json::Error> {
+    #[derive(Serialize)]
+    struct RequestFrame<'a, A: ?Sized> {
+        id: u64,
+        op: &'a str,
+        args: &'a A,
+    }
+    serde_json::to_string(&RequestFrame { id, op, args })
 }
 
 /// A server push, tagged by its `push` member.
@@ -202,27 +336,44 @@ pub enum ServerFrame {
     Push(Push),
 }
 
-/// Decode a frame received from the server.
-pub fn decode_server_frame(text: &str) -> Result<ServerFrame, String> {
-    let value: Value = serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
-    let Value::Object(mut obj) = value else {
-        return Err("frame is not an object".into());
-    };
-    if obj.contains_key("push") {
-        let push: Push = serde_json::from_value(Value::Object(obj))
-            .map_err(|e| format!("bad push frame: {e}"))?;
-        return Ok(ServerFrame::Push(push));
+/// Any frame a server sends, with the answer of an `ok` frame still JSON text borrowed
+/// from the frame: a client decodes it straight into the op's typed answer.
+#[derive(Debug, Clone)]
+pub enum RawServerFrame<'a> {
+    Ok { id: u64, ok: &'a RawValue },
+    Error { id: Option<u64>, error: ErrorBody },
+    Push(Push),
+}
+
+/// Decode a frame received from the server, leaving an `ok` answer as JSON text.
+pub fn decode_raw_server_frame(text: &str) -> Result<RawServerFrame<'_>, String> {
+    let [id, ok, error, push] = members(text, &["id", "ok", "error", "push"])?;
+    if push.is_some() {
+        let push: Push = serde_json::from_str(text).map_err(|e| format!("bad push frame: {e}"))?;
+        return Ok(RawServerFrame::Push(push));
     }
-    let id = obj.get("id").and_then(Value::as_u64);
-    if let Some(err) = obj.remove("error") {
+    let id = id.and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok());
+    if let Some(err) = error {
         let error: ErrorBody =
-            serde_json::from_value(err).map_err(|e| format!("bad error body: {e}"))?;
-        return Ok(ServerFrame::Error { id, error });
+            serde_json::from_str(err.get()).map_err(|e| format!("bad error body: {e}"))?;
+        return Ok(RawServerFrame::Error { id, error });
     }
-    match (id, obj.remove("ok")) {
-        (Some(id), Some(ok)) => Ok(ServerFrame::Ok { id, ok }),
+    match (id, ok) {
+        (Some(id), Some(ok)) => Ok(RawServerFrame::Ok { id, ok }),
         _ => Err("frame is neither a push nor a response".into()),
     }
+}
+
+/// Decode a frame received from the server.
+pub fn decode_server_frame(text: &str) -> Result<ServerFrame, String> {
+    Ok(match decode_raw_server_frame(text)? {
+        RawServerFrame::Ok { id, ok } => ServerFrame::Ok {
+            id,
+            ok: serde_json::from_str(ok.get()).map_err(|e| format!("bad ok answer: {e}"))?,
+        },
+        RawServerFrame::Error { id, error } => ServerFrame::Error { id, error },
+        RawServerFrame::Push(p) => ServerFrame::Push(p),
+    })
 }
 
 #[cfg(test)]
@@ -253,6 +404,63 @@ mod tests {
                 .id,
             Some(4)
         );
+    }
+
+    #[test]
+    fn raw_requests_keep_args_as_text_and_refuse_ambiguity() {
+        let r = decode_raw_request(r#"{"args": {"b": [1, 2]}, "op": "turn.get", "id": 2}"#)
+            .expect("valid");
+        assert_eq!(
+            (r.id, &*r.op, r.args_text()),
+            (2, "turn.get", r#"{"b": [1, 2]}"#)
+        );
+        let r = decode_raw_request(r#"{"id":1,"op":"p\u0069ng","args":null}"#).expect("valid");
+        assert_eq!((&*r.op, r.args_text()), ("ping", "{}"));
+        for (text, id, says) in [
+            (
+                r#"{"id":1,"id":2,"op":"ping"}"#,
+                None,
+                "duplicate member `id`",
+            ),
+            (
+                r#"{"id":1,"op":"ping","args":{},"args":{}}"#,
+                None,
+                "duplicate member `args`",
+            ),
+            (r#"{"id":1,"op":"ping"} {}"#, None, "not valid JSON"),
+            (r#"{"id":1,"op":"ping""#, None, "not valid JSON"),
+            ("17", None, "not a JSON object"),
+            (r#"{"id":3,"op":["ping"]}"#, Some(3), "no string `op`"),
+            (
+                r#"{"id":3,"op":"ping","args":"x"}"#,
+                Some(3),
+                "must be a JSON object",
+            ),
+        ] {
+            let e = decode_raw_request(text).expect_err(text);
+            assert_eq!(e.id, id, "{text}");
+            assert!(e.message.contains(says), "{text}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn raw_server_frames_keep_the_answer_as_text() {
+        match decode_raw_server_frame(r#"{"ok": {"x": [1, "y"]}, "id": 4}"#) {
+            Ok(RawServerFrame::Ok { id: 4, ok }) => assert_eq!(ok.get(), r#"{"x": [1, "y"]}"#),
+            other => panic!("{other:?}"),
+        }
+        assert!(decode_raw_server_frame(r#"{"id": 4}"#).is_err());
+        assert!(decode_raw_server_frame(r#"{"id": 4, "ok": 1, "ok": 2}"#).is_err());
+        let typed = encode_request_typed(3, "turn.get", &TurnIdArgsForTest { turn_id: "t_1" })
+            .expect("encodes");
+        let back = decode_request(&typed).expect("decodes");
+        assert_eq!(back.args, serde_json::json!({"turn_id": "t_1"}));
+        assert_eq!(typed, encode_request(3, "turn.get", &back.args));
+    }
+
+    #[derive(Serialize)]
+    struct TurnIdArgsForTest {
+        turn_id: &'static str,
     }
 
     #[test]

@@ -11,7 +11,9 @@ pub mod ids;
 pub mod objects;
 pub mod ops;
 
-pub use frame::{decode_request, ErrorBody, ErrorCode, FrameError, Push, Request};
+pub use frame::{
+    decode_raw_request, decode_request, ErrorBody, ErrorCode, FrameError, Push, RawRequest, Request,
+};
 pub use ids::{new_connection_id, new_invocation_id, new_turn_id, new_watch_id};
 pub use objects::*;
 pub use ops::*;

@@ -188,8 +188,9 @@ fn bad(code: ErrorCode, msg: impl Into<String>) -> ErrorBody {
     ErrorBody::new(code, msg)
 }
 
-fn args<T: DeserializeOwned>(v: Value) -> Result<T, ErrorBody> {
-    serde_json::from_value(v).map_err(|e| bad(ErrorCode::BadRequest, format!("bad `args`: {e}")))
+/// Decode a request's `args` (its JSON text) into the op's typed arguments.
+fn args<T: DeserializeOwned>(text: &str) -> Result<T, ErrorBody> {
+    serde_json::from_str(text).map_err(|e| bad(ErrorCode::BadRequest, format!("bad `args`: {e}")))
 }
 
 /// A successful answer, already serialized: written into the `ok` frame as is.
@@ -393,7 +394,7 @@ where
             }
             continue;
         }
-        let req = match decode_request(text.as_str()) {
+        let req = match decode_raw_request(text.as_str()) {
             Ok(r) => r,
             Err(fe) => {
                 bad_in_row += 1;
@@ -424,7 +425,7 @@ where
             continue;
         }
         if req.op == Op::Hello.name() {
-            let r = conn.hello(req.args).await;
+            let r = conn.hello(req.args_text()).await;
             if !conn.respond(req.id, r).await {
                 break None;
             }
@@ -468,9 +469,10 @@ where
             continue;
         }
         let c = conn.clone();
+        let id = req.id;
+        let a = req.args_text().to_owned();
         shared.requests.spawn(async move {
-            let id = req.id;
-            let r = c.run(op, req.args, id).await;
+            let r = c.run(op, &a, id).await;
             if let Some(r) = r {
                 c.respond(id, r).await;
             }
@@ -528,7 +530,7 @@ impl Conn {
         ok
     }
 
-    async fn hello(&self, a: Value) -> Result<Reply, ErrorBody> {
+    async fn hello(&self, a: &str) -> Result<Reply, ErrorBody> {
         if self.auth.get().is_some() {
             return Err(bad(
                 ErrorCode::Conflict,
@@ -614,7 +616,7 @@ impl Conn {
     }
 
     /// Run one request. `None` means the response was already sent (watch).
-    async fn run(&self, op: Op, a: Value, id: u64) -> Option<Result<Reply, ErrorBody>> {
+    async fn run(&self, op: Op, a: &str, id: u64) -> Option<Result<Reply, ErrorBody>> {
         let e = &self.shared.engine;
         let r = match op {
             Op::Hello => Err(bad(
