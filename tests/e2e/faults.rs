@@ -377,7 +377,6 @@ async fn read_faults_answer_unavailable_and_change_nothing() -> anyhow::Result<(
     let t = c.submit_simple("reads", "nobody", json!(1)).await?;
     let f = faults(&td);
     f.set_fail_reads(true);
-    unavailable(c.get(&t.turn_id).await.expect_err("read refused"));
     unavailable(c.stop(&t.turn_id, "x").await.expect_err("read refused"));
     unavailable(
         c.events("reads", None, None)
@@ -388,6 +387,47 @@ async fn read_faults_answer_unavailable_and_change_nothing() -> anyhow::Result<(
     let now = c.get(&t.turn_id).await?;
     assert_eq!(now.status, TurnStatus::Queued);
     assert!(now.stop.is_none(), "the refused stop changed nothing");
+    assert_clean(&td).await?;
+    td.shutdown().await
+}
+
+/// An unfinished turn and its live invocation are served from memory: with every
+/// store read failing, `turn.get` and `turn.wait` of the turn still answer, and the
+/// worker's result is applied. (A sled read waits while a group commit is applied,
+/// so the hot path of a turn reads nothing.) A finished turn is read from the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_turns_and_their_results_need_no_store_read() -> anyhow::Result<()> {
+    let td = TestDaemon::start_faulty(|_| {}).await?;
+    let c = td.caller().await?;
+    let (mut w, _) = Raw::hello(
+        &td.url,
+        "worker",
+        json!({"worker_id": "mem", "instance_id": "i1"}),
+    )
+    .await?;
+    w.ok("function.register", json!({"function_id": "f"}))
+        .await?;
+    let t = c.submit_simple("mem", "f", json!(1)).await?;
+    let inv = w.next_push().await?["invocation_id"].clone();
+    let f = faults(&td);
+    f.set_fail_reads(true);
+    let now = c.get(&t.turn_id).await?;
+    assert_eq!(now.status, TurnStatus::Running);
+    let waited = c.wait(&t.turn_id, Some(20)).await?;
+    assert_eq!(waited.status, TurnStatus::Running);
+    let ok = w
+        .ok(
+            "invocation.result",
+            json!({"invocation_id": inv, "outcome": {"complete": "done"}}),
+        )
+        .await?;
+    assert_eq!(ok["accepted"], "applied");
+    // Finished, the turn is no longer in memory: its read is refused.
+    unavailable(c.get(&t.turn_id).await.expect_err("read refused"));
+    f.set_fail_reads(false);
+    let done = c.get(&t.turn_id).await?;
+    assert_eq!(done.status, TurnStatus::Completed);
+    assert_eq!(done.output, Some(json!("done")));
     assert_clean(&td).await?;
     td.shutdown().await
 }

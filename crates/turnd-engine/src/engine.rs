@@ -86,6 +86,11 @@ struct Inner {
     clock: Clock,
     boot_id: String,
     sessions: Mutex<HashMap<String, Arc<SessionCell>>>,
+    /// The session of every unfinished turn, by the 128 bits of its id, so
+    /// `turn.get` and `turn.wait` find a live turn without a store read (a sled read
+    /// waits for any group commit being applied). A hint only: a turn missing here,
+    /// or no longer in its session, is read from the store.
+    live_turns: Mutex<HashMap<u128, Arc<SessionCell>>>,
     registry: Mutex<Registry>,
     /// `turn.wait` callers by turn id; sent the turn once it is terminal.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Turn>>>>,
@@ -122,6 +127,7 @@ impl Engine {
                 clock: Clock::new(),
                 boot_id: uuid::Uuid::new_v4().simple().to_string(),
                 sessions: Mutex::new(HashMap::new()),
+                live_turns: Mutex::new(HashMap::new()),
                 registry: Mutex::new(Registry::default()),
                 waiters: Mutex::new(HashMap::new()),
                 watches: Mutex::new(HashMap::new()),
@@ -215,6 +221,38 @@ impl Engine {
             .clone()
     }
 
+    fn live_turns(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Arc<SessionCell>>> {
+        // Plain data: a poisoned lock still holds a usable map.
+        self.inner
+            .live_turns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keep `live_turns` in step: admitted turns in, ended turns out.
+    fn track_live(&self, cell: &Arc<SessionCell>, admitted: &[String], ended: &[TurnRecord]) {
+        if admitted.is_empty() && ended.is_empty() {
+            return;
+        }
+        let mut live = self.live_turns();
+        for id in admitted {
+            if let Some(k) = turn_key(id) {
+                live.insert(k, cell.clone());
+            }
+        }
+        for t in ended {
+            if let Some(k) = turn_key(&t.turn_id) {
+                live.remove(&k);
+            }
+        }
+    }
+
+    /// The session cell of an unfinished turn, if `live_turns` knows it.
+    fn live_cell(&self, turn_id: &str) -> Option<Arc<SessionCell>> {
+        let k = turn_key(turn_id)?;
+        self.live_turns().get(&k).cloned()
+    }
+
     fn existing_cell(&self, session_id: &str) -> Option<Arc<SessionCell>> {
         self.inner
             .sessions
@@ -263,7 +301,7 @@ impl Engine {
     /// every slot the transaction reserved or freed is put back.
     async fn commit(
         &self,
-        cell: &SessionCell,
+        cell: &Arc<SessionCell>,
         st: &mut SessionState,
         mut tx: Tx,
     ) -> Result<(), StoreError> {
@@ -297,6 +335,7 @@ impl Engine {
                     }
                 }
                 self.publish(&st.id, &applied.events);
+                self.track_live(cell, &applied.admitted, &applied.terminal);
                 self.notify_terminal(&applied.terminal);
                 self.after_change(cell, st, released);
                 Ok(())
@@ -1262,6 +1301,14 @@ impl Engine {
 
     /// `turn.get`.
     pub async fn get_turn(&self, turn_id: &str) -> ApiResult<Turn> {
+        check_id("turn_id", turn_id)?;
+        if let Some(cell) = self.live_cell(turn_id) {
+            let st = self.lock(&cell).await.map_err(read_failed)?;
+            if let Some(t) = st.find(turn_id) {
+                return Ok(self.turn_view(&st, t));
+            }
+            // It ended while we waited for the lock: the store has it.
+        }
         let rec = self.stored_turn(turn_id)?;
         if rec.status.is_terminal() {
             return Ok(to_turn(&rec, None));
@@ -2041,8 +2088,57 @@ impl Engine {
         Ok(Some(inv))
     }
 
+    /// The session of `invocation_id` if the registry has it assigned to the calling
+    /// worker (so the worker may report it).
+    fn assigned_session(&self, caller: &Caller, invocation_id: &str) -> Option<String> {
+        let w = caller.worker_id.as_deref()?;
+        if caller.role != Role::Worker {
+            return None;
+        }
+        self.registry().assigned_session(w, invocation_id)
+    }
+
+    /// Apply the outcome of the session's current invocation and commit it.
+    async fn apply_current_result(
+        &self,
+        cell: &Arc<SessionCell>,
+        st: &mut SessionState,
+        outcome: Outcome,
+    ) -> ApiResult<ResultOk> {
+        let inv = st
+            .inv
+            .as_deref()
+            .cloned()
+            .ok_or_else(|| err(ErrorCode::Internal, "live invocation vanished"))?;
+        let h = st
+            .holder()
+            .cloned()
+            .ok_or_else(|| err(ErrorCode::Internal, "live invocation without a lock holder"))?;
+        let mut tx = Tx::new(st, self.now_ms());
+        self.apply_outcome(st, &mut tx, h, inv, outcome);
+        self.commit(cell, st, tx)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        Counters::inc(&self.inner.counters.results_applied);
+        Ok(ResultOk {
+            accepted: Accepted::Applied,
+        })
+    }
+
     /// `invocation.result`.
     pub async fn result(&self, caller: &Caller, args: ResultArgs) -> ApiResult<ResultOk> {
+        check_id("invocation_id", &args.invocation_id)?;
+        // A worker's result for an invocation the registry has assigned to it (the
+        // common case): its session is known without reading the invocation record.
+        if let Some(session_id) = self.assigned_session(caller, &args.invocation_id) {
+            let cell = self.cell(&session_id);
+            let mut st = self.lock(&cell).await.map_err(read_failed)?;
+            if is_current(&st, &args.invocation_id) {
+                return self
+                    .apply_current_result(&cell, &mut st, args.outcome)
+                    .await;
+            }
+        }
         let Some(rec) = self.invocation_for(caller, &args.invocation_id)? else {
             Counters::inc(&self.inner.counters.results_unknown);
             return Ok(ResultOk {
@@ -2052,30 +2148,10 @@ impl Engine {
         let cell = self.cell(&rec.session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
         let now = self.now_ms();
-        let current = st
-            .inv
-            .as_ref()
-            .map(|i| i.invocation_id == args.invocation_id)
-            .unwrap_or(false);
-        if current {
-            let inv = st
-                .inv
-                .as_deref()
-                .cloned()
-                .ok_or_else(|| err(ErrorCode::Internal, "live invocation vanished"))?;
-            let h = st
-                .holder()
-                .cloned()
-                .ok_or_else(|| err(ErrorCode::Internal, "live invocation without a lock holder"))?;
-            let mut tx = Tx::new(&st, now);
-            self.apply_outcome(&st, &mut tx, h, inv, args.outcome);
-            self.commit(&cell, &mut st, tx)
-                .await
-                .map_err(|e| unavailable(&e))?;
-            Counters::inc(&self.inner.counters.results_applied);
-            return Ok(ResultOk {
-                accepted: Accepted::Applied,
-            });
+        if is_current(&st, &args.invocation_id) {
+            return self
+                .apply_current_result(&cell, &mut st, args.outcome)
+                .await;
         }
         // Not current: re-read under the lock, it may have ended while we waited.
         let rec = self
@@ -2292,6 +2368,14 @@ impl Engine {
             }
             None => self.lock(&cell).await?,
         };
+        {
+            let mut live = self.live_turns();
+            for t in &ts {
+                if let Some(k) = turn_key(&t.turn_id) {
+                    live.insert(k, cell.clone());
+                }
+            }
+        }
         for t in ts {
             st.active.insert(t);
         }
@@ -2513,6 +2597,22 @@ pub fn fmt_utc(ms: u64) -> String {
         sod % 60,
         ms % 1000
     )
+}
+
+/// The 128 bits of a turn id this daemon minted (`t_` and 32 hex digits).
+fn turn_key(turn_id: &str) -> Option<u128> {
+    let hex = turn_id.strip_prefix("t_")?;
+    if hex.len() != 32 {
+        return None;
+    }
+    u128::from_str_radix(hex, 16).ok()
+}
+
+/// Whether `invocation_id` is the session's current invocation.
+fn is_current(st: &SessionState, invocation_id: &str) -> bool {
+    st.inv
+        .as_ref()
+        .is_some_and(|i| i.invocation_id == invocation_id)
 }
 
 #[cfg(test)]

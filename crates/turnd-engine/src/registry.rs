@@ -474,6 +474,15 @@ impl Registry {
             .unwrap_or_default()
     }
 
+    /// The session of a live invocation assigned to `worker_id`.
+    pub fn assigned_session(&self, worker_id: &str, invocation_id: &str) -> Option<String> {
+        self.workers
+            .get(worker_id)?
+            .assigned
+            .get(invocation_id)
+            .map(|a| a.session_id.clone())
+    }
+
     /// Sessions of the live invocations assigned to a worker.
     pub fn assigned_sessions(&self, worker_id: &str) -> Vec<String> {
         let mut v: Vec<String> = self

@@ -286,6 +286,7 @@ impl Tx {
     pub fn apply(self, st: &mut SessionState) -> Applied {
         let mut shifts = Vec::new();
         let mut terminal = Vec::new();
+        let mut admitted = Vec::new();
         for (seq, t) in self.turns {
             let orig = self.orig_status.get(&seq).copied().flatten();
             if orig != Some(t.status) {
@@ -295,6 +296,9 @@ impl Tx {
                 st.active.remove(seq);
                 terminal.push(t);
             } else {
+                if orig.is_none() {
+                    admitted.push(t.turn_id.clone());
+                }
                 st.active.insert(t);
             }
         }
@@ -306,6 +310,7 @@ impl Tx {
         Applied {
             shifts,
             terminal,
+            admitted,
             events: self.events,
             effects: self.effects,
         }
@@ -316,6 +321,8 @@ pub struct Applied {
     pub shifts: Vec<(Option<TurnStatus>, TurnStatus)>,
     /// Turns that are terminal after the transaction, as written.
     pub terminal: Vec<TurnRecord>,
+    /// Ids of the turns the transaction admitted and left unfinished.
+    pub admitted: Vec<String>,
     pub events: Vec<Event>,
     pub effects: Vec<Effect>,
 }
