@@ -47,6 +47,9 @@ const IDLE_HEARTBEATS: u64 = 3;
 /// answers and pushes are mostly far smaller, and a larger frame only takes more reads.
 const READ_BUFFER_BYTES: usize = 8 * 1024;
 
+/// Most requests the writer takes from its queue before it flushes them.
+const WRITE_BATCH_FRAMES: usize = 64;
+
 /// A deadline that does not come (a year).
 const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -363,7 +366,20 @@ async fn run_io(
             }
             msg = out_rx.recv() => match msg {
                 Some(msg) => {
-                    if let Err(e) = ws.send(msg).await {
+                    // Requests already queued behind this one go out in the same
+                    // write: one flush (one send syscall) for the lot.
+                    let mut written = ws.feed(msg).await;
+                    let mut batched = 1;
+                    while written.is_ok() && batched < WRITE_BATCH_FRAMES {
+                        let Ok(more) = out_rx.try_recv() else { break };
+                        written = ws.feed(more).await;
+                        batched += 1;
+                    }
+                    let flushed = match written {
+                        Ok(()) => ws.flush().await,
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = flushed {
                         debug!("failed to write to the connection: {e}");
                         break;
                     }

@@ -207,6 +207,9 @@ fn ok<T: serde::Serialize>(v: T) -> Result<Reply, ErrorBody> {
 /// mostly far smaller, and a larger frame only takes more reads.
 const READ_BUFFER_BYTES: usize = 8 * 1024;
 
+/// Most frames a connection's writer takes from its queue before it flushes them.
+const WRITE_BATCH_FRAMES: usize = 64;
+
 /// Serve one accepted TCP connection until it ends.
 pub async fn serve_connection<S>(shared: Arc<Shared>, stream: S, peer: SocketAddr)
 where
@@ -291,7 +294,20 @@ where
             tokio::select! {
                 frame = out_rx.recv() => match frame {
                     Some(f) => {
-                        if sink.send(Message::text(f)).await.is_err() {
+                        // Frames already queued behind this one go out in the same
+                        // write: one flush (one send syscall) for the lot.
+                        if sink.feed(Message::text(f)).await.is_err() {
+                            break None;
+                        }
+                        let mut batched = 1;
+                        while batched < WRITE_BATCH_FRAMES {
+                            let Ok(more) = out_rx.try_recv() else { break };
+                            if sink.feed(Message::text(more)).await.is_err() {
+                                break;
+                            }
+                            batched += 1;
+                        }
+                        if sink.flush().await.is_err() {
                             break None;
                         }
                     }
