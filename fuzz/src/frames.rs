@@ -1,7 +1,7 @@
 //! The `frame_decode` target's body: the decoders the daemon and the SDK run on every
 //! text frame they receive.
 
-use turnd_proto::decode_request;
+use turnd_proto::{decode_raw_request, decode_request};
 use turnd_proto::frame::{
     decode_server_frame, encode_error, encode_ok, encode_request, ServerFrame,
 };
@@ -22,6 +22,13 @@ pub fn frame_decode(data: &[u8]) {
         return;
     };
 
+    // The server decodes with `decode_raw_request`; `decode_request` is it plus a parse
+    // of `args`, which must never refuse what the raw decoder accepted.
+    assert_eq!(
+        decode_raw_request(text).is_ok(),
+        decode_request(text).is_ok(),
+        "the raw and the parsed request decoders disagree on {text:?}"
+    );
     match decode_request(text) {
         Ok(req) => {
             assert!(

@@ -1111,6 +1111,11 @@ async fn bad_frames_get_bad_frame_with_null_or_echoed_id() -> Result<()> {
                 Message::text(r#"{"id": 14, "op": "ping", "op": "ping"}"#),
                 null.clone(),
             ),
+            // JSON a parser refuses is refused wherever it is, even where nothing reads it.
+            (
+                Message::text(r#"{"id": 15, "op": "ping", "args": {"x": "\ud800"}}"#),
+                null.clone(),
+            ),
         ]
     };
     // Before hello: each is a bad frame; hello still works afterwards.

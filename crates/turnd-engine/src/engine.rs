@@ -247,6 +247,12 @@ impl Engine {
         }
     }
 
+    /// Entries in the in-memory index of unfinished turns: as many as there are
+    /// unfinished turns (for diagnostics and tests).
+    pub fn live_turn_index_len(&self) -> usize {
+        self.live_turns().len()
+    }
+
     /// The session cell of an unfinished turn, if `live_turns` knows it.
     fn live_cell(&self, turn_id: &str) -> Option<Arc<SessionCell>> {
         let k = turn_key(turn_id)?;

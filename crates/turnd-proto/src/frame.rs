@@ -124,6 +124,9 @@ pub struct FrameError {
 /// are skipped. A name given twice is refused: which of the two was meant is unknown.
 struct Members<'n> {
     names: &'n [&'static str],
+    /// Check the members not named as strictly as a parse into `Value` would (a
+    /// request); otherwise only skip them (a server frame).
+    strict: bool,
 }
 
 type Found<'de> = [Option<&'de RawValue>; 4];
@@ -155,6 +158,7 @@ impl<'de> serde::de::Visitor<'de> for Members<'_> {
                     }
                     found[i] = Some(map.next_value()?);
                 }
+                None if self.strict => map.next_value_seed(Strict)?,
                 None => {
                     map.next_value::<serde::de::IgnoredAny>()?;
                 }
@@ -189,23 +193,82 @@ impl<'de> serde::de::Visitor<'de> for MemberName<'_> {
 }
 
 /// Read the members `names` (at most four) of the JSON object `text`, or say why it is
-/// not one.
-fn members<'a>(text: &'a str, names: &[&'static str]) -> Result<Found<'a>, String> {
+/// not one. With `strict`, the other members are checked as [`Strict`] does.
+fn members<'a>(text: &'a str, names: &[&'static str], strict: bool) -> Result<Found<'a>, String> {
     use serde::de::DeserializeSeed;
     let mut de = serde_json::Deserializer::from_str(text);
-    let found = Members { names }
+    let found = Members { names, strict }
         .deserialize(&mut de)
         .and_then(|f| de.end().map(|()| f));
     found.map_err(|e| match e.classify() {
         serde_json::error::Category::Data => {
             if text.trim_start().starts_with('{') {
                 format!("frame is not a valid envelope: {e}")
+            } else if let Err(e) = check_json(text) {
+                format!("frame is not valid JSON: {e}")
             } else {
                 "frame is not a JSON object".into()
             }
         }
         _ => format!("frame is not valid JSON: {e}"),
     })
+}
+
+/// Any JSON value, read and dropped. Reading it checks all that a parse into `Value`
+/// checks (string escapes, number range, nesting depth), without building anything:
+/// the members of a request that are kept as text or skipped are held to the same
+/// standard as before they were.
+struct Strict;
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Strict {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Strict)?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_key_seed(Strict)?.is_some() {
+            map.next_value_seed(Strict)?;
+        }
+        Ok(())
+    }
+}
+
+/// Check that `text` is one JSON value as strictly as a parse into `Value` would.
+fn check_json(text: &str) -> Result<(), serde_json::Error> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_str(text);
+    Strict.deserialize(&mut de)?;
+    de.end()
 }
 
 /// The string `raw` holds, borrowed unless it has escapes; `None` if it is no string.
@@ -224,8 +287,15 @@ fn json_str(raw: &RawValue) -> Option<std::borrow::Cow<'_, str>> {
 /// A frame is a request when it is a JSON object with a non-negative integer `id` and a
 /// string `op`; `args`, when present, must be an object (absent or `null` means `{}`).
 pub fn decode_raw_request(text: &str) -> Result<RawRequest<'_>, FrameError> {
-    let [id, op, args, _] =
-        members(text, &["id", "op", "args"]).map_err(|message| FrameError { id: None, message })?;
+    let [id, op, args, _] = members(text, &["id", "op", "args"], true)
+        .map_err(|message| FrameError { id: None, message })?;
+    // The members kept as text were only delimited so far: hold them to a full parse.
+    for raw in [id, op, args].into_iter().flatten() {
+        check_json(raw.get()).map_err(|e| FrameError {
+            id: None,
+            message: format!("frame is not valid JSON: {e}"),
+        })?;
+    }
     let Some(id) = id.and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok()) else {
         return Err(FrameError {
             id: None,
@@ -347,7 +417,7 @@ pub enum RawServerFrame<'a> {
 
 /// Decode a frame received from the server, leaving an `ok` answer as JSON text.
 pub fn decode_raw_server_frame(text: &str) -> Result<RawServerFrame<'_>, String> {
-    let [id, ok, error, push] = members(text, &["id", "ok", "error", "push"])?;
+    let [id, ok, error, push] = members(text, &["id", "ok", "error", "push"], false)?;
     if push.is_some() {
         let push: Push = serde_json::from_str(text).map_err(|e| format!("bad push frame: {e}"))?;
         return Ok(RawServerFrame::Push(push));
@@ -428,6 +498,21 @@ mod tests {
                 "duplicate member `args`",
             ),
             (r#"{"id":1,"op":"ping"} {}"#, None, "not valid JSON"),
+            // What a parse into `Value` refuses is refused wherever it is: in a skipped
+            // member, in `args`, in `op`.
+            (
+                r#"{"id":1,"op":"ping","x":"\ud800"}"#,
+                None,
+                "not valid JSON",
+            ),
+            (r#"{"id":1,"op":"ping","x":1e999}"#, None, "not valid JSON"),
+            (
+                r#"{"id":1,"op":"ping","args":{"y":[1e999]}}"#,
+                None,
+                "not valid JSON",
+            ),
+            (r#"{"id":1,"op":"p\ud800"}"#, None, "not valid JSON"),
+            ("[1,", None, "not valid JSON"),
             (r#"{"id":1,"op":"ping""#, None, "not valid JSON"),
             ("17", None, "not a JSON object"),
             (r#"{"id":3,"op":["ping"]}"#, Some(3), "no string `op`"),

@@ -300,14 +300,13 @@ where
                             break None;
                         }
                         let mut batched = 1;
-                        while batched < WRITE_BATCH_FRAMES {
+                        let mut written = Ok(());
+                        while written.is_ok() && batched < WRITE_BATCH_FRAMES {
                             let Ok(more) = out_rx.try_recv() else { break };
-                            if sink.feed(Message::text(more)).await.is_err() {
-                                break;
-                            }
+                            written = sink.feed(Message::text(more)).await;
                             batched += 1;
                         }
-                        if sink.flush().await.is_err() {
+                        if written.is_err() || sink.flush().await.is_err() {
                             break None;
                         }
                     }
