@@ -230,18 +230,16 @@ impl Engine {
     }
 
     /// Keep `live_turns` in step: admitted turns in, ended turns out.
-    fn track_live(&self, cell: &Arc<SessionCell>, admitted: &[String], ended: &[TurnRecord]) {
+    fn track_live(&self, cell: &Arc<SessionCell>, admitted: &[u128], ended: &[TurnRecord]) {
         if admitted.is_empty() && ended.is_empty() {
             return;
         }
         let mut live = self.live_turns();
-        for id in admitted {
-            if let Some(k) = turn_key(id) {
-                live.insert(k, cell.clone());
-            }
+        for k in admitted {
+            live.insert(*k, cell.clone());
         }
         for t in ended {
-            if let Some(k) = turn_key(&t.turn_id) {
+            if let Some(k) = turn_id_bits(&t.turn_id) {
                 live.remove(&k);
             }
         }
@@ -255,7 +253,7 @@ impl Engine {
 
     /// The session cell of an unfinished turn, if `live_turns` knows it.
     fn live_cell(&self, turn_id: &str) -> Option<Arc<SessionCell>> {
-        let k = turn_key(turn_id)?;
+        let k = turn_id_bits(turn_id)?;
         self.live_turns().get(&k).cloned()
     }
 
@@ -1090,22 +1088,22 @@ impl Engine {
         let stopped = h.stop.is_some();
         // A step's value is serialized once, for the size limit and for the record.
         let too_large = |v: &RawJson| v.len() as u64 > max_value;
-        let too_large_message =
-            || format!("the step's result is larger than max_value_bytes ({max_value})");
+        let fail_too_large = |tx: &mut Tx, h: TurnRecord, inv_id: String| {
+            self.fail(
+                st,
+                tx,
+                h,
+                ErrorCause::InvalidResult,
+                "too_large",
+                format!("the step's result is larger than max_value_bytes ({max_value})"),
+                Some(inv_id),
+            );
+        };
         match outcome {
             Outcome::Complete(v) => {
                 let output = RawJson::from_value(&v);
                 if too_large(&output) {
-                    let msg = too_large_message();
-                    self.fail(
-                        st,
-                        tx,
-                        h,
-                        ErrorCause::InvalidResult,
-                        "too_large",
-                        msg,
-                        Some(inv_id),
-                    );
+                    fail_too_large(tx, h, inv_id);
                 } else {
                     self.complete(st, tx, h, output);
                 }
@@ -1113,16 +1111,7 @@ impl Engine {
             Outcome::Continue(v) => {
                 let state = RawJson::from_value(&v);
                 if too_large(&state) {
-                    let msg = too_large_message();
-                    self.fail(
-                        st,
-                        tx,
-                        h,
-                        ErrorCause::InvalidResult,
-                        "too_large",
-                        msg,
-                        Some(inv_id),
-                    );
+                    fail_too_large(tx, h, inv_id);
                 } else if stopped {
                     self.cancel_turn(st, tx, h, None);
                 } else if h.step + 1 >= self.inner.cfg.max_steps {
@@ -1307,7 +1296,8 @@ impl Engine {
 
     /// `turn.get`.
     pub async fn get_turn(&self, turn_id: &str) -> ApiResult<Turn> {
-        check_id("turn_id", turn_id)?;
+        // A live turn's id is one this daemon minted, so only ids that pass
+        // `check_id` (in `stored_turn`) can be found here.
         if let Some(cell) = self.live_cell(turn_id) {
             let st = self.lock(&cell).await.map_err(read_failed)?;
             if let Some(t) = st.find(turn_id) {
@@ -1888,12 +1878,7 @@ impl Engine {
         for (inv_id, a) in assigned {
             let cell = self.cell(&a.session_id);
             let mut st = self.lock(&cell).await.map_err(read_failed)?;
-            let Some(inv) = st
-                .inv
-                .as_deref()
-                .cloned()
-                .filter(|i| i.invocation_id == inv_id)
-            else {
+            let Some(inv) = st.current_inv(&inv_id).cloned() else {
                 continue;
             };
             let Some(h) = st.holder().cloned() else {
@@ -2094,14 +2079,24 @@ impl Engine {
         Ok(Some(inv))
     }
 
-    /// The session of `invocation_id` if the registry has it assigned to the calling
-    /// worker (so the worker may report it).
-    fn assigned_session(&self, caller: &Caller, invocation_id: &str) -> Option<String> {
-        let w = caller.worker_id.as_deref()?;
-        if caller.role != Role::Worker {
-            return None;
+    /// The session of an invocation the caller may act on (`None`: no such
+    /// invocation). A worker's own live invocation is found in the registry's
+    /// assignments, which also prove it may report it, without a store read (a sled
+    /// read waits for any group commit being applied); anything else is looked up in
+    /// the store by [`Engine::invocation_for`].
+    fn invocation_session(
+        &self,
+        caller: &Caller,
+        invocation_id: &str,
+    ) -> ApiResult<Option<String>> {
+        if let (Role::Worker, Some(w)) = (caller.role, caller.worker_id.as_deref()) {
+            if let Some(s) = self.registry().assigned_session(w, invocation_id) {
+                return Ok(Some(s));
+            }
         }
-        self.registry().assigned_session(w, invocation_id)
+        Ok(self
+            .invocation_for(caller, invocation_id)?
+            .map(|rec| rec.session_id))
     }
 
     /// Apply the outcome of the session's current invocation and commit it.
@@ -2133,39 +2128,33 @@ impl Engine {
 
     /// `invocation.result`.
     pub async fn result(&self, caller: &Caller, args: ResultArgs) -> ApiResult<ResultOk> {
-        check_id("invocation_id", &args.invocation_id)?;
-        // A worker's result for an invocation the registry has assigned to it (the
-        // common case): its session is known without reading the invocation record.
-        if let Some(session_id) = self.assigned_session(caller, &args.invocation_id) {
-            let cell = self.cell(&session_id);
-            let mut st = self.lock(&cell).await.map_err(read_failed)?;
-            if is_current(&st, &args.invocation_id) {
-                return self
-                    .apply_current_result(&cell, &mut st, args.outcome)
-                    .await;
-            }
-        }
-        let Some(rec) = self.invocation_for(caller, &args.invocation_id)? else {
+        let unknown = || {
             Counters::inc(&self.inner.counters.results_unknown);
-            return Ok(ResultOk {
+            Ok(ResultOk {
                 accepted: Accepted::Unknown,
-            });
+            })
         };
-        let cell = self.cell(&rec.session_id);
+        let Some(session_id) = self.invocation_session(caller, &args.invocation_id)? else {
+            return unknown();
+        };
+        let cell = self.cell(&session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
-        let now = self.now_ms();
-        if is_current(&st, &args.invocation_id) {
+        if st.current_inv(&args.invocation_id).is_some() {
             return self
                 .apply_current_result(&cell, &mut st, args.outcome)
                 .await;
         }
-        // Not current: re-read under the lock, it may have ended while we waited.
-        let rec = self
+        // Not current: read its record under the lock, it may have ended while we
+        // waited.
+        let Some(rec) = self
             .inner
             .store
             .invocation(&args.invocation_id)
             .map_err(read_failed)?
-            .unwrap_or(rec);
+        else {
+            return unknown();
+        };
+        let now = self.now_ms();
         if rec.state == InvState::Finished || rec.late {
             Counters::inc(&self.inner.counters.results_duplicate);
             return Ok(ResultOk {
@@ -2238,17 +2227,12 @@ impl Engine {
                 format!("invocation {invocation_id} is not current; stop it"),
             )
         };
-        let rec = self
-            .invocation_for(caller, invocation_id)?
+        let session_id = self
+            .invocation_session(caller, invocation_id)?
             .ok_or_else(not_current)?;
-        let cell = self.cell(&rec.session_id);
+        let cell = self.cell(&session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
-        let Some(inv) = st
-            .inv
-            .as_deref()
-            .cloned()
-            .filter(|i| i.invocation_id == invocation_id)
-        else {
+        let Some(inv) = st.current_inv(invocation_id).cloned() else {
             return Err(not_current());
         };
         if matches!(inv.wait, InvWait::Cancelling | InvWait::AwaitingResend) {
@@ -2275,8 +2259,8 @@ impl Engine {
 
     /// `invocation.status`: a worker's answer to a probe.
     pub async fn status(&self, caller: &Caller, args: &StatusArgs) -> ApiResult<()> {
-        let rec = self
-            .invocation_for(caller, &args.invocation_id)?
+        let session_id = self
+            .invocation_session(caller, &args.invocation_id)?
             .ok_or_else(|| {
                 err(
                     ErrorCode::NotFound,
@@ -2289,13 +2273,12 @@ impl Engine {
             InvocationState::Unknown => "unknown",
         };
         self.inner.counters.probe_answer(label);
-        let cell = self.cell(&rec.session_id);
+        let cell = self.cell(&session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
         let Some(inv) = st
-            .inv
-            .as_deref()
+            .current_inv(&args.invocation_id)
+            .filter(|i| i.wait == InvWait::Probing)
             .cloned()
-            .filter(|i| i.invocation_id == args.invocation_id && i.wait == InvWait::Probing)
         else {
             // Not probing this invocation (any more): a stale status changes nothing.
             return Ok(());
@@ -2346,8 +2329,6 @@ impl Engine {
 
     // ---------------------------------------------------------------- recovery
 
-    /// Load every non-terminal turn, give every in-flight invocation a fresh reconnect
-    /// grace, and re-arm every timer from its stored absolute time.
     /// Install one session's unfinished turns (in `seq` order) at start-up, and queue
     /// the write that gives its in-flight invocation a fresh reconnect grace.
     async fn recover_session(
@@ -2377,7 +2358,7 @@ impl Engine {
         {
             let mut live = self.live_turns();
             for t in &ts {
-                if let Some(k) = turn_key(&t.turn_id) {
+                if let Some(k) = turn_id_bits(&t.turn_id) {
                     live.insert(k, cell.clone());
                 }
             }
@@ -2412,14 +2393,16 @@ impl Engine {
         // Every in-flight invocation waits a fresh grace for its worker; a cancel
         // in progress keeps its own (earlier) deadline.
         let mut tx = Tx::new(&st, now);
-        if let Some(inv) = st.inv.as_deref().cloned() {
-            if inv.wait != InvWait::Cancelling {
-                let mut inv = inv;
-                inv.wait = InvWait::AwaitingReconnect;
-                inv.wait_since_ms = now;
-                inv.deadline_ms = now + grace;
-                tx.put_invocation(&st, inv);
-            }
+        if let Some(mut inv) = st
+            .inv
+            .as_deref()
+            .filter(|i| i.wait != InvWait::Cancelling)
+            .cloned()
+        {
+            inv.wait = InvWait::AwaitingReconnect;
+            inv.wait_since_ms = now;
+            inv.deadline_ms = now + grace;
+            tx.put_invocation(&st, inv);
         }
         if !tx.is_empty() {
             let batch = tx.batch();
@@ -2428,6 +2411,8 @@ impl Engine {
         Ok(())
     }
 
+    /// Load every non-terminal turn, give every in-flight invocation a fresh reconnect
+    /// grace, and re-arm every timer from its stored absolute time.
     async fn recover(&self) -> Result<(), StoreError> {
         let store = &self.inner.store;
         let now = self.now_ms();
@@ -2490,7 +2475,7 @@ impl Engine {
     }
 }
 
-/// Session metas read in pages during recovery.
+/// Entries per page when recovery reads the active index and the session metas.
 const RECOVERY_PAGE: usize = 4096;
 
 /// Walks the session metas in key order alongside the active index, handing out the
@@ -2603,22 +2588,6 @@ pub fn fmt_utc(ms: u64) -> String {
         sod % 60,
         ms % 1000
     )
-}
-
-/// The 128 bits of a turn id this daemon minted (`t_` and 32 hex digits).
-fn turn_key(turn_id: &str) -> Option<u128> {
-    let hex = turn_id.strip_prefix("t_")?;
-    if hex.len() != 32 {
-        return None;
-    }
-    u128::from_str_radix(hex, 16).ok()
-}
-
-/// Whether `invocation_id` is the session's current invocation.
-fn is_current(st: &SessionState, invocation_id: &str) -> bool {
-    st.inv
-        .as_ref()
-        .is_some_and(|i| i.invocation_id == invocation_id)
 }
 
 #[cfg(test)]

@@ -123,6 +123,13 @@ impl SessionState {
     pub fn find(&self, turn_id: &str) -> Option<&TurnRecord> {
         self.active.iter().find(|t| t.turn_id == turn_id)
     }
+
+    /// The live invocation, if it is `invocation_id`.
+    pub fn current_inv(&self, invocation_id: &str) -> Option<&InvocationRecord> {
+        self.inv
+            .as_deref()
+            .filter(|i| i.invocation_id == invocation_id)
+    }
 }
 
 /// A side effect run only after the transition is durable.
@@ -297,7 +304,7 @@ impl Tx {
                 terminal.push(t);
             } else {
                 if orig.is_none() {
-                    admitted.push(t.turn_id.clone());
+                    admitted.extend(turnd_proto::turn_id_bits(&t.turn_id));
                 }
                 st.active.insert(t);
             }
@@ -321,8 +328,9 @@ pub struct Applied {
     pub shifts: Vec<(Option<TurnStatus>, TurnStatus)>,
     /// Turns that are terminal after the transaction, as written.
     pub terminal: Vec<TurnRecord>,
-    /// Ids of the turns the transaction admitted and left unfinished.
-    pub admitted: Vec<String>,
+    /// Id bits ([`turnd_proto::turn_id_bits`]) of the turns the transaction admitted
+    /// and left unfinished.
+    pub admitted: Vec<u128>,
     pub events: Vec<Event>,
     pub effects: Vec<Effect>,
 }

@@ -12,6 +12,16 @@ pub fn new_turn_id() -> String {
     mint("t_")
 }
 
+/// The 128 bits of a turn id this daemon minted (`t_` and 32 hex digits), for
+/// compact in-memory indexes; `None` for any other string.
+pub fn turn_id_bits(turn_id: &str) -> Option<u128> {
+    let hex = turn_id.strip_prefix("t_")?;
+    if hex.len() != 32 {
+        return None;
+    }
+    u128::from_str_radix(hex, 16).ok()
+}
+
 /// A new invocation id, `inv_…`.
 pub fn new_invocation_id() -> String {
     mint("inv_")
@@ -39,5 +49,7 @@ mod tests {
         assert!(new_invocation_id().starts_with("inv_"));
         assert_ne!(a, b);
         assert!(a < b, "v7 ids sort by creation: {a} {b}");
+        assert!(turn_id_bits(&a).is_some() && turn_id_bits(&a) != turn_id_bits(&b));
+        assert_eq!(turn_id_bits(&new_invocation_id()), None);
     }
 }

@@ -56,6 +56,13 @@ fn counter(reg: &mut Registry, name: &str, help: &str, v: u64) {
     reg.register(name, help, c);
 }
 
+/// A counter of seconds, from a total in microseconds.
+fn seconds(reg: &mut Registry, name: &str, help: &str, micros: u64) {
+    let c: Counter<f64, AtomicU64> = Counter::default();
+    c.inc_by(micros as f64 / 1e6);
+    reg.register(name, help, c);
+}
+
 fn gauge(reg: &mut Registry, name: &str, help: &str, v: i64) {
     let g: Gauge = Gauge::default();
     g.set(v);
@@ -253,19 +260,17 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "Atomic batches written",
         cs.batches,
     );
-    let secs: Counter<f64, AtomicU64> = Counter::default();
-    secs.inc_by(cs.commit_micros as f64 / 1e6);
-    reg.register(
+    seconds(
+        &mut reg,
         "storage_commit_seconds",
         "Time spent applying and syncing group commits (divide by storage_commits for the mean)",
-        secs,
+        cs.commit_micros,
     );
-    let sync_secs: Counter<f64, AtomicU64> = Counter::default();
-    sync_secs.inc_by(cs.sync_micros as f64 / 1e6);
-    reg.register(
+    seconds(
+        &mut reg,
         "storage_sync_seconds",
         "Of storage_commit_seconds, the time spent making writes durable (flush and fdatasync)",
-        sync_secs,
+        cs.sync_micros,
     );
     gauge(
         &mut reg,

@@ -289,10 +289,7 @@ impl Store {
         from: &[u8],
         limit: usize,
     ) -> Result<(Vec<SessionMeta>, Option<Vec<u8>>), StoreError> {
-        let (start, end) = keys::session_meta_range();
-        let from = if from.is_empty() { &start[..] } else { from };
-        let page = self.kv.scan(from, &end, false, limit)?;
-        let next = next_page(&page, limit);
+        let (page, next) = self.page(keys::session_meta_range(), from, limit)?;
         let metas = page
             .iter()
             .map(|(_, v)| decode("session meta", v))
@@ -308,10 +305,7 @@ impl Store {
         from: &[u8],
         limit: usize,
     ) -> Result<(Vec<String>, Option<Vec<u8>>), StoreError> {
-        let (start, end) = keys::active_range();
-        let from = if from.is_empty() { &start[..] } else { from };
-        let page = self.kv.scan(from, &end, false, limit)?;
-        let next = next_page(&page, limit);
+        let (page, next) = self.page(keys::active_range(), from, limit)?;
         let ids = page
             .into_iter()
             .map(|(k, v)| {
@@ -324,6 +318,20 @@ impl Store {
 
     /// Where a paged scan starts.
     pub const FIRST: &'static [u8] = &[];
+
+    /// Up to `limit` entries of `range` with keys from `from` on ([`Store::FIRST`]:
+    /// the range's start), and where the next page starts (None: no more).
+    fn page(
+        &self,
+        (start, end): (Vec<u8>, Vec<u8>),
+        from: &[u8],
+        limit: usize,
+    ) -> Result<(Vec<Entry>, Option<Vec<u8>>), StoreError> {
+        let from = if from.is_empty() { &start[..] } else { from };
+        let page = self.kv.scan(from, &end, false, limit)?;
+        let next = next_page(&page, limit);
+        Ok((page, next))
+    }
 
     /// All session metas (used by the checker and for listing).
     pub fn session_metas(&self) -> Result<Vec<SessionMeta>, StoreError> {

@@ -4,8 +4,9 @@
 //! disk's write cache, so it does not make a write survive power loss. The writer
 //! thread takes every queued batch, applies them together as one atomic sled
 //! `apply_batch`, then calls `flush` and `fdatasync` on sled's log file once for the
-//! whole group, and only then answers every waiting committer. Batches that arrive while a sync runs wait for
-//! the next one, so no acknowledgement waits for more than one sync after its write.
+//! whole group, and only then answers every waiting committer. Batches that arrive
+//! while a sync runs wait for the next one, so no acknowledgement waits for more than
+//! one sync after its write.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
