@@ -31,7 +31,7 @@ use crate::config::EngineConfig;
 use crate::metrics::Counters;
 use crate::registry::{Assignment, CloseReason, Outbox, Registry};
 use crate::session::{
-    dispatch_detail, new_turn, to_turn, wait_of, Effect, Pending, SessionState, Summary, Tx,
+    dispatch_detail, to_turn, wait_of, Effect, Pending, SessionState, Summary, Tx,
 };
 
 type ApiResult<T> = Result<T, ErrorBody>;
@@ -313,7 +313,7 @@ impl Engine {
             self.after_change(cell, st, Vec::new());
             return Ok(());
         }
-        let batch = tx.batch();
+        let batch = tx.batch(st);
         match self.inner.store.commit(batch).await {
             Ok(()) => {
                 if let Ok(mut e) = self.inner.storage_error.lock() {
@@ -1232,16 +1232,10 @@ impl Engine {
         tx.meta.last_turn_seq += 1;
         let seq = tx.meta.last_turn_seq;
         let turn_id = new_turn_id();
-        let t = new_turn(
-            turn_id.clone(),
-            &st.id,
-            seq,
-            &args.function_id,
-            input,
-            args.idempotency_key.clone(),
-            args.turn_timeout_ms.map(|d| now + d),
-            now,
-        );
+        let mut t =
+            TurnRecord::admitted(turn_id.clone(), &st.id, seq, &args.function_id, input, now);
+        t.idempotency_key = args.idempotency_key.clone();
+        t.deadline_ms = args.turn_timeout_ms.map(|d| now + d);
         tx.event(
             &st.id,
             &turn_id,
@@ -2334,7 +2328,7 @@ impl Engine {
     async fn recover_session(
         &self,
         ts: Vec<TurnRecord>,
-        metas: &mut MetaCursor<'_>,
+        meta: SessionMeta,
         now: u64,
         pending: &mut Vec<(String, Tx, turnd_store::CommitTicket)>,
     ) -> Result<(), StoreError> {
@@ -2344,17 +2338,11 @@ impl Engine {
         let store = &self.inner.store;
         let grace = self.inner.cfg.reconnect_grace_ms;
         let cell = self.cell(&sid);
-        let mut st = match metas.seek(&sid)? {
-            Some(meta) => {
-                let mut st = cell.state.lock().await;
-                if !st.loaded {
-                    st.meta = meta;
-                    st.loaded = true;
-                }
-                st
-            }
-            None => self.lock(&cell).await?,
-        };
+        let mut st = cell.state.lock().await;
+        if !st.loaded {
+            st.meta = meta;
+            st.loaded = true;
+        }
         {
             let mut live = self.live_turns();
             for t in &ts {
@@ -2405,7 +2393,7 @@ impl Engine {
             tx.put_invocation(&st, inv);
         }
         if !tx.is_empty() {
-            let batch = tx.batch();
+            let batch = tx.batch(&st);
             pending.push((sid, tx, store.kv().commit(batch)));
         }
         Ok(())
@@ -2417,33 +2405,24 @@ impl Engine {
         let store = &self.inner.store;
         let now = self.now_ms();
         let mut pending = Vec::new();
-        // The active index and the session metas are both ordered by session id, so
-        // one pass over each, page by page, installs every session's unfinished turns
-        // with its meta and counts every session, with memory bounded by a page.
-        let mut metas = MetaCursor::new(store);
-        let mut group: Vec<TurnRecord> = Vec::new();
-        let mut from = Store::FIRST.to_vec();
-        loop {
-            let (ids, next) = store.active_turn_ids_page(&from, RECOVERY_PAGE)?;
-            for id in ids {
-                let t = store.turn(&id)?.ok_or_else(|| {
-                    StoreError::Corrupt(format!("active index names missing turn {id}"))
-                })?;
-                if group.first().is_some_and(|g| g.session_id != t.session_id) {
-                    let ts = std::mem::take(&mut group);
-                    self.recover_session(ts, &mut metas, now, &mut pending)
-                        .await?;
-                }
-                group.push(t);
-            }
-            match next {
-                Some(n) => from = n,
-                None => break,
-            }
+        // Stores written before session metas kept `active_from` are moved first.
+        let moved = store.migrate_legacy_active_index().await?;
+        if moved > 0 {
+            tracing::info!(
+                sessions = moved,
+                "moved the index of unfinished turns into the session metas"
+            );
         }
-        if !group.is_empty() {
-            self.recover_session(group, &mut metas, now, &mut pending)
-                .await?;
+        // One pass over the session metas, page by page: every session is counted, and
+        // a session with unfinished turns gets them from its turn list, from the meta's
+        // `active_from` on. Memory is bounded by a page.
+        let mut metas = MetaCursor::new(store);
+        while let Some(meta) = metas.pop()? {
+            if meta.active_from.is_none() {
+                continue;
+            }
+            let ts = store.unfinished_turns(&meta)?;
+            self.recover_session(ts, meta, now, &mut pending).await?;
         }
         let totals = metas.finish()?;
         if let Ok(mut c) = self.inner.counts.lock() {
@@ -2475,11 +2454,11 @@ impl Engine {
     }
 }
 
-/// Entries per page when recovery reads the active index and the session metas.
+/// Entries per page when recovery reads the session metas.
 const RECOVERY_PAGE: usize = 4096;
 
-/// Walks the session metas in key order alongside the active index, handing out the
-/// meta of each session recovery reaches and adding every meta to the totals.
+/// Walks the session metas in key order, page by page, adding every meta to the
+/// totals.
 struct MetaCursor<'a> {
     store: &'a Store,
     page: std::collections::VecDeque<SessionMeta>,
@@ -2514,22 +2493,6 @@ impl<'a> MetaCursor<'a> {
             }
         }
         Ok(m)
-    }
-
-    /// The meta of `session_id`, if stored. Sessions are asked for in key order.
-    fn seek(&mut self, session_id: &str) -> Result<Option<SessionMeta>, StoreError> {
-        loop {
-            if let Some(front) = self.page.front() {
-                if front.session_id.as_str() > session_id {
-                    return Ok(None);
-                }
-            }
-            match self.pop()? {
-                Some(m) if m.session_id == session_id => return Ok(Some(m)),
-                Some(_) => continue,
-                None => return Ok(None),
-            }
-        }
     }
 
     /// Count the remaining metas and return the totals.

@@ -254,33 +254,26 @@ impl Tx {
     }
 
     /// The durable batch of this transaction.
-    pub fn batch(&mut self) -> Batch {
+    pub fn batch(&mut self, st: &SessionState) -> Batch {
         for (seq, t) in &self.turns {
             let orig = self.orig_status.get(seq).copied().flatten();
             if orig != Some(t.status) {
                 self.meta.counts.shift(orig, t.status);
             }
         }
+        // Where recovery starts reading the session's turn list.
+        self.meta.active_from = self.holder_seq(st);
         let mut b = Batch::new();
         for (seq, t) in &self.turns {
-            let orig = self.orig_status.get(seq).copied().flatten();
-            if orig.is_none() {
+            if self.orig_status.get(seq).copied().flatten().is_none() {
                 b.put_turn_index(t);
             }
-            b.put_turn_record(t);
-            // The active index changes only when a turn is admitted or ends.
-            let was_active = orig.is_some_and(|s| !s.is_terminal());
-            let is_active = !t.status.is_terminal();
-            if was_active != is_active {
-                b.set_active(t, is_active);
-            }
+            b.put_turn(t);
         }
         for i in &self.inv_writes {
             b.put_invocation(i);
         }
-        for e in &self.events {
-            b.put_event(e);
-        }
+        b.put_events(&self.events);
         if let Some((key, rec)) = &self.idempotency {
             b.put_idempotency(&self.meta.session_id, key, rec);
         }
@@ -333,48 +326,6 @@ pub struct Applied {
     pub admitted: Vec<u128>,
     pub events: Vec<Event>,
     pub effects: Vec<Effect>,
-}
-
-/// A fresh turn record as admitted.
-#[allow(clippy::too_many_arguments)]
-pub fn new_turn(
-    turn_id: String,
-    session_id: &str,
-    seq: u64,
-    function_id: &str,
-    input: RawJson,
-    idempotency_key: Option<String>,
-    deadline_ms: Option<u64>,
-    now: u64,
-) -> TurnRecord {
-    TurnRecord {
-        turn_id,
-        session_id: session_id.to_string(),
-        seq,
-        function_id: function_id.to_string(),
-        status: TurnStatus::Queued,
-        step: 0,
-        attempt: 0,
-        state: input.clone(),
-        input,
-        output: None,
-        error: None,
-        stop: None,
-        recovered: false,
-        created_at_ms: now,
-        updated_at_ms: now,
-        finished_at_ms: None,
-        idempotency_key,
-        deadline_ms,
-        phase: Phase::Queued,
-        phase_since_ms: now,
-        locked_at_ms: None,
-        invocation_id: None,
-        retry_at_ms: None,
-        last_error: None,
-        settings: None,
-        backoff_ms: 0,
-    }
 }
 
 /// The protocol view of a stored turn.

@@ -36,31 +36,39 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         invs.insert(i.invocation_id.clone(), i);
     }
 
-    // Active index: every entry names a non-terminal turn, and every non-terminal turn
-    // is in it.
-    let (as_, ae) = keys::active_range();
-    let mut indexed = std::collections::HashSet::new();
-    for (k, v) in kv.scan(&as_, &ae, false, usize::MAX)? {
-        let id = String::from_utf8_lossy(&v).to_string();
-        match turns.get(&id) {
-            None => out.push(Violation {
+    // Where recovery starts reading each session's turn list: the meta's
+    // `active_from`, or for a store of the earlier format not yet moved, its index of
+    // unfinished turns.
+    let metas = store.session_metas()?;
+    let legacy = store.legacy_active_index()?.first;
+    let mut marks: HashMap<&str, u64> = HashMap::new();
+    for m in &metas {
+        let mark = m.active_from.or_else(|| legacy.get(&m.session_id).copied());
+        let Some(seq) = mark else { continue };
+        marks.insert(&m.session_id, seq);
+        let at = kv
+            .get(&keys::session_turn(&m.session_id, seq))?
+            .map(|id| String::from_utf8_lossy(&id).to_string());
+        match at.as_deref().map(|id| (id, turns.get(id))) {
+            None | Some((_, None)) => out.push(Violation {
                 invariant: "active_index_dangling".into(),
-                turn_id: Some(id.clone()),
-                session_id: None,
-                detail: format!("active index entry {k:?} names a turn that does not exist"),
+                turn_id: at.clone(),
+                session_id: Some(m.session_id.clone()),
+                detail: format!(
+                    "the session's first unfinished turn is seq {seq}, which names no stored turn"
+                ),
             }),
-            Some(t) if t.status.is_terminal() => out.push(violation(
+            Some((_, Some(t))) if t.status.is_terminal() => out.push(violation(
                 "terminal_lock_holder",
                 Some(t),
                 &t.session_id,
                 format!(
-                    "turn is {} but still holds a place in the session's active queue",
+                    "turn is {} but the session's meta names it as its first unfinished turn",
                     t.status.as_str()
                 ),
             )),
             Some(_) => {}
         }
-        indexed.insert(id);
     }
 
     let mut by_session: BTreeMap<String, Vec<&TurnRecord>> = BTreeMap::new();
@@ -82,14 +90,16 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
             ));
         }
         if !t.status.is_terminal() {
-            if !indexed.contains(&t.turn_id) {
+            if marks.get(t.session_id.as_str()).is_none_or(|m| t.seq < *m) {
                 out.push(violation(
                     "unindexed_active_turn",
                     Some(t),
                     &t.session_id,
                     format!(
-                        "{} turn is missing from the session's active queue",
-                        t.status.as_str()
+                        "{} turn (seq {}) comes before the first unfinished turn its session's meta records ({:?}), so recovery would not load it",
+                        t.status.as_str(),
+                        t.seq,
+                        marks.get(t.session_id.as_str())
                     ),
                 ));
             }
@@ -196,7 +206,7 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
     }
 
     // Event sequences: contiguous up to the session's last event.
-    for meta in store.session_metas()? {
+    for meta in &metas {
         let events = store.events(&meta.session_id, 0, usize::MAX)?;
         // Event sequences start at 1 and nothing deletes events yet.
         let mut expect = 1;

@@ -11,8 +11,8 @@
 //! | `T` | turn id | `TurnRecord` |
 //! | `I` | invocation id | `InvocationRecord` |
 //! | `L` | session, 0, seq | turn id (every turn of the session) |
-//! | `A` | session, 0, seq | turn id (non-terminal turns only) |
-//! | `E` | session, 0, seq | `Event` |
+//! | `A` | session, 0, seq | legacy: turn id of a non-terminal turn (stores written before session metas kept `active_from`; moved at start-up) |
+//! | `E` | session, 0, seq | `Event`, or an array of the consecutive events of one transition keyed by the last one's `seq` |
 //! | `K` | session, 0, idempotency key | `IdempotencyRecord` |
 //! | `M` | session | `SessionMeta` |
 
@@ -54,11 +54,13 @@ pub fn session_turn(session_id: &str, seq: u64) -> Vec<u8> {
     session_seq(b'L', session_id, seq)
 }
 
-pub fn active(session_id: &str, seq: u64) -> Vec<u8> {
+/// The index of non-terminal turns kept by stores of the earlier format (read only to
+/// move such a store to the current one).
+pub fn legacy_active(session_id: &str, seq: u64) -> Vec<u8> {
     session_seq(b'A', session_id, seq)
 }
 
-pub fn active_range() -> (Vec<u8>, Vec<u8>) {
+pub fn legacy_active_range() -> (Vec<u8>, Vec<u8>) {
     (vec![b'A'], vec![b'A' + 1])
 }
 

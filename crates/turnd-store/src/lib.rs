@@ -16,6 +16,7 @@ pub mod mem;
 pub mod records;
 pub mod sled_kv;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use check::check_store;
@@ -77,27 +78,10 @@ impl Batch {
         self.put_raw(key, bytes);
     }
 
-    /// Write a turn record (and keep its active index in step with its status).
+    /// Write a turn record. (Where recovery starts in the session's turn list is the
+    /// session meta's [`SessionMeta::active_from`], written with every transition.)
     pub fn put_turn(&mut self, t: &TurnRecord) {
-        self.put_turn_record(t);
-        self.set_active(t, !t.status.is_terminal());
-    }
-
-    /// Write a turn record alone, for a caller that knows its active index entry is
-    /// already right (see [`Batch::set_active`]).
-    pub fn put_turn_record(&mut self, t: &TurnRecord) {
         self.put_json(keys::turn(&t.turn_id), t);
-    }
-
-    /// Add (`active`) or remove the turn's entry in the index of non-terminal turns
-    /// that recovery starts from.
-    pub fn set_active(&mut self, t: &TurnRecord, active: bool) {
-        let key = keys::active(&t.session_id, t.seq);
-        if active {
-            self.put_raw(key, t.turn_id.as_bytes().to_vec());
-        } else {
-            self.delete(key);
-        }
     }
 
     /// Add a new turn to its session's list (written once, at admission).
@@ -112,8 +96,15 @@ impl Batch {
         self.put_json(keys::invocation(&inv.invocation_id), inv);
     }
 
-    pub fn put_event(&mut self, e: &Event) {
-        self.put_json(keys::event(&e.session_id, e.seq), e);
+    /// Write the events of one transition: consecutive events of one session, stored
+    /// as one value under the key of the last one (a single event as itself, several
+    /// as an array). sled's cost is per key, and a transition often writes three.
+    pub fn put_events(&mut self, events: &[Event]) {
+        match events {
+            [] => {}
+            [e] => self.put_json(keys::event(&e.session_id, e.seq), e),
+            [.., last] => self.put_json(keys::event(&last.session_id, last.seq), &events),
+        }
     }
 
     pub fn put_idempotency(&mut self, session_id: &str, key: &str, rec: &IdempotencyRecord) {
@@ -180,6 +171,15 @@ pub struct CommitStats {
     pub sync_micros: u64,
     /// Largest number of batches that shared one sync.
     pub max_group: u64,
+}
+
+/// The index of unfinished turns of the earlier store layout.
+#[derive(Debug, Default)]
+pub struct LegacyActiveIndex {
+    /// The first unfinished turn's `seq` of each session in the index.
+    pub first: HashMap<String, u64>,
+    /// The index's keys.
+    pub keys: Vec<Vec<u8>>,
 }
 
 /// The typed store the engine uses.
@@ -252,13 +252,25 @@ impl Store {
         after: u64,
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
+        // A stored value holds one or more events and is keyed by its last one, so
+        // the scan starts at the first value that may hold `after + 1`, and `limit`
+        // values hold at least `limit` events.
         let start = keys::event(session_id, after.saturating_add(1));
         let end = keys::event_end(session_id);
-        self.kv
-            .scan(&start, &end, false, limit)?
-            .iter()
-            .map(|(_, v)| decode("event", v))
-            .collect()
+        let mut out = Vec::new();
+        for (_, v) in self.kv.scan(&start, &end, false, limit)? {
+            let group: Vec<Event> = if v.first() == Some(&b'[') {
+                decode("events", &v)?
+            } else {
+                vec![decode("event", &v)?]
+            };
+            out.extend(group.into_iter().filter(|e| e.seq > after));
+            if out.len() >= limit {
+                out.truncate(limit);
+                break;
+            }
+        }
+        Ok(out)
     }
 
     /// Turn ids of a session with `seq < before`, newest first, at most `limit`.
@@ -297,23 +309,87 @@ impl Store {
         Ok((metas, next))
     }
 
-    /// Up to `limit` ids of non-terminal turns (grouped by session in admission order)
-    /// with index keys from `from` on (start with [`Store::FIRST`]), and where the next
-    /// page starts (None: no more).
-    pub fn active_turn_ids_page(
+    /// Turn ids of a session with `from <= seq < to`, ascending.
+    pub fn session_turn_ids_from(
         &self,
-        from: &[u8],
-        limit: usize,
-    ) -> Result<(Vec<String>, Option<Vec<u8>>), StoreError> {
-        let (page, next) = self.page(keys::active_range(), from, limit)?;
-        let ids = page
+        session_id: &str,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        let start = keys::session_turn(session_id, from);
+        let end = keys::session_turn(session_id, to);
+        self.kv
+            .scan(&start, &end, false, usize::MAX)?
             .into_iter()
             .map(|(k, v)| {
-                String::from_utf8(v)
-                    .map_err(|e| StoreError::Corrupt(format!("active index {k:?}: {e}")))
+                let seq = keys::seq_suffix(&k)?;
+                let id = String::from_utf8(v)
+                    .map_err(|e| StoreError::Corrupt(format!("turn index: {e}")))?;
+                Ok((seq, id))
             })
-            .collect::<Result<_, _>>()?;
-        Ok((ids, next))
+            .collect()
+    }
+
+    /// The unfinished turns of a session, read from its turn list from the meta's
+    /// [`SessionMeta::active_from`] on (turns stopped out of order in that range are
+    /// skipped).
+    pub fn unfinished_turns(&self, meta: &SessionMeta) -> Result<Vec<TurnRecord>, StoreError> {
+        let Some(from) = meta.active_from else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        let to = meta.last_turn_seq.saturating_add(1);
+        for (seq, id) in self.session_turn_ids_from(&meta.session_id, from, to)? {
+            let t = self.turn(&id)?.ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "session {} lists missing turn {id} at seq {seq}",
+                    meta.session_id
+                ))
+            })?;
+            if !t.status.is_terminal() {
+                out.push(t);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The index of unfinished turns that stores written before
+    /// [`SessionMeta::active_from`] kept (`A` keys). Empty for a store of the current
+    /// format.
+    pub fn legacy_active_index(&self) -> Result<LegacyActiveIndex, StoreError> {
+        let (start, end) = keys::legacy_active_range();
+        let mut index = LegacyActiveIndex::default();
+        for (k, _) in self.kv.scan(&start, &end, false, usize::MAX)? {
+            let seq = keys::seq_suffix(&k)?;
+            let sid = std::str::from_utf8(&k[1..k.len() - 9])
+                .map_err(|e| StoreError::Corrupt(format!("active index key {k:?}: {e}")))?;
+            index.first.entry(sid.to_string()).or_insert(seq);
+            index.keys.push(k);
+        }
+        Ok(index)
+    }
+
+    /// Move a store written before [`SessionMeta::active_from`] to the current format:
+    /// record each session's first unfinished turn in its meta and delete the old
+    /// index, in one durable batch. Returns how many sessions were moved.
+    pub async fn migrate_legacy_active_index(&self) -> Result<usize, StoreError> {
+        let LegacyActiveIndex { first, keys } = self.legacy_active_index()?;
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let mut b = Batch::new();
+        for (sid, seq) in &first {
+            let mut meta = self
+                .session_meta(sid)?
+                .unwrap_or_else(|| SessionMeta::new(sid));
+            meta.active_from = Some(*seq);
+            b.put_session_meta(&meta);
+        }
+        for k in keys {
+            b.delete(k);
+        }
+        self.commit(b).await?;
+        Ok(first.len())
     }
 
     /// Where a paged scan starts.
@@ -347,18 +423,16 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+    use turnd_proto::EventKind;
 
     #[tokio::test]
-    async fn paged_scans_visit_every_entry_once_in_key_order() {
+    async fn paged_scans_visit_every_meta_once_in_key_order() {
         let store = Store::new(Arc::new(mem::MemKv::new()));
         let mut b = Batch::new();
         let ids: Vec<String> = (0..10).map(|i| format!("s{i:02}")).collect();
         for id in &ids {
             b.put_session_meta(&SessionMeta::new(id));
-            // Two active turns per session, so pages end inside a session too.
-            for seq in 1..=2u64 {
-                b.put_raw(keys::active(id, seq), format!("t-{id}-{seq}").into_bytes());
-            }
         }
         store.commit(b).await.expect("commit");
 
@@ -376,23 +450,103 @@ mod tests {
                 }
             }
             assert_eq!(seen, ids, "metas with pages of {limit}");
-
-            let mut turns = Vec::new();
-            let mut from = Store::FIRST.to_vec();
-            for round in 0.. {
-                assert!(round <= 60, "active index: pages of {limit} do not end");
-                let (page, next) = store.active_turn_ids_page(&from, limit).expect("page");
-                turns.extend(page);
-                match next {
-                    Some(n) => from = n,
-                    None => break,
-                }
-            }
-            let want: Vec<String> = ids
-                .iter()
-                .flat_map(|id| [format!("t-{id}-1"), format!("t-{id}-2")])
-                .collect();
-            assert_eq!(turns, want, "active index with pages of {limit}");
         }
+    }
+
+    fn ev(seq: u64) -> Event {
+        Event {
+            seq,
+            session_id: "s".into(),
+            turn_id: format!("t{seq}"),
+            at_ms: seq,
+            kind: EventKind::Admitted,
+            detail: json!({"n": seq}),
+        }
+    }
+
+    #[tokio::test]
+    async fn events_stored_by_transition_read_back_one_by_one() {
+        let kv = Arc::new(mem::MemKv::new());
+        let store = Store::new(kv.clone());
+        // Transitions of 1, 3, 1 and 2 events: seqs 1 | 2 3 4 | 5 | 6 7.
+        for group in [vec![1], vec![2, 3, 4], vec![5], vec![6, 7]] {
+            let mut b = Batch::new();
+            b.put_events(&group.into_iter().map(ev).collect::<Vec<_>>());
+            store.commit(b).await.expect("commit");
+        }
+        let (s, e) = (keys::event("s", 0), keys::event_end("s"));
+        assert_eq!(kv.scan(&s, &e, false, usize::MAX).expect("scan").len(), 4);
+        let seqs = |after, limit| -> Vec<u64> {
+            store
+                .events("s", after, limit)
+                .expect("events")
+                .iter()
+                .map(|e| e.seq)
+                .collect()
+        };
+        assert_eq!(seqs(0, usize::MAX), vec![1, 2, 3, 4, 5, 6, 7]);
+        for after in 0..=7u64 {
+            for limit in 1..=8usize {
+                let want: Vec<u64> = (after + 1..=7).take(limit).collect();
+                assert_eq!(seqs(after, limit), want, "after {after}, limit {limit}");
+            }
+        }
+        let all = store.events("s", 0, usize::MAX).expect("events");
+        assert_eq!(all[2], ev(3), "an event inside a group reads back whole");
+    }
+
+    fn turn(sid: &str, seq: u64, status: turnd_proto::TurnStatus) -> TurnRecord {
+        let input = RawJson::from_value(&json!(null));
+        let mut t = TurnRecord::admitted(format!("t-{sid}-{seq}"), sid, seq, "f", input, 0);
+        t.status = status;
+        t
+    }
+
+    #[tokio::test]
+    async fn unfinished_turns_start_at_the_metas_mark_and_skip_ended_ones() {
+        use turnd_proto::TurnStatus::*;
+        let store = Store::new(Arc::new(mem::MemKv::new()));
+        let mut b = Batch::new();
+        let statuses = [Completed, Running, Cancelled, Queued, Failed];
+        for (i, status) in statuses.into_iter().enumerate() {
+            let t = turn("s", i as u64 + 1, status);
+            b.put_turn_index(&t);
+            b.put_turn(&t);
+        }
+        store.commit(b).await.expect("commit");
+        let mut meta = SessionMeta::new("s");
+        meta.last_turn_seq = 5;
+        assert!(store.unfinished_turns(&meta).expect("read").is_empty());
+        meta.active_from = Some(2);
+        let seqs: Vec<u64> = store
+            .unfinished_turns(&meta)
+            .expect("read")
+            .iter()
+            .map(|t| t.seq)
+            .collect();
+        assert_eq!(seqs, vec![2, 4]);
+    }
+
+    #[tokio::test]
+    async fn a_store_with_the_old_active_index_is_moved_to_marks_in_the_metas() {
+        let kv = Arc::new(mem::MemKv::new());
+        let store = Store::new(kv.clone());
+        let mut b = Batch::new();
+        let mut with_meta = SessionMeta::new("a");
+        with_meta.last_turn_seq = 9;
+        b.put_session_meta(&with_meta);
+        for (sid, seq) in [("a", 7), ("a", 9), ("b", 3)] {
+            b.put_raw(keys::legacy_active(sid, seq), b"t".to_vec());
+        }
+        store.commit(b).await.expect("commit");
+
+        assert_eq!(store.migrate_legacy_active_index().await.expect("move"), 2);
+        let a = store.session_meta("a").expect("read").expect("meta a");
+        assert_eq!((a.active_from, a.last_turn_seq), (Some(7), 9));
+        let b = store.session_meta("b").expect("read").expect("meta b");
+        assert_eq!(b.active_from, Some(3));
+        let (s, e) = keys::legacy_active_range();
+        assert!(kv.scan(&s, &e, false, usize::MAX).expect("scan").is_empty());
+        assert_eq!(store.migrate_legacy_active_index().await.expect("again"), 0);
     }
 }

@@ -138,6 +138,47 @@ pub struct TurnRecord {
     pub backoff_ms: u64,
 }
 
+impl TurnRecord {
+    /// A turn as admitted: queued, before its first dispatch.
+    pub fn admitted(
+        turn_id: String,
+        session_id: &str,
+        seq: u64,
+        function_id: &str,
+        input: RawJson,
+        now: u64,
+    ) -> TurnRecord {
+        TurnRecord {
+            turn_id,
+            session_id: session_id.to_string(),
+            seq,
+            function_id: function_id.to_string(),
+            status: TurnStatus::Queued,
+            step: 0,
+            attempt: 0,
+            state: input.clone(),
+            input,
+            output: None,
+            error: None,
+            stop: None,
+            recovered: false,
+            created_at_ms: now,
+            updated_at_ms: now,
+            finished_at_ms: None,
+            idempotency_key: None,
+            deadline_ms: None,
+            phase: Phase::Queued,
+            phase_since_ms: now,
+            locked_at_ms: None,
+            invocation_id: None,
+            retry_at_ms: None,
+            last_error: None,
+            settings: None,
+            backoff_ms: 0,
+        }
+    }
+}
+
 /// The settings a function was dispatched under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FunctionSettings {
@@ -249,6 +290,10 @@ pub struct SessionMeta {
     /// Turns of the session by status.
     #[serde(default)]
     pub counts: TurnCounts,
+    /// `seq` of the session's first unfinished turn (its lock holder); None when every
+    /// turn is terminal. Recovery reads the session's turn list from here on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_from: Option<u64>,
 }
 
 impl SessionMeta {
@@ -258,6 +303,7 @@ impl SessionMeta {
             last_turn_seq: 0,
             last_event_seq: 0,
             counts: TurnCounts::default(),
+            active_from: None,
         }
     }
 }
