@@ -17,12 +17,15 @@ run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421,
 
 test: test-rust test-python ## Run the whole test suite
 
-test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd)
+TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so
+
+test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd, some with the turnd-faultfs library preloaded)
 	$(CARGO) build -p turnd --bin turnd
+	$(CARGO) build -p turnd-faultfs
 ifeq ($(NEXTEST),yes)
-	TURND_BIN=$(CURDIR)/target/debug/turnd $(CARGO) nextest run --workspace --no-fail-fast
+	$(TEST_ENV) $(CARGO) nextest run --workspace --no-fail-fast
 else
-	TURND_BIN=$(CURDIR)/target/debug/turnd $(CARGO) test --workspace --no-fail-fast
+	$(TEST_ENV) $(CARGO) test --workspace --no-fail-fast
 endif
 
 test-python: ## The independent Python protocol client against the built binary

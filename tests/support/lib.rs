@@ -341,29 +341,49 @@ impl RawTcp {
 /// The built `turnd` binary, built once per test run if missing.
 pub fn turnd_bin() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Ok(p) = std::env::var("TURND_BIN") {
-            return Ok(PathBuf::from(p));
-        }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .ok_or("no workspace root")?
-            .to_path_buf();
-        let status = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "turnd", "--bin", "turnd"])
-            .current_dir(&root)
-            .status()
-            .map_err(|e| format!("run cargo build: {e}"))?;
-        if !status.success() {
-            return Err("cargo build -p turnd failed".into());
-        }
-        let target = std::env::var("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| root.join("target"));
-        Ok(target.join("debug").join("turnd"))
+    BIN.get_or_init(|| cargo_built("TURND_BIN", &["-p", "turnd", "--bin", "turnd"], "turnd"))
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// `libturnd_faultfs.so` (the `LD_PRELOAD` library of `crates/turnd-faultfs` that
+/// makes file writes and syncs fail on demand), built once per test run if missing.
+pub fn faultfs_lib() -> anyhow::Result<PathBuf> {
+    static LIB: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        cargo_built(
+            "TURND_FAULTFS_LIB",
+            &["-p", "turnd-faultfs"],
+            "libturnd_faultfs.so",
+        )
     })
     .clone()
     .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// The path in `env_var`, or else `artifact` in the debug target directory after
+/// `cargo build` with `args`.
+fn cargo_built(env_var: &str, args: &[&str], artifact: &str) -> Result<PathBuf, String> {
+    if let Ok(p) = std::env::var(env_var) {
+        return Ok(PathBuf::from(p));
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or("no workspace root")?
+        .to_path_buf();
+    let status = std::process::Command::new(env!("CARGO"))
+        .arg("build")
+        .args(args)
+        .current_dir(&root)
+        .status()
+        .map_err(|e| format!("run cargo build: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build {} failed", args.join(" ")));
+    }
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root.join("target"));
+    Ok(target.join("debug").join(artifact))
 }
 
 /// The real binary running as a child process.

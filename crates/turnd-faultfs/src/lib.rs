@@ -1,0 +1,167 @@
+//! A failing disk for durability tests, as an `LD_PRELOAD` library.
+//!
+//! Loaded into the real `turnd` binary, it interposes the C library's `pwrite64`,
+//! `pwrite`, `fdatasync` and `fsync`. While the file `fail-writes` exists in the
+//! directory named by `TURND_FAULTFS_DIR`, every positioned write (how sled writes its
+//! log) fails with `EIO`; while `fail-syncs` exists there, every `fdatasync` and
+//! `fsync` fails with `EIO`. Otherwise each call goes to the C library unchanged. The
+//! flags are looked up on every call, so a test switches the disk between working and
+//! failing while the daemon runs. Nothing else is changed, and without
+//! `TURND_FAULTFS_DIR` the library does nothing at all.
+//!
+//! This is the layer below sled: a test with it sees what sled and the store writer
+//! do with real I/O errors, which fault injection above the store (`FaultyKv`) cannot
+//! show.
+
+use std::ffi::{c_int, c_void, CString};
+use std::sync::OnceLock;
+
+use libc::{off64_t, off_t, size_t, ssize_t};
+
+/// The flag files, from `TURND_FAULTFS_DIR` (None: never fail).
+struct Flags {
+    writes: CString,
+    syncs: CString,
+}
+
+fn flags() -> Option<&'static Flags> {
+    static FLAGS: OnceLock<Option<Flags>> = OnceLock::new();
+    FLAGS
+        .get_or_init(|| {
+            let dir = std::env::var("TURND_FAULTFS_DIR").ok()?;
+            Some(Flags {
+                writes: CString::new(format!("{dir}/fail-writes")).ok()?,
+                syncs: CString::new(format!("{dir}/fail-syncs")).ok()?,
+            })
+        })
+        .as_ref()
+}
+
+fn exists(path: &CString) -> bool {
+    // SAFETY: `path` is a valid NUL-terminated string for the whole call.
+    unsafe { libc::access(path.as_ptr(), libc::F_OK) == 0 }
+}
+
+fn failing(pick: fn(&Flags) -> &CString) -> bool {
+    flags().is_some_and(|f| exists(pick(f)))
+}
+
+/// Set `errno` to `EIO`.
+fn set_eio() {
+    // SAFETY: `__errno_location` returns the calling thread's errno slot.
+    unsafe { *libc::__errno_location() = libc::EIO };
+}
+
+/// The next definition of `name` (NUL-terminated) after this library: the C
+/// library's.
+fn next(name: &'static [u8]) -> *mut c_void {
+    // SAFETY: `name` is NUL-terminated; RTLD_NEXT lookups have no other requirement.
+    unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr().cast()) }
+}
+
+macro_rules! real {
+    ($name:literal, $ty:ty) => {{
+        static REAL: OnceLock<usize> = OnceLock::new();
+        let p = *REAL.get_or_init(|| next(concat!($name, "\0").as_bytes()) as usize);
+        if p == 0 {
+            None
+        } else {
+            // SAFETY: the symbol is the C library's function of this exact signature.
+            Some(unsafe { std::mem::transmute::<usize, $ty>(p) })
+        }
+    }};
+}
+
+type PwriteFn = unsafe extern "C" fn(c_int, *const c_void, size_t, off_t) -> ssize_t;
+type Pwrite64Fn = unsafe extern "C" fn(c_int, *const c_void, size_t, off64_t) -> ssize_t;
+type SyncFn = unsafe extern "C" fn(c_int) -> c_int;
+
+/// Interposed `pwrite64`: fails with `EIO` while `fail-writes` exists.
+///
+/// # Safety
+///
+/// The C library's contract for `pwrite64`: `buf` points at `count` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn pwrite64(
+    fd: c_int,
+    buf: *const c_void,
+    count: size_t,
+    offset: off64_t,
+) -> ssize_t {
+    if failing(|f| &f.writes) {
+        set_eio();
+        return -1;
+    }
+    match real!("pwrite64", Pwrite64Fn) {
+        Some(f) => f(fd, buf, count, offset),
+        None => {
+            set_eio();
+            -1
+        }
+    }
+}
+
+/// Interposed `pwrite`: fails with `EIO` while `fail-writes` exists.
+///
+/// # Safety
+///
+/// The C library's contract for `pwrite`: `buf` points at `count` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn pwrite(
+    fd: c_int,
+    buf: *const c_void,
+    count: size_t,
+    offset: off_t,
+) -> ssize_t {
+    if failing(|f| &f.writes) {
+        set_eio();
+        return -1;
+    }
+    match real!("pwrite", PwriteFn) {
+        Some(f) => f(fd, buf, count, offset),
+        None => {
+            set_eio();
+            -1
+        }
+    }
+}
+
+/// Interposed `fdatasync`: fails with `EIO` while `fail-syncs` exists.
+///
+/// # Safety
+///
+/// None beyond the C library's: any `fd` may be passed.
+#[no_mangle]
+pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
+    if failing(|f| &f.syncs) {
+        set_eio();
+        return -1;
+    }
+    match real!("fdatasync", SyncFn) {
+        Some(f) => f(fd),
+        None => {
+            set_eio();
+            -1
+        }
+    }
+}
+
+/// Interposed `fsync`: fails with `EIO` while `fail-syncs` exists.
+///
+/// # Safety
+///
+/// None beyond the C library's: any `fd` may be passed.
+#[no_mangle]
+pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
+    if failing(|f| &f.syncs) {
+        set_eio();
+        return -1;
+    }
+    match real!("fsync", SyncFn) {
+        Some(f) => f(fd),
+        None => {
+            set_eio();
+            -1
+        }
+    }
+}
