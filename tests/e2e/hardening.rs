@@ -208,6 +208,85 @@ async fn frame_depth_and_value_limits() -> anyhow::Result<()> {
     td.shutdown().await
 }
 
+/// A worker's `invocation.result` for a live invocation dispatched to it is not
+/// counted against the connection's request rate: the daemon bounds those by the
+/// concurrency the worker registered, and refusing one would hold a finished step
+/// back. Its other requests still are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_results_for_its_own_invocations_are_not_rate_limited() -> anyhow::Result<()> {
+    const TURNS: usize = 12;
+    let td = TestDaemon::start(|c| c.server.max_requests_per_second = 5).await?;
+    let hello = json!({"worker_id": "w-rate", "instance_id": "i-1"});
+    let (mut w, _) = Raw::hello(&td.url, "worker", hello).await?;
+    w.ok(
+        "function.register",
+        json!({"function_id": "f", "concurrency": TURNS}),
+    )
+    .await?;
+    // Callers have their own buckets: three connections of four submits each.
+    let mut turn_ids = Vec::new();
+    for k in 0..3 {
+        let (mut c, _) = Raw::hello(&td.url, "client", json!({})).await?;
+        for j in 0..TURNS / 3 {
+            let t = c
+                .ok(
+                    "turn.submit",
+                    json!({"session_id": format!("r{k}-{j}"), "function_id": "f", "input": j}),
+                )
+                .await?;
+            turn_ids.push(
+                t["turn"]["turn_id"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            );
+        }
+    }
+    let mut invs = Vec::new();
+    while invs.len() < TURNS {
+        let p = w.next_push().await?;
+        if p["push"] == "invoke" {
+            invs.push(p["invocation_id"].as_str().unwrap_or_default().to_string());
+        }
+    }
+    // Twelve results at once, far over the 5 per second this connection may send.
+    for inv in &invs {
+        let ok = w
+            .ok(
+                "invocation.result",
+                json!({"invocation_id": inv, "outcome": {"complete": "done"}}),
+            )
+            .await?;
+        assert_eq!(ok["accepted"], "applied", "{inv}: {ok}");
+    }
+    for ids in turn_ids.chunks(4) {
+        let c = td.caller().await?;
+        for id in ids {
+            assert_eq!(c.get(id).await?.status, TurnStatus::Completed, "{id}");
+        }
+    }
+    // Resending a result that was applied is counted, and so are other requests.
+    let mut limited = 0;
+    for _ in 0..10 {
+        let f = w
+            .request(
+                "invocation.result",
+                json!({"invocation_id": invs[0], "outcome": {"complete": "done"}}),
+            )
+            .await?;
+        if f.pointer("/error/code") == Some(&json!("rate_limited")) {
+            limited += 1;
+        } else {
+            assert_eq!(f["ok"]["accepted"], "duplicate", "{f}");
+        }
+    }
+    assert!(
+        limited >= 4,
+        "expected refusals past 5 requests, got {limited}"
+    );
+    td.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_request_watch_and_queue_limits() -> anyhow::Result<()> {
     let td = TestDaemon::start(|c| {

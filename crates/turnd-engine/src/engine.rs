@@ -2078,6 +2078,14 @@ impl Engine {
     /// assignments, which also prove it may report it, without a store read (a sled
     /// read waits for any group commit being applied); anything else is looked up in
     /// the store by [`Engine::invocation_for`].
+    /// Whether `invocation_id` is live and dispatched to `worker_id` (a registry
+    /// lookup; no store read).
+    pub fn is_assigned(&self, worker_id: &str, invocation_id: &str) -> bool {
+        self.registry()
+            .assigned_session(worker_id, invocation_id)
+            .is_some()
+    }
+
     fn invocation_session(
         &self,
         caller: &Caller,

@@ -426,7 +426,7 @@ where
             }
         };
         bad_in_row = 0;
-        if !bucket.take() {
+        if !conn.reports_own_invocation(&req) && !bucket.take() {
             let body = bad(
                 ErrorCode::RateLimited,
                 format!(
@@ -608,6 +608,33 @@ impl Conn {
             max_frame_bytes: cfg.max_frame_bytes,
             reconciled,
         })
+    }
+
+    /// Whether the request is a worker's `invocation.result` for a live invocation
+    /// dispatched to it. Such results are not counted against the connection's
+    /// request rate: the daemon dispatches no more than the concurrency the worker
+    /// registered, and each one ends its invocation (a resend after that is counted),
+    /// so they cannot flood; refusing one would only hold a finished step back until
+    /// the worker resends it.
+    fn reports_own_invocation(&self, req: &RawRequest<'_>) -> bool {
+        #[derive(serde::Deserialize)]
+        struct Id<'a> {
+            #[serde(borrow)]
+            invocation_id: std::borrow::Cow<'a, str>,
+        }
+        if req.op != Op::InvocationResult.name() {
+            return false;
+        }
+        let Some(worker_id) = self
+            .auth
+            .get()
+            .filter(|a| a.role == Role::Worker)
+            .and_then(|a| a.worker_id.as_deref())
+        else {
+            return false;
+        };
+        serde_json::from_str::<Id<'_>>(req.args_text())
+            .is_ok_and(|a| self.shared.engine.is_assigned(worker_id, &a.invocation_id))
     }
 
     fn caller(&self) -> Caller {
