@@ -7,7 +7,9 @@
 //! with `unavailable`, every later write is refused until a restart even once the
 //! disk works again (after a failed write-back nothing tells what reached the disk),
 //! `/readyz` fails, and after `SIGKILL` and a restart every acknowledged turn is there
-//! with its result and `store.check` is clean.
+//! with its result and `store.check` is clean. Linux only (`LD_PRELOAD` of glibc
+//! symbols).
+#![cfg(target_os = "linux")]
 
 use std::path::Path;
 use std::time::Duration;

@@ -370,6 +370,7 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
     let c = td.caller().await?;
     let t = c.submit_simple("bad", "nobody", json!(null)).await?;
     let t2 = c.submit_simple("bad", "nobody", json!(null)).await?;
+    let t3 = c.submit_simple("bad", "nobody", json!(null)).await?;
     assert_clean(&td).await?;
     drop(c);
     td.shutdown().await?;
@@ -399,6 +400,8 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
             .expect("meta stored");
         meta.active_from = Some(2);
         b.put_session_meta(&meta);
+        // The third, still queued, drops out of its session's turn list.
+        b.delete(keys::session_turn("bad", 3));
         b
     })
     .await?;
@@ -424,6 +427,10 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
     );
     assert!(
         names.contains(&("terminal_lock_holder", Some(t2.turn_id.as_str()))),
+        "{v:?}"
+    );
+    assert!(
+        names.contains(&("unindexed_active_turn", Some(t3.turn_id.as_str()))),
         "{v:?}"
     );
     let detail: Value = serde_json::to_value(&v)?;

@@ -12,7 +12,7 @@
 //! does whatever is due (dispatch, probe, give up, retry, fail on a deadline). Timers,
 //! worker disconnects, freed capacity and write retries all just call it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -2073,11 +2073,6 @@ impl Engine {
         Ok(Some(inv))
     }
 
-    /// The session of an invocation the caller may act on (`None`: no such
-    /// invocation). A worker's own live invocation is found in the registry's
-    /// assignments, which also prove it may report it, without a store read (a sled
-    /// read waits for any group commit being applied); anything else is looked up in
-    /// the store by [`Engine::invocation_for`].
     /// Whether `invocation_id` is live and dispatched to `worker_id` (a registry
     /// lookup; no store read).
     pub fn is_assigned(&self, worker_id: &str, invocation_id: &str) -> bool {
@@ -2086,6 +2081,17 @@ impl Engine {
             .is_some()
     }
 
+    /// Keep only the invocation ids that are live and dispatched to `worker_id`.
+    pub fn retain_assigned(&self, worker_id: &str, ids: &mut HashSet<String>) {
+        let registry = self.registry();
+        ids.retain(|id| registry.assigned_session(worker_id, id).is_some());
+    }
+
+    /// The session of an invocation the caller may act on (`None`: no such
+    /// invocation). A worker's own live invocation is found in the registry's
+    /// assignments, which also prove it may report it, without a store read (a sled
+    /// read waits for any group commit being applied); anything else is looked up in
+    /// the store by [`Engine::invocation_for`].
     fn invocation_session(
         &self,
         caller: &Caller,

@@ -11,7 +11,8 @@
 //!
 //! This is the layer below sled: a test with it sees what sled and the store writer
 //! do with real I/O errors, which fault injection above the store (`FaultyKv`) cannot
-//! show.
+//! show. Linux (glibc) only; elsewhere the library is empty.
+#![cfg(target_os = "linux")]
 
 use std::ffi::{c_int, c_void, CString};
 use std::sync::OnceLock;
@@ -38,8 +39,16 @@ fn flags() -> Option<&'static Flags> {
 }
 
 fn exists(path: &CString) -> bool {
-    // SAFETY: `path` is a valid NUL-terminated string for the whole call.
-    unsafe { libc::access(path.as_ptr(), libc::F_OK) == 0 }
+    // SAFETY: `path` is a valid NUL-terminated string for the whole call, and
+    // `__errno_location` returns the calling thread's errno slot; `access` sets errno
+    // when the flag is absent, which must not leak into the interposed call.
+    unsafe {
+        let errno = libc::__errno_location();
+        let saved = *errno;
+        let found = libc::access(path.as_ptr(), libc::F_OK) == 0;
+        *errno = saved;
+        found
+    }
 }
 
 fn failing(pick: fn(&Flags) -> &CString) -> bool {

@@ -6,6 +6,7 @@
 //! writer drains the connection's bounded [`Outbox`] and sends the server pings. A
 //! peer that does not read fast enough overflows its outbox and is disconnected.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -184,6 +185,11 @@ struct Conn {
     peer: SocketAddr,
 }
 
+/// Size at which a connection's set of exempted invocations (see
+/// [`Conn::exempt_result`]) drops those no longer live. Invocation ids are never
+/// reused, so an id that is not live can never be exempted again.
+const EXEMPTED_PRUNE_AT: usize = 4096;
+
 fn bad(code: ErrorCode, msg: impl Into<String>) -> ErrorBody {
     ErrorBody::new(code, msg)
 }
@@ -349,6 +355,8 @@ where
 
     let mut bad_in_row = 0u32;
     let mut bucket = Bucket::new(shared.config.server.max_requests_per_second);
+    // Invocations whose first result on this connection was not counted by `bucket`.
+    let mut exempted: HashSet<String> = HashSet::new();
     let max_depth = shared.config.server.max_json_depth;
     let close: Option<(u16, String)> = loop {
         let next = tokio::select! {
@@ -426,7 +434,7 @@ where
             }
         };
         bad_in_row = 0;
-        if !conn.reports_own_invocation(&req) && !bucket.take() {
+        if !conn.exempt_result(&req, &mut exempted) && !bucket.take() {
             let body = bad(
                 ErrorCode::RateLimited,
                 format!(
@@ -610,13 +618,15 @@ impl Conn {
         })
     }
 
-    /// Whether the request is a worker's `invocation.result` for a live invocation
-    /// dispatched to it. Such results are not counted against the connection's
-    /// request rate: the daemon dispatches no more than the concurrency the worker
-    /// registered, and each one ends its invocation (a resend after that is counted),
-    /// so they cannot flood; refusing one would only hold a finished step back until
-    /// the worker resends it.
-    fn reports_own_invocation(&self, req: &RawRequest<'_>) -> bool {
+    /// Whether the request is the first `invocation.result` on this connection for a
+    /// live invocation dispatched to this worker; such a result is not counted against
+    /// the connection's request rate. The daemon dispatches no more than the
+    /// concurrency the worker registered, and each invocation is exempted once
+    /// (`exempted` remembers it, whatever its result turned out to be), so the
+    /// exemptions are bounded by the dispatches; refusing a result would only hold a
+    /// finished step back until the worker resends it. Resends, malformed results and
+    /// every other request are counted.
+    fn exempt_result(&self, req: &RawRequest<'_>, exempted: &mut HashSet<String>) -> bool {
         #[derive(serde::Deserialize)]
         struct Id<'a> {
             #[serde(borrow)]
@@ -633,8 +643,20 @@ impl Conn {
         else {
             return false;
         };
-        serde_json::from_str::<Id<'_>>(req.args_text())
-            .is_ok_and(|a| self.shared.engine.is_assigned(worker_id, &a.invocation_id))
+        let Ok(a) = serde_json::from_str::<Id<'_>>(req.args_text()) else {
+            return false;
+        };
+        let engine = &self.shared.engine;
+        if exempted.contains(a.invocation_id.as_ref())
+            || !engine.is_assigned(worker_id, &a.invocation_id)
+        {
+            return false;
+        }
+        if exempted.len() >= EXEMPTED_PRUNE_AT {
+            engine.retain_assigned(worker_id, exempted);
+        }
+        exempted.insert(a.invocation_id.into_owned());
+        true
     }
 
     fn caller(&self) -> Caller {

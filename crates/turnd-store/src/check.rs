@@ -42,6 +42,10 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
     let metas = store.session_metas()?;
     let legacy = store.legacy_active_index()?.first;
     let mut marks: HashMap<&str, u64> = HashMap::new();
+    let last_seqs: HashMap<&str, u64> = metas
+        .iter()
+        .map(|m| (m.session_id.as_str(), m.last_turn_seq))
+        .collect();
     for m in &metas {
         let mark = m.active_from.or_else(|| legacy.get(&m.session_id).copied());
         let Some(seq) = mark else { continue };
@@ -100,6 +104,24 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
                         t.status.as_str(),
                         t.seq,
                         marks.get(t.session_id.as_str())
+                    ),
+                ));
+            }
+            // Recovery finds it through its session's turn list, up to the meta's last
+            // turn.
+            let listed = kv.get(&keys::session_turn(&t.session_id, t.seq))?;
+            let last = last_seqs.get(t.session_id.as_str()).copied();
+            if listed.as_deref() != Some(t.turn_id.as_bytes()) || last.is_none_or(|l| t.seq > l) {
+                out.push(violation(
+                    "unindexed_active_turn",
+                    Some(t),
+                    &t.session_id,
+                    format!(
+                        "{} turn (seq {}) is not where recovery looks for it: its session's turn list holds {:?} there and the session's last turn is {:?}",
+                        t.status.as_str(),
+                        t.seq,
+                        listed.as_deref().map(String::from_utf8_lossy),
+                        last
                     ),
                 ));
             }

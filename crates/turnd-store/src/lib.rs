@@ -97,13 +97,17 @@ impl Batch {
     }
 
     /// Write the events of one transition: consecutive events of one session, stored
-    /// as one value under the key of the last one (a single event as itself, several
-    /// as an array). sled's cost is per key, and a transition often writes three.
+    /// as values of up to [`EVENTS_PER_VALUE`] events, each under the key of its last
+    /// event (a single event as itself, several as an array). sled's cost is per key,
+    /// and a transition often writes three; the cap keeps a read of one event from
+    /// decoding thousands (a `session.stop` of a long queue writes two per turn).
     pub fn put_events(&mut self, events: &[Event]) {
-        match events {
-            [] => {}
-            [e] => self.put_json(keys::event(&e.session_id, e.seq), e),
-            [.., last] => self.put_json(keys::event(&last.session_id, last.seq), &events),
+        for group in events.chunks(EVENTS_PER_VALUE) {
+            match group {
+                [] => {}
+                [e] => self.put_json(keys::event(&e.session_id, e.seq), e),
+                [.., last] => self.put_json(keys::event(&last.session_id, last.seq), &group),
+            }
         }
     }
 
@@ -115,6 +119,9 @@ impl Batch {
         self.put_json(keys::session_meta(&m.session_id), m);
     }
 }
+
+/// Most events stored in one value (see [`Batch::put_events`]).
+pub const EVENTS_PER_VALUE: usize = 64;
 
 /// A key and its value.
 pub type Entry = (Vec<u8>, Vec<u8>);
@@ -178,6 +185,8 @@ pub struct CommitStats {
 pub struct LegacyActiveIndex {
     /// The first unfinished turn's `seq` of each session in the index.
     pub first: HashMap<String, u64>,
+    /// The last one's.
+    pub last: HashMap<String, u64>,
     /// The index's keys.
     pub keys: Vec<Vec<u8>>,
 }
@@ -253,23 +262,30 @@ impl Store {
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
         // A stored value holds one or more events and is keyed by its last one, so
-        // the scan starts at the first value that may hold `after + 1`, and `limit`
-        // values hold at least `limit` events.
-        let start = keys::event(session_id, after.saturating_add(1));
+        // the scan starts at the first value that may hold `after + 1`. Values are
+        // read in small pages: each holds at least one wanted event, and the first
+        // may already fill `limit`.
+        const PAGE: usize = 16;
+        let mut from = keys::event(session_id, after.saturating_add(1));
         let end = keys::event_end(session_id);
         let mut out = Vec::new();
-        for (_, v) in self.kv.scan(&start, &end, false, limit)? {
-            let group: Vec<Event> = if v.first() == Some(&b'[') {
-                decode("events", &v)?
-            } else {
-                vec![decode("event", &v)?]
-            };
-            out.extend(group.into_iter().filter(|e| e.seq > after));
-            if out.len() >= limit {
-                out.truncate(limit);
-                break;
+        while out.len() < limit {
+            let n = PAGE.min(limit - out.len());
+            let page = self.kv.scan(&from, &end, false, n)?;
+            for (_, v) in &page {
+                let group: Vec<Event> = if v.first() == Some(&b'[') {
+                    decode("events", v)?
+                } else {
+                    vec![decode("event", v)?]
+                };
+                out.extend(group.into_iter().filter(|e| e.seq > after));
+            }
+            match next_page(&page, n) {
+                Some(next) => from = next,
+                None => break,
             }
         }
+        out.truncate(limit);
         Ok(out)
     }
 
@@ -360,10 +376,16 @@ impl Store {
         let (start, end) = keys::legacy_active_range();
         let mut index = LegacyActiveIndex::default();
         for (k, _) in self.kv.scan(&start, &end, false, usize::MAX)? {
+            // 'A', the session id, a zero byte, the big-endian seq.
+            if k.len() < 10 {
+                return Err(StoreError::Corrupt(format!("active index key {k:?}")));
+            }
             let seq = keys::seq_suffix(&k)?;
             let sid = std::str::from_utf8(&k[1..k.len() - 9])
                 .map_err(|e| StoreError::Corrupt(format!("active index key {k:?}: {e}")))?;
             index.first.entry(sid.to_string()).or_insert(seq);
+            let last = index.last.entry(sid.to_string()).or_insert(seq);
+            *last = (*last).max(seq);
             index.keys.push(k);
         }
         Ok(index)
@@ -373,7 +395,7 @@ impl Store {
     /// record each session's first unfinished turn in its meta and delete the old
     /// index, in one durable batch. Returns how many sessions were moved.
     pub async fn migrate_legacy_active_index(&self) -> Result<usize, StoreError> {
-        let LegacyActiveIndex { first, keys } = self.legacy_active_index()?;
+        let LegacyActiveIndex { first, last, keys } = self.legacy_active_index()?;
         if keys.is_empty() {
             return Ok(0);
         }
@@ -382,7 +404,11 @@ impl Store {
             let mut meta = self
                 .session_meta(sid)?
                 .unwrap_or_else(|| SessionMeta::new(sid));
-            meta.active_from = Some(*seq);
+            // A meta never lags its own index, but a missing or damaged one must not
+            // let a later admission reuse a `seq`.
+            let indexed_last = last.get(sid).copied().unwrap_or(*seq);
+            meta.last_turn_seq = meta.last_turn_seq.max(indexed_last);
+            meta.active_from = Some(meta.active_from.map_or(*seq, |m| m.min(*seq)));
             b.put_session_meta(&meta);
         }
         for k in keys {
@@ -468,14 +494,21 @@ mod tests {
     async fn events_stored_by_transition_read_back_one_by_one() {
         let kv = Arc::new(mem::MemKv::new());
         let store = Store::new(kv.clone());
-        // Transitions of 1, 3, 1 and 2 events: seqs 1 | 2 3 4 | 5 | 6 7.
-        for group in [vec![1], vec![2, 3, 4], vec![5], vec![6, 7]] {
+        // Transitions of 1, 3, 1 and 150 events: seqs 1 | 2 3 4 | 5 | 6 ..= 155, the
+        // last stored as values of 64, 64 and 22 events.
+        let last: u64 = 155;
+        for group in [vec![1], vec![2, 3, 4], vec![5], (6..=last).collect()] {
             let mut b = Batch::new();
             b.put_events(&group.into_iter().map(ev).collect::<Vec<_>>());
             store.commit(b).await.expect("commit");
         }
         let (s, e) = (keys::event("s", 0), keys::event_end("s"));
-        assert_eq!(kv.scan(&s, &e, false, usize::MAX).expect("scan").len(), 4);
+        let stored = kv.scan(&s, &e, false, usize::MAX).expect("scan");
+        let keyed: Vec<u64> = stored
+            .iter()
+            .map(|(k, _)| keys::seq_suffix(k).expect("seq"))
+            .collect();
+        assert_eq!(keyed, vec![1, 4, 5, 69, 133, 155]);
         let seqs = |after, limit| -> Vec<u64> {
             store
                 .events("s", after, limit)
@@ -484,13 +517,14 @@ mod tests {
                 .map(|e| e.seq)
                 .collect()
         };
-        assert_eq!(seqs(0, usize::MAX), vec![1, 2, 3, 4, 5, 6, 7]);
-        for after in 0..=7u64 {
-            for limit in 1..=8usize {
-                let want: Vec<u64> = (after + 1..=7).take(limit).collect();
+        assert_eq!(seqs(0, usize::MAX), (1..=last).collect::<Vec<_>>());
+        for after in 0..=last {
+            for limit in [1, 2, 3, 15, 16, 17, 63, 64, 65, 200, usize::MAX] {
+                let want: Vec<u64> = (after + 1..=last).take(limit).collect();
                 assert_eq!(seqs(after, limit), want, "after {after}, limit {limit}");
             }
         }
+        assert!(seqs(3, 0).is_empty());
         let all = store.events("s", 0, usize::MAX).expect("events");
         assert_eq!(all[2], ev(3), "an event inside a group reads back whole");
     }
@@ -544,7 +578,11 @@ mod tests {
         let a = store.session_meta("a").expect("read").expect("meta a");
         assert_eq!((a.active_from, a.last_turn_seq), (Some(7), 9));
         let b = store.session_meta("b").expect("read").expect("meta b");
-        assert_eq!(b.active_from, Some(3));
+        assert_eq!(
+            (b.active_from, b.last_turn_seq),
+            (Some(3), 3),
+            "a session with no meta gets one that never reuses an indexed seq"
+        );
         let (s, e) = keys::legacy_active_range();
         assert!(kv.scan(&s, &e, false, usize::MAX).expect("scan").is_empty());
         assert_eq!(store.migrate_legacy_active_index().await.expect("again"), 0);
