@@ -459,6 +459,41 @@ async fn read_faults_answer_unavailable_and_change_nothing() -> anyhow::Result<(
     td.shutdown().await
 }
 
+/// A session's first use reads its meta only if the store may hold one: recovery
+/// notes every stored session, so with every store read failing a brand-new session
+/// still takes a submit, while a session stored before the restart (and not in memory,
+/// having no unfinished turn) needs its meta read and is refused until reads work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_sessions_first_submit_reads_nothing() -> anyhow::Result<()> {
+    let td = TestDaemon::start_faulty(|_| {}).await?;
+    let dir = td.dir.clone();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let w = counting_worker(&td.url, "w-first", runs.clone()).await;
+    let c = td.caller().await?;
+    let t = c.submit_simple("stored", "echo", json!(1)).await?;
+    wait_done(&c, &t.turn_id, T).await?;
+    drop(c);
+    w.shutdown();
+    td.shutdown().await?;
+
+    let td = TestDaemon::start_in(dir, |_| {}, true).await?;
+    let c = td.caller().await?;
+    let f = faults(&td);
+    f.set_fail_reads(true);
+    let fresh = c.submit_simple("brand-new", "echo", json!(2)).await?;
+    assert_eq!(fresh.seq, 1);
+    unavailable(
+        c.submit_simple("stored", "echo", json!(3))
+            .await
+            .expect_err("the stored session's meta must be read"),
+    );
+    f.set_fail_reads(false);
+    let next = c.submit_simple("stored", "echo", json!(4)).await?;
+    assert_eq!(next.seq, 2, "the stored session continues its sequence");
+    assert_clean(&td).await?;
+    td.shutdown().await
+}
+
 /// An unfinished turn and its live invocation are served from memory: with every
 /// store read failing, `turn.get` and `turn.wait` of the turn still answer, and the
 /// worker's result is applied. (A sled read waits while a group commit is applied,

@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -91,6 +91,12 @@ struct Inner {
     /// waits for any group commit being applied). A hint only: a turn missing here,
     /// or no longer in its session, is read from the store.
     live_turns: Mutex<HashMap<u128, Arc<SessionCell>>>,
+    /// Hashes of the ids of every session with a meta in the store at start-up, set
+    /// once recovery has read them all. A session missing here and not yet in memory
+    /// has no meta (every session used since start-up stays in memory), so its first
+    /// use reads nothing (a sled read waits for any group commit being applied). A
+    /// collision only costs a read.
+    stored_sessions: OnceLock<HashSet<u64>>,
     registry: Mutex<Registry>,
     /// `turn.wait` callers by turn id; sent the turn once it is terminal.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Turn>>>>,
@@ -128,6 +134,7 @@ impl Engine {
                 boot_id: uuid::Uuid::new_v4().simple().to_string(),
                 sessions: Mutex::new(HashMap::new()),
                 live_turns: Mutex::new(HashMap::new()),
+                stored_sessions: OnceLock::new(),
                 registry: Mutex::new(Registry::default()),
                 waiters: Mutex::new(HashMap::new()),
                 watches: Mutex::new(HashMap::new()),
@@ -273,8 +280,15 @@ impl Engine {
         // The guard borrows the cell, which the caller keeps alive.
         let mut st = cell.state.lock().await;
         if !st.loaded {
-            if let Some(meta) = self.inner.store.session_meta(&st.id)? {
-                st.meta = meta;
+            let maybe_stored = self
+                .inner
+                .stored_sessions
+                .get()
+                .is_none_or(|known| known.contains(&session_hash(&st.id)));
+            if maybe_stored {
+                if let Some(meta) = self.inner.store.session_meta(&st.id)? {
+                    st.meta = meta;
+                }
             }
             st.loaded = true;
         }
@@ -2438,9 +2452,13 @@ impl Engine {
             let ts = store.unfinished_turns(&meta)?;
             self.recover_session(ts, meta, now, &mut pending).await?;
         }
-        let totals = metas.finish()?;
+        let (totals, mut known) = metas.finish()?;
         if let Ok(mut c) = self.inner.counts.lock() {
             *c = totals;
+        }
+        known.shrink_to_fit();
+        if self.inner.stored_sessions.set(known).is_err() {
+            tracing::warn!("session ids read twice at recovery; keeping the first set");
         }
         for (sid, tx, ticket) in pending {
             match ticket.await {
@@ -2478,6 +2496,8 @@ struct MetaCursor<'a> {
     page: std::collections::VecDeque<SessionMeta>,
     next: Option<Vec<u8>>,
     totals: TurnCounts,
+    /// [`session_hash`] of every meta read.
+    known: HashSet<u64>,
 }
 
 impl<'a> MetaCursor<'a> {
@@ -2487,6 +2507,7 @@ impl<'a> MetaCursor<'a> {
             page: Default::default(),
             next: Some(Store::FIRST.to_vec()),
             totals: TurnCounts::default(),
+            known: HashSet::new(),
         }
     }
 
@@ -2502,6 +2523,7 @@ impl<'a> MetaCursor<'a> {
         }
         let m = self.page.pop_front();
         if let Some(m) = &m {
+            self.known.insert(session_hash(&m.session_id));
             for s in TurnStatus::ALL {
                 *self.totals.get_mut(s) += m.counts.get(s);
             }
@@ -2509,11 +2531,20 @@ impl<'a> MetaCursor<'a> {
         Ok(m)
     }
 
-    /// Count the remaining metas and return the totals.
-    fn finish(mut self) -> Result<TurnCounts, StoreError> {
+    /// Count the remaining metas; the totals and the hashes of every session id.
+    fn finish(mut self) -> Result<(TurnCounts, HashSet<u64>), StoreError> {
         while self.pop()?.is_some() {}
-        Ok(self.totals)
+        Ok((self.totals, self.known))
     }
+}
+
+/// A session id's hash for [`Inner::stored_sessions`] (SipHash with fixed keys, so the
+/// same throughout the process; a collision only costs a store read).
+fn session_hash(session_id: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    session_id.hash(&mut h);
+    h.finish()
 }
 
 fn push_frame(p: &Push) -> String {
