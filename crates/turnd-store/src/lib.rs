@@ -354,8 +354,23 @@ impl Store {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
-        let to = meta.last_turn_seq.saturating_add(1);
-        for (seq, id) in self.session_turn_ids_from(&meta.session_id, from, to)? {
+        let ids = if from == meta.last_turn_seq {
+            // The common case, one unfinished turn and nothing after it: a point read
+            // (cheaper in sled than a range scan).
+            let key = keys::session_turn(&meta.session_id, from);
+            match self.kv.get(&key)? {
+                Some(v) => vec![(
+                    from,
+                    String::from_utf8(v)
+                        .map_err(|e| StoreError::Corrupt(format!("turn index: {e}")))?,
+                )],
+                None => Vec::new(),
+            }
+        } else {
+            let to = meta.last_turn_seq.saturating_add(1);
+            self.session_turn_ids_from(&meta.session_id, from, to)?
+        };
+        for (seq, id) in ids {
             let t = self.turn(&id)?.ok_or_else(|| {
                 StoreError::Corrupt(format!(
                     "session {} lists missing turn {id} at seq {seq}",
@@ -559,6 +574,14 @@ mod tests {
             .map(|t| t.seq)
             .collect();
         assert_eq!(seqs, vec![2, 4]);
+        // One unfinished turn and nothing after it: read by a point lookup.
+        meta.active_from = Some(4);
+        meta.last_turn_seq = 4;
+        let one = store.unfinished_turns(&meta).expect("read");
+        assert_eq!(one.iter().map(|t| t.seq).collect::<Vec<_>>(), vec![4]);
+        meta.active_from = Some(5);
+        meta.last_turn_seq = 5;
+        assert!(store.unfinished_turns(&meta).expect("read").is_empty());
     }
 
     #[tokio::test]
