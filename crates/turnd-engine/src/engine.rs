@@ -85,6 +85,9 @@ struct Inner {
     store: Store,
     clock: Clock,
     boot_id: String,
+    /// Every session used since start-up. Cells are never removed: `stored_sessions`
+    /// relies on it (a session evicted from here would be taken for a new one and
+    /// reuse its `seq`s).
     sessions: Mutex<HashMap<String, Arc<SessionCell>>>,
     /// The session of every unfinished turn, by the 128 bits of its id, so
     /// `turn.get` and `turn.wait` find a live turn without a store read (a sled read

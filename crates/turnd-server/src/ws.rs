@@ -186,9 +186,18 @@ struct Conn {
 }
 
 /// Size at which a connection's set of exempted invocations (see
-/// [`Conn::exempt_result`]) drops those no longer live. Invocation ids are never
-/// reused, so an id that is not live can never be exempted again.
+/// [`Exempted`]) first drops those no longer live.
 const EXEMPTED_PRUNE_AT: usize = 4096;
+
+/// The invocations whose first result on a connection was not counted against its
+/// request rate (see [`Conn::exempt_result`]). Invocation ids are never reused, so an
+/// id that is no longer live can never be exempted again and is dropped when the set
+/// reaches `prune_at`; after a prune the threshold is twice what stayed, so a worker
+/// with thousands of live invocations does not make every exemption a full pass.
+struct Exempted {
+    ids: HashSet<String>,
+    prune_at: usize,
+}
 
 fn bad(code: ErrorCode, msg: impl Into<String>) -> ErrorBody {
     ErrorBody::new(code, msg)
@@ -356,7 +365,10 @@ where
     let mut bad_in_row = 0u32;
     let mut bucket = Bucket::new(shared.config.server.max_requests_per_second);
     // Invocations whose first result on this connection was not counted by `bucket`.
-    let mut exempted: HashSet<String> = HashSet::new();
+    let mut exempted = Exempted {
+        ids: HashSet::new(),
+        prune_at: EXEMPTED_PRUNE_AT,
+    };
     let max_depth = shared.config.server.max_json_depth;
     let close: Option<(u16, String)> = loop {
         let next = tokio::select! {
@@ -622,11 +634,11 @@ impl Conn {
     /// live invocation dispatched to this worker; such a result is not counted against
     /// the connection's request rate. The daemon dispatches no more than the
     /// concurrency the worker registered, and each invocation is exempted once
-    /// (`exempted` remembers it, whatever its result turned out to be), so the
+    /// ([`Exempted`] remembers it, whatever its result turned out to be), so the
     /// exemptions are bounded by the dispatches; refusing a result would only hold a
     /// finished step back until the worker resends it. Resends, malformed results and
     /// every other request are counted.
-    fn exempt_result(&self, req: &RawRequest<'_>, exempted: &mut HashSet<String>) -> bool {
+    fn exempt_result(&self, req: &RawRequest<'_>, exempted: &mut Exempted) -> bool {
         #[derive(serde::Deserialize)]
         struct Id<'a> {
             #[serde(borrow)]
@@ -647,15 +659,16 @@ impl Conn {
             return false;
         };
         let engine = &self.shared.engine;
-        if exempted.contains(a.invocation_id.as_ref())
+        if exempted.ids.contains(a.invocation_id.as_ref())
             || !engine.is_assigned(worker_id, &a.invocation_id)
         {
             return false;
         }
-        if exempted.len() >= EXEMPTED_PRUNE_AT {
-            engine.retain_assigned(worker_id, exempted);
+        if exempted.ids.len() >= exempted.prune_at {
+            engine.retain_assigned(worker_id, &mut exempted.ids);
+            exempted.prune_at = EXEMPTED_PRUNE_AT.max(2 * exempted.ids.len());
         }
-        exempted.insert(a.invocation_id.into_owned());
+        exempted.ids.insert(a.invocation_id.into_owned());
         true
     }
 

@@ -416,11 +416,19 @@ impl Store {
         }
         let mut b = Batch::new();
         for (sid, seq) in &first {
-            let mut meta = self
-                .session_meta(sid)?
-                .unwrap_or_else(|| SessionMeta::new(sid));
-            // A meta never lags its own index, but a missing or damaged one must not
-            // let a later admission reuse a `seq`.
+            let mut meta = match self.session_meta(sid)? {
+                Some(m) => m,
+                None => {
+                    // A meta is always written with its turns; should one be missing,
+                    // its counters must still not let a later write reuse a `seq`.
+                    let mut m = SessionMeta::new(sid);
+                    let (s, e) = (keys::event(sid, 0), keys::event_end(sid));
+                    if let Some((k, _)) = self.kv.scan(&s, &e, true, 1)?.first() {
+                        m.last_event_seq = keys::seq_suffix(k)?;
+                    }
+                    m
+                }
+            };
             let indexed_last = last.get(sid).copied().unwrap_or(*seq);
             meta.last_turn_seq = meta.last_turn_seq.max(indexed_last);
             meta.active_from = Some(meta.active_from.map_or(*seq, |m| m.min(*seq)));
@@ -595,6 +603,10 @@ mod tests {
         for (sid, seq) in [("a", 7), ("a", 9), ("b", 3)] {
             b.put_raw(keys::legacy_active(sid, seq), b"t".to_vec());
         }
+        // "b" has events but (damaged) no meta.
+        let mut e = ev(4);
+        e.session_id = "b".into();
+        b.put_events(&[e]);
         store.commit(b).await.expect("commit");
 
         assert_eq!(store.migrate_legacy_active_index().await.expect("move"), 2);
@@ -602,9 +614,9 @@ mod tests {
         assert_eq!((a.active_from, a.last_turn_seq), (Some(7), 9));
         let b = store.session_meta("b").expect("read").expect("meta b");
         assert_eq!(
-            (b.active_from, b.last_turn_seq),
-            (Some(3), 3),
-            "a session with no meta gets one that never reuses an indexed seq"
+            (b.active_from, b.last_turn_seq, b.last_event_seq),
+            (Some(3), 3, 4),
+            "a session with no meta gets one that never reuses a stored seq"
         );
         let (s, e) = keys::legacy_active_range();
         assert!(kv.scan(&s, &e, false, usize::MAX).expect("scan").is_empty());
