@@ -43,6 +43,8 @@ struct Job {
 
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;
+/// Most jobs merged into one sled `apply_batch` (see `writer_loop`).
+const APPLY_CHUNK: usize = 128;
 
 /// The sled-backed store.
 pub struct SledKv {
@@ -240,26 +242,40 @@ fn writer_loop(
         }
         let started = tokio::time::Instant::now();
         let count = jobs.len();
-        // The whole group goes to sled as one batch. sled seals and writes its log
-        // buffer around every `apply_batch`, so a batch per job would cost two
-        // synchronous device writes per job; one merged batch costs two per group.
-        // The group is all-or-nothing anyway: every job in it is acknowledged only
-        // after the same sync. Operations are inserted in queue order, so a later
-        // job's write of a key wins, as it would applied one by one.
-        let mut merged = sled::Batch::default();
+        // The group goes to sled as few batches as possible. sled seals and writes
+        // its log buffer around every `apply_batch`, so a batch per job would cost two
+        // synchronous device writes per job; a merged batch costs two per chunk of
+        // up to APPLY_CHUNK jobs. Chunks, rather than one batch for any size: sled
+        // keeps every node version an `apply_batch` replaces until it returns, so one
+        // batch of many hundred jobs held tens of MB at once. Every job of the group
+        // is acknowledged after the same sync either way. Operations are inserted in
+        // queue order, so a later job's write of a key wins, as it would applied one
+        // by one. The first failed chunk poisons the store and fails the group.
         let mut replies = Vec::with_capacity(count);
-        for job in jobs {
+        let mut chunks = Vec::with_capacity(count.div_ceil(APPLY_CHUNK));
+        let mut merged = sled::Batch::default();
+        for (i, job) in jobs.into_iter().enumerate() {
             add_to_sled_batch(&mut merged, job.batch);
             replies.push(job.reply);
+            if (i + 1) % APPLY_CHUNK == 0 {
+                chunks.push(std::mem::take(&mut merged));
+            }
         }
-        let mut result = syncer.check().and_then(|()| {
-            db.apply_batch(merged).map_err(|e| {
+        if count % APPLY_CHUNK != 0 {
+            chunks.push(merged);
+        }
+        let mut result = syncer.check();
+        for chunk in chunks {
+            if result.is_err() {
+                break;
+            }
+            result = db.apply_batch(chunk).map_err(|e| {
                 let e = StoreError::Write(e.to_string());
                 tracing::error!("failed to apply a group commit: {e}");
                 syncer.poison(&e);
                 e
-            })
-        });
+            });
+        }
         let applied = started.elapsed();
         if syncer.mode == SyncMode::Always && result.is_ok() {
             if let Err(e) = syncer.sync() {
@@ -376,5 +392,43 @@ mod tests {
             .expect("scan");
         assert_eq!(all.len(), 3);
         assert_eq!(keys::seq_suffix(&all[0].0).expect("seq"), 50);
+    }
+
+    /// A group larger than one `apply_batch` chunk keeps queue order: every job's
+    /// keys are there, and of several writes of one key the last queued wins.
+    #[tokio::test]
+    async fn large_groups_apply_in_queue_order() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let kv = SledKv::open(dir.path(), SyncMode::Never).expect("open");
+        let jobs = 10 * APPLY_CHUNK as u64;
+        let tickets: Vec<_> = (0..jobs)
+            .map(|i| {
+                let mut b = Batch::new();
+                b.put_raw(keys::event("own", i + 1), format!("{i}").into_bytes());
+                b.put_raw(keys::session_meta("shared"), format!("{i}").into_bytes());
+                kv.commit(b)
+            })
+            .collect();
+        for t in tickets {
+            t.await.expect("answered").expect("committed");
+        }
+        let s = kv.commit_stats();
+        assert!(
+            s.max_group > APPLY_CHUNK as u64,
+            "the jobs queued faster than one chunk: {s:?}"
+        );
+        let own = kv
+            .scan(
+                &keys::event("own", 0),
+                &keys::event_end("own"),
+                false,
+                usize::MAX,
+            )
+            .expect("scan");
+        assert_eq!(own.len() as u64, jobs);
+        assert_eq!(
+            kv.get(&keys::session_meta("shared")).expect("get"),
+            Some(format!("{}", jobs - 1).into_bytes())
+        );
     }
 }
