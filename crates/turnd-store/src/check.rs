@@ -108,10 +108,10 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
                 ));
             }
             // Recovery finds it through its session's turn list, up to the meta's last
-            // turn.
+            // turn. (A session with no meta at all is reported by the mark check above.)
             let listed = kv.get(&keys::session_turn(&t.session_id, t.seq))?;
             let last = last_seqs.get(t.session_id.as_str()).copied();
-            if listed.as_deref() != Some(t.turn_id.as_bytes()) || last.is_none_or(|l| t.seq > l) {
+            if listed.as_deref() != Some(t.turn_id.as_bytes()) || last.is_some_and(|l| t.seq > l) {
                 out.push(violation(
                     "unindexed_active_turn",
                     Some(t),
