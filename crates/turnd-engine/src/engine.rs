@@ -2374,14 +2374,8 @@ impl Engine {
             st.meta = meta;
             st.loaded = true;
         }
-        {
-            let mut live = self.live_turns();
-            for t in &ts {
-                if let Some(k) = turn_id_bits(&t.turn_id) {
-                    live.insert(k, cell.clone());
-                }
-            }
-        }
+        let bits: Vec<u128> = ts.iter().filter_map(|t| turn_id_bits(&t.turn_id)).collect();
+        self.track_live(&cell, &bits, &[]);
         for t in ts {
             st.active.insert(t);
         }
@@ -2455,7 +2449,7 @@ impl Engine {
             let ts = store.unfinished_turns(&meta)?;
             self.recover_session(ts, meta, now, &mut pending).await?;
         }
-        let (totals, mut known) = metas.finish()?;
+        let (totals, mut known) = metas.finish();
         if let Ok(mut c) = self.inner.counts.lock() {
             *c = totals;
         }
@@ -2534,10 +2528,10 @@ impl<'a> MetaCursor<'a> {
         Ok(m)
     }
 
-    /// Count the remaining metas; the totals and the hashes of every session id.
-    fn finish(mut self) -> Result<(TurnCounts, HashSet<u64>), StoreError> {
-        while self.pop()?.is_some() {}
-        Ok((self.totals, self.known))
+    /// The totals and the hashes of the session ids of every meta popped (recovery
+    /// pops them all).
+    fn finish(self) -> (TurnCounts, HashSet<u64>) {
+        (self.totals, self.known)
     }
 }
 

@@ -255,21 +255,19 @@ impl Tx {
 
     /// The durable batch of this transaction.
     pub fn batch(&mut self, st: &SessionState) -> Batch {
+        let mut b = Batch::new();
         for (seq, t) in &self.turns {
             let orig = self.orig_status.get(seq).copied().flatten();
             if orig != Some(t.status) {
                 self.meta.counts.shift(orig, t.status);
             }
-        }
-        // Where recovery starts reading the session's turn list.
-        self.meta.active_from = self.holder_seq(st);
-        let mut b = Batch::new();
-        for (seq, t) in &self.turns {
-            if self.orig_status.get(seq).copied().flatten().is_none() {
+            if orig.is_none() {
                 b.put_turn_index(t);
             }
             b.put_turn(t);
         }
+        // Where recovery starts reading the session's turn list.
+        self.meta.active_from = self.holder_seq(st);
         for i in &self.inv_writes {
             b.put_invocation(i);
         }

@@ -55,10 +55,17 @@ fn failing(pick: fn(&Flags) -> &CString) -> bool {
     flags().is_some_and(|f| exists(pick(f)))
 }
 
-/// Set `errno` to `EIO`.
-fn set_eio() {
+/// The real call's result; or -1 with `errno` set to `EIO` while the flag `pick`
+/// names exists, or if the C library has no such function.
+fn guarded<R: From<i8>>(pick: fn(&Flags) -> &CString, call: impl FnOnce() -> Option<R>) -> R {
+    if !failing(pick) {
+        if let Some(r) = call() {
+            return r;
+        }
+    }
     // SAFETY: `__errno_location` returns the calling thread's errno slot.
     unsafe { *libc::__errno_location() = libc::EIO };
+    R::from(-1)
 }
 
 /// The next definition of `name` (NUL-terminated) after this library: the C
@@ -97,17 +104,10 @@ pub unsafe extern "C" fn pwrite64(
     count: size_t,
     offset: off64_t,
 ) -> ssize_t {
-    if failing(|f| &f.writes) {
-        set_eio();
-        return -1;
-    }
-    match real!("pwrite64", Pwrite64Fn) {
-        Some(f) => f(fd, buf, count, offset),
-        None => {
-            set_eio();
-            -1
-        }
-    }
+    guarded(
+        |f| &f.writes,
+        || real!("pwrite64", Pwrite64Fn).map(|f| f(fd, buf, count, offset)),
+    )
 }
 
 /// Interposed `pwrite`: fails with `EIO` while `fail-writes` exists.
@@ -122,17 +122,10 @@ pub unsafe extern "C" fn pwrite(
     count: size_t,
     offset: off_t,
 ) -> ssize_t {
-    if failing(|f| &f.writes) {
-        set_eio();
-        return -1;
-    }
-    match real!("pwrite", PwriteFn) {
-        Some(f) => f(fd, buf, count, offset),
-        None => {
-            set_eio();
-            -1
-        }
-    }
+    guarded(
+        |f| &f.writes,
+        || real!("pwrite", PwriteFn).map(|f| f(fd, buf, count, offset)),
+    )
 }
 
 /// Interposed `fdatasync`: fails with `EIO` while `fail-syncs` exists.
@@ -142,17 +135,7 @@ pub unsafe extern "C" fn pwrite(
 /// None beyond the C library's: any `fd` may be passed.
 #[no_mangle]
 pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
-    if failing(|f| &f.syncs) {
-        set_eio();
-        return -1;
-    }
-    match real!("fdatasync", SyncFn) {
-        Some(f) => f(fd),
-        None => {
-            set_eio();
-            -1
-        }
-    }
+    guarded(|f| &f.syncs, || real!("fdatasync", SyncFn).map(|f| f(fd)))
 }
 
 /// Interposed `fsync`: fails with `EIO` while `fail-syncs` exists.
@@ -162,15 +145,5 @@ pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
 /// None beyond the C library's: any `fd` may be passed.
 #[no_mangle]
 pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
-    if failing(|f| &f.syncs) {
-        set_eio();
-        return -1;
-    }
-    match real!("fsync", SyncFn) {
-        Some(f) => f(fd),
-        None => {
-            set_eio();
-            -1
-        }
-    }
+    guarded(|f| &f.syncs, || real!("fsync", SyncFn).map(|f| f(fd)))
 }

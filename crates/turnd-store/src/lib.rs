@@ -126,6 +126,11 @@ pub const EVENTS_PER_VALUE: usize = 64;
 /// A key and its value.
 pub type Entry = (Vec<u8>, Vec<u8>);
 
+/// The turn id a session's turn-list entry holds.
+fn turn_index_id(v: Vec<u8>) -> Result<String, StoreError> {
+    String::from_utf8(v).map_err(|e| StoreError::Corrupt(format!("turn index: {e}")))
+}
+
 /// The first key after a full page of a scan (the last key with a zero byte appended),
 /// or None when the page was the last.
 fn next_page(page: &[Entry], limit: usize) -> Option<Vec<u8>> {
@@ -296,17 +301,24 @@ impl Store {
         before: u64,
         limit: usize,
     ) -> Result<Vec<(u64, String)>, StoreError> {
-        let start = keys::session_turn(session_id, 0);
-        let end = keys::session_turn(session_id, before);
+        self.turn_index(session_id, 0, before, true, limit)
+    }
+
+    /// Entries of a session's turn list with `from <= seq < to`, as `(seq, turn id)`.
+    fn turn_index(
+        &self,
+        session_id: &str,
+        from: u64,
+        to: u64,
+        reverse: bool,
+        limit: usize,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        let start = keys::session_turn(session_id, from);
+        let end = keys::session_turn(session_id, to);
         self.kv
-            .scan(&start, &end, true, limit)?
+            .scan(&start, &end, reverse, limit)?
             .into_iter()
-            .map(|(k, v)| {
-                let seq = keys::seq_suffix(&k)?;
-                let id = String::from_utf8(v)
-                    .map_err(|e| StoreError::Corrupt(format!("turn index: {e}")))?;
-                Ok((seq, id))
-            })
+            .map(|(k, v)| Ok((keys::seq_suffix(&k)?, turn_index_id(v)?)))
             .collect()
     }
 
@@ -325,27 +337,6 @@ impl Store {
         Ok((metas, next))
     }
 
-    /// Turn ids of a session with `from <= seq < to`, ascending.
-    pub fn session_turn_ids_from(
-        &self,
-        session_id: &str,
-        from: u64,
-        to: u64,
-    ) -> Result<Vec<(u64, String)>, StoreError> {
-        let start = keys::session_turn(session_id, from);
-        let end = keys::session_turn(session_id, to);
-        self.kv
-            .scan(&start, &end, false, usize::MAX)?
-            .into_iter()
-            .map(|(k, v)| {
-                let seq = keys::seq_suffix(&k)?;
-                let id = String::from_utf8(v)
-                    .map_err(|e| StoreError::Corrupt(format!("turn index: {e}")))?;
-                Ok((seq, id))
-            })
-            .collect()
-    }
-
     /// The unfinished turns of a session, read from its turn list from the meta's
     /// [`SessionMeta::active_from`] on (turns stopped out of order in that range are
     /// skipped).
@@ -359,16 +350,12 @@ impl Store {
             // (cheaper in sled than a range scan).
             let key = keys::session_turn(&meta.session_id, from);
             match self.kv.get(&key)? {
-                Some(v) => vec![(
-                    from,
-                    String::from_utf8(v)
-                        .map_err(|e| StoreError::Corrupt(format!("turn index: {e}")))?,
-                )],
+                Some(v) => vec![(from, turn_index_id(v)?)],
                 None => Vec::new(),
             }
         } else {
             let to = meta.last_turn_seq.saturating_add(1);
-            self.session_turn_ids_from(&meta.session_id, from, to)?
+            self.turn_index(&meta.session_id, from, to, false, usize::MAX)?
         };
         for (seq, id) in ids {
             let t = self.turn(&id)?.ok_or_else(|| {

@@ -2,9 +2,9 @@
 //!
 //! sled's own `flush` on Linux ends in `sync_file_range`, which does not flush the
 //! disk's write cache, so it does not make a write survive power loss. The writer
-//! thread takes every queued batch, applies them together as one atomic sled
-//! `apply_batch`, then calls `flush` and `fdatasync` on sled's log file once for the
-//! whole group, and only then answers every waiting committer. Batches that arrive
+//! thread takes every queued batch, applies them merged into few sled `apply_batch`
+//! calls (each atomic), then calls `flush` and `fdatasync` on sled's log file once for
+//! the whole group, and only then answers every waiting committer. Batches that arrive
 //! while a sync runs wait for the next one, so no acknowledgement waits for more than
 //! one sync after its write.
 
@@ -253,29 +253,25 @@ fn writer_loop(
         // by one. The first failed chunk poisons the store and fails the group.
         let mut replies = Vec::with_capacity(count);
         let mut chunks = Vec::with_capacity(count.div_ceil(APPLY_CHUNK));
-        let mut merged = sled::Batch::default();
-        for (i, job) in jobs.into_iter().enumerate() {
-            add_to_sled_batch(&mut merged, job.batch);
-            replies.push(job.reply);
-            if (i + 1) % APPLY_CHUNK == 0 {
-                chunks.push(std::mem::take(&mut merged));
+        let mut jobs = jobs.into_iter().peekable();
+        while jobs.peek().is_some() {
+            let mut merged = sled::Batch::default();
+            for job in jobs.by_ref().take(APPLY_CHUNK) {
+                add_to_sled_batch(&mut merged, job.batch);
+                replies.push(job.reply);
             }
-        }
-        if count % APPLY_CHUNK != 0 {
             chunks.push(merged);
         }
-        let mut result = syncer.check();
-        for chunk in chunks {
-            if result.is_err() {
-                break;
-            }
-            result = db.apply_batch(chunk).map_err(|e| {
-                let e = StoreError::Write(e.to_string());
-                tracing::error!("failed to apply a group commit: {e}");
-                syncer.poison(&e);
-                e
-            });
-        }
+        let mut result = syncer.check().and_then(|()| {
+            chunks.into_iter().try_for_each(|chunk| {
+                db.apply_batch(chunk).map_err(|e| {
+                    let e = StoreError::Write(e.to_string());
+                    tracing::error!("failed to apply a group commit: {e}");
+                    syncer.poison(&e);
+                    e
+                })
+            })
+        });
         let applied = started.elapsed();
         if syncer.mode == SyncMode::Always && result.is_ok() {
             if let Err(e) = syncer.sync() {
