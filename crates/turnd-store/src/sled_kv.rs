@@ -123,8 +123,18 @@ fn sync_blobs(dir: &Path) -> Result<(), StoreError> {
     let mut any = false;
     for entry in entries {
         let entry = entry.map_err(|e| StoreError::Sync(format!("read blobs dir: {e}")))?;
-        let f = File::open(entry.path())
-            .map_err(|e| StoreError::Sync(format!("open blob {:?}: {e}", entry.path())))?;
+        let f = match File::open(entry.path()) {
+            Ok(f) => f,
+            // sled removed the blob after the listing (its value was replaced and the
+            // old one collected): nothing of it needs to be durable.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                return Err(StoreError::Sync(format!(
+                    "open blob {:?}: {e}",
+                    entry.path()
+                )))
+            }
+        };
         f.sync_data()
             .map_err(|e| StoreError::Sync(format!("fdatasync blob: {e}")))?;
         any = true;
@@ -425,6 +435,33 @@ mod tests {
         assert_eq!(
             kv.get(&keys::session_meta("shared")).expect("get"),
             Some(format!("{}", jobs - 1).into_bytes())
+        );
+    }
+
+    /// Values large enough to be blob files, replaced over and over: sled deletes the
+    /// old blobs while the syncer lists and syncs the directory, which must not fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn syncing_blobs_sled_removes_meanwhile_succeeds() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let kv = Arc::new(SledKv::open(dir.path(), SyncMode::Always).expect("open"));
+        let mut tasks = Vec::new();
+        for t in 0..4u64 {
+            let kv = kv.clone();
+            tasks.push(tokio::spawn(async move {
+                for i in 0..400u64 {
+                    let mut b = Batch::new();
+                    b.put_raw(keys::event("blob", t), vec![i as u8; 64 * 1024]);
+                    kv.commit(b).await.expect("answered")?;
+                }
+                Ok::<(), StoreError>(())
+            }));
+        }
+        for t in tasks {
+            t.await.expect("task").expect("every commit is durable");
+        }
+        assert_eq!(
+            kv.get(&keys::event("blob", 3)).expect("get"),
+            Some(vec![(399 % 256) as u8; 64 * 1024])
         );
     }
 }
