@@ -23,6 +23,10 @@
 //! At the end the load stops, every turn must end, the checks run once more with
 //! every turn terminal, and the daemon must shut down cleanly.
 //!
+//! The daemon checkpoints its store (closes and reopens sled) after every MiB written,
+//! so kills also fall during and between checkpoints; the checkpoints each life made
+//! before its kill are printed.
+//!
 //! The kill moments, functions, step counts and stops come from one seeded PRNG: the
 //! seed is printed (`seed = …`) and `TURND_SEED` replays it.
 
@@ -45,7 +49,7 @@ use turnd_client::turnd_proto::{
 };
 use turnd_client::{Caller, ClientError};
 use turnd_testkit::SplitMix64;
-use turnd_tests::{all_events, BinDaemon};
+use turnd_tests::{all_events, http_get, metric, BinDaemon};
 
 /// SIGKILLs (each followed by a restart on the same data directory).
 const KILLS: usize = 4;
@@ -58,6 +62,9 @@ const STEP_MS: (u64, u64) = (0, 25);
 /// Attempts of the at_least_once function: enough that kills never exhaust them.
 const ALO_ATTEMPTS: u32 = 50;
 const WORKER_ID: &str = "crash-worker";
+/// Filler in every input, so that each life writes several MiB and so checkpoints
+/// several times (at `TURND_STORAGE__CHECKPOINT_MB=1`).
+static PAD: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| "p".repeat(8 * 1024));
 
 /// Daemon settings: short timers so that recovery after each kill is quick.
 const ENV: &[(&str, &str)] = &[
@@ -68,6 +75,9 @@ const ENV: &[(&str, &str)] = &[
     ("TURND_TURNS__CANCEL_GRACE_MS", "300"),
     ("TURND_TURNS__RETRY_BACKOFF_MS", "20"),
     ("TURND_TURNS__DEFAULT_TIMEOUT_MS", "5000"),
+    // Checkpoint (close and reopen sled) after every MiB written, so that kills also
+    // land during and right after checkpoints.
+    ("TURND_STORAGE__CHECKPOINT_MB", "1"),
 ];
 
 // ---------------------------------------------------------------- the record
@@ -117,6 +127,8 @@ struct Record {
     other_answers: BTreeMap<String, u64>,
     invokes: Vec<Seen>,
     kills_after_ms: Vec<u64>,
+    /// Store checkpoints of each life, read from /metrics just before its kill.
+    checkpoints: Vec<u64>,
 }
 
 type Shared = Arc<Mutex<Record>>;
@@ -414,7 +426,7 @@ async fn session_load(
         let args = SubmitArgs {
             session_id: session_id.clone(),
             function_id: if alo { "alo" } else { "amo" }.into(),
-            input: json!({"steps": steps, "n": n}),
+            input: json!({"steps": steps, "n": n, "pad": PAD.as_str()}),
             idempotency_key: Some(format!("{session_id}-k{n}")),
             turn_timeout_ms: None,
         };
@@ -802,7 +814,11 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
         }
         let after = rng(&prng).range(KILL_AFTER_MS.0, KILL_AFTER_MS.1);
         tokio::time::sleep(Duration::from_millis(after)).await;
+        let (_, metrics) = http_get(&daemon.admin, "/metrics").await?;
+        let checkpoints = metric(&metrics, "turnd_storage_checkpoints_total")
+            .context("turnd_storage_checkpoints_total in /metrics")?;
         daemon.kill().await.context("SIGKILL turnd")?;
+        rec(&record).checkpoints.push(checkpoints as u64);
         rec(&record).kills_after_ms.push(after);
         load_stop.cancel();
         while let Some(r) = load.join_next().await {
@@ -842,9 +858,10 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
 
     let r = rec(&record);
     println!(
-        "crash test (seed {seed}): {} SIGKILLs at {:?} ms into the load; {} acknowledged submits ({} answered as deduplicated), {} acknowledged stops ({} session stops), {} applied + {} late results acknowledged, other result answers {:?}, {} invokes received; final: {} turns {:?}, {} events, {} dispatches; drain {:.1} s, total {:.1} s",
+        "crash test (seed {seed}): {} SIGKILLs at {:?} ms into the load, after {:?} store checkpoints; {} acknowledged submits ({} answered as deduplicated), {} acknowledged stops ({} session stops), {} applied + {} late results acknowledged, other result answers {:?}, {} invokes received; final: {} turns {:?}, {} events, {} dispatches; drain {:.1} s, total {:.1} s",
         r.kills_after_ms.len(),
         r.kills_after_ms,
+        r.checkpoints,
         r.turns.len(),
         r.deduplicated,
         r.stops.len(),
@@ -861,6 +878,10 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     ensure!(r.kills_after_ms.len() == KILLS);
+    ensure!(
+        r.checkpoints.iter().sum::<u64>() > 0,
+        "no store checkpoint happened before the kills"
+    );
     ensure!(r.turns.len() >= 50, "too little load to mean anything");
     ensure!(!r.applied.is_empty() && !r.stops.is_empty());
     Ok(())

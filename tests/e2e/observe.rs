@@ -7,17 +7,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use turnd_client::Caller;
 use turnd_proto::{OnDeadline, Turn, TurnStatus, Wait, WaitState, WatchArgs};
-use turnd_tests::{eventually, http_get, wait_done, Raw, TestDaemon};
+use turnd_tests::{eventually, http_get, metric, wait_done, Raw, TestDaemon};
 
 const T: u64 = 15;
-
-/// The value of one sample line of /metrics, e.g. `turnd_sessions_waiting{state="backing_off"}`.
-fn metric(body: &str, sample: &str) -> Option<f64> {
-    body.lines()
-        .find(|l| l.starts_with(sample) && l[sample.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
 
 /// Wait until the turn's wait is in `state`.
 async fn wait_state(c: &Caller, turn_id: &str, state: WaitState) -> anyhow::Result<(Turn, Wait)> {

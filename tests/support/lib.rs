@@ -171,6 +171,14 @@ where
     }
 }
 
+/// The value of one sample line of /metrics, e.g. `turnd_sessions_waiting{state="backing_off"}`.
+pub fn metric(body: &str, sample: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(sample) && l[sample.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
 /// GET a path on a plain-HTTP admin listener (`http://ADDR`): status and body.
 pub async fn http_get(admin: &str, path: &str) -> anyhow::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -13,6 +13,8 @@ use tokio_util::sync::CancellationToken;
 use turnd_client::turnd_proto::Outcome;
 use turnd_client::{Caller, FunctionSpec, InvocationCtx, Worker, WorkerHandle, WorkerOptions};
 use turnd_server::{open_store, Config, Daemon, Listeners};
+
+use crate::Common;
 use turnd_store::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, SledKv, StoreError};
 
 /// The function every benchmark turn runs: completes with its input after
@@ -23,15 +25,16 @@ pub const ECHO: &str = "echo";
 pub const NOBODY: &str = "nobody";
 
 /// The daemon's config for benchmarks: defaults except loopback port 0 and the data
-/// directory and sync mode given. (The per-connection request rate limit stays at its
+/// directory, sync mode and checkpoint size given. (The per-connection request rate limit stays at its
 /// default: a worker's results for its own invocations are not counted against it,
 /// and the callers' connections stay under it.)
-pub fn bench_config(data_dir: &Path, sync: &str) -> Config {
+pub fn bench_config(data_dir: &Path, sync: &str, checkpoint_mb: u64) -> Config {
     let mut cfg = Config::default();
     cfg.server.listen = "127.0.0.1:0".into();
     cfg.server.admin_listen = "127.0.0.1:0".into();
     cfg.storage.data_dir = data_dir.to_path_buf();
     cfg.storage.sync = sync.to_string();
+    cfg.storage.checkpoint_mb = checkpoint_mb;
     cfg
 }
 
@@ -133,8 +136,8 @@ pub struct BenchDaemon {
 }
 
 impl BenchDaemon {
-    pub async fn start(data_dir: &Path, sync: &str) -> anyhow::Result<BenchDaemon> {
-        let cfg = bench_config(data_dir, sync);
+    pub async fn start(data_dir: &Path, common: &Common) -> anyhow::Result<BenchDaemon> {
+        let cfg = bench_config(data_dir, &common.sync, common.checkpoint_mb);
         cfg.validate()?;
         let listeners = Listeners::bind(&cfg).await?;
         let kv = open_store(&cfg)?;

@@ -64,6 +64,9 @@ pub struct Common {
     /// `info`, which logs one line per finished turn.
     #[arg(long, default_value = "warn")]
     pub log: String,
+    /// storage.checkpoint_mb of the daemon (0: never checkpoint).
+    #[arg(long, default_value_t = turnd_store::DEFAULT_CHECKPOINT_MB)]
+    pub checkpoint_mb: u64,
 }
 
 #[derive(Subcommand)]

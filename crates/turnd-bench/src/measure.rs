@@ -185,6 +185,11 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         commit_micros: after.commit_micros.saturating_sub(before.commit_micros),
         sync_micros: after.sync_micros.saturating_sub(before.sync_micros),
         max_group: after.max_group,
+        checkpoints: after.checkpoints.saturating_sub(before.checkpoints),
+        checkpoint_micros: after
+            .checkpoint_micros
+            .saturating_sub(before.checkpoint_micros),
+        max_checkpoint_micros: after.max_checkpoint_micros,
     }
 }
 
@@ -192,7 +197,7 @@ pub fn fmt_commits(c: &CommitStats) -> String {
     if c.syncs == 0 {
         return "0 commits".into();
     }
-    format!(
+    let mut s = format!(
         "{} group commits / {} batches (avg {:.1} per group, max {}) / per group {:.0} µs applying + {:.0} µs in flush and fdatasync",
         c.syncs,
         c.batches,
@@ -200,7 +205,16 @@ pub fn fmt_commits(c: &CommitStats) -> String {
         c.max_group,
         c.commit_micros.saturating_sub(c.sync_micros) as f64 / c.syncs as f64,
         c.sync_micros as f64 / c.syncs as f64
-    )
+    );
+    if c.checkpoints > 0 {
+        s.push_str(&format!(
+            " / {} checkpoints, {:.0} ms in all, longest {:.0} ms",
+            c.checkpoints,
+            c.checkpoint_micros as f64 / 1000.0,
+            c.max_checkpoint_micros as f64 / 1000.0
+        ));
+    }
+    s
 }
 
 /// This process's command line, for the report.

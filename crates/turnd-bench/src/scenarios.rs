@@ -276,7 +276,7 @@ pub async fn sessions(
     steps: u64,
 ) -> anyhow::Result<()> {
     let (_tmp, data) = data_dir(common)?;
-    let d = BenchDaemon::start(&data, &common.sync).await?;
+    let d = BenchDaemon::start(&data, common).await?;
     let workers = Workers::start(&d.url, common.workers, common.concurrency).await?;
     let cs = callers(&d.url, common.callers).await?;
     // Warm up connections and code paths; not measured.
@@ -304,7 +304,7 @@ pub async fn sessions(
 /// `sequential`: one session, `n` turns, each submitted after the previous finished.
 pub async fn sequential(common: &Common, n: usize, warmup: usize) -> anyhow::Result<()> {
     let (_tmp, data) = data_dir(common)?;
-    let d = BenchDaemon::start(&data, &common.sync).await?;
+    let d = BenchDaemon::start(&data, common).await?;
     let workers = Workers::start(&d.url, 1, 1).await?;
     let cs = callers(&d.url, 1).await?;
     let caller = cs[0].clone();
@@ -351,7 +351,7 @@ pub async fn sequential(common: &Common, n: usize, warmup: usize) -> anyhow::Res
 pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<()> {
     let (_tmp, data) = data_dir(common)?;
     let rss_before_start = proc_status_kb("VmRSS");
-    let d = BenchDaemon::start(&data, &common.sync).await?;
+    let d = BenchDaemon::start(&data, common).await?;
     let cs = callers(&d.url, common.callers).await?;
     let rss_base = proc_status_kb("VmRSS");
     let probe = Probe::start(&d);
@@ -474,7 +474,7 @@ pub async fn fill(
     a: &RecoveryArgs,
     prefix: &str,
 ) -> anyhow::Result<()> {
-    let d = BenchDaemon::start(data, &common.sync).await?;
+    let d = BenchDaemon::start(data, common).await?;
     let workers = Workers::start(&d.url, common.workers, common.concurrency).await?;
     let cs = callers(&d.url, common.callers).await?;
     let start = Instant::now();
@@ -514,9 +514,10 @@ pub async fn fill(
             .context("submit a queued turn")?;
     }
     eprintln!(
-        "fill: {done} finished + {} queued turns in {:.1} s",
+        "fill: {done} finished + {} queued turns in {:.1} s; {}",
         a.queued,
-        start.elapsed().as_secs_f64()
+        start.elapsed().as_secs_f64(),
+        crate::measure::fmt_commits(&d.commit_stats())
     );
     close_callers(cs).await;
     workers.stop().await?;
@@ -528,7 +529,7 @@ pub async fn fill(
 /// each part. Prints one `reopen …` line that `recovery` parses.
 pub async fn reopen(data: &Path) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let cfg = crate::daemon::bench_config(data, "always");
+    let cfg = crate::daemon::bench_config(data, "always", turnd_store::DEFAULT_CHECKPOINT_MB);
     let listeners = turnd_server::Listeners::bind(&cfg).await?;
     let t_bind = t0.elapsed();
     let kv = turnd_server::open_store(&cfg)?;

@@ -278,6 +278,18 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "Largest number of batches that shared one sync",
         cs.max_group as i64,
     );
+    counter(
+        &mut reg,
+        "storage_checkpoints",
+        "Checkpoints: sled closed and opened again so that a restart replays less log (commits wait meanwhile)",
+        cs.checkpoints,
+    );
+    seconds(
+        &mut reg,
+        "storage_checkpoint_seconds",
+        "Time spent in checkpoints",
+        cs.checkpoint_micros,
+    );
 
     let mut body = String::new();
     if let Err(e) = encode(&mut body, &reg) {

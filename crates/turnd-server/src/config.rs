@@ -68,6 +68,10 @@ pub struct StorageConfig {
     /// MiB of decoded pages sled keeps in memory. The engine holds every live turn
     /// itself; the cache serves reads of finished turns and events.
     pub cache_mb: u64,
+    /// MiB of keys and values written after which the store checkpoints (closes and
+    /// opens sled so that it writes a snapshot), bounding what a restart replays.
+    /// 0: never.
+    pub checkpoint_mb: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -150,6 +154,7 @@ impl Default for StorageConfig {
             data_dir: PathBuf::from("./data"),
             sync: "always".into(),
             cache_mb: turnd_store::DEFAULT_CACHE_MB,
+            checkpoint_mb: turnd_store::DEFAULT_CHECKPOINT_MB,
         }
     }
 }
@@ -337,6 +342,12 @@ impl Config {
             p.push(format!(
                 "storage.cache_mb must be between 1 and 1048576, not {}",
                 self.storage.cache_mb
+            ));
+        }
+        if self.storage.checkpoint_mb > 1 << 20 {
+            p.push(format!(
+                "storage.checkpoint_mb must be between 0 and 1048576, not {}",
+                self.storage.checkpoint_mb
             ));
         }
         let t = &self.turns;

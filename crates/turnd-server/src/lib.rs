@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use turnd_engine::Engine;
-use turnd_store::{Kv, SledKv, Store, SyncMode};
+use turnd_store::{Kv, SledKv, SledOptions, Store, SyncMode};
 
 pub use config::Config;
 use ws::{ConnectionCounts, Shared};
@@ -47,7 +47,12 @@ impl Listeners {
 pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<SledKv>> {
     let mode = SyncMode::parse(&cfg.storage.sync)
         .with_context(|| format!("storage.sync {:?}", cfg.storage.sync))?;
-    let kv = SledKv::open_with_cache(&cfg.storage.data_dir, mode, cfg.storage.cache_mb)
+    let opts = SledOptions {
+        sync: mode,
+        cache_mb: cfg.storage.cache_mb,
+        checkpoint_mb: cfg.storage.checkpoint_mb,
+    };
+    let kv = SledKv::open_with(&cfg.storage.data_dir, opts)
         .with_context(|| format!("open store in {}", cfg.storage.data_dir.display()))?;
     Ok(Arc::new(kv))
 }

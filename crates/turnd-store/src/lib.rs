@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 pub use check::check_store;
 pub use records::*;
-pub use sled_kv::{SledKv, SyncMode, DEFAULT_CACHE_MB};
+pub use sled_kv::{SledKv, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
 
 use turnd_proto::Event;
 
@@ -183,6 +183,13 @@ pub struct CommitStats {
     pub sync_micros: u64,
     /// Largest number of batches that shared one sync.
     pub max_group: u64,
+    /// Checkpoints performed (sled closed and opened again to bound the log a
+    /// restart replays; see `SledKv`).
+    pub checkpoints: u64,
+    /// Total microseconds spent in checkpoints, during which commits wait.
+    pub checkpoint_micros: u64,
+    /// Longest single checkpoint, in microseconds.
+    pub max_checkpoint_micros: u64,
 }
 
 /// The index of unfinished turns of the earlier store layout.

@@ -11,7 +11,9 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, TryLockError};
+
+use tokio::runtime::RuntimeFlavor;
 
 use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
 
@@ -46,32 +48,115 @@ const MAX_GROUP: usize = 4096;
 /// Most jobs merged into one sled `apply_batch` (see `writer_loop`).
 const APPLY_CHUNK: usize = 128;
 
+/// Default of `storage.checkpoint_mb`.
+pub const DEFAULT_CHECKPOINT_MB: u64 = 256;
+
+/// How the store is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SledOptions {
+    pub sync: SyncMode,
+    /// MiB of decoded pages sled keeps in memory.
+    pub cache_mb: u64,
+    /// MiB of keys and values written since the store was last opened after which
+    /// the writer checkpoints (see [`SledKv`]); 0 never checkpoints.
+    pub checkpoint_mb: u64,
+}
+
+impl Default for SledOptions {
+    fn default() -> Self {
+        SledOptions {
+            sync: SyncMode::Always,
+            cache_mb: DEFAULT_CACHE_MB,
+            checkpoint_mb: DEFAULT_CHECKPOINT_MB,
+        }
+    }
+}
+
 /// The sled-backed store.
+///
+/// sled 0.34 writes its snapshot (the page table it would otherwise rebuild from the
+/// log) only while it opens a store, so the next open replays everything written since
+/// the last one: about a second per GB of log here, and a run that wrote millions of
+/// turns would start slowly after a crash or a restart. The writer therefore
+/// *checkpoints* once `checkpoint_mb` of keys and values were written since the last
+/// open: between two group commits it syncs, closes sled and opens it again, which
+/// writes a new snapshot. Commits queue meanwhile and reads wait; the pause grows with
+/// the store's size and the log since the last open (measured in `docs/benchmarks.md`).
 pub struct SledKv {
-    db: sled::Db,
-    syncer: Arc<Syncer>,
+    shared: Arc<Shared>,
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     stats: Arc<Mutex<CommitStats>>,
 }
 
-/// Makes sled's files durable: flush, then fdatasync of the log and blob files.
-struct Syncer {
+/// sled's handle and the log file the syncer fdatasyncs; a checkpoint replaces both.
+struct Handle {
     db: sled::Db,
     log: File,
-    dir: PathBuf,
-    mode: SyncMode,
-    /// Set after a failed sync or apply. Linux may drop dirty pages whose write-back
-    /// failed, so after an fsync error nothing tells what reached the disk; a failed
-    /// `apply_batch` may leave part of its group in sled's memory. Every later commit
-    /// is refused until the daemon restarts and recovers from the disk.
-    poisoned: std::sync::Mutex<Option<String>>,
 }
 
-impl Syncer {
+impl Handle {
+    fn open(dir: &Path, cache_mb: u64) -> Result<Handle, StoreError> {
+        let db = sled::Config::new()
+            .path(dir)
+            .cache_capacity(cache_mb.saturating_mul(1024 * 1024))
+            .open()
+            .map_err(|e| StoreError::Write(format!("open sled at {dir:?}: {e}")))?;
+        let log = File::open(dir.join("db"))
+            .map_err(|e| StoreError::Write(format!("open sled log file: {e}")))?;
+        Ok(Handle { db, log })
+    }
+}
+
+/// What the writer thread, the readers and `sync` share.
+struct Shared {
+    /// `None` only after a checkpoint failed to open the store again.
+    handle: RwLock<Option<Handle>>,
+    dir: PathBuf,
+    opts: SledOptions,
+    /// Set after a failed sync, apply or checkpoint. Linux may drop dirty pages whose
+    /// write-back failed, so after an fsync error nothing tells what reached the disk;
+    /// a failed `apply_batch` may leave part of its group in sled's memory. Every later
+    /// commit is refused until the daemon restarts and recovers from the disk.
+    poisoned: Mutex<Option<String>>,
+}
+
+impl Shared {
+    /// Run `f` on the open sled handle. While a checkpoint holds the handle, a caller
+    /// on a worker thread of a multi-threaded tokio runtime waits in `block_in_place`,
+    /// so that the runtime's other tasks (heartbeats, timers, requests that read
+    /// nothing) move to other threads and go on.
+    fn with<T>(&self, f: impl FnOnce(&Handle) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        let guard = match self.handle.try_read() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::WouldBlock) => {
+                let in_multi_thread_runtime = tokio::runtime::Handle::try_current()
+                    .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+                if in_multi_thread_runtime {
+                    tokio::task::block_in_place(|| self.handle.read())
+                } else {
+                    self.handle.read()
+                }
+            }
+            Err(TryLockError::Poisoned(p)) => Err(p),
+        }
+        .map_err(|_| StoreError::Read("store lock poisoned".into()))?;
+        match guard.as_ref() {
+            Some(h) => f(h),
+            None => Err(StoreError::Read(format!(
+                "the store is closed: {}",
+                self.poison_reason().unwrap_or_else(|| "shut down".into())
+            ))),
+        }
+    }
+
+    fn poison_reason(&self) -> Option<String> {
+        self.poisoned.lock().ok().and_then(|p| p.clone())
+    }
+
     /// Err once the store is poisoned (see `poisoned`).
     fn check(&self) -> Result<(), StoreError> {
-        match self.poisoned.lock().ok().and_then(|p| p.clone()) {
+        match self.poison_reason() {
             Some(p) => Err(StoreError::Sync(format!(
                 "an earlier write or sync failed ({p}); restart the daemon to recover from disk"
             ))),
@@ -81,11 +166,21 @@ impl Syncer {
 
     fn sync(&self) -> Result<(), StoreError> {
         self.check()?;
-        let r = self.sync_files();
+        let r = self.with(|h| self.sync_files(h));
         if let Err(e) = &r {
             self.poison(e);
         }
         r
+    }
+
+    /// Make sled's files durable: flush, then fdatasync of the log and blob files.
+    fn sync_files(&self, h: &Handle) -> Result<(), StoreError> {
+        h.db.flush()
+            .map_err(|e| StoreError::Sync(format!("flush: {e}")))?;
+        h.log
+            .sync_data()
+            .map_err(|e| StoreError::Sync(format!("fdatasync db: {e}")))?;
+        sync_blobs(&self.dir.join("blobs"))
     }
 
     /// Refuse every later commit: after a failed sync nothing tells what reached the
@@ -99,16 +194,58 @@ impl Syncer {
         }
     }
 
-    fn sync_files(&self) -> Result<(), StoreError> {
-        self.db
-            .flush()
-            .map_err(|e| StoreError::Sync(format!("flush: {e}")))?;
-        self.log
-            .sync_data()
-            .map_err(|e| StoreError::Sync(format!("fdatasync db: {e}")))?;
-        sync_blobs(&self.dir.join("blobs"))
+    /// Sync, close sled and open it again, so that sled writes a snapshot and the
+    /// next open replays only what was written after this one. Runs on the writer
+    /// thread between group commits; readers wait for it.
+    fn checkpoint(&self) -> Result<(), StoreError> {
+        self.check()?;
+        let mut slot = self
+            .handle
+            .write()
+            .map_err(|_| StoreError::Write("store lock poisoned".into()))?;
+        let r = match slot.take() {
+            Some(old) => self.sync_files(&old).and_then(|()| {
+                drop(old);
+                self.reopen()
+            }),
+            None => Err(StoreError::Closed),
+        };
+        match r {
+            Ok(h) => {
+                *slot = Some(h);
+                Ok(())
+            }
+            Err(e) => {
+                let e = StoreError::Write(format!("checkpoint: {e}"));
+                self.poison(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Open the store after a checkpoint closed it. sled's file lock goes with the last
+    /// reference to its file, which a thread of sled's may hold for a moment after the
+    /// handle is dropped, so a refused lock is tried again for a while.
+    fn reopen(&self) -> Result<Handle, StoreError> {
+        let give_up = std::time::Instant::now() + REOPEN_PATIENCE;
+        loop {
+            match Handle::open(&self.dir, self.opts.cache_mb) {
+                Ok(h) => return Ok(h),
+                Err(e)
+                    if std::time::Instant::now() < give_up
+                        && e.to_string().contains("could not acquire lock") =>
+                {
+                    tracing::debug!("store still locked after a checkpoint closed it: {e}");
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
+
+/// How long a checkpoint waits for sled's file lock to be released.
+const REOPEN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Values too large for sled's log pages live as files under `blobs/`; a blob is
 /// written before the log entry that points at it, so syncing the directory and any
@@ -155,50 +292,43 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
 pub const DEFAULT_CACHE_MB: u64 = 64;
 
 impl SledKv {
-    /// Open (or create) the store in `dir` with the default page cache size.
+    /// Open (or create) the store in `dir` with the default options and `mode`.
     pub fn open(dir: &Path, mode: SyncMode) -> Result<SledKv, StoreError> {
-        SledKv::open_with_cache(dir, mode, DEFAULT_CACHE_MB)
+        SledKv::open_with(
+            dir,
+            SledOptions {
+                sync: mode,
+                ..SledOptions::default()
+            },
+        )
     }
 
-    /// Open (or create) the store in `dir`; sled keeps up to `cache_mb` MiB of
+    /// Open (or create) the store in `dir`. sled keeps up to `opts.cache_mb` MiB of
     /// decoded pages in memory (the engine keeps every live turn itself, so the cache
     /// serves reads of finished turns and events).
-    pub fn open_with_cache(
-        dir: &Path,
-        mode: SyncMode,
-        cache_mb: u64,
-    ) -> Result<SledKv, StoreError> {
+    pub fn open_with(dir: &Path, opts: SledOptions) -> Result<SledKv, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Write(format!("create data dir {dir:?}: {e}")))?;
-        let db = sled::Config::new()
-            .path(dir)
-            .cache_capacity(cache_mb.saturating_mul(1024 * 1024))
-            .open()
-            .map_err(|e| StoreError::Write(format!("open sled at {dir:?}: {e}")))?;
-        let log = File::open(dir.join("db"))
-            .map_err(|e| StoreError::Write(format!("open sled log file: {e}")))?;
+        let handle = Handle::open(dir, opts.cache_mb)?;
         sync_dir(dir)?;
-        let syncer = Arc::new(Syncer {
-            db: db.clone(),
-            log,
+        let shared = Arc::new(Shared {
+            handle: RwLock::new(Some(handle)),
             dir: dir.to_path_buf(),
-            mode,
-            poisoned: std::sync::Mutex::new(None),
+            opts,
+            poisoned: Mutex::new(None),
         });
         let stats = Arc::new(Mutex::new(CommitStats::default()));
         let (tx, rx) = mpsc::channel::<Job>();
         let writer = {
-            let db = db.clone();
-            let syncer = syncer.clone();
+            let shared = shared.clone();
             let stats = stats.clone();
             std::thread::Builder::new()
                 .name("turnd-store-writer".into())
-                .spawn(move || writer_loop(db, syncer, rx, stats))
+                .spawn(move || writer_loop(&shared, rx, &stats))
                 .map_err(|e| StoreError::Write(format!("spawn writer thread: {e}")))?
         };
         Ok(SledKv {
-            db,
-            syncer,
+            shared,
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
             stats,
@@ -215,7 +345,7 @@ impl SledKv {
                 return Err(StoreError::Write("writer thread panicked".into()));
             }
         }
-        self.syncer.sync()
+        self.shared.sync()
     }
 }
 
@@ -227,21 +357,26 @@ impl Drop for SledKv {
     }
 }
 
-fn add_to_sled_batch(b: &mut sled::Batch, batch: Batch) {
+fn add_to_sled_batch(b: &mut sled::Batch, batch: Batch) -> u64 {
+    let mut bytes = 0;
     for op in batch.ops {
         match op {
-            KvOp::Put(k, v) => b.insert(k, v),
-            KvOp::Delete(k) => b.remove(k),
+            KvOp::Put(k, v) => {
+                bytes += (k.len() + v.len()) as u64;
+                b.insert(k, v)
+            }
+            KvOp::Delete(k) => {
+                bytes += k.len() as u64;
+                b.remove(k)
+            }
         }
     }
+    bytes
 }
 
-fn writer_loop(
-    db: sled::Db,
-    syncer: Arc<Syncer>,
-    rx: mpsc::Receiver<Job>,
-    stats: Arc<Mutex<CommitStats>>,
-) {
+fn writer_loop(shared: &Shared, rx: mpsc::Receiver<Job>, stats: &Mutex<CommitStats>) {
+    let checkpoint_bytes = shared.opts.checkpoint_mb.saturating_mul(1024 * 1024);
+    let mut written: u64 = 0;
     while let Ok(first) = rx.recv() {
         let mut jobs = vec![first];
         while jobs.len() < MAX_GROUP {
@@ -250,7 +385,7 @@ fn writer_loop(
                 Err(_) => break,
             }
         }
-        let started = tokio::time::Instant::now();
+        let started = std::time::Instant::now();
         let count = jobs.len();
         // The group goes to sled as few batches as possible. sled seals and writes
         // its log buffer around every `apply_batch`, so a batch per job would cost two
@@ -267,28 +402,32 @@ fn writer_loop(
         while jobs.peek().is_some() {
             let mut merged = sled::Batch::default();
             for job in jobs.by_ref().take(APPLY_CHUNK) {
-                add_to_sled_batch(&mut merged, job.batch);
+                written += add_to_sled_batch(&mut merged, job.batch);
                 replies.push(job.reply);
             }
             chunks.push(merged);
         }
-        let mut result = syncer.check().and_then(|()| {
-            chunks.into_iter().try_for_each(|chunk| {
-                db.apply_batch(chunk).map_err(|e| {
-                    let e = StoreError::Write(e.to_string());
-                    tracing::error!("failed to apply a group commit: {e}");
-                    syncer.poison(&e);
-                    e
-                })
+        let mut applied = started.elapsed();
+        let result = shared.check().and_then(|()| {
+            shared.with(|h| {
+                chunks.into_iter().try_for_each(|chunk| {
+                    h.db.apply_batch(chunk).map_err(|e| {
+                        let e = StoreError::Write(e.to_string());
+                        tracing::error!("failed to apply a group commit: {e}");
+                        shared.poison(&e);
+                        e
+                    })
+                })?;
+                applied = started.elapsed();
+                if shared.opts.sync == SyncMode::Always {
+                    shared.sync_files(h).inspect_err(|e| {
+                        tracing::error!("failed to sync store: {e}");
+                        shared.poison(e);
+                    })?;
+                }
+                Ok(())
             })
         });
-        let applied = started.elapsed();
-        if syncer.mode == SyncMode::Always && result.is_ok() {
-            if let Err(e) = syncer.sync() {
-                tracing::error!("failed to sync store: {e}");
-                result = Err(e);
-            }
-        }
         let micros = started.elapsed().as_micros() as u64;
         if let Ok(mut s) = stats.lock() {
             s.syncs += 1;
@@ -304,15 +443,35 @@ fn writer_loop(
                 tracing::debug!("committer went away before its commit finished");
             }
         }
+        // After the group is answered, so that the checkpoint delays only later ones.
+        if checkpoint_bytes > 0 && written >= checkpoint_bytes && result.is_ok() {
+            written = 0;
+            let started = std::time::Instant::now();
+            let r = shared.checkpoint();
+            let micros = started.elapsed().as_micros() as u64;
+            match &r {
+                Ok(()) => tracing::info!(
+                    "checkpointed the store (closed and opened sled) in {} ms",
+                    micros / 1000
+                ),
+                Err(e) => tracing::error!("failed to checkpoint the store: {e}"),
+            }
+            if let Ok(mut s) = stats.lock() {
+                s.checkpoints += 1;
+                s.checkpoint_micros += micros;
+                s.max_checkpoint_micros = s.max_checkpoint_micros.max(micros);
+            }
+        }
     }
 }
 
 impl Kv for SledKv {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        self.db
-            .get(key)
-            .map(|o| o.map(|v| v.to_vec()))
-            .map_err(|e| StoreError::Read(e.to_string()))
+        self.shared.with(|h| {
+            h.db.get(key)
+                .map(|o| o.map(|v| v.to_vec()))
+                .map_err(|e| StoreError::Read(e.to_string()))
+        })
     }
 
     fn scan(
@@ -322,16 +481,18 @@ impl Kv for SledKv {
         reverse: bool,
         limit: usize,
     ) -> Result<Vec<Entry>, StoreError> {
-        let range = self.db.range(start.to_vec()..end.to_vec());
-        let map = |r: sled::Result<(sled::IVec, sled::IVec)>| {
-            r.map(|(k, v)| (k.to_vec(), v.to_vec()))
-                .map_err(|e| StoreError::Read(e.to_string()))
-        };
-        if reverse {
-            range.rev().take(limit).map(map).collect()
-        } else {
-            range.take(limit).map(map).collect()
-        }
+        self.shared.with(|h| {
+            let range = h.db.range(start.to_vec()..end.to_vec());
+            let map = |r: sled::Result<(sled::IVec, sled::IVec)>| {
+                r.map(|(k, v)| (k.to_vec(), v.to_vec()))
+                    .map_err(|e| StoreError::Read(e.to_string()))
+            };
+            if reverse {
+                range.rev().take(limit).map(map).collect()
+            } else {
+                range.take(limit).map(map).collect()
+            }
+        })
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
@@ -352,7 +513,7 @@ impl Kv for SledKv {
     }
 
     fn sync(&self) -> Result<(), StoreError> {
-        self.syncer.sync()
+        self.shared.sync()
     }
 
     fn commit_stats(&self) -> CommitStats {
@@ -435,6 +596,127 @@ mod tests {
         assert_eq!(
             kv.get(&keys::session_meta("shared")).expect("get"),
             Some(format!("{}", jobs - 1).into_bytes())
+        );
+    }
+
+    /// The stable LSN of sled's newest snapshot file (`snap.<hex lsn>`).
+    fn snapshot_lsn(dir: &Path) -> u64 {
+        std::fs::read_dir(dir)
+            .expect("read data dir")
+            .filter_map(|e| {
+                let name = e.expect("dir entry").file_name().into_string().ok()?;
+                u64::from_str_radix(name.strip_prefix("snap.")?, 16).ok()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Past `checkpoint_mb` of writes the writer closes and opens sled, which writes a
+    /// newer snapshot; commits and reads from other threads go on working across it,
+    /// and everything written is there after a reopen.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn checkpoints_write_snapshots_and_lose_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = SledOptions {
+            sync: SyncMode::Never,
+            cache_mb: 8,
+            checkpoint_mb: 1,
+        };
+        let kv = Arc::new(SledKv::open_with(dir.path(), opts).expect("open"));
+        let first_snapshot = snapshot_lsn(dir.path());
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (kv, done) = (kv.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u64;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    kv.get(&keys::session_meta("probe"))
+                        .expect("read during checkpoints");
+                    reads += 1;
+                }
+                reads
+            })
+        };
+        let value = vec![7u8; 4000];
+        let n = 700u64; // about 2.7 MiB, committed in waves so that groups stay small
+        for wave in (0..n).collect::<Vec<_>>().chunks(50) {
+            let tickets: Vec<_> = wave
+                .iter()
+                .map(|i| {
+                    let mut b = Batch::new();
+                    b.put_raw(keys::event("cp", i + 1), value.clone());
+                    kv.commit(b)
+                })
+                .collect();
+            for t in tickets {
+                t.await.expect("answered").expect("committed");
+            }
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let reads = reader.join().expect("reader thread");
+        let s = kv.commit_stats();
+        assert!(s.checkpoints >= 2, "{s:?}");
+        assert!(reads > 0);
+        assert!(
+            snapshot_lsn(dir.path()) > first_snapshot,
+            "a checkpoint writes a newer snapshot"
+        );
+        assert_eq!(
+            kv.get(&keys::event("cp", n)).expect("get"),
+            Some(value.clone())
+        );
+        drop(kv);
+        let kv = SledKv::open(dir.path(), SyncMode::Never).expect("reopen");
+        let all = kv
+            .scan(
+                &keys::event("cp", 0),
+                &keys::event_end("cp"),
+                false,
+                usize::MAX,
+            )
+            .expect("scan");
+        assert_eq!(all.len() as u64, n);
+        assert!(all.iter().all(|(_, v)| *v == value));
+    }
+
+    /// Reads that wait for a checkpoint do not hold the runtime's worker threads: with
+    /// both workers of a two-thread runtime waiting to read, a timer task still runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_waiting_for_a_checkpoint_leave_the_runtime_running() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let kv = Arc::new(SledKv::open(dir.path(), SyncMode::Never).expect("open"));
+        // Stands for a checkpoint: the writer's exclusive hold of the handle.
+        let held = kv.shared.handle.write().expect("handle lock");
+        let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (kv, waiting) = (kv.clone(), waiting.clone());
+                tokio::spawn(async move {
+                    waiting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    kv.get(b"k").map(|_| ())
+                })
+            })
+            .collect();
+        while waiting.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let (tx, rx) = std::sync::mpsc::channel();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            tx.send(()).expect("test waits");
+        });
+        // Blocking on purpose: this test's own task must not be what keeps things going.
+        let ran = rx.recv_timeout(std::time::Duration::from_secs(5));
+        drop(held);
+        for r in readers {
+            r.await
+                .expect("reader task")
+                .expect("read after the checkpoint");
+        }
+        assert!(
+            ran.is_ok(),
+            "the timer task ran while both workers waited to read"
         );
     }
 
