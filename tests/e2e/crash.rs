@@ -24,8 +24,8 @@
 //! every turn terminal, and the daemon must shut down cleanly.
 //!
 //! The daemon checkpoints its store (closes and reopens sled) after every MiB written,
-//! so kills also fall during and between checkpoints; the checkpoints each life made
-//! before its kill are printed.
+//! so each life checkpoints several times and its kill falls between or during
+//! checkpoints; the checkpoints each life made before its kill are printed.
 //!
 //! The kill moments, functions, step counts and stops come from one seeded PRNG: the
 //! seed is printed (`seed = …`) and `TURND_SEED` replays it.
@@ -75,8 +75,8 @@ const ENV: &[(&str, &str)] = &[
     ("TURND_TURNS__CANCEL_GRACE_MS", "300"),
     ("TURND_TURNS__RETRY_BACKOFF_MS", "20"),
     ("TURND_TURNS__DEFAULT_TIMEOUT_MS", "5000"),
-    // Checkpoint (close and reopen sled) after every MiB written, so that kills also
-    // land during and right after checkpoints.
+    // Checkpoint (close and reopen sled) after every MiB written, so that every life
+    // checkpoints and kills land among checkpoints.
     ("TURND_STORAGE__CHECKPOINT_MB", "1"),
 ];
 

@@ -51,6 +51,7 @@ pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<SledKv>> {
         sync: mode,
         cache_mb: cfg.storage.cache_mb,
         checkpoint_mb: cfg.storage.checkpoint_mb,
+        ..SledOptions::default()
     };
     let kv = SledKv::open_with(&cfg.storage.data_dir, opts)
         .with_context(|| format!("open store in {}", cfg.storage.data_dir.display()))?;
