@@ -64,6 +64,10 @@ pub struct Common {
     /// `info`, which logs one line per finished turn.
     #[arg(long, default_value = "warn")]
     pub log: String,
+    /// Filler added to every turn's input (which the echo workers return as its
+    /// output), in bytes; 0: inputs of a few bytes.
+    #[arg(long, default_value_t = 0)]
+    pub input_bytes: usize,
     /// storage.checkpoint_mb of the daemon (0: never checkpoint).
     #[arg(long, default_value_t = turnd_store::DEFAULT_CHECKPOINT_MB)]
     pub checkpoint_mb: u64,

@@ -125,21 +125,29 @@ pub async fn run_turns(
     sessions: usize,
     turns: usize,
     steps: u64,
+    input_bytes: usize,
 ) -> anyhow::Result<TurnsRun> {
     if callers.is_empty() {
         bail!("no caller connections");
     }
+    // Filler that makes each input (and so each echoed output) about this large.
+    let pad: Arc<str> = "x".repeat(input_bytes).into();
     let start = Instant::now();
     let mut set = JoinSet::new();
     for s in 0..sessions {
         let caller = callers[s % callers.len()].clone();
         let sid = format!("{prefix}-{s}");
+        let pad = pad.clone();
         set.spawn(async move {
             let mut run = SessionRun::default();
             let mut waits = JoinSet::new();
             for j in 0..turns {
                 let t0 = Instant::now();
-                let input = json!({"steps": steps, "j": j});
+                let input = if pad.is_empty() {
+                    json!({"steps": steps, "j": j})
+                } else {
+                    json!({"steps": steps, "j": j, "pad": &*pad})
+                };
                 match caller.submit_simple(&sid, ECHO, input).await {
                     Ok(turn) => {
                         run.submit.push(t0.elapsed());
@@ -280,9 +288,9 @@ pub async fn sessions(
     let workers = Workers::start(&d.url, common.workers, common.concurrency).await?;
     let cs = callers(&d.url, common.callers).await?;
     // Warm up connections and code paths; not measured.
-    run_turns(&cs, "warm", cs.len(), 2, 1).await?;
+    run_turns(&cs, "warm", cs.len(), 2, 1, common.input_bytes).await?;
     let probe = Probe::start(&d);
-    let run = run_turns(&cs, "bench", k, m, steps).await?;
+    let run = run_turns(&cs, "bench", k, m, steps, common.input_bytes).await?;
     let measured = probe.finish(&d);
     let work = if steps > 1 {
         format!(
@@ -488,7 +496,7 @@ pub async fn fill(
         } else {
             sessions
         };
-        let run = run_turns(&cs, prefix, k, per, 1).await?;
+        let run = run_turns(&cs, prefix, k, per, 1, common.input_bytes).await?;
         if run.failed > 0 {
             bail!(
                 "fill: {} turns failed (first: {})",

@@ -8,6 +8,8 @@
 //! while a sync runs wait for the next one, so no acknowledgement waits for more than
 //! one sync after its write.
 
+use std::collections::HashMap;
+use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -124,6 +126,8 @@ struct Shared {
     /// a failed `apply_batch` may leave part of its group in sled's memory. Every later
     /// commit is refused until the daemon restarts and recovers from the disk.
     poisoned: Mutex<Option<String>>,
+    /// Blob files synced so far, with their length then (see `sync_blobs`).
+    synced_blobs: Mutex<HashMap<OsString, u64>>,
 }
 
 impl Shared {
@@ -186,7 +190,11 @@ impl Shared {
         h.log
             .sync_data()
             .map_err(|e| StoreError::Sync(format!("fdatasync db: {e}")))?;
-        sync_blobs(&self.dir.join("blobs"))
+        let mut synced = self
+            .synced_blobs
+            .lock()
+            .map_err(|_| StoreError::Sync("blob list lock poisoned".into()))?;
+        sync_blobs(&self.dir.join("blobs"), &mut synced).map(|_| ())
     }
 
     /// Refuse every later commit: after a failed sync nothing tells what reached the
@@ -271,37 +279,52 @@ const REOPEN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 /// Log messages larger than a quarter of sled's 512 KiB segment (a large value, or a
 /// leaf node whose values add up to that) live as files under `blobs/`; a blob is
 /// written before the log entry that points at it, so syncing the directory and the
-/// blob files keeps them durable too. With small values the directory stays empty
-/// and this is one `readdir`; every live blob is synced again at every sync.
-fn sync_blobs(dir: &Path) -> Result<(), StoreError> {
+/// new blob files keeps them durable too. sled writes a blob file once (created new,
+/// then written in three `write`s) and never changes it, so a file already synced at
+/// its current length needs nothing: only new files, and files that grew since their
+/// last sync (one caught while sled was writing it), are synced. With small values the
+/// directory stays empty and this is one `readdir`; otherwise a `readdir` and a
+/// `stat` per live blob. Returns how many files it synced.
+fn sync_blobs(dir: &Path, synced: &mut HashMap<OsString, u64>) -> Result<usize, StoreError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
         Err(e) => return Err(StoreError::Sync(format!("read blobs dir: {e}"))),
     };
-    let mut any = false;
+    let mut live = HashMap::with_capacity(synced.len());
+    let mut fresh = 0;
     for entry in entries {
         let entry = entry.map_err(|e| StoreError::Sync(format!("read blobs dir: {e}")))?;
-        let f = match File::open(entry.path()) {
-            Ok(f) => f,
-            // sled removed the blob after the listing (its value was replaced and the
-            // old one collected): nothing of it needs to be durable.
+        let name = entry.file_name();
+        // sled removes a blob once its value was replaced and the old one collected,
+        // possibly after the listing: a blob that is gone needs nothing made durable.
+        let len = match entry.metadata() {
+            Ok(m) => m.len(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => {
-                return Err(StoreError::Sync(format!(
-                    "open blob {:?}: {e}",
-                    entry.path()
-                )))
-            }
+            Err(e) => return Err(StoreError::Sync(format!("stat blob {name:?}: {e}"))),
         };
-        f.sync_data()
-            .map_err(|e| StoreError::Sync(format!("fdatasync blob: {e}")))?;
-        any = true;
+        if synced.get(&name) != Some(&len) {
+            let f = match File::open(entry.path()) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    return Err(StoreError::Sync(format!(
+                        "open blob {:?}: {e}",
+                        entry.path()
+                    )))
+                }
+            };
+            f.sync_data()
+                .map_err(|e| StoreError::Sync(format!("fdatasync blob: {e}")))?;
+            fresh += 1;
+        }
+        live.insert(name, len);
     }
-    if any {
+    if fresh > 0 {
         sync_dir(dir)?;
     }
-    Ok(())
+    *synced = live;
+    Ok(fresh)
 }
 
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
@@ -338,6 +361,7 @@ impl SledKv {
             dir: dir.to_path_buf(),
             opts,
             poisoned: Mutex::new(None),
+            synced_blobs: Mutex::new(HashMap::new()),
         });
         let stats = Arc::new(Mutex::new(CommitStats::default()));
         let (tx, rx) = mpsc::channel::<Job>();
@@ -833,5 +857,35 @@ mod tests {
             .expect("answered")
             .expect("committed");
         assert_eq!(kv.commit_stats().checkpoints, 1);
+    }
+
+    /// Blob files are synced when new or grown since their last sync, not again.
+    #[test]
+    fn blobs_are_synced_once_unless_they_grow() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut synced = HashMap::new();
+        let blobs = dir.path().join("blobs");
+        assert_eq!(sync_blobs(&blobs, &mut synced).expect("no dir yet"), 0);
+        std::fs::create_dir(&blobs).expect("mkdir");
+        let write = |name: &str, bytes: &[u8]| {
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(blobs.join(name))
+                .expect("open");
+            f.write_all(bytes).expect("write");
+        };
+        write("100", b"abc");
+        write("200", b"defg");
+        assert_eq!(sync_blobs(&blobs, &mut synced).expect("sync"), 2);
+        assert_eq!(sync_blobs(&blobs, &mut synced).expect("sync"), 0);
+        write("200", b"more"); // caught while being written: grows after its sync
+        write("300", b"h");
+        assert_eq!(sync_blobs(&blobs, &mut synced).expect("sync"), 2);
+        std::fs::remove_file(blobs.join("100")).expect("rm");
+        assert_eq!(sync_blobs(&blobs, &mut synced).expect("sync"), 0);
+        assert_eq!(synced.len(), 2, "{synced:?}");
+        assert_eq!(synced.get(std::ffi::OsStr::new("200")), Some(&8));
     }
 }
