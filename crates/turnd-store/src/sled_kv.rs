@@ -235,6 +235,11 @@ impl Shared {
                     .map_err(|_| StoreError::Sync("closing sled failed".into()))?;
                 let h = self.reopen()?;
                 sync_dir(&self.dir)?;
+                // sled's open may remove blobs past what it recovered, whose names
+                // (log positions) it may then use again: sync every blob once more.
+                if let Ok(mut synced) = self.synced_blobs.lock() {
+                    synced.clear();
+                }
                 Ok(h)
             }),
             None => Err(StoreError::Closed),
@@ -280,11 +285,14 @@ const REOPEN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 /// leaf node whose values add up to that) live as files under `blobs/`; a blob is
 /// written before the log entry that points at it, so syncing the directory and the
 /// new blob files keeps them durable too. sled writes a blob file once (created new,
-/// then written in three `write`s) and never changes it, so a file already synced at
+/// then written in three `write_all`s) and never changes it, so a file already synced at
 /// its current length needs nothing: only new files, and files that grew since their
-/// last sync (one caught while sled was writing it), are synced. With small values the
-/// directory stays empty and this is one `readdir`; otherwise a `readdir` and a
-/// `stat` per live blob. Returns how many files it synced.
+/// last sync (one caught while sled was writing it), are synced; the list starts
+/// empty at each open and after each checkpoint. A blob's removal becomes durable
+/// with the next directory fsync, so after a power loss a collected blob may come
+/// back as an unreferenced file (disk space only). With small values the directory
+/// stays empty and this is one `readdir`; otherwise a `readdir` and a `stat` per
+/// live blob. Returns how many files it synced.
 fn sync_blobs(dir: &Path, synced: &mut HashMap<OsString, u64>) -> Result<usize, StoreError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
