@@ -145,6 +145,25 @@ enum Cmd {
         /// first restart then replays what they wrote).
         #[arg(long, default_value_t = 0, requires = "reuse")]
         top_up: u64,
+        /// Fill in a child process and end it with SIGKILL instead of a clean shutdown,
+        /// so that the restarts recover from a crash.
+        #[arg(long, conflicts_with = "reuse")]
+        kill: bool,
+    },
+    /// (used by `recovery --kill`) Fill a data directory, print `filled` and wait to
+    /// be killed.
+    #[command(hide = true)]
+    FillAndHold {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long)]
+        turns: u64,
+        #[arg(long)]
+        sessions: usize,
+        #[arg(long)]
+        queued: usize,
     },
     /// (used by `recovery`) Open a data directory in this fresh process and time it.
     #[command(hide = true)]
@@ -254,6 +273,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             turnd,
             repeat,
             top_up,
+            kill,
         } => {
             init_tracing(&common.log);
             announce(&common);
@@ -266,9 +286,31 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 turnd,
                 repeat: repeat.max(1),
                 top_up,
+                kill,
             };
             let prepared = scenarios::prepare_recovery(&common, &a)?;
             runtime()?.block_on(scenarios::recovery(&common, &a, &prepared))
+        }
+        Cmd::FillAndHold {
+            common,
+            data_dir,
+            turns,
+            sessions,
+            queued,
+        } => {
+            init_tracing(&common.log);
+            let a = scenarios::RecoveryArgs {
+                turns,
+                sessions,
+                queued,
+                dir: None,
+                reuse: false,
+                turnd: None,
+                repeat: 1,
+                top_up: 0,
+                kill: true,
+            };
+            runtime()?.block_on(scenarios::fill(&common, &data_dir, &a, "rec"))
         }
         Cmd::Reopen { data_dir } => {
             init_tracing("warn");

@@ -472,10 +472,13 @@ pub struct RecoveryArgs {
     pub repeat: usize,
     /// With `reuse`: finished turns written to the reused store before measuring.
     pub top_up: u64,
+    /// Fill in a child process that is then killed with SIGKILL (see `fill`).
+    pub kill: bool,
 }
 
 /// Fill a data directory with `turns` finished turns (plus `queued` waiting ones)
-/// through the daemon, then shut it down cleanly.
+/// through the daemon, then shut it down cleanly; with `a.kill`, print `filled` and
+/// wait (for the SIGKILL of `fill_and_kill`) instead.
 pub async fn fill(
     common: &Common,
     data: &Path,
@@ -527,6 +530,11 @@ pub async fn fill(
         start.elapsed().as_secs_f64(),
         crate::measure::fmt_commits(&d.commit_stats())
     );
+    if a.kill {
+        println!("filled");
+        std::io::Write::flush(&mut std::io::stdout()).context("flush stdout")?;
+        std::future::pending::<()>().await;
+    }
     close_callers(cs).await;
     workers.stop().await?;
     d.shutdown().await?;
@@ -665,6 +673,47 @@ fn field(line: &str, key: &str) -> Option<f64> {
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
 }
 
+/// `recovery --kill`: fill in a child process (`turnd-bench fill-and-hold`) and end it
+/// with SIGKILL once it has filled, so that nothing is shut down or flushed beyond
+/// what the daemon did while running.
+async fn fill_and_kill(common: &Common, data: &Path, a: &RecoveryArgs) -> anyhow::Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let exe = std::env::current_exe().context("own executable")?;
+    let mut child = tokio::process::Command::new(exe)
+        .arg("fill-and-hold")
+        .args(["--sync", &common.sync, "--log", &common.log])
+        .args(["--workers", &common.workers.to_string()])
+        .args(["--concurrency", &common.concurrency.to_string()])
+        .args(["--callers", &common.callers.to_string()])
+        .args(["--checkpoint-mb", &common.checkpoint_mb.to_string()])
+        .args(["--input-bytes", &common.input_bytes.to_string()])
+        .arg("--data-dir")
+        .arg(data)
+        .args(["--turns", &a.turns.to_string()])
+        .args(["--sessions", &a.sessions.to_string()])
+        .args(["--queued", &a.queued.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("run turnd-bench fill-and-hold")?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    loop {
+        match lines.next_line().await.context("read child stdout")? {
+            Some(l) if l == "filled" => break,
+            Some(_) => {}
+            None => bail!(
+                "fill-and-hold ended before it filled: {:?}",
+                child.wait().await
+            ),
+        }
+    }
+    child.kill().await.context("SIGKILL the filling process")?;
+    eprintln!("fill: the filling process was killed with SIGKILL");
+    Ok(())
+}
+
 /// Where `recovery` measures: the data directory, and the temporary directory that
 /// holds it (removed on drop) unless `--dir` was given.
 pub struct Prepared {
@@ -708,7 +757,11 @@ pub fn prepare_recovery(common: &Common, a: &RecoveryArgs) -> anyhow::Result<Pre
             );
         }
         let rt = crate::runtime()?;
-        rt.block_on(fill(common, &data, a, "rec"))?;
+        if a.kill {
+            rt.block_on(fill_and_kill(common, &data, a))?;
+        } else {
+            rt.block_on(fill(common, &data, a, "rec"))?;
+        }
         drop(rt);
     }
     Ok(Prepared {
@@ -779,7 +832,11 @@ pub async fn recovery(common: &Common, a: &RecoveryArgs, p: &Prepared) -> anyhow
                 "restarts: always; top-up writes: {}",
                 sync_label(&common.sync)
             ),
-            (false, _) => format!("restarts: always; fill: {}", sync_label(&common.sync)),
+            (false, _) => format!(
+                "restarts: always; fill: {}{}",
+                sync_label(&common.sync),
+                if a.kill { ", ended by SIGKILL" } else { "" }
+            ),
         },
         work: format!(
             "{} finished turns in {} sessions + {} queued turns{}; data dir {:.0} MB",
