@@ -860,7 +860,7 @@ impl Engine {
             turn_id: h.turn_id.clone(),
             step: h.step,
             attempt,
-            input: h.state.to_value(),
+            input: h.state().to_value(),
             deadline_ms: inv.deadline_ms,
         }));
         tx.effects.push(Effect::Push(r.outbox, frame));
@@ -1146,7 +1146,7 @@ impl Engine {
                     h.step += 1;
                     h.attempt = 0;
                     h.backoff_ms = 0;
-                    h.state = state;
+                    h.state = Some(state);
                     h.last_error = None;
                     h.phase = Phase::AwaitingWorker;
                     h.phase_since_ms = tx.now;

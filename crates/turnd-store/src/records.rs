@@ -94,9 +94,11 @@ pub struct TurnRecord {
     pub attempt: u32,
     /// The turn's input (step 0's input).
     pub input: RawJson,
-    /// The current step's input: `input` at step 0, then the state of the last
-    /// `continue`.
-    pub state: RawJson,
+    /// The current step's input when it is not `input`: the state of the last
+    /// `continue`. `None` (and not stored) until then, so that a turn's record, which
+    /// every transition rewrites, holds its input once; see [`TurnRecord::state`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<RawJson>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<RawJson>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -139,6 +141,12 @@ pub struct TurnRecord {
 }
 
 impl TurnRecord {
+    /// The current step's input: `input` at step 0, then the state of the last
+    /// `continue`.
+    pub fn state(&self) -> &RawJson {
+        self.state.as_ref().unwrap_or(&self.input)
+    }
+
     /// A turn as admitted: queued, before its first dispatch.
     pub fn admitted(
         turn_id: String,
@@ -156,7 +164,7 @@ impl TurnRecord {
             status: TurnStatus::Queued,
             step: 0,
             attempt: 0,
-            state: input.clone(),
+            state: None,
             input,
             output: None,
             error: None,
@@ -336,6 +344,31 @@ mod tests {
             RawJson::from_value(&json!(1)),
             RawJson::from_value(&json!(2))
         );
+    }
+
+    /// A turn's record holds its input once until a `continue` gives the next step
+    /// another one; records that store the state beside an equal input (the earlier
+    /// layout) read the same.
+    #[test]
+    fn a_turn_record_stores_its_input_once() {
+        let input = RawJson::from_value(&json!({"prompt": "p".repeat(100)}));
+        let mut t = TurnRecord::admitted("t_1".into(), "s", 1, "f", input.clone(), 5);
+        let stored = serde_json::to_string(&t).expect("serialize");
+        assert_eq!(stored.matches(&"p".repeat(100)).count(), 1, "{stored}");
+        let back: TurnRecord = serde_json::from_str(&stored).expect("deserialize");
+        assert_eq!(back.state(), &input);
+
+        let next = RawJson::from_value(&json!({"step": 2}));
+        t.state = Some(next.clone());
+        let stored = serde_json::to_value(&t).expect("serialize");
+        assert_eq!(stored["state"], json!({"step": 2}));
+        let back: TurnRecord = serde_json::from_value(stored.clone()).expect("deserialize");
+        assert_eq!(back.state(), &next);
+
+        let mut legacy = stored;
+        legacy["state"] = legacy["input"].clone();
+        let back: TurnRecord = serde_json::from_value(legacy).expect("deserialize");
+        assert_eq!(back.state(), &input);
     }
 
     #[derive(Serialize, Deserialize)]
