@@ -613,7 +613,7 @@ mod tests {
             assert_eq!(s.batches, 51);
             assert!(s.syncs <= 51);
         }
-        let kv = SledKv::open(dir.path(), SyncMode::Always).expect("reopen");
+        let kv = reopen_when_unlocked(dir.path(), SyncMode::Always);
         assert_eq!(kv.get(&keys::event("s", 1)).expect("get"), None);
         assert_eq!(
             kv.get(&keys::event("s", 50)).expect("get"),
@@ -662,6 +662,22 @@ mod tests {
             kv.get(&keys::session_meta("shared")).expect("get"),
             Some(format!("{}", jobs - 1).into_bytes())
         );
+    }
+
+    /// Open the store in `dir` again after a `SledKv` on it was dropped. sled's threads
+    /// can hold its file lock a moment after that (the reason `Shared::reopen` retries).
+    fn reopen_when_unlocked(dir: &Path, mode: SyncMode) -> SledKv {
+        let give_up = std::time::Instant::now() + REOPEN_PATIENCE;
+        loop {
+            match SledKv::open(dir, mode) {
+                Ok(kv) => return kv,
+                Err(e) if std::time::Instant::now() < give_up => {
+                    assert!(e.to_string().contains("could not acquire lock"), "{e}");
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) => panic!("reopen: {e}"),
+            }
+        }
     }
 
     /// The stable LSN of sled's newest snapshot file (`snap.<hex lsn>`).
@@ -730,7 +746,7 @@ mod tests {
             Some(value.clone())
         );
         drop(kv);
-        let kv = SledKv::open(dir.path(), SyncMode::Never).expect("reopen");
+        let kv = reopen_when_unlocked(dir.path(), SyncMode::Never);
         let all = kv
             .scan(
                 &keys::event("cp", 0),
