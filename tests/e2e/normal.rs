@@ -22,7 +22,8 @@ use turnd_proto::{
 };
 use turnd_server::config::TokenConfig;
 use turnd_tests::{
-    all_events, echo_worker, event_kinds, wait_done, worker_options, BinDaemon, Raw, TestDaemon,
+    all_events, echo_worker, event_kinds, eventually, wait_done, worker_options, BinDaemon, Raw,
+    TestDaemon,
 };
 
 // ------------------------------------------------------------------------ helpers
@@ -515,6 +516,61 @@ fn count_step(input: &Value) -> Outcome {
 
 /// A turn advances through `continue` steps, each step's input being the previous
 /// step's state, and completes with the final output and `step`.
+/// Inputs large enough to be stored apart from their turn's record reach the worker
+/// whole, come back in `turn.get`, and survive a restart: a finished turn reads its
+/// input back, and a turn still queued at the restart is recovered with it and runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_inputs_reach_workers_and_survive_a_restart() -> Result<()> {
+    let d = TestDaemon::start(|_| {}).await?;
+    let echo = echo_worker(&d.url, "w-big", 4).await;
+    let c = d.caller().await?;
+    let big = |tag: &str| json!({"tag": tag, "prompt": "z".repeat(20_000)});
+    let mut done = Vec::new();
+    for tag in ["a", "b"] {
+        let t = c.submit_simple("s-big", "echo", big(tag)).await?;
+        done.push(t.turn_id);
+    }
+    let waiting = c
+        .submit_simple("s-big-later", "later", big("later"))
+        .await?;
+    for id in &done {
+        let t = wait_done(&c, id, 10).await?;
+        assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
+        assert_eq!(t.output.as_ref(), Some(&t.input));
+    }
+    echo.shutdown();
+    let dir = d.dir.clone();
+    d.shutdown().await?;
+
+    // sled's threads can hold the store's lock a moment after the shutdown.
+    let d = eventually(10, "the daemon to start again on its store", || {
+        let dir = dir.clone();
+        async move { TestDaemon::start_in(dir, |_| {}, false).await.ok() }
+    })
+    .await?;
+    let c = d.caller().await?;
+    for (id, tag) in done.iter().zip(["a", "b"]) {
+        let t = c.get(id).await?;
+        assert_eq!(t.input, big(tag));
+        assert_eq!(t.output, Some(big(tag)));
+    }
+    let w = start_worker(Worker::new(worker_options(&d.url, "w-later")).function(
+        FunctionSpec::new("later"),
+        |ctx: InvocationCtx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
+    ))
+    .await;
+    let t = wait_done(&c, &waiting.turn_id, 10).await?;
+    assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
+    assert_eq!(
+        t.output,
+        Some(big("later")),
+        "the recovered turn ran with its input"
+    );
+    assert_store_healthy(&d.url).await?;
+    w.shutdown();
+    d.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_step_turn_counts_to_n_through_continue() -> Result<()> {
     let d = TestDaemon::start(|_| {}).await?;

@@ -36,6 +36,19 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         invs.insert(i.invocation_id.clone(), i);
     }
 
+    // A turn whose input is stored apart has it under its own key (an input written
+    // with the turn's admission batch, so a turn without it was torn).
+    for t in turns.values() {
+        if t.input.is_apart() && kv.get(&keys::turn_input(&t.turn_id))?.is_none() {
+            out.push(violation(
+                "turn_input_missing",
+                Some(t),
+                &t.session_id,
+                "the turn's record says its input is stored apart, and it is not there".into(),
+            ));
+        }
+    }
+
     // Where recovery starts reading each session's turn list: the meta's
     // `active_from`, or for a store of the earlier format not yet moved, its index of
     // unfinished turns.

@@ -9,6 +9,7 @@
 //! | prefix | key | value |
 //! |---|---|---|
 //! | `T` | turn id | `TurnRecord` |
+//! | `N` | turn id | the turn's input as JSON text, when at least `INPUT_APART_BYTES` long (written once, at admission) |
 //! | `I` | invocation id | `InvocationRecord` |
 //! | `L` | session, 0, seq | turn id (every turn of the session) |
 //! | `A` | session, 0, seq | legacy: turn id of a non-terminal turn (stores written before session metas kept `active_from`; moved at start-up) |
@@ -36,6 +37,11 @@ fn session_seq(prefix: u8, session_id: &str, seq: u64) -> Vec<u8> {
 
 pub fn turn(turn_id: &str) -> Vec<u8> {
     simple(b'T', turn_id)
+}
+
+/// A turn's input stored apart from its record.
+pub fn turn_input(turn_id: &str) -> Vec<u8> {
+    simple(b'N', turn_id)
 }
 
 pub fn invocation(invocation_id: &str) -> Vec<u8> {

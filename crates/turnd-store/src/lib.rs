@@ -84,12 +84,19 @@ impl Batch {
         self.put_json(keys::turn(&t.turn_id), t);
     }
 
-    /// Add a new turn to its session's list (written once, at admission).
+    /// Add a new turn to its session's list, and write its input when it is stored
+    /// apart (both once, at admission).
     pub fn put_turn_index(&mut self, t: &TurnRecord) {
         self.put_raw(
             keys::session_turn(&t.session_id, t.seq),
             t.turn_id.as_bytes().to_vec(),
         );
+        if t.input.is_apart() {
+            self.put_raw(
+                keys::turn_input(&t.turn_id),
+                t.input.as_str().as_bytes().to_vec(),
+            );
+        }
     }
 
     pub fn put_invocation(&mut self, inv: &InvocationRecord) {
@@ -235,10 +242,21 @@ impl Store {
     }
 
     pub fn turn(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
-        self.kv
-            .get(&keys::turn(turn_id))?
-            .map(|b| decode("turn", &b))
-            .transpose()
+        let Some(bytes) = self.kv.get(&keys::turn(turn_id))? else {
+            return Ok(None);
+        };
+        let mut t: TurnRecord = decode("turn", &bytes)?;
+        if t.input.is_apart() {
+            let raw = self
+                .kv
+                .get(&keys::turn_input(turn_id))?
+                .and_then(|b| RawJson::from_stored(&b))
+                .ok_or_else(|| {
+                    StoreError::Corrupt(format!("turn {turn_id}: its stored input is missing"))
+                })?;
+            t.input.fill(raw);
+        }
+        Ok(Some(t))
     }
 
     pub fn invocation(&self, invocation_id: &str) -> Result<Option<InvocationRecord>, StoreError> {
@@ -551,6 +569,59 @@ mod tests {
         let mut t = TurnRecord::admitted(format!("t-{sid}-{seq}"), sid, seq, "f", input, 0);
         t.status = status;
         t
+    }
+
+    /// An input of `INPUT_APART_BYTES` or more is written once under its own key, the
+    /// record never holds it, and reading the turn puts it back; a smaller one stays in
+    /// the record. `store.check` reports a turn whose input stored apart is missing.
+    #[tokio::test]
+    async fn a_large_input_is_stored_once_apart_from_its_record() {
+        let kv = Arc::new(mem::MemKv::new());
+        let store = Store::new(kv.clone());
+        let big = RawJson::from_value(&json!({"prompt": "q".repeat(INPUT_APART_BYTES)}));
+        let small = RawJson::from_value(&json!({"prompt": "short"}));
+        let mut b = Batch::new();
+        let mut t1 = TurnRecord::admitted("t-big".into(), "s", 1, "f", big.clone(), 0);
+        let t2 = TurnRecord::admitted("t-small".into(), "s", 2, "f", small.clone(), 0);
+        for t in [&t1, &t2] {
+            b.put_turn_index(t);
+            b.put_turn(t);
+        }
+        store.commit(b).await.expect("commit");
+        // A later transition rewrites the record only.
+        t1.status = turnd_proto::TurnStatus::Completed;
+        t1.phase = Phase::Done;
+        t1.output = Some(small.clone());
+        let mut b = Batch::new();
+        b.put_turn(&t1);
+        store.commit(b).await.expect("commit");
+
+        let record = kv.get(&keys::turn("t-big")).expect("get").expect("record");
+        assert!(record.len() < 1024, "{}", String::from_utf8_lossy(&record));
+        let apart = kv.get(&keys::turn_input("t-big")).expect("get");
+        assert_eq!(apart.as_deref(), Some(big.as_str().as_bytes()));
+        assert_eq!(kv.get(&keys::turn_input("t-small")).expect("get"), None);
+        let read = store.turn("t-big").expect("read").expect("turn");
+        assert_eq!(*read.input, big);
+        assert_eq!(read.state(), &big);
+        assert_eq!(read.output, Some(small.clone()));
+        assert_eq!(
+            *store.turn("t-small").expect("read").expect("turn").input,
+            small
+        );
+
+        let mut b = Batch::new();
+        b.delete(keys::turn_input("t-big"));
+        store.commit(b).await.expect("commit");
+        assert!(matches!(store.turn("t-big"), Err(StoreError::Corrupt(_))));
+        let found = check_store(&store).expect("check");
+        assert!(
+            found
+                .iter()
+                .any(|v| v.invariant == "turn_input_missing"
+                    && v.turn_id.as_deref() == Some("t-big")),
+            "{found:?}"
+        );
     }
 
     #[tokio::test]

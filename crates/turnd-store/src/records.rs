@@ -48,6 +48,81 @@ impl RawJson {
     pub fn non_null(self) -> Option<RawJson> {
         (self.0.get() != "null").then_some(self)
     }
+
+    /// The compact JSON text.
+    pub fn as_str(&self) -> &str {
+        self.0.get()
+    }
+
+    /// A value read back from the store as JSON text; `None` if it is not JSON.
+    pub fn from_stored(bytes: &[u8]) -> Option<RawJson> {
+        serde_json::from_slice::<Box<RawValue>>(bytes)
+            .ok()
+            .map(RawJson)
+    }
+}
+
+/// Inputs whose JSON text is at least this long are stored under a key of their own,
+/// written once at admission, rather than in the turn's record, which every transition
+/// rewrites (a one-step turn's record is written three times).
+pub const INPUT_APART_BYTES: usize = 4096;
+
+/// A turn's input, and whether it is stored apart from the turn's record (see
+/// [`INPUT_APART_BYTES`]). It dereferences to the input.
+///
+/// In a stored record the input of a turn whose input is stored apart is absent, and
+/// an absent input reads as `Default`: stored apart, not yet read
+/// ([`crate::Store::turn`] reads it). Records written before inputs were stored apart
+/// always hold their input.
+#[derive(Clone, PartialEq, Debug)]
+pub struct TurnInput {
+    raw: RawJson,
+    apart: bool,
+}
+
+impl TurnInput {
+    pub fn new(raw: RawJson) -> TurnInput {
+        let apart = raw.len() >= INPUT_APART_BYTES;
+        TurnInput { raw, apart }
+    }
+
+    /// Whether the input is stored under its own key instead of in the record.
+    pub fn is_apart(&self) -> bool {
+        self.apart
+    }
+
+    /// Put the input read from its own key into a record read from the store.
+    pub(crate) fn fill(&mut self, raw: RawJson) {
+        self.raw = raw;
+    }
+}
+
+impl Default for TurnInput {
+    fn default() -> TurnInput {
+        TurnInput {
+            raw: RawJson::from_value(&Value::Null),
+            apart: true,
+        }
+    }
+}
+
+impl std::ops::Deref for TurnInput {
+    type Target = RawJson;
+    fn deref(&self) -> &RawJson {
+        &self.raw
+    }
+}
+
+impl Serialize for TurnInput {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.raw.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for TurnInput {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TurnInput, D::Error> {
+        RawJson::deserialize(d).map(|raw| TurnInput { raw, apart: false })
+    }
 }
 
 impl PartialEq for RawJson {
@@ -92,8 +167,10 @@ pub struct TurnRecord {
     pub step: u32,
     /// Current (or last) attempt of the current step; 0 before the first dispatch.
     pub attempt: u32,
-    /// The turn's input (step 0's input).
-    pub input: RawJson,
+    /// The turn's input (step 0's input). Not in the stored record when it is stored
+    /// apart (see [`TurnInput`]).
+    #[serde(default, skip_serializing_if = "TurnInput::is_apart")]
+    pub input: TurnInput,
     /// The current step's input when it is not `input`: the state of the last
     /// `continue`. `None` (and not stored) until then, so that a turn's record, which
     /// every transition rewrites, holds its input once; see [`TurnRecord::state`].
@@ -144,7 +221,7 @@ impl TurnRecord {
     /// The current step's input: `input` at step 0, then the state of the last
     /// `continue`.
     pub fn state(&self) -> &RawJson {
-        self.state.as_ref().unwrap_or(&self.input)
+        self.state.as_ref().unwrap_or(&self.input.raw)
     }
 
     /// A turn as admitted: queued, before its first dispatch.
@@ -165,7 +242,7 @@ impl TurnRecord {
             step: 0,
             attempt: 0,
             state: None,
-            input,
+            input: TurnInput::new(input),
             output: None,
             error: None,
             stop: None,
