@@ -514,11 +514,10 @@ fn count_step(input: &Value) -> Outcome {
     }
 }
 
-/// A turn advances through `continue` steps, each step's input being the previous
-/// step's state, and completes with the final output and `step`.
-/// Inputs large enough to be stored apart from their turn's record reach the worker
-/// whole, come back in `turn.get`, and survive a restart: a finished turn reads its
-/// input back, and a turn still queued at the restart is recovered with it and runs.
+/// Inputs large enough to be stored apart from their turn's record (checked in the
+/// store) reach the worker whole, come back in `turn.get`, and survive a restart: a
+/// finished turn reads its input back, and a turn still waiting for a worker at the
+/// restart is recovered with it and runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_inputs_reach_workers_and_survive_a_restart() -> Result<()> {
     let d = TestDaemon::start(|_| {}).await?;
@@ -537,6 +536,17 @@ async fn large_inputs_reach_workers_and_survive_a_restart() -> Result<()> {
         let t = wait_done(&c, id, 10).await?;
         assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
         assert_eq!(t.output.as_ref(), Some(&t.input));
+    }
+    let kv = d.engine().store().kv();
+    for id in done.iter().chain([&waiting.turn_id]) {
+        let apart = kv.get(&turnd_store::keys::turn_input(id))?;
+        ensure!(apart.is_some(), "the input of {id} is stored apart");
+        let record: Value =
+            serde_json::from_slice(&kv.get(&turnd_store::keys::turn(id))?.context("record")?)?;
+        ensure!(
+            record.get("input").is_none(),
+            "the record of {id} leaves its input out"
+        );
     }
     echo.shutdown();
     let dir = d.dir.clone();
@@ -571,6 +581,8 @@ async fn large_inputs_reach_workers_and_survive_a_restart() -> Result<()> {
     d.shutdown().await
 }
 
+/// A turn advances through `continue` steps, each step's input being the previous
+/// step's state, and completes with the final output and `step`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_step_turn_counts_to_n_through_continue() -> Result<()> {
     let d = TestDaemon::start(|_| {}).await?;

@@ -252,7 +252,9 @@ impl Store {
                 .get(&keys::turn_input(turn_id))?
                 .and_then(|b| RawJson::from_stored(&b))
                 .ok_or_else(|| {
-                    StoreError::Corrupt(format!("turn {turn_id}: its stored input is missing"))
+                    StoreError::Corrupt(format!(
+                        "turn {turn_id}: its input, stored apart, is missing or not JSON"
+                    ))
                 })?;
             t.input.fill(raw);
         }
@@ -605,6 +607,16 @@ mod tests {
         assert_eq!(*read.input, big);
         assert_eq!(read.state(), &big);
         assert_eq!(read.output, Some(small.clone()));
+        // A record read back (as recovery does) and written again still leaves it out.
+        let mut b = Batch::new();
+        b.put_turn(&read);
+        store.commit(b).await.expect("commit");
+        let record = kv.get(&keys::turn("t-big")).expect("get").expect("record");
+        assert!(record.len() < 1024, "{}", String::from_utf8_lossy(&record));
+        // The bound: JSON text of INPUT_APART_BYTES goes apart, one byte less stays.
+        let text = |n: usize| RawJson::from_value(&json!("x".repeat(n - 2)));
+        assert!(TurnInput::new(text(INPUT_APART_BYTES)).is_apart());
+        assert!(!TurnInput::new(text(INPUT_APART_BYTES - 1)).is_apart());
         assert_eq!(
             *store.turn("t-small").expect("read").expect("turn").input,
             small
