@@ -262,7 +262,7 @@ impl Tx {
                 self.meta.counts.shift(orig, t.status);
             }
             if orig.is_none() {
-                b.put_turn_index(t);
+                b.put_admission(t);
             }
             b.put_turn(t);
         }

@@ -84,9 +84,10 @@ impl Batch {
         self.put_json(keys::turn(&t.turn_id), t);
     }
 
-    /// Add a new turn to its session's list, and write its input when it is stored
-    /// apart (both once, at admission).
-    pub fn put_turn_index(&mut self, t: &TurnRecord) {
+    /// The keys written once, when a turn is admitted: its place in its session's
+    /// list and, when stored apart, its input. (Its record is written by `put_turn`,
+    /// at admission and at every later transition.)
+    pub fn put_admission(&mut self, t: &TurnRecord) {
         self.put_raw(
             keys::session_turn(&t.session_id, t.seq),
             t.turn_id.as_bytes().to_vec(),
@@ -586,7 +587,7 @@ mod tests {
         let mut t1 = TurnRecord::admitted("t-big".into(), "s", 1, "f", big.clone(), 0);
         let t2 = TurnRecord::admitted("t-small".into(), "s", 2, "f", small.clone(), 0);
         for t in [&t1, &t2] {
-            b.put_turn_index(t);
+            b.put_admission(t);
             b.put_turn(t);
         }
         store.commit(b).await.expect("commit");
@@ -644,7 +645,7 @@ mod tests {
         let statuses = [Completed, Running, Cancelled, Queued, Failed];
         for (i, status) in statuses.into_iter().enumerate() {
             let t = turn("s", i as u64 + 1, status);
-            b.put_turn_index(&t);
+            b.put_admission(&t);
             b.put_turn(&t);
         }
         store.commit(b).await.expect("commit");

@@ -7,6 +7,10 @@
 //! the whole group, and only then answers every waiting committer. Batches that arrive
 //! while a sync runs wait for the next one, so no acknowledgement waits for more than
 //! one sync after its write.
+//!
+//! The writer runs on an OS thread of its own, outside any tokio runtime, and times
+//! real disk work (group commits, checkpoints, waiting for sled's file lock), so it
+//! uses `std::time`; no tokio timer depends on it.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -257,29 +261,34 @@ impl Shared {
         }
     }
 
-    /// Open the store after a checkpoint closed it. sled's file lock goes with the last
-    /// reference to its file, which a thread of sled's may hold for a moment after the
-    /// handle is dropped, so a refused lock is tried again for a while.
+    /// Open the store after a checkpoint closed it.
     fn reopen(&self) -> Result<Handle, StoreError> {
-        let give_up = std::time::Instant::now() + REOPEN_PATIENCE;
-        loop {
-            match Handle::open(&self.dir, self.opts.cache_mb) {
-                Ok(h) => return Ok(h),
-                Err(e)
-                    if std::time::Instant::now() < give_up
-                        && e.to_string().contains("could not acquire lock") =>
-                {
-                    tracing::debug!("store still locked after a checkpoint closed it: {e}");
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        open_when_unlocked(|| Handle::open(&self.dir, self.opts.cache_mb))
     }
 }
 
-/// How long a checkpoint waits for sled's file lock to be released.
+/// How long an open waits for sled's file lock to be released.
 const REOPEN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Run `open` until sled's file lock is no longer refused, for up to
+/// `REOPEN_PATIENCE`. The lock goes with the last reference to sled's file, which a
+/// thread of sled's may hold for a moment after a handle on the same directory is
+/// dropped (a checkpoint's close, or a store closed and opened again in one process).
+fn open_when_unlocked<T>(mut open: impl FnMut() -> Result<T, StoreError>) -> Result<T, StoreError> {
+    let give_up = std::time::Instant::now() + REOPEN_PATIENCE;
+    loop {
+        match open() {
+            Err(e)
+                if std::time::Instant::now() < give_up
+                    && e.to_string().contains("could not acquire lock") =>
+            {
+                tracing::debug!("store still locked by a closed handle: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            r => return r,
+        }
+    }
+}
 
 /// Log messages larger than a quarter of sled's 512 KiB segment (a large value, or a
 /// leaf node whose values add up to that) live as files under `blobs/`; a blob is
@@ -428,11 +437,61 @@ fn add_to_sled_batch(b: &mut sled::Batch, batch: Batch) -> u64 {
     bytes
 }
 
+/// When the writer checkpoints: what it wrote since sled was last opened, and since
+/// when a due checkpoint has been giving way to reads.
+struct Checkpoints {
+    /// `checkpoint_mb` in bytes; 0: never.
+    every: u64,
+    written: u64,
+    deferred_since: Option<std::time::Instant>,
+}
+
+impl Checkpoints {
+    fn new(opts: &SledOptions) -> Checkpoints {
+        Checkpoints {
+            every: opts.checkpoint_mb.saturating_mul(1024 * 1024),
+            written: 0,
+            deferred_since: None,
+        }
+    }
+
+    /// After a group was answered (so that a checkpoint delays only later ones):
+    /// checkpoint if enough was written since the last open.
+    fn after_group(&mut self, shared: &Shared, stats: &Mutex<CommitStats>) {
+        if self.every == 0 || self.written < self.every {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let wait = self
+            .deferred_since
+            .is_some_and(|since| since.elapsed() >= shared.opts.checkpoint_patience);
+        let r = shared.checkpoint(wait);
+        let micros = started.elapsed().as_micros() as u64;
+        match r {
+            Ok(true) => {
+                tracing::info!(
+                    "checkpointed the store (closed and opened sled) in {} ms",
+                    micros / 1000
+                );
+                self.written = 0;
+                self.deferred_since = None;
+                if let Ok(mut s) = stats.lock() {
+                    s.checkpoints += 1;
+                    s.checkpoint_micros += micros;
+                    s.max_checkpoint_micros = s.max_checkpoint_micros.max(micros);
+                }
+            }
+            Ok(false) => {
+                self.deferred_since.get_or_insert(started);
+                tracing::debug!("checkpoint deferred: a read holds the store");
+            }
+            Err(e) => tracing::error!("failed to checkpoint the store: {e}"),
+        }
+    }
+}
+
 fn writer_loop(shared: &Shared, rx: mpsc::Receiver<Job>, stats: &Mutex<CommitStats>) {
-    let checkpoint_bytes = shared.opts.checkpoint_mb.saturating_mul(1024 * 1024);
-    let mut written: u64 = 0;
-    // When the pending checkpoint first gave way to a read in progress.
-    let mut deferred_since: Option<std::time::Instant> = None;
+    let mut checkpoints = Checkpoints::new(&shared.opts);
     while let Ok(first) = rx.recv() {
         let mut jobs = vec![first];
         while jobs.len() < MAX_GROUP {
@@ -458,7 +517,7 @@ fn writer_loop(shared: &Shared, rx: mpsc::Receiver<Job>, stats: &Mutex<CommitSta
         while jobs.peek().is_some() {
             let mut merged = sled::Batch::default();
             for job in jobs.by_ref().take(APPLY_CHUNK) {
-                written += add_to_sled_batch(&mut merged, job.batch);
+                checkpoints.written += add_to_sled_batch(&mut merged, job.batch);
                 replies.push(job.reply);
             }
             chunks.push(merged);
@@ -499,33 +558,8 @@ fn writer_loop(shared: &Shared, rx: mpsc::Receiver<Job>, stats: &Mutex<CommitSta
                 tracing::debug!("committer went away before its commit finished");
             }
         }
-        // After the group is answered, so that the checkpoint delays only later ones.
-        if checkpoint_bytes > 0 && written >= checkpoint_bytes && result.is_ok() {
-            let started = std::time::Instant::now();
-            let wait = deferred_since
-                .is_some_and(|since| since.elapsed() >= shared.opts.checkpoint_patience);
-            let r = shared.checkpoint(wait);
-            let micros = started.elapsed().as_micros() as u64;
-            match &r {
-                Ok(true) => tracing::info!(
-                    "checkpointed the store (closed and opened sled) in {} ms",
-                    micros / 1000
-                ),
-                Ok(false) => {
-                    deferred_since.get_or_insert(started);
-                    tracing::debug!("checkpoint deferred: a read holds the store");
-                }
-                Err(e) => tracing::error!("failed to checkpoint the store: {e}"),
-            }
-            if r.is_ok_and(|done| done) {
-                written = 0;
-                deferred_since = None;
-                if let Ok(mut s) = stats.lock() {
-                    s.checkpoints += 1;
-                    s.checkpoint_micros += micros;
-                    s.max_checkpoint_micros = s.max_checkpoint_micros.max(micros);
-                }
-            }
+        if result.is_ok() {
+            checkpoints.after_group(shared, stats);
         }
     }
 }
@@ -664,19 +698,19 @@ mod tests {
         );
     }
 
-    /// Open the store in `dir` again after a `SledKv` on it was dropped. sled's threads
-    /// can hold its file lock a moment after that (the reason `Shared::reopen` retries).
+    /// Open the store in `dir` again after a `SledKv` on it was dropped (see
+    /// `open_when_unlocked`).
     fn reopen_when_unlocked(dir: &Path, mode: SyncMode) -> SledKv {
-        let give_up = std::time::Instant::now() + REOPEN_PATIENCE;
-        loop {
-            match SledKv::open(dir, mode) {
-                Ok(kv) => return kv,
-                Err(e) if std::time::Instant::now() < give_up => {
-                    assert!(e.to_string().contains("could not acquire lock"), "{e}");
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-                Err(e) => panic!("reopen: {e}"),
-            }
+        open_when_unlocked(|| SledKv::open(dir, mode)).expect("reopen")
+    }
+
+    /// Options that checkpoint after every MiB written, with `sync = always`.
+    fn checkpoint_every_mib(patience: std::time::Duration) -> SledOptions {
+        SledOptions {
+            sync: SyncMode::Always,
+            cache_mb: 8,
+            checkpoint_mb: 1,
+            checkpoint_patience: patience,
         }
     }
 
@@ -698,14 +732,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn checkpoints_write_snapshots_and_lose_nothing() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let opts = SledOptions {
-            sync: SyncMode::Always,
-            cache_mb: 8,
-            checkpoint_mb: 1,
-            // The reader below reads without a pause: only a checkpoint that waits
-            // for reads gets the handle.
-            checkpoint_patience: std::time::Duration::ZERO,
-        };
+        // The reader below reads without a pause: only a checkpoint that waits for
+        // reads gets the handle.
+        let opts = checkpoint_every_mib(std::time::Duration::ZERO);
         let kv = Arc::new(SledKv::open_with(dir.path(), opts).expect("open"));
         let first_snapshot = snapshot_lsn(dir.path());
         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -833,12 +862,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_read_in_progress_defers_the_checkpoint_without_stalling_commits() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let opts = SledOptions {
-            sync: SyncMode::Always,
-            cache_mb: 8,
-            checkpoint_mb: 1,
-            checkpoint_patience: std::time::Duration::from_secs(3600),
-        };
+        let opts = checkpoint_every_mib(std::time::Duration::from_secs(3600));
         let kv = Arc::new(SledKv::open_with(dir.path(), opts).expect("open"));
         let put = |i: u64| {
             let mut b = Batch::new();
