@@ -2,9 +2,13 @@
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 PYTHON ?= python3
+# The project's own Python environment: make never installs into the system Python
+# (Debian's and Ubuntu's refuse that, PEP 668).
+VENV := $(CURDIR)/target/venv
+VPY := $(VENV)/bin/python
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help build run test test-rust test-python lint fmt doc bench check-fsync fuzz clean
+.PHONY: help build run venv test test-rust test-python lint fmt doc bench check-fsync fuzz clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -28,10 +32,16 @@ else
 	$(TEST_ENV) $(CARGO) test --workspace --no-fail-fast
 endif
 
-test-python: ## The independent Python protocol client against the built binary
+venv: $(VENV)/.ready ## The project's Python environment (target/venv) with every Python test dependency
+
+$(VENV)/.ready: tests/python/requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+	touch $@
+
+test-python: venv ## The independent Python protocol client against the built binary
 	$(CARGO) build -p turnd --bin turnd
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-	$(PYTHON) tests/python/test_protocol.py --turnd target/debug/turnd
+	$(VPY) tests/python/test_protocol.py --turnd target/debug/turnd
 
 lint: ## fmt check and clippy with warnings denied
 	$(CARGO) fmt --all -- --check
