@@ -23,9 +23,11 @@
 //! At the end the load stops, every turn must end, the checks run once more with
 //! every turn terminal, and the daemon must shut down cleanly.
 //!
-//! The daemon checkpoints its store (closes and reopens sled) after every MiB written,
-//! so each life checkpoints several times and its kill falls between or during
-//! checkpoints; the checkpoints each life made before its kill are printed.
+//! The daemon writes its commit log in segments of 64 KiB and its records to sled every
+//! 20 ms, deleting each segment once sled holds it, and checkpoints sled (closes and
+//! reopens it) after every MiB written to it, so kills fall during or between log
+//! appends, writes to sled, log trims and checkpoints; the trims and checkpoints each
+//! life made before its kill are printed, and the test fails if no life trimmed.
 //!
 //! The kill moments, functions, step counts and stops come from one seeded PRNG: the
 //! seed is printed (`seed = …`) and `TURND_SEED` replays it.
@@ -75,9 +77,12 @@ const ENV: &[(&str, &str)] = &[
     ("TURND_TURNS__CANCEL_GRACE_MS", "300"),
     ("TURND_TURNS__RETRY_BACKOFF_MS", "20"),
     ("TURND_TURNS__DEFAULT_TIMEOUT_MS", "5000"),
-    // Checkpoint (close and reopen sled) after every MiB written, so that every life
-    // checkpoints and kills land among checkpoints.
+    // Small log segments written to sled often, and a checkpoint (close and reopen
+    // sled) after every MiB written to it, so that kills land among log trims, writes
+    // to sled and checkpoints.
     ("TURND_STORAGE__CHECKPOINT_MB", "1"),
+    ("TURND_STORAGE__LOG_SEGMENT_KB", "64"),
+    ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
 ];
 
 // ---------------------------------------------------------------- the record
@@ -129,6 +134,8 @@ struct Record {
     kills_after_ms: Vec<u64>,
     /// Store checkpoints of each life, read from /metrics just before its kill.
     checkpoints: Vec<u64>,
+    /// Commit log segments each life deleted behind sled, likewise.
+    trims: Vec<u64>,
 }
 
 type Shared = Arc<Mutex<Record>>;
@@ -817,8 +824,11 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
         let (_, metrics) = http_get(&daemon.admin, "/metrics").await?;
         let checkpoints = metric(&metrics, "turnd_storage_checkpoints_total")
             .context("turnd_storage_checkpoints_total in /metrics")?;
+        let trims = metric(&metrics, "turnd_storage_log_trims_total")
+            .context("turnd_storage_log_trims_total in /metrics")?;
         daemon.kill().await.context("SIGKILL turnd")?;
         rec(&record).checkpoints.push(checkpoints as u64);
+        rec(&record).trims.push(trims as u64);
         rec(&record).kills_after_ms.push(after);
         load_stop.cancel();
         while let Some(r) = load.join_next().await {
@@ -858,10 +868,11 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
 
     let r = rec(&record);
     println!(
-        "crash test (seed {seed}): {} SIGKILLs at {:?} ms into the load, after {:?} store checkpoints; {} acknowledged submits ({} answered as deduplicated), {} acknowledged stops ({} session stops), {} applied + {} late results acknowledged, other result answers {:?}, {} invokes received; final: {} turns {:?}, {} events, {} dispatches; drain {:.1} s, total {:.1} s",
+        "crash test (seed {seed}): {} SIGKILLs at {:?} ms into the load, after {:?} store checkpoints and {:?} log trims; {} acknowledged submits ({} answered as deduplicated), {} acknowledged stops ({} session stops), {} applied + {} late results acknowledged, other result answers {:?}, {} invokes received; final: {} turns {:?}, {} events, {} dispatches; drain {:.1} s, total {:.1} s",
         r.kills_after_ms.len(),
         r.kills_after_ms,
         r.checkpoints,
+        r.trims,
         r.turns.len(),
         r.deduplicated,
         r.stops.len(),
@@ -879,8 +890,8 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
     );
     ensure!(r.kills_after_ms.len() == KILLS);
     ensure!(
-        r.checkpoints.iter().sum::<u64>() > 0,
-        "no store checkpoint happened before the kills"
+        r.trims.iter().sum::<u64>() > 0,
+        "no commit log segment was trimmed before the kills"
     );
     ensure!(r.turns.len() >= 50, "too little load to mean anything");
     ensure!(!r.applied.is_empty() && !r.stops.is_empty());

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use turnd_client::{Caller, ClientError, FunctionSpec, Worker, WorkerHandle};
 use turnd_proto::{ErrorCode, EventKind, Outcome, SubmitArgs, TurnStatus, WaitState};
 use turnd_store::faulty::Faults;
-use turnd_store::{keys, Batch, Phase, SledKv, Store, SyncMode, TurnRecord};
+use turnd_store::{keys, Batch, LoggedKv, LoggedOptions, Phase, Store, TurnRecord};
 use turnd_tests::{eventually, wait_done, worker_options, Raw, TestDaemon};
 
 const T: u64 = 15;
@@ -311,7 +311,7 @@ async fn worker_frames_during_outage_get_unavailable_and_nothing_runs_twice() ->
 
 /// Write a turn record straight into a stopped daemon's store.
 async fn corrupt(dir: &std::path::Path, f: impl FnOnce(&Store) -> Batch) -> anyhow::Result<()> {
-    let kv = Arc::new(SledKv::open(dir, SyncMode::Always)?);
+    let kv = Arc::new(LoggedKv::open(dir, LoggedOptions::default())?.0);
     let store = Store::new(kv.clone());
     let batch = f(&store);
     store.commit(batch).await?;
@@ -405,7 +405,7 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
         b
     })
     .await?;
-    let kv = Arc::new(SledKv::open(&data, SyncMode::Always)?);
+    let kv = Arc::new(LoggedKv::open(&data, LoggedOptions::default())?.0);
     let v = turnd_store::check_store(&Store::new(kv.clone()))?;
     kv.close()?;
     let names: Vec<(&str, Option<&str>)> = v

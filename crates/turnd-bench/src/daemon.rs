@@ -15,7 +15,7 @@ use turnd_client::{Caller, FunctionSpec, InvocationCtx, Worker, WorkerHandle, Wo
 use turnd_server::{open_store, Config, Daemon, Listeners};
 
 use crate::Common;
-use turnd_store::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, SledKv, StoreError};
+use turnd_store::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, LoggedKv, StoreError};
 
 /// The function every benchmark turn runs: completes with its input after
 /// `input.steps` steps (default 1), continuing with the same state until then.
@@ -81,7 +81,7 @@ impl KvSnapshot {
 /// Forwards everything to the sled store and counts it (a few relaxed atomic adds
 /// per call: no measurable cost next to a commit).
 pub struct CountingKv {
-    inner: Arc<SledKv>,
+    inner: Arc<LoggedKv>,
     counts: Arc<KvCounts>,
 }
 
@@ -125,12 +125,16 @@ impl Kv for CountingKv {
     fn commit_stats(&self) -> CommitStats {
         self.inner.commit_stats()
     }
+
+    fn health(&self) -> Result<(), String> {
+        self.inner.health()
+    }
 }
 
 /// An in-process daemon on its own data directory.
 pub struct BenchDaemon {
     pub daemon: Daemon,
-    pub kv: Arc<SledKv>,
+    pub kv: Arc<LoggedKv>,
     pub counts: Arc<KvCounts>,
     pub url: String,
 }

@@ -190,6 +190,13 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
             .checkpoint_micros
             .saturating_sub(before.checkpoint_micros),
         max_checkpoint_micros: after.max_checkpoint_micros,
+        log_bytes: after.log_bytes.saturating_sub(before.log_bytes),
+        applies: after.applies.saturating_sub(before.applies),
+        applied_keys: after.applied_keys.saturating_sub(before.applied_keys),
+        apply_micros: after.apply_micros.saturating_sub(before.apply_micros),
+        overlay_keys: after.overlay_keys,
+        log_segments: after.log_segments,
+        log_trims: after.log_trims.saturating_sub(before.log_trims),
     }
 }
 
@@ -198,7 +205,7 @@ pub fn fmt_commits(c: &CommitStats) -> String {
         return "0 commits".into();
     }
     let mut s = format!(
-        "{} group commits / {} batches (avg {:.1} per group, max {}) / per group {:.0} µs applying + {:.0} µs in flush and fdatasync",
+        "{} group commits / {} batches (avg {:.1} per group, max {}) / per group {:.0} µs encoding + {:.0} µs writing and fdatasync of the commit log",
         c.syncs,
         c.batches,
         c.batches as f64 / c.syncs as f64,
@@ -206,6 +213,14 @@ pub fn fmt_commits(c: &CommitStats) -> String {
         c.commit_micros.saturating_sub(c.sync_micros) as f64 / c.syncs as f64,
         c.sync_micros as f64 / c.syncs as f64
     );
+    if c.applies > 0 {
+        s.push_str(&format!(
+            " / {} applies to sled, {} keys, {:.0} ms in all",
+            c.applies,
+            c.applied_keys,
+            c.apply_micros as f64 / 1000.0
+        ));
+    }
     if c.checkpoints > 0 {
         s.push_str(&format!(
             " / {} checkpoints, {:.0} ms in all, longest {:.0} ms",

@@ -26,8 +26,13 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .with_state(shared)
 }
 
-async fn healthz() -> impl IntoResponse {
-    (StatusCode::OK, "ok\n")
+/// Fails when the store cannot go on without a restart (a thread of its own ended),
+/// so that a supervisor restarts the daemon.
+async fn healthz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    match s.engine.store().kv().health() {
+        Ok(()) => (StatusCode::OK, "ok\n".to_string()),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
+    }
 }
 
 async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
@@ -263,13 +268,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     seconds(
         &mut reg,
         "storage_commit_seconds",
-        "Time spent applying and syncing group commits (divide by storage_commits for the mean)",
+        "Time spent in group commits: encoding, writing and syncing the commit log (divide by storage_commits for the mean)",
         cs.commit_micros,
     );
     seconds(
         &mut reg,
         "storage_sync_seconds",
-        "Of storage_commit_seconds, the time spent making writes durable (flush and fdatasync)",
+        "Of storage_commit_seconds, the time spent writing the commit log and its fdatasync",
         cs.sync_micros,
     );
     gauge(
@@ -281,7 +286,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     counter(
         &mut reg,
         "storage_checkpoints",
-        "Checkpoints: sled closed and opened again so that a restart replays less log (commits wait meanwhile)",
+        "Checkpoints: sled closed and opened again so that a restart replays less of sled's log (store reads and applies wait meanwhile, commits do not)",
         cs.checkpoints,
     );
     seconds(
@@ -289,6 +294,48 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "storage_checkpoint_seconds",
         "Time spent in checkpoints",
         cs.checkpoint_micros,
+    );
+    counter(
+        &mut reg,
+        "storage_log_bytes",
+        "Bytes of batches appended to the commit log",
+        cs.log_bytes,
+    );
+    counter(
+        &mut reg,
+        "storage_applies",
+        "Rounds in which the commit log's records were written to sled",
+        cs.applies,
+    );
+    counter(
+        &mut reg,
+        "storage_applied_keys",
+        "Keys written to sled by those rounds (each key once per round)",
+        cs.applied_keys,
+    );
+    seconds(
+        &mut reg,
+        "storage_apply_seconds",
+        "Time spent writing the commit log's records to sled",
+        cs.apply_micros,
+    );
+    gauge(
+        &mut reg,
+        "storage_unapplied_keys",
+        "Keys committed to the commit log but not yet written to sled",
+        cs.overlay_keys as i64,
+    );
+    counter(
+        &mut reg,
+        "storage_log_trims",
+        "Commit log segments deleted once sled held their records, flushed and synced",
+        cs.log_trims,
+    );
+    gauge(
+        &mut reg,
+        "storage_log_segments",
+        "Files of the commit log",
+        cs.log_segments as i64,
     );
 
     let mut body = String::new();

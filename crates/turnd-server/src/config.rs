@@ -72,6 +72,12 @@ pub struct StorageConfig {
     /// opens sled so that it writes a snapshot), bounding what a restart replays.
     /// 0: never.
     pub checkpoint_mb: u64,
+    /// KiB of one commit log segment file (preallocated).
+    pub log_segment_kb: u64,
+    /// How often the records of the commit log are written to sled behind it.
+    pub apply_interval_ms: u64,
+    /// How often a commit log whose write or sync failed tries to repair itself.
+    pub heal_interval_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -155,6 +161,9 @@ impl Default for StorageConfig {
             sync: "always".into(),
             cache_mb: turnd_store::DEFAULT_CACHE_MB,
             checkpoint_mb: turnd_store::DEFAULT_CHECKPOINT_MB,
+            log_segment_kb: turnd_store::logged::DEFAULT_SEGMENT_KB,
+            apply_interval_ms: turnd_store::logged::DEFAULT_APPLY_INTERVAL_MS,
+            heal_interval_ms: turnd_store::logged::DEFAULT_HEAL_INTERVAL_MS,
         }
     }
 }
@@ -343,6 +352,30 @@ impl Config {
                 "storage.cache_mb must be between 1 and 1048576, not {}",
                 self.storage.cache_mb
             ));
+        }
+        for (key, v, lo, hi) in [
+            (
+                "storage.log_segment_kb",
+                self.storage.log_segment_kb,
+                64,
+                4 << 20,
+            ),
+            (
+                "storage.apply_interval_ms",
+                self.storage.apply_interval_ms,
+                1,
+                60_000,
+            ),
+            (
+                "storage.heal_interval_ms",
+                self.storage.heal_interval_ms,
+                1,
+                3_600_000,
+            ),
+        ] {
+            if !(lo..=hi).contains(&v) {
+                p.push(format!("{key} must be between {lo} and {hi}, not {v}"));
+            }
         }
         if self.storage.checkpoint_mb > 1 << 20 {
             p.push(format!(

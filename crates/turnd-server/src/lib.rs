@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use turnd_engine::Engine;
-use turnd_store::{Kv, SledKv, SledOptions, Store, SyncMode};
+use turnd_store::{Kv, LoggedKv, LoggedOptions, SledOptions, Store, SyncMode};
 
 pub use config::Config;
 use ws::{ConnectionCounts, Shared};
@@ -43,18 +43,36 @@ impl Listeners {
     }
 }
 
-/// Open the sled store the config names.
-pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<SledKv>> {
+/// How the config says the store is opened.
+pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
     let mode = SyncMode::parse(&cfg.storage.sync)
         .with_context(|| format!("storage.sync {:?}", cfg.storage.sync))?;
-    let opts = SledOptions {
-        sync: mode,
-        cache_mb: cfg.storage.cache_mb,
-        checkpoint_mb: cfg.storage.checkpoint_mb,
-        ..SledOptions::default()
-    };
-    let kv = SledKv::open_with(&cfg.storage.data_dir, opts)
+    Ok(LoggedOptions {
+        sled: SledOptions {
+            sync: mode,
+            cache_mb: cfg.storage.cache_mb,
+            checkpoint_mb: cfg.storage.checkpoint_mb,
+            ..SledOptions::default()
+        },
+        segment_bytes: cfg.storage.log_segment_kb.saturating_mul(1024),
+        apply_interval: Duration::from_millis(cfg.storage.apply_interval_ms),
+        heal_interval: Duration::from_millis(cfg.storage.heal_interval_ms),
+    })
+}
+
+/// Open the store the config names: the commit log in front, sled behind. What the
+/// log holds past sled's applied mark is written to sled before this returns.
+pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<LoggedKv>> {
+    let (kv, replayed) = LoggedKv::open(&cfg.storage.data_dir, store_options(cfg)?)
         .with_context(|| format!("open store in {}", cfg.storage.data_dir.display()))?;
+    if replayed.records > 0 {
+        tracing::info!(
+            "wrote {} records ({} bytes) of the commit log to sled in {} ms",
+            replayed.records,
+            replayed.bytes,
+            replayed.millis
+        );
+    }
     Ok(Arc::new(kv))
 }
 

@@ -159,4 +159,8 @@ impl Kv for FaultyKv {
     fn commit_stats(&self) -> CommitStats {
         self.inner.commit_stats()
     }
+
+    fn health(&self) -> Result<(), String> {
+        self.inner.health()
+    }
 }

@@ -12,14 +12,17 @@
 pub mod check;
 pub mod faulty;
 pub mod keys;
+pub mod logged;
 pub mod mem;
 pub mod records;
 pub mod sled_kv;
+pub mod wal;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use check::check_store;
+pub use logged::{LoggedKv, LoggedOptions, Replayed};
 pub use records::*;
 pub use sled_kv::{SledKv, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
 
@@ -175,6 +178,11 @@ pub trait Kv: Send + Sync + 'static {
     fn commit_stats(&self) -> CommitStats {
         CommitStats::default()
     }
+    /// Err when the store can no longer work without a restart (a thread of its own
+    /// has ended); `/healthz` fails with it.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Counters of the group-commit writer.
@@ -198,6 +206,20 @@ pub struct CommitStats {
     pub checkpoint_micros: u64,
     /// Longest single checkpoint, in microseconds.
     pub max_checkpoint_micros: u64,
+    /// Bytes of batches appended to the commit log.
+    pub log_bytes: u64,
+    /// Rounds in which the applier wrote the commit log's records to sled.
+    pub applies: u64,
+    /// Keys those rounds wrote (each key once per round, however often committed).
+    pub applied_keys: u64,
+    /// Microseconds those rounds took.
+    pub apply_micros: u64,
+    /// Keys committed but not yet in sled (a gauge).
+    pub overlay_keys: u64,
+    /// Files of the commit log (a gauge).
+    pub log_segments: u64,
+    /// Commit log segments deleted once sled held their records.
+    pub log_trims: u64,
 }
 
 /// The index of unfinished turns of the earlier store layout.

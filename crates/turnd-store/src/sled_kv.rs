@@ -52,7 +52,7 @@ struct Job {
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;
 /// Most jobs merged into one sled `apply_batch` (see `writer_loop`).
-const APPLY_CHUNK: usize = 128;
+pub(crate) const APPLY_CHUNK: usize = 128;
 
 /// Default of `storage.checkpoint_mb`.
 pub const DEFAULT_CHECKPOINT_MB: u64 = 256;
@@ -101,8 +101,8 @@ pub struct SledKv {
 }
 
 /// sled's handle and the log file the syncer fdatasyncs; a checkpoint replaces both.
-struct Handle {
-    db: sled::Db,
+pub(crate) struct Handle {
+    pub(crate) db: sled::Db,
     log: File,
 }
 
@@ -120,7 +120,7 @@ impl Handle {
 }
 
 /// What the writer thread, the readers and `sync` share.
-struct Shared {
+pub(crate) struct Shared {
     /// `None` only after a checkpoint failed to open the store again.
     handle: RwLock<Option<Handle>>,
     dir: PathBuf,
@@ -140,7 +140,10 @@ impl Shared {
     /// so that the runtime's other tasks (heartbeats, timers, requests that read
     /// nothing) move to other threads and go on. (`block_in_place` panics inside a
     /// `LocalSet`; the daemon runs none.)
-    fn with<T>(&self, f: impl FnOnce(&Handle) -> Result<T, StoreError>) -> Result<T, StoreError> {
+    pub(crate) fn with<T>(
+        &self,
+        f: impl FnOnce(&Handle) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         let guard = match self.handle.try_read() {
             Ok(g) => Ok(g),
             Err(TryLockError::WouldBlock) => {
@@ -162,6 +165,21 @@ impl Shared {
                 self.poison_reason().unwrap_or_else(|| "shut down".into())
             ))),
         }
+    }
+
+    /// Open (or create) sled in `dir`.
+    pub(crate) fn open(dir: &Path, opts: SledOptions) -> Result<Shared, StoreError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| StoreError::Write(format!("create data dir {dir:?}: {e}")))?;
+        let handle = Handle::open(dir, opts.cache_mb)?;
+        sync_dir(dir)?;
+        Ok(Shared {
+            handle: RwLock::new(Some(handle)),
+            dir: dir.to_path_buf(),
+            opts,
+            poisoned: Mutex::new(None),
+            synced_blobs: Mutex::new(HashMap::new()),
+        })
     }
 
     fn poison_reason(&self) -> Option<String> {
@@ -188,7 +206,7 @@ impl Shared {
     }
 
     /// Make sled's files durable: flush, then fdatasync of the log and blob files.
-    fn sync_files(&self, h: &Handle) -> Result<(), StoreError> {
+    pub(crate) fn sync_files(&self, h: &Handle) -> Result<(), StoreError> {
         h.db.flush()
             .map_err(|e| StoreError::Sync(format!("flush: {e}")))?;
         h.log
@@ -217,7 +235,7 @@ impl Shared {
     /// thread between group commits; readers wait for it. Unless `wait`, a read in
     /// progress (a long scan such as `store.check`) makes it give way, `Ok(false)`,
     /// rather than stall every commit and read behind that read.
-    fn checkpoint(&self, wait: bool) -> Result<bool, StoreError> {
+    pub(crate) fn checkpoint(&self, wait: bool) -> Result<bool, StoreError> {
         self.check()?;
         let locked = if wait {
             self.handle.write().map_err(|_| ())
@@ -369,17 +387,7 @@ impl SledKv {
     /// decoded pages in memory (the engine keeps every live turn itself, so the cache
     /// serves reads of finished turns and events).
     pub fn open_with(dir: &Path, opts: SledOptions) -> Result<SledKv, StoreError> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| StoreError::Write(format!("create data dir {dir:?}: {e}")))?;
-        let handle = Handle::open(dir, opts.cache_mb)?;
-        sync_dir(dir)?;
-        let shared = Arc::new(Shared {
-            handle: RwLock::new(Some(handle)),
-            dir: dir.to_path_buf(),
-            opts,
-            poisoned: Mutex::new(None),
-            synced_blobs: Mutex::new(HashMap::new()),
-        });
+        let shared = Arc::new(Shared::open(dir, opts)?);
         let stats = Arc::new(Mutex::new(CommitStats::default()));
         let (tx, rx) = mpsc::channel::<Job>();
         let writer = {
@@ -439,15 +447,15 @@ fn add_to_sled_batch(b: &mut sled::Batch, batch: Batch) -> u64 {
 
 /// When the writer checkpoints: what it wrote since sled was last opened, and since
 /// when a due checkpoint has been giving way to reads.
-struct Checkpoints {
+pub(crate) struct Checkpoints {
     /// `checkpoint_mb` in bytes; 0: never.
     every: u64,
-    written: u64,
+    pub(crate) written: u64,
     deferred_since: Option<std::time::Instant>,
 }
 
 impl Checkpoints {
-    fn new(opts: &SledOptions) -> Checkpoints {
+    pub(crate) fn new(opts: &SledOptions) -> Checkpoints {
         Checkpoints {
             every: opts.checkpoint_mb.saturating_mul(1024 * 1024),
             written: 0,
@@ -457,7 +465,7 @@ impl Checkpoints {
 
     /// After a group was answered (so that a checkpoint delays only later ones):
     /// checkpoint if enough was written since the last open.
-    fn after_group(&mut self, shared: &Shared, stats: &Mutex<CommitStats>) {
+    pub(crate) fn after_group(&mut self, shared: &Shared, stats: &Mutex<CommitStats>) {
         if self.every == 0 || self.written < self.every {
             return;
         }

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use turnd_proto::{
     ErrorCode, Event, Role, SubmitArgs, Turn, TurnStatus, WatchArgs, PAGE_MAX, WAIT_MAX_MS,
 };
-use turnd_store::{check_store, SledKv, Store, SyncMode};
+use turnd_store::{check_store, LoggedKv, LoggedOptions, Store};
 
 use super::fmt::{duration, now_ms};
 use super::render::{self, EventColumns, SessionExtras};
@@ -497,7 +497,9 @@ pub fn check_offline(dir: &Path, json: bool) -> Result<i32, Failure> {
             dir.display()
         )));
     }
-    let kv = SledKv::open(dir, SyncMode::Always).map_err(|e| {
+    // Opening writes what the commit log holds past sled's applied mark to sled, as
+    // a start of the daemon would, so the check sees every acknowledged change.
+    let (kv, _) = LoggedKv::open(dir, LoggedOptions::default()).map_err(|e| {
         let msg = e.to_string();
         if msg.contains("could not acquire lock") {
             Failure::Usage(format!(

@@ -1,0 +1,891 @@
+//! The store's commit path: turnd's commit log ([`crate::wal`]) in front of sled.
+//!
+//! **Commit.** The committer thread (`turnd-log-writer`) takes every queued batch,
+//! appends each as one record to the commit log, makes the group durable with one
+//! `fdatasync`, puts the group's writes into the *overlay* (key → newest value not
+//! yet in sled, with the lsn that wrote it) and only then answers the committers.
+//! sled is not on this path.
+//!
+//! **Apply.** The applier thread (`turnd-store-applier`) writes the overlay to sled
+//! every `apply_interval`: one value per key, however often the key was written in
+//! between (a turn's record, rewritten at each transition, reaches sled once), in
+//! `apply_batch` calls of bounded size, the last of which also records the lsn
+//! applied under [`APPLIED_KEY`]. It then drops from the overlay every entry that
+//! has not been written again since. sled is not synced per apply: when a log
+//! segment is wholly applied, the applier flushes sled, `fdatasync`s its files and
+//! only then deletes the segment (and syncs the log's directory). Checkpoints (see
+//! [`crate::SledKv`]) run here too, so they pause applies and store reads, never
+//! commits.
+//!
+//! **Reads** look in the overlay first and then in sled. An entry leaves the
+//! overlay only after sled has it, so a read that misses the overlay finds the
+//! newest value in sled; scans merge the two.
+//!
+//! **Start.** sled is opened, the commit log is read from the record after the lsn
+//! sled last recorded as applied, and those records are written to sled (coalesced
+//! by key, as the applier does), flushed and synced before the daemon serves. A
+//! clean close applies and flushes everything, so the next start reads nothing.
+//!
+//! **Failures.** A failed append or `fdatasync` of the log fails its group
+//! (`unavailable` for the requests, nothing of it in memory); the log then refuses
+//! groups until it has written zeros over what the failed group may have left,
+//! which it tries again every `heal_interval`, and appends go on once that worked.
+//! A full disk fails the group that needed a new segment, and the next group tries
+//! again. A failed apply or flush of sled loses nothing (the log still holds it)
+//! and is tried again at the next interval; the log is not trimmed meanwhile. A
+//! committer or applier thread that ended unexpectedly makes [`Kv::health`] fail.
+//!
+//! Both threads run outside any tokio runtime and time real disk work with
+//! `std::time`; no tokio timer depends on them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
+use crate::wal::{self, CommitLog};
+use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
+
+/// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
+/// sorts before every key of the layout (`crate::keys`), whose scans never reach it.
+pub const APPLIED_KEY: &[u8] = b"\x00applied";
+
+/// Most keys in one sled `apply_batch` of the applier.
+const APPLY_KEYS: usize = APPLY_CHUNK * 32;
+
+/// Largest number of batches one group commit takes.
+const MAX_GROUP: usize = 4096;
+
+/// Defaults of the `[storage]` settings of the commit path.
+pub const DEFAULT_SEGMENT_KB: u64 = 32 * 1024;
+pub const DEFAULT_APPLY_INTERVAL_MS: u64 = 200;
+pub const DEFAULT_HEAL_INTERVAL_MS: u64 = 1_000;
+
+/// How the store is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoggedOptions {
+    /// sled's options; `sync` applies to the commit log (sled is synced only before
+    /// the log is trimmed).
+    pub sled: SledOptions,
+    /// Size of one commit log segment.
+    pub segment_bytes: u64,
+    /// How often the applier writes the overlay to sled.
+    pub apply_interval: Duration,
+    /// How often a failed log tries to repair itself.
+    pub heal_interval: Duration,
+}
+
+impl Default for LoggedOptions {
+    fn default() -> Self {
+        LoggedOptions {
+            sled: SledOptions::default(),
+            segment_bytes: DEFAULT_SEGMENT_KB * 1024,
+            apply_interval: Duration::from_millis(DEFAULT_APPLY_INTERVAL_MS),
+            heal_interval: Duration::from_millis(DEFAULT_HEAL_INTERVAL_MS),
+        }
+    }
+}
+
+/// A value as the overlay holds it (`None`: deleted).
+type Value = Option<Arc<[u8]>>;
+
+/// The newest value of a key that sled does not have yet.
+struct Pending {
+    lsn: u64,
+    value: Value,
+}
+
+#[derive(Default)]
+struct Overlay {
+    map: BTreeMap<Vec<u8>, Pending>,
+    /// The last lsn whose writes are in `map` (or in sled).
+    committed: u64,
+}
+
+struct Job {
+    batch: Batch,
+    reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+}
+
+enum Ctl {
+    /// Apply everything, flush sled and trim the log, then answer.
+    Flush(mpsc::Sender<Result<(), StoreError>>),
+}
+
+struct Inner {
+    sled: Arc<Shared>,
+    overlay: RwLock<Overlay>,
+    stats: Mutex<CommitStats>,
+    log_dir: PathBuf,
+    closed: Arc<Mutex<wal::Closed>>,
+    /// The last applier error, until an apply and flush succeed again.
+    apply_error: Mutex<Option<String>>,
+}
+
+/// The store: commit log in front, sled behind. See the module documentation.
+pub struct LoggedKv {
+    inner: Arc<Inner>,
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    ctl: Mutex<Option<mpsc::Sender<Ctl>>>,
+    committer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    applier: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// What [`LoggedKv::open`] did before serving.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Replayed {
+    pub records: usize,
+    pub bytes: u64,
+    pub millis: u64,
+}
+
+fn lock_err(what: &str) -> StoreError {
+    StoreError::Write(format!("{what} lock poisoned"))
+}
+
+/// A batch as one log record: per operation a tag (1 put, 2 delete), the key's
+/// length and bytes and, for a put, the value's.
+pub fn encode(batch: &Batch) -> Vec<u8> {
+    let size: usize = batch
+        .ops
+        .iter()
+        .map(|op| match op {
+            KvOp::Put(k, v) => 9 + k.len() + v.len(),
+            KvOp::Delete(k) => 5 + k.len(),
+        })
+        .sum();
+    let mut out = Vec::with_capacity(size);
+    let mut bytes = |b: &[u8]| {
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(b);
+    };
+    for op in &batch.ops {
+        match op {
+            KvOp::Put(k, v) => {
+                bytes(&[1]);
+                bytes(k);
+                bytes(v);
+            }
+            KvOp::Delete(k) => {
+                bytes(&[2]);
+                bytes(k);
+            }
+        }
+    }
+    out
+}
+
+/// The operations of a record written by [`encode`].
+pub fn decode(mut p: &[u8]) -> Result<Vec<KvOp>, StoreError> {
+    fn take<'a>(p: &mut &'a [u8]) -> Result<&'a [u8], StoreError> {
+        let corrupt = || StoreError::Corrupt("commit log record is cut short".into());
+        let len_bytes = p.get(..4).ok_or_else(corrupt)?;
+        let len =
+            u32::from_le_bytes([len_bytes[0], len_bytes[1], len_bytes[2], len_bytes[3]]) as usize;
+        let b = p.get(4..4 + len).ok_or_else(corrupt)?;
+        *p = &p[4 + len..];
+        Ok(b)
+    }
+    let mut ops = Vec::new();
+    while !p.is_empty() {
+        let tag = take(&mut p)?;
+        match tag {
+            [1] => {
+                let k = take(&mut p)?.to_vec();
+                ops.push(KvOp::Put(k, take(&mut p)?.to_vec()));
+            }
+            [2] => ops.push(KvOp::Delete(take(&mut p)?.to_vec())),
+            _ => {
+                return Err(StoreError::Corrupt(format!(
+                    "commit log record has an unknown operation {tag:?}"
+                )))
+            }
+        }
+    }
+    Ok(ops)
+}
+
+/// The newest value of each key in `records`, in key order.
+fn coalesce(records: &[wal::Record]) -> Result<BTreeMap<Vec<u8>, Value>, StoreError> {
+    let mut map = BTreeMap::new();
+    for r in records {
+        for op in decode(&r.payload)? {
+            match op {
+                KvOp::Put(k, v) => map.insert(k, Some(Arc::from(v))),
+                KvOp::Delete(k) => map.insert(k, None),
+            };
+        }
+    }
+    Ok(map)
+}
+
+impl LoggedKv {
+    /// Open (or create) the store in `dir`: sled in `dir`, the commit log in
+    /// `dir/log`. Writes what the log holds past sled's applied mark to sled first.
+    pub fn open(dir: &Path, opts: LoggedOptions) -> Result<(LoggedKv, Replayed), StoreError> {
+        let started = Instant::now();
+        let sled = Arc::new(Shared::open(dir, opts.sled)?);
+        let applied = sled.with(|h| {
+            h.db.get(APPLIED_KEY)
+                .map_err(|e| StoreError::Read(e.to_string()))
+        })?;
+        let applied = match applied {
+            Some(v) => {
+                let b: [u8; 8] = v.as_ref().try_into().map_err(|_| {
+                    StoreError::Corrupt(format!("applied mark of {} bytes", v.len()))
+                })?;
+                u64::from_be_bytes(b)
+            }
+            None => 0,
+        };
+        let log_dir = dir.join("log");
+        let opened = CommitLog::open(&log_dir, opts.segment_bytes, applied)?;
+        let closed = opened.log.closed();
+        let mut replayed = Replayed {
+            records: opened.records.len(),
+            bytes: opened.bytes,
+            millis: 0,
+        };
+        if let Some(last) = opened.records.last().map(|r| r.lsn) {
+            let map = coalesce(&opened.records)?;
+            apply_to_sled(&sled, map.iter().map(|(k, v)| (k, v.as_deref())), last)?;
+            sled.with(|h| sled.sync_files(h))?;
+            wal::trim_before(&log_dir, &closed, last)?;
+        }
+        let committed = opened.log.next_lsn() - 1;
+        replayed.millis = started.elapsed().as_millis() as u64;
+        let inner = Arc::new(Inner {
+            sled,
+            overlay: RwLock::new(Overlay {
+                map: BTreeMap::new(),
+                committed,
+            }),
+            stats: Mutex::new(CommitStats::default()),
+            log_dir,
+            closed,
+            apply_error: Mutex::new(None),
+        });
+        let (tx, rx) = mpsc::channel::<Job>();
+        let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| StoreError::Write(format!("spawn {name}: {e}")))
+        };
+        let committer = {
+            let inner = inner.clone();
+            let log = opened.log;
+            spawn(
+                "turnd-log-writer",
+                Box::new(move || committer_loop(&inner, log, rx, &opts)),
+            )?
+        };
+        let applier = {
+            let inner = inner.clone();
+            spawn(
+                "turnd-store-applier",
+                Box::new(move || applier_loop(&inner, ctl_rx, &opts, committed)),
+            )?
+        };
+        Ok((
+            LoggedKv {
+                inner,
+                tx: Mutex::new(Some(tx)),
+                ctl: Mutex::new(Some(ctl_tx)),
+                committer: Mutex::new(Some(committer)),
+                applier: Mutex::new(Some(applier)),
+            },
+            replayed,
+        ))
+    }
+
+    /// Commit everything queued, apply it to sled, flush and sync sled, trim the
+    /// log, and stop both threads. The next open then reads no log.
+    pub fn close(&self) -> Result<(), StoreError> {
+        drop(self.tx.lock().map_err(|_| StoreError::Closed)?.take());
+        if let Some(c) = self
+            .committer
+            .lock()
+            .map_err(|_| StoreError::Closed)?
+            .take()
+        {
+            c.join()
+                .map_err(|_| StoreError::Write("log writer thread panicked".into()))?;
+        }
+        let flushed = self.flush_now();
+        drop(self.ctl.lock().map_err(|_| StoreError::Closed)?.take());
+        if let Some(a) = self.applier.lock().map_err(|_| StoreError::Closed)?.take() {
+            a.join()
+                .map_err(|_| StoreError::Write("applier thread panicked".into()))?;
+        }
+        flushed
+    }
+
+    /// Ask the applier to apply, flush and trim now, and wait for it.
+    fn flush_now(&self) -> Result<(), StoreError> {
+        let (reply, rx) = mpsc::channel();
+        {
+            let ctl = self.ctl.lock().map_err(|_| StoreError::Closed)?;
+            let ctl = ctl.as_ref().ok_or(StoreError::Closed)?;
+            ctl.send(Ctl::Flush(reply))
+                .map_err(|_| StoreError::Closed)?;
+        }
+        let wait = || rx.recv().map_err(|_| StoreError::Closed)?;
+        let in_multi_thread_runtime = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if in_multi_thread_runtime {
+            tokio::task::block_in_place(wait)
+        } else {
+            wait()
+        }
+    }
+
+    /// Keys written but not yet in sled.
+    pub fn overlay_len(&self) -> usize {
+        self.inner.overlay.read().map(|o| o.map.len()).unwrap_or(0)
+    }
+}
+
+impl Drop for LoggedKv {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            if !matches!(e, StoreError::Closed) {
+                tracing::error!("failed to close store: {e}");
+            }
+        }
+    }
+}
+
+/// Write `entries` (key order) to sled in bounded batches, the last recording
+/// `lsn` under [`APPLIED_KEY`]. Returns the bytes written.
+fn apply_to_sled<'a>(
+    sled: &Shared,
+    entries: impl Iterator<Item = (&'a Vec<u8>, Option<&'a [u8]>)>,
+    lsn: u64,
+) -> Result<u64, StoreError> {
+    let mut bytes = 0u64;
+    sled.with(|h| {
+        let mut batch = sled::Batch::default();
+        let mut n = 0;
+        for (k, v) in entries {
+            match v {
+                Some(v) => {
+                    bytes += (k.len() + v.len()) as u64;
+                    batch.insert(k.as_slice(), v);
+                }
+                None => {
+                    bytes += k.len() as u64;
+                    batch.remove(k.as_slice());
+                }
+            }
+            n += 1;
+            if n == APPLY_KEYS {
+                h.db.apply_batch(std::mem::take(&mut batch))
+                    .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))?;
+                n = 0;
+            }
+        }
+        batch.insert(APPLIED_KEY, &lsn.to_be_bytes());
+        h.db.apply_batch(batch)
+            .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))
+    })?;
+    Ok(bytes)
+}
+
+fn committer_loop(
+    inner: &Inner,
+    mut log: CommitLog,
+    rx: mpsc::Receiver<Job>,
+    opts: &LoggedOptions,
+) {
+    let mut last_heal: Option<Instant> = None;
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        while jobs.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        let started = Instant::now();
+        if log.is_failed() && last_heal.is_none_or(|t| t.elapsed() >= opts.heal_interval) {
+            last_heal = Some(started);
+            match log.heal() {
+                Ok(()) => tracing::info!("the commit log is writable again"),
+                Err(e) => tracing::warn!("the commit log is still not writable: {e}"),
+            }
+        }
+        let payloads: Vec<Vec<u8>> = jobs.iter().map(|j| encode(&j.batch)).collect();
+        let bytes: u64 = payloads.iter().map(|p| p.len() as u64).sum();
+        let result = log.append_group(&payloads, opts.sled.sync == SyncMode::Always);
+        let synced = started.elapsed();
+        let result = result.and_then(|first_lsn| {
+            let mut o = inner.overlay.write().map_err(|_| lock_err("overlay"))?;
+            for (i, job) in jobs.iter_mut().enumerate() {
+                let lsn = first_lsn + i as u64;
+                for op in std::mem::take(&mut job.batch.ops) {
+                    let (k, value) = match op {
+                        KvOp::Put(k, v) => (k, Some(Arc::from(v))),
+                        KvOp::Delete(k) => (k, None),
+                    };
+                    o.map.insert(k, Pending { lsn, value });
+                }
+            }
+            o.committed = first_lsn + jobs.len() as u64 - 1;
+            Ok(())
+        });
+        if let Err(e) = &result {
+            tracing::error!("failed to commit a group of {} batches: {e}", jobs.len());
+        }
+        let micros = started.elapsed().as_micros() as u64;
+        if let Ok(mut s) = inner.stats.lock() {
+            s.syncs += 1;
+            s.batches += jobs.len() as u64;
+            s.commit_micros += micros;
+            s.sync_micros += synced.as_micros() as u64;
+            s.max_group = s.max_group.max(jobs.len() as u64);
+            s.log_bytes += bytes;
+        }
+        for job in jobs {
+            if job.reply.send(result.clone()).is_err() {
+                tracing::debug!("committer went away before its commit finished");
+            }
+        }
+    }
+    if let Err(e) = log.flush() {
+        tracing::error!("failed to sync the commit log at close: {e}");
+    }
+}
+
+/// The applier's state between rounds.
+struct Applier<'a> {
+    inner: &'a Inner,
+    checkpoints: Checkpoints,
+    applied: u64,
+}
+
+impl Applier<'_> {
+    /// Write the overlay to sled and drop what sled now has from it.
+    fn apply(&mut self) -> Result<(), StoreError> {
+        let started = Instant::now();
+        let (committed, entries): (u64, Vec<(Vec<u8>, u64, Value)>) = {
+            let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
+            let entries = o
+                .map
+                .iter()
+                .map(|(k, p)| (k.clone(), p.lsn, p.value.clone()))
+                .collect();
+            (o.committed, entries)
+        };
+        if committed == self.applied {
+            return Ok(());
+        }
+        let bytes = apply_to_sled(
+            &self.inner.sled,
+            entries.iter().map(|(k, _, v)| (k, v.as_deref())),
+            committed,
+        )?;
+        {
+            let mut o = self
+                .inner
+                .overlay
+                .write()
+                .map_err(|_| lock_err("overlay"))?;
+            for (k, lsn, _) in &entries {
+                if o.map.get(k).is_some_and(|p| p.lsn == *lsn) {
+                    o.map.remove(k);
+                }
+            }
+        }
+        self.applied = committed;
+        self.checkpoints.written += bytes;
+        if let Ok(mut s) = self.inner.stats.lock() {
+            s.applies += 1;
+            s.applied_keys += entries.len() as u64;
+            s.apply_micros += started.elapsed().as_micros() as u64;
+        }
+        Ok(())
+    }
+
+    /// Once a log segment is wholly applied: make sled durable, then delete it.
+    fn trim(&mut self, force_flush: bool) -> Result<(), StoreError> {
+        if !force_flush && wal::closed_count(&self.inner.closed) == 0 {
+            return Ok(());
+        }
+        let sled = &self.inner.sled;
+        sled.with(|h| sled.sync_files(h))?;
+        let n = wal::trim_before(&self.inner.log_dir, &self.inner.closed, self.applied)?;
+        if let Ok(mut s) = self.inner.stats.lock() {
+            s.log_trims += n as u64;
+        }
+        Ok(())
+    }
+
+    fn round(&mut self, force_flush: bool) -> Result<(), StoreError> {
+        let r = self.apply().and_then(|()| self.trim(force_flush));
+        let mut err = self
+            .inner
+            .apply_error
+            .lock()
+            .map_err(|_| lock_err("applier error"))?;
+        match &r {
+            Ok(()) => {
+                if err.take().is_some() {
+                    tracing::info!("writing to sled works again");
+                }
+                self.checkpoints
+                    .after_group(&self.inner.sled, &self.inner.stats);
+            }
+            Err(e) => {
+                if err.is_none() {
+                    tracing::error!("failed to write the commit log's records to sled (the log keeps them; tried again): {e}");
+                }
+                *err = Some(e.to_string());
+            }
+        }
+        r
+    }
+}
+
+fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, applied: u64) {
+    let mut a = Applier {
+        inner,
+        checkpoints: Checkpoints::new(&opts.sled),
+        applied,
+    };
+    loop {
+        match ctl.recv_timeout(opts.apply_interval) {
+            Ok(Ctl::Flush(reply)) => {
+                let r = a.round(true);
+                if reply.send(r).is_err() {
+                    tracing::debug!("flush requester went away");
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(e) = a.round(false) {
+                    tracing::debug!("apply round failed: {e}");
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+}
+
+/// Merge a snapshot of the overlay's range (in scan order) with sled's range.
+fn merge(
+    overlay: Vec<(Vec<u8>, Value)>,
+    sled: impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+    reverse: bool,
+    limit: usize,
+) -> Result<Vec<Entry>, StoreError> {
+    let mut out = Vec::new();
+    let mut o = overlay.into_iter().peekable();
+    let mut s = sled.peekable();
+    while out.len() < limit {
+        let sled_key = match s.peek() {
+            Some(Ok((k, _))) => Some(k.clone()),
+            Some(Err(_)) => match s.next() {
+                Some(Err(e)) => return Err(StoreError::Read(e.to_string())),
+                _ => None,
+            },
+            None => None,
+        };
+        let take_overlay = match (o.peek(), &sled_key) {
+            (None, None) => break,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (Some((ok, _)), Some(sk)) => {
+                let ord = ok.as_slice().cmp(sk.as_ref());
+                if ord == std::cmp::Ordering::Equal {
+                    s.next();
+                    true
+                } else {
+                    (ord == std::cmp::Ordering::Less) != reverse
+                }
+            }
+        };
+        if take_overlay {
+            if let Some((k, Some(v))) = o.next() {
+                out.push((k, v.to_vec()));
+            }
+        } else if let Some(Ok((k, v))) = s.next() {
+            out.push((k.to_vec(), v.to_vec()));
+        }
+    }
+    Ok(out)
+}
+
+impl Kv for LoggedKv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        {
+            let o = self
+                .inner
+                .overlay
+                .read()
+                .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
+            if let Some(p) = o.map.get(key) {
+                return Ok(p.value.as_ref().map(|v| v.to_vec()));
+            }
+        }
+        self.inner.sled.with(|h| {
+            h.db.get(key)
+                .map(|o| o.map(|v| v.to_vec()))
+                .map_err(|e| StoreError::Read(e.to_string()))
+        })
+    }
+
+    fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        if start >= end {
+            return Ok(Vec::new());
+        }
+        let pending: Vec<(Vec<u8>, Value)> = {
+            let o = self
+                .inner
+                .overlay
+                .read()
+                .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
+            let range = o.map.range(start.to_vec()..end.to_vec());
+            let entry = |(k, p): (&Vec<u8>, &Pending)| (k.clone(), p.value.clone());
+            if reverse {
+                range.rev().map(entry).collect()
+            } else {
+                range.map(entry).collect()
+            }
+        };
+        self.inner.sled.with(|h| {
+            let range = h.db.range(start.to_vec()..end.to_vec());
+            if reverse {
+                merge(pending, range.rev(), true, limit)
+            } else {
+                merge(pending, range, false, limit)
+            }
+        })
+    }
+
+    fn commit(&self, batch: Batch) -> CommitTicket {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let sent = match self.tx.lock() {
+            Ok(tx) => match tx.as_ref() {
+                Some(tx) => tx.send(Job { batch, reply }).map_err(|e| e.0.reply),
+                None => Err(reply),
+            },
+            Err(_) => Err(reply),
+        };
+        if let Err(reply) = sent {
+            if reply.send(Err(StoreError::Closed)).is_err() {
+                tracing::debug!("committer went away before it learned the store is closed");
+            }
+        }
+        rx
+    }
+
+    /// Committed batches are durable in the log already; this also writes them to
+    /// sled and flushes it, so that the next start has no log to read.
+    fn sync(&self) -> Result<(), StoreError> {
+        self.flush_now()
+    }
+
+    fn commit_stats(&self) -> CommitStats {
+        let mut s = self
+            .inner
+            .stats
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default();
+        s.overlay_keys = self.overlay_len() as u64;
+        s.log_segments = wal::closed_count(&self.inner.closed) as u64 + 1;
+        s
+    }
+
+    fn health(&self) -> Result<(), String> {
+        let dead = |h: &Mutex<Option<std::thread::JoinHandle<()>>>, what: &str| match h.lock() {
+            Ok(g) => match g.as_ref() {
+                Some(t) if t.is_finished() => Err(format!("the store's {what} thread has ended")),
+                _ => Ok(()),
+            },
+            Err(_) => Err(format!("the store's {what} thread lock is poisoned")),
+        };
+        dead(&self.committer, "log writer")?;
+        dead(&self.applier, "applier")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys;
+
+    fn opts() -> LoggedOptions {
+        LoggedOptions {
+            segment_bytes: 4096,
+            apply_interval: Duration::from_millis(5),
+            ..LoggedOptions::default()
+        }
+    }
+
+    fn put(k: &[u8], v: &str) -> Batch {
+        let mut b = Batch::new();
+        b.put_raw(k.to_vec(), v.as_bytes().to_vec());
+        b
+    }
+
+    async fn commit(kv: &LoggedKv, b: Batch) {
+        kv.commit(b).await.expect("answered").expect("committed");
+    }
+
+    #[test]
+    fn records_encode_and_decode() {
+        let mut b = put(b"k1", "v1");
+        b.delete(b"gone".to_vec());
+        b.put_raw(Vec::new(), Vec::new());
+        let ops = decode(&encode(&b)).expect("decode");
+        assert_eq!(format!("{ops:?}"), format!("{:?}", b.ops));
+        assert!(decode(&encode(&b)[..7]).is_err());
+    }
+
+    /// Reads see every acknowledged write whether it is still in the overlay or
+    /// already in sled, scans merge both (deletes hide sled's value), and sled gets
+    /// each key once per round however often it was written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_see_the_overlay_and_sled_merged() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let slow = LoggedOptions {
+            apply_interval: Duration::from_secs(3600),
+            ..opts()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+        for i in 0..10u64 {
+            commit(&kv, put(&keys::event("s", i), &format!("a{i}"))).await;
+        }
+        kv.sync().expect("apply");
+        assert_eq!(kv.overlay_len(), 0);
+        // Now in the overlay only: a new value for 3, 5 deleted, 10 new.
+        commit(&kv, put(&keys::event("s", 3), "b3")).await;
+        let mut b = Batch::new();
+        b.delete(keys::event("s", 5));
+        commit(&kv, b).await;
+        commit(&kv, put(&keys::event("s", 10), "b10")).await;
+        assert_eq!(kv.overlay_len(), 3);
+        let read = |reverse, limit| -> Vec<String> {
+            kv.scan(&keys::event("s", 0), &keys::event_end("s"), reverse, limit)
+                .expect("scan")
+                .into_iter()
+                .map(|(_, v)| String::from_utf8(v).expect("utf8"))
+                .collect()
+        };
+        let want = ["a0", "a1", "a2", "b3", "a4", "a6", "a7", "a8", "a9", "b10"];
+        assert_eq!(read(false, usize::MAX), want);
+        assert_eq!(read(false, 5), want[..5]);
+        let mut rev: Vec<&str> = want.to_vec();
+        rev.reverse();
+        assert_eq!(read(true, usize::MAX), rev);
+        assert_eq!(read(true, 2), rev[..2]);
+        assert_eq!(kv.get(&keys::event("s", 5)).expect("get"), None);
+        assert_eq!(
+            kv.get(&keys::event("s", 3)).expect("get"),
+            Some(b"b3".to_vec())
+        );
+        kv.sync().expect("apply");
+        assert_eq!(kv.overlay_len(), 0);
+        assert_eq!(read(false, usize::MAX), want);
+        assert_eq!(kv.get(APPLIED_KEY).expect("get").map(|v| v.len()), Some(8));
+    }
+
+    /// What was acknowledged but never reached sled (the process died between) is
+    /// read from the log at the next open; a clean close leaves no log to read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_start_replays_what_sled_did_not_get() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let slow = LoggedOptions {
+                apply_interval: Duration::from_secs(3600),
+                ..opts()
+            };
+            let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+            for i in 0..300u64 {
+                commit(&kv, put(&keys::event("s", i), &format!("v{i}"))).await;
+            }
+            let mut b = Batch::new();
+            b.delete(keys::event("s", 7));
+            commit(&kv, b).await;
+            // As if the process died: the threads are left, nothing is applied.
+            std::mem::forget(kv);
+        }
+        let sled_dir = dir.path().to_path_buf();
+        // The forgotten handle still holds sled's lock: copy the files instead.
+        let copy = tempfile::tempdir().expect("tempdir");
+        copy_dir(&sled_dir, copy.path());
+        let (kv, replayed) = LoggedKv::open(copy.path(), opts()).expect("reopen");
+        assert_eq!(replayed.records, 301);
+        let all = kv
+            .scan(
+                &keys::event("s", 0),
+                &keys::event_end("s"),
+                false,
+                usize::MAX,
+            )
+            .expect("scan");
+        assert_eq!(all.len(), 299);
+        assert_eq!(
+            kv.get(&keys::event("s", 299)).expect("get"),
+            Some(b"v299".to_vec())
+        );
+        commit(&kv, put(b"Mx", "after")).await;
+        kv.close().expect("close");
+        drop(kv);
+        let (kv, replayed) = LoggedKv::open(copy.path(), opts()).expect("reopen");
+        assert_eq!(
+            replayed.records, 0,
+            "a clean close leaves nothing to replay"
+        );
+        assert_eq!(kv.get(b"Mx").expect("get"), Some(b"after".to_vec()));
+        assert_eq!(kv.get(&keys::event("s", 7)).expect("get"), None);
+    }
+
+    fn copy_dir(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).expect("mkdir");
+        for e in std::fs::read_dir(from).expect("list") {
+            let e = e.expect("entry");
+            let target = to.join(e.file_name());
+            if e.file_type().expect("type").is_dir() {
+                copy_dir(&e.path(), &target);
+            } else {
+                std::fs::copy(e.path(), &target).expect("copy");
+            }
+        }
+    }
+
+    /// Segments are deleted once sled holds their records, so the log stays small
+    /// under a steady load.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_log_is_trimmed_behind_the_applier() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (kv, _) = LoggedKv::open(dir.path(), opts()).expect("open");
+        for i in 0..2000u64 {
+            commit(&kv, put(&keys::session_meta("s"), &format!("{i:0>100}"))).await;
+        }
+        kv.sync().expect("flush");
+        let segments = std::fs::read_dir(dir.path().join("log"))
+            .expect("list")
+            .count();
+        assert!(segments <= 2, "{segments} segments left");
+        let s = kv.commit_stats();
+        assert!(
+            s.applied_keys < 2000,
+            "rewrites of one key reach sled coalesced: {s:?}"
+        );
+        assert_eq!(
+            kv.get(&keys::session_meta("s")).expect("get"),
+            Some(format!("{:0>100}", 1999).into_bytes())
+        );
+    }
+}

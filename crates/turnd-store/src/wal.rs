@@ -1,0 +1,610 @@
+//! turnd's commit log: the first place a committed batch goes.
+//!
+//! Every batch the engine commits is appended here as one record, and a group of
+//! records is made durable with one `fdatasync` before any of them is acknowledged.
+//! sled is written behind the log ([`crate::logged`]), and the log is trimmed only
+//! once sled holds, flushed and synced, everything the trimmed part held.
+//!
+//! The interface is narrow on purpose (append a group, read everything from the
+//! start at open, trim before a position), so that a replicated log could take its
+//! place.
+//!
+//! **Files.** `log/<first lsn, 20 digits>.seg`. Each segment is preallocated to
+//! `segment_bytes` with `fallocate` when it is created (so an append does not
+//! change the file's size, and a full disk shows up when a segment is created,
+//! before anything is written to it) and its directory entry is synced before the
+//! first record in it is acknowledged.
+//!
+//! **Records.** `len: u32 LE | crc32: u32 LE | lsn: u64 LE | payload (len bytes)`,
+//! the CRC over the lsn's bytes and the payload. Sequence numbers (lsn) are
+//! consecutive across segments; a segment is named by the lsn of its first record.
+//! Preallocated space reads as zeros, and a zero length ends a segment's records.
+//!
+//! **Reading at open.** Records are read in order until the first one that is
+//! incomplete, fails its CRC or does not carry the next lsn: that is a torn tail (a
+//! group whose `fdatasync` had not returned, so nothing in it was acknowledged), and
+//! reading goes on with the next segment, which must start at the next lsn. New
+//! appends always go to a fresh segment, so a torn tail is never written over and
+//! can never be read as valid later. A segment that starts past the next lsn means
+//! acknowledged records are missing: the open fails rather than start without them.
+//!
+//! **A failed append** (a write or an `fdatasync` that returns an error) leaves the
+//! log *failed* at the offset where the group started: every later group is refused
+//! until [`CommitLog::heal`] has written zeros over what the failed group may have
+//! left and synced them, after which appends go on from that offset with the same
+//! lsn. A failure to create the next segment (a full disk) writes nothing, so only
+//! that group fails and the next one tries again.
+//!
+//! The log is written by one thread (the store's committer), outside any tokio
+//! runtime.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::StoreError;
+
+/// Bytes of a record's header: length, CRC, lsn.
+pub const HEADER_BYTES: usize = 16;
+
+/// Default size of one segment file.
+pub const DEFAULT_SEGMENT_BYTES: u64 = 32 * 1024 * 1024;
+
+/// One record read back at open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub lsn: u64,
+    pub payload: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+struct Segment {
+    first_lsn: u64,
+    path: PathBuf,
+}
+
+/// The segments before the one being written, oldest first: shared with the thread
+/// that trims them, so that a trim never waits for an append.
+#[derive(Debug, Default)]
+pub struct Closed {
+    segments: VecDeque<Segment>,
+    /// The lsn the next segment (the one being written, when it closes) starts at.
+    next_first: u64,
+}
+
+/// What [`CommitLog::open`] found.
+pub struct Opened {
+    pub log: CommitLog,
+    /// Every readable record after `applied`, in lsn order.
+    pub records: Vec<Record>,
+    /// Segments read, and bytes of records in them.
+    pub segments: usize,
+    pub bytes: u64,
+}
+
+/// The commit log. See the module documentation.
+pub struct CommitLog {
+    dir: PathBuf,
+    segment_bytes: u64,
+    active: Segment,
+    file: File,
+    /// Where the next record goes in the active segment.
+    offset: u64,
+    /// Size the active segment was allocated with.
+    allocated: u64,
+    next_lsn: u64,
+    closed: Arc<Mutex<Closed>>,
+    /// Set by a failed write or sync: the range of the active segment that the failed
+    /// group may have touched.
+    failed: Option<(u64, u64)>,
+}
+
+fn segment_name(first_lsn: u64) -> String {
+    format!("{first_lsn:020}.seg")
+}
+
+fn io(what: &str, e: std::io::Error) -> StoreError {
+    StoreError::Write(format!("commit log: {what}: {e}"))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::Sync(format!("commit log: fsync dir {dir:?}: {e}")))
+}
+
+fn crc(lsn: u64, payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&lsn.to_le_bytes());
+    h.update(payload);
+    h.finalize()
+}
+
+/// Append one framed record to `buf`.
+fn frame(buf: &mut Vec<u8>, lsn: u64, payload: &[u8]) -> Result<(), StoreError> {
+    let len = u32::try_from(payload.len())
+        .map_err(|_| StoreError::Write(format!("record of {} bytes", payload.len())))?;
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(&crc(lsn, payload).to_le_bytes());
+    buf.extend_from_slice(&lsn.to_le_bytes());
+    buf.extend_from_slice(payload);
+    Ok(())
+}
+
+/// The valid records at the start of `data`, the first carrying `first_lsn`.
+fn parse(data: &[u8], first_lsn: u64) -> Vec<Record> {
+    let mut out = Vec::new();
+    let mut off = 0usize;
+    let mut want = first_lsn;
+    while off + HEADER_BYTES <= data.len() {
+        let h = &data[off..off + HEADER_BYTES];
+        let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let len = word(0) as usize;
+        let sum = word(4);
+        let mut l = [0u8; 8];
+        l.copy_from_slice(&h[8..16]);
+        let lsn = u64::from_le_bytes(l);
+        let end = off + HEADER_BYTES + len;
+        if len == 0 || end > data.len() || lsn != want {
+            break;
+        }
+        let payload = &data[off + HEADER_BYTES..end];
+        if crc(lsn, payload) != sum {
+            break;
+        }
+        out.push(Record {
+            lsn,
+            payload: payload.to_vec(),
+        });
+        off = end;
+        want += 1;
+    }
+    out
+}
+
+impl CommitLog {
+    /// Open the log in `dir` (created if missing), read every record with an lsn after
+    /// `applied` (the last lsn already in sled), delete the segments wholly at or
+    /// before it, and start a fresh segment for appends.
+    pub fn open(dir: &Path, segment_bytes: u64, applied: u64) -> Result<Opened, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|e| io(&format!("create {dir:?}"), e))?;
+        let mut found: Vec<Segment> = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(|e| io("list segments", e))? {
+            let entry = entry.map_err(|e| io("list segments", e))?;
+            let name = entry.file_name();
+            let Some(first) = name
+                .to_str()
+                .and_then(|n| n.strip_suffix(".seg"))
+                .and_then(|n| n.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            found.push(Segment {
+                first_lsn: first,
+                path: entry.path(),
+            });
+        }
+        found.sort_by_key(|s| s.first_lsn);
+
+        // Segments wholly applied: the next one starts at or before `applied + 1`.
+        let mut stale = 0;
+        while stale + 1 < found.len() && found[stale + 1].first_lsn <= applied + 1 {
+            stale += 1;
+        }
+        for s in found.drain(..stale) {
+            std::fs::remove_file(&s.path).map_err(|e| io("remove an applied segment", e))?;
+        }
+
+        let mut records = Vec::new();
+        let mut bytes = 0u64;
+        let mut next: Option<u64> = None;
+        let mut kept = VecDeque::new();
+        for s in &found {
+            if let Some(n) = next {
+                if s.first_lsn != n {
+                    return Err(StoreError::Corrupt(format!(
+                        "commit log: segment {:?} starts at lsn {} but the records before it end at {}",
+                        s.path,
+                        s.first_lsn,
+                        n - 1
+                    )));
+                }
+            }
+            let data = std::fs::read(&s.path).map_err(|e| io("read a segment", e))?;
+            let recs = parse(&data, s.first_lsn);
+            next = Some(s.first_lsn + recs.len() as u64);
+            for r in recs {
+                bytes += (HEADER_BYTES + r.payload.len()) as u64;
+                if r.lsn > applied {
+                    records.push(r);
+                }
+            }
+            kept.push_back(s.clone());
+        }
+        if let Some(first) = kept.front() {
+            if first.first_lsn > applied + 1 {
+                return Err(StoreError::Corrupt(format!(
+                    "commit log: its oldest segment {:?} starts at lsn {} but the store holds records only up to {applied}",
+                    first.path, first.first_lsn
+                )));
+            }
+        }
+        let segments = kept.len();
+        let next_lsn = next.unwrap_or(applied + 1).max(applied + 1);
+        // A last segment without one valid record (created just before a crash, or
+        // holding only a torn group) is replaced by a fresh one of the same name.
+        if let Some(last) = kept.back() {
+            if last.first_lsn == next_lsn {
+                std::fs::remove_file(&last.path).map_err(|e| io("remove an empty segment", e))?;
+                kept.pop_back();
+            }
+        }
+        let closed = Arc::new(Mutex::new(Closed {
+            segments: kept,
+            next_first: next_lsn,
+        }));
+        let (active, file, allocated) = Self::create(dir, next_lsn, segment_bytes)?;
+        Ok(Opened {
+            log: CommitLog {
+                dir: dir.to_path_buf(),
+                segment_bytes,
+                active,
+                file,
+                offset: 0,
+                allocated,
+                next_lsn,
+                closed,
+                failed: None,
+            },
+            records,
+            segments,
+            bytes,
+        })
+    }
+
+    /// Create, preallocate and sync a new segment starting at `first_lsn`.
+    fn create(dir: &Path, first_lsn: u64, bytes: u64) -> Result<(Segment, File, u64), StoreError> {
+        let path = dir.join(segment_name(first_lsn));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| io(&format!("create {path:?}"), e))?;
+        let allocated = bytes.max(1);
+        let prealloc =
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, allocated)
+                .map_err(|e| io("preallocate a segment", std::io::Error::from(e)));
+        let synced = prealloc.and_then(|()| {
+            file.sync_all()
+                .map_err(|e| StoreError::Sync(format!("commit log: fsync a new segment: {e}")))
+        });
+        if let Err(e) = synced.and_then(|()| sync_dir(dir)) {
+            // Nothing was written to it: remove it, so the next try starts clean.
+            if let Err(rm) = std::fs::remove_file(&path) {
+                tracing::warn!(
+                    "failed to remove the segment {path:?} that could not be created: {rm}"
+                );
+            }
+            return Err(e);
+        }
+        Ok((Segment { first_lsn, path }, file, allocated))
+    }
+
+    /// The lsn the next appended record gets.
+    pub fn next_lsn(&self) -> u64 {
+        self.next_lsn
+    }
+
+    /// The list of closed segments, for [`trim_before`].
+    pub fn closed(&self) -> Arc<Mutex<Closed>> {
+        self.closed.clone()
+    }
+
+    /// Whether a failed append waits for [`CommitLog::heal`].
+    pub fn is_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    /// Append `payloads` as consecutive records and, with `sync`, make them durable.
+    /// Returns the lsn of the first. On an error nothing of the group counts as
+    /// written.
+    pub fn append_group(&mut self, payloads: &[Vec<u8>], sync: bool) -> Result<u64, StoreError> {
+        if self.failed.is_some() {
+            return Err(StoreError::Write(
+                "commit log: an earlier append failed and the log has not been repaired yet".into(),
+            ));
+        }
+        let first = self.next_lsn;
+        let mut buf = Vec::with_capacity(
+            payloads
+                .iter()
+                .map(|p| p.len() + HEADER_BYTES)
+                .sum::<usize>(),
+        );
+        for (i, p) in payloads.iter().enumerate() {
+            frame(&mut buf, first + i as u64, p)?;
+        }
+        let len = buf.len() as u64;
+        // A group goes whole into one segment. The segment is closed when the group
+        // does not fit; a group larger than a segment gets a segment of its own size.
+        if self.offset + len > self.allocated {
+            self.roll(len)?;
+        }
+        let start = self.offset;
+        let written = self
+            .file
+            .write_all_at(&buf, start)
+            .map_err(|e| io("write", e))
+            .and_then(|()| {
+                if !sync {
+                    return Ok(());
+                }
+                self.file
+                    .sync_data()
+                    .map_err(|e| StoreError::Sync(format!("commit log: fdatasync: {e}")))
+            });
+        match written {
+            Ok(()) => {
+                self.offset += len;
+                self.next_lsn += payloads.len() as u64;
+                Ok(first)
+            }
+            Err(e) => {
+                self.failed = Some((start, start + len));
+                Err(e)
+            }
+        }
+    }
+
+    /// Close the active segment and start the next one, sized for at least `need`.
+    fn roll(&mut self, need: u64) -> Result<(), StoreError> {
+        let (seg, file, allocated) =
+            Self::create(&self.dir, self.next_lsn, self.segment_bytes.max(need))?;
+        let old = std::mem::replace(&mut self.active, seg);
+        // An empty active segment (a group larger than a segment arrived first) is
+        // replaced, not kept.
+        if self.offset == 0 {
+            if old.path != self.active.path {
+                std::fs::remove_file(&old.path).map_err(|e| io("remove an empty segment", e))?;
+            }
+        } else {
+            let mut closed = self.closed.lock().map_err(|_| lock_poisoned())?;
+            closed.segments.push_back(old);
+            closed.next_first = self.next_lsn;
+        }
+        self.file = file;
+        self.allocated = allocated;
+        self.offset = 0;
+        Ok(())
+    }
+
+    /// After a failed append: write zeros over what the failed group may have left
+    /// and sync them, so that a later open cannot read any of it. Appends go on from
+    /// where the failed group started, with its lsn.
+    pub fn heal(&mut self) -> Result<(), StoreError> {
+        let Some((start, end)) = self.failed else {
+            return Ok(());
+        };
+        let zeros = vec![0u8; (end - start) as usize];
+        self.file
+            .write_all_at(&zeros, start)
+            .map_err(|e| io("write zeros over a failed append", e))?;
+        self.file
+            .sync_data()
+            .map_err(|e| StoreError::Sync(format!("commit log: fdatasync after repair: {e}")))?;
+        self.failed = None;
+        Ok(())
+    }
+
+    /// Sync the active segment (nothing is buffered; used at close).
+    pub fn flush(&mut self) -> Result<(), StoreError> {
+        self.file
+            .flush()
+            .and_then(|()| self.file.sync_data())
+            .map_err(|e| StoreError::Sync(format!("commit log: fdatasync: {e}")))
+    }
+}
+
+fn lock_poisoned() -> StoreError {
+    StoreError::Write("commit log: segment list lock poisoned".into())
+}
+
+/// Delete the closed segments whose every record has an lsn at or before `applied`
+/// (sled holds them, flushed and synced), then sync the directory so that a deleted
+/// segment cannot come back after a power loss. Returns how many were deleted.
+pub fn trim_before(dir: &Path, closed: &Mutex<Closed>, applied: u64) -> Result<usize, StoreError> {
+    let doomed: Vec<Segment> = {
+        let mut c = closed.lock().map_err(|_| lock_poisoned())?;
+        let mut doomed = Vec::new();
+        loop {
+            // A segment ends where the next one (or the active one) starts.
+            let ends_before = match c.segments.get(1) {
+                Some(next) => next.first_lsn,
+                None => c.next_first,
+            };
+            match c.segments.front() {
+                Some(_) if ends_before <= applied + 1 => {
+                    if let Some(s) = c.segments.pop_front() {
+                        doomed.push(s);
+                    }
+                }
+                _ => break,
+            }
+        }
+        doomed
+    };
+    for s in &doomed {
+        std::fs::remove_file(&s.path).map_err(|e| io("remove a trimmed segment", e))?;
+    }
+    if !doomed.is_empty() {
+        sync_dir(dir)?;
+    }
+    Ok(doomed.len())
+}
+
+/// The number of closed segments and the lsn where the log's oldest record is.
+pub fn closed_count(closed: &Mutex<Closed>) -> usize {
+    closed.lock().map(|c| c.segments.len()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payloads(range: std::ops::Range<u32>) -> Vec<Vec<u8>> {
+        range.map(|i| format!("record {i}").into_bytes()).collect()
+    }
+
+    fn lsns(records: &[Record]) -> Vec<u64> {
+        records.iter().map(|r| r.lsn).collect()
+    }
+
+    fn segment_files(dir: &Path) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .expect("list")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn records_read_back_in_order_across_segments_and_opens() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let o = CommitLog::open(dir.path(), 256, 0).expect("open");
+        assert!(o.records.is_empty());
+        let mut log = o.log;
+        assert_eq!(log.append_group(&payloads(0..3), true).expect("append"), 1);
+        // 10 records of ~25 bytes do not fit the 256-byte segment: a new one.
+        assert_eq!(log.append_group(&payloads(3..13), true).expect("append"), 4);
+        assert_eq!(
+            log.append_group(&payloads(13..14), true).expect("append"),
+            14
+        );
+        drop(log);
+        let o = CommitLog::open(dir.path(), 256, 0).expect("reopen");
+        assert_eq!(lsns(&o.records), (1..=14).collect::<Vec<_>>());
+        assert_eq!(o.records[13].payload, b"record 13");
+        assert_eq!(o.log.next_lsn(), 15);
+        // Records at or before `applied` are not returned, and wholly applied
+        // segments are deleted.
+        drop(o);
+        let before = segment_files(dir.path()).len();
+        let o = CommitLog::open(dir.path(), 256, 13).expect("reopen");
+        assert_eq!(lsns(&o.records), vec![14]);
+        assert!(segment_files(dir.path()).len() < before);
+    }
+
+    #[test]
+    fn a_torn_tail_ends_reading_and_is_never_read_later() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = CommitLog::open(dir.path(), 1 << 20, 0).expect("open").log;
+        log.append_group(&payloads(0..5), true).expect("append");
+        let path = log.active.path.clone();
+        let offset = log.offset;
+        drop(log);
+        // A group whose sync never returned: its second record is complete and
+        // valid, its first was not written whole (a byte of it is wrong).
+        let mut torn = Vec::new();
+        frame(&mut torn, 6, b"first of the torn group").expect("frame");
+        frame(&mut torn, 7, b"second, complete").expect("frame");
+        torn[HEADER_BYTES + 2] ^= 0xff;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open seg");
+        f.write_all_at(&torn, offset).expect("write");
+        drop(f);
+        let o = CommitLog::open(dir.path(), 1 << 20, 0).expect("reopen");
+        assert_eq!(lsns(&o.records), vec![1, 2, 3, 4, 5]);
+        let mut log = o.log;
+        assert_eq!(log.append_group(&payloads(5..7), true).expect("append"), 6);
+        drop(log);
+        let o = CommitLog::open(dir.path(), 1 << 20, 0).expect("reopen");
+        assert_eq!(lsns(&o.records), vec![1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(o.records[5].payload, b"record 5");
+    }
+
+    #[test]
+    fn a_corrupted_record_ends_reading_and_a_later_gap_fails_the_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = CommitLog::open(dir.path(), 48, 0).expect("open").log;
+        for i in 0..6 {
+            log.append_group(&payloads(i..i + 1), true).expect("append");
+        }
+        drop(log);
+        let files = segment_files(dir.path());
+        assert!(files.len() >= 3, "{files:?}");
+        // One flipped payload byte in the last record of the first segment.
+        let mut data = std::fs::read(&files[0]).expect("read");
+        let recs = parse(&data, 1);
+        let last_end: usize = recs.iter().map(|r| HEADER_BYTES + r.payload.len()).sum();
+        data[last_end - 1] ^= 0xff;
+        std::fs::write(&files[0], &data).expect("write");
+        match CommitLog::open(dir.path(), 48, 0) {
+            Err(StoreError::Corrupt(m)) => assert!(m.contains("starts at lsn"), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(o) => panic!("opened with records {:?}", lsns(&o.records)),
+        }
+    }
+
+    #[test]
+    fn a_failed_append_is_zeroed_by_heal_and_appends_go_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = CommitLog::open(dir.path(), 1 << 20, 0).expect("open").log;
+        log.append_group(&payloads(0..2), true).expect("append");
+        // What a failed group may leave: valid-looking records 3 and 4.
+        let start = log.offset;
+        let mut left = Vec::new();
+        frame(&mut left, 3, b"never acknowledged").expect("frame");
+        frame(&mut left, 4, b"never acknowledged either").expect("frame");
+        log.file.write_all_at(&left, start).expect("write");
+        log.failed = Some((start, start + left.len() as u64));
+        assert!(
+            log.append_group(&payloads(9..10), true).is_err(),
+            "refused until healed"
+        );
+        log.heal().expect("heal");
+        assert_eq!(log.append_group(&[b"x".to_vec()], true).expect("append"), 3);
+        drop(log);
+        let o = CommitLog::open(dir.path(), 1 << 20, 0).expect("reopen");
+        assert_eq!(lsns(&o.records), vec![1, 2, 3]);
+        assert_eq!(o.records[2].payload, b"x");
+    }
+
+    #[test]
+    fn trimming_deletes_only_segments_wholly_applied() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = CommitLog::open(dir.path(), 50, 0).expect("open").log;
+        for i in 0..8 {
+            log.append_group(&payloads(i..i + 1), true).expect("append");
+        }
+        let closed = log.closed();
+        let before = closed_count(&closed);
+        assert!(before >= 3, "{before}");
+        // Nothing before lsn 1 is applied: nothing goes.
+        assert_eq!(trim_before(dir.path(), &closed, 0).expect("trim"), 0);
+        let first_seg_end = closed.lock().expect("lock").segments[1].first_lsn - 1;
+        assert_eq!(
+            trim_before(dir.path(), &closed, first_seg_end - 1).expect("trim"),
+            0
+        );
+        assert_eq!(
+            trim_before(dir.path(), &closed, first_seg_end).expect("trim"),
+            1
+        );
+        assert_eq!(
+            trim_before(dir.path(), &closed, 8).expect("trim"),
+            before - 1
+        );
+        drop(log);
+        let o = CommitLog::open(dir.path(), 50, 8).expect("reopen");
+        assert!(o.records.is_empty());
+        assert_eq!(o.log.next_lsn(), 9);
+    }
+}
