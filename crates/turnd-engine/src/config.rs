@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Timers and limits of the turn state machine. Every field is a config key of the
-/// `[turns]` section (`retention_terminal_hours` is `[retention] terminal_hours`).
+/// `[turns]` section; `retention_*` are the `[retention]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineConfig {
@@ -30,6 +30,10 @@ pub struct EngineConfig {
     pub max_queued_per_session: u64,
     /// Largest `input` (and step output/state) in bytes of JSON.
     pub max_value_bytes: u64,
+    /// How long a terminal turn is kept after it finished; 0 keeps it for good.
+    pub retention_terminal_ms: u64,
+    /// How often retention looks for turns to delete.
+    pub retention_sweep_interval_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +49,8 @@ impl Default for EngineConfig {
             retry_backoff_max_ms: 60_000,
             max_queued_per_session: 10_000,
             max_value_bytes: 512 * 1024,
+            retention_terminal_ms: 72 * 3_600_000,
+            retention_sweep_interval_ms: 60_000,
         }
     }
 }

@@ -26,6 +26,8 @@ use turnd_store::{
     RawJson, SessionMeta, Store, StoreError, TurnRecord,
 };
 
+mod retention;
+
 use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::metrics::Counters;
@@ -85,9 +87,10 @@ struct Inner {
     store: Store,
     clock: Clock,
     boot_id: String,
-    /// Every session used since start-up. Cells are never removed: `stored_sessions`
-    /// relies on it (a session evicted from here would be taken for a new one and
-    /// reuse its `seq`s).
+    /// Every session used since start-up. A cell leaves only when retention forgets
+    /// its session, after deleting its meta from the store (`retention.rs`): any other
+    /// session evicted from here would be taken for a new one by `stored_sessions`
+    /// and reuse its `seq`s.
     sessions: Mutex<HashMap<String, Arc<SessionCell>>>,
     /// The session of every unfinished turn, by the 128 bits of its id, so
     /// `turn.get` and `turn.wait` find a live turn without a store read (a sled read
@@ -149,6 +152,7 @@ impl Engine {
             }),
         };
         engine.recover().await?;
+        engine.spawn_retention();
         Ok(engine)
     }
 

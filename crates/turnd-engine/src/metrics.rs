@@ -23,6 +23,8 @@ pub struct Counters {
     pub cancels_sent: AtomicU64,
     pub stops: AtomicU64,
     pub write_failures: AtomicU64,
+    /// Terminal turns deleted by retention.
+    pub turns_expired: AtomicU64,
     /// Probe answers by state.
     pub probe_answers: Mutex<BTreeMap<&'static str, u64>>,
     /// Terminal transitions by status and cause (`completed`, `cancelled`,

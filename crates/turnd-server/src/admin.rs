@@ -252,6 +252,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         Counters::get(&c.write_failures),
     );
 
+    counter(
+        &mut reg,
+        "retention_deleted_turns",
+        "Terminal turns deleted by retention",
+        Counters::get(&c.turns_expired),
+    );
+
     let cs = e.store().kv().commit_stats();
     counter(
         &mut reg,

@@ -102,8 +102,15 @@ pub struct TurnsConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct RetentionConfig {
-    /// Hours terminal turns are kept (reserved: not enforced yet).
-    pub terminal_hours: u64,
+    /// How long a terminal turn is kept after it finished, in ms; 0 keeps it for good.
+    pub terminal_ms: u64,
+    /// How often retention looks for turns to delete, in ms.
+    pub sweep_interval_ms: u64,
+    /// The key of earlier versions, in hours: refused, with a message naming
+    /// `terminal_ms` (a file that still sets it must not silently keep turns longer or
+    /// shorter than it says).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub terminal_hours: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -189,7 +196,12 @@ impl Default for TurnsConfig {
 
 impl Default for RetentionConfig {
     fn default() -> Self {
-        RetentionConfig { terminal_hours: 72 }
+        let e = EngineConfig::default();
+        RetentionConfig {
+            terminal_ms: e.retention_terminal_ms,
+            sweep_interval_ms: e.retention_sweep_interval_ms,
+            terminal_hours: None,
+        }
     }
 }
 
@@ -208,6 +220,7 @@ const OPTIONAL_KEYS: &[&str] = &[
     "auth.token_file",
     "server.tls_cert",
     "server.tls_key",
+    "retention.terminal_hours",
 ];
 
 /// A config that could not be loaded, with every problem found.
@@ -344,6 +357,19 @@ impl Config {
                 self.storage.sync
             ));
         }
+        if let Some(h) = self.retention.terminal_hours {
+            p.push(format!(
+                "retention.terminal_hours was replaced by retention.terminal_ms (milliseconds): \
+                 write terminal_ms = {} instead",
+                h.saturating_mul(3_600_000)
+            ));
+        }
+        if !(1..=86_400_000).contains(&self.retention.sweep_interval_ms) {
+            p.push(format!(
+                "retention.sweep_interval_ms must be between 1 and 86400000, not {}",
+                self.retention.sweep_interval_ms
+            ));
+        }
         if self.storage.data_dir.as_os_str().is_empty() {
             p.push("storage.data_dir must not be empty".into());
         }
@@ -450,6 +476,8 @@ impl Config {
             retry_backoff_max_ms: t.retry_backoff_max_ms,
             max_queued_per_session: t.max_queued_per_session,
             max_value_bytes: t.max_value_bytes,
+            retention_terminal_ms: self.retention.terminal_ms,
+            retention_sweep_interval_ms: self.retention.sweep_interval_ms,
         }
     }
 
@@ -588,6 +616,41 @@ mod tests {
         assert_eq!(l.config.turns.reconnect_grace_ms, 10_000);
         assert_eq!(l.warnings.len(), 2, "{:?}", l.warnings);
         l.config.validate().expect("valid");
+    }
+
+    /// The hours key of earlier versions is refused, naming the key that replaced it
+    /// and the value to write, from a file and from the environment alike.
+    #[test]
+    fn the_old_retention_key_is_refused_with_its_replacement() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("t.toml");
+        std::fs::write(&f, "[retention]\nterminal_hours = 24\n").expect("write");
+        let load = |file: Option<&Path>, env: Vec<(String, String)>| {
+            Config::load(file, env).and_then(|l| l.config.validate().map(|()| l))
+        };
+        let msg = match load(Some(&f), Vec::new()) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("terminal_hours accepted"),
+        };
+        assert!(
+            msg.contains("retention.terminal_ms") && msg.contains("86400000"),
+            "{msg}"
+        );
+        let env = vec![(
+            "TURND_RETENTION__TERMINAL_HOURS".to_string(),
+            "1".to_string(),
+        )];
+        let msg = match load(None, env) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("terminal_hours accepted"),
+        };
+        assert!(msg.contains("terminal_ms = 3600000"), "{msg}");
+        let ok = vec![(
+            "TURND_RETENTION__TERMINAL_MS".to_string(),
+            "5000".to_string(),
+        )];
+        let loaded = load(None, ok).expect("terminal_ms loads");
+        assert_eq!(loaded.config.engine_config().retention_terminal_ms, 5000);
     }
 
     #[test]

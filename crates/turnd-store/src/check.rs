@@ -240,13 +240,18 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         }
     }
 
-    // Event sequences: contiguous up to the session's last event.
+    // Event sequences: contiguous from 1 up to the session's last event; once
+    // retention deleted events of the session, ascending and not past it.
     for meta in &metas {
         let events = store.events(&meta.session_id, 0, usize::MAX)?;
-        // Event sequences start at 1 and nothing deletes events yet.
         let mut expect = 1;
         for e in &events {
-            if e.seq != expect {
+            let gap = if meta.events_pruned {
+                e.seq < expect || e.seq > meta.last_event_seq
+            } else {
+                e.seq != expect
+            };
+            if gap {
                 out.push(Violation {
                     invariant: "event_gap".into(),
                     turn_id: None,
@@ -256,7 +261,8 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
             }
             expect = e.seq + 1;
         }
-        if expect.saturating_sub(1) != meta.last_event_seq
+        if !meta.events_pruned
+            && expect.saturating_sub(1) != meta.last_event_seq
             && !(events.is_empty() && meta.last_event_seq == 0)
         {
             out.push(Violation {

@@ -344,6 +344,49 @@ impl Store {
         Ok(out)
     }
 
+    /// Up to `limit` turn records in key order (turn ids are UUIDv7, so oldest first)
+    /// from `from` on ([`Store::FIRST`]: the first), and where the next page starts.
+    /// An input stored apart is not read back (`input` is empty then).
+    pub fn turns_page(
+        &self,
+        from: &[u8],
+        limit: usize,
+    ) -> Result<(Vec<TurnRecord>, Option<Vec<u8>>), StoreError> {
+        let (page, next) = self.page(keys::turn_range(), from, limit)?;
+        let turns = page
+            .iter()
+            .map(|(_, v)| decode("turn", v))
+            .collect::<Result<_, _>>()?;
+        Ok((turns, next))
+    }
+
+    /// Up to `limit` stored event values of a session from key `from` on (None: its
+    /// first), each with its key, and where the next page starts.
+    #[allow(clippy::type_complexity)]
+    pub fn event_values_page(
+        &self,
+        session_id: &str,
+        from: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<(Vec<(Vec<u8>, Vec<Event>)>, Option<Vec<u8>>), StoreError> {
+        let start = keys::event(session_id, 0);
+        let end = keys::event_end(session_id);
+        let page = self.kv.scan(from.unwrap_or(&start), &end, false, limit)?;
+        let next = next_page(&page, limit);
+        let values = page
+            .into_iter()
+            .map(|(k, v)| {
+                let group: Vec<Event> = if v.first() == Some(&b'[') {
+                    decode("events", &v)?
+                } else {
+                    vec![decode("event", &v)?]
+                };
+                Ok((k, group))
+            })
+            .collect::<Result<_, StoreError>>()?;
+        Ok((values, next))
+    }
+
     /// Turn ids of a session with `seq < before`, newest first, at most `limit`.
     pub fn session_turn_ids(
         &self,

@@ -379,6 +379,10 @@ pub struct SessionMeta {
     /// turn is terminal. Recovery reads the session's turn list from here on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active_from: Option<u64>,
+    /// Retention deleted events of this session, so its stored events may start
+    /// after 1 and have holes (those of deleted turns).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub events_pruned: bool,
 }
 
 impl SessionMeta {
@@ -389,6 +393,7 @@ impl SessionMeta {
             last_event_seq: 0,
             counts: TurnCounts::default(),
             active_from: None,
+            events_pruned: false,
         }
     }
 }
