@@ -6,8 +6,8 @@
 # results a worker reports, turn stops, a session stop), stops it with SIGTERM, and
 # has scripts/check_fsync.py verify from the trace that every acknowledgement of
 # turn.submit / turn.stop / session.stop / invocation.result was written to its socket
-# only after an fdatasync/fsync of sled's `db` file that began after the
-# acknowledged change was written to that file.
+# only after an fdatasync/fsync of the commit log segment holding the acknowledged
+# change that began after the change was written to that file.
 #
 # Then a control run with storage.sync = "never" must FAIL the same check: a check
 # that cannot fail proves nothing.

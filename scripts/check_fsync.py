@@ -25,10 +25,10 @@ How it works:
    changed nothing: a deduplicated submit, a result answered `duplicate` or
    `unknown`, a session stop with no turn to stop.
 4. For each one, the key of the change (the new turn's id, the stopped turn's id,
-   the session id, the invocation id) must appear in a write to sled's `db` file
-   that began after the request was read, and an `fdatasync`/`fsync` of that file
-   must have begun after that write returned and returned before the response was
-   written to the socket.
+   the session id, the invocation id) must appear in a write to a commit log segment
+   (`<data dir>/log/<lsn>.seg`) that began after the request was read, and an
+   `fdatasync`/`fsync` of that same segment file must have begun after that write
+   returned and returned before the response was written to the socket.
 
 Exit status 0 when every acknowledgement passes, 1 otherwise (each failure listed),
 2 when the trace holds no acknowledgement at all.
@@ -190,6 +190,13 @@ class Stream:
             i += h + n
 
 
+def is_log_segment(path):
+    """A commit log segment: `<data dir>/log/<20-digit lsn>.seg`."""
+    return os.path.basename(os.path.dirname(path)) == "log" and re.fullmatch(
+        r"\d{20}\.seg", os.path.basename(path)
+    ) is not None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
@@ -208,13 +215,13 @@ def main():
             truncated += cut
             direction = "in" if ev.name in READS else "out"
             streams[what][direction].add(data, ev.start, ev.end)
-        elif kind == "file" and os.path.basename(what) == "db":
+        elif kind == "file" and is_log_segment(what):
             if ev.name in WRITES:
                 data, cut = ev.buffers()
                 truncated += cut
-                db_writes.append((ev.start, ev.end, data))
+                db_writes.append((ev.start, ev.end, data, what))
             elif ev.name in SYNCS and ev.ret == 0:
-                db_syncs.append((ev.start, ev.end, ev.name))
+                db_syncs.append((ev.start, ev.end, ev.name, what))
     if truncated:
         print(f"warning: {truncated} buffers were truncated by strace (-s too small)")
 
@@ -277,12 +284,15 @@ def main():
         kb = key.encode()
         write = next((w for w in db_writes if w[0] > read_at and kb in w[2]), None)
         if write is None or write[0] > sent_at:
-            failures.append(f"{what}: acknowledged (trace line {sent_at + 1}) before any write of {key} to sled's db file")
+            failures.append(f"{what}: acknowledged (trace line {sent_at + 1}) before any write of {key} to the commit log")
             continue
-        sync = next((s for s in db_syncs if s[0] > write[1] and s[1] < sent_at), None)
+        sync = next(
+            (s for s in db_syncs if s[0] > write[1] and s[1] < sent_at and s[3] == write[3]),
+            None,
+        )
         if sync is None:
             failures.append(
-                f"{what}: written to db at trace line {write[0] + 1} but acknowledged at line {sent_at + 1} with no fsync/fdatasync of db in between"
+                f"{what}: written to {write[3]} at trace line {write[0] + 1} but acknowledged at line {sent_at + 1} with no fsync/fdatasync of that file in between"
             )
             continue
         gaps.append(sent_at - sync[1])
@@ -295,7 +305,8 @@ def main():
         + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")
         + f"; exempt (nothing written): {dict(exempt) or 'none'}"
     )
-    print(f"db file: {len(db_writes)} writes, {len(db_syncs)} fsync-class calls ({', '.join(sorted({s[2] for s in db_syncs})) or 'none'})")
+    segments = sorted({w[3] for w in db_writes})
+    print(f"commit log: {len(segments)} segment files, {len(db_writes)} writes, {len(db_syncs)} fsync-class calls ({', '.join(sorted({s[2] for s in db_syncs})) or 'none'})")
     if total == 0:
         print("FAIL: no acknowledgement found in the trace")
         return 2
@@ -304,7 +315,7 @@ def main():
             print("FAIL: " + f)
         print(f"FAIL: {len(failures)} of {total} acknowledgements were not preceded by an fsync of their write")
         return 1
-    print(f"PASS: all {total} acknowledgements were written to the socket after an fsync-class call on sled's db file that began after their data was written")
+    print(f"PASS: all {total} acknowledgements were written to the socket after an fsync-class call on the commit log segment holding their data that began after it was written")
     return 0
 
 

@@ -26,6 +26,7 @@ mod drive;
 mod measure;
 mod scenarios;
 mod sled_probe;
+mod soak;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -182,6 +183,39 @@ enum Cmd {
         #[arg(long, default_value_t = 270)]
         value_bytes: usize,
     },
+    /// A sustained closed-loop load on a real `turnd` binary: throughput per second,
+    /// the longest interval with no completion, p50/p99/p99.9, disk per turn, RSS.
+    Soak {
+        /// The turnd binary to run (so that two builds run the same load).
+        #[arg(long)]
+        turnd: PathBuf,
+        #[arg(long, default_value_t = 100)]
+        sessions: usize,
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Filler in every input (returned as the output), in bytes.
+        #[arg(long, default_value_t = 0)]
+        input_bytes: usize,
+        /// retention.terminal_ms of the daemon (default: the daemon's own).
+        #[arg(long)]
+        retention_ms: Option<u64>,
+        /// retention.sweep_interval_ms, with --retention-ms.
+        #[arg(long, default_value_t = 1000)]
+        sweep_ms: u64,
+        /// Seconds between marks of disk use and RSS.
+        #[arg(long, default_value_t = 10)]
+        mark_every: u64,
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        #[arg(long, default_value_t = 8)]
+        callers: usize,
+        /// Directory for the temporary data directory (default: the system temp dir).
+        #[arg(long)]
+        tmp: Option<PathBuf>,
+        /// More environment for the daemon, KEY=VALUE (e.g. TURND_STORAGE__CHECKPOINT_MB=0).
+        #[arg(long = "env")]
+        env: Vec<String>,
+    },
     /// A small known load against an external daemon (for scripts/check-fsync.sh).
     Drive {
         /// The daemon's WebSocket URL, e.g. ws://127.0.0.1:7420/v1.
@@ -327,6 +361,42 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             keys,
             value_bytes,
         }),
+        Cmd::Soak {
+            turnd,
+            sessions,
+            seconds,
+            input_bytes,
+            retention_ms,
+            sweep_ms,
+            mark_every,
+            workers,
+            callers,
+            tmp,
+            env,
+        } => {
+            init_tracing("warn");
+            let env = env
+                .iter()
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .ok_or_else(|| anyhow::anyhow!("--env takes KEY=VALUE, not {kv:?}"))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            runtime()?.block_on(soak::soak(soak::SoakArgs {
+                turnd,
+                sessions,
+                seconds,
+                input_bytes,
+                retention_ms,
+                sweep_ms,
+                mark_every,
+                workers,
+                callers,
+                tmp,
+                env,
+            }))
+        }
         Cmd::Drive {
             url,
             sessions,

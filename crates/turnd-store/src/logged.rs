@@ -52,6 +52,37 @@ use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
 /// sorts before every key of the layout (`crate::keys`), whose scans never reach it.
 pub const APPLIED_KEY: &[u8] = b"\x00applied";
 
+/// A value stored in sled compressed starts with these two bytes (no value of the
+/// layout does: they are JSON text, turn ids, or the applied mark, which is never
+/// compressed), followed by LZ4 block data with its length prepended.
+const PACKED: [u8; 2] = [0, b'4'];
+/// Values shorter than this are stored as they are.
+const PACK_FROM: usize = 96;
+
+/// The form a value takes in sled: LZ4-compressed when that saves space (turn and
+/// invocation records and events are JSON with many repeated field names).
+fn pack(v: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if v.len() >= PACK_FROM {
+        let c = lz4_flex::block::compress_prepend_size(v);
+        if c.len() + PACKED.len() < v.len() {
+            let mut out = Vec::with_capacity(c.len() + PACKED.len());
+            out.extend_from_slice(&PACKED);
+            out.extend_from_slice(&c);
+            return std::borrow::Cow::Owned(out);
+        }
+    }
+    std::borrow::Cow::Borrowed(v)
+}
+
+/// A value read from sled, decompressed when [`pack`] compressed it.
+fn unpack(v: &[u8]) -> Result<Vec<u8>, StoreError> {
+    match v.strip_prefix(&PACKED[..]) {
+        Some(c) => lz4_flex::block::decompress_size_prepended(c)
+            .map_err(|e| StoreError::Corrupt(format!("compressed value: {e}"))),
+        None => Ok(v.to_vec()),
+    }
+}
+
 /// Most keys in one sled `apply_batch` of the applier.
 const APPLY_KEYS: usize = APPLY_CHUNK * 32;
 
@@ -120,8 +151,11 @@ struct Inner {
     stats: Mutex<CommitStats>,
     log_dir: PathBuf,
     closed: Arc<Mutex<wal::Closed>>,
-    /// The last applier error, until an apply and flush succeed again.
-    apply_error: Mutex<Option<String>>,
+    /// The last applier error and since when it has been failing, until an apply
+    /// and flush succeed again.
+    apply_error: Mutex<Option<(String, Instant)>>,
+    /// How long the applier may keep failing before [`Kv::health`] fails.
+    apply_patience: Duration,
 }
 
 /// The store: commit log in front, sled behind. See the module documentation.
@@ -266,6 +300,7 @@ impl LoggedKv {
             log_dir,
             closed,
             apply_error: Mutex::new(None),
+            apply_patience: opts.heal_interval.saturating_mul(10),
         });
         let (tx, rx) = mpsc::channel::<Job>();
         let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
@@ -373,8 +408,9 @@ fn apply_to_sled<'a>(
         for (k, v) in entries {
             match v {
                 Some(v) => {
+                    let v = pack(v);
                     bytes += (k.len() + v.len()) as u64;
-                    batch.insert(k.as_slice(), v);
+                    batch.insert(k.as_slice(), &*v);
                 }
                 None => {
                     bytes += k.len() as u64;
@@ -540,10 +576,14 @@ impl Applier<'_> {
                     .after_group(&self.inner.sled, &self.inner.stats);
             }
             Err(e) => {
-                if err.is_none() {
-                    tracing::error!("failed to write the commit log's records to sled (the log keeps them; tried again): {e}");
-                }
-                *err = Some(e.to_string());
+                let since = match err.as_ref() {
+                    Some((_, since)) => *since,
+                    None => {
+                        tracing::error!("failed to write the commit log's records to sled (the log keeps them; tried again): {e}");
+                        Instant::now()
+                    }
+                };
+                *err = Some((e.to_string(), since));
             }
         }
         r
@@ -612,7 +652,7 @@ fn merge(
                 out.push((k, v.to_vec()));
             }
         } else if let Some(Ok((k, v))) = s.next() {
-            out.push((k.to_vec(), v.to_vec()));
+            out.push((k.to_vec(), unpack(&v)?));
         }
     }
     Ok(out)
@@ -631,9 +671,10 @@ impl Kv for LoggedKv {
             }
         }
         self.inner.sled.with(|h| {
-            h.db.get(key)
-                .map(|o| o.map(|v| v.to_vec()))
-                .map_err(|e| StoreError::Read(e.to_string()))
+            match h.db.get(key).map_err(|e| StoreError::Read(e.to_string()))? {
+                Some(v) => unpack(&v).map(Some),
+                None => Ok(None),
+            }
         })
     }
 
@@ -715,7 +756,19 @@ impl Kv for LoggedKv {
             Err(_) => Err(format!("the store's {what} thread lock is poisoned")),
         };
         dead(&self.committer, "log writer")?;
-        dead(&self.applier, "applier")
+        dead(&self.applier, "applier")?;
+        // sled refuses every operation after some write errors until it is opened
+        // again: an applier that keeps failing needs a restart, which replays the log.
+        match self.inner.apply_error.lock() {
+            Ok(g) => match g.as_ref() {
+                Some((e, since)) if since.elapsed() >= self.inner.apply_patience => Err(format!(
+                    "writing to sled has failed for {} s (the commit log keeps every change; a restart writes it to sled): {e}",
+                    since.elapsed().as_secs()
+                )),
+                _ => Ok(()),
+            },
+            Err(_) => Err("the store's applier error lock is poisoned".into()),
+        }
     }
 }
 
@@ -740,6 +793,19 @@ mod tests {
 
     async fn commit(kv: &LoggedKv, b: Batch) {
         kv.commit(b).await.expect("answered").expect("committed");
+    }
+
+    #[test]
+    fn values_are_stored_compressed_when_that_saves_space() {
+        let record = br#"{"turn_id":"t_0192","session_id":"s","status":"completed","function_id":"f","settings":{"timeout_ms":30000,"delivery":"at_least_once","max_attempts":3,"concurrency":8},"created_at_ms":1,"updated_at_ms":2,"phase":"done"}"#;
+        let packed = pack(record);
+        assert!(packed.starts_with(&PACKED) && packed.len() < record.len());
+        assert_eq!(unpack(&packed).expect("unpack"), record.to_vec());
+        for plain in [&b"t_0192"[..], &b"{}"[..], &[7u8; 200][..0]] {
+            assert_eq!(&*pack(plain), plain, "short values stay as they are");
+            assert_eq!(unpack(plain).expect("unpack"), plain.to_vec());
+        }
+        assert!(unpack(&[0, b'4', 9, 9]).is_err());
     }
 
     #[test]

@@ -1,0 +1,279 @@
+//! `soak`: a sustained closed-loop load on a real `turnd` binary.
+//!
+//! The binary named by `--turnd` (so that two builds run the very same load) is
+//! started on a fresh data directory with `storage.sync = always`; `--sessions`
+//! sessions each submit one one-step echo turn, wait until it is terminal, and submit
+//! the next, for `--seconds`. Echo workers and callers run in this process. Printed:
+//! completions per second, the longest interval in which no turn completed (a stall of
+//! every commit shows here), submit → terminal p50/p99/p99.9/max, bytes of disk per
+//! turn (blocks allocated in the data directory at each mark and at the end), and the
+//! daemon's RSS. `--retention-ms` sets `retention.terminal_ms` (with a sweep every
+//! `--sweep-ms`), for a run whose rounds of equal work should leave the data
+//! directory flat.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+use turnd_client::turnd_proto::TurnStatus;
+
+use crate::daemon::{callers, close_callers, Workers, ECHO};
+use crate::measure::{command_line, Latencies};
+
+/// What one soak run is.
+pub struct SoakArgs {
+    pub turnd: PathBuf,
+    pub sessions: usize,
+    pub seconds: u64,
+    pub input_bytes: usize,
+    pub retention_ms: Option<u64>,
+    pub sweep_ms: u64,
+    pub mark_every: u64,
+    pub workers: usize,
+    pub callers: usize,
+    pub tmp: Option<PathBuf>,
+    pub env: Vec<(String, String)>,
+}
+
+/// Blocks allocated under `dir`, in bytes (a preallocated file counts in full).
+pub fn disk_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => disk_bytes(&e.path()),
+            Ok(m) => m.blocks() * 512,
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn rss_kb(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+struct Daemon {
+    child: tokio::process::Child,
+    url: String,
+    admin: String,
+    pid: u32,
+}
+
+/// A few store gauges and counters from the daemon's `/metrics` (None: not exported
+/// by this build, or not reachable).
+async fn store_metrics(admin: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(addr) = admin.strip_prefix("http://") else {
+        return String::new();
+    };
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return String::new();
+    };
+    let req = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut body = String::new();
+    if s.read_to_string(&mut body).await.is_err() {
+        return String::new();
+    }
+    let pick = [
+        "turnd_storage_checkpoints_total",
+        "turnd_storage_checkpoint_seconds_total",
+        "turnd_storage_unapplied_keys",
+        "turnd_storage_log_segments",
+        "turnd_retention_deleted_turns_total",
+    ];
+    body.lines()
+        .filter(|l| pick.iter().any(|p| l.starts_with(p)))
+        .map(|l| l.trim_start_matches("turnd_").to_string())
+        .collect::<Vec<_>>()
+        .join(" · ")
+}
+
+async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
+    let ready = data.with_extension("ready.json");
+    let mut cmd = tokio::process::Command::new(&a.turnd);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(data)
+        .arg("--ready-file")
+        .arg(&ready)
+        .env("TURND_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true);
+    if let Some(ms) = a.retention_ms {
+        cmd.env("TURND_RETENTION__TERMINAL_MS", ms.to_string())
+            .env("TURND_RETENTION__SWEEP_INTERVAL_MS", a.sweep_ms.to_string());
+    }
+    for (k, v) in &a.env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().with_context(|| format!("spawn {}", a.turnd.display()))?;
+    let started = Instant::now();
+    let body = loop {
+        if let Ok(b) = std::fs::read_to_string(&ready) {
+            break b;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            bail!("no ready file from {} within 60 s", a.turnd.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let v: Value = serde_json::from_str(&body)?;
+    Ok(Daemon {
+        url: v["ws"].as_str().context("ws in ready file")?.to_string(),
+        admin: v["admin"].as_str().unwrap_or_default().to_string(),
+        pid: child.id().context("daemon pid")?,
+        child,
+    })
+}
+
+#[derive(Default)]
+struct Log {
+    completions: Vec<Instant>,
+    latencies: Latencies,
+}
+
+pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
+    let tmp = match &a.tmp {
+        Some(t) => tempfile::tempdir_in(t)?,
+        None => tempfile::tempdir()?,
+    };
+    let data = tmp.path().join("data");
+    let mut d = spawn(&a, &data).await?;
+    let workers = Workers::start(&d.url, a.workers, 512).await?;
+    let cs = callers(&d.url, a.callers).await?;
+    let log = Arc::new(Mutex::new(Log::default()));
+    let pad: Arc<str> = "x".repeat(a.input_bytes).into();
+    let start = Instant::now();
+    let end = start + Duration::from_secs(a.seconds);
+    let mut tasks = tokio::task::JoinSet::new();
+    for s in 0..a.sessions {
+        let c = cs[s % cs.len()].clone();
+        let log = log.clone();
+        let pad = pad.clone();
+        tasks.spawn(async move {
+            let sid = format!("soak-{s}");
+            let mut i = 0u64;
+            while Instant::now() < end {
+                let t0 = Instant::now();
+                let t = c
+                    .submit_simple(&sid, ECHO, json!({"i": i, "pad": &*pad}))
+                    .await
+                    .context("submit")?;
+                let done = c
+                    .wait_terminal(&t.turn_id, Duration::from_secs(120))
+                    .await
+                    .context("wait")?;
+                if done.status != TurnStatus::Completed {
+                    bail!("turn {} ended {}", done.turn_id, done.status.as_str());
+                }
+                let now = Instant::now();
+                if let Ok(mut l) = log.lock() {
+                    l.completions.push(now);
+                    l.latencies.push(now - t0);
+                }
+                i += 1;
+            }
+            Ok::<(), anyhow::Error>(())
+        });
+    }
+    // Marks: disk and RSS every `mark_every` seconds.
+    let mut marks = Vec::new();
+    let mut next_mark = start + Duration::from_secs(a.mark_every.max(1));
+    while Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if Instant::now() >= next_mark {
+            let done = log.lock().map(|l| l.completions.len()).unwrap_or(0);
+            marks.push((
+                start.elapsed().as_secs(),
+                done,
+                disk_bytes(&data),
+                rss_kb(d.pid),
+                store_metrics(&d.admin).await,
+            ));
+            next_mark += Duration::from_secs(a.mark_every.max(1));
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.context("session task")??;
+    }
+    let wall = start.elapsed();
+    let disk_end = disk_bytes(&data);
+    let rss_end = rss_kb(d.pid);
+    close_callers(cs).await;
+    workers.stop().await?;
+    d.child.kill().await.context("stop the daemon")?;
+
+    let mut l = match Arc::try_unwrap(log) {
+        Ok(m) => m.into_inner().unwrap_or_default(),
+        Err(_) => bail!("session tasks still hold the log"),
+    };
+    l.completions.sort();
+    let n = l.completions.len();
+    let mut longest = Duration::ZERO;
+    let mut prev = start;
+    for c in &l.completions {
+        longest = longest.max(c.saturating_duration_since(prev));
+        prev = *c;
+    }
+    let mut per_sec = vec![0u64; a.seconds as usize + 2];
+    for c in &l.completions {
+        let s = c.saturating_duration_since(start).as_secs() as usize;
+        if let Some(b) = per_sec.get_mut(s) {
+            *b += 1;
+        }
+    }
+    let full = &per_sec[..(a.seconds as usize).min(per_sec.len())];
+    let ms = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{v:.2}"));
+    println!("## soak: {}", command_line());
+    println!(
+        "binary {} · {} sessions closed loop · {} s · input filler {} B · retention {}",
+        a.turnd.display(),
+        a.sessions,
+        a.seconds,
+        a.input_bytes,
+        a.retention_ms
+            .map_or("off".to_string(), |m| format!("{m} ms, sweep {} ms", a.sweep_ms))
+    );
+    println!(
+        "turns {n} · {:.0} turns/s · per-second min {} / max {} · longest interval with no completion {:.0} ms",
+        n as f64 / wall.as_secs_f64(),
+        full.iter().min().copied().unwrap_or(0),
+        full.iter().max().copied().unwrap_or(0),
+        longest.as_secs_f64() * 1000.0
+    );
+    println!(
+        "submit → terminal p50 {} ms · p99 {} ms · p99.9 {} ms · max {} ms",
+        ms(l.latencies.pct_ms(0.50)),
+        ms(l.latencies.pct_ms(0.99)),
+        ms(l.latencies.pct_ms(0.999)),
+        ms(l.latencies.pct_ms(1.0)),
+    );
+    println!(
+        "disk at end {:.1} MB · {:.0} bytes per turn · daemon RSS {} MB",
+        disk_end as f64 / 1e6,
+        disk_end as f64 / n.max(1) as f64,
+        rss_end.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0))
+    );
+    for (s, done, disk, rss, m) in marks {
+        println!(
+            "  mark {s:>4} s: {done:>8} turns · disk {:>8.1} MB · RSS {} MB · {m}",
+            disk as f64 / 1e6,
+            rss.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0))
+        );
+    }
+    println!(
+        "  per second: {}",
+        full.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
+    );
+    Ok(())
+}
