@@ -30,7 +30,7 @@ class _Rule:
     times: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pair:
     down: ServerConnection
     up: ClientConnection

@@ -375,6 +375,20 @@ class Worker:
         self._state_waiters.append((state, fut))
         await asyncio.wait_for(fut, timeout)
 
+    @property
+    def pending(self) -> tuple[list[str], list[str]]:
+        """Invocation ids of the handlers running and of the results not yet acknowledged."""
+        return sorted(self._running), sorted(self._held)
+
+    async def settled(self, timeout: float | None = None) -> None:
+        """Wait until no handler runs and the daemon acknowledged every result."""
+
+        async def poll() -> None:
+            while self._running or self._held:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(poll(), timeout)
+
     # ------------------------------------------------------------------ running
 
     def run(self) -> None:
@@ -427,9 +441,8 @@ class Worker:
             for function_id in sorted(self._functions):
                 with contextlib.suppress(TurndError):
                     await link.conn.call("function.unregister", {"function_id": function_id})
-        deadline = time.monotonic() + self.drain_timeout
-        while (self._running or self._held) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await self.settled(self.drain_timeout)
         if self._running or self._held:
             log.warning(
                 "drain timeout: %d handlers still running, %d results unacknowledged",
