@@ -77,7 +77,8 @@ async def step(ctx: TurnContext, state: dict[str, Any]) -> dict[str, Any] | Cont
         call, rest = todo[0], todo[1:]
         result = TOOLS[call["tool"]](call["arg"])
         await asyncio.sleep(0.05)  # a real tool would do I/O here
-        return Continue({**state, "todo": rest, "done": [*state["done"], {**call, "result": result}]})
+        done = [*state["done"], {**call, "result": result}]
+        return Continue({**state, "todo": rest, "done": done})
     lines = [f"{c['tool']}({c['arg']!r}) = {c['result']}" for c in state["done"]]
     return {"answer": "; ".join(lines) or "nothing to do", "steps": ctx.step}
 

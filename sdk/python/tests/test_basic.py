@@ -23,9 +23,7 @@ async def serving(worker: Worker) -> Worker:
     return worker
 
 
-async def test_happy_path_async_and_sync_handlers(
-    turnd_server: TurndServer, sid: str
-) -> None:
+async def test_happy_path_async_and_sync_handlers(turnd_server: TurndServer, sid: str) -> None:
     worker = Worker(turnd_server.url, "w-happy")
     threads: list[str] = []
 
@@ -103,9 +101,7 @@ async def test_fail_and_exceptions(server: TurndServer, client: Client, sid: str
     assert "missing" in crashed.error.message
 
 
-async def test_retryable_failure_is_retried(
-    server: TurndServer, client: Client, sid: str
-) -> None:
+async def test_retryable_failure_is_retried(server: TurndServer, client: Client, sid: str) -> None:
     worker = Worker(server.url, "w-retry")
     attempts: list[int] = []
 

@@ -102,9 +102,7 @@ async def test_probe_finds_a_finished_result_and_gets_it_at_once(
     assert "probe_sent" in kinds(await client.all_events(sid))
 
 
-async def test_lost_dispatch_is_redispatched(
-    server: TurndServer, client: Client, sid: str
-) -> None:
+async def test_lost_dispatch_is_redispatched(server: TurndServer, client: Client, sid: str) -> None:
     async with FrameProxy(server.url) as proxy:
         proxy.drop("down", is_push("invoke"))
         worker = Worker(proxy.url, "w-lost-invoke")
@@ -206,9 +204,7 @@ async def test_reconnect_delivers_a_result_finished_while_away(
     assert worker.reconciled is not None and worker.reconciled.kept == started
 
 
-async def test_daemon_restart_mid_turn(
-    make_server: ServerFactory, sid: str
-) -> None:
+async def test_daemon_restart_mid_turn(make_server: ServerFactory, sid: str) -> None:
     server = await make_server()
     release = asyncio.Event()
     worker = Worker(server.url, "w-restart", reconnect_delay=0.05, reconnect_max_delay=0.2)

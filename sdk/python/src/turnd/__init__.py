@@ -79,5 +79,6 @@ __all__ = [
     "WorkerInfo",
     "WorkerState",
     "WorkerStats",
+    "WorkerSuperseded",
     "__version__",
 ]

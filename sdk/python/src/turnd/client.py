@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import random
@@ -267,7 +268,7 @@ class Client:
         ok = await self._call("turn.stop", args)
         return Turn.from_wire(ok["turn"])
 
-    async def stop_session(self, session_id: str, reason: str | None = None) -> list[Turn]:
+    async def stop_session(self, session_id: str, reason: str | None = None) -> builtins.list[Turn]:
         """Stop every unfinished turn of a session (``session.stop``)."""
         args: dict[str, Any] = {"session_id": session_id}
         if reason is not None:
@@ -312,9 +313,9 @@ class Client:
         ok = await self._call("session.events", args)
         return EventPage([Event.from_wire(e) for e in ok["events"]], int(ok["next"]))
 
-    async def all_events(self, session_id: str, *, after: int = 0) -> list[Event]:
+    async def all_events(self, session_id: str, *, after: int = 0) -> builtins.list[Event]:
         """Every event of a session after ``after``, reading page by page."""
-        out: list[Event] = []
+        out: builtins.list[Event] = []
         while True:
             page = await self.events(session_id, after=after, limit=1000)
             out.extend(page.events)
@@ -347,21 +348,21 @@ class Client:
         stats: dict[str, Any] = ok["stats"]
         return stats
 
-    async def workers(self) -> list[WorkerInfo]:
+    async def workers(self) -> builtins.list[WorkerInfo]:
         ok = await self._call("workers.list", {})
         return [WorkerInfo.from_wire(w) for w in ok["workers"]]
 
-    async def functions(self) -> list[FunctionInfo]:
+    async def functions(self) -> builtins.list[FunctionInfo]:
         ok = await self._call("functions.list", {})
         return [FunctionInfo.from_wire(f) for f in ok["functions"]]
 
     async def ping(self) -> None:
         await self._call("ping", {})
 
-    async def store_check(self) -> list[dict[str, Any]]:
+    async def store_check(self) -> builtins.list[dict[str, Any]]:
         """Invariant violations of the whole store (operator role only)."""
         ok = await self._call("store.check", {})
-        violations: list[dict[str, Any]] = ok["violations"]
+        violations: builtins.list[dict[str, Any]] = ok["violations"]
         return violations
 
 

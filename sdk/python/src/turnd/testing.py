@@ -114,7 +114,7 @@ class TurndServer:
         env.update({_env_key(k): _env_value(v) for k, v in self.config.items()})
         env.setdefault("TURND_LOG", "info")
         env["NO_COLOR"] = "1"
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        log = open(self.log_path, "ab")  # noqa: ASYNC230 - quick, and handed to the child
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 self.binary,

@@ -282,6 +282,8 @@ class Worker:
         self._state_waiters: list[tuple[WorkerState, asyncio.Future[None]]] = []
         self._running: dict[str, _Running] = {}
         self._held: dict[str, _Held] = {}
+        # Set whenever a handler ends or a result is acknowledged.
+        self._changed = asyncio.Event()
         self._link: _Link | None = None
         self._link_changed: asyncio.Condition | None = None
         self._stopping: asyncio.Event | None = None
@@ -383,11 +385,12 @@ class Worker:
     async def settled(self, timeout: float | None = None) -> None:
         """Wait until no handler runs and the daemon acknowledged every result."""
 
-        async def poll() -> None:
+        async def quiet() -> None:
             while self._running or self._held:
-                await asyncio.sleep(0.01)
+                self._changed.clear()
+                await self._changed.wait()
 
-        await asyncio.wait_for(poll(), timeout)
+        await asyncio.wait_for(quiet(), timeout)
 
     # ------------------------------------------------------------------ running
 
@@ -402,7 +405,7 @@ class Worker:
 
     async def _run_with_signals(self) -> None:
         loop = asyncio.get_running_loop()
-        installed: list[int] = []
+        installed: list[signal.Signals] = []
 
         def on_signal() -> None:
             if self._draining:
@@ -699,9 +702,7 @@ class Worker:
                 value = await spec.handler(ctx, input)
             else:
                 assert self._loop is not None
-                call = functools.partial(
-                    contextvars.copy_context().run, spec.handler, ctx, input
-                )
+                call = functools.partial(contextvars.copy_context().run, spec.handler, ctx, input)
                 value = await self._loop.run_in_executor(self._pool, call)
             return _outcome_of(value)
         except Fail as f:
@@ -713,9 +714,7 @@ class Worker:
             return {"cancelled": {"message": reason}}
         except Exception as e:
             ctx.log.warning("handler raised %s: %s", type(e).__name__, e)
-            return {
-                "fail": {"code": type(e).__name__, "message": str(e), "retryable": False}
-            }
+            return {"fail": {"code": type(e).__name__, "message": str(e), "retryable": False}}
 
     def _on_cancel(self, invocation_id: str, reason: str) -> None:
         self.stats.cancels_received += 1
@@ -808,6 +807,7 @@ class Worker:
     def _hold(self, invocation_id: str, outcome: dict[str, Any]) -> None:
         """Keep a result until the daemon acknowledges it, and start delivering it."""
         self._running.pop(invocation_id, None)
+        self._changed.set()
         if self._stopping is None or self._stopping.is_set():
             return
         held = _Held(outcome)
@@ -817,6 +817,7 @@ class Worker:
     def _release(self, invocation_id: str, held: _Held) -> None:
         if self._held.get(invocation_id) is held:
             del self._held[invocation_id]
+            self._changed.set()
 
     async def _wait_link(self, dead: int | None) -> _Link:
         assert self._link_changed is not None
