@@ -305,18 +305,19 @@ async def test_watch_resumes_without_gap_or_repeat(
             async with Client(proxy.url) as watcher:
                 got: list[Event] = []
                 async with watcher.watch(sid, after=0) as events:
+
+                    async def until_completed(turn_id: str) -> None:
+                        async for event in events:
+                            got.append(event)
+                            if event.kind == "completed" and event.turn_id == turn_id:
+                                return
+
                     first = await client.run(sid, "step", 1, timeout=5)
-                    async for event in events:
-                        got.append(event)
-                        if event.kind == "completed":
-                            break
+                    await asyncio.wait_for(until_completed(first.turn_id), 5)
                     await proxy.cut(clean=False)
                     # Events written while the watcher is away must arrive after it.
                     second = await client.run(sid, "step", 2, timeout=5)
-                    async for event in events:
-                        got.append(event)
-                        if event.kind == "completed" and event.turn_id == second.turn_id:
-                            break
+                    await asyncio.wait_for(until_completed(second.turn_id), 5)
                     assert events.starts == 2
                 assert watcher.connections == 2
     finally:
