@@ -357,3 +357,36 @@ async def test_submit_without_key_is_not_repeated_but_with_key_is(
         assert [t.input for t in page.turns] == [2, 1]  # each admitted once
         assert page.turns[1].turn_id == submitted.turn_id
         await c.stop_session(sid)
+
+
+async def test_probe_right_after_reconnect_is_answered(
+    server: TurndServer, client: Client, sid: str
+) -> None:
+    # The attempt deadline passes while the worker is away, so the daemon probes in
+    # the same breath as it answers hello: the answer must not wait for registration.
+    async with FrameProxy(server.url) as proxy:
+        worker = Worker(proxy.url, "w-late-probe", reconnect_delay=0.05, auto_heartbeat=False)
+        started: list[str] = []
+
+        @worker.function("work", timeout_ms=300)
+        async def work(ctx: TurnContext, input: Any) -> Any:
+            started.append(ctx.invocation_id)
+            await ctx.cancelled.wait()
+            return "finished when asked"
+
+        await serving(worker)
+        try:
+            turn = (await client.submit(sid, "work")).turn
+            while not started:
+                await asyncio.sleep(0.01)
+            proxy.refusing = True
+            await proxy.cut(clean=False)
+            await asyncio.sleep(0.6)  # past the 300 ms deadline, within the grace
+            proxy.refusing = False
+            done = await client.wait(turn.turn_id, 5)
+        finally:
+            await stopped(worker)
+    statuses = [f for d, f in proxy.seen if d == "up" and f.get("op") == "invocation.status"]
+    assert [s["args"]["state"] for s in statuses] == ["running"]
+    assert done.status == "completed" and done.output == "finished when asked"
+    assert "probe_sent" in kinds(await client.all_events(sid))

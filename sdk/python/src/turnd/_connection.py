@@ -23,14 +23,14 @@ CLOSE_SUPERSEDED = 4001
 # takes; bound them all the same.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-PushHandler = Callable[[dict[str, Any]], None]
+PushHandler = Callable[["Connection", dict[str, Any]], None]
 
 
 class Connection:
     """A connected, authenticated protocol connection.
 
     A single reader task takes every frame: answers complete the future of their
-    request id, pushes go to ``on_push`` in arrival order. When the socket closes, for
+    request id, pushes go to ``on_push(connection, frame)`` in arrival order. When the socket closes, for
     whatever reason, every pending request fails with :class:`ConnectionLost`,
     ``closed`` is set, and ``on_push`` is not called again.
     """
@@ -113,7 +113,7 @@ class Connection:
                 if "push" in frame:
                     if self._on_push is not None:
                         try:
-                            self._on_push(frame)
+                            self._on_push(self, frame)
                         except Exception:
                             log.exception("push handler failed")
                     continue

@@ -50,7 +50,7 @@ class _Link:
         self.routes: dict[str, asyncio.Queue[Event | _Lost]] = {}
         self.unclaimed: dict[str, list[Event]] = {}
 
-    def on_push(self, frame: dict[str, Any]) -> None:
+    def on_push(self, conn: Connection, frame: dict[str, Any]) -> None:
         if frame.get("push") != "event":
             return
         watch_id = frame.get("watch_id")

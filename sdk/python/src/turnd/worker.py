@@ -619,7 +619,7 @@ class Worker:
 
     # ------------------------------------------------------------------ pushes
 
-    def _on_push(self, frame: dict[str, Any]) -> None:
+    def _on_push(self, conn: Connection, frame: dict[str, Any]) -> None:
         kind = frame.get("push")
         invocation_id = frame.get("invocation_id")
         if not isinstance(invocation_id, str):
@@ -630,7 +630,9 @@ class Worker:
         elif kind == "cancel":
             self._on_cancel(invocation_id, str(frame.get("reason", "")))
         elif kind == "probe":
-            self._on_probe(invocation_id)
+            # Answered on the connection it came on, even before registration is done
+            # (a probe can follow hello at once).
+            self._on_probe(conn, invocation_id)
         else:
             log.debug("ignoring push %r on a worker connection", kind)
 
@@ -741,7 +743,7 @@ class Worker:
         assert self._loop is not None
         running.hard_cancel = self._loop.call_later(self.cancel_grace, task.cancel)
 
-    def _on_probe(self, invocation_id: str) -> None:
+    def _on_probe(self, conn: Connection, invocation_id: str) -> None:
         held = self._held.get(invocation_id)
         if invocation_id in self._running:
             state = "running"
@@ -751,10 +753,7 @@ class Worker:
             state = "unknown"
         self.stats.probes_answered += 1
         log.debug("probe %s: %s", invocation_id, state)
-        link = self._link
-        if link is None:
-            return
-        self._spawn(self._answer_probe(link.conn, invocation_id, state, held))
+        self._spawn(self._answer_probe(conn, invocation_id, state, held))
 
     async def _answer_probe(
         self, conn: Connection, invocation_id: str, state: str, held: _Held | None
@@ -789,12 +788,18 @@ class Worker:
 
     async def _heartbeat_loop(self, ctx: TurnContext, spec: FunctionSpec) -> None:
         """Renew the deadline at a third of the attempt timeout while the handler runs."""
+        if spec.timeout_ms is not None:
+            timeout_s = spec.timeout_ms / 1000
+        else:
+            # Registered without timeout_ms: the daemon's default applies, seen in the
+            # first deadline. A clock far off the daemon's gives nothing usable; then
+            # assume the daemon's built-in default (30 s).
+            timeout_s = ctx.deadline_ms / 1000 - time.time()
+            if timeout_s <= 0.15:
+                timeout_s = 30.0
+        interval = max(0.05, timeout_s / 3)
         while True:
-            if spec.timeout_ms is not None:
-                timeout_s = spec.timeout_ms / 1000
-            else:
-                timeout_s = max(0.0, ctx.deadline_ms / 1000 - time.time())
-            await asyncio.sleep(max(0.05, timeout_s / 3))
+            await asyncio.sleep(interval)
             try:
                 await self._heartbeat(ctx)
             except NotFound:
