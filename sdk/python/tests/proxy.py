@@ -28,6 +28,7 @@ class _Rule:
     direction: Direction
     match: Callable[[dict[str, Any]], bool]
     times: int
+    delay: float | None = None  # None: drop; else: pass it on this much later
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class FrameProxy:
         self._rules: list[_Rule] = []
         self._pairs: set[_Pair] = set()
         self._server: Server | None = None
+        self._later: set[asyncio.Future[None]] = set()
 
     async def __aenter__(self) -> FrameProxy:
         self._server = await serve(self._handle, "127.0.0.1", 0, ping_interval=None)
@@ -67,6 +69,17 @@ class FrameProxy:
         """Drop the next ``times`` frames going ``direction`` that ``match``."""
         self._rules.append(_Rule(direction, match, times))
 
+    def delay(
+        self,
+        direction: Direction,
+        match: Callable[[dict[str, Any]], bool],
+        seconds: float,
+        times: int = 1,
+    ) -> None:
+        """Hold the next ``times`` matching frames back for ``seconds``; later frames
+        overtake them."""
+        self._rules.append(_Rule(direction, match, times, seconds))
+
     async def cut(self, *, clean: bool = True) -> None:
         """End every relayed connection: a close handshake, or the TCP stream aborted."""
         for pair in list(self._pairs):
@@ -81,13 +94,14 @@ class FrameProxy:
                 task.cancel()
         self._pairs.clear()
 
-    def _dropping(self, direction: Direction, frame: dict[str, Any]) -> bool:
+    def _rule_for(self, direction: Direction, frame: dict[str, Any]) -> _Rule | None:
         for rule in self._rules:
             if rule.direction == direction and rule.times > 0 and rule.match(frame):
                 rule.times -= 1
-                self.dropped.append((direction, frame))
-                return True
-        return False
+                if rule.delay is None:
+                    self.dropped.append((direction, frame))
+                return rule
+        return None
 
     async def _handle(self, down: ServerConnection) -> None:
         if self.refusing:
@@ -128,13 +142,27 @@ class FrameProxy:
                     frame = None
                 if isinstance(frame, dict):
                     self.seen.append((direction, frame))
-                    if self._dropping(direction, frame):
+                    rule = self._rule_for(direction, frame)
+                    if rule is not None and rule.delay is None:
+                        continue
+                    if rule is not None and rule.delay is not None:
+                        later = asyncio.ensure_future(_send_later(target, message, rule.delay))
+                        self._later.add(later)
+                        later.add_done_callback(self._later.discard)
                         continue
                 await target.send(message)
         # Pass a close code on (e.g. 4001) as the daemon sent it.
         code = source.close_code or 1000
         with contextlib.suppress(Exception):
             await target.close(code if code in (1000, 1001, 4001) else 1000)
+
+
+async def _send_later(
+    target: ServerConnection | ClientConnection, message: Any, delay: float
+) -> None:
+    await asyncio.sleep(delay)
+    with contextlib.suppress(ConnectionClosed):
+        await target.send(message)
 
 
 def is_op(op: str) -> Callable[[dict[str, Any]], bool]:

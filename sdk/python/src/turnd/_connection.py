@@ -30,9 +30,9 @@ class Connection:
     """A connected, authenticated protocol connection.
 
     A single reader task takes every frame: answers complete the future of their
-    request id, pushes go to ``on_push(connection, frame)`` in arrival order. When the socket closes, for
-    whatever reason, every pending request fails with :class:`ConnectionLost`,
-    ``closed`` is set, and ``on_push`` is not called again.
+    request id, pushes go to ``on_push(connection, frame)`` in arrival order. When
+    the socket closes, for whatever reason, every pending request fails with
+    :class:`ConnectionLost`, ``closed`` is set, and ``on_push`` is not called again.
     """
 
     def __init__(self, ws: ClientConnection, on_push: PushHandler | None) -> None:
