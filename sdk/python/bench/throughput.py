@@ -85,11 +85,13 @@ async def run_bench(args: argparse.Namespace) -> None:
                 latencies.append(time.perf_counter() - t0)
 
         cpu0 = cpu_seconds(proc.pid)
+        caller_cpu0 = cpu_seconds(os.getpid())
         daemon_cpu0 = cpu_seconds(server.pid) if server.pid else 0.0
         t0 = time.perf_counter()
         await asyncio.gather(*(session(i) for i in range(args.sessions)))
         elapsed = time.perf_counter() - t0
         worker_cpu = cpu_seconds(proc.pid) - cpu0
+        caller_cpu = cpu_seconds(os.getpid()) - caller_cpu0
         daemon_cpu = (cpu_seconds(server.pid) if server.pid else 0.0) - daemon_cpu0
         proc.stdin.close()
         tail = (await proc.stdout.read()).decode().strip().splitlines()
@@ -111,6 +113,7 @@ async def run_bench(args: argparse.Namespace) -> None:
         "worker_cpu_s": round(worker_cpu, 2),
         "worker_cpu_us_per_turn": round(worker_cpu / total * 1e6),
         "daemon_cpu_s": round(daemon_cpu, 2),
+        "caller_cpu_s": round(caller_cpu, 2),
         "load_average": os.getloadavg(),
         "worker": json.loads(tail[-1]) if tail else None,
     }
