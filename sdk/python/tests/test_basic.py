@@ -240,3 +240,38 @@ async def test_watch_a_turn(server: TurndServer, client: Client, sid: str) -> No
     finally:
         await worker.__aexit__(None, None, None)
     assert seen == ["admitted", "dispatched", "result", "completed"]
+
+
+async def test_values_the_daemon_cannot_take_fail_the_step(
+    server: TurndServer, client: Client, sid: str
+) -> None:
+    worker = Worker(server.url, "w-values")
+
+    @worker.function("huge")
+    async def huge(ctx: TurnContext, input: Any) -> Any:
+        return "x" * 1_100_000  # over the daemon's 1 MiB max_frame_bytes
+
+    @worker.function("nan")
+    def nan(ctx: TurnContext, input: Any) -> Any:
+        return {"score": float("nan")}
+
+    @worker.function("opaque")
+    async def opaque(ctx: TurnContext, input: Any) -> Any:
+        return object()
+
+    await serving(worker)
+    try:
+        too_big = await client.run(sid, "huge", None, timeout=10)
+        not_json = await client.run(sid, "nan", None, timeout=10)
+        not_json_either = await client.run(sid, "opaque", None, timeout=10)
+        after = await client.run(sid, "nan", None, timeout=10)  # still connected, still serving
+    finally:
+        await worker.__aexit__(None, None, None)
+    assert too_big.status == "failed" and too_big.error is not None
+    assert too_big.error.code == "too_large" and "max_frame_bytes" in too_big.error.message
+    for turn in (not_json, not_json_either, after):
+        assert turn.status == "failed" and turn.error is not None
+        assert turn.error.code == "invalid_output"
+    assert worker.stats.connections == 1
+    with pytest.raises(ValueError):
+        await client.submit(sid, "f", float("inf"))

@@ -78,9 +78,12 @@ class Connection:
         if self.closed.is_set():
             raise ConnectionLost("connection closed", self.close_code)
         rid = next(self._ids)
+        # Raises TypeError / ValueError for values JSON cannot carry (NaN included).
+        frame = json.dumps(
+            {"id": rid, "op": op, "args": args or {}}, separators=(",", ":"), allow_nan=False
+        )
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        frame = json.dumps({"id": rid, "op": op, "args": args or {}}, separators=(",", ":"))
         try:
             try:
                 await self._ws.send(frame)

@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import json
 import logging
 import random
 import signal
@@ -47,6 +48,9 @@ from .types import JSON, Reconciled
 log = logging.getLogger("turnd.worker")
 
 Delivery = Literal["at_most_once", "at_least_once"]
+
+# Bytes of an `invocation.result` request around its args: {"id":N,"op":"…","args":…}.
+_ENVELOPE_BYTES = 64
 
 
 class Continue:
@@ -706,7 +710,14 @@ class Worker:
                 assert self._loop is not None
                 call = functools.partial(contextvars.copy_context().run, spec.handler, ctx, input)
                 value = await self._loop.run_in_executor(self._pool, call)
-            return _outcome_of(value)
+            if inspect.isawaitable(value):
+                value = await value
+            outcome = _outcome_of(value)
+            try:
+                json.dumps(outcome, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise Fail("invalid_output", f"the handler's value is not JSON: {e}") from e
+            return outcome
         except Fail as f:
             return {"fail": {"code": f.code, "message": f.message, "retryable": f.retryable}}
         except asyncio.CancelledError:
@@ -836,10 +847,22 @@ class Worker:
     async def _pump(self, invocation_id: str, held: _Held) -> None:
         """Deliver one result until the daemon acknowledges it (or refuses it for good)."""
         args = {"invocation_id": invocation_id, "outcome": held.outcome}
+        size = len(json.dumps(args, separators=(",", ":")).encode()) + _ENVELOPE_BYTES
         dead: int | None = None
         first = True
         while True:
             link = await self._wait_link(dead)
+            max_frame = link.conn.hello.get("max_frame_bytes")
+            if isinstance(max_frame, int) and size > max_frame:
+                # The daemon would close the connection on this frame, and again on
+                # every resend: report the step as failed instead.
+                log.error("result %s is %d bytes, over max_frame_bytes", invocation_id, size)
+                message = (
+                    f"the result is {size} bytes, over the daemon's max_frame_bytes {max_frame}"
+                )
+                held.outcome = {"fail": {"code": "too_large", "message": message}}
+                args["outcome"] = held.outcome
+                size = 0
             if first:
                 self.stats.results_sent += 1
                 first = False
