@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import turnd
 from turnd import Client, TurnContext, Worker, WorkerState, WorkerSuperseded
 from turnd.testing import TurndServer
 
@@ -103,3 +104,17 @@ async def test_stop_while_worker_is_away_cancels_the_handler(
     late = [e for e in events if e.kind == "late_result"]
     assert [e.detail["outcome"] for e in late] == ["cancelled"]
     assert (await client.get(turn.turn_id)).status == "cancelled"
+
+
+async def test_refused_registration_stops_the_worker(server: TurndServer) -> None:
+    worker = Worker(server.url, "w-bad-id")
+
+    @worker.function("bad\x01id")  # control characters are not allowed in ids
+    async def f(ctx: TurnContext, input: Any) -> Any:
+        return input
+
+    with pytest.raises(turnd.BadRequest):
+        await asyncio.wait_for(worker.serve(), 5)
+    assert worker.state == WorkerState.STOPPED
+    with pytest.raises(ValueError):
+        worker.function("f", timeout_ms=0)

@@ -192,8 +192,12 @@ class Client:
                     raise
                 log.debug("%s: connection lost; repeating on a new connection", op)
                 if link is self._link:
-                    with contextlib.suppress(Exception):
-                        await link.conn.closed.wait()
+                    # shutting_down: the daemon closes the connection once it drained.
+                    left = max(0.0, deadline - time.monotonic())
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(link.conn.closed.wait(), left)
+                    if not link.conn.closed.is_set():
+                        raise
 
     # ------------------------------------------------------------------ turns
 

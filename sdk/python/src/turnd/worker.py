@@ -292,6 +292,7 @@ class Worker:
         self._link_changed: asyncio.Condition | None = None
         self._stopping: asyncio.Event | None = None
         self._draining = False
+        self._fatal: ProtocolError | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -319,8 +320,12 @@ class Worker:
         """
         if delivery not in ("at_most_once", "at_least_once"):
             raise ValueError(f"delivery must be at_most_once or at_least_once, not {delivery!r}")
-        if concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
+        if not 1 <= concurrency <= 10_000:
+            raise ValueError("concurrency must be 1 to 10000")
+        if timeout_ms is not None and timeout_ms <= 0:
+            raise ValueError("timeout_ms must be positive")
+        if max_attempts is not None and not 1 <= max_attempts <= 1000:
+            raise ValueError("max_attempts must be 1 to 1000")
 
         def register(handler: Handler) -> Handler:
             input_model = None
@@ -462,7 +467,9 @@ class Worker:
         """Connect, register and serve until :meth:`stop` (or a finished drain).
 
         Raises :class:`WorkerSuperseded` when another connection takes this
-        ``worker_id``; connection failures are retried for good.
+        ``worker_id``, and the daemon's error when it refuses a registration for good
+        (e.g. ``BadRequest``); connection failures, refused ``hello`` included, are
+        retried for good.
         """
         if not self._functions:
             raise ValueError("no function registered; use @worker.function(...)")
@@ -478,6 +485,8 @@ class Worker:
             await self._supervise()
         finally:
             await self._shutdown()
+        if self._fatal is not None:
+            raise self._fatal
 
     async def __aenter__(self) -> Worker:
         """Serve in a background task for the duration of an ``async with`` block."""
@@ -577,6 +586,16 @@ class Worker:
         try:
             for spec in sorted(self._functions.values(), key=lambda s: s.function_id):
                 await conn.call("function.register", spec.register_args())
+        except ProtocolError as e:
+            await conn.close()
+            if not e.retryable:
+                # The same registration would be refused again on every reconnect.
+                log.error("worker %s: the daemon refused a registration: %s", self.worker_id, e)
+                self._fatal = e
+                self.stop()
+                return None
+            log.warning("worker %s: registering failed: %s", self.worker_id, e)
+            return None
         except TurndError as e:
             log.warning("worker %s: registering failed: %s", self.worker_id, e)
             await conn.close()
