@@ -392,3 +392,36 @@ async def test_probe_right_after_reconnect_is_answered(
     assert [s["args"]["state"] for s in statuses] == ["running"]
     assert done.status == "completed" and done.output == "finished when asked"
     assert "probe_sent" in kinds(await client.all_events(sid))
+
+
+async def test_restarted_worker_is_a_new_instance(
+    server: TurndServer, client: Client, sid: str
+) -> None:
+    started = asyncio.Event()
+
+    def make(name: str) -> Worker:
+        worker = Worker(server.url, "w-reborn")
+
+        @worker.function("work", delivery="at_least_once", max_attempts=3)
+        async def work(ctx: TurnContext, input: Any) -> Any:
+            started.set()
+            if name == "old":
+                await asyncio.sleep(30)  # dies with its process
+            return {"by": name, "attempt": ctx.attempt}
+
+        return worker
+
+    old = await serving(make("old"))
+    turn = (await client.submit(sid, "work")).turn
+    await started.wait()
+    first = (await client.get(turn.turn_id)).wait
+    await stopped(old)  # the process is gone; its instance id with it
+    new = await serving(make("new"))
+    try:
+        done = await client.wait(turn.turn_id, 5)
+    finally:
+        await stopped(new)
+    assert new.instance_id != old.instance_id
+    assert first is not None and new.reconciled is not None
+    assert new.reconciled.unknown == [first.invocation_id]
+    assert done.status == "completed" and done.output == {"by": "new", "attempt": 2}
