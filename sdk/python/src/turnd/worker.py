@@ -106,6 +106,21 @@ class WorkerStats:
     connections: int = 0
 
 
+if typing.TYPE_CHECKING:
+    _LoggerAdapter = logging.LoggerAdapter[logging.Logger]
+else:  # LoggerAdapter is subscriptable at run time from Python 3.11 on
+    _LoggerAdapter = logging.LoggerAdapter
+
+
+class _InvocationLog(_LoggerAdapter):
+    """Prefixes each message with the invocation id (also in ``extra``)."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = self.extra or {}
+        kwargs.setdefault("extra", {}).update(extra)
+        return f"[{extra.get('invocation_id', '')}] {msg}", kwargs
+
+
 @dataclass
 class TurnContext:
     """What a handler gets besides its input, for one invocation."""
@@ -679,7 +694,7 @@ class Worker:
             invocation_id=invocation_id,
             deadline_ms=int(frame.get("deadline_ms", 0)),
             cancelled=asyncio.Event(),
-            log=logging.LoggerAdapter(
+            log=_InvocationLog(
                 logging.getLogger(f"turnd.handler.{function_id}"),
                 {"invocation_id": invocation_id},
             ),
