@@ -118,3 +118,43 @@ async def test_refused_registration_stops_the_worker(server: TurndServer) -> Non
     assert worker.state == WorkerState.STOPPED
     with pytest.raises(ValueError):
         worker.function("f", timeout_ms=0)
+
+
+async def test_heartbeat_not_found_cancels_the_handler(
+    server: TurndServer, client: Client, sid: str
+) -> None:
+    # The daemon gave the invocation up while the worker was away, and the cancel it
+    # sends at the reconnect is lost: the next heartbeat learns it instead.
+    async with FrameProxy(server.url) as proxy:
+        worker = Worker(proxy.url, "w-hb-gone", reconnect_delay=0.05, cancel_grace=None)
+        started: list[str] = []
+        noticed = asyncio.Event()
+
+        @worker.function("work", timeout_ms=300)
+        async def work(ctx: TurnContext, input: Any) -> Any:
+            started.append(ctx.invocation_id)
+            await ctx.cancelled.wait()
+            noticed.set()
+            raise asyncio.CancelledError
+
+        async with worker:
+            await worker.wait_state(WorkerState.CONNECTED, 10)
+            turn = (await client.submit(sid, "work")).turn
+            while not started:
+                await asyncio.sleep(0.01)
+            proxy.refusing = True
+            await proxy.cut(clean=False)
+            while (await client.get(turn.turn_id)).wait.state != "awaiting_reconnect":  # type: ignore[union-attr]
+                await asyncio.sleep(0.02)
+            await client.stop(turn.turn_id, "gave up")
+            proxy.drop("down", lambda f: f.get("push") == "cancel")
+            proxy.refusing = False
+            await asyncio.wait_for(noticed.wait(), 5)
+            await worker.settled(5)
+    assert len(proxy.dropped) == 1
+    heartbeats = [
+        f
+        for d, f in proxy.seen
+        if d == "down" and (f.get("error") or {}).get("code") == "not_found"
+    ]
+    assert heartbeats, "the handler learnt of the loss from a not_found heartbeat"
