@@ -491,6 +491,8 @@ class Worker:
         if self._loop is not None:
             raise RuntimeError("this worker is already serving")
         self._loop = asyncio.get_running_loop()
+        self._draining = False
+        self._fatal = None
         self._stopping = asyncio.Event()
         self._link_changed = asyncio.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -527,9 +529,6 @@ class Worker:
                 log.info("worker %s connected (generation %d)", self.worker_id, generation)
                 await self._set_link(_Link(generation, conn))
                 self._set_state(WorkerState.DRAINING if self._draining else WorkerState.CONNECTED)
-                if self._draining:
-                    # Reconnected while draining: stop taking work again.
-                    self._spawn(self._unregister_all(conn))
                 await self._until_stopped(conn.closed.wait())
                 await self._set_link(None)
                 if self._stopping.is_set():
@@ -599,7 +598,9 @@ class Worker:
                 self.reconciled.unknown,
             )
         try:
-            for spec in sorted(self._functions.values(), key=lambda s: s.function_id):
+            # A draining worker reconnects only to report and deliver what it holds.
+            specs = [] if self._draining else self._functions.values()
+            for spec in sorted(specs, key=lambda s: s.function_id):
                 await conn.call("function.register", spec.register_args())
         except ProtocolError as e:
             await conn.close()
@@ -620,11 +621,6 @@ class Worker:
         for held in self._held.values():
             held.resend_now.set()
         return conn
-
-    async def _unregister_all(self, conn: Connection) -> None:
-        for function_id in sorted(self._functions):
-            with contextlib.suppress(TurndError):
-                await conn.call("function.unregister", {"function_id": function_id})
 
     async def _set_link(self, link: _Link | None) -> None:
         self._link = link
