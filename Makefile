@@ -8,7 +8,7 @@ VENV := $(CURDIR)/target/venv
 VPY := $(VENV)/bin/python
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help build run venv test test-rust test-python lint fmt doc bench check-fsync fuzz clean
+.PHONY: help build run venv test test-rust test-python test-sdk-python lint lint-sdk-python fmt doc bench check-fsync fuzz clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -19,7 +19,7 @@ build: ## Build every crate and the turnd binary (debug)
 run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data)
 	$(CARGO) run --release -p turnd -- serve
 
-test: test-rust test-python ## Run the whole test suite
+test: test-rust test-python test-sdk-python ## Run the whole test suite
 
 TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so
 
@@ -34,18 +34,28 @@ endif
 
 venv: $(VENV)/.ready ## The project's Python environment (target/venv) with every Python test dependency
 
-$(VENV)/.ready: tests/python/requirements.txt
+$(VENV)/.ready: tests/python/requirements.txt sdk/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+	$(VPY) -m pip install --quiet --disable-pip-version-check -e './sdk/python[dev]'
 	touch $@
 
 test-python: venv ## The independent Python protocol client against the built binary
 	$(CARGO) build -p turnd --bin turnd
 	$(VPY) tests/python/test_protocol.py --turnd target/debug/turnd
 
-lint: ## fmt check and clippy with warnings denied
+test-sdk-python: venv ## The Python SDK's tests (sdk/python/tests) against the built binary
+	$(CARGO) build -p turnd --bin turnd
+	cd sdk/python && TURND_BIN=$(CURDIR)/target/debug/turnd $(VPY) -m pytest -q tests
+
+lint: lint-sdk-python ## fmt check and clippy with warnings denied, and the Python SDK's checks
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+lint-sdk-python: venv ## mypy --strict and ruff (lint and format) on sdk/python and examples/python
+	cd sdk/python && $(VENV)/bin/mypy --strict
+	cd sdk/python && $(VENV)/bin/ruff check --config pyproject.toml . ../../examples/python
+	cd sdk/python && $(VENV)/bin/ruff format --check --config pyproject.toml . ../../examples/python
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -1,0 +1,317 @@
+"""Typed views of the protocol's objects (``docs/protocol.md``, "Objects").
+
+Each class keeps the wire object it was built from in ``raw``, so fields added by
+a newer daemon are still reachable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON = Any
+"""A JSON value as ``json.loads`` returns it."""
+
+TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What an unfinished turn waits for, and what happens at its deadline."""
+
+    state: str
+    reason: str
+    since_ms: int
+    deadline_ms: int | None
+    on_deadline: str | None
+    invocation_id: str | None = None
+    worker_id: str | None = None
+    ahead: int | None = None
+    last_error: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Wait:
+        return cls(
+            state=str(obj["state"]),
+            reason=str(obj.get("reason", "")),
+            since_ms=int(obj.get("since_ms", 0)),
+            deadline_ms=_opt_int(obj.get("deadline_ms")),
+            on_deadline=obj.get("on_deadline"),
+            invocation_id=obj.get("invocation_id"),
+            worker_id=obj.get("worker_id"),
+            ahead=_opt_int(obj.get("ahead")),
+            last_error=obj.get("last_error"),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class TurnError:
+    """Why a turn failed: ``cause`` (e.g. ``handler_failed``) and the worker's ``code``."""
+
+    cause: str
+    code: str
+    message: str
+    step: int
+    invocation_id: str | None = None
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> TurnError:
+        return cls(
+            cause=str(obj.get("cause", "")),
+            code=str(obj.get("code", "")),
+            message=str(obj.get("message", "")),
+            step=int(obj.get("step", 0)),
+            invocation_id=obj.get("invocation_id"),
+        )
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A stop request recorded on a turn."""
+
+    requested_at_ms: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A turn as the daemon reports it."""
+
+    turn_id: str
+    session_id: str
+    seq: int
+    function_id: str
+    status: str
+    step: int
+    attempt: int
+    input: JSON
+    output: JSON = None
+    error: TurnError | None = None
+    stop: Stop | None = None
+    recovered: bool = False
+    created_at_ms: int = 0
+    updated_at_ms: int = 0
+    finished_at_ms: int | None = None
+    wait: Wait | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def done(self) -> bool:
+        """Whether the turn is terminal (completed, failed or cancelled)."""
+        return self.status in TERMINAL_STATUSES
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Turn:
+        error = obj.get("error")
+        stop = obj.get("stop")
+        wait = obj.get("wait")
+        return cls(
+            turn_id=str(obj["turn_id"]),
+            session_id=str(obj["session_id"]),
+            seq=int(obj["seq"]),
+            function_id=str(obj["function_id"]),
+            status=str(obj["status"]),
+            step=int(obj.get("step", 0)),
+            attempt=int(obj.get("attempt", 0)),
+            input=obj.get("input"),
+            output=obj.get("output"),
+            error=TurnError.from_wire(error) if isinstance(error, dict) else None,
+            stop=(
+                Stop(int(stop.get("requested_at_ms", 0)), str(stop.get("reason", "")))
+                if isinstance(stop, dict)
+                else None
+            ),
+            recovered=bool(obj.get("recovered", False)),
+            created_at_ms=int(obj.get("created_at_ms", 0)),
+            updated_at_ms=int(obj.get("updated_at_ms", 0)),
+            finished_at_ms=_opt_int(obj.get("finished_at_ms")),
+            wait=Wait.from_wire(wait) if isinstance(wait, dict) else None,
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """The answer of ``turn.submit``: the turn, and whether an earlier submit made it."""
+
+    turn: Turn
+    deduplicated: bool
+
+    @property
+    def turn_id(self) -> str:
+        return self.turn.turn_id
+
+
+@dataclass(frozen=True)
+class QueuedTurn:
+    """A turn waiting behind a session's lock holder."""
+
+    turn_id: str
+    seq: int
+    function_id: str
+    created_at_ms: int
+
+
+@dataclass(frozen=True)
+class SessionLock:
+    """The session's lock holder and what it waits for."""
+
+    turn_id: str
+    since_ms: int
+    wait: Wait | None
+
+
+@dataclass(frozen=True)
+class Session:
+    """A session as ``session.inspect`` reports it."""
+
+    session_id: str
+    lock: SessionLock | None
+    queued: list[QueuedTurn]
+    turns: dict[str, int]
+    last_event: int
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Session:
+        lock = obj.get("lock")
+        lock_wait = lock.get("wait") if isinstance(lock, dict) else None
+        return cls(
+            session_id=str(obj["session_id"]),
+            lock=(
+                SessionLock(
+                    turn_id=str(lock["turn_id"]),
+                    since_ms=int(lock.get("since_ms", 0)),
+                    wait=Wait.from_wire(lock_wait) if isinstance(lock_wait, dict) else None,
+                )
+                if isinstance(lock, dict)
+                else None
+            ),
+            queued=[
+                QueuedTurn(
+                    turn_id=str(q["turn_id"]),
+                    seq=int(q["seq"]),
+                    function_id=str(q["function_id"]),
+                    created_at_ms=int(q.get("created_at_ms", 0)),
+                )
+                for q in obj.get("queued") or []
+            ],
+            turns={str(k): int(v) for k, v in (obj.get("turns") or {}).items()},
+            last_event=int(obj.get("last_event", 0)),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a session's event log."""
+
+    seq: int
+    session_id: str
+    turn_id: str
+    at_ms: int
+    kind: str
+    detail: dict[str, Any]
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Event:
+        detail = obj.get("detail")
+        return cls(
+            seq=int(obj["seq"]),
+            session_id=str(obj["session_id"]),
+            turn_id=str(obj.get("turn_id", "")),
+            at_ms=int(obj.get("at_ms", 0)),
+            kind=str(obj["kind"]),
+            detail=detail if isinstance(detail, dict) else {},
+        )
+
+
+@dataclass(frozen=True)
+class TurnPage:
+    """One page of ``turn.list`` (newest first)."""
+
+    turns: list[Turn]
+    next_before_seq: int | None
+
+
+@dataclass(frozen=True)
+class EventPage:
+    """One page of ``session.events`` (ascending ``seq``)."""
+
+    events: list[Event]
+    next: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """An entry of ``workers.list``."""
+
+    worker_id: str
+    name: str
+    connected: bool
+    instance_id: str | None
+    since_ms: int
+    functions: list[str]
+    inflight: int
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> WorkerInfo:
+        return cls(
+            worker_id=str(obj["worker_id"]),
+            name=str(obj.get("name", "")),
+            connected=bool(obj.get("connected", False)),
+            instance_id=obj.get("instance_id"),
+            since_ms=int(obj.get("since_ms", 0)),
+            functions=[str(f) for f in obj.get("functions") or []],
+            inflight=int(obj.get("inflight", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class FunctionInfo:
+    """An entry of ``functions.list``."""
+
+    function_id: str
+    concurrency: int
+    timeout_ms: int
+    delivery: str
+    max_attempts: int
+    workers: int
+    queued: int
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> FunctionInfo:
+        return cls(
+            function_id=str(obj["function_id"]),
+            concurrency=int(obj.get("concurrency", 0)),
+            timeout_ms=int(obj.get("timeout_ms", 0)),
+            delivery=str(obj.get("delivery", "")),
+            max_attempts=int(obj.get("max_attempts", 0)),
+            workers=int(obj.get("workers", 0)),
+            queued=int(obj.get("queued", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """What the daemon did with this worker's invocations at ``hello``."""
+
+    kept: list[str]
+    redispatched: list[str]
+    unknown: list[str]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Reconciled:
+        if not isinstance(obj, dict):
+            return cls([], [], [])
+        return cls(
+            kept=[str(i) for i in obj.get("kept") or []],
+            redispatched=[str(i) for i in obj.get("redispatched") or []],
+            unknown=[str(i) for i in obj.get("unknown") or []],
+        )

@@ -1,0 +1,938 @@
+"""The worker side: serve functions and do the worker's part of every loss rule.
+
+The daemon can only reconcile losses (``docs/semantics.md``, "Loss") when the worker
+does its part, and this module is that part:
+
+- one ``instance_id`` for the life of a :class:`Worker`, sent in every ``hello`` with
+  the invocations still running (``inflight``) and the results not yet acknowledged
+  (``finished``), so a reconnect keeps work instead of losing it;
+- every result is held until the daemon answers it: resent after
+  ``result_ack_timeout`` without an answer, after a retryable error, after every
+  reconnect, and at once when a ``probe``, ``cancel`` or repeated ``invoke`` shows the
+  daemon is waiting for it;
+- ``probe`` is answered from what the worker really knows (``running``, ``finished``,
+  ``unknown``); ``cancel`` sets the handler's ``ctx.cancelled`` event and, after
+  ``cancel_grace``, cancels the handler's task;
+- while a handler runs the worker sends ``invocation.heartbeat`` on its own, so a
+  long step outlives its ``timeout_ms`` as long as the process is alive;
+- any close of the connection, clean or not, is a disconnect: the worker reconnects
+  for good with capped, jittered backoff while handlers keep running, and registers
+  its functions again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import dataclasses
+import enum
+import functools
+import inspect
+import json
+import logging
+import random
+import signal
+import time
+import typing
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._connection import CLOSE_SUPERSEDED, PROTOCOL_VERSION, Connection
+from .errors import ConnectionLost, NotFound, ProtocolError, TurndError, WorkerSuperseded
+from .types import JSON, Reconciled
+
+log = logging.getLogger("turnd.worker")
+
+Delivery = Literal["at_most_once", "at_least_once"]
+
+# Bytes of an `invocation.result` request around its args: {"id":N,"op":"…","args":…}.
+_ENVELOPE_BYTES = 64
+
+
+class Continue:
+    """Return ``Continue(state)`` from a handler to run another step with ``state`` as input."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"Continue({self.state!r})"
+
+
+class Fail(Exception):
+    """Raise ``Fail(code, message, retryable=...)`` from a handler to fail the step.
+
+    With ``retryable=True`` and attempts left the daemon backs off and runs the step
+    again; otherwise the turn fails with cause ``handler_failed`` (or
+    ``attempts_exhausted``) and this ``code``.
+    """
+
+    def __init__(self, code: str, message: str = "", *, retryable: bool = False) -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class WorkerState(str, enum.Enum):
+    """The worker's connection state (``worker.state``, ``on_state`` callback)."""
+
+    IDLE = "idle"
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    DISCONNECTED = "disconnected"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass
+class WorkerStats:
+    """Counters of a worker since it was created."""
+
+    invocations_started: int = 0
+    results_sent: int = 0
+    results_resent: int = 0
+    results_acked: int = 0
+    results_dropped: int = 0
+    heartbeats_sent: int = 0
+    probes_answered: int = 0
+    cancels_received: int = 0
+    connections: int = 0
+
+
+if typing.TYPE_CHECKING:
+    _LoggerAdapter = logging.LoggerAdapter[logging.Logger]
+else:  # LoggerAdapter is subscriptable at run time from Python 3.11 on
+    _LoggerAdapter = logging.LoggerAdapter
+
+
+class _InvocationLog(_LoggerAdapter):
+    """Prefixes each message with the invocation id (also in ``extra``)."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = self.extra or {}
+        kwargs.setdefault("extra", {}).update(extra)
+        return f"[{extra.get('invocation_id', '')}] {msg}", kwargs
+
+
+@dataclass
+class TurnContext:
+    """What a handler gets besides its input, for one invocation."""
+
+    session_id: str
+    turn_id: str
+    function_id: str
+    step: int
+    attempt: int
+    invocation_id: str
+    deadline_ms: int
+    cancelled: asyncio.Event
+    """Set when the daemon sends ``cancel`` (a stop, or a deadline passed), or when
+    a heartbeat learns the invocation is no longer current. Raise
+    ``asyncio.CancelledError`` (or return) once it is set."""
+    log: logging.LoggerAdapter[logging.Logger]
+    _worker: Worker = field(repr=False)
+    _loop: asyncio.AbstractEventLoop = field(repr=False)
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across redispatches and retries of this step of this turn.
+
+        Use it for side effects that must happen once per step (a payment, an
+        e-mail): attempts and redispatches of the same step share it.
+        """
+        return f"{self.turn_id}:{self.step}"
+
+    @property
+    def is_cancelled(self) -> bool:
+        """``cancelled.is_set()``, safe to read from a thread-pool handler."""
+        return self.cancelled.is_set()
+
+    async def heartbeat(self) -> int:
+        """Move this invocation's deadline now; returns the new deadline (Unix ms).
+
+        The worker already heartbeats on its own while the handler runs; call this to
+        renew at a moment of your choosing. Raises :class:`NotFound` (and sets
+        ``cancelled``) when the invocation is no longer current, and
+        :class:`ConnectionLost` while the worker is disconnected.
+        """
+        return await self._worker._heartbeat(self)
+
+    def heartbeat_threadsafe(self, timeout: float = 10.0) -> int:
+        """:meth:`heartbeat` for a plain ``def`` handler running on the thread pool."""
+        future = asyncio.run_coroutine_threadsafe(self.heartbeat(), self._loop)
+        return future.result(timeout)
+
+
+Handler = Callable[..., Any]
+
+
+@dataclass
+class FunctionSpec:
+    """A function this worker serves and the settings it registers it with."""
+
+    function_id: str
+    handler: Handler
+    concurrency: int = 1
+    timeout_ms: int | None = None
+    delivery: Delivery = "at_most_once"
+    max_attempts: int | None = None
+    is_async: bool = True
+    input_model: Any = None
+
+    def register_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "function_id": self.function_id,
+            "concurrency": self.concurrency,
+            "delivery": self.delivery,
+        }
+        if self.timeout_ms is not None:
+            args["timeout_ms"] = self.timeout_ms
+        if self.max_attempts is not None:
+            args["max_attempts"] = self.max_attempts
+        return args
+
+
+@dataclass
+class _Running:
+    ctx: TurnContext
+    task: asyncio.Task[None] | None = None
+    hard_cancel: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class _Held:
+    outcome: dict[str, Any]
+    resend_now: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Link:
+    generation: int
+    conn: Connection
+
+
+def _pydantic_model(annotation: Any) -> Any:
+    """The annotation when it is a pydantic model class (pydantic being installed)."""
+    if not isinstance(annotation, type):
+        return None
+    try:
+        from pydantic import BaseModel
+    except ImportError:
+        return None
+    return annotation if issubclass(annotation, BaseModel) else None
+
+
+def _to_json(value: Any) -> Any:
+    """Make a handler's return value JSON: pydantic models and dataclasses included."""
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+def _outcome_of(value: Any) -> dict[str, Any]:
+    if isinstance(value, Continue):
+        return {"continue": _to_json(value.state)}
+    return {"complete": _to_json(value)}
+
+
+class Worker:
+    """Serves functions to a turnd daemon.
+
+    ::
+
+        worker = Worker("ws://127.0.0.1:7420/v1", worker_id="agent-1")
+
+        @worker.function("agent.step", concurrency=8, timeout_ms=300_000)
+        async def step(ctx: TurnContext, input: dict) -> dict | Continue:
+            ...
+
+        worker.run()            # or: await worker.serve()
+
+    ``instance_id`` defaults to a fresh id per ``Worker`` object: keep the object
+    (the SDK does, across reconnects) to be recognised as the same instance.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        worker_id: str,
+        *,
+        token: str | None = None,
+        name: str | None = None,
+        instance_id: str | None = None,
+        result_ack_timeout: float = 2.0,
+        reconnect_delay: float = 0.2,
+        reconnect_max_delay: float = 5.0,
+        cancel_grace: float | None = 2.0,
+        auto_heartbeat: bool = True,
+        drain_timeout: float = 30.0,
+        max_threads: int | None = None,
+        on_state: Callable[[WorkerState], None] | None = None,
+    ) -> None:
+        self.url = url
+        self.worker_id = worker_id
+        self.token = token
+        self.name = name or worker_id
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.result_ack_timeout = result_ack_timeout
+        self.reconnect_delay = reconnect_delay
+        self.reconnect_max_delay = max(reconnect_max_delay, reconnect_delay)
+        self.cancel_grace = cancel_grace
+        self.auto_heartbeat = auto_heartbeat
+        self.drain_timeout = drain_timeout
+        self.on_state = on_state
+        self.stats = WorkerStats()
+        self.reconciled: Reconciled | None = None
+        """What the daemon did with this worker's invocations at the last ``hello``."""
+        self._functions: dict[str, FunctionSpec] = {}
+        self._max_threads = max_threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._state = WorkerState.IDLE
+        self._state_waiters: list[tuple[WorkerState, asyncio.Future[None]]] = []
+        self._running: dict[str, _Running] = {}
+        self._held: dict[str, _Held] = {}
+        # Set whenever a handler ends or a result is acknowledged.
+        self._changed = asyncio.Event()
+        self._link: _Link | None = None
+        self._link_changed: asyncio.Condition | None = None
+        self._stopping: asyncio.Event | None = None
+        self._draining = False
+        self._fatal: ProtocolError | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def function(
+        self,
+        function_id: str,
+        *,
+        concurrency: int = 1,
+        timeout_ms: int | None = None,
+        delivery: Delivery = "at_most_once",
+        max_attempts: int | None = None,
+    ) -> Callable[[Handler], Handler]:
+        """Decorator: serve ``function_id`` with ``handler(ctx, input)``.
+
+        ``async def`` handlers run on the event loop; plain ``def`` handlers on a
+        thread pool. The return value completes the turn (dicts, lists, strings,
+        numbers, ``None``, dataclasses, pydantic models), :class:`Continue` runs the
+        next step, :class:`Fail` fails the step, ``asyncio.CancelledError`` answers
+        ``cancelled``, and any other exception fails the step with the exception's
+        type name as ``code`` and its text as ``message``. When the ``input``
+        parameter is annotated with a pydantic model, the input is validated into it
+        (a validation error fails the step with code ``invalid_input``).
+        """
+        if delivery not in ("at_most_once", "at_least_once"):
+            raise ValueError(f"delivery must be at_most_once or at_least_once, not {delivery!r}")
+        if not 1 <= concurrency <= 10_000:
+            raise ValueError("concurrency must be 1 to 10000")
+        if timeout_ms is not None and timeout_ms <= 0:
+            raise ValueError("timeout_ms must be positive")
+        if max_attempts is not None and not 1 <= max_attempts <= 1000:
+            raise ValueError("max_attempts must be 1 to 1000")
+
+        def register(handler: Handler) -> Handler:
+            input_model = None
+            try:
+                hints = typing.get_type_hints(handler)
+            except Exception:
+                hints = {}
+            params = list(inspect.signature(handler).parameters)
+            if len(params) >= 2:
+                input_model = _pydantic_model(hints.get(params[1]))
+            self._functions[function_id] = FunctionSpec(
+                function_id=function_id,
+                handler=handler,
+                concurrency=concurrency,
+                timeout_ms=timeout_ms,
+                delivery=delivery,
+                max_attempts=max_attempts,
+                is_async=inspect.iscoroutinefunction(handler),
+                input_model=input_model,
+            )
+            return handler
+
+        return register
+
+    @property
+    def state(self) -> WorkerState:
+        """The connection state right now."""
+        return self._state
+
+    @property
+    def functions(self) -> list[str]:
+        return sorted(self._functions)
+
+    def _set_state(self, state: WorkerState) -> None:
+        if state == self._state:
+            return
+        self._state = state
+        log.debug("worker %s: %s", self.worker_id, state.value)
+        if self.on_state is not None:
+            try:
+                self.on_state(state)
+            except Exception:
+                log.exception("on_state callback failed")
+        waiters, self._state_waiters = self._state_waiters, []
+        for wanted, fut in waiters:
+            if fut.done():
+                continue
+            if wanted == state:
+                fut.set_result(None)
+            else:
+                self._state_waiters.append((wanted, fut))
+
+    async def wait_state(self, state: WorkerState, timeout: float | None = None) -> None:
+        """Wait until the worker is in ``state`` (e.g. ``WorkerState.CONNECTED``)."""
+        if self._state == state:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._state_waiters.append((state, fut))
+        await asyncio.wait_for(fut, timeout)
+
+    @property
+    def pending(self) -> tuple[list[str], list[str]]:
+        """Invocation ids of the handlers running and of the results not yet acknowledged."""
+        return sorted(self._running), sorted(self._held)
+
+    async def settled(self, timeout: float | None = None) -> None:
+        """Wait until no handler runs and the daemon acknowledged every result."""
+
+        async def quiet() -> None:
+            while self._running or self._held:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(quiet(), timeout)
+
+    # ------------------------------------------------------------------ running
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT, then drain and return (blocking).
+
+        The first signal drains: functions are unregistered so nothing new is
+        dispatched, running handlers get ``drain_timeout`` to finish and their
+        results are delivered. A second signal stops at once.
+        """
+        asyncio.run(self._run_with_signals())
+
+    async def _run_with_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+
+        def on_signal() -> None:
+            if self._draining:
+                log.warning("second signal: stopping now")
+                self.stop()
+            else:
+                log.info("signal received: draining")
+                self.drain()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, on_signal)
+                installed.append(sig)
+        try:
+            await self.serve()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def stop(self) -> None:
+        """Stop at once: close the connection, cancel running handlers."""
+        if self._stopping is not None:
+            self._stopping.set()
+
+    def drain(self) -> None:
+        """Stop taking work, let running handlers finish, deliver results, then stop."""
+        if self._loop is None or self._draining:
+            return
+        self._draining = True
+        self._set_state(WorkerState.DRAINING)
+        self._spawn(self._drain())
+
+    async def _drain(self) -> None:
+        link = self._link
+        if link is not None:
+            for function_id in sorted(self._functions):
+                with contextlib.suppress(TurndError):
+                    await link.conn.call("function.unregister", {"function_id": function_id})
+        with contextlib.suppress(asyncio.TimeoutError):
+            await self.settled(self.drain_timeout)
+        if self._running or self._held:
+            log.warning(
+                "drain timeout: %d handlers still running, %d results unacknowledged",
+                len(self._running),
+                len(self._held),
+            )
+        self.stop()
+
+    async def serve(self) -> None:
+        """Connect, register and serve until :meth:`stop` (or a finished drain).
+
+        Raises :class:`WorkerSuperseded` when another connection takes this
+        ``worker_id``, and the daemon's error when it refuses a registration for good
+        (e.g. ``BadRequest``); connection failures, refused ``hello`` included, are
+        retried for good.
+        """
+        if not self._functions:
+            raise ValueError("no function registered; use @worker.function(...)")
+        if self._loop is not None:
+            raise RuntimeError("this worker is already serving")
+        self._loop = asyncio.get_running_loop()
+        self._draining = False
+        self._fatal = None
+        self._stopping = asyncio.Event()
+        self._link_changed = asyncio.Condition()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self._max_threads, thread_name_prefix=f"turnd-{self.worker_id}"
+        )
+        try:
+            await self._supervise()
+        finally:
+            await self._shutdown()
+        if self._fatal is not None:
+            raise self._fatal
+
+    async def __aenter__(self) -> Worker:
+        """Serve in a background task for the duration of an ``async with`` block."""
+        self._serve_task = asyncio.get_running_loop().create_task(self.serve())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+        with contextlib.suppress(asyncio.CancelledError, TurndError):
+            await self._serve_task
+
+    async def _supervise(self) -> None:
+        assert self._stopping is not None
+        delay = self.reconnect_delay
+        generation = 0
+        while not self._stopping.is_set():
+            self._set_state(WorkerState.CONNECTING)
+            conn = await self._until_stopped(self._connect())
+            if isinstance(conn, Connection):
+                delay = self.reconnect_delay
+                generation += 1
+                self.stats.connections += 1
+                log.info("worker %s connected (generation %d)", self.worker_id, generation)
+                await self._set_link(_Link(generation, conn))
+                self._set_state(WorkerState.DRAINING if self._draining else WorkerState.CONNECTED)
+                await self._until_stopped(conn.closed.wait())
+                await self._set_link(None)
+                if self._stopping.is_set():
+                    await conn.close()
+                    return
+                if conn.close_code == CLOSE_SUPERSEDED:
+                    log.error("worker %s superseded by another connection", self.worker_id)
+                    raise WorkerSuperseded(
+                        f"another connection took worker_id {self.worker_id} (close 4001)"
+                    )
+                log.warning(
+                    "worker %s lost its connection (close %s); reconnecting",
+                    self.worker_id,
+                    conn.close_code,
+                )
+            self._set_state(WorkerState.DISCONNECTED)
+            # Equal jitter: half the delay fixed, half random.
+            await self._until_stopped(asyncio.sleep(delay / 2 + random.uniform(0, delay / 2)))
+            delay = min(delay * 2, self.reconnect_max_delay)
+
+    async def _until_stopped(self, aw: Awaitable[Any]) -> Any:
+        """Await ``aw`` unless the worker stops first (then ``None``)."""
+        assert self._stopping is not None
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return None
+
+    async def _connect(self) -> Connection | None:
+        hello: dict[str, Any] = {
+            "protocol": PROTOCOL_VERSION,
+            "role": "worker",
+            "worker_id": self.worker_id,
+            "name": self.name,
+            "instance_id": self.instance_id,
+            "inflight": sorted(self._running),
+            "finished": sorted(self._held),
+        }
+        if self.token is not None:
+            hello["token"] = self.token
+        try:
+            conn = await Connection.open(self.url, hello, self._on_push)
+        except ProtocolError as e:
+            if e.code in ("not_authenticated", "unsupported_protocol", "forbidden"):
+                log.error("worker %s refused by the daemon: %s", self.worker_id, e)
+            else:
+                log.warning("worker %s: hello failed: %s", self.worker_id, e)
+            return None
+        except (ConnectionLost, OSError, asyncio.TimeoutError) as e:
+            log.warning("worker %s: cannot connect: %s", self.worker_id, e)
+            return None
+        self.reconciled = Reconciled.from_wire(conn.hello.get("reconciled"))
+        if self.reconciled.redispatched or self.reconciled.unknown:
+            log.info(
+                "daemon reconciled worker %s: kept %s, redispatched %s, unknown %s",
+                self.worker_id,
+                self.reconciled.kept,
+                self.reconciled.redispatched,
+                self.reconciled.unknown,
+            )
+        try:
+            # A draining worker reconnects only to report and deliver what it holds.
+            specs = [] if self._draining else self._functions.values()
+            for spec in sorted(specs, key=lambda s: s.function_id):
+                await conn.call("function.register", spec.register_args())
+        except ProtocolError as e:
+            await conn.close()
+            if not e.retryable:
+                # The same registration would be refused again on every reconnect.
+                log.error("worker %s: the daemon refused a registration: %s", self.worker_id, e)
+                self._fatal = e
+                self.stop()
+                return None
+            log.warning("worker %s: registering failed: %s", self.worker_id, e)
+            return None
+        except TurndError as e:
+            log.warning("worker %s: registering failed: %s", self.worker_id, e)
+            await conn.close()
+            return None
+        # Results held across the reconnect are resent now (the daemon kept them
+        # waiting for that, "finished" in hello).
+        for held in self._held.values():
+            held.resend_now.set()
+        return conn
+
+    async def _set_link(self, link: _Link | None) -> None:
+        self._link = link
+        assert self._link_changed is not None
+        async with self._link_changed:
+            self._link_changed.notify_all()
+
+    async def _shutdown(self) -> None:
+        self._set_state(WorkerState.STOPPED)
+        link, self._link = self._link, None
+        if link is not None:
+            await link.conn.close()
+        for running in list(self._running.values()):
+            if running.task is not None:
+                running.task.cancel()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._loop = None
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ pushes
+
+    def _on_push(self, conn: Connection, frame: dict[str, Any]) -> None:
+        kind = frame.get("push")
+        invocation_id = frame.get("invocation_id")
+        if not isinstance(invocation_id, str):
+            log.debug("ignoring push %r without invocation_id", kind)
+            return
+        if kind == "invoke":
+            self._on_invoke(frame, invocation_id)
+        elif kind == "cancel":
+            self._on_cancel(invocation_id, str(frame.get("reason", "")))
+        elif kind == "probe":
+            # Answered on the connection it came on, even before registration is done
+            # (a probe can follow hello at once).
+            self._on_probe(conn, invocation_id)
+        else:
+            log.debug("ignoring push %r on a worker connection", kind)
+
+    def _on_invoke(self, frame: dict[str, Any], invocation_id: str) -> None:
+        if invocation_id in self._running:
+            log.debug("invoke %s already running; ignored", invocation_id)
+            return
+        held = self._held.get(invocation_id)
+        if held is not None:
+            log.debug("invoke %s already finished; resending its result", invocation_id)
+            held.resend_now.set()
+            return
+        assert self._loop is not None
+        function_id = str(frame.get("function_id", ""))
+        ctx = TurnContext(
+            session_id=str(frame.get("session_id", "")),
+            turn_id=str(frame.get("turn_id", "")),
+            function_id=function_id,
+            step=int(frame.get("step", 0)),
+            attempt=int(frame.get("attempt", 0)),
+            invocation_id=invocation_id,
+            deadline_ms=int(frame.get("deadline_ms", 0)),
+            cancelled=asyncio.Event(),
+            log=_InvocationLog(
+                logging.getLogger(f"turnd.handler.{function_id}"),
+                {"invocation_id": invocation_id},
+            ),
+            _worker=self,
+            _loop=self._loop,
+        )
+        running = _Running(ctx)
+        self._running[invocation_id] = running
+        self.stats.invocations_started += 1
+        running.task = self._loop.create_task(self._invoke(ctx, frame.get("input")))
+
+    async def _invoke(self, ctx: TurnContext, input: JSON) -> None:
+        spec = self._functions.get(ctx.function_id)
+        heartbeats = None
+        if spec is not None and self.auto_heartbeat:
+            heartbeats = self._spawn(self._heartbeat_loop(ctx, spec))
+        try:
+            outcome = await self._call_handler(spec, ctx, input)
+        finally:
+            if heartbeats is not None:
+                heartbeats.cancel()
+            running = self._running.get(ctx.invocation_id)
+            if running is not None and running.hard_cancel is not None:
+                running.hard_cancel.cancel()
+        self._hold(ctx.invocation_id, outcome)
+
+    async def _call_handler(
+        self, spec: FunctionSpec | None, ctx: TurnContext, input: JSON
+    ) -> dict[str, Any]:
+        if spec is None:
+            return {
+                "fail": {
+                    "code": "unknown_function",
+                    "message": f"this worker does not serve {ctx.function_id}",
+                    "retryable": False,
+                }
+            }
+        try:
+            if spec.input_model is not None:
+                try:
+                    input = spec.input_model.model_validate(input)
+                except Exception as e:
+                    raise Fail("invalid_input", str(e)) from e
+            if spec.is_async:
+                value = await spec.handler(ctx, input)
+            else:
+                assert self._loop is not None
+                call = functools.partial(contextvars.copy_context().run, spec.handler, ctx, input)
+                value = await self._loop.run_in_executor(self._pool, call)
+            if inspect.isawaitable(value):
+                value = await value
+            outcome = _outcome_of(value)
+            try:
+                json.dumps(outcome, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise Fail("invalid_output", f"the handler's value is not JSON: {e}") from e
+            return outcome
+        except Fail as f:
+            return {"fail": {"code": f.code, "message": f.message, "retryable": f.retryable}}
+        except asyncio.CancelledError:
+            if self._stopping is not None and self._stopping.is_set():
+                raise
+            reason = "cancelled" if ctx.cancelled.is_set() else "handler cancelled itself"
+            return {"cancelled": {"message": reason}}
+        except Exception as e:
+            ctx.log.warning("handler raised %s: %s", type(e).__name__, e)
+            return {"fail": {"code": type(e).__name__, "message": str(e), "retryable": False}}
+
+    def _on_cancel(self, invocation_id: str, reason: str) -> None:
+        self.stats.cancels_received += 1
+        running = self._running.get(invocation_id)
+        if running is not None:
+            log.info("cancel %s (%s): telling the handler", invocation_id, reason)
+            self._cancel_running(running)
+            return
+        held = self._held.get(invocation_id)
+        if held is not None:
+            log.info("cancel %s: already finished; resending the result", invocation_id)
+            held.resend_now.set()
+            return
+        log.info("cancel %s for an invocation this worker is not running", invocation_id)
+        self._hold(invocation_id, {"cancelled": {"message": "not running"}})
+
+    def _cancel_running(self, running: _Running) -> None:
+        running.ctx.cancelled.set()
+        if self.cancel_grace is None or running.hard_cancel is not None:
+            return
+        task = running.task
+        if task is None or task.done():
+            return
+        assert self._loop is not None
+        running.hard_cancel = self._loop.call_later(self.cancel_grace, task.cancel)
+
+    def _on_probe(self, conn: Connection, invocation_id: str) -> None:
+        held = self._held.get(invocation_id)
+        if invocation_id in self._running:
+            state = "running"
+        elif held is not None:
+            state = "finished"
+        else:
+            state = "unknown"
+        self.stats.probes_answered += 1
+        log.debug("probe %s: %s", invocation_id, state)
+        self._spawn(self._answer_probe(conn, invocation_id, state, held))
+
+    async def _answer_probe(
+        self, conn: Connection, invocation_id: str, state: str, held: _Held | None
+    ) -> None:
+        try:
+            await conn.call("invocation.status", {"invocation_id": invocation_id, "state": state})
+        except TurndError as e:
+            log.warning("answering probe %s failed: %s", invocation_id, e)
+        # Status first, then the result the status promised.
+        if held is not None:
+            held.resend_now.set()
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _heartbeat(self, ctx: TurnContext) -> int:
+        link = self._link
+        if link is None:
+            raise ConnectionLost("worker not connected")
+        try:
+            ok = await link.conn.call("invocation.heartbeat", {"invocation_id": ctx.invocation_id})
+        except NotFound:
+            if ctx.invocation_id in self._running:
+                ctx.log.info("invocation no longer current; cancelling its handler")
+                running = self._running[ctx.invocation_id]
+                self._cancel_running(running)
+            raise
+        self.stats.heartbeats_sent += 1
+        deadline = int(ok.get("deadline_ms", 0)) if isinstance(ok, dict) else 0
+        if deadline:
+            ctx.deadline_ms = deadline
+        return deadline
+
+    async def _heartbeat_loop(self, ctx: TurnContext, spec: FunctionSpec) -> None:
+        """Renew the deadline at a third of the attempt timeout while the handler runs."""
+        if spec.timeout_ms is not None:
+            timeout_s = spec.timeout_ms / 1000
+        else:
+            # Registered without timeout_ms: the daemon's default applies, seen in the
+            # first deadline. A clock far off the daemon's gives nothing usable; then
+            # assume the daemon's built-in default (30 s).
+            timeout_s = ctx.deadline_ms / 1000 - time.time()
+            if timeout_s <= 0.15:
+                timeout_s = 30.0
+        interval = max(0.05, timeout_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._heartbeat(ctx)
+            except NotFound:
+                return
+            except TurndError as e:
+                ctx.log.debug("heartbeat failed: %s", e)
+
+    # ------------------------------------------------------------------ results
+
+    def _hold(self, invocation_id: str, outcome: dict[str, Any]) -> None:
+        """Keep a result until the daemon acknowledges it, and start delivering it."""
+        self._running.pop(invocation_id, None)
+        self._changed.set()
+        if self._stopping is None or self._stopping.is_set():
+            return
+        held = _Held(outcome)
+        self._held[invocation_id] = held
+        self._spawn(self._pump(invocation_id, held))
+
+    def _release(self, invocation_id: str, held: _Held) -> None:
+        if self._held.get(invocation_id) is held:
+            del self._held[invocation_id]
+            self._changed.set()
+
+    async def _wait_link(self, dead: int | None) -> _Link:
+        assert self._link_changed is not None
+        async with self._link_changed:
+            await self._link_changed.wait_for(
+                lambda: self._link is not None and self._link.generation != dead
+            )
+            assert self._link is not None
+            return self._link
+
+    async def _pump(self, invocation_id: str, held: _Held) -> None:
+        """Deliver one result until the daemon acknowledges it (or refuses it for good)."""
+        args = {"invocation_id": invocation_id, "outcome": held.outcome}
+        size = len(json.dumps(args, separators=(",", ":")).encode()) + _ENVELOPE_BYTES
+        dead: int | None = None
+        first = True
+        while True:
+            link = await self._wait_link(dead)
+            max_frame = link.conn.hello.get("max_frame_bytes")
+            if isinstance(max_frame, int) and size > max_frame:
+                # The daemon would close the connection on this frame, and again on
+                # every resend: report the step as failed instead.
+                log.error("result %s is %d bytes, over max_frame_bytes", invocation_id, size)
+                message = (
+                    f"the result is {size} bytes, over the daemon's max_frame_bytes {max_frame}"
+                )
+                held.outcome = {"fail": {"code": "too_large", "message": message}}
+                args["outcome"] = held.outcome
+                size = 0
+            if first:
+                self.stats.results_sent += 1
+                first = False
+            else:
+                self.stats.results_resent += 1
+            held.resend_now.clear()
+            call = asyncio.ensure_future(link.conn.call("invocation.result", args))
+            resend = asyncio.ensure_future(held.resend_now.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {call, resend},
+                    timeout=self.result_ack_timeout,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                resend.cancel()
+                if not call.done():
+                    call.cancel()
+            if call not in done:
+                with contextlib.suppress(asyncio.CancelledError, TurndError):
+                    await call
+                log.debug("result %s: resending (no answer yet)", invocation_id)
+                continue
+            try:
+                ok = call.result()
+            except ConnectionLost:
+                dead = link.generation
+                continue
+            except ProtocolError as e:
+                if e.retryable:
+                    log.warning("result %s not taken yet (%s); resending later", invocation_id, e)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(held.resend_now.wait(), self.result_ack_timeout)
+                    continue
+                log.error("result %s refused (%s); dropping it", invocation_id, e)
+                self.stats.results_dropped += 1
+                self._release(invocation_id, held)
+                return
+            self.stats.results_acked += 1
+            accepted = ok.get("accepted") if isinstance(ok, dict) else None
+            log.debug("result %s acknowledged: %s", invocation_id, accepted)
+            self._release(invocation_id, held)
+            return
