@@ -1,0 +1,201 @@
+/**
+ * The loss rules of docs/semantics.md, played out through the real daemon: frames
+ * dropped by a proxy, connections cut, the daemon killed mid-turn.
+ */
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+import type { Client, Reconciled, Worker } from "../src/index.js";
+import type { Turnd } from "../src/testing.js";
+import { startTurnd } from "../src/testing.js";
+import { allEvents, client, daemon, dropFirst, FAST, FrameProxy, sleep, until, worker } from "./helpers.js";
+
+describe("loss", () => {
+  let turnd: Turnd;
+  let c: Client;
+  const cleanups: Array<() => Promise<void>> = [];
+
+  before(async () => {
+    turnd = await daemon();
+    c = await client(turnd.url);
+  });
+  after(async () => {
+    for (const f of cleanups.reverse()) await f();
+    await c.close();
+    await turnd.stop();
+  });
+
+  async function proxied(): Promise<FrameProxy> {
+    const proxy = await FrameProxy.start(turnd.url);
+    cleanups.push(() => proxy.close());
+    return proxy;
+  }
+
+  async function started(w: Worker): Promise<Worker> {
+    cleanups.push(() => w.stop(200));
+    await w.start();
+    return w;
+  }
+
+  it("resends a result whose frame was lost, and it is applied", async () => {
+    const proxy = await proxied();
+    proxy.toServer = dropFirst((f) => f.op === "invocation.result");
+    const w = worker(proxy.url);
+    w.function("lost.result", async (_ctx, input) => ({ echo: input }));
+    await started(w);
+    const submitted = await c.submit("lost-result", "lost.result", 7);
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "completed");
+    assert.deepEqual(turn.output, { echo: 7 });
+    assert.equal(proxy.dropped.filter((f) => f.op === "invocation.result").length, 1);
+    assert.equal(proxy.sentToServer.filter((f) => f.op === "invocation.result").length, 1);
+    assert.equal(w.stats.resultsResent, 1);
+    const results = (await allEvents(c, "lost-result")).filter((e) => e.kind === "result");
+    assert.equal(results.length, 1);
+  });
+
+  it("a lost dispatch is probed, answered unknown and dispatched again", async () => {
+    const proxy = await proxied();
+    proxy.toClient = dropFirst((f) => f.push === "invoke");
+    const w = worker(proxy.url);
+    const ran: string[] = [];
+    w.function("lost.dispatch", { timeoutMs: 300 }, async (ctx) => {
+      ran.push(ctx.invocationId);
+      return "ran";
+    });
+    await started(w);
+    const submitted = await c.submit("lost-dispatch", "lost.dispatch", null);
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "completed");
+    assert.equal(turn.attempt, 1);
+    const dropped = proxy.dropped.find((f) => f.push === "invoke");
+    assert.ok(dropped);
+    const status = proxy.sentToServer.find((f) => f.op === "invocation.status");
+    assert.deepEqual(status?.args, { invocation_id: dropped.invocation_id, state: "unknown" });
+    const events = await allEvents(c, "lost-dispatch");
+    const redispatched = events.find((e) => e.kind === "redispatched");
+    assert.equal(redispatched?.detail.previous_invocation_id, dropped.invocation_id);
+    assert.equal(ran.length, 1);
+    assert.notEqual(ran[0], dropped.invocation_id);
+  });
+
+  it("reconnects with the running invocation in inflight, and it is kept", async () => {
+    const proxy = await proxied();
+    let release!: () => void;
+    const gate = new Promise<void>((r) => {
+      release = r;
+    });
+    const w = worker(proxy.url);
+    const reconciled: Reconciled[] = [];
+    w.on("reconciled", (r: Reconciled) => reconciled.push(r));
+    w.function("rc.inflight", { timeoutMs: 10_000 }, async () => {
+      await gate;
+      return "kept";
+    });
+    await started(w);
+    const submitted = await c.submit("rc-inflight", "rc.inflight", null);
+    const inv = await until("the handler to start", () => w.inflight[0]);
+    proxy.cut();
+    await until("the worker to reconnect", () => w.stats.connections === 2 && w.state === "connected");
+    const hello = proxy.hellos()[1]?.args as Record<string, unknown>;
+    assert.deepEqual(hello.inflight, [inv]);
+    assert.deepEqual(hello.finished, []);
+    assert.equal(hello.instance_id, w.instanceId);
+    assert.deepEqual(reconciled.at(-1), { kept: [inv], redispatched: [], unknown: [] });
+    release();
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "completed");
+    assert.equal(turn.output, "kept");
+    const kinds = (await allEvents(c, "rc-inflight")).map((e) => e.kind);
+    assert.deepEqual(kinds, ["admitted", "dispatched", "result", "completed"]);
+  });
+
+  it("reconnects with an unacknowledged result in finished, and resends it", async () => {
+    const proxy = await proxied();
+    // Every result is lost until the connection is cut.
+    proxy.toServer = (f) => f.op === "invocation.result";
+    const w = worker(proxy.url, { resultAckTimeoutMs: 5000 });
+    w.function("rc.finished", async () => "held");
+    await started(w);
+    const submitted = await c.submit("rc-finished", "rc.finished", null);
+    const inv = await until("the result to be held", () => w.finished[0]);
+    await until("the result to be sent once", () => proxy.dropped.length === 1);
+    proxy.toServer = () => false;
+    proxy.cut();
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "completed");
+    assert.equal(turn.output, "held");
+    const hello = proxy.hellos()[1]?.args as Record<string, unknown>;
+    assert.deepEqual(hello.inflight, []);
+    assert.deepEqual(hello.finished, [inv]);
+    assert.deepEqual(w.reconciled, { kept: [inv], redispatched: [], unknown: [] });
+    await until("the result to be acknowledged", () => w.finished.length === 0);
+  });
+
+  it("a worker that comes back as a new instance gets its invocation reconciled as unknown", async () => {
+    const proxy = await proxied();
+    const first = worker(proxy.url, { instanceId: "instance-a" });
+    let started1 = false;
+    first.function("rc.restart", { delivery: "at_least_once", timeoutMs: 10_000 }, async (ctx) => {
+      started1 = true;
+      await new Promise((r) => ctx.signal.addEventListener("abort", r));
+      throw new Error("aborted");
+    });
+    await started(first);
+    const submitted = await c.submit("rc-restart", "rc.restart", null);
+    await until("the handler to start", () => started1);
+    // The process "restarts": the old worker is gone without a word, a new instance
+    // with the same worker id says hello.
+    proxy.refuse = true;
+    proxy.cut();
+    await first.stop(0);
+    const second = worker(turnd.url, { workerId: first.workerId, instanceId: "instance-b" });
+    second.function("rc.restart", { delivery: "at_least_once", timeoutMs: 10_000 }, async (ctx) => ({
+      attempt: ctx.attempt,
+    }));
+    await started(second);
+    assert.equal(second.reconciled?.unknown.length, 1);
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "completed");
+    assert.deepEqual(turn.output, { attempt: 2 });
+    const kinds = (await allEvents(c, "rc-restart")).map((e) => e.kind);
+    assert.ok(kinds.includes("outcome_unknown"), kinds.join(","));
+  });
+
+  it("survives a daemon restart mid-turn: reconnects, keeps the invocation, delivers the result", async () => {
+    // A daemon of its own: this test kills it.
+    const own = await startTurnd({ config: FAST });
+    cleanups.push(() => own.stop());
+    const oc = await client(own.url);
+    cleanups.push(() => oc.close());
+    let release!: () => void;
+    const gate = new Promise<void>((r) => {
+      release = r;
+    });
+    const w = worker(own.url);
+    w.function("restart.mid", { timeoutMs: 10_000 }, async () => {
+      await gate;
+      return "survived";
+    });
+    await started(w);
+    const submitted = await oc.submit("restart-mid", "restart.mid", null);
+    const inv = await until("the handler to start", () => w.inflight[0]);
+    await own.restart("SIGKILL");
+    await until("the worker to reconnect", () => w.stats.connections >= 2 && w.state === "connected", 10_000);
+    assert.deepEqual(w.reconciled, { kept: [inv], redispatched: [], unknown: [] });
+    release();
+    const turn = await oc.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "completed");
+    assert.equal(turn.output, "survived");
+    assert.equal(turn.attempt, 1);
+  });
+
+  it("a refused hello stops the worker with the daemon's error", async () => {
+    const own = await startTurnd({ env: { TURND_AUTH__TOKENS: '[{ role = "worker", token = "right-token" }]' } });
+    cleanups.push(() => own.stop());
+    const w = worker(own.url, { token: "wrong-token" });
+    w.function("auth.x", async () => null);
+    await assert.rejects(w.start(), (err: Error & { code?: string }) => err.code === "not_authenticated");
+    await sleep(10);
+    assert.equal(w.state, "stopped");
+  });
+});
