@@ -33,7 +33,8 @@ it("SIGTERM lets the running handler finish, delivers its result, then exits 0",
   try {
     await until("the worker to connect", () => out.includes("state connected"));
     const running = await c.submit("sigterm-1", "run.slow", { ms: 600 });
-    const queued = await c.submit("sigterm-1", "run.slow", { ms: 0 });
+    // Another session: it could run as soon as the worker has a free slot.
+    const queued = await c.submit("sigterm-2", "run.slow", { ms: 0 });
     await until("the turn to run", async () => (await c.get(running.turnId)).status === "running");
     child.kill("SIGTERM");
     assert.equal(await exit, 0);

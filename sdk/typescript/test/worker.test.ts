@@ -190,7 +190,8 @@ describe("worker", () => {
       release = r;
     });
     const w = worker(turnd.url);
-    w.function("drain.gate", async () => {
+    // Capacity for two: only the unregistration keeps the second turn away.
+    w.function("drain.gate", { concurrency: 2 }, async () => {
       await gate;
       return "drained";
     });
