@@ -57,15 +57,16 @@ $(TS_SDK)/node_modules/.ci-stamp: $(TS_SDK)/package-lock.json $(TS_SDK)/package.
 test-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## The TypeScript SDK's tests (node --test) against the built binary
 	$(CARGO) build -p turnd --bin turnd
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
-	cd $(TS_SDK) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=4 build/test/*.test.js
+	cd $(TS_SDK) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=4 build/sdk/typescript/test/*.test.js
 
 lint-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## tsc --noEmit (strict) and Biome over the TypeScript SDK
-	cd $(TS_SDK) && npx tsc -p tsconfig.test.json --noEmit && npx biome lint src test bench
+	cd $(TS_SDK) && npx tsc -p tsconfig.test.json --noEmit
+	$(TS_SDK)/node_modules/.bin/biome lint --error-on-warnings
 
 bench-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## One Node worker's throughput, 100 sessions of one-step echo turns (release build)
 	$(CARGO) build --release -p turnd --bin turnd
-	cd $(TS_SDK) && npx tsc -p tsconfig.test.json
-	cd $(TS_SDK) && node build/bench/throughput.js --binary $(CURDIR)/target/release/turnd --sessions 100 --turns 20
+	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
+	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(CURDIR)/target/release/turnd --sessions 100 --turns 20
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -1,7 +1,7 @@
 /**
  * Throughput of one Node worker process: S sessions × M one-step echo turns.
  *
- *     node build/bench/throughput.js [--sessions 100] [--turns 20] [--concurrency 128]
+ *     node build/sdk/typescript/bench/throughput.js [--sessions 100] [--turns 20] [--concurrency 128]
  *                                    [--warmup 200] [--binary PATH]
  *
  * Starts a real daemon (`--binary`, else $TURND_BIN, else `turnd` on the PATH) on
@@ -117,7 +117,7 @@ async function main(): Promise<void> {
     latencies.sort((a, b) => a - b);
     const total = sessions * turns;
     const cpuS = (report.cpu.user + report.cpu.system) / 1e6;
-    const cmd = `node build/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}`;
+    const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}`;
     console.log(
       `| \`${cmd}\` | ${sessions} × ${turns} | ${wall.toFixed(2)} s | ${Math.round(total / wall)} turns/s | ` +
         `${pct(latencies, 50)} / ${pct(latencies, 99)} ms | worker CPU ${cpuS.toFixed(2)} s ` +
