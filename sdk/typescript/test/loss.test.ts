@@ -78,6 +78,30 @@ describe("loss", () => {
     assert.notEqual(ran[0], dropped.invocation_id);
   });
 
+  it("a probe for a running handler is answered by a heartbeat, so the step is not cancelled", async () => {
+    const proxy = await proxied();
+    // Heartbeats are lost until the daemon probes: the deadline passes.
+    let probed = false;
+    proxy.toClient = (f) => {
+      if (f.push === "probe") probed = true;
+      return false;
+    };
+    proxy.toServer = (f) => f.op === "invocation.heartbeat" && !probed;
+    const w = worker(proxy.url);
+    w.function("probe.alive", { timeoutMs: 300 }, async (ctx) => {
+      await sleep(900);
+      return { aborted: ctx.signal.aborted };
+    });
+    await started(w);
+    const submitted = await c.submit("probe-alive", "probe.alive", null);
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "completed");
+    assert.deepEqual(turn.output, { aborted: false });
+    const kinds = (await allEvents(c, "probe-alive")).map((e) => e.kind);
+    assert.deepEqual(kinds, ["admitted", "dispatched", "probe_sent", "result", "completed"]);
+    assert.equal(proxy.sentToServer.filter((f) => f.op === "invocation.status").length, 0);
+  });
+
   it("reconnects with the running invocation in inflight, and it is kept", async () => {
     const proxy = await proxied();
     let release!: () => void;
