@@ -12,6 +12,7 @@
  * waits for each in the background. Prints one markdown row.
  */
 import { spawn } from "node:child_process";
+import { readFileSync } from "node:fs";
 import { loadavg } from "node:os";
 import { fileURLToPath } from "node:url";
 import { type Client, connect, Worker } from "../src/index.js";
@@ -74,6 +75,16 @@ function pct(sorted: number[], p: number): string {
   return v.toFixed(1);
 }
 
+/** CPU seconds (user + system) of a process so far, from /proc (Linux; 0 elsewhere). */
+function cpuOf(pid: number): number {
+  try {
+    const fields = readFileSync(`/proc/${pid}/stat`, "utf8").split(") ")[1]?.split(" ") ?? [];
+    return (Number(fields[11]) + Number(fields[12])) / 100;
+  } catch {
+    return 0;
+  }
+}
+
 async function main(): Promise<void> {
   if (process.argv.includes("--role-worker")) return runWorker();
   const sessions = arg("sessions", 100);
@@ -103,10 +114,12 @@ async function main(): Promise<void> {
     child.stdin.write("mark\n");
     await new Promise((r) => setTimeout(r, 50));
     const load0 = loadavg()[0] ?? 0;
+    const daemonCpu0 = cpuOf(turnd.pid);
     const t0 = performance.now();
     const latencies = await drive(clients, sessions, turns, "bench");
     const wall = (performance.now() - t0) / 1000;
     const load1 = loadavg()[0] ?? 0;
+    const daemonCpu = cpuOf(turnd.pid) - daemonCpu0;
     child.stdin.write("stop\n");
     const report = JSON.parse((await lines(2))[1] ?? "{}") as {
       cpu: { user: number; system: number };
@@ -122,6 +135,7 @@ async function main(): Promise<void> {
       `| \`${cmd}\` | ${sessions} × ${turns} | ${wall.toFixed(2)} s | ${Math.round(total / wall)} turns/s | ` +
         `${pct(latencies, 50)} / ${pct(latencies, 99)} ms | worker CPU ${cpuS.toFixed(2)} s ` +
         `(${((cpuS / total) * 1e6).toFixed(0)} µs per turn), RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
+        `daemon CPU ${daemonCpu.toFixed(2)} s (${((daemonCpu / total) * 1e6).toFixed(0)} µs per turn) | ` +
         `load ${load0.toFixed(1)} → ${load1.toFixed(1)} |`,
     );
   } finally {

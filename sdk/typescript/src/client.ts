@@ -378,11 +378,6 @@ export class Client extends EventEmitter {
     await conn?.close();
     this.emit("state", "closed" satisfies ClientState);
   }
-
-  /** Drop the current connection without a close frame (tests, diagnostics). */
-  dropConnection(): void {
-    this.conn?.terminate();
-  }
 }
 
 /**

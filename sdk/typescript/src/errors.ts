@@ -51,14 +51,3 @@ export class ConnectionError extends Error {
     this.name = "ConnectionError";
   }
 }
-
-/** A wait of the SDK's own (not the daemon's) ran out of time. */
-export class TimeoutError extends Error {
-  readonly code = "timeout" as const;
-  readonly retryable = true;
-
-  constructor(message: string) {
-    super(message);
-    this.name = "TimeoutError";
-  }
-}
