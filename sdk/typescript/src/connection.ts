@@ -54,6 +54,9 @@ interface Pending {
   onOk: ((ok: unknown) => void) | undefined;
 }
 
+/** `server.max_frame_bytes` when the daemon has not said otherwise. */
+export const DEFAULT_MAX_FRAME_BYTES = 1_048_576;
+
 /** How many server heartbeat intervals of silence end the connection. */
 const SILENT_INTERVALS = 3;
 
@@ -69,6 +72,8 @@ export class Connection {
   private resolveEnded!: () => void;
   private readonly onPush: ((push: PushFrame, conn: Connection) => void) | undefined;
   private readonly onClose: ((code: number, reason: string) => void) | undefined;
+  /** The daemon's frame limit, from `hello` (the protocol default until then). */
+  private frameLimit = DEFAULT_MAX_FRAME_BYTES;
 
   private constructor(ws: WebSocket, opts: ConnectOptions) {
     this.ws = ws;
@@ -145,6 +150,7 @@ export class Connection {
                 unknown: r.unknown ?? [],
               };
             }
+            if (helloOk.maxFrameBytes > 0) conn.frameLimit = helloOk.maxFrameBytes;
             conn.startWatchdog(helloOk.heartbeatMs);
             resolve({ conn, hello: helloOk });
           })
@@ -163,6 +169,11 @@ export class Connection {
     return this.endCode;
   }
 
+  /** The largest frame the daemon accepts (`hello.max_frame_bytes`). */
+  get maxFrameBytes(): number {
+    return this.frameLimit;
+  }
+
   /** Resolves once the connection has ended. */
   get closed(): Promise<void> {
     return this.endedPromise;
@@ -179,9 +190,18 @@ export class Connection {
       return Promise.reject(new ConnectionError(`not connected (${op})`));
     }
     const id = this.nextId++;
+    const text = JSON.stringify({ id, op, args });
+    const size = Buffer.byteLength(text);
+    if (size > this.frameLimit) {
+      // The daemon would answer too_large and close the connection (1009); refusing
+      // here keeps the connection and makes the error the caller's, not a reconnect.
+      return Promise.reject(
+        new TurndError("too_large", `request of ${size} bytes exceeds max_frame_bytes ${this.frameLimit}`, false, op),
+      );
+    }
     return new Promise((resolve, reject) => {
       this.pending.set(id, { op, resolve, reject, onOk });
-      this.ws.send(JSON.stringify({ id, op, args }), (err) => {
+      this.ws.send(text, (err) => {
         if (err && this.pending.delete(id)) {
           reject(new ConnectionError(`send failed (${op}): ${err.message}`, { cause: err }));
         }

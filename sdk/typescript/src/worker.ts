@@ -20,6 +20,7 @@ import { EventEmitter } from "node:events";
 import {
   CLOSE_SUPERSEDED,
   Connection,
+  DEFAULT_MAX_FRAME_BYTES,
   type HelloArgs,
   PROTOCOL_VERSION,
   type PushFrame,
@@ -214,6 +215,10 @@ export class Worker extends EventEmitter {
     this.halt.signal.addEventListener("abort", () => resolve(), { once: true });
   });
   private supervisor: Promise<void> | undefined;
+  /** Set by `stop()`: functions are not registered again on a reconnect. */
+  private draining = false;
+  /** The daemon's frame limit from the last `hello`. */
+  private maxFrameBytes = DEFAULT_MAX_FRAME_BYTES;
   private stopping: Promise<void> | undefined;
   private drainWaiters: Array<() => void> = [];
   private firstConnect: { promise: Promise<void>; resolve: () => void; reject: (e: Error) => void };
@@ -358,6 +363,7 @@ export class Worker extends EventEmitter {
   }
 
   private async drainAndHalt(drainMs: number): Promise<void> {
+    this.draining = true;
     this.setState("draining");
     this.log("info", "draining: no new invocations");
     const conn = this.link?.conn;
@@ -411,7 +417,14 @@ export class Worker extends EventEmitter {
       this.setState("connecting");
       let conn: Connection;
       try {
-        conn = await this.connectAndRegister();
+        const attempt = this.connectAndRegister();
+        const first = await Promise.race([attempt, this.halted.then(() => null)]);
+        if (first === null) {
+          // Stopped while connecting: drop that connection when it comes.
+          attempt.then((c) => c.terminate(), () => {});
+          break;
+        }
+        conn = first;
       } catch (err) {
         this.log("warn", `connect failed: ${message(err)}`);
         if (err instanceof TurndError && FATAL.has(err.code)) {
@@ -491,8 +504,11 @@ export class Worker extends EventEmitter {
       }
       this.emit("reconciled", ok.reconciled);
     }
+    this.maxFrameBytes = conn.maxFrameBytes;
     try {
       for (const f of [...this.functions.values()].sort((a, b) => a.functionId.localeCompare(b.functionId))) {
+        // A draining worker takes no new work, also after a reconnect.
+        if (this.draining) break;
         const args: Record<string, unknown> = {
           function_id: f.functionId,
           concurrency: f.options.concurrency ?? 1,
@@ -617,14 +633,7 @@ export class Worker extends EventEmitter {
         stopBeats();
       }
     }
-    try {
-      JSON.stringify(outcome);
-    } catch (err) {
-      outcome = {
-        fail: { code: "invalid_output", message: `result is not JSON: ${message(err)}`, retryable: false },
-      };
-    }
-    this.holdResult(invocationId, outcome);
+    this.holdResult(invocationId, this.sendable(invocationId, outcome));
   }
 
   /** Heartbeats at a third of the attempt timeout while the handler runs; returns the stopper. */
@@ -696,6 +705,31 @@ export class Worker extends EventEmitter {
   }
 
   // ---- results ---------------------------------------------------------------------
+
+  /**
+   * The outcome as it can be sent: one that is not JSON, or whose frame the daemon
+   * would refuse (closing the connection, so that resending would never end),
+   * becomes a `fail` that says so.
+   */
+  private sendable(invocationId: string, outcome: Outcome): Outcome {
+    let size: number;
+    try {
+      const args = { invocation_id: invocationId, outcome };
+      size = Buffer.byteLength(JSON.stringify({ id: Number.MAX_SAFE_INTEGER, op: "invocation.result", args }));
+    } catch (err) {
+      return { fail: { code: "invalid_output", message: `result is not JSON: ${message(err)}`, retryable: false } };
+    }
+    if (size > this.maxFrameBytes) {
+      return {
+        fail: {
+          code: "too_large",
+          message: `result frame of ${size} bytes exceeds the daemon's max_frame_bytes ${this.maxFrameBytes}`,
+          retryable: false,
+        },
+      };
+    }
+    return outcome;
+  }
 
   private holdResult(invocationId: string, outcome: Outcome): void {
     this.running.delete(invocationId);

@@ -71,6 +71,15 @@ describe("client", () => {
     const big = "x".repeat(600_000);
     const tooLarge = await c.submit("big", "cl.echo", big).catch((e: unknown) => e);
     assert.ok(tooLarge instanceof TurndError && tooLarge.code === "too_large");
+    // Over the frame limit the daemon would close the connection; the client refuses
+    // it itself, and a keyed submit is not resent in a loop.
+    const connection = c.hello?.connectionId;
+    const huge = await c
+      .submit("big", "cl.echo", "x".repeat(2_000_000), { idempotencyKey: "huge" })
+      .catch((e: unknown) => e);
+    assert.ok(huge instanceof TurndError && huge.code === "too_large", String(huge));
+    await c.ping();
+    assert.equal(c.hello?.connectionId, connection);
   });
 
   it("a refused hello rejects connect() with the daemon's error", async () => {

@@ -185,6 +185,33 @@ describe("loss", () => {
     assert.ok(kinds.includes("outcome_unknown"), kinds.join(","));
   });
 
+  it("a worker stopped while disconnected does not register again when it reconnects to drain", async () => {
+    const proxy = await proxied();
+    let release!: () => void;
+    const gate = new Promise<void>((r) => {
+      release = r;
+    });
+    const w = worker(proxy.url);
+    w.function("drain.offline", { concurrency: 2 }, async () => {
+      await gate;
+      return "delivered";
+    });
+    await started(w);
+    const submitted = await c.submit("drain-offline-1", "drain.offline", null);
+    await until("the handler to start", () => w.inflight.length === 1);
+    proxy.refuse = true;
+    proxy.cut();
+    await until("the worker to notice", () => w.state === "disconnected");
+    const stopped = w.stop(5000);
+    proxy.refuse = false;
+    release();
+    await stopped;
+    assert.equal((await c.get(submitted.turnId)).output, "delivered");
+    const registers = proxy.sentToServer.filter((f) => f.op === "function.register");
+    assert.equal(registers.length, 1);
+    assert.equal(proxy.hellos().length, 2);
+  });
+
   it("survives a daemon restart mid-turn: reconnects, keeps the invocation, delivers the result", async () => {
     // A daemon of its own: this test kills it.
     const own = await startTurnd({ config: FAST });

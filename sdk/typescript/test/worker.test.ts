@@ -92,6 +92,20 @@ describe("worker", () => {
     assert.equal(thrown.error?.message, "index out of range");
   });
 
+  it("a result too large for a frame fails the step instead of breaking the connection", async () => {
+    const w = worker(turnd.url);
+    w.function("big.result", async () => "x".repeat(2 * 1024 * 1024));
+    w.function("big.bigint", async () => ({ n: 10n }));
+    await start(w);
+    const turn = await c.wait((await c.submit("big-1", "big.result", null)).turnId, { timeoutMs: 5000 });
+    assert.equal(turn.status, "failed");
+    assert.equal(turn.error?.code, "too_large");
+    assert.match(turn.error?.message ?? "", /max_frame_bytes 1048576/);
+    const notJson = await c.wait((await c.submit("big-2", "big.bigint", null)).turnId, { timeoutMs: 5000 });
+    assert.equal(notJson.error?.code, "invalid_output");
+    assert.equal(w.stats.connections, 1);
+  });
+
   it("retries a retryable Fail and completes on a later attempt", async () => {
     const attempts: number[] = [];
     const w = worker(turnd.url);
