@@ -240,6 +240,21 @@ describe("loss", () => {
     assert.equal(turn.attempt, 1);
   });
 
+  it("a worker superseded by another process with its worker id stops, and run() rejects", async () => {
+    const a = worker(turnd.url);
+    a.function("dup.f", async () => "a");
+    const running = a.run();
+    await until("the first worker to connect", () => a.state === "connected");
+    const b = worker(turnd.url, { workerId: a.workerId });
+    b.function("dup.f", async () => "b");
+    await started(b);
+    await assert.rejects(running, /superseded/);
+    assert.equal(a.state, "stopped");
+    assert.equal(b.state, "connected");
+    const turn = await c.wait((await c.submit("dup-1", "dup.f", null)).turnId, { timeoutMs: 5000 });
+    assert.equal(turn.output, "b");
+  });
+
   it("a refused hello stops the worker with the daemon's error", async () => {
     const own = await startTurnd({ env: { TURND_AUTH__TOKENS: '[{ role = "worker", token = "right-token" }]' } });
     cleanups.push(() => own.stop());
