@@ -54,16 +54,16 @@ describe("client", () => {
   });
 
   it("surfaces the daemon's errors as TurndError with code and retryable", async () => {
-    const cases: Array<[Promise<unknown>, string]> = [
-      [c.get("t_0000000000000000000000000000000"), "not_found"],
-      [c.inspect("never-used-session"), "not_found"],
-      [c.submit("", "cl.echo"), "bad_request"],
-      [c.list("s", { limit: 0 }), "bad_request"],
-      [c.request("no.such.op"), "unknown_op"],
-      [c.request("function.register", { function_id: "x" }), "forbidden"],
+    const cases: Array<[() => Promise<unknown>, string]> = [
+      [() => c.get("t_0000000000000000000000000000000"), "not_found"],
+      [() => c.inspect("never-used-session"), "not_found"],
+      [() => c.submit("", "cl.echo"), "bad_request"],
+      [() => c.list("s", { limit: 0 }), "bad_request"],
+      [() => c.request("no.such.op"), "unknown_op"],
+      [() => c.request("function.register", { function_id: "x" }), "forbidden"],
     ];
-    for (const [promise, code] of cases) {
-      const err = await promise.catch((e: unknown) => e);
+    for (const [call, code] of cases) {
+      const err = await call().catch((e: unknown) => e);
       assert.ok(err instanceof TurndError, `expected a TurndError for ${code}, got ${String(err)}`);
       assert.equal(err.code, code);
       assert.equal(err.retryable, false);
