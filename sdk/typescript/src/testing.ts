@@ -70,9 +70,18 @@ function track(child: ChildProcess): void {
   child.once("exit", () => live.delete(child));
   if (!exitHook) {
     exitHook = true;
-    process.once("exit", () => {
+    const killAll = () => {
       for (const c of live) c.kill("SIGKILL");
-    });
+    };
+    process.once("exit", killAll);
+    // A test runner ends a test file that ran too long with a signal, which skips
+    // "exit": kill the daemons, then let the signal do what it would have done.
+    for (const signal of ["SIGTERM", "SIGINT", "SIGHUP"] as const) {
+      process.once(signal, () => {
+        killAll();
+        if (process.listenerCount(signal) === 0) process.kill(process.pid, signal);
+      });
+    }
   }
 }
 

@@ -83,7 +83,7 @@ export class FrameProxy {
   readonly sentToClient: Frame[] = [];
   readonly dropped: Frame[] = [];
   private readonly server: WebSocketServer;
-  private readonly pairs = new Set<{ a: WebSocket; b: WebSocket }>();
+  private readonly pairs = new Set<{ a: WebSocket; b: WebSocket; stalled: boolean }>();
 
   private constructor(
     private readonly upstream: string,
@@ -106,8 +106,8 @@ export class FrameProxy {
       down.terminate();
       return;
     }
-    const up = new WebSocket(this.upstream + path, { perMessageDeflate: false });
-    const pair = { a: down, b: up };
+    const up = new WebSocket(this.upstream + path, { perMessageDeflate: false, autoPong: false });
+    const pair = { a: down, b: up, stalled: false };
     this.pairs.add(pair);
     const early: string[] = [];
     const end = () => {
@@ -115,16 +115,30 @@ export class FrameProxy {
       down.terminate();
       up.terminate();
     };
+    // A stalled pair keeps the worker's side open when the daemon's side ends: the
+    // worker must find out by itself.
+    const upEnded = () => {
+      if (pair.stalled) up.terminate();
+      else end();
+    };
     down.on("close", end);
-    up.on("close", end);
+    up.on("close", upEnded);
     down.on("error", end);
-    up.on("error", end);
-    up.on("ping", () => down.readyState === WebSocket.OPEN && down.ping());
+    up.on("error", upEnded);
+    // The daemon's pings go through to the worker and its pongs come back (the proxy
+    // does not answer them itself), so a stalled pair is silent both ways.
+    up.on("ping", (data) => {
+      if (!pair.stalled && down.readyState === WebSocket.OPEN) down.ping(data);
+    });
+    down.on("pong", (data) => {
+      if (!pair.stalled && up.readyState === WebSocket.OPEN) up.pong(data);
+    });
     up.on("open", () => {
       for (const m of early) up.send(m);
       early.length = 0;
     });
     down.on("message", (data) => {
+      if (pair.stalled) return;
       const text = data.toString();
       const frame = JSON.parse(text) as Frame;
       if (this.toServer(frame)) {
@@ -136,6 +150,7 @@ export class FrameProxy {
       else early.push(text);
     });
     up.on("message", (data) => {
+      if (pair.stalled) return;
       const text = data.toString();
       const frame = JSON.parse(text) as Frame;
       if (this.toClient(frame)) {
@@ -154,6 +169,14 @@ export class FrameProxy {
       b.terminate();
     }
     this.pairs.clear();
+  }
+
+  /**
+   * Stop passing anything on the current connections, pings included, without
+   * closing them: a half-open connection, which only silence can reveal.
+   */
+  stall(): void {
+    for (const pair of this.pairs) pair.stalled = true;
   }
 
   /** `hello` frames sent to the daemon, in order. */

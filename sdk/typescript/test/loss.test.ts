@@ -133,6 +133,32 @@ describe("loss", () => {
     assert.deepEqual(kinds, ["admitted", "dispatched", "result", "completed"]);
   });
 
+  it("a silent (half-open) connection is noticed by its silence and replaced", async () => {
+    const proxy = await proxied();
+    let release!: () => void;
+    const gate = new Promise<void>((r) => {
+      release = r;
+    });
+    const w = worker(proxy.url);
+    w.function("rc.silent", { timeoutMs: 10_000 }, async () => {
+      await gate;
+      return "heard";
+    });
+    await started(w);
+    const submitted = await c.submit("rc-silent", "rc.silent", null);
+    const inv = await until("the handler to start", () => w.inflight[0]);
+    const before = Date.now();
+    proxy.stall();
+    // heartbeat_ms is 500: three intervals of silence end the connection on both sides.
+    await until("the worker to reconnect", () => w.stats.connections === 2 && w.state === "connected", 5000);
+    const silentFor = Date.now() - before;
+    assert.ok(silentFor >= 1400, `reconnected after ${silentFor} ms of silence`);
+    assert.deepEqual(w.reconciled, { kept: [inv], redispatched: [], unknown: [] });
+    release();
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    assert.equal(turn.output, "heard");
+  });
+
   it("reconnects with an unacknowledged result in finished, and resends it", async () => {
     const proxy = await proxied();
     // Every result is lost until the connection is cut.
