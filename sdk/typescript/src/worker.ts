@@ -467,7 +467,7 @@ export class Worker extends EventEmitter {
     }
     if (failure) {
       // Nothing more can be delivered: stop every handler and pump.
-      for (const r of this.running.values()) r.controller.abort(failure);
+      for (const r of this.running.values()) r.controller.abort(new Cancelled(failure.message));
       this.halt.abort();
       this.wakeLinkWaiters();
       this.notifyDrain();
