@@ -6,9 +6,11 @@ PYTHON ?= python3
 # (Debian's and Ubuntu's refuse that, PEP 668).
 VENV := $(CURDIR)/target/venv
 VPY := $(VENV)/bin/python
+NPM ?= npm
+TS_SDK := sdk/typescript
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help build run venv test test-rust test-python test-sdk-python lint lint-sdk-python fmt doc bench check-fsync fuzz clean
+.PHONY: help build run venv test test-rust test-python test-sdk-python test-sdk-typescript lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -19,7 +21,7 @@ build: ## Build every crate and the turnd binary (debug)
 run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data)
 	$(CARGO) run --release -p turnd -- serve
 
-test: test-rust test-python test-sdk-python ## Run the whole test suite
+test: test-rust test-python test-sdk-python test-sdk-typescript ## Run the whole test suite
 
 TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so
 
@@ -48,7 +50,7 @@ test-sdk-python: venv ## The Python SDK's tests (sdk/python/tests) against the b
 	$(CARGO) build -p turnd --bin turnd
 	cd sdk/python && TURND_BIN=$(CURDIR)/target/debug/turnd $(VPY) -m pytest -q tests
 
-lint: lint-sdk-python ## fmt check and clippy with warnings denied, and the Python SDK's checks
+lint: lint-sdk-python lint-sdk-typescript ## fmt check and clippy with warnings denied, and the Python and TypeScript SDKs' checks
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
@@ -56,6 +58,25 @@ lint-sdk-python: venv ## mypy --strict and ruff (lint and format) on sdk/python 
 	cd sdk/python && $(VENV)/bin/mypy --strict
 	cd sdk/python && $(VENV)/bin/ruff check --config pyproject.toml . ../../examples/python
 	cd sdk/python && $(VENV)/bin/ruff format --check --config pyproject.toml . ../../examples/python
+
+# npm ci again only when the lock file changed (npm ci also builds dist/ through `prepare`).
+$(TS_SDK)/node_modules/.ci-stamp: $(TS_SDK)/package-lock.json $(TS_SDK)/package.json
+	cd $(TS_SDK) && $(NPM) ci --no-audit --no-fund
+	touch $@
+
+test-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## The TypeScript SDK's tests (node --test) against the built binary
+	$(CARGO) build -p turnd --bin turnd
+	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
+	cd $(TS_SDK) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=4 build/sdk/typescript/test/*.test.js
+
+lint-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## tsc --noEmit (strict) and Biome over the TypeScript SDK
+	cd $(TS_SDK) && npx tsc -p tsconfig.test.json --noEmit
+	$(TS_SDK)/node_modules/.bin/biome lint --error-on-warnings
+
+bench-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## One Node worker's throughput, 100 sessions of one-step echo turns (release build)
+	$(CARGO) build --release -p turnd --bin turnd
+	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
+	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(CURDIR)/target/release/turnd --sessions 100 --turns 20
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -1,0 +1,147 @@
+/**
+ * Throughput of one Node worker process: S sessions × M one-step echo turns.
+ *
+ *     node build/sdk/typescript/bench/throughput.js [--sessions 100] [--turns 20] [--concurrency 128]
+ *                                    [--warmup 200] [--binary PATH]
+ *
+ * Starts a real daemon (`--binary`, else $TURND_BIN, else `turnd` on the PATH) on
+ * free ports with a fresh data directory and the default config (durable commits),
+ * runs the worker in a child process of its own (so its CPU is its own), and drives
+ * the load from this process over 8 caller connections: every session submits its
+ * turns one after another (each as soon as the previous submit is acknowledged) and
+ * waits for each in the background. Prints one markdown row.
+ */
+import { spawn } from "node:child_process";
+import { readFileSync } from "node:fs";
+import { loadavg } from "node:os";
+import { fileURLToPath } from "node:url";
+import { type Client, connect, Worker } from "../src/index.js";
+import { startTurnd } from "../src/testing.js";
+
+function arg(name: string, fallback: number): number {
+  const i = process.argv.indexOf(`--${name}`);
+  return i >= 0 ? Number(process.argv[i + 1]) : fallback;
+}
+function argStr(name: string): string | undefined {
+  const i = process.argv.indexOf(`--${name}`);
+  return i >= 0 ? process.argv[i + 1] : undefined;
+}
+
+async function runWorker(): Promise<void> {
+  const url = process.env.TURND_URL ?? "";
+  const concurrency = Number(process.env.CONCURRENCY ?? "128");
+  const worker = new Worker({ url, workerId: "bench-node-worker", drainTimeoutMs: 5000 });
+  worker.function("bench.echo", { concurrency }, async (_ctx, input) => input);
+  await worker.start();
+  process.stdout.write("ready\n");
+  process.stdin.resume();
+  process.stdin.setEncoding("utf8");
+  let mark = process.cpuUsage();
+  process.stdin.on("data", async (text: string) => {
+    if (text.includes("mark")) mark = process.cpuUsage();
+    if (!text.includes("stop")) return;
+    const cpu = process.cpuUsage(mark);
+    const rss = process.memoryUsage().rss;
+    await worker.stop(1000);
+    process.stdout.write(`${JSON.stringify({ cpu, rss, stats: worker.stats })}\n`);
+    process.exit(0);
+  });
+}
+
+async function drive(clients: Client[], sessions: number, turns: number, tag: string): Promise<number[]> {
+  const latencies: number[] = [];
+  await Promise.all(
+    Array.from({ length: sessions }, async (_, s) => {
+      const c = clients[s % clients.length] as Client;
+      const waits: Promise<void>[] = [];
+      for (let t = 0; t < turns; t++) {
+        const start = performance.now();
+        const turn = await c.submit(`${tag}-${s}`, "bench.echo", { s, t });
+        waits.push(
+          c.wait(turn.turnId).then((done) => {
+            if (done.status !== "completed") throw new Error(`turn ${done.turnId} ${done.status}`);
+            latencies.push(performance.now() - start);
+          }),
+        );
+      }
+      await Promise.all(waits);
+    }),
+  );
+  return latencies;
+}
+
+function pct(sorted: number[], p: number): string {
+  const v = sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] ?? 0;
+  return v.toFixed(1);
+}
+
+/** CPU seconds (user + system) of a process so far, from /proc (Linux; 0 elsewhere). */
+function cpuOf(pid: number): number {
+  try {
+    const fields = readFileSync(`/proc/${pid}/stat`, "utf8").split(") ")[1]?.split(" ") ?? [];
+    return (Number(fields[11]) + Number(fields[12])) / 100;
+  } catch {
+    return 0;
+  }
+}
+
+async function main(): Promise<void> {
+  if (process.argv.includes("--role-worker")) return runWorker();
+  const sessions = arg("sessions", 100);
+  const turns = arg("turns", 20);
+  const concurrency = arg("concurrency", 128);
+  const warmup = arg("warmup", 200);
+  const binary = argStr("binary");
+  const turnd = await startTurnd(binary ? { binary } : {});
+  const script = fileURLToPath(import.meta.url);
+  const child = spawn(process.execPath, [script, "--role-worker"], {
+    env: { ...process.env, TURND_URL: turnd.url, CONCURRENCY: String(concurrency) },
+    stdio: ["pipe", "pipe", "inherit"],
+  });
+  let out = "";
+  child.stdout.setEncoding("utf8");
+  child.stdout.on("data", (s: string) => {
+    out += s;
+  });
+  const lines = async (n: number) => {
+    while (out.split("\n").length <= n) await new Promise((r) => setTimeout(r, 10));
+    return out.split("\n");
+  };
+  try {
+    await lines(1);
+    const clients = await Promise.all(Array.from({ length: 8 }, () => connect({ url: turnd.url })));
+    if (warmup > 0) await drive(clients, Math.min(sessions, warmup), 1, "warmup");
+    child.stdin.write("mark\n");
+    await new Promise((r) => setTimeout(r, 50));
+    const load0 = loadavg()[0] ?? 0;
+    const daemonCpu0 = cpuOf(turnd.pid);
+    const t0 = performance.now();
+    const latencies = await drive(clients, sessions, turns, "bench");
+    const wall = (performance.now() - t0) / 1000;
+    const load1 = loadavg()[0] ?? 0;
+    const daemonCpu = cpuOf(turnd.pid) - daemonCpu0;
+    child.stdin.write("stop\n");
+    const report = JSON.parse((await lines(2))[1] ?? "{}") as {
+      cpu: { user: number; system: number };
+      rss: number;
+      stats: { invocationsStarted: number };
+    };
+    await Promise.all(clients.map((c) => c.close()));
+    latencies.sort((a, b) => a - b);
+    const total = sessions * turns;
+    const cpuS = (report.cpu.user + report.cpu.system) / 1e6;
+    const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}`;
+    console.log(
+      `| \`${cmd}\` | ${sessions} × ${turns} | ${wall.toFixed(2)} s | ${Math.round(total / wall)} turns/s | ` +
+        `${pct(latencies, 50)} / ${pct(latencies, 99)} ms | worker CPU ${cpuS.toFixed(2)} s ` +
+        `(${((cpuS / total) * 1e6).toFixed(0)} µs per turn), RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
+        `daemon CPU ${daemonCpu.toFixed(2)} s (${((daemonCpu / total) * 1e6).toFixed(0)} µs per turn) | ` +
+        `load ${load0.toFixed(1)} → ${load1.toFixed(1)} |`,
+    );
+  } finally {
+    child.kill("SIGKILL");
+    await turnd.stop();
+  }
+}
+
+await main();

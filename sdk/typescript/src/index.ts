@@ -1,0 +1,20 @@
+/**
+ * turnd for Node: workers that serve functions and callers that run turns, over
+ * protocol v1. See docs/sdk-typescript.md.
+ */
+export { Client, type ClientOptions, type ClientState, connect, type SubmitOptions, type WatchOptions, WatchStream, type WatchTarget } from "./client.js";
+export { CLOSE_SUPERSEDED, Connection, type HelloOk, PROTOCOL_VERSION } from "./connection.js";
+export { ConnectionError, type ErrorCode, TurndError } from "./errors.js";
+export * from "./types.js";
+export {
+  Cancelled,
+  Continue,
+  Fail,
+  type FunctionOptions,
+  type Handler,
+  type TurnContext,
+  Worker,
+  type WorkerOptions,
+  type WorkerState,
+  type WorkerStats,
+} from "./worker.js";

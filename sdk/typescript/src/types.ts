@@ -1,0 +1,300 @@
+/**
+ * Typed objects of protocol v1 (docs/protocol.md, "Objects"), with camelCase names.
+ * Opaque values (`input`, `output`, event `detail`) are passed through unchanged.
+ */
+
+/** A JSON value as the daemon stores it. */
+export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
+
+export type TurnStatus = "queued" | "running" | "completed" | "failed" | "cancelled";
+
+export type WaitState =
+  | "queued_behind"
+  | "awaiting_worker"
+  | "awaiting_result"
+  | "awaiting_reconnect"
+  | "backing_off"
+  | "cancelling"
+  | "finalizing";
+
+export type OnDeadline = "probe" | "redispatch" | "fail" | "cancel" | "retry";
+
+/** Why a turn is not finished yet, and what happens at `deadlineMs`. */
+export interface Wait {
+  state: WaitState;
+  reason: string;
+  sinceMs: number;
+  deadlineMs: number | null;
+  onDeadline: OnDeadline | null;
+  invocationId?: string;
+  workerId?: string;
+  ahead?: number;
+  lastError?: string;
+}
+
+/** The error of a failed turn. */
+export interface TurnError {
+  /** `handler_failed`, `outcome_unknown`, `timed_out`, `no_worker`, `attempts_exhausted`, `step_limit`, `invalid_result`. */
+  cause: string;
+  code: string;
+  message: string;
+  step: number;
+  invocationId?: string;
+}
+
+/** The stop record of a stopped or cancelled turn. */
+export interface TurnStop {
+  requestedAtMs: number;
+  reason: string;
+}
+
+export interface Turn {
+  turnId: string;
+  sessionId: string;
+  seq: number;
+  functionId: string;
+  status: TurnStatus;
+  step: number;
+  attempt: number;
+  input: unknown;
+  /** Present when `completed`. */
+  output?: unknown;
+  /** Present when `failed`. */
+  error?: TurnError;
+  stop?: TurnStop;
+  /** `true` when a late result completed a turn that had failed as outcome unknown. */
+  recovered: boolean;
+  createdAtMs: number;
+  updatedAtMs: number;
+  finishedAtMs?: number;
+  /** Present while the turn is not terminal. */
+  wait?: Wait;
+}
+
+/** `turn.submit`'s answer: the turn, and whether an earlier submit with the same idempotency key made it. */
+export interface SubmittedTurn extends Turn {
+  deduplicated: boolean;
+}
+
+export interface QueuedTurn {
+  turnId: string;
+  seq: number;
+  functionId: string;
+  createdAtMs: number;
+}
+
+export interface Session {
+  sessionId: string;
+  lock: { turnId: string; sinceMs: number; wait: Wait } | null;
+  queued: QueuedTurn[];
+  turns: Record<TurnStatus, number>;
+  lastEvent: number;
+}
+
+export type EventKind =
+  | "admitted"
+  | "dispatched"
+  | "redispatched"
+  | "result"
+  | "retry_scheduled"
+  | "outcome_unknown"
+  | "probe_sent"
+  | "stop_requested"
+  | "cancel_sent"
+  | "completed"
+  | "failed"
+  | "cancelled"
+  | "late_result"
+  | "amended";
+
+/** One entry of a session's event log. `seq` counts per session, from 1. */
+export interface Event {
+  seq: number;
+  sessionId: string;
+  turnId: string;
+  atMs: number;
+  kind: EventKind | (string & {});
+  detail: Record<string, unknown>;
+}
+
+export interface TurnPage {
+  turns: Turn[];
+  /** Pass as `beforeSeq` for the next (older) page; `null` when there is none. */
+  nextBeforeSeq: number | null;
+}
+
+export interface EventPage {
+  events: Event[];
+  /** Pass as `after` for the next page. */
+  next: number;
+}
+
+export interface WorkerInfo {
+  workerId: string;
+  name: string;
+  connected: boolean;
+  instanceId: string;
+  sinceMs: number;
+  functions: string[];
+  inflight: number;
+}
+
+export interface FunctionInfo {
+  functionId: string;
+  concurrency: number;
+  timeoutMs: number;
+  delivery: "at_most_once" | "at_least_once";
+  maxAttempts: number;
+  workers: number;
+  queued: number;
+}
+
+/** What the daemon did with a reconnecting worker's invocations (`hello.reconciled`). */
+export interface Reconciled {
+  kept: string[];
+  redispatched: string[];
+  unknown: string[];
+}
+
+const TERMINAL: ReadonlySet<string> = new Set(["completed", "failed", "cancelled"]);
+
+/** Whether a turn status is final. */
+export function isTerminal(status: TurnStatus): boolean {
+  return TERMINAL.has(status);
+}
+
+// ---- conversion from the wire (snake_case) --------------------------------------
+
+type Wire = Record<string, unknown>;
+
+function obj(v: unknown, what: string): Wire {
+  if (v === null || typeof v !== "object" || Array.isArray(v)) {
+    throw new TypeError(`expected an object for ${what}`);
+  }
+  return v as Wire;
+}
+
+function optional<T>(v: unknown, f: (v: unknown) => T): T | undefined {
+  return v === undefined || v === null ? undefined : f(v);
+}
+
+export function waitFromWire(v: unknown): Wait {
+  const w = obj(v, "wait");
+  const out: Wait = {
+    state: w.state as WaitState,
+    reason: w.reason as string,
+    sinceMs: w.since_ms as number,
+    deadlineMs: (w.deadline_ms ?? null) as number | null,
+    onDeadline: (w.on_deadline ?? null) as OnDeadline | null,
+  };
+  if (typeof w.invocation_id === "string") out.invocationId = w.invocation_id;
+  if (typeof w.worker_id === "string") out.workerId = w.worker_id;
+  if (typeof w.ahead === "number") out.ahead = w.ahead;
+  if (typeof w.last_error === "string") out.lastError = w.last_error;
+  return out;
+}
+
+export function turnFromWire(v: unknown): Turn {
+  const t = obj(v, "turn");
+  const turn: Turn = {
+    turnId: t.turn_id as string,
+    sessionId: t.session_id as string,
+    seq: t.seq as number,
+    functionId: t.function_id as string,
+    status: t.status as TurnStatus,
+    step: t.step as number,
+    attempt: t.attempt as number,
+    input: t.input,
+    recovered: t.recovered === true,
+    createdAtMs: t.created_at_ms as number,
+    updatedAtMs: t.updated_at_ms as number,
+  };
+  if ("output" in t) turn.output = t.output;
+  const error = optional(t.error, (e) => {
+    const w = obj(e, "turn.error");
+    const out: TurnError = {
+      cause: w.cause as string,
+      code: w.code as string,
+      message: w.message as string,
+      step: w.step as number,
+    };
+    if (typeof w.invocation_id === "string") out.invocationId = w.invocation_id;
+    return out;
+  });
+  if (error) turn.error = error;
+  const stop = optional(t.stop, (s) => {
+    const w = obj(s, "turn.stop");
+    return { requestedAtMs: w.requested_at_ms as number, reason: w.reason as string };
+  });
+  if (stop) turn.stop = stop;
+  if (typeof t.finished_at_ms === "number") turn.finishedAtMs = t.finished_at_ms;
+  const wait = optional(t.wait, waitFromWire);
+  if (wait) turn.wait = wait;
+  return turn;
+}
+
+export function sessionFromWire(v: unknown): Session {
+  const s = obj(v, "session");
+  const lock = optional(s.lock, (l) => {
+    const w = obj(l, "session.lock");
+    return {
+      turnId: w.turn_id as string,
+      sinceMs: w.since_ms as number,
+      wait: waitFromWire(w.wait),
+    };
+  });
+  const queued = (s.queued as unknown[]).map((q) => {
+    const w = obj(q, "session.queued");
+    return {
+      turnId: w.turn_id as string,
+      seq: w.seq as number,
+      functionId: w.function_id as string,
+      createdAtMs: w.created_at_ms as number,
+    };
+  });
+  return {
+    sessionId: s.session_id as string,
+    lock: lock ?? null,
+    queued,
+    turns: s.turns as Record<TurnStatus, number>,
+    lastEvent: s.last_event as number,
+  };
+}
+
+export function eventFromWire(v: unknown): Event {
+  const e = obj(v, "event");
+  return {
+    seq: e.seq as number,
+    sessionId: e.session_id as string,
+    turnId: e.turn_id as string,
+    atMs: e.at_ms as number,
+    kind: e.kind as string,
+    detail: (e.detail ?? {}) as Record<string, unknown>,
+  };
+}
+
+export function workerFromWire(v: unknown): WorkerInfo {
+  const w = obj(v, "worker");
+  return {
+    workerId: w.worker_id as string,
+    name: w.name as string,
+    connected: w.connected as boolean,
+    instanceId: w.instance_id as string,
+    sinceMs: w.since_ms as number,
+    functions: w.functions as string[],
+    inflight: w.inflight as number,
+  };
+}
+
+export function functionFromWire(v: unknown): FunctionInfo {
+  const f = obj(v, "function");
+  return {
+    functionId: f.function_id as string,
+    concurrency: f.concurrency as number,
+    timeoutMs: f.timeout_ms as number,
+    delivery: f.delivery as FunctionInfo["delivery"],
+    maxAttempts: f.max_attempts as number,
+    workers: f.workers as number,
+    queued: f.queued as number,
+  };
+}

@@ -1,0 +1,810 @@
+/**
+ * The worker side: serve functions, and do the worker's part of the daemon's loss
+ * handling (docs/semantics.md, "Loss"):
+ *
+ * - one `instanceId` for the life of a {@link Worker}, announced in every `hello` with
+ *   the invocations still running (`inflight`) and the results not yet acknowledged
+ *   (`finished`), so a reconnect keeps work instead of losing it;
+ * - every result is held until the daemon acknowledges it: resent after
+ *   `resultAckTimeoutMs` without an answer, after a retryable error, after every
+ *   reconnect, and at once when a `probe`, `cancel` or repeated `invoke` shows the
+ *   daemon is waiting for it;
+ * - `probe` is answered from what this worker knows (`running`, `finished`,
+ *   `unknown`), and `cancel` aborts the handler's `AbortSignal`;
+ * - heartbeats are sent on their own while a handler runs;
+ * - any end of the connection is a disconnect: the worker reconnects with capped,
+ *   jittered backoff while handlers keep running, and registers its functions again.
+ */
+import { randomUUID } from "node:crypto";
+import { EventEmitter } from "node:events";
+import {
+  CLOSE_SUPERSEDED,
+  Connection,
+  DEFAULT_MAX_FRAME_BYTES,
+  type HelloArgs,
+  PROTOCOL_VERSION,
+  type PushFrame,
+} from "./connection.js";
+import { ConnectionError, TurndError } from "./errors.js";
+import type { Reconciled } from "./types.js";
+
+/** Return `new Continue(state)` from a handler to run another step with `state` as its input. */
+export class Continue {
+  constructor(readonly state: unknown) {}
+}
+
+/** Throw from a handler to fail the step with a code of your own. */
+export class Fail extends Error {
+  readonly code: string;
+  readonly retryable: boolean;
+
+  constructor(code: string, message: string, options: { retryable?: boolean } = {}) {
+    super(message);
+    this.name = "Fail";
+    this.code = code;
+    this.retryable = options.retryable ?? false;
+  }
+}
+
+/**
+ * Throw from a handler to answer `cancelled`. A handler whose `ctx.signal` was
+ * aborted and that throws anything other than {@link Fail} answers `cancelled` too.
+ */
+export class Cancelled extends Error {
+  constructor(message = "cancelled") {
+    super(message);
+    this.name = "Cancelled";
+  }
+}
+
+/** What a handler gets for one invocation. */
+export interface TurnContext {
+  readonly sessionId: string;
+  readonly turnId: string;
+  readonly functionId: string;
+  /** Step number, from 0; goes up by one per `Continue`. */
+  readonly step: number;
+  /** Attempt number of this step, from 1. */
+  readonly attempt: number;
+  readonly invocationId: string;
+  /**
+   * `<turnId>/<step>`: the same for every attempt and redispatch of this step, so a
+   * side effect keyed by it happens once even when the step runs again.
+   */
+  readonly idempotencyKey: string;
+  /** The attempt deadline (Unix ms) as dispatched; heartbeats move it. */
+  readonly deadlineMs: number;
+  /**
+   * Aborted when the daemon sends `cancel` (a stop, or an attempt past its deadline),
+   * when a heartbeat learns the invocation is no longer current, or when the worker
+   * stops without finishing its drain. The handler should then end; whatever it
+   * throws is answered as `cancelled`.
+   */
+  readonly signal: AbortSignal;
+  /**
+   * Tell the daemon this invocation is still working (the SDK does this on its own
+   * while the handler runs); resolves with the new deadline (Unix ms).
+   */
+  heartbeat(): Promise<number>;
+}
+
+export type Handler<I = unknown> = (ctx: TurnContext, input: I) => unknown | Promise<unknown>;
+
+export interface FunctionOptions {
+  /** Invocations this worker runs at once for this function (default 1). */
+  concurrency?: number;
+  /** Attempt deadline, renewed by heartbeats; default the daemon's `turns.default_timeout_ms`. */
+  timeoutMs?: number;
+  delivery?: "at_most_once" | "at_least_once";
+  /** Attempts per step; default 1 (`at_most_once`) or 3 (`at_least_once`). */
+  maxAttempts?: number;
+  /** Send heartbeats on their own while a handler runs (default true). */
+  autoHeartbeat?: boolean;
+}
+
+export type WorkerState = "idle" | "connecting" | "connected" | "disconnected" | "draining" | "stopped";
+
+export interface WorkerOptions {
+  /** Daemon URL, e.g. `ws://127.0.0.1:7420/v1`. */
+  url: string;
+  /** Stable across restarts of this worker. */
+  workerId: string;
+  /** Token for role `worker`, when the daemon requires one. */
+  token?: string;
+  /** Shown in `workers.list`; default `workerId`. */
+  name?: string;
+  /** Identifies this process start; default a fresh UUID per `Worker`. */
+  instanceId?: string;
+  /** Resend a result that got no answer within this long (default 2000). */
+  resultAckTimeoutMs?: number;
+  /** First reconnect delay (default 200); doubled per failed attempt, jittered. */
+  reconnectDelayMs?: number;
+  /** Cap of the reconnect delay (default 5000). */
+  maxReconnectDelayMs?: number;
+  /** Handshake and `hello` timeout per connection attempt (default 10000). */
+  connectTimeoutMs?: number;
+  /** How long `stop()` (and SIGTERM under `run()`) waits for handlers and results (default 30000). */
+  drainTimeoutMs?: number;
+  /** Diagnostic messages; default: none. */
+  log?: (level: "debug" | "info" | "warn" | "error", message: string) => void;
+}
+
+/** Counters of a running worker. */
+export interface WorkerStats {
+  invocationsStarted: number;
+  resultsSent: number;
+  resultsResent: number;
+  resultsAcked: number;
+  resultsDropped: number;
+  connections: number;
+  heartbeats: number;
+}
+
+type Outcome =
+  | { complete: unknown }
+  | { continue: unknown }
+  | { fail: { code: string; message: string; retryable: boolean } }
+  | { cancelled: { message: string } };
+
+interface Registered {
+  functionId: string;
+  options: FunctionOptions;
+  handler: Handler;
+}
+
+interface Running {
+  controller: AbortController;
+  autoHeartbeat: boolean;
+}
+
+interface Held {
+  outcome: Outcome;
+  /** Makes the pump send the result again now. */
+  wake: () => void;
+}
+
+interface Link {
+  generation: number;
+  conn: Connection;
+}
+
+/** Refusals of `hello` or `function.register` that no retry can fix. */
+const FATAL: ReadonlySet<string> = new Set(["not_authenticated", "unsupported_protocol", "bad_request", "forbidden"]);
+
+function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    if (signal?.aborted) return resolve();
+    const onAbort = () => {
+      clearTimeout(timer);
+      resolve();
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+function message(err: unknown): string {
+  return err instanceof Error ? err.message : String(err);
+}
+
+/**
+ * A worker: declare functions with {@link Worker.function}, then `await run()`.
+ *
+ * Events: `state` (a {@link WorkerState}), `reconciled` (a {@link Reconciled}, after
+ * each `hello` that reports one).
+ */
+export class Worker extends EventEmitter {
+  readonly workerId: string;
+  readonly instanceId: string;
+  private readonly opts: Required<Omit<WorkerOptions, "token" | "log">> & Pick<WorkerOptions, "token">;
+  private readonly logFn: NonNullable<WorkerOptions["log"]>;
+  private readonly functions = new Map<string, Registered>();
+  private readonly running = new Map<string, Running>();
+  private readonly unacked = new Map<string, Held>();
+  private link: Link | null = null;
+  private linkWaiters: Array<() => void> = [];
+  private generation = 0;
+  private currentState: WorkerState = "idle";
+  private lastReconciled: Reconciled | undefined;
+  /** Aborted at the hard stop: no more reconnects, pumps end. */
+  private readonly halt = new AbortController();
+  private readonly halted: Promise<void> = new Promise((resolve) => {
+    this.halt.signal.addEventListener("abort", () => resolve(), { once: true });
+  });
+  private supervisor: Promise<void> | undefined;
+  /** Set by `stop()`: functions are not registered again on a reconnect. */
+  private draining = false;
+  /** The daemon's frame limit from the last `hello`. */
+  private maxFrameBytes = DEFAULT_MAX_FRAME_BYTES;
+  private stopping: Promise<void> | undefined;
+  private drainWaiters: Array<() => void> = [];
+  private firstConnect: { promise: Promise<void>; resolve: () => void; reject: (e: Error) => void };
+  private readonly counters: WorkerStats = {
+    invocationsStarted: 0,
+    resultsSent: 0,
+    resultsResent: 0,
+    resultsAcked: 0,
+    resultsDropped: 0,
+    connections: 0,
+    heartbeats: 0,
+  };
+
+  constructor(options: WorkerOptions) {
+    super();
+    this.workerId = options.workerId;
+    this.instanceId = options.instanceId ?? randomUUID();
+    this.opts = {
+      url: options.url,
+      workerId: options.workerId,
+      token: options.token,
+      name: options.name ?? options.workerId,
+      instanceId: this.instanceId,
+      resultAckTimeoutMs: options.resultAckTimeoutMs ?? 2000,
+      reconnectDelayMs: options.reconnectDelayMs ?? 200,
+      maxReconnectDelayMs: options.maxReconnectDelayMs ?? 5000,
+      connectTimeoutMs: options.connectTimeoutMs ?? 10_000,
+      drainTimeoutMs: options.drainTimeoutMs ?? 30_000,
+    };
+    this.logFn = options.log ?? (() => {});
+    let resolve!: () => void;
+    let reject!: (e: Error) => void;
+    const promise = new Promise<void>((res, rej) => {
+      resolve = res;
+      reject = rej;
+    });
+    promise.catch(() => {});
+    this.firstConnect = { promise, resolve, reject };
+  }
+
+  /** Serve `functionId` with `handler`. Call before `start()`/`run()`. */
+  function<I = unknown>(functionId: string, options: FunctionOptions, handler: Handler<I>): this;
+  function<I = unknown>(functionId: string, handler: Handler<I>): this;
+  function<I = unknown>(
+    functionId: string,
+    optionsOrHandler: FunctionOptions | Handler<I>,
+    maybeHandler?: Handler<I>,
+  ): this {
+    const [options, handler] =
+      typeof optionsOrHandler === "function" ? [{}, optionsOrHandler] : [optionsOrHandler, maybeHandler];
+    if (typeof handler !== "function") throw new TypeError(`no handler given for ${functionId}`);
+    if (this.supervisor) throw new Error("functions must be declared before the worker starts");
+    this.functions.set(functionId, { functionId, options, handler: handler as Handler });
+    return this;
+  }
+
+  /** The connection state. */
+  get state(): WorkerState {
+    return this.currentState;
+  }
+
+  /** What the daemon reported at the last `hello` about this worker's invocations. */
+  get reconciled(): Reconciled | undefined {
+    return this.lastReconciled;
+  }
+
+  /** A snapshot of the counters. */
+  get stats(): WorkerStats {
+    return { ...this.counters };
+  }
+
+  /** Invocation ids whose handlers are running. */
+  get inflight(): string[] {
+    return [...this.running.keys()];
+  }
+
+  /** Invocation ids whose results wait for their acknowledgement. */
+  get finished(): string[] {
+    return [...this.unacked.keys()];
+  }
+
+  /**
+   * Start serving in the background. Resolves once the first connection is up and
+   * every function is registered (the worker keeps trying until then); rejects if
+   * the worker stops before that.
+   */
+  start(): Promise<void> {
+    if (!this.supervisor) {
+      this.supervisor = this.supervise();
+      this.supervisor.catch(() => {});
+    }
+    return this.firstConnect.promise;
+  }
+
+  /**
+   * Serve until SIGTERM or SIGINT (or `stop()`), then drain: resolves once running
+   * handlers have finished and their results are acknowledged, or
+   * `drainTimeoutMs` has passed. Rejects when the connection was superseded by
+   * another worker with the same `workerId`.
+   */
+  async run(): Promise<void> {
+    const onSignal = () => {
+      void this.stop();
+    };
+    process.once("SIGTERM", onSignal);
+    process.once("SIGINT", onSignal);
+    try {
+      void this.start();
+      await this.supervisor;
+      await this.stopping;
+    } finally {
+      process.removeListener("SIGTERM", onSignal);
+      process.removeListener("SIGINT", onSignal);
+    }
+  }
+
+  /**
+   * Stop: unregister every function so nothing new is dispatched, wait up to
+   * `drainMs` (default `drainTimeoutMs`) for running handlers and unacknowledged
+   * results, then abort what is left, give its `cancelled` answers a moment, and
+   * close. Resolves when the worker has stopped.
+   */
+  stop(drainMs?: number): Promise<void> {
+    if (!this.stopping) {
+      this.stopping = this.drainAndHalt(drainMs ?? this.opts.drainTimeoutMs);
+    }
+    return this.stopping;
+  }
+
+  // ---- lifecycle -------------------------------------------------------------------
+
+  private setState(state: WorkerState): void {
+    if (this.currentState === state) return;
+    if (this.currentState === "stopped") return;
+    if (this.currentState === "draining" && state !== "stopped") return;
+    this.currentState = state;
+    this.emit("state", state);
+  }
+
+  private log(level: "debug" | "info" | "warn" | "error", msg: string): void {
+    this.logFn(level, msg);
+  }
+
+  private async drainAndHalt(drainMs: number): Promise<void> {
+    this.draining = true;
+    this.setState("draining");
+    this.log("info", "draining: no new invocations");
+    const conn = this.link?.conn;
+    if (conn) {
+      await Promise.allSettled(
+        [...this.functions.keys()].map((functionId) => conn.request("function.unregister", { function_id: functionId })),
+      );
+    }
+    if (!(await this.waitDrained(drainMs))) {
+      this.log("warn", `drain: ${this.running.size} handlers still running after ${drainMs} ms; aborting them`);
+      for (const r of this.running.values()) r.controller.abort(new Cancelled("worker stopping"));
+      await this.waitDrained(Math.min(1000, this.opts.resultAckTimeoutMs));
+    }
+    this.halt.abort();
+    this.wakeLinkWaiters();
+    await this.link?.conn.close(1000, "worker stopping");
+    await this.supervisor?.catch(() => {});
+    this.setState("stopped");
+  }
+
+  /** Resolves `true` once nothing runs and nothing waits for an ack, `false` after `ms`. */
+  private async waitDrained(ms: number): Promise<boolean> {
+    const deadline = Date.now() + ms;
+    while (this.running.size > 0 || this.unacked.size > 0) {
+      const left = deadline - Date.now();
+      if (left <= 0 || !this.supervisor) return this.running.size === 0 && this.unacked.size === 0;
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(done, left);
+        this.drainWaiters.push(done);
+        function done() {
+          clearTimeout(timer);
+          resolve();
+        }
+      });
+    }
+    return true;
+  }
+
+  private notifyDrain(): void {
+    const waiters = this.drainWaiters;
+    this.drainWaiters = [];
+    for (const w of waiters) w();
+  }
+
+  private async supervise(): Promise<void> {
+    const base = this.opts.reconnectDelayMs;
+    const cap = Math.max(base, this.opts.maxReconnectDelayMs);
+    let delay = base;
+    let failure: Error | undefined;
+    while (!this.halt.signal.aborted) {
+      this.setState("connecting");
+      let conn: Connection;
+      try {
+        const attempt = this.connectAndRegister();
+        const first = await Promise.race([attempt, this.halted.then(() => null)]);
+        if (first === null) {
+          // Stopped while connecting: drop that connection when it comes.
+          attempt.then((c) => c.terminate(), () => {});
+          break;
+        }
+        conn = first;
+      } catch (err) {
+        this.log("warn", `connect failed: ${message(err)}`);
+        if (err instanceof TurndError && FATAL.has(err.code)) {
+          // A hello or registration refused for its arguments will be refused again:
+          // stop instead of retrying forever with the same arguments.
+          failure = err;
+          break;
+        }
+        this.setState("disconnected");
+        await sleep(delay / 2 + (Math.random() * delay) / 2, this.halt.signal);
+        delay = Math.min(delay * 2, cap);
+        continue;
+      }
+      delay = base;
+      this.counters.connections += 1;
+      this.generation += 1;
+      this.link = { generation: this.generation, conn };
+      this.wakeLinkWaiters();
+      this.setState("connected");
+      this.firstConnect.resolve();
+      this.resumeAfterConnect(conn);
+      await Promise.race([conn.closed, this.halted]);
+      this.link = null;
+      this.wakeLinkWaiters();
+      if (this.halt.signal.aborted) {
+        await conn.close(1000, "worker stopping");
+        break;
+      }
+      if (conn.closeCode === CLOSE_SUPERSEDED) {
+        failure = new ConnectionError(
+          `superseded: another connection took worker_id ${this.workerId}; this worker stops`,
+        );
+        this.log("error", failure.message);
+        break;
+      }
+      this.log("warn", `connection lost (code ${conn.closeCode}); reconnecting`);
+      this.setState("disconnected");
+      await sleep(delay / 2 + (Math.random() * delay) / 2, this.halt.signal);
+      delay = Math.min(delay * 2, cap);
+    }
+    if (failure) {
+      // Nothing more can be delivered: stop every handler and pump.
+      for (const r of this.running.values()) r.controller.abort(new Cancelled(failure.message));
+      this.halt.abort();
+      this.wakeLinkWaiters();
+      this.notifyDrain();
+      this.setState("stopped");
+      this.firstConnect.reject(failure);
+      throw failure;
+    }
+    this.firstConnect.reject(new Error("worker stopped before it connected"));
+  }
+
+  private async connectAndRegister(): Promise<Connection> {
+    const hello: HelloArgs = {
+      protocol: PROTOCOL_VERSION,
+      role: "worker",
+      name: this.opts.name,
+      worker_id: this.workerId,
+      instance_id: this.instanceId,
+      inflight: [...this.running.keys()].sort(),
+      finished: [...this.unacked.keys()].sort(),
+    };
+    if (this.opts.token !== undefined) hello.token = this.opts.token;
+    const { conn, hello: ok } = await Connection.open(this.opts.url, hello, {
+      connectTimeoutMs: this.opts.connectTimeoutMs,
+      onPush: (push, c) => this.onPush(push, c),
+    });
+    if (ok.reconciled) {
+      this.lastReconciled = ok.reconciled;
+      const r = ok.reconciled;
+      if (r.redispatched.length > 0 || r.unknown.length > 0) {
+        this.log(
+          "info",
+          `reconciled: kept ${r.kept.length}, redispatched ${r.redispatched.join(",") || "-"}, unknown ${r.unknown.join(",") || "-"}`,
+        );
+      }
+      this.emit("reconciled", ok.reconciled);
+    }
+    this.maxFrameBytes = conn.maxFrameBytes;
+    try {
+      for (const f of [...this.functions.values()].sort((a, b) => a.functionId.localeCompare(b.functionId))) {
+        // A draining worker takes no new work, also after a reconnect.
+        if (this.draining) break;
+        const args: Record<string, unknown> = {
+          function_id: f.functionId,
+          concurrency: f.options.concurrency ?? 1,
+        };
+        if (f.options.timeoutMs !== undefined) args.timeout_ms = f.options.timeoutMs;
+        if (f.options.delivery !== undefined) args.delivery = f.options.delivery;
+        if (f.options.maxAttempts !== undefined) args.max_attempts = f.options.maxAttempts;
+        await conn.request("function.register", args);
+      }
+    } catch (err) {
+      conn.terminate();
+      throw err;
+    }
+    return conn;
+  }
+
+  /** After a reconnect: every held result goes out again, running handlers heartbeat. */
+  private resumeAfterConnect(conn: Connection): void {
+    for (const held of this.unacked.values()) held.wake();
+    for (const [invocationId, r] of this.running) {
+      if (r.autoHeartbeat) void this.sendHeartbeat(conn, invocationId).catch(() => {});
+    }
+  }
+
+  private wakeLinkWaiters(): void {
+    const waiters = this.linkWaiters;
+    this.linkWaiters = [];
+    for (const w of waiters) w();
+  }
+
+  /** The current link if it is not `dead`; waits for one; `null` after the hard stop. */
+  private async liveLink(dead: number): Promise<Link | null> {
+    for (;;) {
+      if (this.halt.signal.aborted) return null;
+      const link = this.link;
+      if (link && link.generation !== dead && link.conn.isOpen) return link;
+      await new Promise<void>((resolve) => this.linkWaiters.push(resolve));
+    }
+  }
+
+  // ---- pushes ----------------------------------------------------------------------
+
+  private onPush(push: PushFrame, conn: Connection): void {
+    const invocationId = push.invocation_id;
+    if (typeof invocationId !== "string") return;
+    switch (push.push) {
+      case "invoke":
+        this.onInvoke(push, invocationId);
+        break;
+      case "cancel":
+        this.onCancel(invocationId, String(push.reason ?? ""));
+        break;
+      case "probe":
+        this.onProbe(conn, invocationId);
+        break;
+      default:
+        break;
+    }
+  }
+
+  private onInvoke(push: PushFrame, invocationId: string): void {
+    if (this.running.has(invocationId)) return;
+    const held = this.unacked.get(invocationId);
+    if (held) {
+      held.wake();
+      return;
+    }
+    const functionId = String(push.function_id);
+    const registered = this.functions.get(functionId);
+    const controller = new AbortController();
+    const autoHeartbeat = registered?.options.autoHeartbeat ?? true;
+    this.running.set(invocationId, { controller, autoHeartbeat });
+    this.counters.invocationsStarted += 1;
+    const turnId = String(push.turn_id);
+    const step = Number(push.step);
+    const deadlineMs = Number(push.deadline_ms);
+    const ctx: TurnContext = {
+      sessionId: String(push.session_id),
+      turnId,
+      functionId,
+      step,
+      attempt: Number(push.attempt),
+      invocationId,
+      idempotencyKey: `${turnId}/${step}`,
+      deadlineMs,
+      signal: controller.signal,
+      heartbeat: () => {
+        const link = this.link;
+        if (!link) return Promise.reject(new ConnectionError("not connected"));
+        return this.sendHeartbeat(link.conn, invocationId);
+      },
+    };
+    void this.runHandler(registered, ctx, push.input);
+  }
+
+  private async runHandler(registered: Registered | undefined, ctx: TurnContext, input: unknown): Promise<void> {
+    const { invocationId } = ctx;
+    let outcome: Outcome;
+    if (!registered) {
+      outcome = {
+        fail: {
+          code: "unknown_function",
+          message: `this worker does not serve ${ctx.functionId}`,
+          retryable: false,
+        },
+      };
+    } else {
+      const stopBeats = registered.options.autoHeartbeat === false ? () => {} : this.heartbeatLoop(ctx, registered);
+      try {
+        const value = await registered.handler(ctx, input);
+        outcome = value instanceof Continue ? { continue: value.state ?? null } : { complete: value ?? null };
+      } catch (err) {
+        if (err instanceof Fail) {
+          outcome = { fail: { code: err.code, message: err.message, retryable: err.retryable } };
+        } else if (err instanceof Cancelled || ctx.signal.aborted) {
+          outcome = { cancelled: { message: message(err) } };
+        } else {
+          const name = err instanceof Error ? err.name || "Error" : "Error";
+          outcome = { fail: { code: name, message: message(err), retryable: false } };
+        }
+      } finally {
+        stopBeats();
+      }
+    }
+    this.holdResult(invocationId, this.sendable(invocationId, outcome));
+  }
+
+  /** Heartbeats at a third of the attempt timeout while the handler runs; returns the stopper. */
+  private heartbeatLoop(ctx: TurnContext, registered: Registered): () => void {
+    const timeoutMs = registered.options.timeoutMs ?? Math.max(ctx.deadlineMs - Date.now(), 300);
+    const every = Math.max(50, Math.floor(timeoutMs / 3));
+    const timer = setInterval(() => {
+      const link = this.link;
+      if (!link || ctx.signal.aborted) return;
+      this.sendHeartbeat(link.conn, ctx.invocationId).catch(() => {});
+    }, every);
+    return () => clearInterval(timer);
+  }
+
+  private async sendHeartbeat(conn: Connection, invocationId: string): Promise<number> {
+    try {
+      const ok = (await conn.request("invocation.heartbeat", { invocation_id: invocationId })) as {
+        deadline_ms: number;
+      };
+      this.counters.heartbeats += 1;
+      return ok.deadline_ms;
+    } catch (err) {
+      if (err instanceof TurndError && err.code === "not_found") {
+        const r = this.running.get(invocationId);
+        if (r && !r.controller.signal.aborted) {
+          this.log("info", `${invocationId} is no longer current; aborting its handler`);
+          r.controller.abort(new Cancelled("the invocation is no longer current"));
+        }
+      }
+      throw err;
+    }
+  }
+
+  private onCancel(invocationId: string, reason: string): void {
+    const running = this.running.get(invocationId);
+    if (running) {
+      this.log("info", `cancel ${invocationId}: ${reason}`);
+      running.controller.abort(new Cancelled(reason || "cancelled"));
+      return;
+    }
+    const held = this.unacked.get(invocationId);
+    if (held) {
+      held.wake();
+      return;
+    }
+    // Not running here (never received, or already delivered): say so.
+    this.holdResult(invocationId, { cancelled: { message: "not running" } });
+  }
+
+  private onProbe(conn: Connection, invocationId: string): void {
+    const running = this.running.get(invocationId);
+    if (running) {
+      // A heartbeat answers a pending probe and moves the deadline: the truth that
+      // the handler is still working, without turning into a cancel.
+      const answer = running.autoHeartbeat
+        ? this.sendHeartbeat(conn, invocationId).catch(() =>
+            conn.request("invocation.status", { invocation_id: invocationId, state: "running" }),
+          )
+        : conn.request("invocation.status", { invocation_id: invocationId, state: "running" });
+      answer.catch((err) => this.log("warn", `probe answer for ${invocationId} failed: ${message(err)}`));
+      return;
+    }
+    const held = this.unacked.get(invocationId);
+    const state = held ? "finished" : "unknown";
+    conn
+      .request("invocation.status", { invocation_id: invocationId, state })
+      .catch((err) => this.log("warn", `probe answer for ${invocationId} failed: ${message(err)}`))
+      .finally(() => held?.wake()); // the status first, then the result it promised
+  }
+
+  // ---- results ---------------------------------------------------------------------
+
+  /**
+   * The outcome as it can be sent: one that is not JSON, or whose frame the daemon
+   * would refuse (closing the connection, so that resending would never end),
+   * becomes a `fail` that says so.
+   */
+  private sendable(invocationId: string, outcome: Outcome): Outcome {
+    let size: number;
+    try {
+      const args = { invocation_id: invocationId, outcome };
+      size = Buffer.byteLength(JSON.stringify({ id: Number.MAX_SAFE_INTEGER, op: "invocation.result", args }));
+    } catch (err) {
+      return { fail: { code: "invalid_output", message: `result is not JSON: ${message(err)}`, retryable: false } };
+    }
+    if (size > this.maxFrameBytes) {
+      return {
+        fail: {
+          code: "too_large",
+          message: `result frame of ${size} bytes exceeds the daemon's max_frame_bytes ${this.maxFrameBytes}`,
+          retryable: false,
+        },
+      };
+    }
+    return outcome;
+  }
+
+  private holdResult(invocationId: string, outcome: Outcome): void {
+    this.running.delete(invocationId);
+    let wake: () => void = () => {};
+    const held: Held = {
+      outcome,
+      wake: () => wake(),
+    };
+    const wakeup = () =>
+      new Promise<void>((resolve) => {
+        wake = resolve;
+      });
+    this.unacked.set(invocationId, held);
+    void this.pump(invocationId, held, wakeup);
+  }
+
+  private release(invocationId: string, held: Held): void {
+    if (this.unacked.get(invocationId) === held) this.unacked.delete(invocationId);
+    this.notifyDrain();
+  }
+
+  /** Deliver one result until the daemon acknowledges it (or refuses it for good). */
+  private async pump(invocationId: string, held: Held, wakeup: () => Promise<void>): Promise<void> {
+    const ackMs = this.opts.resultAckTimeoutMs;
+    const args = { invocation_id: invocationId, outcome: held.outcome };
+    let dead = -1;
+    let first = true;
+    for (;;) {
+      const link = await this.liveLink(dead);
+      if (!link) return;
+      if (first) this.counters.resultsSent += 1;
+      else this.counters.resultsResent += 1;
+      first = false;
+      const woken = wakeup();
+      let timer: NodeJS.Timeout | undefined;
+      const result = await Promise.race([
+        link.conn.request("invocation.result", args).then(
+          (ok) => ({ kind: "ok" as const, ok }),
+          (err: unknown) => ({ kind: "err" as const, err }),
+        ),
+        woken.then(() => ({ kind: "wake" as const })),
+        new Promise<{ kind: "timeout" }>((resolve) => {
+          timer = setTimeout(() => resolve({ kind: "timeout" }), ackMs);
+        }),
+        this.halted.then(() => ({ kind: "halt" as const })),
+      ]);
+      clearTimeout(timer);
+      switch (result.kind) {
+        case "ok":
+          this.counters.resultsAcked += 1;
+          this.log("debug", `${invocationId}: result ${(result.ok as { accepted?: string }).accepted}`);
+          this.release(invocationId, held);
+          return;
+        case "halt":
+          return;
+        case "wake":
+        case "timeout":
+          continue;
+        case "err": {
+          const err = result.err;
+          if (err instanceof ConnectionError) {
+            dead = link.generation;
+            continue;
+          }
+          if (err instanceof TurndError && !err.retryable) {
+            this.log("error", `${invocationId}: result refused (${err.message}); dropping it`);
+            this.counters.resultsDropped += 1;
+            this.release(invocationId, held);
+            return;
+          }
+          this.log("warn", `${invocationId}: result not taken yet (${message(err)}); resending later`);
+          await Promise.race([sleep(ackMs, this.halt.signal), wakeup()]);
+          continue;
+        }
+      }
+    }
+  }
+}
