@@ -6,6 +6,8 @@ PYTHON ?= python3
 # (Debian's and Ubuntu's refuse that, PEP 668).
 VENV := $(CURDIR)/target/venv
 VPY := $(VENV)/bin/python
+# Any pip call outside a virtual environment fails instead of touching the system.
+export PIP_REQUIRE_VIRTUALENV := true
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
 .PHONY: help build run venv test test-rust test-python lint fmt doc bench check-fsync fuzz clean
@@ -43,9 +45,10 @@ test-python: venv ## The independent Python protocol client against the built bi
 	$(CARGO) build -p turnd --bin turnd
 	$(VPY) tests/python/test_protocol.py --turnd target/debug/turnd
 
-lint: ## fmt check and clippy with warnings denied
+lint: ## fmt check, clippy with warnings denied, and the repository checks
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	scripts/check-make-pip.sh
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
@@ -67,3 +70,8 @@ fuzz: ## Run the cargo-fuzz targets (FUZZ_SECONDS each, default 60; see docs/fuz
 
 clean: ## Remove build output
 	$(CARGO) clean
+
+# `make print-env-VAR` prints VAR as the recipes see it in their environment (used by
+# scripts/check-make-pip.sh).
+print-env-%:
+	@printenv $* || true
