@@ -10,7 +10,7 @@ VPY := $(VENV)/bin/python
 export PIP_REQUIRE_VIRTUALENV := true
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help build run venv test test-rust test-python lint fmt doc bench check-fsync fuzz clean
+.PHONY: help build run venv test check-repo test-rust test-python lint fmt doc bench check-fsync fuzz clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -21,7 +21,7 @@ build: ## Build every crate and the turnd binary (debug)
 run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data)
 	$(CARGO) run --release -p turnd -- serve
 
-test: test-rust test-python ## Run the whole test suite
+test: check-repo test-rust test-python ## Run the whole test suite
 
 TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so
 
@@ -48,7 +48,11 @@ test-python: venv ## The independent Python protocol client against the built bi
 lint: ## fmt check, clippy with warnings denied, and the repository checks
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(MAKE) --no-print-directory check-repo
+
+check-repo: ## Fast repository checks: make test uses only target/venv's pip, the stated minimum Rust is true
 	scripts/check-make-pip.sh
+	scripts/check-msrv.py
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
