@@ -50,9 +50,10 @@ lint: ## fmt check, clippy with warnings denied, and the repository checks
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(MAKE) --no-print-directory check-repo
 
-check-repo: ## Fast repository checks: make test uses only target/venv's pip, the stated minimum Rust is true
+check-repo: ## Fast repository checks: only target/venv's pip, the stated minimum Rust, relative links in the docs
 	scripts/check-make-pip.sh
 	scripts/check-msrv.py
+	scripts/check-docs.py
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
