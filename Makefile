@@ -9,8 +9,15 @@ VPY := $(VENV)/bin/python
 # Any pip call outside a virtual environment fails instead of touching the system.
 export PIP_REQUIRE_VIRTUALENV := true
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
+# `make install` (see docs/operations.md): where things go. DESTDIR is prepended to
+# every path (for packaging); INSTALL_BIN is the binary installed.
+PREFIX ?= /usr/local
+BINDIR ?= $(PREFIX)/bin
+SYSCONFDIR ?= /etc
+UNITDIR ?= $(SYSCONFDIR)/systemd/system
+INSTALL_BIN ?= target/release/turnd
 
-.PHONY: help build run venv test check-repo test-rust test-python lint fmt doc bench check-fsync fuzz clean
+.PHONY: help build release install run venv test check-repo test-rust test-python lint fmt doc bench check-fsync fuzz clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -18,8 +25,24 @@ help: ## List the targets
 build: ## Build every crate and the turnd binary (debug)
 	$(CARGO) build --workspace --all-targets
 
-run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data)
-	$(CARGO) run --release -p turnd -- serve
+release: ## Build the release binary target/release/turnd
+	$(CARGO) build --release --locked -p turnd
+
+install: ## Install the release binary to PREFIX/bin (default /usr/local), the systemd unit, and the example config unless one exists; honours DESTDIR
+	@test -x $(INSTALL_BIN) || { echo "make install: no $(INSTALL_BIN): run 'make release' first (as your user, then 'sudo make install')" >&2; exit 1; }
+	install -D -m 0755 $(INSTALL_BIN) $(DESTDIR)$(BINDIR)/turnd
+	install -d -m 0755 $(DESTDIR)$(UNITDIR)
+	sed 's|/usr/local/bin/turnd|$(BINDIR)/turnd|g; s|/etc/turnd/|$(SYSCONFDIR)/turnd/|g; s|/etc/default/turnd|$(SYSCONFDIR)/default/turnd|g' \
+		deploy/systemd/turnd.service > $(DESTDIR)$(UNITDIR)/turnd.service.tmp
+	chmod 0644 $(DESTDIR)$(UNITDIR)/turnd.service.tmp
+	mv $(DESTDIR)$(UNITDIR)/turnd.service.tmp $(DESTDIR)$(UNITDIR)/turnd.service
+	@# An existing configuration is the operator's: never overwritten.
+	test -e $(DESTDIR)$(SYSCONFDIR)/turnd/turnd.toml || install -D -m 0644 config/turnd.toml $(DESTDIR)$(SYSCONFDIR)/turnd/turnd.toml
+	test -e $(DESTDIR)$(SYSCONFDIR)/default/turnd || install -D -m 0600 deploy/default/turnd $(DESTDIR)$(SYSCONFDIR)/default/turnd
+	@echo "installed $(DESTDIR)$(BINDIR)/turnd; next: systemctl daemon-reload && systemctl enable --now turnd (docs/operations.md)"
+
+run: ## Run the daemon (release build) on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data); ARGS="…" go to `turnd serve`
+	$(CARGO) run --release -p turnd -- serve $(ARGS)
 
 test: check-repo test-rust test-python ## Run the whole test suite
 
