@@ -882,3 +882,63 @@ async fn ci_script_runs_a_command_with_turnd_on_path_and_stops_the_daemon() -> a
     expect_code(&o, 7, "ci-turnd.sh exit 7")?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn make_install_puts_the_binary_unit_and_config_under_destdir() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dest = tempfile::tempdir()?;
+    let bin = bin().await?;
+    let install = || {
+        let mut cmd = tokio::process::Command::new("make");
+        cmd.arg("-C")
+            .arg(&root)
+            .arg("--no-print-directory")
+            .arg("install")
+            .arg(format!("DESTDIR={}", dest.path().display()))
+            .arg("PREFIX=/opt/turnd")
+            .arg(format!("INSTALL_BIN={}", bin.display()))
+            // Not the flags of a `make test` this runs under.
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS")
+            .env_remove("MAKELEVEL")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        cmd
+    };
+    let o = tokio::time::timeout(Duration::from_secs(60), install().output()).await??;
+    expect_code(&o, 0, "make install")?;
+    let at = |p: &str| dest.path().join(p.trim_start_matches('/'));
+    let mode = |p: &str| -> anyhow::Result<u32> {
+        Ok(std::fs::metadata(at(p))
+            .with_context(|| format!("{p} installed"))?
+            .permissions()
+            .mode()
+            & 0o777)
+    };
+    assert_eq!(mode("/opt/turnd/bin/turnd")?, 0o755);
+    assert_eq!(mode("/etc/systemd/system/turnd.service")?, 0o644);
+    assert_eq!(mode("/etc/turnd/turnd.toml")?, 0o644);
+    assert_eq!(mode("/etc/default/turnd")?, 0o600);
+    // The unit runs the installed binary.
+    let unit = std::fs::read_to_string(at("/etc/systemd/system/turnd.service"))?;
+    assert!(
+        unit.contains("ExecStart=/opt/turnd/bin/turnd serve --config /etc/turnd/turnd.toml"),
+        "{unit}"
+    );
+    assert!(!unit.contains("/usr/local/bin"), "{unit}");
+    let o = tokio::process::Command::new(at("/opt/turnd/bin/turnd"))
+        .arg("--version")
+        .output()
+        .await?;
+    expect_code(&o, 0, "the installed turnd --version")?;
+    // A second install keeps the operator's configuration.
+    std::fs::write(at("/etc/turnd/turnd.toml"), "# mine\n")?;
+    let o = tokio::time::timeout(Duration::from_secs(60), install().output()).await??;
+    expect_code(&o, 0, "make install again")?;
+    assert_eq!(
+        std::fs::read_to_string(at("/etc/turnd/turnd.toml"))?,
+        "# mine\n"
+    );
+    Ok(())
+}
