@@ -46,10 +46,10 @@ run: ## Run the daemon (release build) on its embedded defaults (ws 127.0.0.1:74
 
 test: check-repo test-rust test-python ## Run the whole test suite
 
-TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so
+TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so TURND_EXAMPLES_DIR=$(CURDIR)/target/debug/examples
 
-test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd, some with the turnd-faultfs library preloaded)
-	$(CARGO) build -p turnd --bin turnd
+test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd and the SDK's examples, some with the turnd-faultfs library preloaded)
+	$(CARGO) build -p turnd --bin turnd -p turnd-client --examples
 	$(CARGO) build -p turnd-faultfs
 ifeq ($(NEXTEST),yes)
 	$(TEST_ENV) $(CARGO) nextest run --workspace --no-fail-fast

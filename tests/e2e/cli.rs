@@ -14,7 +14,7 @@ use turnd_proto::{
     WaitState,
 };
 use turnd_server::config::TokenConfig;
-use turnd_tests::{echo_worker, turnd_bin, wait_done, BinDaemon, TestDaemon};
+use turnd_tests::{client_example, echo_worker, turnd_bin, wait_done, BinDaemon, TestDaemon};
 
 async fn bin() -> anyhow::Result<PathBuf> {
     // `turnd_bin` may run `cargo build` the first time: keep it off the runtime.
@@ -941,4 +941,65 @@ async fn make_install_puts_the_binary_unit_and_config_under_destdir() -> anyhow:
         "# mine\n"
     );
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_examples_run_a_multi_step_turn() -> anyhow::Result<()> {
+    let (worker_bin, caller_bin) = tokio::task::spawn_blocking(|| {
+        anyhow::Ok((client_example("worker")?, client_example("caller")?))
+    })
+    .await??;
+    // The worker example, pointed at nothing, says so on stderr.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port()
+    };
+    let nowhere = format!("ws://127.0.0.1:{port}/v1");
+    let mut lost = tokio::process::Command::new(&worker_bin)
+        .args([nowhere.as_str(), "w-nowhere"])
+        .env("RUST_LOG", "warn")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut err = BufReader::new(lost.stderr.take().context("stderr")?).lines();
+    let line = tokio::time::timeout(Duration::from_secs(15), err.next_line())
+        .await
+        .context("no warning within 15s")??
+        .context("stderr ended")?;
+    assert!(
+        line.contains("failed to connect worker") && line.contains(&nowhere),
+        "{line}"
+    );
+    lost.start_kill()?;
+    lost.wait().await?;
+
+    let d = TestDaemon::start(|_| {}).await?;
+    let mut worker = tokio::process::Command::new(&worker_bin)
+        .args([d.url.as_str(), "w-example"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let o = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(&caller_bin)
+            .args(["countdown", r#"{"from":3}"#, "s-example"])
+            .env("TURND_URL", &d.url)
+            .env_remove("TURND_TOKEN")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    expect_code(&o, 0, "the caller example")?;
+    let turn: Turn = serde_json::from_value(json_out(&o)?)?;
+    assert_eq!(turn.status, TurnStatus::Completed);
+    assert_eq!(turn.output, Some(json!({"done": true})));
+    assert_eq!(turn.step, 3, "three continues, then the completing step");
+    worker.start_kill()?;
+    worker.wait().await?;
+    d.shutdown().await
 }
