@@ -14,8 +14,12 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib  # Python 3.11+
+except ImportError:  # Python 3.10 and older (Ubuntu 22.04): read the one key by hand
+    tomllib = None
 
 
 def version(s):
@@ -25,6 +29,24 @@ def version(s):
 
 def show(v):
     return ".".join(str(p) for p in v[:2]) + ("" if v[2] == 0 else f".{v[2]}")
+
+
+def workspace_rust_version(text):
+    """`[workspace.package] rust-version` of a Cargo.toml, or None."""
+    if tomllib is not None:
+        manifest = tomllib.loads(text)
+        return manifest.get("workspace", {}).get("package", {}).get("rust-version")
+    section = None
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        m = re.match(r"^\[([^\]]+)\]$", line)
+        if m:
+            section = m.group(1).strip()
+            continue
+        m = re.match(r'^rust-version\s*=\s*"([^"]+)"$', line)
+        if m and section == "workspace.package":
+            return m.group(1)
+    return None
 
 
 def main():
@@ -44,8 +66,7 @@ def main():
     )
     resolved = {n["id"] for n in meta["resolve"]["nodes"]}
     members = set(meta["workspace_members"])
-    manifest = tomllib.loads((root / "Cargo.toml").read_text())
-    stated_s = manifest.get("workspace", {}).get("package", {}).get("rust-version")
+    stated_s = workspace_rust_version((root / "Cargo.toml").read_text())
     if not stated_s:
         print("check-msrv: Cargo.toml has no [workspace.package] rust-version",
               file=sys.stderr)
