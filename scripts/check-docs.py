@@ -75,12 +75,24 @@ def anchors(path, cache={}):
     return cache[path]
 
 
+SKIP_DIRS = {"target", "node_modules"}
+
+
 def markdown_files():
-    out = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "*.md"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout.split("\n")
-    return [ROOT / p for p in out if p and (ROOT / p).is_file()]
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "*.md"],
+            cwd=ROOT, check=True, capture_output=True, text=True,
+        ).stdout.split("\n")
+        return [ROOT / p for p in out if p and (ROOT / p).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        # Not a git checkout (an unpacked archive): every Markdown file outside build
+        # output and hidden folders.
+        return sorted(
+            p for p in ROOT.rglob("*.md")
+            if not any(part in SKIP_DIRS or part.startswith(".")
+                       for part in p.relative_to(ROOT).parts[:-1])
+        )
 
 
 def check(md):
