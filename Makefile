@@ -8,9 +8,18 @@ VENV := $(CURDIR)/target/venv
 VPY := $(VENV)/bin/python
 NPM ?= npm
 TS_SDK := sdk/typescript
+# Any pip call outside a virtual environment fails instead of touching the system.
+export PIP_REQUIRE_VIRTUALENV := true
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
+# `make install` (see docs/operations.md): where things go. DESTDIR is prepended to
+# every path (for packaging); INSTALL_BIN is the binary installed.
+PREFIX ?= /usr/local
+BINDIR ?= $(PREFIX)/bin
+SYSCONFDIR ?= /etc
+UNITDIR ?= $(SYSCONFDIR)/systemd/system
+INSTALL_BIN ?= target/release/turnd
 
-.PHONY: help build run venv test test-rust test-python test-sdk-python test-sdk-typescript lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean
+.PHONY: help build release install run venv test check-repo test-rust test-python test-sdk-python test-sdk-typescript lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -18,15 +27,31 @@ help: ## List the targets
 build: ## Build every crate and the turnd binary (debug)
 	$(CARGO) build --workspace --all-targets
 
-run: ## Run the daemon on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data)
-	$(CARGO) run --release -p turnd -- serve
+release: ## Build the release binary target/release/turnd
+	$(CARGO) build --release --locked -p turnd
 
-test: test-rust test-python test-sdk-python test-sdk-typescript ## Run the whole test suite
+install: ## Install the release binary to PREFIX/bin (default /usr/local), the systemd unit, and the example config unless one exists; honours DESTDIR
+	@test -x $(INSTALL_BIN) || { echo "make install: no $(INSTALL_BIN): run 'make release' first (as your user, then 'sudo make install')" >&2; exit 1; }
+	install -D -m 0755 $(INSTALL_BIN) $(DESTDIR)$(BINDIR)/turnd
+	install -d -m 0755 $(DESTDIR)$(UNITDIR)
+	sed 's|/usr/local/bin/turnd|$(BINDIR)/turnd|g; s|/etc/turnd/|$(SYSCONFDIR)/turnd/|g; s|/etc/default/turnd|$(SYSCONFDIR)/default/turnd|g' \
+		deploy/systemd/turnd.service > $(DESTDIR)$(UNITDIR)/turnd.service.tmp
+	chmod 0644 $(DESTDIR)$(UNITDIR)/turnd.service.tmp
+	mv $(DESTDIR)$(UNITDIR)/turnd.service.tmp $(DESTDIR)$(UNITDIR)/turnd.service
+	@# An existing configuration is the operator's: never overwritten.
+	test -e $(DESTDIR)$(SYSCONFDIR)/turnd/turnd.toml || install -D -m 0644 config/turnd.toml $(DESTDIR)$(SYSCONFDIR)/turnd/turnd.toml
+	test -e $(DESTDIR)$(SYSCONFDIR)/default/turnd || install -D -m 0600 deploy/default/turnd $(DESTDIR)$(SYSCONFDIR)/default/turnd
+	@echo "installed $(DESTDIR)$(BINDIR)/turnd; next: systemctl daemon-reload && systemctl enable --now turnd (docs/operations.md)"
 
-TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so
+run: ## Run the daemon (release build) on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data); ARGS="…" go to `turnd serve`
+	$(CARGO) run --release -p turnd -- serve $(ARGS)
 
-test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd, some with the turnd-faultfs library preloaded)
-	$(CARGO) build -p turnd --bin turnd
+test: check-repo test-rust test-python test-sdk-python test-sdk-typescript ## Run the whole test suite
+
+TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so TURND_EXAMPLES_DIR=$(CURDIR)/target/debug/examples
+
+test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd and the SDK's examples, some with the turnd-faultfs library preloaded)
+	$(CARGO) build -p turnd --bin turnd -p turnd-client --examples
 	$(CARGO) build -p turnd-faultfs
 ifeq ($(NEXTEST),yes)
 	$(TEST_ENV) $(CARGO) nextest run --workspace --no-fail-fast
@@ -50,9 +75,15 @@ test-sdk-python: venv ## The Python SDK's tests (sdk/python/tests) against the b
 	$(CARGO) build -p turnd --bin turnd
 	cd sdk/python && TURND_BIN=$(CURDIR)/target/debug/turnd $(VPY) -m pytest -q tests
 
-lint: lint-sdk-python lint-sdk-typescript ## fmt check and clippy with warnings denied, and the Python and TypeScript SDKs' checks
+lint: lint-sdk-python lint-sdk-typescript ## fmt check, clippy with warnings denied, the Python and TypeScript SDKs' checks, and the repository checks
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(MAKE) --no-print-directory check-repo
+
+check-repo: ## Fast repository checks: only target/venv's pip, the stated minimum Rust, relative links in the docs
+	scripts/check-make-pip.sh
+	scripts/check-msrv.py
+	scripts/check-docs.py
 
 lint-sdk-python: venv ## mypy --strict and ruff (lint and format) on sdk/python and examples/python
 	cd sdk/python && $(VENV)/bin/mypy --strict
@@ -98,3 +129,8 @@ fuzz: ## Run the cargo-fuzz targets (FUZZ_SECONDS each, default 60; see docs/fuz
 
 clean: ## Remove build output
 	$(CARGO) clean
+
+# `make print-env-VAR` prints VAR as the recipes see it in their environment (used by
+# scripts/check-make-pip.sh).
+print-env-%:
+	@printenv $* || true

@@ -9,8 +9,12 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, BufReader};
-use turnd_proto::{Event, EventKind, EventsOk, Session, Turn, TurnStatus, WaitState};
-use turnd_tests::{echo_worker, turnd_bin, wait_done, TestDaemon};
+use turnd_proto::{
+    Event, EventKind, EventsOk, Function, ListArgs, ListOk, Role, Session, Turn, TurnStatus,
+    WaitState,
+};
+use turnd_server::config::TokenConfig;
+use turnd_tests::{client_example, echo_worker, turnd_bin, wait_done, BinDaemon, TestDaemon};
 
 async fn bin() -> anyhow::Result<PathBuf> {
     // `turnd_bin` may run `cargo build` the first time: keep it off the runtime.
@@ -425,5 +429,577 @@ async fn events_follow_resumes_after_a_daemon_restart_without_gaps_or_repeats() 
         tokio::io::AsyncReadExt::read_to_string(&mut e, &mut err).await?;
     }
     assert!(err.contains("reconnected"), "{err}");
+    d.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_on_a_taken_port_says_how_to_move_it_once_and_without_colour() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = taken.local_addr()?.to_string();
+    let data = dir.path().join("data");
+    let data_arg = data.to_string_lossy().into_owned();
+    for (args, want) in [
+        (
+            vec!["--listen", addr.as_str(), "--admin-listen", "127.0.0.1:0"],
+            "address in use: pass --listen or set TURND_SERVER__LISTEN",
+        ),
+        (
+            vec!["--listen", "127.0.0.1:0", "--admin-listen", addr.as_str()],
+            "address in use: pass --admin-listen or set TURND_SERVER__ADMIN_LISTEN",
+        ),
+    ] {
+        let mut all = vec!["serve", "--data-dir", data_arg.as_str()];
+        all.extend(args);
+        // `sync = never` logs a warning before the listeners bind: a text log line
+        // to check for colour codes (stderr is a pipe here, not a terminal).
+        let o = tokio::time::timeout(
+            Duration::from_secs(30),
+            command(&all)
+                .await?
+                .env("TURND_STORAGE__SYNC", "never")
+                .env_remove("NO_COLOR")
+                .output(),
+        )
+        .await??;
+        expect_code(&o, 1, "serve on a taken port")?;
+        let err = stderr(&o);
+        assert_eq!(err.matches(want).count(), 1, "{want:?} once in\n{err}");
+        assert!(err.contains(&addr), "{err}");
+        assert!(err.contains("WARN"), "the sync warning is logged: {err}");
+        assert!(!err.contains('\x1b'), "colour codes on a pipe: {err:?}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_says_plainly_that_keys_are_unknown_and_strict_refuses_them(
+) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let good = dir.path().join("good.toml");
+    std::fs::write(&good, "[server]\nlisten = \"127.0.0.1:7500\"\n")?;
+    let typo = dir.path().join("typo.toml");
+    std::fs::write(&typo, "[server]\nlisten_addr = \"127.0.0.1:7500\"\n")?;
+    let good_arg = good.to_string_lossy().into_owned();
+    let typo_arg = typo.to_string_lossy().into_owned();
+
+    for strict in [false, true] {
+        let mut args = vec!["check-config", "--config", good_arg.as_str()];
+        if strict {
+            args.push("--strict");
+        }
+        let o = turnd(&args).await?;
+        expect_code(&o, 0, "check-config of a clean file")?;
+        assert_eq!(stdout(&o), "configuration ok\n");
+        assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    }
+
+    // Without --strict: valid, but it says so plainly on stdout, not "ok".
+    let o = turnd(&["check-config", "--config", &typo_arg]).await?;
+    expect_code(&o, 0, "check-config with an unknown key")?;
+    let out = stdout(&o);
+    assert!(!out.contains("configuration ok"), "{out}");
+    assert!(out.contains("1 unknown key(s) are ignored"), "{out}");
+    assert!(out.contains("--strict"), "{out}");
+    assert!(
+        stderr(&o).contains("unknown config key server.listen_addr ignored"),
+        "{}",
+        stderr(&o)
+    );
+
+    // --strict: exit 2, nothing on stdout. An unknown TURND_ variable counts too.
+    let o = turnd(&["check-config", "--config", &typo_arg, "--strict"]).await?;
+    expect_code(&o, 2, "check-config --strict with an unknown key")?;
+    assert!(stdout(&o).is_empty(), "{}", stdout(&o));
+    let err = stderr(&o);
+    assert!(err.contains("server.listen_addr"), "{err}");
+    assert!(err.contains("1 unknown key(s)"), "{err}");
+    let o = command(&["check-config", "--config", &good_arg, "--strict"])
+        .await?
+        .env("TURND_SERVER__LISTEN_ADDR", "127.0.0.1:7500")
+        .output()
+        .await?;
+    expect_code(&o, 2, "check-config --strict with an unknown variable")?;
+    assert!(
+        stderr(&o).contains("TURND_SERVER__LISTEN_ADDR"),
+        "{}",
+        stderr(&o)
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_pages_and_filters_and_turn_stop_and_submit_say_what_happened() -> anyhow::Result<()>
+{
+    let d = TestDaemon::start(|_| {}).await?;
+    let _w = echo_worker(&d.url, "w-turns", 1).await;
+    let c = d.caller().await?;
+    let mut done = Vec::new();
+    for n in 0..3 {
+        let t = c.submit_simple("s-turns", "echo", json!(n)).await?;
+        done.push(wait_done(&c, &t.turn_id, 10).await?);
+    }
+    // A cancelled turn in the same session: `nobody` has no worker, stop it.
+    let stuck = c.submit_simple("s-turns", "nobody", json!("x")).await?;
+    c.stop(&stuck.turn_id, "cli test").await?;
+    let cancelled = wait_done(&c, &stuck.turn_id, 10).await?;
+    assert_eq!(cancelled.status, TurnStatus::Cancelled);
+
+    // `turns --json` is what `turn.list` answers.
+    let o = turnd(&["turns", "s-turns", "--url", &d.url, "--json"]).await?;
+    expect_code(&o, 0, "turns --json")?;
+    let shown: ListOk = serde_json::from_value(json_out(&o)?)?;
+    let all = c
+        .list(ListArgs {
+            session_id: "s-turns".into(),
+            status: None,
+            limit: None,
+            before_seq: None,
+        })
+        .await?;
+    assert_eq!(shown, all);
+    assert_eq!(shown.turns.len(), 4);
+
+    // Paging: two per page, newest first, with the command for the next page.
+    let o = turnd(&["turns", "s-turns", "--url", &d.url, "--limit", "2"]).await?;
+    expect_code(&o, 0, "turns --limit 2")?;
+    let text = stdout(&o);
+    assert!(
+        text.contains(&stuck.turn_id) && text.contains(&done[2].turn_id),
+        "{text}"
+    );
+    assert!(!text.contains(&done[0].turn_id), "{text}");
+    let next = format!("turnd turns s-turns --before {} --limit 2", done[2].seq);
+    assert!(stderr(&o).contains(&next), "{next:?} in {}", stderr(&o));
+    let before = done[2].seq.to_string();
+    let o = turnd(&[
+        "turns", "s-turns", "--url", &d.url, "--limit", "2", "--before", &before, "--json",
+    ])
+    .await?;
+    expect_code(&o, 0, "turns --before")?;
+    let page: ListOk = serde_json::from_value(json_out(&o)?)?;
+    let ids: Vec<&str> = page.turns.iter().map(|t| t.turn_id.as_str()).collect();
+    assert_eq!(ids, [done[1].turn_id.as_str(), done[0].turn_id.as_str()]);
+    // A status filter, and an empty answer in words.
+    let o = turnd(&["turns", "s-turns", "--url", &d.url, "--status", "cancelled"]).await?;
+    expect_code(&o, 0, "turns --status cancelled")?;
+    let text = stdout(&o);
+    assert!(
+        text.contains(&stuck.turn_id) && !text.contains(&done[0].turn_id),
+        "{text}"
+    );
+    let o = turnd(&["turns", "s-turns", "--url", &d.url, "--status", "running"]).await?;
+    expect_code(&o, 0, "turns --status running")?;
+    assert_eq!(stdout(&o), "no running turns in session s-turns\n");
+    let o = turnd(&["turns", "s-turns", "--url", &d.url, "--status", "done"]).await?;
+    expect_code(&o, 2, "turns --status with a bad status")?;
+    assert!(
+        stderr(&o).contains("one of queued, running, completed"),
+        "{}",
+        stderr(&o)
+    );
+
+    // `turn` exits as `wait` does: 0 completed, 1 cancelled.
+    let o = turnd(&["turn", &done[0].turn_id, "--url", &d.url]).await?;
+    expect_code(&o, 0, "turn of a completed turn")?;
+    let o = turnd(&["turn", &stuck.turn_id, "--url", &d.url]).await?;
+    expect_code(&o, 1, "turn of a cancelled turn")?;
+    assert!(stdout(&o).contains("cancelled"), "{}", stdout(&o));
+    assert!(stderr(&o).contains("cancelled"), "{}", stderr(&o));
+
+    // `stop` of a finished turn says that nothing was stopped.
+    let o = turnd(&["stop", &done[0].turn_id, "--url", &d.url]).await?;
+    expect_code(&o, 0, "stop of a completed turn")?;
+    assert!(
+        stderr(&o).contains(&format!(
+            "turn {} had already completed: nothing to stop",
+            done[0].turn_id
+        )),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(c.get(&done[0].turn_id).await?, done[0]);
+    let o = turnd(&["stop", &stuck.turn_id, "--url", &d.url]).await?;
+    expect_code(&o, 0, "stop of a cancelled turn")?;
+    assert!(
+        stderr(&o).contains("had already been cancelled"),
+        "{}",
+        stderr(&o)
+    );
+
+    // `submit --json` says whether the key found an earlier turn.
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let o = turnd(&[
+            "submit",
+            "--url",
+            &d.url,
+            "--session",
+            "s-turns",
+            "--function",
+            "echo",
+            "--input",
+            "7",
+            "--idempotency-key",
+            "k-1",
+            "--json",
+        ])
+        .await?;
+        expect_code(&o, 0, "submit --json")?;
+        let v = json_out(&o)?;
+        let t: Turn = serde_json::from_value(v.clone())?;
+        seen.push((t.turn_id, v["deduplicated"].clone()));
+    }
+    assert_eq!(seen[0].0, seen[1].0);
+    assert_eq!((&seen[0].1, &seen[1].1), (&json!(false), &json!(true)));
+
+    // A bare word is not JSON: the error shows how to quote it.
+    let o = turnd(&[
+        "submit",
+        "--url",
+        &d.url,
+        "--session",
+        "s-turns",
+        "--function",
+        "echo",
+        "--input",
+        "hello",
+    ])
+    .await?;
+    expect_code(&o, 2, "submit --input hello")?;
+    assert!(
+        stderr(&o).contains(r#"--input '"hello"'"#),
+        "{}",
+        stderr(&o)
+    );
+    // No event detail here is long: no hint about cut details.
+    let o = turnd(&["events", "s-turns", "--url", &d.url]).await?;
+    expect_code(&o, 0, "events")?;
+    assert!(!stderr(&o).contains("cut to fit"), "{}", stderr(&o));
+    d.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_no_worker_registered_is_named_as_such() -> anyhow::Result<()> {
+    let d = TestDaemon::start(|_| {}).await?;
+    let _w = echo_worker(&d.url, "w-reg", 1).await;
+    let c = d.caller().await?;
+    let o = turnd(&[
+        "submit",
+        "--url",
+        &d.url,
+        "--session",
+        "s-ghost",
+        "--function",
+        "ghost",
+    ])
+    .await?;
+    expect_code(&o, 0, "submit to ghost")?;
+    let text = stdout(&o);
+    assert!(text.contains("why"), "{text}");
+    assert!(text.contains("no worker has registered ghost"), "{text}");
+    let o = turnd(&["inspect", "s-ghost", "--url", &d.url]).await?;
+    expect_code(&o, 0, "inspect")?;
+    assert!(
+        stdout(&o).contains("no worker has registered ghost"),
+        "{}",
+        stdout(&o)
+    );
+
+    // functions.list marks it; the table shows no settings for it.
+    let fs = c.functions().await?;
+    let by_id = |id: &str| fs.iter().find(|f| f.function_id == id).cloned();
+    let ghost: Function = by_id("ghost").context("ghost listed")?;
+    assert!(!ghost.registered);
+    assert_eq!(ghost.queued, 1);
+    assert!(by_id("echo").context("echo listed")?.registered);
+    let o = turnd(&["functions", "--url", &d.url, "--json"]).await?;
+    expect_code(&o, 0, "functions --json")?;
+    let shown: Vec<Function> = serde_json::from_value(json_out(&o)?)?;
+    assert_eq!(shown, fs);
+    let o = turnd(&["functions", "--url", &d.url]).await?;
+    expect_code(&o, 0, "functions")?;
+    let text = stdout(&o);
+    let ghost_row = text
+        .lines()
+        .find(|l| l.starts_with("ghost"))
+        .context("ghost row")?;
+    assert!(ghost_row.starts_with("ghost*"), "{text}");
+    assert!(!ghost_row.contains("at_most_once"), "{text}");
+    let echo_row = text
+        .lines()
+        .find(|l| l.starts_with("echo"))
+        .context("echo row")?;
+    assert!(!echo_row.contains('*'), "{text}");
+    assert!(text.contains("* no worker has registered it"), "{text}");
+
+    // A long stop reason makes a long event detail: the table cuts it and says how
+    // to see it whole.
+    let ghost_turn = c.inspect("s-ghost").await?.lock.context("lock")?.turn_id;
+    let reason = "r".repeat(300);
+    c.stop(&ghost_turn, &reason).await?;
+    wait_done(&c, &ghost_turn, 10).await?;
+    let o = turnd(&["events", "s-ghost", "--url", &d.url]).await?;
+    expect_code(&o, 0, "events")?;
+    assert!(!stdout(&o).contains(&reason), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("turnd events s-ghost --json shows them whole"),
+        "{}",
+        stderr(&o)
+    );
+    let o = turnd(&["events", "s-ghost", "--url", &d.url, "--json"]).await?;
+    assert!(stdout(&o).contains(&reason));
+    d.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_path_and_refused_token_say_what_to_do() -> anyhow::Result<()> {
+    let d = TestDaemon::start(|cfg| {
+        cfg.auth.tokens = vec![
+            TokenConfig {
+                role: Role::Client,
+                token: "client-secret-1".into(),
+            },
+            TokenConfig {
+                role: Role::Operator,
+                token: "operator-secret-1".into(),
+            },
+        ];
+    })
+    .await?;
+    // The server's answer to a wrong path is shown.
+    let wrong = d.url.replace("/v1", "/v2");
+    let o = turnd(&["ping", "--url", &wrong]).await?;
+    expect_code(&o, 2, "ping on a wrong path")?;
+    let err = stderr(&o);
+    assert!(err.contains("404"), "{err}");
+    assert!(err.contains("protocol v1 is served at /v1"), "{err}");
+
+    // No token, a wrong token, a client token for `check`: each names the flag, the
+    // variable and the role.
+    let o = turnd(&["ping", "--url", &d.url]).await?;
+    expect_code(&o, 1, "ping without a token")?;
+    let err = stderr(&o);
+    assert!(err.starts_with("turnd: not_authenticated: "), "{err}");
+    assert!(err.contains("no token was given"), "{err}");
+    assert!(
+        err.contains("--token") && err.contains("TURND_TOKEN"),
+        "{err}"
+    );
+    assert!(err.contains("client (or operator) token"), "{err}");
+    let o = turnd(&["ping", "--url", &d.url, "--token", "wrong-secret-1"]).await?;
+    expect_code(&o, 1, "ping with a wrong token")?;
+    assert!(stderr(&o).contains("was not accepted"), "{}", stderr(&o));
+    let o = command(&["check", "--url", &d.url])
+        .await?
+        .env("TURND_TOKEN", "client-secret-1")
+        .output()
+        .await?;
+    expect_code(&o, 1, "check with a client token")?;
+    assert!(
+        stderr(&o).contains("needs an operator token"),
+        "{}",
+        stderr(&o)
+    );
+    let o = turnd(&["ping", "--url", &d.url, "--token", "client-secret-1"]).await?;
+    expect_code(&o, 0, "ping with the client token")?;
+    d.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_daemon_on_a_data_dir_is_told_which_process_holds_it() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let first = BinDaemon::start(&data, &[]).await?;
+    let pid = first.child.id().context("pid")?;
+    let data_arg = data.to_string_lossy().into_owned();
+    let o = turnd(&[
+        "serve",
+        "--data-dir",
+        &data_arg,
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .await?;
+    expect_code(&o, 1, "a second serve on the same data dir")?;
+    let err = stderr(&o);
+    let want = format!("another turnd holds {data_arg} (pid {pid})");
+    assert_eq!(err.matches(&want).count(), 1, "{want:?} once in\n{err}");
+    assert!(!err.contains("WouldBlock"), "{err}");
+    // The first one still serves, and after it stops the directory is free again.
+    let c = turnd_client::Caller::connect(&first.url, None).await?;
+    c.ping().await?;
+    drop(c);
+    assert!(first.terminate().await?.success());
+    let again = BinDaemon::start(&data, &[]).await?;
+    assert!(again.terminate().await?.success());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ci_script_runs_a_command_with_turnd_on_path_and_stops_the_daemon() -> anyhow::Result<()> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let script = root.join("scripts/ci-turnd.sh");
+    let run = |cmd: &'static str| {
+        let script = script.clone();
+        async move {
+            let bin = bin().await?;
+            // A PATH without turnd: the script must put it there itself.
+            let o = tokio::time::timeout(
+                Duration::from_secs(60),
+                tokio::process::Command::new("bash")
+                    .arg(&script)
+                    .args(["sh", "-c", cmd])
+                    .env("TURND", &bin)
+                    .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+                    .env("TURND_STORAGE__SYNC", "never")
+                    .env_remove("TURND_URL")
+                    .env_remove("TURND_TOKEN")
+                    .stdin(Stdio::null())
+                    .kill_on_drop(true)
+                    .output(),
+            )
+            .await??;
+            anyhow::Ok(o)
+        }
+    };
+    let o = run(r#"turnd ping --url "$TURND_URL" && echo "url=$TURND_URL""#).await?;
+    expect_code(&o, 0, "ci-turnd.sh turnd ping")?;
+    let out = stdout(&o);
+    assert!(out.contains("pong from turnd"), "{out}");
+    let url = out
+        .lines()
+        .find_map(|l| l.strip_prefix("url="))
+        .context("the URL printed")?
+        .to_string();
+    // The daemon is gone once the script returns.
+    let o = turnd(&["ping", "--url", &url]).await?;
+    expect_code(&o, 2, "ping after the script ended")?;
+    // COMMAND's status is the script's.
+    let o = run("exit 7").await?;
+    expect_code(&o, 7, "ci-turnd.sh exit 7")?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn make_install_puts_the_binary_unit_and_config_under_destdir() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dest = tempfile::tempdir()?;
+    let bin = bin().await?;
+    let install = || {
+        let mut cmd = tokio::process::Command::new("make");
+        cmd.arg("-C")
+            .arg(&root)
+            .arg("--no-print-directory")
+            .arg("install")
+            .arg(format!("DESTDIR={}", dest.path().display()))
+            .arg("PREFIX=/opt/turnd")
+            .arg(format!("INSTALL_BIN={}", bin.display()))
+            // Not the flags of a `make test` this runs under.
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS")
+            .env_remove("MAKELEVEL")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        cmd
+    };
+    let o = tokio::time::timeout(Duration::from_secs(60), install().output()).await??;
+    expect_code(&o, 0, "make install")?;
+    let at = |p: &str| dest.path().join(p.trim_start_matches('/'));
+    let mode = |p: &str| -> anyhow::Result<u32> {
+        Ok(std::fs::metadata(at(p))
+            .with_context(|| format!("{p} installed"))?
+            .permissions()
+            .mode()
+            & 0o777)
+    };
+    assert_eq!(mode("/opt/turnd/bin/turnd")?, 0o755);
+    assert_eq!(mode("/etc/systemd/system/turnd.service")?, 0o644);
+    assert_eq!(mode("/etc/turnd/turnd.toml")?, 0o644);
+    assert_eq!(mode("/etc/default/turnd")?, 0o600);
+    // The unit runs the installed binary.
+    let unit = std::fs::read_to_string(at("/etc/systemd/system/turnd.service"))?;
+    assert!(
+        unit.contains("ExecStart=/opt/turnd/bin/turnd serve --config /etc/turnd/turnd.toml"),
+        "{unit}"
+    );
+    assert!(!unit.contains("/usr/local/bin"), "{unit}");
+    let o = tokio::process::Command::new(at("/opt/turnd/bin/turnd"))
+        .arg("--version")
+        .output()
+        .await?;
+    expect_code(&o, 0, "the installed turnd --version")?;
+    // A second install keeps the operator's configuration.
+    std::fs::write(at("/etc/turnd/turnd.toml"), "# mine\n")?;
+    let o = tokio::time::timeout(Duration::from_secs(60), install().output()).await??;
+    expect_code(&o, 0, "make install again")?;
+    assert_eq!(
+        std::fs::read_to_string(at("/etc/turnd/turnd.toml"))?,
+        "# mine\n"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_examples_run_a_multi_step_turn() -> anyhow::Result<()> {
+    let (worker_bin, caller_bin) = tokio::task::spawn_blocking(|| {
+        anyhow::Ok((client_example("worker")?, client_example("caller")?))
+    })
+    .await??;
+    // The worker example, pointed at nothing, says so on stderr.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port()
+    };
+    let nowhere = format!("ws://127.0.0.1:{port}/v1");
+    let mut lost = tokio::process::Command::new(&worker_bin)
+        .args([nowhere.as_str(), "w-nowhere"])
+        .env("RUST_LOG", "warn")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut err = BufReader::new(lost.stderr.take().context("stderr")?).lines();
+    let line = tokio::time::timeout(Duration::from_secs(15), err.next_line())
+        .await
+        .context("no warning within 15s")??
+        .context("stderr ended")?;
+    assert!(
+        line.contains("failed to connect worker") && line.contains(&nowhere),
+        "{line}"
+    );
+    lost.start_kill()?;
+    lost.wait().await?;
+
+    let d = TestDaemon::start(|_| {}).await?;
+    let mut worker = tokio::process::Command::new(&worker_bin)
+        .args([d.url.as_str(), "w-example"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let o = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(&caller_bin)
+            .args(["countdown", r#"{"from":3}"#, "s-example"])
+            .env("TURND_URL", &d.url)
+            .env_remove("TURND_TOKEN")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    expect_code(&o, 0, "the caller example")?;
+    let turn: Turn = serde_json::from_value(json_out(&o)?)?;
+    assert_eq!(turn.status, TurnStatus::Completed);
+    assert_eq!(turn.output, Some(json!({"done": true})));
+    assert_eq!(turn.step, 3, "three continues, then the completing step");
+    worker.start_kill()?;
+    worker.wait().await?;
     d.shutdown().await
 }

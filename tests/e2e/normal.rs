@@ -2,7 +2,7 @@
 //!
 //! Every test talks to the real daemon (in-process on `127.0.0.1:0`, or the built
 //! binary where process death matters) through the SDK or raw JSON frames, and checks
-//! what the contract (PROTOCOL.md, SEMANTICS.md) promises, not how the engine happens
+//! what the protocol (docs/protocol.md, docs/semantics.md) promises, not how the engine happens
 //! to be built. Nothing waits on a fixed sleep: progress is observed through
 //! `turn.wait`, watches, notifications and `eventually`.
 

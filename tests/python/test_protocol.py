@@ -5,7 +5,7 @@
 
 Starts ``PATH serve`` on loopback with ephemeral ports and a temporary data dir,
 waits for its ready file, runs the tests (stdlib unittest) and kills the daemon.
-The client (turnd_client.py) is written from design/PROTOCOL.md alone.
+The client (turnd_client.py) is written from docs/protocol.md alone.
 """
 
 from __future__ import annotations
@@ -635,7 +635,7 @@ def main() -> int:
     global TURND_BINARY
     parser = argparse.ArgumentParser(
         description="Protocol tests of the real turnd daemon through an independent Python client "
-                    "(written from design/PROTOCOL.md). Starts the daemon on loopback with "
+                    "(written from docs/protocol.md). Starts the daemon on loopback with "
                     "ephemeral ports and a temporary data dir, runs the tests, kills it.",
         epilog="Arguments after the known ones go to unittest, e.g. "
                "'T02Turns.test_idempotency' or '-k idem -v'.")

@@ -1,6 +1,6 @@
 """A small, independent client for the turnd wire protocol, version 1.
 
-Written only from the wire contract (design/PROTOCOL.md) so that it keeps the
+Written only from the wire contract (docs/protocol.md) so that it keeps the
 protocol honest: if this client cannot drive the real daemon, either the daemon
 or the document is wrong.
 

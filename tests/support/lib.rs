@@ -369,10 +369,28 @@ pub fn faultfs_lib() -> anyhow::Result<PathBuf> {
     .map_err(|e| anyhow::anyhow!(e))
 }
 
+/// The `turnd-client` example program `name` (`crates/turnd-client/examples/`): in
+/// `TURND_EXAMPLES_DIR` when set (`make test` builds them there with the binary),
+/// else built with cargo.
+pub fn client_example(name: &str) -> anyhow::Result<PathBuf> {
+    if let Ok(dir) = std::env::var("TURND_EXAMPLES_DIR") {
+        return Ok(PathBuf::from(dir).join(name));
+    }
+    cargo_built(
+        "",
+        &["-p", "turnd-client", "--example", name],
+        &format!("examples/{name}"),
+    )
+    .map_err(|e| anyhow::anyhow!(e))
+}
+
 /// The path in `env_var`, or else `artifact` in the debug target directory after
 /// `cargo build` with `args`.
 fn cargo_built(env_var: &str, args: &[&str], artifact: &str) -> Result<PathBuf, String> {
-    if let Ok(p) = std::env::var(env_var) {
+    if let Some(p) = (!env_var.is_empty())
+        .then(|| std::env::var(env_var).ok())
+        .flatten()
+    {
         return Ok(PathBuf::from(p));
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))

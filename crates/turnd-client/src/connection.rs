@@ -140,6 +140,39 @@ impl Drop for PendingGuard<'_> {
     }
 }
 
+/// Longest part of a refused upgrade's HTTP body quoted in an error.
+const HTTP_BODY_QUOTED: usize = 200;
+
+/// A failed connection attempt in words. A server that answers the upgrade with
+/// plain HTTP usually says why in the body (turnd: `no such path; protocol v1 is
+/// served at /v1`), so that is quoted with the status.
+fn connect_error(e: &tokio_tungstenite::tungstenite::Error) -> String {
+    use tokio_tungstenite::tungstenite::Error;
+    match e {
+        Error::Http(resp) => {
+            let body = resp
+                .body()
+                .as_deref()
+                .map(|b| String::from_utf8_lossy(b).trim().to_string())
+                .filter(|b| !b.is_empty());
+            match body {
+                Some(b) => {
+                    let quoted: String = b.chars().take(HTTP_BODY_QUOTED).collect();
+                    format!(
+                        "the server refused the WebSocket upgrade with HTTP {}: {quoted}",
+                        resp.status()
+                    )
+                }
+                None => format!(
+                    "the server refused the WebSocket upgrade with HTTP {}",
+                    resp.status()
+                ),
+            }
+        }
+        e => e.to_string(),
+    }
+}
+
 impl Connection {
     /// Connect to `url` (e.g. `ws://127.0.0.1:7420/v1`) and send `hello` as the first
     /// request. Fails with [`ClientError::Protocol`] when the server refuses the hello
@@ -179,7 +212,7 @@ impl Connection {
         let (ws, _response) =
             tokio_tungstenite::connect_async_tls_with_config(url, Some(ws_config), true, connector)
                 .await
-                .map_err(|e| ClientError::Connect(format!("{url}: {e}")))?;
+                .map_err(|e| ClientError::Connect(format!("{url}: {}", connect_error(&e))))?;
         Ok(Connection::from_stream(ws))
     }
 

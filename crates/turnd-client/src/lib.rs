@@ -54,8 +54,8 @@ pub use caller::{Caller, WatchStream};
 pub use connection::Connection;
 pub use error::ClientError;
 pub use worker::{
-    new_instance_id, FunctionSpec, Handler, InvocationCtx, Worker, WorkerHandle, WorkerOptions,
-    WorkerStats,
+    new_instance_id, ConnectionState, FunctionSpec, Handler, InvocationCtx, Worker, WorkerHandle,
+    WorkerOptions, WorkerStats,
 };
 
 /// Re-exported so users need not depend on the protocol crate for common types.

@@ -268,6 +268,29 @@ struct Tables {
     unacked: HashMap<String, Unacked>,
 }
 
+/// Where a worker's connection stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectionState {
+    /// Hello and every registration succeeded; the worker serves.
+    Connected,
+    /// Not connected yet, or the connection was lost: the worker keeps trying (with
+    /// backoff). `failed_attempts` counts the attempts that failed since the last
+    /// connection, `last_error` says why the last one did.
+    Connecting {
+        failed_attempts: u64,
+        last_error: Option<String>,
+    },
+    /// The worker has stopped (shut down, or superseded by another connection).
+    Stopped,
+}
+
+/// Failed connection attempts since the last successful one.
+#[derive(Default)]
+struct Attempts {
+    failed: u64,
+    last_error: Option<String>,
+}
+
 /// The connection the worker currently serves on (hello and registrations done).
 #[derive(Clone)]
 struct Link {
@@ -281,6 +304,7 @@ struct WorkerShared {
     link: watch::Sender<Option<Link>>,
     counters: Counters,
     reconciled: Mutex<Option<Reconciled>>,
+    attempts: Mutex<Attempts>,
     shutdown: CancellationToken,
     /// Result pumps and status answers; drained on shutdown.
     pumps: TaskTracker,
@@ -406,6 +430,7 @@ impl Worker {
             link,
             counters: Counters::default(),
             reconciled: Mutex::new(None),
+            attempts: Mutex::new(Attempts::default()),
             shutdown,
             pumps: TaskTracker::new(),
             handlers: TaskTracker::new(),
@@ -456,6 +481,50 @@ impl WorkerHandle {
     /// Whether the worker is connected (hello and registrations done) right now.
     pub fn is_connected(&self) -> bool {
         self.shared.link.borrow().is_some()
+    }
+
+    /// Where the connection stands, with the last error while it cannot connect.
+    pub fn state(&self) -> ConnectionState {
+        if self.is_connected() {
+            return ConnectionState::Connected;
+        }
+        if self.shared.shutdown.is_cancelled() || self.task.is_finished() {
+            return ConnectionState::Stopped;
+        }
+        let a = lock(&self.shared.attempts);
+        ConnectionState::Connecting {
+            failed_attempts: a.failed,
+            last_error: a.last_error.clone(),
+        }
+    }
+
+    /// Like [`WorkerHandle::connected`], giving up after `limit`: an error that
+    /// says why the worker is not connected (the last failed attempt's error).
+    pub async fn connected_within(&self, limit: Duration) -> Result<(), ClientError> {
+        // `connected` also returns once the worker stops; the state tells which.
+        let waited = tokio::time::timeout(limit, self.connected()).await;
+        match self.state() {
+            ConnectionState::Connected => Ok(()),
+            ConnectionState::Stopped => Err(ClientError::Connect(format!(
+                "{}: the worker has stopped",
+                self.shared.opts.url
+            ))),
+            ConnectionState::Connecting {
+                failed_attempts,
+                last_error,
+            } => {
+                let why = last_error.unwrap_or_else(|| "no attempt has finished yet".into());
+                let within = if waited.is_err() {
+                    format!("within {limit:?}")
+                } else {
+                    "now".to_string()
+                };
+                Err(ClientError::Connect(format!(
+                    "{}: not connected {within} ({failed_attempts} failed attempt(s)): {why}",
+                    self.shared.opts.url
+                )))
+            }
+        }
     }
 
     /// The `reconciled` answer of the last successful `hello`.
@@ -510,6 +579,7 @@ async fn supervise(
         match attempt {
             Ok((conn, pushes)) => {
                 delay = opts.reconnect_delay;
+                *lock(&shared.attempts) = Attempts::default();
                 generation += 1;
                 bump(&shared.counters.connections);
                 info!(worker_id = %opts.worker_id, generation, "worker connected and registered");
@@ -533,7 +603,19 @@ async fn supervise(
                 warn!(worker_id = %opts.worker_id, "worker connection lost; reconnecting");
             }
             Err(e) => {
-                warn!(worker_id = %opts.worker_id, "failed to connect worker: {e}");
+                let failed = {
+                    let mut a = lock(&shared.attempts);
+                    a.failed += 1;
+                    a.last_error = Some(e.to_string());
+                    a.failed
+                };
+                // The error names the URL (or the refusal); once per attempt, so a
+                // worker pointed at the wrong place never waits silently.
+                warn!(
+                    worker_id = %opts.worker_id,
+                    attempt = failed,
+                    "failed to connect worker: {e}; retrying in {delay:?}"
+                );
             }
         }
         tokio::select! {

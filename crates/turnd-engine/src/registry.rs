@@ -115,6 +115,9 @@ impl WorkerEntry {
 
 #[derive(Debug)]
 struct FunctionEntry {
+    /// Whether a worker has registered the function; until then it is known only
+    /// from sessions waiting for it and `settings`/`concurrency` are placeholders.
+    registered: bool,
     settings: FunctionSettings,
     concurrency: u32,
     /// Sessions whose lock holder waits for a worker of this function, oldest first.
@@ -250,6 +253,7 @@ impl Registry {
             .functions
             .entry(function_id.to_string())
             .or_insert_with(|| FunctionEntry {
+                registered: true,
                 settings,
                 concurrency,
                 waiting: VecDeque::new(),
@@ -263,6 +267,7 @@ impl Registry {
                 "function settings replaced by a new registration"
             );
         }
+        f.registered = true;
         f.settings = settings;
         f.concurrency = concurrency;
         self.serving(function_id)
@@ -364,6 +369,7 @@ impl Registry {
             .functions
             .entry(function_id.to_string())
             .or_insert_with(|| FunctionEntry {
+                registered: false,
                 settings: FunctionSettings {
                     timeout_ms: 0,
                     delivery: Delivery::AtMostOnce,
@@ -462,6 +468,7 @@ impl Registry {
                 max_attempts: f.settings.max_attempts,
                 workers: self.serving(id),
                 queued: self.waiting_count(id),
+                registered: f.registered,
             })
             .collect()
     }
@@ -501,5 +508,39 @@ impl Registry {
             .values()
             .filter_map(|w| w.outbox.clone())
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> FunctionSettings {
+        FunctionSettings {
+            timeout_ms: 5_000,
+            delivery: Delivery::AtLeastOnce,
+            max_attempts: 3,
+        }
+    }
+
+    #[test]
+    fn a_function_known_only_from_a_waiting_session_is_listed_as_unregistered() {
+        let mut r = Registry::default();
+        assert!(r.reserve("ghost", "i_1", "s-1").is_none());
+        let fs = r.functions();
+        assert_eq!(fs.len(), 1);
+        assert_eq!(fs[0].function_id, "ghost");
+        assert!(!fs[0].registered);
+        assert_eq!((fs[0].queued, fs[0].workers), (1, 0));
+
+        // A registration (even by a worker that is not connected) makes its settings
+        // real, and they stay after the session stops waiting.
+        r.register("w-1", "ghost", 2, settings());
+        r.not_waiting("s-1");
+        let fs = r.functions();
+        assert_eq!(fs.len(), 1);
+        assert!(fs[0].registered);
+        assert_eq!(fs[0].concurrency, 2);
+        assert_eq!(fs[0].max_attempts, 3);
     }
 }

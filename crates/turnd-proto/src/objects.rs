@@ -362,6 +362,16 @@ pub struct Function {
     pub max_attempts: u32,
     pub workers: u64,
     pub queued: u64,
+    /// Whether a worker has registered the function since the daemon started. When
+    /// not, it is known only from turns waiting for it, and `concurrency`,
+    /// `timeout_ms`, `delivery` and `max_attempts` are placeholders, not settings.
+    /// (Absent in answers of older daemons, which listed registered functions only.)
+    #[serde(default = "registered_default")]
+    pub registered: bool,
+}
+
+fn registered_default() -> bool {
+    true
 }
 
 /// The `invoke` push: run one attempt of one step of a turn.

@@ -33,15 +33,30 @@ pub struct Listeners {
 
 impl Listeners {
     pub async fn bind(cfg: &Config) -> anyhow::Result<Listeners> {
-        let ws = TcpListener::bind(&cfg.server.listen)
-            .await
-            .with_context(|| format!("bind WebSocket listener {}", cfg.server.listen))?;
-        let admin = TcpListener::bind(&cfg.server.admin_listen)
-            .await
-            .with_context(|| format!("bind admin listener {}", cfg.server.admin_listen))?;
+        let ws = bind_one(&cfg.server.listen, "WebSocket", "--listen", "LISTEN").await?;
+        let admin = bind_one(
+            &cfg.server.admin_listen,
+            "admin",
+            "--admin-listen",
+            "ADMIN_LISTEN",
+        )
+        .await?;
         Ok(Listeners { ws, admin })
     }
 }
+
+/// Bind one listener; an address in use names the flag and the variable that move it.
+async fn bind_one(addr: &str, what: &str, flag: &str, key: &str) -> anyhow::Result<TcpListener> {
+    match TcpListener::bind(addr).await {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(anyhow::anyhow!(
+            "bind {what} listener {addr}: address in use: pass {flag} or set TURND_SERVER__{key} \
+             (another turnd may be running there)"
+        )),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("bind {what} listener {addr}"))),
+    }
+}
+
 
 /// How the config says the store is opened.
 pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {

@@ -9,7 +9,8 @@
 //! function per command, [`render`] the human views and [`fmt`] the text helpers.
 //!
 //! Exit codes: 0 success; 1 the daemon refused the request (`turnd: <code>:
-//! <message>`), a turn did not complete, or `check` found violations; 2 the daemon
+//! <message>`), a turn did not complete (`submit --wait`, `wait`, `turn` of a failed
+//! or cancelled turn), or `check` found violations; 2 the daemon
 //! cannot be reached (or the connection was lost), bad usage, or an offline store
 //! cannot be opened; 3 a wait timed out with the turn still unfinished.
 
@@ -23,7 +24,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use serde_json::Value;
 use turnd_client::{Caller, ClientError, Connection};
-use turnd_proto::{ErrorBody, HelloArgs, HelloOk, Role, PROTOCOL_VERSION};
+use turnd_proto::{ErrorBody, ErrorCode, HelloArgs, HelloOk, Role, TurnStatus, PROTOCOL_VERSION};
 
 /// Where the daemon listens unless told otherwise (its embedded default).
 pub const DEFAULT_URL: &str = "ws://127.0.0.1:7420/v1";
@@ -50,21 +51,37 @@ pub struct Common {
 pub enum ClientCommand {
     /// Submit a turn to a session's queue and print it.
     ///
-    /// With --wait, wait until the turn is finished: exit 0 when it completed, 1 when
-    /// it failed or was cancelled, 3 when --timeout-secs passed first.
+    /// With --json the turn object gets one more member, "deduplicated": true when an
+    /// earlier submit with the same --idempotency-key made it. With --wait, wait until
+    /// the turn is finished: exit 0 when it completed, 1 when it failed or was
+    /// cancelled, 3 when --timeout-secs passed first.
     Submit(SubmitCmd),
     /// Show one turn: status, step, attempt, times, output or error, and its wait.
+    ///
+    /// Exit 0 when the turn completed or is not finished yet, 1 when it failed or was
+    /// cancelled (as `wait`).
     Turn(TurnCmd),
+    /// List a session's turns, newest first, a page at a time.
+    ///
+    /// --status keeps one status; --limit sets the page size (1 to 1000, default
+    /// 100); --before SEQ pages back (the command prints the next one when more
+    /// turns may follow).
+    Turns(TurnsCmd),
     /// Wait until a turn is finished and print it.
     ///
     /// Exit 0 when it completed, 1 when it failed or was cancelled, 3 when
     /// --timeout-secs passed with the turn still unfinished.
     Wait(WaitCmd),
     /// Stop a turn, or every unfinished turn of a session (--session).
+    ///
+    /// Stopping a turn that had already finished changes nothing; the command says so
+    /// and exits 0.
     Stop(StopCmd),
     /// Show a session: who holds its lock and why it waits, its queue, its counts.
     Inspect(InspectCmd),
     /// List a session's events; --follow keeps printing new ones until Ctrl-C.
+    ///
+    /// The table cuts long details; --json prints every event whole.
     Events(EventsCmd),
     /// List the workers the daemon knows.
     Workers(PlainCmd),
@@ -112,6 +129,23 @@ pub struct SubmitCmd {
 pub struct TurnCmd {
     /// The turn's id (`t_…`).
     pub turn_id: String,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct TurnsCmd {
+    /// The session's id.
+    pub session: String,
+    /// Only turns with this status.
+    #[arg(long, value_parser = parse_status)]
+    pub status: Option<TurnStatus>,
+    /// At most this many turns (1 to 1000; the daemon's default is 100).
+    #[arg(long)]
+    pub limit: Option<u64>,
+    /// Only turns with a sequence number below this (the next page).
+    #[arg(long)]
+    pub before: Option<u64>,
     #[command(flatten)]
     pub common: Common,
 }
@@ -186,7 +220,25 @@ pub struct CheckCmd {
 }
 
 fn parse_json(s: &str) -> Result<Value, String> {
-    serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))
+    serde_json::from_str(s).map_err(|e| {
+        // A bare word is the usual slip: say how to give it as a JSON string.
+        let quoted = serde_json::to_string(s).unwrap_or_default();
+        format!(
+            "not valid JSON ({e}); inputs are JSON: a string is written with its quotes, \
+             --input '{quoted}'"
+        )
+    })
+}
+
+fn parse_status(s: &str) -> Result<TurnStatus, String> {
+    TurnStatus::ALL
+        .iter()
+        .copied()
+        .find(|t| t.as_str() == s)
+        .ok_or_else(|| {
+            let all: Vec<&str> = TurnStatus::ALL.iter().map(|t| t.as_str()).collect();
+            format!("one of {}", all.join(", "))
+        })
 }
 
 /// Why a command did not succeed; each maps to one message line and an exit code.
@@ -305,6 +357,11 @@ impl Conn {
                         reason: "the connection closed before `hello` was answered".to_string(),
                     })
                 }
+                Ok(Err(ClientError::Protocol(body)))
+                    if body.code == ErrorCode::NotAuthenticated =>
+                {
+                    return Err(Failure::Other(token_refused(common, role, &body)))
+                }
                 Ok(Err(e)) => return Err(Failure::from_client(&url, e)),
                 Err(_) => {
                     return Err(Failure::Unreachable {
@@ -326,12 +383,30 @@ impl Conn {
     }
 }
 
+/// A refused `hello`: what was refused, and where the token goes.
+fn token_refused(common: &Common, role: Role, body: &ErrorBody) -> String {
+    let needs = match role {
+        Role::Operator => "this command needs an operator token",
+        _ => "this command needs a client (or operator) token",
+    };
+    let given = if common.token.as_deref().is_some_and(|t| !t.is_empty()) {
+        "the token given was not accepted"
+    } else {
+        "no token was given"
+    };
+    format!(
+        "{}: {}: {given}; {needs}: pass it with --token or set TURND_TOKEN",
+        body.code, body.message
+    )
+}
+
 /// Logs only when `TURND_LOG` asks for them: the CLI's own messages go to stderr
 /// directly, and the SDK's debug logs would only get in their way.
 fn init_tracing() {
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("TURND_LOG") {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
+            .with_ansi(crate::serve::log_colours())
             .with_writer(std::io::stderr)
             .init();
     }
@@ -369,6 +444,7 @@ async fn run(c: ClientCommand) -> Result<i32, Failure> {
     let (common, role) = match &c {
         ClientCommand::Submit(a) => (&a.common, Role::Client),
         ClientCommand::Turn(a) => (&a.common, Role::Client),
+        ClientCommand::Turns(a) => (&a.common, Role::Client),
         ClientCommand::Wait(a) => (&a.common, Role::Client),
         ClientCommand::Stop(a) => (&a.common, Role::Client),
         ClientCommand::Inspect(a) => (&a.common, Role::Client),
@@ -383,6 +459,7 @@ async fn run(c: ClientCommand) -> Result<i32, Failure> {
     let result = match &c {
         ClientCommand::Submit(a) => commands::submit(&conn, a).await,
         ClientCommand::Turn(a) => commands::turn(&conn, a).await,
+        ClientCommand::Turns(a) => commands::turns(&conn, a).await,
         ClientCommand::Wait(a) => commands::wait(&conn, a).await,
         ClientCommand::Stop(a) => commands::stop(&conn, a).await,
         ClientCommand::Inspect(a) => commands::inspect(&conn, a).await,

@@ -17,7 +17,20 @@ use clap::{Parser, Subcommand};
 
 /// turnd: a turn-orchestration daemon with durable per-session FIFO turns.
 #[derive(Parser)]
-#[command(name = "turnd", version, about, propagate_version = true)]
+#[command(
+    name = "turnd",
+    version,
+    about,
+    propagate_version = true,
+    after_help = "Client commands talk to the daemon at --url (TURND_URL, default \
+ws://127.0.0.1:7420/v1) with --token (TURND_TOKEN).
+
+Exit codes of the client commands:
+  0  done; the turn completed (or, for `turn`, is not finished yet)
+  1  the daemon refused the request, the turn failed or was cancelled, or `check` found violations
+  2  the daemon cannot be reached or the connection was lost, or bad usage
+  3  a wait (--timeout-secs) ran out with the turn unfinished"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -28,7 +41,10 @@ enum Command {
     /// Run the daemon.
     Serve(serve::ServeArgs),
     /// Load and validate the configuration, print problems, exit non-zero if any.
-    CheckConfig(serve::ConfigArgs),
+    ///
+    /// Exit 0 when the configuration is valid (unknown keys are reported but pass,
+    /// unless --strict), 2 when it is not.
+    CheckConfig(serve::CheckConfigArgs),
     #[command(flatten)]
     Client(cli::ClientCommand),
 }

@@ -1,6 +1,7 @@
 //! `turnd serve` and `turnd check-config`.
 
-use std::path::PathBuf;
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
@@ -16,6 +17,17 @@ pub struct ConfigArgs {
     /// Print the effective configuration (tokens redacted).
     #[arg(long)]
     pub dump_config: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckConfigArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Fail (exit 2) when the file or the environment has keys turnd does not know,
+    /// such as a misspelt `listen_addr`; without it they are reported and the check
+    /// passes, as `serve` starts with them ignored.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 #[derive(Args, Debug)]
@@ -39,13 +51,15 @@ pub struct ServeArgs {
     pub log_format: Option<String>,
 }
 
-fn load(args: &ConfigArgs) -> Result<Config, i32> {
+/// Load the configuration, printing a warning for each unknown key; returns it with
+/// the number of unknown keys.
+fn load(args: &ConfigArgs) -> Result<(Config, usize), i32> {
     match Config::load(args.config.as_deref(), std::env::vars()) {
         Ok(l) => {
             for w in &l.warnings {
                 eprintln!("turnd: warning: {w}");
             }
-            Ok(l.config)
+            Ok((l.config, l.warnings.len()))
         }
         Err(e) => {
             eprintln!("turnd: {e}");
@@ -54,8 +68,8 @@ fn load(args: &ConfigArgs) -> Result<Config, i32> {
     }
 }
 
-pub fn check_config(args: ConfigArgs) -> i32 {
-    let cfg = match load(&args) {
+pub fn check_config(args: CheckConfigArgs) -> i32 {
+    let (cfg, unknown) = match load(&args.config) {
         Ok(c) => c,
         Err(code) => return code,
     };
@@ -63,12 +77,31 @@ pub fn check_config(args: ConfigArgs) -> i32 {
         eprintln!("turnd: {e}");
         return 2;
     }
-    if args.dump_config {
+    if unknown > 0 && args.strict {
+        eprintln!(
+            "turnd: the configuration has {unknown} unknown key(s), listed above; \
+             --strict refuses them (fix or remove them)"
+        );
+        return 2;
+    }
+    if args.config.dump_config {
         print!("{}", cfg.to_toml_redacted());
-    } else {
+    } else if unknown == 0 {
         println!("configuration ok");
+    } else {
+        println!(
+            "configuration valid, but {unknown} unknown key(s) are ignored (listed on stderr); \
+             check their spelling, or run with --strict to refuse them"
+        );
     }
     0
+}
+
+/// Whether text logs on stderr get ANSI colour codes: only on a terminal, and not
+/// when `NO_COLOR` is set to anything (<https://no-color.org>).
+pub fn log_colours() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 fn init_tracing(cfg: &Config) {
@@ -76,6 +109,7 @@ fn init_tracing(cfg: &Config) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(log_colours())
         .with_writer(std::io::stderr);
     if cfg.log.format == "json" {
         builder.json().init();
@@ -86,7 +120,7 @@ fn init_tracing(cfg: &Config) {
 
 pub fn serve(args: ServeArgs) -> i32 {
     let mut cfg = match load(&args.config) {
-        Ok(c) => c,
+        Ok((c, _)) => c,
         Err(code) => return code,
     };
     if let Some(l) = &args.listen {
@@ -119,11 +153,17 @@ pub fn serve(args: ServeArgs) -> i32 {
             return 1;
         }
     };
+    let json_logs = cfg.log.format == "json";
     match rt.block_on(run(cfg, args.ready_file)) {
         Ok(()) => 0,
         Err(e) => {
-            tracing::error!("failed to serve: {e:#}");
-            eprintln!("turnd: {e:#}");
+            // Once: as a log record where stderr carries JSON records (a plain line
+            // would break their parsers), else as one plain line.
+            if json_logs {
+                tracing::error!("failed to serve: {e:#}");
+            } else {
+                eprintln!("turnd: {e:#}");
+            }
             1
         }
     }
@@ -138,6 +178,9 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let term = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
     let int = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
+    // Claim the data directory first: a second daemon on it is told so, whatever
+    // else (such as its ports) would also fail.
+    let _claim = claim_data_dir(&cfg.storage.data_dir)?;
     // Bind before the heavy work (opening and recovering the store).
     let listeners = Listeners::bind(&cfg).await?;
     let kv = open_store(&cfg)?;
@@ -172,6 +215,64 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The file in the data directory that a running daemon holds an exclusive advisory
+/// lock on, and whose content is its pid.
+pub const PID_FILE: &str = "turnd.pid";
+
+/// A daemon's claim on its data directory: the locked [`PID_FILE`], released when
+/// the process ends (however it ends).
+struct DirClaim {
+    _file: std::fs::File,
+}
+
+/// Claim `dir` for this process, or say which process holds it.
+fn claim_data_dir(dir: &Path) -> anyhow::Result<DirClaim> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("create the data directory {}", dir.display()))?;
+    let path = dir.join(PID_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            anyhow::bail!(
+                "another turnd holds {} (pid {}); stop it first, or give this one another \
+                 --data-dir",
+                dir.display(),
+                holder_pid(&mut file)
+            );
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(anyhow::Error::new(e).context(format!("lock {}", path.display())));
+        }
+    }
+    file.set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| writeln!(file, "{}", std::process::id()))
+        .with_context(|| format!("write {}", path.display()))?;
+    Ok(DirClaim { _file: file })
+}
+
+/// The pid a [`PID_FILE`] names, or "unknown".
+fn holder_pid(file: &mut std::fs::File) -> String {
+    let mut s = String::new();
+    match file.read_to_string(&mut s) {
+        Ok(_) if s.trim().parse::<u32>().is_ok() => s.trim().to_string(),
+        _ => "unknown".to_string(),
+    }
+}
+
+/// The pid in `dir`'s [`PID_FILE`], when one is there.
+pub fn data_dir_holder(dir: &Path) -> Option<String> {
+    let mut file = std::fs::File::open(dir.join(PID_FILE)).ok()?;
+    Some(holder_pid(&mut file)).filter(|p| p != "unknown")
 }
 
 /// First SIGTERM/SIGINT: graceful shutdown. Second: exit at once.

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use turnd_proto::{Cancelled, Outcome, Role};
 
 use super::fake::{invoke, FakePeer, FakeServer, STEP};
-use crate::{FunctionSpec, InvocationCtx, Worker, WorkerHandle, WorkerOptions};
+use crate::{ConnectionState, FunctionSpec, InvocationCtx, Worker, WorkerHandle, WorkerOptions};
 
 fn options(url: &str, ack_ms: u64) -> WorkerOptions {
     let mut opts = WorkerOptions::new(url, "w-test");
@@ -402,4 +402,39 @@ async fn reconnects_after_refused_hello_and_stops_when_superseded() {
         .await
         .expect("stops");
     assert!(result.is_err(), "superseded is reported: {result:?}");
+}
+
+#[tokio::test]
+async fn an_unreachable_url_is_reported_not_waited_on_silently() {
+    // A port nobody listens on (bound, then released).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let url = format!("ws://127.0.0.1:{port}/v1");
+    let handle = worker(options(&url, 1000), Arc::new(Notify::new()));
+    eventually("two failed attempts", || {
+        matches!(handle.state(), ConnectionState::Connecting { failed_attempts, .. } if failed_attempts >= 2)
+    })
+    .await;
+    match handle.state() {
+        ConnectionState::Connecting { last_error, .. } => {
+            let e = last_error.expect("the last error is kept");
+            assert!(e.contains(&url), "{e}");
+        }
+        other => panic!("not connecting: {other:?}"),
+    }
+    let err = handle
+        .connected_within(Duration::from_millis(50))
+        .await
+        .expect_err("cannot connect");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("not connected within") && msg.contains(&url),
+        "{msg}"
+    );
+    assert!(msg.contains("failed attempt(s)"), "{msg}");
+    handle.shutdown();
+    eventually("stopped", || handle.state() == ConnectionState::Stopped).await;
+    handle.join().await.expect("a clean stop");
 }

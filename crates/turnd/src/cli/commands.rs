@@ -10,14 +10,16 @@ use serde::Serialize;
 use serde_json::json;
 use tokio::time::Instant;
 use turnd_proto::{
-    ErrorCode, Event, Role, SubmitArgs, Turn, TurnStatus, WatchArgs, PAGE_MAX, WAIT_MAX_MS,
+    ErrorCode, Event, ListArgs, Role, SubmitArgs, Turn, TurnStatus, WaitState, WatchArgs, PAGE_MAX,
+    WAIT_MAX_MS,
 };
 use turnd_store::{check_store, LoggedKv, LoggedOptions, Store};
 
 use super::fmt::{duration, now_ms};
 use super::render::{self, EventColumns, SessionExtras};
 use super::{
-    At, Common, Conn, EventsCmd, Failure, InspectCmd, StopCmd, SubmitCmd, TurnCmd, WaitCmd,
+    At, Common, Conn, EventsCmd, Failure, InspectCmd, StopCmd, SubmitCmd, TurnCmd, TurnsCmd,
+    WaitCmd,
 };
 
 /// Extra time given to the daemon's answer of a `turn.wait` beyond its own timeout.
@@ -46,12 +48,24 @@ fn emit_json<T: Serialize>(v: &T) -> Result<(), Failure> {
     emit(&s)
 }
 
-fn emit_turn(t: &Turn, json: bool) -> Result<(), Failure> {
+/// Print a turn: its JSON, or the human view, which says why a turn awaiting a
+/// worker has none (from `functions.list`, best effort).
+async fn emit_turn(c: &Conn, t: &Turn, json: bool) -> Result<(), Failure> {
     if json {
-        emit_json(t)
-    } else {
-        emit(&render::turn(t, now_ms()))
+        return emit_json(t);
     }
+    let note = match &t.wait {
+        Some(w) if w.state == WaitState::AwaitingWorker => worker_note(c, &t.function_id).await,
+        _ => None,
+    };
+    emit(&render::turn(t, note.as_deref(), now_ms()))
+}
+
+/// [`render::worker_note`] for `function_id`, or `None` when the functions cannot be
+/// read.
+async fn worker_note(c: &Conn, function_id: &str) -> Option<String> {
+    let fs = c.caller.functions().await.ok()?;
+    Some(render::worker_note(function_id, &fs))
 }
 
 /// Exit code for a finished (or not) turn: 0 completed, 1 failed/cancelled,
@@ -118,32 +132,110 @@ pub async fn submit(c: &Conn, a: &SubmitCmd) -> Result<i32, Failure> {
             a.session
         );
     }
-    if !a.wait {
-        emit_turn(&ok.turn, a.common.json)?;
-        return Ok(0);
+    let (turn, code) = if a.wait {
+        let (turn, timed_out) = wait_for(c, &ok.turn.turn_id, a.timeout_secs).await?;
+        let code = turn_exit(&turn, timed_out, a.timeout_secs);
+        (turn, code)
+    } else {
+        (ok.turn, 0)
+    };
+    if a.common.json {
+        // The turn, and whether this submit made it or found it by its key.
+        let mut v = serde_json::to_value(&turn)
+            .map_err(|e| Failure::Other(format!("failed to encode JSON: {e}")))?;
+        if let Some(m) = v.as_object_mut() {
+            m.insert("deduplicated".to_string(), json!(ok.deduplicated));
+        }
+        emit_json(&v)?;
+    } else {
+        emit_turn(c, &turn, false).await?;
     }
-    let (turn, timed_out) = wait_for(c, &ok.turn.turn_id, a.timeout_secs).await?;
-    emit_turn(&turn, a.common.json)?;
-    Ok(turn_exit(&turn, timed_out, a.timeout_secs))
+    Ok(code)
 }
 
 pub async fn turn(c: &Conn, a: &TurnCmd) -> Result<i32, Failure> {
     let t = c.caller.get(&a.turn_id).await.at(&c.url)?;
-    emit_turn(&t, a.common.json)?;
+    emit_turn(c, &t, a.common.json).await?;
+    Ok(match t.status {
+        TurnStatus::Failed | TurnStatus::Cancelled => {
+            eprintln!("turnd: turn {} {}", t.turn_id, t.status.as_str());
+            1
+        }
+        _ => 0,
+    })
+}
+
+pub async fn turns(c: &Conn, a: &TurnsCmd) -> Result<i32, Failure> {
+    let ok = c
+        .caller
+        .list(ListArgs {
+            session_id: a.session.clone(),
+            status: a.status,
+            limit: a.limit,
+            before_seq: a.before,
+        })
+        .await
+        .at(&c.url)?;
+    if a.common.json {
+        emit_json(&ok)?;
+        return Ok(0);
+    }
+    if ok.turns.is_empty() {
+        let which = a
+            .status
+            .map(|s| format!("{} ", s.as_str()))
+            .unwrap_or_default();
+        let below = a
+            .before
+            .map(|b| format!(" before seq {b}"))
+            .unwrap_or_default();
+        emit(&format!(
+            "no {which}turns in session {}{below}\n",
+            a.session
+        ))?;
+        return Ok(0);
+    }
+    emit(&render::turns_table(&ok.turns, now_ms()))?;
+    if let Some(next) = ok.next_before_seq {
+        let mut more = format!("turnd turns {} --before {next}", a.session);
+        if let Some(s) = a.status {
+            more.push_str(&format!(" --status {}", s.as_str()));
+        }
+        if let Some(l) = a.limit {
+            more.push_str(&format!(" --limit {l}"));
+        }
+        eprintln!("turnd: more turns may follow: {more}");
+    }
     Ok(0)
 }
 
 pub async fn wait(c: &Conn, a: &WaitCmd) -> Result<i32, Failure> {
     let (turn, timed_out) = wait_for(c, &a.turn_id, a.timeout_secs).await?;
-    emit_turn(&turn, a.common.json)?;
+    emit_turn(c, &turn, a.common.json).await?;
     Ok(turn_exit(&turn, timed_out, a.timeout_secs))
 }
 
 pub async fn stop(c: &Conn, a: &StopCmd) -> Result<i32, Failure> {
     match (&a.turn_id, &a.session) {
         (Some(turn_id), None) => {
+            // `turn.stop` of a finished turn changes nothing and answers the turn as it
+            // is; read it first so that can be said.
+            let before = c.caller.get(turn_id).await.at(&c.url)?;
             let t = c.caller.stop(turn_id, &a.reason).await.at(&c.url)?;
-            emit_turn(&t, a.common.json)?;
+            emit_turn(c, &t, a.common.json).await?;
+            // Completed or failed right after a stop: it finished before the stop did.
+            if before.status.is_terminal()
+                || matches!(t.status, TurnStatus::Completed | TurnStatus::Failed)
+            {
+                eprintln!(
+                    "turnd: turn {turn_id} had already {}: nothing to stop",
+                    match t.status {
+                        TurnStatus::Completed => "completed",
+                        TurnStatus::Failed => "failed",
+                        _ => "been cancelled",
+                    }
+                );
+            }
         }
         (None, Some(session)) => {
             let turns = c.caller.stop_session(session, &a.reason).await.at(&c.url)?;
@@ -181,6 +273,11 @@ pub async fn inspect(c: &Conn, a: &InspectCmd) -> Result<i32, Failure> {
     let mut extras = SessionExtras::default();
     if let Some(lock) = &s.lock {
         extras.holder = c.caller.get(&lock.turn_id).await.ok();
+        if lock.wait.state == WaitState::AwaitingWorker {
+            if let Some(h) = &extras.holder {
+                extras.worker_note = worker_note(c, &h.function_id).await;
+            }
+        }
     }
     if s.last_event > 0 {
         extras.last_event = c
@@ -224,6 +321,12 @@ pub async fn events(c: &Conn, a: &EventsCmd) -> Result<i32, Failure> {
         out.push('\n');
     }
     emit(&out)?;
+    if ok.events.iter().any(render::detail_is_cut) {
+        eprintln!(
+            "turnd: details ending in … are cut to fit; turnd events {} --json shows them whole",
+            a.session
+        );
+    }
     if ok.events.len() as u64 >= a.limit.unwrap_or(EVENTS_PAGE_DEFAULT) {
         eprintln!(
             "turnd: more events may follow: turnd events {} --after {}",
@@ -502,8 +605,11 @@ pub fn check_offline(dir: &Path, json: bool) -> Result<i32, Failure> {
     let (kv, _) = LoggedKv::open(dir, LoggedOptions::default()).map_err(|e| {
         let msg = e.to_string();
         if msg.contains("could not acquire lock") {
+            let pid = crate::serve::data_dir_holder(dir)
+                .map(|p| format!(" (pid {p})"))
+                .unwrap_or_default();
             Failure::Usage(format!(
-                "the store in {} is in use by a running daemon; check it online instead: \
+                "the store in {} is in use by a running daemon{pid}; check it online instead: \
                  turnd check --url ws://HOST:PORT/v1 (operator role)",
                 dir.display()
             ))

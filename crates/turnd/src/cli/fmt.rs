@@ -130,7 +130,7 @@ impl Fields {
     }
 }
 
-fn width(s: &str) -> usize {
+pub fn width(s: &str) -> usize {
     s.chars().count()
 }
 

@@ -9,7 +9,7 @@ use turnd_proto::{
     Wait, WaitState, Worker,
 };
 
-use super::fmt::{compact, duration, log_time, relative, truncate, when, Fields, Table};
+use super::fmt::{compact, duration, log_time, relative, truncate, when, width, Fields, Table};
 
 /// Longest JSON value shown inline before it is cut.
 const MAX_INLINE_JSON: usize = 200;
@@ -38,8 +38,25 @@ fn delivery(d: Delivery) -> &'static str {
     }
 }
 
-/// The lines of a wait: a `wait` line at `indent`, its details indented under it.
-fn wait_fields(f: &mut Fields, indent: usize, w: &Wait, now: u64) {
+/// Why a turn awaiting a worker of `function_id` has none, from `functions.list`:
+/// no worker has registered the function, its workers are gone, or all are busy.
+pub fn worker_note(function_id: &str, fs: &[Function]) -> String {
+    match fs.iter().find(|f| f.function_id == function_id) {
+        None => format!("no worker has registered {function_id}"),
+        Some(f) if !f.registered => format!("no worker has registered {function_id}"),
+        Some(f) if f.workers == 0 => format!(
+            "no connected worker serves {function_id} (the workers that registered it are gone)"
+        ),
+        Some(f) => format!(
+            "all {} connected worker(s) serving {function_id} are busy",
+            f.workers
+        ),
+    }
+}
+
+/// The lines of a wait: a `wait` line at `indent`, its details indented under it;
+/// `note` says more about why (see [`worker_note`]).
+fn wait_fields(f: &mut Fields, indent: usize, w: &Wait, note: Option<&str>, now: u64) {
     f.at(
         indent,
         "wait",
@@ -47,6 +64,9 @@ fn wait_fields(f: &mut Fields, indent: usize, w: &Wait, now: u64) {
     );
     let sub = indent + 2;
     f.at(sub, "reason", w.reason.clone());
+    if let Some(n) = note {
+        f.at(sub, "why", n.to_string());
+    }
     match w.deadline_ms {
         Some(d) => {
             let then = w
@@ -71,8 +91,9 @@ fn wait_fields(f: &mut Fields, indent: usize, w: &Wait, now: u64) {
     }
 }
 
-/// One turn, every field a human may want.
-pub fn turn(t: &Turn, now: u64) -> String {
+/// One turn, every field a human may want; `note` says more about why it waits
+/// (see [`worker_note`]).
+pub fn turn(t: &Turn, note: Option<&str>, now: u64) -> String {
     let mut f = Fields::new();
     f.add("turn", t.turn_id.clone());
     f.add("session", format!("{} (seq {})", t.session_id, t.seq));
@@ -122,7 +143,7 @@ pub fn turn(t: &Turn, now: u64) -> String {
         f.sub("reason", s.reason.clone());
     }
     if let Some(w) = &t.wait {
-        wait_fields(&mut f, 0, w, now);
+        wait_fields(&mut f, 0, w, note, now);
     }
     f.render()
 }
@@ -161,6 +182,8 @@ pub fn counts(c: &TurnCounts) -> String {
 pub struct SessionExtras {
     pub holder: Option<Turn>,
     pub last_event: Option<Event>,
+    /// Why the lock holder awaits a worker (see [`worker_note`]).
+    pub worker_note: Option<String>,
 }
 
 /// A session: its lock, its queue, its counts and its last event.
@@ -186,7 +209,7 @@ pub fn session(s: &Session, extras: &SessionExtras, now: u64) -> String {
                 .unwrap_or_default();
             f.add("lock", format!("held by {}{about}", l.turn_id));
             f.sub("since", when(l.since_ms, now));
-            wait_fields(&mut f, 2, &l.wait, now);
+            wait_fields(&mut f, 2, &l.wait, extras.worker_note.as_deref(), now);
         }
     }
     f.add("turns", counts(&s.turns));
@@ -220,6 +243,14 @@ pub fn session(s: &Session, extras: &SessionExtras, now: u64) -> String {
         out.push_str(&t.render());
     }
     out
+}
+
+/// Whether [`EventColumns::event`] cuts this event's detail to fit.
+pub fn detail_is_cut(e: &Event) -> bool {
+    match &e.detail {
+        serde_json::Value::Null => false,
+        d => width(&compact(d)) > MAX_DETAIL,
+    }
 }
 
 fn kind(e: &Event) -> String {
@@ -332,13 +363,27 @@ pub fn functions_table(fs: &[Function]) -> String {
     .right(3)
     .right(4)
     .right(6);
+    let mut unregistered = false;
     for f in fs {
+        if !f.registered {
+            // Known only from turns waiting for it: it has no settings to show.
+            unregistered = true;
+            t.row(vec![
+                format!("{}*", f.function_id),
+                f.workers.to_string(),
+                f.queued.to_string(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ]);
+            continue;
+        }
         t.row(vec![
             f.function_id.clone(),
             f.workers.to_string(),
             f.queued.to_string(),
             f.concurrency.to_string(),
-            // No registration has set it yet (no worker ever served the function).
             if f.timeout_ms == 0 {
                 "-".to_string()
             } else {
@@ -348,7 +393,13 @@ pub fn functions_table(fs: &[Function]) -> String {
             f.max_attempts.to_string(),
         ]);
     }
-    t.render()
+    let mut out = t.render();
+    if unregistered {
+        out.push_str(
+            "* no worker has registered it: known only from turns waiting for it, no settings yet\n",
+        );
+    }
+    out
 }
 
 /// Blocked sessions by wait state, in the protocol's order, then any state this CLI
@@ -493,9 +544,12 @@ mod tests {
                 kind: EventKind::Admitted,
                 detail: json!({}),
             }),
+            worker_note: Some("no worker has registered echo".into()),
         };
         let out = session(&s, &extras, 22_000);
         assert!(out.contains("awaiting_worker since 12s ago"), "{out}");
+        assert!(out.contains("why"), "{out}");
+        assert!(out.contains("no worker has registered echo"), "{out}");
         assert!(out.contains("no connected worker serving echo"), "{out}");
         assert!(out.contains("in 18s"), "{out}");
         assert!(out.contains("then fail"), "{out}");
