@@ -36,6 +36,7 @@ use crate::session::{
 
 #[path = "sessions_list.rs"]
 mod sessions_list;
+pub use sessions_list::{BlockedOn, LiveInvocation};
 
 type ApiResult<T> = Result<T, ErrorBody>;
 

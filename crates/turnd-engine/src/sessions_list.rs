@@ -475,6 +475,69 @@ impl Engine {
     }
 }
 
+/// What a session's lock holder is blocked on, for an operator's view of one session.
+#[derive(Debug, Clone)]
+pub struct BlockedOn {
+    /// The lock holder as `turn.get` shows it (with its wait).
+    pub turn: turnd_proto::Turn,
+    pub locked_since_ms: u64,
+    /// The live invocation, when one was dispatched.
+    pub invocation: Option<LiveInvocation>,
+    /// The error of the last failed attempt, if any.
+    pub last_failure: Option<String>,
+}
+
+/// The lock holder's live invocation.
+#[derive(Debug, Clone)]
+pub struct LiveInvocation {
+    pub invocation_id: String,
+    pub worker_id: String,
+    pub instance_id: String,
+    pub step: u32,
+    pub attempt: u32,
+    pub dispatched_at_ms: u64,
+    /// The last heartbeat, when one arrived after the dispatch.
+    pub last_heartbeat_ms: Option<u64>,
+    pub timeout_ms: u64,
+    pub deadline_ms: u64,
+}
+
+impl Engine {
+    /// The lock holder of `session_id` and what it is blocked on (`None`: the session
+    /// has no unfinished turn). Answered from memory, under the session's lock.
+    pub async fn blocked_on(&self, session_id: &str) -> ApiResult<Option<BlockedOn>> {
+        check_id("session_id", session_id)?;
+        let Some(cell) = self.existing_cell(session_id) else {
+            return Ok(None);
+        };
+        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let Some(h) = st.holder() else {
+            return Ok(None);
+        };
+        let invocation = st.inv.as_deref().map(|inv| {
+            let timeout = inv.settings.timeout_ms;
+            let alive = inv.attempt_deadline_ms.saturating_sub(timeout);
+            LiveInvocation {
+                invocation_id: inv.invocation_id.clone(),
+                worker_id: inv.worker_id.clone(),
+                instance_id: inv.instance_id.clone(),
+                step: inv.step,
+                attempt: inv.attempt,
+                dispatched_at_ms: inv.dispatched_at_ms,
+                last_heartbeat_ms: (alive > inv.dispatched_at_ms).then_some(alive),
+                timeout_ms: timeout,
+                deadline_ms: inv.deadline_ms,
+            }
+        });
+        Ok(Some(BlockedOn {
+            turn: self.turn_view(&st, h),
+            locked_since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
+            invocation,
+            last_failure: h.last_error.clone(),
+        }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
