@@ -8,7 +8,7 @@ VENV := $(CURDIR)/target/venv
 VPY := $(VENV)/bin/python
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help build run venv test test-rust test-python lint fmt doc bench check-fsync fuzz clean
+.PHONY: help build run venv browser test test-rust test-python lint fmt doc bench check-fsync fuzz clean ui-screenshots
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -23,7 +23,16 @@ test: test-rust test-python ## Run the whole test suite
 
 TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so
 
-test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd, some with the turnd-faultfs library preloaded)
+browser: ## Debian's chromium and chromium-driver for the browser tests of the operator page (apt-get when missing)
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; else \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y --no-install-recommends chromium chromium-driver; \
+	fi
+
+ui-screenshots: browser ## Screenshots of every screen of the operator page into docs/ (headless Chromium)
+	TURND_UI_SCREENSHOTS=$(CURDIR)/docs $(CARGO) test -p turnd-tests --test browser every_screen_loads_in_chromium
+
+test-rust: browser ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd, some with the turnd-faultfs library preloaded; the browser tests run headless Chromium)
 	$(CARGO) build -p turnd --bin turnd
 	$(CARGO) build -p turnd-faultfs
 ifeq ($(NEXTEST),yes)
