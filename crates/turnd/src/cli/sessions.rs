@@ -112,9 +112,14 @@ pub async fn run(c: &Conn, a: &SessionsCmd) -> Result<i32, Failure> {
         out.push_str(&table(&rows, now));
     }
     out.push_str(&format!(
-        "\n{} of {total} matching session{}; by wait state: {}\n",
+        "\n{} of {total} matching session{}; by wait state{}: {}\n",
         rows.len(),
         if total == 1 { "" } else { "s" },
+        if a.state.is_some() {
+            " (any state)"
+        } else {
+            ""
+        },
         blocked(&counts)
     ));
     super::commands::emit(&out)?;
