@@ -159,7 +159,17 @@ async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> 
     assert!(body.contains(invoke["invocation_id"].as_str().unwrap_or("?")));
     assert!(body.contains("Running since"));
     assert!(body.contains("Last heartbeat"));
+    assert!(body.contains("none since the dispatch"), "{body}");
     assert!(body.contains(&running.turn_id));
+    // A heartbeat shows as the last sign of life.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    w.ok(
+        "invocation.heartbeat",
+        json!({"invocation_id": invoke["invocation_id"]}),
+    )
+    .await?;
+    let body = screen(&td.admin, "/ui/session?id=s-run").await?;
+    assert!(!body.contains("none since the dispatch"), "{body}");
     assert_eq!(get(&td.admin, "/ui/session?id=nosuch").await?.status, 404);
 
     // One turn: timeline, input, error with its cause.
