@@ -381,6 +381,15 @@ struct Page {
 }
 
 impl Engine {
+    /// Turns by status (the counts of `stats`, without its walk over every session).
+    pub fn turn_counts(&self) -> turnd_proto::TurnCounts {
+        self.inner
+            .counts
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default()
+    }
+
     /// `sessions.list`.
     pub async fn list_sessions(&self, args: SessionsListArgs) -> ApiResult<SessionsListOk> {
         let limit = args.limit.unwrap_or(PAGE_DEFAULT);
@@ -405,11 +414,13 @@ impl Engine {
         };
         let stuck = args.stuck.unwrap_or(false);
         let now = self.now_ms();
+        // From the workers, not `functions()`, which counts the waiting sessions of
+        // every function.
         let served: HashSet<String> = self
-            .functions()
+            .workers()
             .into_iter()
-            .filter(|f| f.workers > 0)
-            .map(|f| f.function_id)
+            .filter(|w| w.connected)
+            .flat_map(|w| w.functions)
             .collect();
         let page = {
             let index = self.wait_index();

@@ -405,7 +405,7 @@ async fn overview(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response 
     let ready = e.ready() && !s.draining.is_cancelled();
     let workers = e.workers();
     let connected = workers.iter().filter(|w| w.connected).count();
-    let stats = e.stats();
+    let turns = e.turn_counts();
     page(
         "Overview",
         html! {
@@ -429,7 +429,7 @@ async fn overview(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response 
                         None => { "none" }
                     }
                 }
-                dt { "Turns" } dd { "queued " (stats.turns.queued) ", running " (stats.turns.running) ", completed " (stats.turns.completed) ", failed " (stats.turns.failed) ", cancelled " (stats.turns.cancelled) }
+                dt { "Turns" } dd { "queued " (turns.queued) ", running " (turns.running) ", completed " (turns.completed) ", failed " (turns.failed) ", cancelled " (turns.cancelled) }
                 dt { "Workers" } dd #workers { (connected) " connected of " (workers.len()) " known · " a href="/ui/workers" { "details" } }
             } }
             h2 { "Sessions by wait state" }
