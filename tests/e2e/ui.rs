@@ -337,6 +337,29 @@ async fn the_feed_streams_new_events_of_the_session() -> anyhow::Result<()> {
     assert_eq!(event["turn_id"], second.turn_id.as_str());
     assert_eq!(event["kind"], "admitted");
     assert_eq!(event["seq"], last + 1);
+    // A reconnecting browser sends Last-Event-ID: the feed resumes after it.
+    let third = c.submit_simple("s-feed", "nobody", json!(3)).await?;
+    let mut again = tokio::net::TcpStream::connect(&addr).await?;
+    again
+        .write_all(
+            format!("GET /ui/session/feed?id=s-feed&after={last} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\nLast-Event-ID: {}\r\n\r\n", last + 1)
+                .as_bytes(),
+        )
+        .await?;
+    let mut again = BufReader::new(again).lines();
+    let resumed: Value = tokio::time::timeout(Duration::from_secs(T), async {
+        loop {
+            let line = again.next_line().await?.context("stream ended")?;
+            if let Some(data) = line.strip_prefix("data: ") {
+                return anyhow::Ok(serde_json::from_str::<Value>(data)?);
+            }
+        }
+    })
+    .await
+    .context("no event on the resumed feed")??;
+    assert_eq!(resumed["seq"], last + 2, "{resumed}");
+    assert_eq!(resumed["turn_id"], third.turn_id.as_str());
+    drop(again);
     c.stop(&first.turn_id, "done").await?;
     // An open feed does not hold up the daemon's shutdown; the stream ends.
     tokio::time::timeout(Duration::from_secs(T), td.shutdown())

@@ -623,6 +623,13 @@ async fn feed(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
         Some(Err(_)) => return error_page(StatusCode::BAD_REQUEST, "Feed", "bad `after`"),
         None => 0,
     };
+    // A browser that reconnects sends the id of the last event it got: resume there,
+    // so that no event is shown twice.
+    let after = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(after, |last| last.max(after));
     let (outbox, rx) = Outbox::new(new_connection_id(), FEED_QUEUE);
     let args = WatchArgs {
         session_id: Some(id),
