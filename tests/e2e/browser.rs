@@ -363,6 +363,8 @@ async fn the_live_feed_shows_a_new_event_without_a_reload() -> anyhow::Result<()
     let c = td.caller().await?;
     c.submit_simple("s-live", "nobody", json!(1)).await?;
     let driver = Driver::start().await?;
+    // Checks return errors instead of panicking, so that the browser session is
+    // always ended (chromedriver's Chromium outlives a killed chromedriver).
     let result = async {
         driver
             .call(
@@ -376,7 +378,10 @@ async fn the_live_feed_shows_a_new_event_without_a_reload() -> anyhow::Result<()
         let before = driver
             .script("return document.querySelectorAll('#feed tbody tr').length;")
             .await?;
-        assert_eq!(before, json!(1), "the admitted event of the first turn");
+        anyhow::ensure!(
+            before == json!(1),
+            "the admitted event of the first turn: {before}"
+        );
         // Wait for the feed to be open, then append an event.
         let mut live = false;
         for _ in 0..150 {
@@ -389,7 +394,7 @@ async fn the_live_feed_shows_a_new_event_without_a_reload() -> anyhow::Result<()
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert!(live, "the feed never opened");
+        anyhow::ensure!(live, "the feed never opened");
         let second = c.submit_simple("s-live", "nobody", json!(2)).await?;
         let mut shown = Value::Null;
         for _ in 0..150 {
@@ -404,10 +409,10 @@ async fn the_live_feed_shows_a_new_event_without_a_reload() -> anyhow::Result<()
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert_eq!(shown[0], json!(1), "same document, no reload: {shown}");
+        anyhow::ensure!(shown[0] == json!(1), "same document, no reload: {shown}");
         let text = shown[1].as_str().unwrap_or_default();
-        assert!(text.contains(&second.turn_id), "{text}");
-        assert!(text.contains("admitted"), "{text}");
+        anyhow::ensure!(text.contains(&second.turn_id), "{text}");
+        anyhow::ensure!(text.contains("admitted"), "{text}");
         anyhow::Ok(())
     }
     .await;
