@@ -19,7 +19,7 @@ SYSCONFDIR ?= /etc
 UNITDIR ?= $(SYSCONFDIR)/systemd/system
 INSTALL_BIN ?= target/release/turnd
 
-.PHONY: help build release install run venv test check-repo test-rust test-python test-sdk-python test-sdk-typescript lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean ui-screenshots
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -50,7 +50,16 @@ test: check-repo test-rust test-python test-sdk-python test-sdk-typescript ## Ru
 
 TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so TURND_EXAMPLES_DIR=$(CURDIR)/target/debug/examples
 
-test-rust: ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd and the SDK's examples, some with the turnd-faultfs library preloaded)
+browser: ## Debian's chromium and chromium-driver for the browser tests of the operator page (apt-get when missing)
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; else \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y --no-install-recommends chromium chromium-driver; \
+	fi
+
+ui-screenshots: browser ## Screenshots of every screen of the operator page into docs/ (headless Chromium)
+	TURND_UI_SCREENSHOTS=$(CURDIR)/docs $(CARGO) test -p turnd-tests --test browser every_screen_loads_in_chromium
+
+test-rust: browser ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd and the SDK's examples, some with the turnd-faultfs library preloaded; the browser tests run headless Chromium)
 	$(CARGO) build -p turnd --bin turnd -p turnd-client --examples
 	$(CARGO) build -p turnd-faultfs
 ifeq ($(NEXTEST),yes)

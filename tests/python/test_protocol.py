@@ -27,7 +27,7 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from turnd_client import Client, Connection, Worker  # noqa: E402
+from turnd_client import Client, Connection, TurndError, Worker  # noqa: E402
 
 READY_TIMEOUT_S = 20.0
 RUN_ID = uuid.uuid4().hex[:8]
@@ -503,6 +503,38 @@ class T02Turns(TurndTestCase):
         self.assertIn("stop_requested", kinds)
         self.assertEqual(kinds[-1], "cancelled")
         self.assertNotIn("dispatched", kinds)
+
+
+    def test_sessions_list_pages_the_sessions_waiting_for_a_function(self):
+        fn = sid("fn.nobody")
+        names = sorted(sid(f"list-{i}") for i in range(3))
+        turns = [self.client.submit(n, fn, {"n": i})["turn"] for i, n in enumerate(names)]
+        args = {"function_id": fn, "state": "awaiting_worker", "order": "id", "limit": 2}
+        first = self.client.request("sessions.list", args)
+        self.assertEqual(first["total"], 3, first)
+        self.assertEqual(first["counts"], {"awaiting_worker": 3}, first)
+        self.assertEqual([r["session_id"] for r in first["sessions"]], names[:2], first)
+        self.assertIsNotNone(first["next"], first)
+        rest = self.client.request("sessions.list", dict(args, after=first["next"]))
+        self.assertEqual([r["session_id"] for r in rest["sessions"]], names[2:], rest)
+        self.assertIsNone(rest["next"], rest)
+        row = first["sessions"][0]
+        self.assertEqual(row["turn_id"], turns[0]["turn_id"], row)
+        self.assertEqual(row["function_id"], fn, row)
+        self.assertEqual((row["attempt"], row["queued"]), (0, 0), row)
+        self.assertEqual(row["wait"]["state"], "awaiting_worker", row)
+        self.assertTrue(row["stuck"], row)  # no connected worker serves fn
+        # oldest wait first is the default order
+        by_wait = self.client.request("sessions.list", {"function_id": fn})["sessions"]
+        since = [r["wait"]["since_ms"] for r in by_wait]
+        self.assertEqual(since, sorted(since), by_wait)
+        for bad in ({"limit": 0}, {"after": "nonsense"}, {"state": "asleep"}):
+            with self.assertRaises(TurndError) as cm:
+                self.client.request("sessions.list", bad)
+            self.assertEqual(cm.exception.code, "bad_request", bad)
+        for t in turns:
+            self.client.stop(t["turn_id"], reason="py test done")
+        self.assertEqual(self.client.request("sessions.list", {"function_id": fn})["total"], 0)
 
 
 class T03Errors(TurndTestCase):

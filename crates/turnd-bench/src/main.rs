@@ -8,7 +8,7 @@
 //! daemon, workers and callers share the process and its two cores, CPU and memory
 //! figures are for all of them together.
 //!
-//! Scenarios: `sessions`, `sequential`, `multistep`, `idle`, `recovery`. `drive` runs
+//! Scenarios: `sessions`, `sequential`, `multistep`, `idle`, `recovery`, `ui`. `drive` runs
 //! a small known load against an external daemon (used by `scripts/check-fsync.sh`),
 //! `reopen` is the fresh process `recovery` times, and `sled-batching` times sled
 //! alone with daemon-shaped batches (where a group commit's time goes).
@@ -27,6 +27,7 @@ mod measure;
 mod scenarios;
 mod sled_probe;
 mod soak;
+mod ui_page;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -115,6 +116,20 @@ enum Cmd {
         /// Submits in flight at once.
         #[arg(long, default_value_t = 1024)]
         inflight: usize,
+    },
+    /// N sessions waiting for a worker nobody runs, then the render time of the
+    /// operator page's screens and the answer time of `sessions.list`.
+    Ui {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, default_value_t = 100_000)]
+        sessions: usize,
+        /// Submits in flight at once while filling.
+        #[arg(long, default_value_t = 1024)]
+        inflight: usize,
+        /// Requests timed per page.
+        #[arg(long, default_value_t = 20)]
+        repeat: usize,
     },
     /// Fill a store with R finished turns, then time restarts: the real `turnd`
     /// binary (spawn → ready file) and a fresh in-process open (sled open +
@@ -296,6 +311,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             init_tracing(&common.log);
             announce(&common);
             runtime()?.block_on(scenarios::idle(&common, sessions, inflight))
+        }
+        Cmd::Ui {
+            common,
+            sessions,
+            inflight,
+            repeat,
+        } => {
+            init_tracing(&common.log);
+            announce(&common);
+            runtime()?.block_on(ui_page::ui(&common, sessions, inflight, repeat))
         }
         Cmd::Recovery {
             common,

@@ -17,9 +17,9 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 use turnd_proto::{
     CheckOk, EventsArgs, EventsOk, FunctionsOk, HelloArgs, ListArgs, ListOk, Push, Role, Session,
-    SessionIdArgs, SessionOk, SessionStopArgs, StatsOk, StopArgs, SubmitArgs, SubmitOk, TurnIdArgs,
-    TurnOk, TurnsOk, WaitArgs, WatchArgs, WatchIdArgs, WatchOk, WorkersOk, PROTOCOL_VERSION,
-    WAIT_MAX_MS,
+    SessionIdArgs, SessionOk, SessionStopArgs, SessionsListArgs, SessionsListOk, StatsOk, StopArgs,
+    SubmitArgs, SubmitOk, TurnIdArgs, TurnOk, TurnsOk, WaitArgs, WatchArgs, WatchIdArgs, WatchOk,
+    WorkersOk, PROTOCOL_VERSION, WAIT_MAX_MS,
 };
 use turnd_proto::{Event, Function, Stats, Turn, Violation};
 
@@ -350,6 +350,13 @@ impl Caller {
             .call::<_, FunctionsOk>("functions.list", &json!({}))
             .await?
             .functions)
+    }
+
+    /// `sessions.list`: sessions with unfinished work, filtered and paged.
+    pub async fn sessions(&self, args: &SessionsListArgs) -> Result<SessionsListOk, ClientError> {
+        self.conn
+            .call::<_, SessionsListOk>("sessions.list", args)
+            .await
     }
 
     /// `store.check` (operator role only).

@@ -36,6 +36,10 @@ use crate::session::{
     dispatch_detail, to_turn, wait_of, Effect, Pending, SessionState, Summary, Tx,
 };
 
+#[path = "sessions_list.rs"]
+mod sessions_list;
+pub use sessions_list::{BlockedOn, LiveInvocation};
+
 type ApiResult<T> = Result<T, ErrorBody>;
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> ErrorBody {
@@ -110,6 +114,8 @@ struct Inner {
     counts: Mutex<TurnCounts>,
     counters: Counters,
     storage_error: Mutex<Option<String>>,
+    /// What every session's lock holder waits for, ordered for `sessions.list`.
+    waits: Mutex<sessions_list::WaitIndex>,
     recovered: AtomicBool,
     shutdown: CancellationToken,
 }
@@ -147,6 +153,7 @@ impl Engine {
                 counts: Mutex::new(TurnCounts::default()),
                 counters: Counters::default(),
                 storage_error: Mutex::new(None),
+                waits: Mutex::new(sessions_list::WaitIndex::default()),
                 recovered: AtomicBool::new(false),
                 shutdown: CancellationToken::new(),
             }),
@@ -233,6 +240,11 @@ impl Engine {
                 })
             })
             .clone()
+    }
+
+    fn wait_index(&self) -> std::sync::MutexGuard<'_, sessions_list::WaitIndex> {
+        // Plain data: a poisoned lock still holds a usable index.
+        self.inner.waits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn live_turns(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Arc<SessionCell>>> {
@@ -464,19 +476,16 @@ impl Engine {
         for f in freed {
             self.wake(&f);
         }
-        let summary = st.holder().map(|h| {
-            let w = wait_of(st, h, self.inner.cfg.dispatch_timeout_ms, &|_| {
-                String::new()
-            });
-            Summary {
-                state: w.state,
-                since_ms: w.since_ms,
-                inflight: st.inv.is_some(),
-            }
+        let entry = sessions_list::WaitEntry::of(st, self.inner.cfg.dispatch_timeout_ms);
+        let summary = entry.as_ref().map(|e| Summary {
+            state: e.state,
+            since_ms: e.since_ms,
+            inflight: st.inv.is_some(),
         });
         if let Ok(mut s) = cell.summary.lock() {
             *s = summary;
         }
+        self.wait_index().set(&st.id, entry);
         {
             let mut reg = self.registry();
             match st.holder() {

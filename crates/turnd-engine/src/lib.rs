@@ -13,5 +13,5 @@ mod session;
 
 pub use clock::Clock;
 pub use config::EngineConfig;
-pub use engine::{fmt_time, fmt_utc, Caller, Engine};
+pub use engine::{fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation};
 pub use registry::{CloseReason, Outbox};

@@ -3,6 +3,7 @@
 use crate::objects::*;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::collections::BTreeMap;
 
 /// The role a connection declared in `hello`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -47,10 +48,11 @@ pub enum Op {
     WorkersList,
     FunctionsList,
     StoreCheck,
+    SessionsList,
 }
 
 impl Op {
-    pub const ALL: [Op; 21] = [
+    pub const ALL: [Op; 22] = [
         Op::Hello,
         Op::Ping,
         Op::FunctionRegister,
@@ -72,6 +74,7 @@ impl Op {
         Op::WorkersList,
         Op::FunctionsList,
         Op::StoreCheck,
+        Op::SessionsList,
     ];
 
     pub fn name(self) -> &'static str {
@@ -97,6 +100,7 @@ impl Op {
             Op::WorkersList => "workers.list",
             Op::FunctionsList => "functions.list",
             Op::StoreCheck => "store.check",
+            Op::SessionsList => "sessions.list",
         }
     }
 
@@ -127,7 +131,8 @@ impl Op {
             | Op::Unwatch
             | Op::Stats
             | Op::WorkersList
-            | Op::FunctionsList => matches!(role, Role::Client | Role::Operator),
+            | Op::FunctionsList
+            | Op::SessionsList => matches!(role, Role::Client | Role::Operator),
         }
     }
 }
@@ -394,6 +399,68 @@ pub struct Violation {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckOk {
     pub violations: Vec<Violation>,
+}
+
+/// The order of `sessions.list`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionOrder {
+    /// Oldest wait first (by `wait.since_ms`, then by session id).
+    #[default]
+    Wait,
+    /// By session id, ascending (byte order).
+    Id,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SessionsListArgs {
+    /// Only sessions whose lock holder waits in this state.
+    #[serde(default)]
+    pub state: Option<WaitState>,
+    /// Only sessions whose lock holder runs this function.
+    #[serde(default)]
+    pub function_id: Option<String>,
+    /// Only sessions that look stuck: past their wait's deadline, waiting for a
+    /// worker of a function no connected worker serves, or running an invocation
+    /// with no heartbeat for more than half its `timeout_ms`.
+    #[serde(default)]
+    pub stuck: Option<bool>,
+    #[serde(default)]
+    pub order: Option<SessionOrder>,
+    #[serde(default)]
+    pub limit: Option<u64>,
+    /// The `next` of the previous page.
+    #[serde(default)]
+    pub after: Option<String>,
+}
+
+/// One session with unfinished work, as `sessions.list` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionRow {
+    pub session_id: String,
+    /// The lock holder.
+    pub turn_id: String,
+    pub function_id: String,
+    pub step: u32,
+    pub attempt: u32,
+    /// When the holder took the session's lock.
+    pub locked_since_ms: u64,
+    /// Unfinished turns behind the holder.
+    pub queued: u64,
+    pub stuck: bool,
+    pub wait: Wait,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionsListOk {
+    pub sessions: Vec<SessionRow>,
+    /// Pass as `after` for the next page; `null` on the last page.
+    pub next: Option<String>,
+    /// Sessions matching every filter, when the page was taken.
+    pub total: u64,
+    /// Sessions matching `function_id` (and `stuck`), by wait state, when the page
+    /// was taken (non-zero states only).
+    pub counts: BTreeMap<String, u64>,
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! The admin HTTP listener: `GET /healthz`, `GET /readyz`, `GET /metrics`.
+//! The admin HTTP listener: `GET /healthz`, `GET /readyz`, `GET /metrics`, and the
+//! operator page under `/ui` (`ui.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,6 +24,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .merge(crate::ui::router())
         .with_state(shared)
 }
 

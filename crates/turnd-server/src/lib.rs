@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod config;
 pub mod tls;
+pub mod ui;
 pub mod ws;
 
 use std::net::SocketAddr;

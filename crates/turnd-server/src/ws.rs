@@ -804,6 +804,10 @@ impl Conn {
             Op::FunctionsList => ok(FunctionsOk {
                 functions: e.functions(),
             }),
+            Op::SessionsList => match args::<SessionsListArgs>(a) {
+                Ok(r) => e.list_sessions(r).await.and_then(ok),
+                Err(x) => Err(x),
+            },
             Op::StoreCheck => {
                 let engine = e.clone();
                 match tokio::task::spawn_blocking(move || engine.check()).await {

@@ -17,6 +17,7 @@
 mod commands;
 mod fmt;
 mod render;
+mod sessions;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -87,8 +88,12 @@ pub enum ClientCommand {
     Workers(PlainCmd),
     /// List the registered functions and their settings.
     Functions(PlainCmd),
-    /// One screen of daemon health: sessions, waits, turns, workers, storage.
+    /// One screen of daemon health: sessions, waits, turns, workers, storage, and
+    /// the sessions waiting longest.
     Status(PlainCmd),
+    /// List the sessions with unfinished work: what each lock holder waits for, since
+    /// when, until when and what happens then; oldest wait first.
+    Sessions(sessions::SessionsCmd),
     /// Check the store's invariants: online through the daemon (operator role), or
     /// offline on a stopped daemon's data directory (--data-dir).
     ///
@@ -454,6 +459,7 @@ async fn run(c: ClientCommand) -> Result<i32, Failure> {
         | ClientCommand::Status(a)
         | ClientCommand::Ping(a) => (&a.common, Role::Client),
         ClientCommand::Check(a) => (&a.common, Role::Operator),
+        ClientCommand::Sessions(a) => (&a.common, Role::Client),
     };
     let conn = Conn::open(common, role).await?;
     let result = match &c {
@@ -469,6 +475,7 @@ async fn run(c: ClientCommand) -> Result<i32, Failure> {
         ClientCommand::Status(a) => commands::status(&conn, &a.common).await,
         ClientCommand::Check(a) => commands::check_online(&conn, &a.common).await,
         ClientCommand::Ping(a) => commands::ping(&conn, &a.common).await,
+        ClientCommand::Sessions(a) => sessions::run(&conn, a).await,
     };
     conn.close().await;
     result

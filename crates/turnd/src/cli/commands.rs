@@ -32,7 +32,7 @@ const EVENTS_PAGE_DEFAULT: u64 = 100;
 
 /// Write to stdout. A reader that went away (`turnd events … | head`) ends the
 /// command quietly.
-fn emit(text: &str) -> Result<(), Failure> {
+pub(super) fn emit(text: &str) -> Result<(), Failure> {
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         Ok(()) => Ok(()),
@@ -41,7 +41,7 @@ fn emit(text: &str) -> Result<(), Failure> {
     }
 }
 
-fn emit_json<T: Serialize>(v: &T) -> Result<(), Failure> {
+pub(super) fn emit_json<T: Serialize>(v: &T) -> Result<(), Failure> {
     let mut s = serde_json::to_string_pretty(v)
         .map_err(|e| Failure::Other(format!("failed to encode JSON: {e}")))?;
     s.push('\n');
@@ -521,6 +521,7 @@ pub async fn functions(c: &Conn, common: &Common) -> Result<i32, Failure> {
 pub async fn status(c: &Conn, common: &Common) -> Result<i32, Failure> {
     let stats = c.caller.stats().await.at(&c.url)?;
     let ws = c.caller.workers().await.at(&c.url)?;
+    let oldest = super::sessions::oldest_waits(c).await?;
     if common.json {
         emit_json(&json!({
             "daemon": {
@@ -531,6 +532,7 @@ pub async fn status(c: &Conn, common: &Common) -> Result<i32, Failure> {
             },
             "stats": stats,
             "workers": ws,
+            "oldest_waits": oldest.sessions,
         }))?;
         return Ok(0);
     }
@@ -540,7 +542,11 @@ pub async fn status(c: &Conn, common: &Common) -> Result<i32, Failure> {
         version: &c.hello.version,
         boot_id: &c.hello.boot_id,
     };
-    emit(&render::status(&info, &stats, &ws, now_ms()))?;
+    let now = now_ms();
+    let mut text = render::status(&info, &stats, &ws, now);
+    text.push('\n');
+    text.push_str(&super::sessions::oldest_waits_text(&oldest, now));
+    emit(&text)?;
     Ok(0)
 }
 

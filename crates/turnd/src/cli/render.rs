@@ -476,12 +476,6 @@ pub fn status(d: &DaemonInfo<'_>, s: &Stats, workers: &[Worker], now: u64) -> St
     } else {
         out.push_str(&workers_table(workers, now));
     }
-    out.push('\n');
-    out.push_str(
-        "The daemon reports waits as counts only and has no op that lists sessions, so\n\
-         the sessions behind these numbers are not shown: run `turnd inspect SESSION`\n\
-         for a session's lock, wait reason, deadline and queue.\n",
-    );
     out
 }
 

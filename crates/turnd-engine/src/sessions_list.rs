@@ -1,0 +1,640 @@
+//! `sessions.list`: the sessions with unfinished work, filtered, ordered and paged
+//! from an index kept in memory.
+//!
+//! Every change of a session ends in `Engine::after_change`, which also records what
+//! the session's lock holder waits for in a [`WaitIndex`]: one entry per session with
+//! an unfinished turn, in ordered sets by wait age and by id, overall, per wait state
+//! and per function. A page is a range read of one of those sets from the cursor on,
+//! so it costs the page's size (times the log of the number of sessions), not a sort
+//! of every session; counts are the sets' sizes. Only the `stuck` filter walks every
+//! waiting session (of the function, when one is given), since whether a wait is
+//! overdue depends on the time of the request.
+//!
+//! The rows themselves are built under each listed session's lock with the same
+//! `wait_of` as `session.inspect`, so a row shows the session as it is when the row is
+//! built. A session that finished, or whose wait no longer matches the filters by
+//! then, is left out of the page.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::ops::Bound;
+use std::sync::Arc;
+
+use turnd_proto::{
+    ErrorCode, SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState, PAGE_DEFAULT,
+    PAGE_MAX,
+};
+use turnd_store::InvWait;
+
+use super::{check_id, err, read_failed, ApiResult, Engine, SessionState};
+use crate::session::wait_of;
+
+/// What the index records of one session's lock holder.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct WaitEntry<'a> {
+    pub state: WaitState,
+    pub since_ms: u64,
+    pub function_id: &'a str,
+    pub deadline_ms: Option<u64>,
+    /// For an invocation awaiting its result: when its last sign of life (dispatch or
+    /// heartbeat) becomes older than half its `timeout_ms`.
+    pub stale_at_ms: Option<u64>,
+}
+
+impl<'a> WaitEntry<'a> {
+    /// The entry of a session's current lock holder, if it has one.
+    pub(super) fn of(
+        st: &'a SessionState,
+        dispatch_timeout_ms: Option<u64>,
+    ) -> Option<WaitEntry<'a>> {
+        let h = st.holder()?;
+        let w = wait_of(st, h, dispatch_timeout_ms, &|_| String::new());
+        let stale_at_ms = match (&st.inv, w.state) {
+            (Some(inv), WaitState::AwaitingResult) if inv.wait == InvWait::AwaitingResult => {
+                let timeout = inv.settings.timeout_ms;
+                let alive = if inv.attempt_deadline_ms >= timeout && inv.attempt_deadline_ms > 0 {
+                    inv.attempt_deadline_ms - timeout
+                } else {
+                    inv.dispatched_at_ms
+                };
+                Some(alive + timeout / 2)
+            }
+            _ => None,
+        };
+        Some(WaitEntry {
+            state: w.state,
+            since_ms: w.since_ms,
+            function_id: &h.function_id,
+            deadline_ms: w.deadline_ms,
+            stale_at_ms,
+        })
+    }
+}
+
+/// Whether a wait looks stuck at `now`: past its deadline, waiting for a worker of a
+/// function no connected worker serves, or an invocation silent for more than half
+/// its timeout.
+fn is_stuck(
+    state: WaitState,
+    deadline_ms: Option<u64>,
+    stale_at_ms: Option<u64>,
+    served: bool,
+    now: u64,
+) -> bool {
+    deadline_ms.is_some_and(|d| now > d)
+        || (state == WaitState::AwaitingWorker && !served)
+        || stale_at_ms.is_some_and(|s| now > s)
+}
+
+struct Indexed {
+    state: WaitState,
+    since_ms: u64,
+    function_id: Arc<str>,
+    deadline_ms: Option<u64>,
+    stale_at_ms: Option<u64>,
+}
+
+impl Indexed {
+    fn same(&self, e: &WaitEntry) -> bool {
+        self.state == e.state
+            && self.since_ms == e.since_ms
+            && *self.function_id == *e.function_id
+            && self.deadline_ms == e.deadline_ms
+            && self.stale_at_ms == e.stale_at_ms
+    }
+}
+
+/// One ordered list of sessions: by wait age and by id.
+#[derive(Default)]
+struct Lists {
+    by_wait: BTreeSet<(u64, Arc<str>)>,
+    by_id: BTreeSet<Arc<str>>,
+}
+
+impl Lists {
+    fn insert(&mut self, since_ms: u64, id: &Arc<str>) {
+        self.by_wait.insert((since_ms, id.clone()));
+        self.by_id.insert(id.clone());
+    }
+
+    fn remove(&mut self, since_ms: u64, id: &Arc<str>) {
+        self.by_wait.remove(&(since_ms, id.clone()));
+        self.by_id.remove(id);
+    }
+
+    fn len(&self) -> u64 {
+        self.by_id.len() as u64
+    }
+
+    /// Session ids in `order`, strictly after `cursor`.
+    fn iter_from<'a>(
+        &'a self,
+        order: SessionOrder,
+        cursor: Option<&'a Cursor>,
+    ) -> Box<dyn Iterator<Item = (u64, &'a Arc<str>)> + 'a> {
+        match (order, cursor) {
+            (SessionOrder::Wait, Some(Cursor::Wait(since, id))) => Box::new(
+                self.by_wait
+                    .range((Bound::Excluded((*since, id.clone())), Bound::Unbounded))
+                    .map(|(s, id)| (*s, id)),
+            ),
+            (SessionOrder::Id, Some(Cursor::Id(id))) => Box::new(
+                self.by_id
+                    .range::<Arc<str>, _>((Bound::Excluded(id), Bound::Unbounded))
+                    .map(|id| (0, id)),
+            ),
+            (SessionOrder::Wait, _) => Box::new(self.by_wait.iter().map(|(s, id)| (*s, id))),
+            (SessionOrder::Id, _) => Box::new(self.by_id.iter().map(|id| (0, id))),
+        }
+    }
+}
+
+/// Every session with an unfinished turn, by what its lock holder waits for.
+#[derive(Default)]
+pub(super) struct WaitIndex {
+    entries: HashMap<Arc<str>, Indexed>,
+    all: Lists,
+    by_state: HashMap<WaitState, Lists>,
+    by_function: HashMap<Arc<str>, Lists>,
+    /// Per function: sessions by wait state.
+    function_counts: HashMap<Arc<str>, BTreeMap<WaitState, u64>>,
+}
+
+static EMPTY: Lists = Lists {
+    by_wait: BTreeSet::new(),
+    by_id: BTreeSet::new(),
+};
+
+impl WaitIndex {
+    /// Record a session's lock holder wait (`None`: no unfinished turn).
+    pub(super) fn set(&mut self, session_id: &str, entry: Option<WaitEntry>) {
+        let old = self.entries.get_key_value(session_id);
+        match (&old, &entry) {
+            (None, None) => return,
+            (Some((_, o)), Some(e)) if o.same(e) => return,
+            _ => {}
+        }
+        let id: Arc<str> = match old {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(session_id),
+        };
+        if let Some(o) = self.entries.remove(session_id) {
+            self.all.remove(o.since_ms, &id);
+            if let Some(l) = self.by_state.get_mut(&o.state) {
+                l.remove(o.since_ms, &id);
+            }
+            if let Some(l) = self.by_function.get_mut(&*o.function_id) {
+                l.remove(o.since_ms, &id);
+                if l.by_id.is_empty() {
+                    self.by_function.remove(&*o.function_id);
+                }
+            }
+            if let Some(c) = self.function_counts.get_mut(&*o.function_id) {
+                if let Some(n) = c.get_mut(&o.state) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        c.remove(&o.state);
+                    }
+                }
+                if c.is_empty() {
+                    self.function_counts.remove(&*o.function_id);
+                }
+            }
+        }
+        let Some(e) = entry else {
+            return;
+        };
+        let function_id: Arc<str> = match self.by_function.get_key_value(e.function_id) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(e.function_id),
+        };
+        self.all.insert(e.since_ms, &id);
+        self.by_state
+            .entry(e.state)
+            .or_default()
+            .insert(e.since_ms, &id);
+        self.by_function
+            .entry(function_id.clone())
+            .or_default()
+            .insert(e.since_ms, &id);
+        *self
+            .function_counts
+            .entry(function_id.clone())
+            .or_default()
+            .entry(e.state)
+            .or_insert(0) += 1;
+        self.entries.insert(
+            id,
+            Indexed {
+                state: e.state,
+                since_ms: e.since_ms,
+                function_id,
+                deadline_ms: e.deadline_ms,
+                stale_at_ms: e.stale_at_ms,
+            },
+        );
+    }
+
+    /// Sessions in the index (sessions with an unfinished turn).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn page(&self, q: &Query<'_>) -> Page {
+        let function = q.function_id;
+        let source: &Lists = match (function, q.state) {
+            (Some(f), _) => self.by_function.get(f).unwrap_or(&EMPTY),
+            (None, Some(s)) => self.by_state.get(&s).unwrap_or(&EMPTY),
+            (None, None) => &self.all,
+        };
+        let stuck = |id: &str| -> bool {
+            self.entries.get(id).is_some_and(|e| {
+                is_stuck(
+                    e.state,
+                    e.deadline_ms,
+                    e.stale_at_ms,
+                    q.served.contains(&*e.function_id),
+                    q.now,
+                )
+            })
+        };
+        let matches = |id: &str| -> bool {
+            if let (Some(_), Some(s)) = (function, q.state) {
+                if self.entries.get(id).map(|e| e.state) != Some(s) {
+                    return false;
+                }
+            }
+            !q.stuck || stuck(id)
+        };
+        let mut ids = Vec::new();
+        let mut next = None;
+        for (since, id) in source.iter_from(q.order, q.cursor) {
+            if !matches(id) {
+                continue;
+            }
+            if ids.len() == q.limit {
+                let (since, id) = ids
+                    .last()
+                    .map(|(s, i): &(u64, Arc<str>)| (*s, i.clone()))
+                    .unwrap_or((since, id.clone()));
+                next = Some(match q.order {
+                    SessionOrder::Wait => Cursor::Wait(since, id),
+                    SessionOrder::Id => Cursor::Id(id),
+                });
+                break;
+            }
+            ids.push((since, id.clone()));
+        }
+        let mut counts = BTreeMap::new();
+        let total;
+        if q.stuck {
+            let scope: &Lists = match function {
+                Some(f) => self.by_function.get(f).unwrap_or(&EMPTY),
+                None => &self.all,
+            };
+            for id in &scope.by_id {
+                if stuck(id) {
+                    if let Some(e) = self.entries.get(id) {
+                        *counts.entry(e.state).or_insert(0u64) += 1;
+                    }
+                }
+            }
+            total = match q.state {
+                Some(s) => counts.get(&s).copied().unwrap_or(0),
+                None => counts.values().sum(),
+            };
+        } else {
+            match function {
+                Some(f) => {
+                    if let Some(c) = self.function_counts.get(f) {
+                        counts = c.clone();
+                    }
+                }
+                None => {
+                    for (s, l) in &self.by_state {
+                        if l.len() > 0 {
+                            counts.insert(*s, l.len());
+                        }
+                    }
+                }
+            }
+            total = match q.state {
+                Some(s) => counts.get(&s).copied().unwrap_or(0),
+                None => source.len(),
+            };
+        }
+        Page {
+            ids: ids.into_iter().map(|(_, id)| id).collect(),
+            next,
+            total,
+            counts: counts
+                .into_iter()
+                .map(|(s, n)| (s.as_str().to_string(), n))
+                .collect(),
+        }
+    }
+}
+
+/// Where the previous page ended.
+#[derive(Debug, Clone, PartialEq)]
+enum Cursor {
+    Wait(u64, Arc<str>),
+    Id(Arc<str>),
+}
+
+impl Cursor {
+    fn encode(&self) -> String {
+        match self {
+            Cursor::Wait(since, id) => format!("w:{since}:{id}"),
+            Cursor::Id(id) => format!("i:{id}"),
+        }
+    }
+
+    fn decode(s: &str, order: SessionOrder) -> Option<Cursor> {
+        match order {
+            SessionOrder::Wait => {
+                let (since, id) = s.strip_prefix("w:")?.split_once(':')?;
+                Some(Cursor::Wait(since.parse().ok()?, Arc::from(id)))
+            }
+            SessionOrder::Id => Some(Cursor::Id(Arc::from(s.strip_prefix("i:")?))),
+        }
+    }
+}
+
+struct Query<'a> {
+    state: Option<WaitState>,
+    function_id: Option<&'a str>,
+    stuck: bool,
+    order: SessionOrder,
+    limit: usize,
+    cursor: Option<&'a Cursor>,
+    now: u64,
+    /// Functions some connected worker serves.
+    served: &'a HashSet<String>,
+}
+
+struct Page {
+    ids: Vec<Arc<str>>,
+    next: Option<Cursor>,
+    total: u64,
+    counts: BTreeMap<String, u64>,
+}
+
+impl Engine {
+    /// Turns by status (the counts of `stats`, without its walk over every session).
+    pub fn turn_counts(&self) -> turnd_proto::TurnCounts {
+        self.inner
+            .counts
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default()
+    }
+
+    /// `sessions.list`.
+    pub async fn list_sessions(&self, args: SessionsListArgs) -> ApiResult<SessionsListOk> {
+        let limit = args.limit.unwrap_or(PAGE_DEFAULT);
+        if limit == 0 || limit > PAGE_MAX {
+            return Err(err(
+                ErrorCode::BadRequest,
+                format!("`limit` must be 1 to {PAGE_MAX}"),
+            ));
+        }
+        if let Some(f) = &args.function_id {
+            check_id("function_id", f)?;
+        }
+        let order = args.order.unwrap_or_default();
+        let cursor = match &args.after {
+            Some(a) => Some(Cursor::decode(a, order).ok_or_else(|| {
+                err(
+                    ErrorCode::BadRequest,
+                    "`after` must be the `next` of a previous page in the same order",
+                )
+            })?),
+            None => None,
+        };
+        let stuck = args.stuck.unwrap_or(false);
+        let now = self.now_ms();
+        // From the workers, not `functions()`, which counts the waiting sessions of
+        // every function.
+        let served: HashSet<String> = self
+            .workers()
+            .into_iter()
+            .filter(|w| w.connected)
+            .flat_map(|w| w.functions)
+            .collect();
+        let page = {
+            let index = self.wait_index();
+            index.page(&Query {
+                state: args.state,
+                function_id: args.function_id.as_deref(),
+                stuck,
+                order,
+                limit: limit as usize,
+                cursor: cursor.as_ref(),
+                now,
+                served: &served,
+            })
+        };
+        let fmt = self.fmt_ms();
+        let mut rows = Vec::with_capacity(page.ids.len());
+        for id in &page.ids {
+            let Some(cell) = self.existing_cell(id) else {
+                continue;
+            };
+            let st = self.lock(&cell).await.map_err(read_failed)?;
+            let Some(h) = st.holder() else {
+                continue;
+            };
+            let wait = wait_of(&st, h, self.inner.cfg.dispatch_timeout_ms, &fmt);
+            let entry = WaitEntry::of(&st, self.inner.cfg.dispatch_timeout_ms);
+            let row_stuck = entry.as_ref().is_some_and(|e| {
+                is_stuck(
+                    e.state,
+                    e.deadline_ms,
+                    e.stale_at_ms,
+                    served.contains(e.function_id),
+                    now,
+                )
+            });
+            if args.state.is_some_and(|s| s != wait.state)
+                || args
+                    .function_id
+                    .as_ref()
+                    .is_some_and(|f| *f != h.function_id)
+                || (stuck && !row_stuck)
+            {
+                continue;
+            }
+            rows.push(SessionRow {
+                session_id: st.id.clone(),
+                turn_id: h.turn_id.clone(),
+                function_id: h.function_id.clone(),
+                step: h.step,
+                attempt: h.attempt,
+                locked_since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
+                queued: st.active.len().saturating_sub(1) as u64,
+                stuck: row_stuck,
+                wait,
+            });
+        }
+        Ok(SessionsListOk {
+            sessions: rows,
+            next: page.next.map(|c| c.encode()),
+            total: page.total,
+            counts: page.counts,
+        })
+    }
+}
+
+/// What a session's lock holder is blocked on, for an operator's view of one session.
+#[derive(Debug, Clone)]
+pub struct BlockedOn {
+    /// The lock holder as `turn.get` shows it (with its wait).
+    pub turn: turnd_proto::Turn,
+    pub locked_since_ms: u64,
+    /// The live invocation, when one was dispatched.
+    pub invocation: Option<LiveInvocation>,
+    /// The error of the last failed attempt, if any.
+    pub last_failure: Option<String>,
+}
+
+/// The lock holder's live invocation.
+#[derive(Debug, Clone)]
+pub struct LiveInvocation {
+    pub invocation_id: String,
+    pub worker_id: String,
+    pub instance_id: String,
+    pub step: u32,
+    pub attempt: u32,
+    pub dispatched_at_ms: u64,
+    /// The last heartbeat, when one arrived after the dispatch.
+    pub last_heartbeat_ms: Option<u64>,
+    pub timeout_ms: u64,
+    pub deadline_ms: u64,
+}
+
+impl Engine {
+    /// The lock holder of `session_id` and what it is blocked on (`None`: the session
+    /// has no unfinished turn). Answered from memory, under the session's lock.
+    pub async fn blocked_on(&self, session_id: &str) -> ApiResult<Option<BlockedOn>> {
+        check_id("session_id", session_id)?;
+        let Some(cell) = self.existing_cell(session_id) else {
+            return Ok(None);
+        };
+        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let Some(h) = st.holder() else {
+            return Ok(None);
+        };
+        let invocation = st.inv.as_deref().map(|inv| {
+            let timeout = inv.settings.timeout_ms;
+            let alive = inv.attempt_deadline_ms.saturating_sub(timeout);
+            LiveInvocation {
+                invocation_id: inv.invocation_id.clone(),
+                worker_id: inv.worker_id.clone(),
+                instance_id: inv.instance_id.clone(),
+                step: inv.step,
+                attempt: inv.attempt,
+                dispatched_at_ms: inv.dispatched_at_ms,
+                last_heartbeat_ms: (alive > inv.dispatched_at_ms).then_some(alive),
+                timeout_ms: timeout,
+                deadline_ms: inv.deadline_ms,
+            }
+        });
+        Ok(Some(BlockedOn {
+            turn: self.turn_view(&st, h),
+            locked_since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
+            invocation,
+            last_failure: h.last_error.clone(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(state: WaitState, since_ms: u64, f: &str) -> Option<WaitEntry<'_>> {
+        Some(WaitEntry {
+            state,
+            since_ms,
+            function_id: f,
+            deadline_ms: None,
+            stale_at_ms: None,
+        })
+    }
+
+    fn query<'a>(served: &'a HashSet<String>, order: SessionOrder, limit: usize) -> Query<'a> {
+        Query {
+            state: None,
+            function_id: None,
+            stuck: false,
+            order,
+            limit,
+            cursor: None,
+            now: 1_000,
+            served,
+        }
+    }
+
+    #[test]
+    fn entries_move_between_lists_and_leave() {
+        let served = HashSet::new();
+        let mut ix = WaitIndex::default();
+        ix.set("s1", entry(WaitState::AwaitingWorker, 30, "f"));
+        ix.set("s2", entry(WaitState::AwaitingResult, 10, "g"));
+        ix.set("s3", entry(WaitState::AwaitingWorker, 20, "f"));
+        let p = ix.page(&query(&served, SessionOrder::Wait, 10));
+        let ids: Vec<&str> = p.ids.iter().map(|i| &**i).collect();
+        assert_eq!(ids, ["s2", "s3", "s1"]);
+        assert_eq!(p.total, 3);
+        // s2 moves to another state and function; s1 finishes.
+        ix.set("s2", entry(WaitState::BackingOff, 40, "f"));
+        ix.set("s1", None);
+        let mut q = query(&served, SessionOrder::Wait, 10);
+        q.function_id = Some("f");
+        let p = ix.page(&q);
+        let ids: Vec<&str> = p.ids.iter().map(|i| &**i).collect();
+        assert_eq!(ids, ["s3", "s2"]);
+        assert_eq!(p.counts.get("backing_off"), Some(&1));
+        assert_eq!(p.counts.get("awaiting_worker"), Some(&1));
+        assert!(!ix.by_function.contains_key("g"));
+        assert!(!ix.function_counts.contains_key("g"));
+        assert_eq!(ix.len(), 2);
+    }
+
+    #[test]
+    fn pages_follow_the_cursor_without_gaps_or_repeats() {
+        let served = HashSet::new();
+        let mut ix = WaitIndex::default();
+        for i in 0..25u64 {
+            ix.set(
+                &format!("s{i:02}"),
+                entry(WaitState::AwaitingWorker, 100 - i % 5, "f"),
+            );
+        }
+        for order in [SessionOrder::Wait, SessionOrder::Id] {
+            let mut seen = Vec::new();
+            let mut cursor: Option<Cursor> = None;
+            loop {
+                let mut q = query(&served, order, 7);
+                q.cursor = cursor.as_ref();
+                let p = ix.page(&q);
+                seen.extend(p.ids.iter().map(|i| i.to_string()));
+                match p.next {
+                    Some(c) => {
+                        let text = c.encode();
+                        cursor = Some(Cursor::decode(&text, order).expect("round trip"));
+                    }
+                    None => break,
+                }
+            }
+            let mut sorted = seen.clone();
+            sorted.sort();
+            sorted.dedup();
+            assert_eq!(sorted.len(), 25, "{order:?}: {seen:?}");
+            if order == SessionOrder::Id {
+                assert_eq!(seen, sorted);
+            }
+        }
+    }
+}
