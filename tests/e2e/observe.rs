@@ -69,7 +69,12 @@ async fn queued_behind_and_awaiting_worker() -> anyhow::Result<()> {
         .await?;
     let (ta, wa) = wait_state(&c, &a.turn_id, WaitState::AwaitingWorker).await?;
     assert_eq!(ta.status, TurnStatus::Queued, "never dispatched");
-    assert!(wa.reason.contains("nobody.serves.this"), "{}", wa.reason);
+    assert!(
+        wa.reason
+            .starts_with("no worker has registered nobody.serves.this"),
+        "{}",
+        wa.reason
+    );
     assert_eq!(wa.on_deadline, Some(OnDeadline::Fail));
     let deadline = wa
         .deadline_ms
@@ -91,6 +96,55 @@ async fn queued_behind_and_awaiting_worker() -> anyhow::Result<()> {
         .expect("listed");
     assert_eq!(entry.workers, 0);
     assert_eq!(entry.queued, 1, "one session waits for it");
+    let s = c.inspect("qb").await?;
+    let lock = s.lock.expect("a lock holder");
+    assert!(
+        lock.wait.reason.starts_with("no worker has registered"),
+        "{}",
+        lock.wait.reason
+    );
+    td.shutdown().await
+}
+
+/// The reason of an `awaiting_worker` wait tells a function no worker ever
+/// registered from one whose workers are gone and from one whose workers are busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn awaiting_worker_says_why_no_worker_runs_it() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let c = td.caller().await?;
+    // A worker of concurrency 1 whose handler never returns: the first turn holds its
+    // only slot, so a second session's turn waits for a busy worker.
+    let w = turnd_client::Worker::new(turnd_tests::worker_options(&td.url, "w-busy")).function(
+        turnd_client::FunctionSpec::new("busy").concurrency(1),
+        |_ctx| async move { std::future::pending::<turnd_proto::Outcome>().await },
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let h = w.spawn(stop.clone());
+    h.connected().await;
+    let first = c.submit_simple("b1", "busy", json!(1)).await?;
+    eventually(T, "the first turn runs", || async {
+        let t = c.get(&first.turn_id).await.ok()?;
+        (t.status == TurnStatus::Running).then_some(())
+    })
+    .await?;
+    let second = c.submit_simple("b2", "busy", json!(2)).await?;
+    let (_, w2) = wait_state(&c, &second.turn_id, WaitState::AwaitingWorker).await?;
+    assert!(
+        w2.reason
+            .starts_with("all 1 connected worker(s) serving busy are busy"),
+        "{}",
+        w2.reason
+    );
+    // The worker goes away: its function is still known, but nobody serves it.
+    stop.cancel();
+    h.join().await?;
+    eventually(T, "the reason after the worker left", || async {
+        let t = c.get(&second.turn_id).await.ok()?;
+        let r = t.wait?.reason;
+        r.starts_with("no connected worker serves busy")
+            .then_some(())
+    })
+    .await?;
     td.shutdown().await
 }
 

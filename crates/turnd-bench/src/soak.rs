@@ -101,14 +101,20 @@ async fn store_metrics(admin: &str) -> String {
 async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
     let ready = data.with_extension("ready.json");
     let mut cmd = tokio::process::Command::new(&a.turnd);
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .arg("--data-dir")
-        .arg(data)
-        .arg("--ready-file")
-        .arg(&ready)
-        .env("TURND_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .kill_on_drop(true);
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--data-dir")
+    .arg(data)
+    .arg("--ready-file")
+    .arg(&ready)
+    .env("TURND_LOG", "warn")
+    .stdout(std::process::Stdio::null())
+    .kill_on_drop(true);
     if let Some(ms) = a.retention_ms {
         cmd.env("TURND_RETENTION__TERMINAL_MS", ms.to_string())
             .env("TURND_RETENTION__SWEEP_INTERVAL_MS", a.sweep_ms.to_string());
@@ -116,7 +122,9 @@ async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
     for (k, v) in &a.env {
         cmd.env(k, v);
     }
-    let child = cmd.spawn().with_context(|| format!("spawn {}", a.turnd.display()))?;
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("spawn {}", a.turnd.display()))?;
     let started = Instant::now();
     let body = loop {
         if let Ok(b) = std::fs::read_to_string(&ready) {
@@ -241,8 +249,10 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         a.sessions,
         a.seconds,
         a.input_bytes,
-        a.retention_ms
-            .map_or("off".to_string(), |m| format!("{m} ms, sweep {} ms", a.sweep_ms))
+        a.retention_ms.map_or("off".to_string(), |m| format!(
+            "{m} ms, sweep {} ms",
+            a.sweep_ms
+        ))
     );
     println!(
         "turns {n} · {:.0} turns/s · per-second min {} / max {} · longest interval with no completion {:.0} ms",
@@ -273,7 +283,10 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     }
     println!(
         "  per second: {}",
-        full.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
+        full.iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     Ok(())
 }

@@ -327,6 +327,7 @@ impl Engine {
                 t,
                 self.inner.cfg.dispatch_timeout_ms,
                 &self.fmt_ms(),
+                Some(self.registry().supply(&t.function_id)),
             ))
         };
         to_turn(t, wait)
@@ -1613,7 +1614,13 @@ impl Engine {
         let lock = st.holder().map(|h| SessionLock {
             turn_id: h.turn_id.clone(),
             since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
-            wait: wait_of(&st, h, self.inner.cfg.dispatch_timeout_ms, &fmt),
+            wait: wait_of(
+                &st,
+                h,
+                self.inner.cfg.dispatch_timeout_ms,
+                &fmt,
+                Some(self.registry().supply(&h.function_id)),
+            ),
         });
         let queued = st
             .active

@@ -124,6 +124,13 @@ struct FunctionEntry {
     waiting: VecDeque<String>,
 }
 
+/// Who could run a function, for the reason of an `awaiting_worker` wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Supply {
+    pub registered: bool,
+    pub connected: u64,
+}
+
 /// A reserved dispatch slot.
 #[derive(Debug, Clone)]
 pub struct Reservation {
@@ -454,6 +461,18 @@ impl Registry {
             .collect();
         out.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
         out
+    }
+
+    /// Who could run `function_id`: whether any worker registered it since start-up,
+    /// and how many connected workers serve it now.
+    pub fn supply(&self, function_id: &str) -> Supply {
+        Supply {
+            registered: self
+                .functions
+                .get(function_id)
+                .is_some_and(|f| f.registered),
+            connected: self.serving(function_id),
+        }
     }
 
     pub fn functions(&self) -> Vec<Function> {

@@ -14,7 +14,7 @@ use turnd_store::{
     Batch, IdempotencyRecord, InvWait, InvocationRecord, Phase, RawJson, SessionMeta, TurnRecord,
 };
 
-use crate::registry::Outbox;
+use crate::registry::{Outbox, Supply};
 
 /// What a session's lock holder currently waits for, kept outside the session lock
 /// so `stats` can read every session cheaply.
@@ -372,11 +372,15 @@ fn on_unknown(inv: &InvocationRecord) -> OnDeadline {
 }
 
 /// Why a non-terminal turn is not moving, and what happens next.
+///
+/// `supply` says who could run the holder's function (None: not needed, the reason
+/// is not shown).
 pub fn wait_of(
     st: &SessionState,
     t: &TurnRecord,
     dispatch_timeout_ms: Option<u64>,
     fmt_ms: &dyn Fn(u64) -> String,
+    supply: Option<Supply>,
 ) -> Wait {
     let holder = st.holder().map(|h| h.seq);
     if holder != Some(t.seq) {
@@ -410,13 +414,22 @@ pub fn wait_of(
     }
     let w = match t.phase {
         Phase::Queued | Phase::AwaitingWorker | Phase::Done => {
+            let f = &t.function_id;
+            let why = match supply {
+                Some(Supply {
+                    registered: false, ..
+                }) => format!("no worker has registered {f}"),
+                Some(Supply { connected: 0, .. }) => format!(
+                    "no connected worker serves {f} (the workers that registered it are gone)"
+                ),
+                Some(Supply { connected, .. }) => {
+                    format!("all {connected} connected worker(s) serving {f} are busy")
+                }
+                None => format!("no connected worker serving {f} has free capacity"),
+            };
             let mut w = base_wait(
                 WaitState::AwaitingWorker,
-                format!(
-                    "no connected worker serving {} has free capacity (waiting since {})",
-                    t.function_id,
-                    fmt_ms(t.phase_since_ms)
-                ),
+                format!("{why} (waiting since {})", fmt_ms(t.phase_since_ms)),
                 t.phase_since_ms,
             );
             if let Some(d) = dispatch_timeout_ms {

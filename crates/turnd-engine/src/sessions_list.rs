@@ -47,7 +47,7 @@ impl<'a> WaitEntry<'a> {
         dispatch_timeout_ms: Option<u64>,
     ) -> Option<WaitEntry<'a>> {
         let h = st.holder()?;
-        let w = wait_of(st, h, dispatch_timeout_ms, &|_| String::new());
+        let w = wait_of(st, h, dispatch_timeout_ms, &|_| String::new(), None);
         let stale_at_ms = match (&st.inv, w.state) {
             (Some(inv), WaitState::AwaitingResult) if inv.wait == InvWait::AwaitingResult => {
                 let timeout = inv.settings.timeout_ms;
@@ -445,7 +445,13 @@ impl Engine {
             let Some(h) = st.holder() else {
                 continue;
             };
-            let wait = wait_of(&st, h, self.inner.cfg.dispatch_timeout_ms, &fmt);
+            let wait = wait_of(
+                &st,
+                h,
+                self.inner.cfg.dispatch_timeout_ms,
+                &fmt,
+                Some(self.registry().supply(&h.function_id)),
+            );
             let entry = WaitEntry::of(&st, self.inner.cfg.dispatch_timeout_ms);
             let row_stuck = entry.as_ref().is_some_and(|e| {
                 is_stuck(

@@ -58,7 +58,6 @@ async fn bind_one(addr: &str, what: &str, flag: &str, key: &str) -> anyhow::Resu
     }
 }
 
-
 /// How the config says the store is opened.
 pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
     let mode = SyncMode::parse(&cfg.storage.sync)

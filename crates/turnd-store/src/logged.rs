@@ -86,6 +86,10 @@ fn unpack(v: &[u8]) -> Result<Vec<u8>, StoreError> {
 /// Most keys in one sled `apply_batch` of the applier.
 const APPLY_KEYS: usize = APPLY_CHUNK * 32;
 
+/// Keys the overlay may hold before commits wait for the applier: a burst of
+/// commits faster than sled takes them is held back here rather than in memory.
+const MAX_OVERLAY_KEYS: usize = 64 * 1024;
+
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;
 
@@ -143,6 +147,8 @@ struct Job {
 enum Ctl {
     /// Apply everything, flush sled and trim the log, then answer.
     Flush(mpsc::Sender<Result<(), StoreError>>),
+    /// The overlay is full: apply now.
+    Nudge,
 }
 
 struct Inner {
@@ -156,6 +162,10 @@ struct Inner {
     apply_error: Mutex<Option<(String, Instant)>>,
     /// How long the applier may keep failing before [`Kv::health`] fails.
     apply_patience: Duration,
+    /// Notified whenever the applier has dropped entries from the overlay (a full
+    /// overlay makes the committer wait on it).
+    applied_cv: std::sync::Condvar,
+    applied_mx: Mutex<()>,
 }
 
 /// The store: commit log in front, sled behind. See the module documentation.
@@ -284,7 +294,11 @@ impl LoggedKv {
         };
         if let Some(last) = opened.records.last().map(|r| r.lsn) {
             let map = coalesce(&opened.records)?;
-            apply_to_sled(&sled, map.iter().map(|(k, v)| (k, v.as_deref())), last)?;
+            apply_to_sled(
+                &sled,
+                map.iter().map(|(k, v)| (k, v.as_deref())),
+                Some(last),
+            )?;
             sled.with(|h| sled.sync_files(h))?;
             wal::trim_before(&log_dir, &closed, last)?;
         }
@@ -301,6 +315,8 @@ impl LoggedKv {
             closed,
             apply_error: Mutex::new(None),
             apply_patience: opts.heal_interval.saturating_mul(10),
+            applied_cv: std::sync::Condvar::new(),
+            applied_mx: Mutex::new(()),
         });
         let (tx, rx) = mpsc::channel::<Job>();
         let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
@@ -313,9 +329,10 @@ impl LoggedKv {
         let committer = {
             let inner = inner.clone();
             let log = opened.log;
+            let nudge = ctl_tx.clone();
             spawn(
                 "turnd-log-writer",
-                Box::new(move || committer_loop(&inner, log, rx, &opts)),
+                Box::new(move || committer_loop(&inner, log, rx, &nudge, &opts)),
             )?
         };
         let applier = {
@@ -395,11 +412,11 @@ impl Drop for LoggedKv {
 }
 
 /// Write `entries` (key order) to sled in bounded batches, the last recording
-/// `lsn` under [`APPLIED_KEY`]. Returns the bytes written.
+/// `lsn`, when given, under [`APPLIED_KEY`]. Returns the bytes written.
 fn apply_to_sled<'a>(
     sled: &Shared,
     entries: impl Iterator<Item = (&'a Vec<u8>, Option<&'a [u8]>)>,
-    lsn: u64,
+    lsn: Option<u64>,
 ) -> Result<u64, StoreError> {
     let mut bytes = 0u64;
     sled.with(|h| {
@@ -424,21 +441,56 @@ fn apply_to_sled<'a>(
                 n = 0;
             }
         }
-        batch.insert(APPLIED_KEY, &lsn.to_be_bytes());
+        if let Some(lsn) = lsn {
+            batch.insert(APPLIED_KEY, &lsn.to_be_bytes());
+        } else if n == 0 {
+            return Ok(());
+        }
         h.db.apply_batch(batch)
             .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))
     })?;
     Ok(bytes)
 }
 
+/// Wait while the overlay holds more than [`MAX_OVERLAY_KEYS`], asking the applier
+/// to run now.
+fn wait_for_room(inner: &Inner, nudge: &mpsc::Sender<Ctl>) {
+    let full = || {
+        inner
+            .overlay
+            .read()
+            .map(|o| o.map.len() > MAX_OVERLAY_KEYS)
+            .unwrap_or(false)
+    };
+    while full() {
+        if nudge.send(Ctl::Nudge).is_err() {
+            return;
+        }
+        let Ok(g) = inner.applied_mx.lock() else {
+            return;
+        };
+        // A timeout, so that a notification between the check and the wait is not
+        // missed for long.
+        if inner
+            .applied_cv
+            .wait_timeout(g, Duration::from_millis(10))
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
 fn committer_loop(
     inner: &Inner,
     mut log: CommitLog,
     rx: mpsc::Receiver<Job>,
+    nudge: &mpsc::Sender<Ctl>,
     opts: &LoggedOptions,
 ) {
     let mut last_heal: Option<Instant> = None;
     while let Ok(first) = rx.recv() {
+        wait_for_room(inner, nudge);
         let mut jobs = vec![first];
         while jobs.len() < MAX_GROUP {
             match rx.try_recv() {
@@ -505,42 +557,77 @@ struct Applier<'a> {
 
 impl Applier<'_> {
     /// Write the overlay to sled and drop what sled now has from it.
+    ///
+    /// The overlay is walked in key order in slices of [`APPLY_KEYS`], each copied
+    /// under the read lock, written to sled, and dropped from the overlay where not
+    /// written again since, so the copy never holds more than a slice. Entries
+    /// committed meanwhile may be written too (their newer values: harmless). Only
+    /// after every slice does sled get the applied mark: everything up to the lsn
+    /// committed when the round began is then in sled. The walk ends at the last
+    /// key the overlay held when the round began, so that a round ends however fast
+    /// new keys arrive (new turns and events have ever larger keys).
     fn apply(&mut self) -> Result<(), StoreError> {
         let started = Instant::now();
-        let (committed, entries): (u64, Vec<(Vec<u8>, u64, Value)>) = {
+        let (committed, end) = {
             let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
-            let entries = o
-                .map
-                .iter()
-                .map(|(k, p)| (k.clone(), p.lsn, p.value.clone()))
-                .collect();
-            (o.committed, entries)
+            (o.committed, o.map.keys().next_back().cloned())
         };
         if committed == self.applied {
             return Ok(());
         }
-        let bytes = apply_to_sled(
-            &self.inner.sled,
-            entries.iter().map(|(k, _, v)| (k, v.as_deref())),
-            committed,
-        )?;
-        {
-            let mut o = self
-                .inner
-                .overlay
-                .write()
-                .map_err(|_| lock_err("overlay"))?;
-            for (k, lsn, _) in &entries {
-                if o.map.get(k).is_some_and(|p| p.lsn == *lsn) {
-                    o.map.remove(k);
+        let Some(end) = end else {
+            apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
+            self.applied = committed;
+            return Ok(());
+        };
+        let mut from: Option<Vec<u8>> = None;
+        let mut keys = 0u64;
+        loop {
+            let slice: Vec<(Vec<u8>, u64, Value)> = {
+                let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
+                let range = match &from {
+                    Some(f) => o.map.range::<Vec<u8>, _>(f..=&end),
+                    None => o.map.range::<Vec<u8>, _>(..=&end),
+                };
+                range
+                    .take(APPLY_KEYS)
+                    .map(|(k, p)| (k.clone(), p.lsn, p.value.clone()))
+                    .collect()
+            };
+            let Some((last, _, _)) = slice.last() else {
+                break;
+            };
+            let mut next = last.clone();
+            next.push(0);
+            self.checkpoints.written += apply_to_sled(
+                &self.inner.sled,
+                slice.iter().map(|(k, _, v)| (k, v.as_deref())),
+                None,
+            )?;
+            {
+                let mut o = self
+                    .inner
+                    .overlay
+                    .write()
+                    .map_err(|_| lock_err("overlay"))?;
+                for (k, lsn, _) in &slice {
+                    if o.map.get(k).is_some_and(|p| p.lsn == *lsn) {
+                        o.map.remove(k);
+                    }
                 }
             }
+            self.inner.applied_cv.notify_all();
+            keys += slice.len() as u64;
+            if slice.len() < APPLY_KEYS {
+                break;
+            }
+            from = Some(next);
         }
+        apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
         self.applied = committed;
-        self.checkpoints.written += bytes;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.applies += 1;
-            s.applied_keys += entries.len() as u64;
+            s.applied_keys += keys;
             s.apply_micros += started.elapsed().as_micros() as u64;
         }
         Ok(())
@@ -597,16 +684,27 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         applied,
     };
     loop {
-        match ctl.recv_timeout(opts.apply_interval) {
+        // Behind (a quarter of the overlay's room used): no pause between rounds.
+        let behind = inner
+            .overlay
+            .read()
+            .map(|o| o.map.len() > MAX_OVERLAY_KEYS / 4)
+            .unwrap_or(false);
+        let pause = if behind {
+            Duration::ZERO
+        } else {
+            opts.apply_interval
+        };
+        match ctl.recv_timeout(pause) {
+            Ok(Ctl::Nudge) | Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(e) = a.round(false) {
+                    tracing::debug!("apply round failed: {e}");
+                }
+            }
             Ok(Ctl::Flush(reply)) => {
                 let r = a.round(true);
                 if reply.send(r).is_err() {
                     tracing::debug!("flush requester went away");
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Err(e) = a.round(false) {
-                    tracing::debug!("apply round failed: {e}");
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -928,6 +1026,44 @@ mod tests {
                 std::fs::copy(e.path(), &target).expect("copy");
             }
         }
+    }
+
+    /// Commits faster than the applier's interval do not pile up in memory: past
+    /// MAX_OVERLAY_KEYS the committer makes the applier run at once and waits for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_overlay_makes_commits_wait_for_the_applier() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let slow = LoggedOptions {
+            apply_interval: Duration::from_secs(3600),
+            segment_bytes: 64 << 20,
+            ..opts()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+        let per_batch = 100u64;
+        let batches = (MAX_OVERLAY_KEYS as u64 * 3 / 2) / per_batch;
+        let mut most = 0;
+        for i in 0..batches {
+            let mut b = Batch::new();
+            for j in 0..per_batch {
+                b.put_raw(keys::event("s", i * per_batch + j), b"v".to_vec());
+            }
+            commit(&kv, b).await;
+            most = most.max(kv.overlay_len());
+        }
+        assert!(
+            most <= MAX_OVERLAY_KEYS + 2 * per_batch as usize,
+            "the overlay held {most} keys"
+        );
+        let n = kv
+            .scan(
+                &keys::event("s", 0),
+                &keys::event_end("s"),
+                false,
+                usize::MAX,
+            )
+            .expect("scan")
+            .len() as u64;
+        assert_eq!(n, batches * per_batch);
     }
 
     /// Segments are deleted once sled holds their records, so the log stays small
