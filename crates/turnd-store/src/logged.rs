@@ -44,7 +44,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
+use crate::sled_kv::{Checkpoints, Job, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
 use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
 
@@ -137,11 +137,6 @@ struct Overlay {
     map: BTreeMap<Vec<u8>, Pending>,
     /// The last lsn whose writes are in `map` (or in sled).
     committed: u64,
-}
-
-struct Job {
-    batch: Batch,
-    reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
 }
 
 enum Ctl {
@@ -811,20 +806,7 @@ impl Kv for LoggedKv {
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        let sent = match self.tx.lock() {
-            Ok(tx) => match tx.as_ref() {
-                Some(tx) => tx.send(Job { batch, reply }).map_err(|e| e.0.reply),
-                None => Err(reply),
-            },
-            Err(_) => Err(reply),
-        };
-        if let Err(reply) = sent {
-            if reply.send(Err(StoreError::Closed)).is_err() {
-                tracing::debug!("committer went away before it learned the store is closed");
-            }
-        }
-        rx
+        crate::sled_kv::queue(&self.tx, batch)
     }
 
     /// Committed batches are durable in the log already; this also writes them to

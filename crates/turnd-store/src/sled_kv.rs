@@ -44,9 +44,28 @@ impl SyncMode {
     }
 }
 
-struct Job {
-    batch: Batch,
-    reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+/// A batch queued for a group commit, and where its result goes.
+pub(crate) struct Job {
+    pub(crate) batch: Batch,
+    pub(crate) reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+}
+
+/// Queue `batch` for the thread behind `tx`; a closed store answers `Closed` at once.
+pub(crate) fn queue(tx: &Mutex<Option<mpsc::Sender<Job>>>, batch: Batch) -> CommitTicket {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    let sent = match tx.lock() {
+        Ok(tx) => match tx.as_ref() {
+            Some(tx) => tx.send(Job { batch, reply }).map_err(|e| e.0.reply),
+            None => Err(reply),
+        },
+        Err(_) => Err(reply),
+    };
+    if let Err(reply) = sent {
+        if reply.send(Err(StoreError::Closed)).is_err() {
+            tracing::debug!("committer went away before it learned the store is closed");
+        }
+    }
+    rx
 }
 
 /// Largest number of batches one group commit takes.
@@ -603,20 +622,7 @@ impl Kv for SledKv {
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        let sent = match self.tx.lock() {
-            Ok(tx) => match tx.as_ref() {
-                Some(tx) => tx.send(Job { batch, reply }).map_err(|e| e.0.reply),
-                None => Err(reply),
-            },
-            Err(_) => Err(reply),
-        };
-        if let Err(reply) = sent {
-            if reply.send(Err(StoreError::Closed)).is_err() {
-                tracing::debug!("committer went away before it learned the store is closed");
-            }
-        }
-        rx
+        queue(&self.tx, batch)
     }
 
     fn sync(&self) -> Result<(), StoreError> {
