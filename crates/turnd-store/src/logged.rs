@@ -84,11 +84,11 @@ fn unpack(v: &[u8]) -> Result<Vec<u8>, StoreError> {
 }
 
 /// Most keys in one sled `apply_batch` of the applier.
-const APPLY_KEYS: usize = APPLY_CHUNK * 32;
+const APPLY_KEYS: usize = APPLY_CHUNK * 8;
 
 /// Keys the overlay may hold before commits wait for the applier: a burst of
 /// commits faster than sled takes them is held back here rather than in memory.
-const MAX_OVERLAY_KEYS: usize = 64 * 1024;
+const MAX_OVERLAY_KEYS: usize = 32 * 1024;
 
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;

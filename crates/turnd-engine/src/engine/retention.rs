@@ -106,12 +106,6 @@ impl Engine {
                 _ => break,
             }
         }
-        if deleted > 0 {
-            self.inner
-                .counters
-                .turns_expired
-                .fetch_add(deleted, std::sync::atomic::Ordering::Relaxed);
-        }
         Ok(deleted)
     }
 
@@ -243,6 +237,10 @@ impl Engine {
             b.put_session_meta(&meta);
         }
         store.commit(b).await?;
+        self.inner
+            .counters
+            .turns_expired
+            .fetch_add(gone.len() as u64, std::sync::atomic::Ordering::Relaxed);
 
         if forget {
             st.meta = SessionMeta::new(sid);
