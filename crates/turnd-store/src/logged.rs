@@ -448,8 +448,14 @@ fn apply_to_sled<'a>(
 }
 
 /// Wait while the overlay holds more than [`MAX_OVERLAY_KEYS`], asking the applier
-/// to run now.
-fn wait_for_room(inner: &Inner, nudge: &mpsc::Sender<Ctl>) {
+/// to run now. Err when no room came within `patience`: the applier is stuck or
+/// failing, and the group is refused rather than left waiting for good.
+fn wait_for_room(
+    inner: &Inner,
+    nudge: &mpsc::Sender<Ctl>,
+    patience: Duration,
+) -> Result<(), StoreError> {
+    let give_up = Instant::now() + patience;
     let full = || {
         inner
             .overlay
@@ -458,11 +464,17 @@ fn wait_for_room(inner: &Inner, nudge: &mpsc::Sender<Ctl>) {
             .unwrap_or(false)
     };
     while full() {
+        if Instant::now() >= give_up {
+            return Err(StoreError::Write(format!(
+                "sled behind the commit log has taken nothing for {} ms; {MAX_OVERLAY_KEYS} keys wait for it",
+                patience.as_millis()
+            )));
+        }
         if nudge.send(Ctl::Nudge).is_err() {
-            return;
+            return Ok(());
         }
         let Ok(g) = inner.applied_mx.lock() else {
-            return;
+            return Ok(());
         };
         // A timeout, so that a notification between the check and the wait is not
         // missed for long.
@@ -471,9 +483,10 @@ fn wait_for_room(inner: &Inner, nudge: &mpsc::Sender<Ctl>) {
             .wait_timeout(g, Duration::from_millis(10))
             .is_err()
         {
-            return;
+            return Ok(());
         }
     }
+    Ok(())
 }
 
 fn committer_loop(
@@ -485,13 +498,22 @@ fn committer_loop(
 ) {
     let mut last_heal: Option<Instant> = None;
     while let Ok(first) = rx.recv() {
-        wait_for_room(inner, nudge);
+        let room = wait_for_room(inner, nudge, opts.heal_interval.saturating_mul(5));
         let mut jobs = vec![first];
         while jobs.len() < MAX_GROUP {
             match rx.try_recv() {
                 Ok(j) => jobs.push(j),
                 Err(_) => break,
             }
+        }
+        if let Err(e) = room {
+            tracing::error!("refused a group of {} batches: {e}", jobs.len());
+            for job in jobs {
+                if job.reply.send(Err(e.clone())).is_err() {
+                    tracing::debug!("committer went away before its commit was refused");
+                }
+            }
+            continue;
         }
         let started = Instant::now();
         if log.is_failed() && last_heal.is_none_or(|t| t.elapsed() >= opts.heal_interval) {
