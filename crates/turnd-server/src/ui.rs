@@ -818,7 +818,7 @@ async fn workers(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
 async fn check(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     guard!(s, headers);
     let engine = s.engine.clone();
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let result = tokio::task::spawn_blocking(move || engine.check()).await;
     let took = started.elapsed();
     let vs = match result {
