@@ -107,7 +107,7 @@ $(TS_SDK)/node_modules/.ci-stamp: $(TS_SDK)/package-lock.json $(TS_SDK)/package.
 test-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## The TypeScript SDK's tests (node --test) against the built binary
 	$(CARGO) build -p turnd --bin turnd
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
-	cd $(TS_SDK) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=4 build/sdk/typescript/test/*.test.js
+	cd $(TS_SDK) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=4 --test-timeout=120000 --test-force-exit build/sdk/typescript/test/*.test.js
 
 lint-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## tsc --noEmit (strict) and Biome over the TypeScript SDK
 	cd $(TS_SDK) && npx tsc -p tsconfig.test.json --noEmit

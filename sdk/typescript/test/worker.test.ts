@@ -214,6 +214,12 @@ describe("worker", () => {
     await until("the handler to start", () => w.inflight.length === 1);
     const stopped = w.stop(5000);
     await until("the worker to drain", () => w.state === "draining");
+    // The daemon has taken the unregistration: no connected worker serves the
+    // function any more (its answer may still be on the way to the worker).
+    await until("the daemon to drop the function's worker", async () => {
+      const f = (await c.functions()).find((x) => x.functionId === "drain.gate");
+      return f !== undefined && f.workers === 0;
+    });
     // Nothing new is dispatched to a draining worker.
     const queued = await c.submit("drain-2", "drain.gate", null);
     await sleep(100);
