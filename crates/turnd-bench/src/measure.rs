@@ -312,6 +312,31 @@ impl Row {
     }
 }
 
+/// GET `path` on an admin listener (`http://ADDR`): the status and the body.
+pub async fn http_get(admin: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    use anyhow::Context;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = admin.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await?;
+    let text = String::from_utf8_lossy(&buf);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("no status line")?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

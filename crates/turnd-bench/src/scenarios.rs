@@ -587,6 +587,28 @@ fn median(v: &mut [f64]) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+/// `turnd serve` on free loopback ports over `data`, writing its addresses to
+/// `ready`, logging warnings and errors to this process's stderr.
+pub fn serve_command(turnd: &Path, data: &Path, ready: &Path) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(turnd);
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--data-dir")
+    .arg(data)
+    .arg("--ready-file")
+    .arg(ready)
+    .env("TURND_LOG", "warn")
+    .stdout(Stdio::null())
+    .stderr(Stdio::inherit())
+    .kill_on_drop(true);
+    cmd
+}
+
 /// Time from spawning `turnd serve` on `data` to its ready file (written after
 /// recovery, once it serves).
 async fn time_binary(turnd: &Path, data: &Path) -> anyhow::Result<Duration> {
@@ -595,22 +617,7 @@ async fn time_binary(turnd: &Path, data: &Path) -> anyhow::Result<Duration> {
         std::fs::remove_file(&ready)?;
     }
     let t0 = Instant::now();
-    let mut child = tokio::process::Command::new(turnd)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--data-dir")
-        .arg(data)
-        .arg("--ready-file")
-        .arg(&ready)
-        .env("TURND_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
+    let mut child = serve_command(turnd, data, &ready)
         .spawn()
         .with_context(|| format!("spawn {}", turnd.display()))?;
     let took = loop {

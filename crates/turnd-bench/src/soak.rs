@@ -21,7 +21,8 @@ use serde_json::{json, Value};
 use turnd_client::turnd_proto::TurnStatus;
 
 use crate::daemon::{callers, close_callers, Workers, ECHO};
-use crate::measure::{command_line, Latencies};
+use crate::measure::{command_line, http_get, Latencies};
+use crate::scenarios::serve_command;
 
 /// What one soak run is.
 pub struct SoakArgs {
@@ -69,21 +70,9 @@ struct Daemon {
 /// A few store gauges and counters from the daemon's `/metrics` (None: not exported
 /// by this build, or not reachable).
 async fn store_metrics(admin: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Some(addr) = admin.strip_prefix("http://") else {
+    let Ok((_, body)) = http_get(admin, "/metrics").await else {
         return String::new();
     };
-    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
-        return String::new();
-    };
-    let req = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-    if s.write_all(req.as_bytes()).await.is_err() {
-        return String::new();
-    }
-    let mut body = String::new();
-    if s.read_to_string(&mut body).await.is_err() {
-        return String::new();
-    }
     let pick = [
         "turnd_storage_checkpoints_total",
         "turnd_storage_checkpoint_seconds_total",
@@ -100,21 +89,7 @@ async fn store_metrics(admin: &str) -> String {
 
 async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
     let ready = data.with_extension("ready.json");
-    let mut cmd = tokio::process::Command::new(&a.turnd);
-    cmd.args([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-    ])
-    .arg("--data-dir")
-    .arg(data)
-    .arg("--ready-file")
-    .arg(&ready)
-    .env("TURND_LOG", "warn")
-    .stdout(std::process::Stdio::null())
-    .kill_on_drop(true);
+    let mut cmd = serve_command(&a.turnd, data, &ready);
     if let Some(ms) = a.retention_ms {
         cmd.env("TURND_RETENTION__TERMINAL_MS", ms.to_string())
             .env("TURND_RETENTION__SWEEP_INTERVAL_MS", a.sweep_ms.to_string());

@@ -4,38 +4,20 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use turnd_client::turnd_proto::{SessionOrder, SessionsListArgs};
 
 use crate::daemon::{callers, close_callers, BenchDaemon, NOBODY};
-use crate::measure::{mb, proc_status_kb, Latencies};
+use crate::measure::{http_get, mb, proc_status_kb, Latencies};
 use crate::Common;
 
 /// GET `path` on the admin listener; the status and the body's length.
 async fn get(admin: &str, path: &str) -> anyhow::Result<(u16, usize)> {
-    let addr = admin.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await?;
-    let text = String::from_utf8_lossy(&buf);
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .context("no status line")?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.len())
-        .unwrap_or(0);
-    Ok((status, body))
+    let (status, body) = http_get(admin, path).await?;
+    Ok((status, body.len()))
 }
 
 fn line(what: &str, lat: &mut Latencies, extra: &str) {

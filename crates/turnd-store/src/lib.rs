@@ -264,11 +264,19 @@ impl Store {
         self.kv.sync()
     }
 
+    /// A turn's record as stored: an input stored apart is not read back (`input`
+    /// is empty then). [`Store::turn`] reads the whole turn.
+    pub fn turn_record(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
+        self.kv
+            .get(&keys::turn(turn_id))?
+            .map(|b| decode("turn", &b))
+            .transpose()
+    }
+
     pub fn turn(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
-        let Some(bytes) = self.kv.get(&keys::turn(turn_id))? else {
+        let Some(mut t) = self.turn_record(turn_id)? else {
             return Ok(None);
         };
-        let mut t: TurnRecord = decode("turn", &bytes)?;
         if t.input.is_apart() {
             let raw = self
                 .kv

@@ -380,14 +380,7 @@ impl LoggedKv {
             ctl.send(Ctl::Flush(reply))
                 .map_err(|_| StoreError::Closed)?;
         }
-        let wait = || rx.recv().map_err(|_| StoreError::Closed)?;
-        let in_multi_thread_runtime = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if in_multi_thread_runtime {
-            tokio::task::block_in_place(wait)
-        } else {
-            wait()
-        }
+        crate::sled_kv::blocking(|| rx.recv().map_err(|_| StoreError::Closed)?)
     }
 
     /// Keys written but not yet in sled.

@@ -165,15 +165,7 @@ impl Shared {
     ) -> Result<T, StoreError> {
         let guard = match self.handle.try_read() {
             Ok(g) => Ok(g),
-            Err(TryLockError::WouldBlock) => {
-                let in_multi_thread_runtime = tokio::runtime::Handle::try_current()
-                    .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
-                if in_multi_thread_runtime {
-                    tokio::task::block_in_place(|| self.handle.read())
-                } else {
-                    self.handle.read()
-                }
-            }
+            Err(TryLockError::WouldBlock) => blocking(|| self.handle.read()),
             Err(TryLockError::Poisoned(p)) => Err(p),
         }
         .map_err(|_| StoreError::Read("store lock poisoned".into()))?;
@@ -301,6 +293,19 @@ impl Shared {
     /// Open the store after a checkpoint closed it.
     fn reopen(&self) -> Result<Handle, StoreError> {
         open_when_unlocked(|| Handle::open(&self.dir, self.opts.cache_mb))
+    }
+}
+
+/// Run `f`, which may block for a while: on a worker thread of a multi-threaded tokio
+/// runtime inside `block_in_place`, so that the runtime's other tasks move to other
+/// threads; elsewhere (a plain thread, a current-thread runtime) as it is.
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    let in_multi_thread_runtime = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+    if in_multi_thread_runtime {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
     }
 }
 

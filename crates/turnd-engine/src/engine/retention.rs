@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use turnd_proto::{Event, EventKind};
-use turnd_store::{keys, Batch, SessionMeta, Store, StoreError, TurnRecord};
+use turnd_store::{keys, Batch, SessionMeta, Store, StoreError};
 
 use super::{Engine, SessionCell};
 
@@ -41,10 +41,6 @@ use super::{Engine, SessionCell};
 const TURN_PAGE: usize = 512;
 /// Event values read per page of a session's event scan.
 const EVENT_PAGE: usize = 64;
-
-fn decode_turn(bytes: &[u8]) -> Result<TurnRecord, StoreError> {
-    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt(format!("turn: {e}")))
-}
 
 impl Engine {
     /// Start the sweep task (nothing when retention is off).
@@ -121,10 +117,9 @@ impl Engine {
         for id in turn_ids {
             // The record under the lock is the truth (a late result may have
             // amended it since the page was read).
-            let Some(bytes) = kv.get(&keys::turn(id))? else {
+            let Some(t) = store.turn_record(id)? else {
                 continue;
             };
-            let t = decode_turn(&bytes)?;
             if !(t.status.is_terminal() && t.finished_at_ms.is_some_and(|f| f <= cutoff)) {
                 continue;
             }
