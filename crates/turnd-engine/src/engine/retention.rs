@@ -3,9 +3,10 @@
 //! A sweep runs every `retention_sweep_interval_ms`. It reads the turn records in key
 //! order (turn ids are UUIDv7, so oldest first) and stops at the first turn created
 //! after the cutoff (`now - retention_terminal_ms`): a turn cannot have finished
-//! before it was created. Every terminal turn among them whose `finished_at_ms` is at
-//! or before the cutoff is deleted under its session's lock, in one durable batch per
-//! session, with everything that belongs to it alone:
+//! before it was created. It gathers the terminal turns among them whose
+//! `finished_at_ms` is at or before the cutoff (up to [`SWEEP_BATCH`] at a time),
+//! groups them by session and deletes each session's in one durable batch, with
+//! everything that belongs to them alone:
 //!
 //! - its record, its input stored apart, its place in the session's turn list;
 //! - its idempotency key (when it still names this turn), so the key can be used
@@ -23,24 +24,233 @@
 //! answers `not_found`, and a later submit starts it again from `seq` 1. Unfinished
 //! turns are never deleted, however old.
 //!
-//! A sweep is a run of ordinary commits through the group commit: it never holds a
-//! session's lock across more than that session's own batch, and never pauses other
-//! commits.
+//! **No stalls.** Everything a sweep reads (turn records, idempotency keys, event
+//! values) is read *without* the session's lock, on a blocking thread: a read that
+//! waits for sled (an apply round or a checkpoint holding it) delays the sweep, never
+//! the session. The lock is taken only to check that nothing changed what was read
+//! and to commit. A terminal turn changes only with a transition of its session, and
+//! every transition appends an event, so the check is the session's last event
+//! `seq`: when it moved since the reads, the events written since are read (again
+//! without the lock) and the sweep leaves the session for the next sweep if any of
+//! them is about a turn it meant to delete (a late result amending it); otherwise it
+//! checks again. After a few rounds of a very busy session, that last read is done
+//! under the lock.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
-use turnd_proto::{Event, EventKind};
+use tokio::runtime::RuntimeFlavor;
+use turnd_proto::{Event, EventKind, TurnCounts, TurnStatus};
 use turnd_store::{keys, Batch, SessionMeta, Store, StoreError};
 
 use super::{Engine, SessionCell};
 
 /// Turn records read per page of a sweep.
 const TURN_PAGE: usize = 512;
+/// Most turns a sweep gathers before it deletes them (and reads on).
+const SWEEP_BATCH: usize = 4096;
 /// Event values read per page of a session's event scan.
 const EVENT_PAGE: usize = 64;
+/// Times the lock-free check of a session's new events is repeated before it is done
+/// under the lock.
+const RECHECKS: usize = 4;
+
+/// A terminal turn to delete, as the sweep read it.
+struct Expired {
+    turn_id: String,
+    seq: u64,
+    status: TurnStatus,
+    idempotency_key: Option<String>,
+    invocation_id: Option<String>,
+}
+
+/// What deleting one session's expired turns writes, read without its lock.
+struct Plan {
+    batch: Batch,
+    gone: HashSet<String>,
+    statuses: Vec<TurnStatus>,
+    pruned: bool,
+    /// Keys of every event value of the session (read only when the session was
+    /// expected to be left with no turn, to forget it).
+    all_values: Option<Vec<Vec<u8>>>,
+}
+
+/// Run a function that reads the store: on the blocking pool of a multi-threaded
+/// runtime (a sled read may wait for an apply round or a checkpoint), inline
+/// elsewhere (tests on a current-thread runtime).
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    let multi = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+    if !multi {
+        return f();
+    }
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| StoreError::Read(format!("retention read task: {e}")))?
+}
+
+/// From `from` on, the expired turns of up to [`SWEEP_BATCH`] (a page more at most),
+/// by session, and where the next gathering starts (None: past the cutoff or at the
+/// end).
+#[allow(clippy::type_complexity)]
+fn gather(
+    store: &Store,
+    mut from: Vec<u8>,
+    cutoff: u64,
+) -> Result<(BTreeMap<String, Vec<Expired>>, Option<Vec<u8>>), StoreError> {
+    let mut by_session: BTreeMap<String, Vec<Expired>> = BTreeMap::new();
+    let mut n = 0;
+    loop {
+        let (page, next) = store.turns_page(&from, TURN_PAGE)?;
+        for t in page {
+            if t.created_at_ms > cutoff {
+                return Ok((by_session, None));
+            }
+            if t.status.is_terminal() && t.finished_at_ms.is_some_and(|f| f <= cutoff) {
+                n += 1;
+                by_session.entry(t.session_id).or_default().push(Expired {
+                    turn_id: t.turn_id,
+                    seq: t.seq,
+                    status: t.status,
+                    idempotency_key: t.idempotency_key,
+                    invocation_id: t.invocation_id,
+                });
+            }
+        }
+        match next {
+            Some(next) if n < SWEEP_BATCH => from = next,
+            next => return Ok((by_session, next)),
+        }
+    }
+}
+
+fn total(c: &TurnCounts) -> u64 {
+    c.queued + c.running + c.completed + c.failed + c.cancelled
+}
+
+/// Read what deleting `expired` of session `sid` writes (see the module doc).
+/// `counts` are the session's counts when the reads began: when the deleted turns
+/// are all of them, every event value is read, to forget the session.
+fn plan(
+    store: &Store,
+    sid: &str,
+    expired: Vec<Expired>,
+    cutoff: u64,
+    counts: &TurnCounts,
+) -> Result<Plan, StoreError> {
+    let kv = store.kv();
+    let mut b = Batch::new();
+    let mut gone: HashSet<String> = HashSet::new();
+    let mut statuses = Vec::new();
+    for t in expired {
+        b.delete(keys::turn(&t.turn_id));
+        b.delete(keys::turn_input(&t.turn_id));
+        b.delete(keys::session_turn(sid, t.seq));
+        if let Some(k) = &t.idempotency_key {
+            if store
+                .idempotency(sid, k)?
+                .is_some_and(|r| r.turn_id == t.turn_id)
+            {
+                b.delete(keys::idempotency(sid, k));
+            }
+        }
+        if let Some(inv) = &t.invocation_id {
+            b.delete(keys::invocation(inv));
+        }
+        statuses.push(t.status);
+        gone.insert(t.turn_id);
+    }
+    let read_all = total(counts) <= gone.len() as u64;
+    let mut all_values = read_all.then(Vec::new);
+
+    // Events: up to the first value written after the cutoff (all of them when the
+    // session is expected to be forgotten).
+    let mut exists: HashMap<String, bool> = HashMap::new();
+    let mut is_gone = |e: &Event| -> Result<bool, StoreError> {
+        if gone.contains(&e.turn_id) {
+            return Ok(true);
+        }
+        if let Some(known) = exists.get(&e.turn_id) {
+            return Ok(!known);
+        }
+        // A turn that still has its record remains (unfinished turns have theirs
+        // from admission on); one without is gone since an earlier sweep.
+        let found = kv.get(&keys::turn(&e.turn_id))?.is_some();
+        exists.insert(e.turn_id.clone(), found);
+        Ok(!found)
+    };
+    let mut pruned = false;
+    let mut from: Option<Vec<u8>> = None;
+    'scan: loop {
+        let (values, next) = store.event_values_page(sid, from.as_deref(), EVENT_PAGE)?;
+        for (key, events) in values {
+            if events.first().is_some_and(|e| e.at_ms > cutoff) {
+                match all_values.as_mut() {
+                    Some(all) => {
+                        all.push(key);
+                        continue;
+                    }
+                    None => break 'scan,
+                }
+            }
+            if let Some(all) = all_values.as_mut() {
+                all.push(key.clone());
+            }
+            let mut dead = Vec::new();
+            let mut kept = Vec::new();
+            for e in events {
+                if is_gone(&e)? {
+                    dead.push(e);
+                } else {
+                    kept.push(e);
+                }
+            }
+            if dead.is_empty() {
+                continue;
+            }
+            for e in &dead {
+                if e.kind == EventKind::Dispatched {
+                    if let Some(inv) = e.detail.get("invocation_id").and_then(Value::as_str) {
+                        b.delete(keys::invocation(inv));
+                    }
+                }
+            }
+            pruned = true;
+            b.delete(key);
+            // Keyed by the last kept event; written after the delete, so it wins
+            // when that is the same key.
+            b.put_events(&kept);
+        }
+        match next {
+            Some(n) => from = Some(n),
+            None => break,
+        }
+    }
+    Ok(Plan {
+        batch: b,
+        gone,
+        statuses,
+        pruned,
+        all_values,
+    })
+}
+
+/// Whether an event of `sid` after `after` is about one of the turns in `gone`.
+fn touched(
+    store: &Store,
+    sid: &str,
+    after: u64,
+    gone: &HashSet<String>,
+) -> Result<bool, StoreError> {
+    Ok(store
+        .events(sid, after, usize::MAX)?
+        .iter()
+        .any(|e| gone.contains(&e.turn_id)))
+}
 
 impl Engine {
     /// Start the sweep task (nothing when retention is off).
@@ -82,156 +292,109 @@ impl Engine {
         let mut from = Store::FIRST.to_vec();
         let mut deleted = 0;
         loop {
-            let (page, next) = self.inner.store.turns_page(&from, TURN_PAGE)?;
-            let mut by_session: BTreeMap<String, Vec<String>> = BTreeMap::new();
-            let mut past_cutoff = false;
-            for t in page {
-                if t.created_at_ms > cutoff {
-                    past_cutoff = true;
-                    break;
-                }
-                if t.status.is_terminal() && t.finished_at_ms.is_some_and(|f| f <= cutoff) {
-                    by_session.entry(t.session_id).or_default().push(t.turn_id);
-                }
-            }
+            let store = self.inner.store.clone();
+            let (by_session, next) = off_runtime(move || gather(&store, from, cutoff)).await?;
             for (sid, turns) in by_session {
-                deleted += self.expire(&sid, &turns, cutoff).await?;
+                deleted += self.expire(&sid, turns, cutoff).await?;
             }
             match next {
-                Some(n) if !past_cutoff => from = n,
-                _ => break,
+                Some(n) => from = n,
+                None => break,
             }
         }
         Ok(deleted)
     }
 
-    /// Delete the expired turns among `turn_ids` of one session (see the module doc).
-    async fn expire(&self, sid: &str, turn_ids: &[String], cutoff: u64) -> Result<u64, StoreError> {
+    /// Delete the expired turns of one session (see the module doc).
+    async fn expire(
+        &self,
+        sid: &str,
+        expired: Vec<Expired>,
+        cutoff: u64,
+    ) -> Result<u64, StoreError> {
         let cell = self.cell(sid);
-        let mut st = self.lock(&cell).await?;
-        let store = &self.inner.store;
-        let kv = store.kv();
-        let mut b = Batch::new();
-        let mut gone: HashSet<String> = HashSet::new();
-        let mut gone_statuses = Vec::new();
-        for id in turn_ids {
-            // The record under the lock is the truth (a late result may have
-            // amended it since the page was read).
-            let Some(t) = store.turn_record(id)? else {
-                continue;
-            };
-            if !(t.status.is_terminal() && t.finished_at_ms.is_some_and(|f| f <= cutoff)) {
-                continue;
-            }
-            b.delete(keys::turn(id));
-            b.delete(keys::turn_input(id));
-            b.delete(keys::session_turn(sid, t.seq));
-            if let Some(k) = &t.idempotency_key {
-                if store
-                    .idempotency(sid, k)?
-                    .is_some_and(|r| r.turn_id == t.turn_id)
-                {
-                    b.delete(keys::idempotency(sid, k));
-                }
-            }
-            if let Some(inv) = &t.invocation_id {
-                b.delete(keys::invocation(inv));
-            }
-            gone_statuses.push(t.status);
-            gone.insert(t.turn_id);
-        }
-        if gone.is_empty() {
+        let (planned_at, counts) = {
+            let st = self.lock(&cell).await?;
+            (st.meta.last_event_seq, st.meta.counts.clone())
+        };
+        let mut seen = planned_at;
+        let store = self.inner.store.clone();
+        let owned_sid = sid.to_string();
+        let plan = off_runtime(move || plan(&store, &owned_sid, expired, cutoff, &counts)).await?;
+        if plan.gone.is_empty() {
             return Ok(0);
         }
+        let gone = Arc::new(plan.gone);
 
-        // Events: read up to the first value written after the cutoff.
-        let live: HashSet<&str> = st.active.iter().map(|t| t.turn_id.as_str()).collect();
-        let mut exists: HashMap<String, bool> = HashMap::new();
-        let mut is_gone = |e: &Event| -> Result<bool, StoreError> {
-            if gone.contains(&e.turn_id) {
-                return Ok(true);
+        // Under the lock only if nothing touched the turns since the reads.
+        let mut rechecks = 0;
+        let mut st = loop {
+            let st = self.lock(&cell).await?;
+            let now = st.meta.last_event_seq;
+            if now == seen {
+                break st;
             }
-            if live.contains(e.turn_id.as_str()) {
-                return Ok(false);
+            if rechecks == RECHECKS {
+                if touched(&self.inner.store, sid, seen, &gone)? {
+                    return Ok(0);
+                }
+                break st;
             }
-            if let Some(known) = exists.get(&e.turn_id) {
-                return Ok(!known);
+            drop(st);
+            rechecks += 1;
+            let (store, owned_sid, g) = (self.inner.store.clone(), sid.to_string(), gone.clone());
+            if off_runtime(move || touched(&store, &owned_sid, seen, &g)).await? {
+                // A late result changed one of them: the next sweep reads it again.
+                return Ok(0);
             }
-            let found = kv.get(&keys::turn(&e.turn_id))?.is_some();
-            exists.insert(e.turn_id.clone(), found);
-            Ok(!found)
+            seen = now;
         };
-        let mut pruned = false;
-        let mut from: Option<Vec<u8>> = None;
-        'scan: loop {
-            let (values, next) = store.event_values_page(sid, from.as_deref(), EVENT_PAGE)?;
-            for (key, events) in values {
-                if events.first().is_some_and(|e| e.at_ms > cutoff) {
-                    break 'scan;
-                }
-                let mut dead = Vec::new();
-                let mut kept = Vec::new();
-                for e in events {
-                    if is_gone(&e)? {
-                        dead.push(e);
-                    } else {
-                        kept.push(e);
-                    }
-                }
-                if dead.is_empty() {
-                    continue;
-                }
-                for e in &dead {
-                    if e.kind == EventKind::Dispatched {
-                        if let Some(inv) = e.detail.get("invocation_id").and_then(Value::as_str) {
-                            b.delete(keys::invocation(inv));
-                        }
-                    }
-                }
-                pruned = true;
-                b.delete(key);
-                // Keyed by the last kept event; written after the delete, so it wins
-                // when that is the same key.
-                b.put_events(&kept);
-            }
-            match next {
-                Some(n) => from = Some(n),
-                None => break,
-            }
-        }
 
+        let mut b = plan.batch;
         let mut counts = st.meta.counts.clone();
-        for s in &gone_statuses {
+        for s in &plan.statuses {
             let c = counts.get_mut(*s);
             *c = c.saturating_sub(1);
         }
-        let left =
-            counts.queued + counts.running + counts.completed + counts.failed + counts.cancelled;
-        let forget = left == 0
+        let forget = total(&counts) == 0
             && st.active.len() == 0
             && st.pending.is_none()
             && st.timer.is_none()
             && !self.watched(sid);
         if forget {
-            let mut from: Option<Vec<u8>> = None;
-            loop {
-                let (values, next) = store.event_values_page(sid, from.as_deref(), EVENT_PAGE)?;
-                for (key, _) in values {
-                    b.delete(key);
+            match plan.all_values {
+                // Read when the counts were what they are now (the last event seq
+                // did not move since), so these are all of them.
+                Some(all) if planned_at == st.meta.last_event_seq => {
+                    for k in all {
+                        b.delete(k);
+                    }
                 }
-                match next {
-                    Some(n) => from = Some(n),
-                    None => break,
+                _ => {
+                    let mut from: Option<Vec<u8>> = None;
+                    loop {
+                        let (values, next) =
+                            self.inner
+                                .store
+                                .event_values_page(sid, from.as_deref(), EVENT_PAGE)?;
+                        for (key, _) in values {
+                            b.delete(key);
+                        }
+                        match next {
+                            Some(n) => from = Some(n),
+                            None => break,
+                        }
+                    }
                 }
             }
             b.delete(keys::session_meta(sid));
         } else {
             let mut meta = st.meta.clone();
             meta.counts = counts.clone();
-            meta.events_pruned |= pruned;
+            meta.events_pruned |= plan.pruned;
             b.put_session_meta(&meta);
         }
-        store.commit(b).await?;
+        self.inner.store.commit(b).await?;
         self.inner
             .counters
             .turns_expired
@@ -241,10 +404,10 @@ impl Engine {
             st.meta = SessionMeta::new(sid);
         } else {
             st.meta.counts = counts;
-            st.meta.events_pruned |= pruned;
+            st.meta.events_pruned |= plan.pruned;
         }
         if let Ok(mut c) = self.inner.counts.lock() {
-            for s in &gone_statuses {
+            for s in &plan.statuses {
                 let n = c.get_mut(*s);
                 *n = n.saturating_sub(1);
             }
