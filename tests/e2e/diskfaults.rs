@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde_json::json;
 use turnd_client::turnd_proto::{ErrorCode, ListArgs, TurnStatus};
 use turnd_client::{Caller, ClientError, WorkerHandle};
-use turnd_tests::{echo_worker, faultfs_lib, http_get, BinDaemon};
+use turnd_tests::{echo_worker, faultfs_lib, http_get, metric, BinDaemon};
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -171,5 +171,142 @@ async fn the_fault_library_without_flags_changes_nothing() -> anyhow::Result<()>
     let c = Caller::connect(&d.url, None).await?;
     run_turns(&c, 0, 5).await?;
     w.shutdown();
+    stop(d).await
+}
+
+/// A full disk under load: four sessions keep submitting turns while every
+/// write of the commit log (and of sled) fails with `ENOSPC` for a while. Submits
+/// are refused with `unavailable` and `/readyz` answers 503 meanwhile; once space is
+/// back the daemon takes writes again without a restart, every turn it acknowledged
+/// (before, during or after) completes, and after `SIGKILL` and a restart every one
+/// is there with its output, nothing refused is, and `store.check` is clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let flags = dir.path().join("faultfs");
+    std::fs::create_dir(&flags)?;
+    let lib = faultfs_lib()?;
+    let (lib, flags_s) = (lib.to_string_lossy(), flags.to_string_lossy());
+    let d = BinDaemon::start(
+        &data,
+        &[
+            ("LD_PRELOAD", &lib),
+            ("TURND_FAULTFS_DIR", &flags_s),
+            ("TURND_STORAGE__HEAL_INTERVAL_MS", HEAL_MS),
+            ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
+        ],
+    )
+    .await?;
+    let w = echo_worker(&d.url, "w-full", 8).await;
+    let c = Arc::new(Caller::connect(&d.url, None).await?);
+    let acked: Arc<Mutex<Vec<(String, String, u64)>>> = Arc::default();
+    let refusals = Arc::new(Mutex::new(0u64));
+    let halt = Arc::new(AtomicBool::new(false));
+    let mut load = tokio::task::JoinSet::new();
+    for s in 0..4 {
+        let (c, acked, refusals, halt) = (c.clone(), acked.clone(), refusals.clone(), halt.clone());
+        load.spawn(async move {
+            let session = format!("full-{s}");
+            let mut i = 0u64;
+            while !halt.load(Ordering::Relaxed) {
+                i += 1;
+                match c.submit_simple(&session, "echo", json!(i)).await {
+                    Ok(t) => {
+                        acked
+                            .lock()
+                            .map_err(|_| anyhow::anyhow!("poisoned"))?
+                            .push((session.clone(), t.turn_id.clone(), i));
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    Err(e) if e.code() == Some(ErrorCode::Unavailable) => {
+                        *refusals.lock().map_err(|_| anyhow::anyhow!("poisoned"))? += 1;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Ok::<(), anyhow::Error>(())
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::write(flags.join("disk-full"), b"")?;
+    turnd_tests::eventually(5, "/readyz 503 while the disk is full", || async {
+        matches!(http_get(&d.admin, "/readyz").await, Ok((503, _))).then_some(())
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = *refusals.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    assert!(during > 0, "no submit was refused while the disk was full");
+    std::fs::remove_file(flags.join("disk-full"))?;
+    let acked_before_room = acked.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
+    turnd_tests::eventually(5, "/readyz 200 once space is back", || async {
+        matches!(http_get(&d.admin, "/readyz").await, Ok((200, _))).then_some(())
+    })
+    .await?;
+    // The load goes on with room again; then it stops and every acknowledged turn
+    // must have completed (each session waited for its own).
+    turnd_tests::eventually(5, "submits acknowledged again", || {
+        let acked = acked.clone();
+        async move { (acked.lock().ok()?.len() >= acked_before_room + 8).then_some(()) }
+    })
+    .await?;
+    halt.store(true, Ordering::Relaxed);
+    while let Some(r) = load.join_next().await {
+        r??;
+    }
+    let acked = acked
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    // Every acknowledged turn completes, without a restart.
+    for (_, id, _) in &acked {
+        let done = c.wait_terminal(id, WAIT).await?;
+        assert_eq!(done.status, TurnStatus::Completed, "{done:?}");
+    }
+    // sled, which refuses every write after a failed one until it is opened again,
+    // takes the commit log's records again: nothing is left waiting for it.
+    turnd_tests::eventually(5, "sled takes the commit log's records again", || async {
+        let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
+        (metric(&m, "turnd_storage_unapplied_keys")? == 0.0).then_some(())
+    })
+    .await?;
+    assert_eq!(http_get(&d.admin, "/healthz").await?.0, 200);
+    drop(c);
+    w.shutdown();
+    d.kill().await?;
+
+    let d = BinDaemon::start(&data, &[]).await?;
+    let c = Caller::connect(&d.url, None).await?;
+    let mut by_session: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for (session, id, i) in &acked {
+        let t = c.get(id).await?;
+        assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
+        assert_eq!(t.output, Some(json!(i)), "{t:?}");
+        by_session
+            .entry(session.clone())
+            .or_default()
+            .push(id.clone());
+    }
+    // Nothing refused left a turn behind.
+    for (session, mut want) in by_session {
+        let listed = c
+            .list(ListArgs {
+                session_id: session.clone(),
+                status: None,
+                limit: Some(1000),
+                before_seq: None,
+            })
+            .await?;
+        let mut ids: Vec<String> = listed.turns.into_iter().map(|t| t.turn_id).collect();
+        ids.sort();
+        want.sort();
+        assert_eq!(ids, want, "the turns of {session} after the restart");
+    }
+    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
+    let v = op.store_check().await?;
+    assert!(v.is_empty(), "store.check after the restart: {v:?}");
     stop(d).await
 }

@@ -2,9 +2,10 @@
 //!
 //! Loaded into the real `turnd` binary, it interposes the C library's `pwrite64`,
 //! `pwrite`, `fdatasync` and `fsync`. While the file `fail-writes` exists in the
-//! directory named by `TURND_FAULTFS_DIR`, every positioned write (how sled writes its
-//! log) fails with `EIO`; while `fail-syncs` exists there, every `fdatasync` and
-//! `fsync` fails with `EIO`. Otherwise each call goes to the C library unchanged. The
+//! directory named by `TURND_FAULTFS_DIR`, every positioned write (how the commit log
+//! and sled write) fails with `EIO`; while `disk-full` exists there, every positioned
+//! write fails with `ENOSPC`, as on a full disk; while `fail-syncs` exists there, every
+//! `fdatasync` and `fsync` fails with `EIO`. Otherwise each call goes to the C library unchanged. The
 //! flags are looked up on every call, so a test switches the disk between working and
 //! failing while the daemon runs. Nothing else is changed, and without
 //! `TURND_FAULTFS_DIR` the library does nothing at all.
@@ -22,6 +23,7 @@ use libc::{off64_t, off_t, size_t, ssize_t};
 /// The flag files, from `TURND_FAULTFS_DIR` (None: never fail).
 struct Flags {
     writes: CString,
+    full: CString,
     syncs: CString,
 }
 
@@ -32,6 +34,7 @@ fn flags() -> Option<&'static Flags> {
             let dir = std::env::var("TURND_FAULTFS_DIR").ok()?;
             Some(Flags {
                 writes: CString::new(format!("{dir}/fail-writes")).ok()?,
+                full: CString::new(format!("{dir}/disk-full")).ok()?,
                 syncs: CString::new(format!("{dir}/fail-syncs")).ok()?,
             })
         })
@@ -63,9 +66,23 @@ fn guarded<R: From<i8>>(pick: fn(&Flags) -> &CString, call: impl FnOnce() -> Opt
             return r;
         }
     }
+    fail(libc::EIO)
+}
+
+/// -1 with `errno` set to `code`.
+fn fail<R: From<i8>>(code: c_int) -> R {
     // SAFETY: `__errno_location` returns the calling thread's errno slot.
-    unsafe { *libc::__errno_location() = libc::EIO };
+    unsafe { *libc::__errno_location() = code };
     R::from(-1)
+}
+
+/// A positioned write: `ENOSPC` while `disk-full` exists, else as [`guarded`] with
+/// `fail-writes`.
+fn write_guarded(call: impl FnOnce() -> Option<ssize_t>) -> ssize_t {
+    if failing(|f| &f.full) {
+        return fail(libc::ENOSPC);
+    }
+    guarded(|f| &f.writes, call)
 }
 
 /// The next definition of `name` (NUL-terminated) after this library: the C
@@ -92,7 +109,8 @@ type PwriteFn = unsafe extern "C" fn(c_int, *const c_void, size_t, off_t) -> ssi
 type Pwrite64Fn = unsafe extern "C" fn(c_int, *const c_void, size_t, off64_t) -> ssize_t;
 type SyncFn = unsafe extern "C" fn(c_int) -> c_int;
 
-/// Interposed `pwrite64`: fails with `EIO` while `fail-writes` exists.
+/// Interposed `pwrite64`: fails with `ENOSPC` while `disk-full` exists, with `EIO`
+/// while `fail-writes` exists.
 ///
 /// # Safety
 ///
@@ -104,13 +122,11 @@ pub unsafe extern "C" fn pwrite64(
     count: size_t,
     offset: off64_t,
 ) -> ssize_t {
-    guarded(
-        |f| &f.writes,
-        || real!("pwrite64", Pwrite64Fn).map(|f| f(fd, buf, count, offset)),
-    )
+    write_guarded(|| real!("pwrite64", Pwrite64Fn).map(|f| f(fd, buf, count, offset)))
 }
 
-/// Interposed `pwrite`: fails with `EIO` while `fail-writes` exists.
+/// Interposed `pwrite`: fails with `ENOSPC` while `disk-full` exists, with `EIO`
+/// while `fail-writes` exists.
 ///
 /// # Safety
 ///
@@ -122,10 +138,7 @@ pub unsafe extern "C" fn pwrite(
     count: size_t,
     offset: off_t,
 ) -> ssize_t {
-    guarded(
-        |f| &f.writes,
-        || real!("pwrite", PwriteFn).map(|f| f(fd, buf, count, offset)),
-    )
+    write_guarded(|| real!("pwrite", PwriteFn).map(|f| f(fd, buf, count, offset)))
 }
 
 /// Interposed `fdatasync`: fails with `EIO` while `fail-syncs` exists.

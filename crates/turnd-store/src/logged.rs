@@ -31,9 +31,15 @@
 //! groups until it has written zeros over what the failed group may have left,
 //! which it tries again every `heal_interval`, and appends go on once that worked.
 //! A full disk fails the group that needed a new segment, and the next group tries
-//! again. A failed apply or flush of sled loses nothing (the log still holds it)
-//! and is tried again at the next interval; the log is not trimmed meanwhile. A
-//! committer or applier thread that ended unexpectedly makes [`Kv::health`] fail.
+//! again. A failed apply or flush of sled loses nothing (the log still holds it) and
+//! is tried again at the next interval; the log is not trimmed meanwhile. sled
+//! refuses every write after a failed one until it is opened again, so the applier,
+//! at most every `heal_interval` and once a probe write and sync in the data
+//! directory work, closes sled and opens it again and writes to it what the log
+//! holds past the applied mark sled recovered ([`wal::read_range`]); what the old
+//! handle held only in memory is written again that way. A committer or applier
+//! thread that ended unexpectedly makes [`Kv::health`] fail, and so does sled
+//! failing for 10 × `heal_interval` while the disk takes writes.
 //!
 //! Both threads run outside any tokio runtime and time real disk work with
 //! `std::time`; no tokio timer depends on them.
@@ -266,19 +272,7 @@ impl LoggedKv {
     pub fn open(dir: &Path, opts: LoggedOptions) -> Result<(LoggedKv, Replayed), StoreError> {
         let started = Instant::now();
         let sled = Arc::new(Shared::open(dir, opts.sled)?);
-        let applied = sled.with(|h| {
-            h.db.get(APPLIED_KEY)
-                .map_err(|e| StoreError::Read(e.to_string()))
-        })?;
-        let applied = match applied {
-            Some(v) => {
-                let b: [u8; 8] = v.as_ref().try_into().map_err(|_| {
-                    StoreError::Corrupt(format!("applied mark of {} bytes", v.len()))
-                })?;
-                u64::from_be_bytes(b)
-            }
-            None => 0,
-        };
+        let applied = applied_mark(&sled)?;
         let log_dir = dir.join("log");
         let opened = CommitLog::open(&log_dir, opts.segment_bytes, applied)?;
         let closed = opened.log.closed();
@@ -396,6 +390,46 @@ impl Drop for LoggedKv {
                 tracing::error!("failed to close store: {e}");
             }
         }
+    }
+}
+
+/// Bytes [`probe_disk`] writes.
+const PROBE_BYTES: usize = 64 * 1024;
+
+/// Write, sync and remove a small file in `dir`: Err while the disk refuses writes
+/// (full, or failing).
+fn probe_disk(dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::FileExt;
+    let path = dir.join("write-probe");
+    let r = std::fs::File::create(&path)
+        .and_then(|f| {
+            f.write_all_at(&[0u8; PROBE_BYTES], 0)?;
+            f.sync_data()
+        })
+        .map_err(|e| StoreError::Write(format!("the disk still refuses writes: {e}")));
+    if let Err(e) = std::fs::remove_file(&path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::debug!("remove {path:?}: {e}");
+        }
+    }
+    r
+}
+
+/// The last lsn sled holds (its [`APPLIED_KEY`]; 0 for a new store).
+fn applied_mark(sled: &Shared) -> Result<u64, StoreError> {
+    let v = sled.with(|h| {
+        h.db.get(APPLIED_KEY)
+            .map_err(|e| StoreError::Read(e.to_string()))
+    })?;
+    match v {
+        Some(v) => {
+            let b: [u8; 8] = v
+                .as_ref()
+                .try_into()
+                .map_err(|_| StoreError::Corrupt(format!("applied mark of {} bytes", v.len())))?;
+            Ok(u64::from_be_bytes(b))
+        }
+        None => Ok(0),
     }
 }
 
@@ -563,6 +597,9 @@ struct Applier<'a> {
     inner: &'a Inner,
     checkpoints: Checkpoints,
     applied: u64,
+    /// When sled was last opened again after failing (see [`Applier::repair`]).
+    last_repair: Option<Instant>,
+    heal_interval: Duration,
 }
 
 impl Applier<'_> {
@@ -681,9 +718,64 @@ impl Applier<'_> {
                     }
                 };
                 *err = Some((e.to_string(), since));
+                drop(err);
+                if self
+                    .last_repair
+                    .is_none_or(|t| t.elapsed() >= self.heal_interval)
+                {
+                    self.last_repair = Some(Instant::now());
+                    match self.repair() {
+                        Ok(Some(n)) => tracing::info!(
+                            "opened sled again after a failed write and wrote {n} records of the commit log to it again"
+                        ),
+                        Ok(None) => {
+                            // The disk itself refuses writes: a restart would not
+                            // help, so `/healthz` is not failed for it.
+                            if let Ok(mut err) = self.inner.apply_error.lock() {
+                                if let Some((_, since)) = err.as_mut() {
+                                    *since = Instant::now();
+                                }
+                            }
+                        }
+                        Err(e) => tracing::warn!("sled could not be opened again yet: {e}"),
+                    }
+                }
             }
         }
         r
+    }
+
+    /// After a failed write sled refuses every later one until it is opened again:
+    /// open it again, then write to it what the commit log holds past the mark sled
+    /// recovered (what the failed handle held only in memory is gone with it; the
+    /// log is trimmed only past what sled synced, so it still has all of that).
+    /// Returns the records written again (None: the disk still refuses a write, and
+    /// sled was left as it is). The next round applies the overlay.
+    fn repair(&mut self) -> Result<Option<usize>, StoreError> {
+        let sled = &self.inner.sled;
+        // Closing sled while the disk still fails would leave reads without a store
+        // until it works again: first see that a write and a sync work.
+        if let Err(e) = probe_disk(sled.dir()) {
+            tracing::debug!("sled not opened again: {e}");
+            return Ok(None);
+        }
+        sled.reopen_after_failure()?;
+        let mark = applied_mark(sled)?;
+        let upto = self
+            .inner
+            .overlay
+            .read()
+            .map_err(|_| lock_err("overlay"))?
+            .committed;
+        if upto <= mark {
+            return Ok(Some(0));
+        }
+        let records = wal::read_range(&self.inner.log_dir, mark, upto)?;
+        let map = coalesce(&records)?;
+        apply_to_sled(sled, map.iter().map(|(k, v)| (k, v.as_deref())), Some(upto))?;
+        // The next round writes the overlay (values at least as new) again.
+        self.applied = mark;
+        Ok(Some(records.len()))
     }
 }
 
@@ -692,6 +784,8 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         inner,
         checkpoints: Checkpoints::new(&opts.sled),
         applied,
+        last_repair: None,
+        heal_interval: opts.heal_interval,
     };
     loop {
         // Behind (a quarter of the overlay's room used): no pause between rounds.

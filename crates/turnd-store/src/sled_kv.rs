@@ -193,6 +193,11 @@ impl Shared {
         })
     }
 
+    /// The directory sled lives in.
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     fn poison_reason(&self) -> Option<String> {
         self.poisoned.lock().ok().and_then(|p| p.clone())
     }
@@ -288,6 +293,28 @@ impl Shared {
                 Err(e)
             }
         }
+    }
+
+    /// Close sled without syncing it and open it again: after an I/O error sled
+    /// refuses every later write until it is opened again. What the closed handle
+    /// held in memory and had not made durable is lost; its owner writes it again
+    /// (the commit log in front of sled keeps it). Readers wait meanwhile.
+    pub(crate) fn reopen_after_failure(&self) -> Result<(), StoreError> {
+        let mut slot = self
+            .handle
+            .write()
+            .map_err(|_| StoreError::Write("store lock poisoned".into()))?;
+        let old = slot.take();
+        // sled's drop flushes once more and may panic when the disk still fails.
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(old))).is_err() {
+            tracing::warn!("closing the failed sled handle panicked; opening it again anyway");
+        }
+        let h = self.reopen()?;
+        if let Ok(mut synced) = self.synced_blobs.lock() {
+            synced.clear();
+        }
+        *slot = Some(h);
+        Ok(())
     }
 
     /// Open the store after a checkpoint closed it.
