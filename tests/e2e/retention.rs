@@ -1,7 +1,8 @@
 //! Retention through the real binary: terminal turns are deleted within
 //! `terminal_ms + 2 × sweep_interval_ms` with everything that belongs to them, a
 //! session left with no turn is forgotten, unfinished turns stay however old, a freed
-//! idempotency key can be used again, and all of it holds across a restart.
+//! idempotency key can be used again, and all of it holds across a restart and
+//! across SIGKILL in the middle of sweeps.
 
 use std::time::{Duration, Instant};
 
@@ -152,6 +153,262 @@ async fn terminal_turns_expire_and_unfinished_ones_stay() -> anyhow::Result<()> 
     let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
     let v = op.store_check().await?;
     assert!(v.is_empty(), "store.check: {v:?}");
+    let status = d.terminate().await?;
+    assert!(status.success(), "turnd exited with {status}");
+    Ok(())
+}
+
+/// What the test saw of one acknowledged turn.
+#[derive(Debug, Clone)]
+struct Acked {
+    session: String,
+    /// Seen terminal by its caller, or ended when a restart's checks read it.
+    done: bool,
+}
+
+/// After a restart: every acknowledged turn is there, unless retention deleted it,
+/// which it may only have done to a turn that had ended; each session's counts
+/// match its listed turns; no event is left of a deleted turn; `store.check` is
+/// clean. Returns how many acknowledged turns were gone, and the ids of those found
+/// ended (which may expire from now on, seen or not).
+async fn check_after_kill(
+    c: &Caller,
+    op: &Caller,
+    acked: &std::collections::BTreeMap<String, Acked>,
+) -> anyhow::Result<(usize, Vec<String>)> {
+    let mut gone = 0;
+    let mut ended = Vec::new();
+    let mut sessions = std::collections::BTreeSet::new();
+    // The turns not seen ended first: one that ended just before the kill expires
+    // `terminal_ms` after it ended, and is read well before that.
+    let (open, seen): (Vec<_>, Vec<_>) = acked.iter().partition(|(_, a)| !a.done);
+    for (id, a) in open.into_iter().chain(seen) {
+        sessions.insert(a.session.clone());
+        match c.get(id).await {
+            Ok(t) => {
+                anyhow::ensure!(
+                    !a.done || t.status.is_terminal(),
+                    "a turn seen ended is {t:?}"
+                );
+                if t.status.is_terminal() {
+                    ended.push(id.clone());
+                }
+            }
+            Err(e) if e.code() == Some(ErrorCode::NotFound) => {
+                anyhow::ensure!(a.done, "turn {id} was deleted but never ended");
+                gone += 1;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let v = op.store_check().await?;
+    anyhow::ensure!(v.is_empty(), "store.check: {v:?}");
+    for s in &sessions {
+        // Sweeps go on meanwhile: the counts are read before and after the list,
+        // and the list again until they did not change in between.
+        let mut tries = 0;
+        let listed = loop {
+            tries += 1;
+            let before = match c.inspect(s).await {
+                Ok(info) => Some(info.turns),
+                Err(e) if e.code() == Some(ErrorCode::NotFound) => None,
+                Err(e) => return Err(e.into()),
+            };
+            let mut listed = Vec::new();
+            let mut args = list(s);
+            loop {
+                let page = c.list(args.clone()).await?;
+                listed.extend(page.turns);
+                match page.next_before_seq {
+                    Some(b) => args.before_seq = Some(b),
+                    None => break,
+                }
+            }
+            let after = match c.inspect(s).await {
+                Ok(info) => Some(info.turns),
+                Err(e) if e.code() == Some(ErrorCode::NotFound) => None,
+                Err(e) => return Err(e.into()),
+            };
+            if before != after && tries < 50 {
+                continue;
+            }
+            match after {
+                None => anyhow::ensure!(listed.is_empty(), "forgotten {s} lists {listed:?}"),
+                Some(counts) => {
+                    let total = counts.queued
+                        + counts.running
+                        + counts.completed
+                        + counts.failed
+                        + counts.cancelled;
+                    anyhow::ensure!(
+                        total == listed.len() as u64,
+                        "{s}: counts {counts:?} against {} listed turns",
+                        listed.len()
+                    );
+                }
+            }
+            break listed;
+        };
+        if listed.is_empty() {
+            continue;
+        }
+        let ids: std::collections::HashSet<&str> =
+            listed.iter().map(|t| t.turn_id.as_str()).collect();
+        let events = turnd_tests::all_events(c, s).await?;
+        for e in &events {
+            anyhow::ensure!(
+                ids.contains(e.turn_id.as_str()),
+                "{s}: event {} of turn {} that is gone",
+                e.seq,
+                e.turn_id
+            );
+        }
+    }
+    Ok((gone, ended))
+}
+
+/// SIGKILL while retention sweeps (every 20 ms, with turns expiring all the time)
+/// and the load runs, three times: after each restart nothing acknowledged is
+/// missing unless it had ended and expired, counts and events agree with the turns
+/// left, and `store.check` is clean; every life deleted turns, so the kills fell
+/// among sweeps. The kill moments come from a seeded PRNG (`TURND_SEED` replays).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_retention_sweeps_leaves_a_consistent_store() -> anyhow::Result<()> {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+    use turnd_testkit::SplitMix64;
+    let seed = SplitMix64::seed_from_env();
+    println!("seed = {seed} (TURND_SEED={seed} replays the same choices)");
+    let mut prng = SplitMix64::new(seed);
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let env = [
+        ("TURND_LOG", "error"),
+        // Long enough that a turn that ended just before a kill, unseen by its
+        // caller, is still there when the checks run after the restart.
+        ("TURND_RETENTION__TERMINAL_MS", "1500"),
+        ("TURND_RETENTION__SWEEP_INTERVAL_MS", "20"),
+        ("TURND_STORAGE__LOG_SEGMENT_KB", "64"),
+        ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
+    ];
+    let acked: Arc<Mutex<BTreeMap<String, Acked>>> = Arc::default();
+    for life in 0..3 {
+        let d = BinDaemon::start(&data, &env).await?;
+        let c = std::sync::Arc::new(Caller::connect(&d.url, None).await?);
+        if life > 0 {
+            let op =
+                Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
+            let snapshot = acked
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .clone();
+            let (gone, ended) = check_after_kill(&c, &op, &snapshot).await?;
+            println!(
+                "life {life}: {gone} of {} acknowledged turns expired",
+                snapshot.len()
+            );
+            let mut a = acked.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+            for id in ended {
+                if let Some(t) = a.get_mut(&id) {
+                    t.done = true;
+                }
+            }
+        }
+        let w = echo_worker(&d.url, "w-kill", 16).await;
+        let mut load = tokio::task::JoinSet::new();
+        // Turns a kill left unfinished end in this life: seen, they may expire.
+        let open: Vec<String> = acked
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .iter()
+            .filter(|(_, a)| !a.done)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in open {
+            let (c, acked) = (c.clone(), acked.clone());
+            load.spawn(async move {
+                if let Ok(t) = c.wait_terminal(&id, Duration::from_secs(10)).await {
+                    if let (true, Ok(mut a)) = (t.status.is_terminal(), acked.lock()) {
+                        if let Some(a) = a.get_mut(&id) {
+                            a.done = true;
+                        }
+                    }
+                }
+            });
+        }
+        for s in 0..6 {
+            let (c, acked) = (c.clone(), acked.clone());
+            load.spawn(async move {
+                let session = format!("kill-{s}");
+                for i in 0.. {
+                    let Ok(t) = c.submit(submit(&session, "echo", None, i)).await else {
+                        return;
+                    };
+                    let id = t.turn.turn_id.clone();
+                    if let Ok(mut a) = acked.lock() {
+                        a.insert(
+                            id.clone(),
+                            Acked {
+                                session: session.clone(),
+                                done: false,
+                            },
+                        );
+                    }
+                    match c.wait_terminal(&id, Duration::from_secs(10)).await {
+                        Ok(done) if done.status.is_terminal() => {
+                            if let Ok(mut a) = acked.lock() {
+                                if let Some(a) = a.get_mut(&id) {
+                                    a.done = true;
+                                }
+                            }
+                        }
+                        _ => return,
+                    }
+                }
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(1_800 + prng.below(800))).await;
+        let (_, m) = http_get(&d.admin, "/metrics").await?;
+        let deleted = metric(&m, "turnd_retention_deleted_turns_total").unwrap_or(0.0);
+        d.kill().await?;
+        w.shutdown();
+        load.abort_all();
+        while load.join_next().await.is_some() {}
+        println!("life {life}: killed after deleting {deleted} turns");
+        anyhow::ensure!(deleted > 0.0, "life {life} deleted nothing before its kill");
+    }
+    // A last life: the checks once more, then everything ends and expires.
+    let d = BinDaemon::start(&data, &env).await?;
+    let c = Caller::connect(&d.url, None).await?;
+    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
+    let snapshot = acked
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    check_after_kill(&c, &op, &snapshot).await?;
+    let w = echo_worker(&d.url, "w-kill", 16).await;
+    for id in snapshot.keys() {
+        match c.wait_terminal(id, Duration::from_secs(10)).await {
+            // A turn in flight at a kill may have failed (`outcome_unknown`).
+            Ok(t) => assert!(t.status.is_terminal(), "{t:?}"),
+            Err(e) => assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}"),
+        }
+    }
+    turnd_tests::eventually(10, "every session forgotten", || {
+        let c = &c;
+        async move {
+            for s in 0..6 {
+                if !is_not_found(c.inspect(&format!("kill-{s}")).await) {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await?;
+    let v = op.store_check().await?;
+    assert!(v.is_empty(), "store.check: {v:?}");
+    w.shutdown();
     let status = d.terminate().await?;
     assert!(status.success(), "turnd exited with {status}");
     Ok(())
