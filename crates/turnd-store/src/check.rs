@@ -16,6 +16,31 @@ fn violation(invariant: &str, t: Option<&TurnRecord>, session: &str, detail: Str
     }
 }
 
+/// Whether a session's stored counts are those of its stored turns, read again on
+/// their own: on a live daemon a turn admitted or ended between the whole-store
+/// reads of `check_store` makes them differ there. The session's meta is read
+/// before and after its turns, and the reads are repeated while it changed.
+fn counts_agree_now(store: &Store, session_id: &str) -> Result<bool, StoreError> {
+    let mut agree = false;
+    for _ in 0..5 {
+        let Some(before) = store.session_meta(session_id)? else {
+            return Ok(true);
+        };
+        let mut have = turnd_proto::TurnCounts::default();
+        for (_, id) in store.session_turn_ids(session_id, u64::MAX, usize::MAX)? {
+            if let Some(t) = store.turn_record(&id)? {
+                *have.get_mut(t.status) += 1;
+            }
+        }
+        let after = store.session_meta(session_id)?;
+        agree = have == before.counts;
+        if after.is_some_and(|a| a.last_event_seq == before.last_event_seq) {
+            break;
+        }
+    }
+    Ok(agree)
+}
+
 /// Check every invariant and return each violation found.
 pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
     let kv = store.kv();
@@ -240,10 +265,69 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         }
     }
 
+    // Every entry of a session's turn list names a stored turn of that session
+    // (retention deletes a turn's entry with its record).
+    let (ls, le) = keys::session_turn_range();
+    for (k, v) in kv.scan(&ls, &le, false, usize::MAX)? {
+        let id = String::from_utf8_lossy(&v).to_string();
+        let sid = keys::session_of(&k).unwrap_or_default();
+        let known = |t: &TurnRecord| t.session_id == sid;
+        // On a live daemon a turn admitted after the turns were read is read now.
+        if !turns.get(&id).is_some_and(known) && !store.turn_record(&id)?.is_some_and(|t| known(&t))
+        {
+            out.push(Violation {
+                invariant: "list_entry_dangling".into(),
+                turn_id: Some(id),
+                session_id: Some(sid),
+                detail: format!(
+                    "the session's turn list holds seq {} naming no stored turn of the session",
+                    keys::seq_suffix(&k).unwrap_or_default()
+                ),
+            });
+        }
+    }
+
+    // A session's stored counts by status are those of its stored turns
+    // (admission, every status change and retention's deletions keep them in step).
+    let mut counted: HashMap<&str, turnd_proto::TurnCounts> = HashMap::new();
+    for t in turns.values() {
+        *counted.entry(&t.session_id).or_default().get_mut(t.status) += 1;
+    }
+    for m in &metas {
+        let have = counted.remove(m.session_id.as_str()).unwrap_or_default();
+        if have != m.counts && !counts_agree_now(store, &m.session_id)? {
+            out.push(Violation {
+                invariant: "counts_mismatch".into(),
+                turn_id: None,
+                session_id: Some(m.session_id.clone()),
+                detail: format!(
+                    "the session counts {:?} but its stored turns are {:?}",
+                    m.counts, have
+                ),
+            });
+        }
+    }
+
     // Event sequences: contiguous from 1 up to the session's last event; once
-    // retention deleted events of the session, ascending and not past it.
+    // retention deleted events of the session, ascending and not past it. Every
+    // event is about a stored turn (retention deletes a turn's events with it).
     for meta in &metas {
         let events = store.events(&meta.session_id, 0, usize::MAX)?;
+        for e in events
+            .iter()
+            .filter(|e| !e.turn_id.is_empty() && !turns.contains_key(&e.turn_id))
+        {
+            // Admitted after the turns were read, on a live daemon.
+            if store.turn_record(&e.turn_id)?.is_some() {
+                continue;
+            }
+            out.push(Violation {
+                invariant: "event_of_missing_turn".into(),
+                turn_id: Some(e.turn_id.clone()),
+                session_id: Some(meta.session_id.clone()),
+                detail: format!("event seq {} is about a turn that is not stored", e.seq),
+            });
+        }
         let mut expect = 1;
         for e in &events {
             let gap = if meta.events_pruned {
@@ -278,4 +362,71 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{mem::MemKv, Batch, RawJson, SessionMeta};
+    use serde_json::json;
+    use std::sync::Arc;
+    use turnd_proto::{Event, EventKind};
+
+    fn invariants(store: &Store) -> Vec<String> {
+        let mut v: Vec<String> = check_store(store)
+            .expect("check")
+            .into_iter()
+            .map(|v| v.invariant)
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// What a torn or half-done deletion would leave: a turn-list entry naming no
+    /// turn, an event about a turn that is not stored, counts that are not those of
+    /// the stored turns. A whole store has none of them.
+    #[tokio::test]
+    async fn leftovers_of_deleted_turns_are_reported() {
+        let store = Store::new(Arc::new(MemKv::new()));
+        let input = RawJson::from_value(&json!(null));
+        let mut t = TurnRecord::admitted("t1".into(), "s", 1, "f", input, 0);
+        t.status = TurnStatus::Completed;
+        t.phase = Phase::Done;
+        let mut meta = SessionMeta::new("s");
+        meta.last_turn_seq = 1;
+        meta.last_event_seq = 1;
+        meta.counts.completed = 1;
+        let ev = |seq: u64, turn: &str| Event {
+            seq,
+            session_id: "s".into(),
+            turn_id: turn.into(),
+            at_ms: 0,
+            kind: EventKind::Admitted,
+            detail: json!({}),
+        };
+        let mut b = Batch::new();
+        b.put_admission(&t);
+        b.put_turn(&t);
+        b.put_session_meta(&meta);
+        b.put_events(&[ev(1, "t1")]);
+        store.commit(b).await.expect("commit");
+        assert!(invariants(&store).is_empty(), "{:?}", invariants(&store));
+
+        let mut b = Batch::new();
+        b.put_raw(keys::session_turn("s", 2), b"t-gone".to_vec());
+        meta.last_turn_seq = 2;
+        meta.last_event_seq = 2;
+        meta.counts.completed = 2;
+        b.put_session_meta(&meta);
+        b.put_events(&[ev(2, "t-gone")]);
+        store.commit(b).await.expect("commit");
+        assert_eq!(
+            invariants(&store),
+            vec![
+                "counts_mismatch",
+                "event_of_missing_turn",
+                "list_entry_dangling"
+            ]
+        );
+    }
 }

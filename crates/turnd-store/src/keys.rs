@@ -60,6 +60,17 @@ pub fn session_turn(session_id: &str, seq: u64) -> Vec<u8> {
     session_seq(b'L', session_id, seq)
 }
 
+/// Every session's turn list.
+pub fn session_turn_range() -> (Vec<u8>, Vec<u8>) {
+    (vec![b'L'], vec![b'L' + 1])
+}
+
+/// The session id of a session-sequenced key (prefix, session, 0, seq).
+pub fn session_of(key: &[u8]) -> Option<String> {
+    let body = key.get(1..key.len().checked_sub(9)?)?;
+    String::from_utf8(body.to_vec()).ok()
+}
+
 /// The index of non-terminal turns kept by stores of the earlier format (read only to
 /// move such a store to the current one).
 pub fn legacy_active(session_id: &str, seq: u64) -> Vec<u8> {
