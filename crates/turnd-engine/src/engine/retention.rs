@@ -5,8 +5,9 @@
 //! after the cutoff (`now - retention_terminal_ms`): a turn cannot have finished
 //! before it was created. It gathers the terminal turns among them whose
 //! `finished_at_ms` is at or before the cutoff (up to [`SWEEP_BATCH`] at a time),
-//! groups them by session and deletes each session's in one durable batch, with
-//! everything that belongs to them alone:
+//! groups them by session and deletes each session's in one durable batch (up to
+//! [`SESSIONS_AT_ONCE`] sessions at the same time, whose batches share group
+//! commits), with everything that belongs to them alone:
 //!
 //! - its record, its input stored apart, its place in the session's turn list;
 //! - its idempotency key (when it still names this turn), so the key can be used
@@ -51,6 +52,8 @@ use super::{Engine, SessionCell};
 const TURN_PAGE: usize = 512;
 /// Most turns a sweep gathers before it deletes them (and reads on).
 const SWEEP_BATCH: usize = 4096;
+/// Sessions whose expired turns a sweep deletes at the same time.
+const SESSIONS_AT_ONCE: usize = 64;
 /// Event values read per page of a session's event scan.
 const EVENT_PAGE: usize = 64;
 /// Times the lock-free check of a session's new events is repeated before it is done
@@ -294,8 +297,33 @@ impl Engine {
         loop {
             let store = self.inner.store.clone();
             let (by_session, next) = off_runtime(move || gather(&store, from, cutoff)).await?;
+            // Sessions at once: each waits for its lock (behind the session's own
+            // transitions) and for a durable commit, which many share.
+            let mut running = tokio::task::JoinSet::new();
+            let mut failed = None;
+            let mut join = |r: Result<Result<u64, StoreError>, tokio::task::JoinError>| match r {
+                Ok(Ok(n)) => deleted += n,
+                Ok(Err(e)) => {
+                    failed.get_or_insert(e);
+                }
+                Err(e) => {
+                    failed.get_or_insert(StoreError::Write(format!("retention task: {e}")));
+                }
+            };
             for (sid, turns) in by_session {
-                deleted += self.expire(&sid, turns, cutoff).await?;
+                while running.len() >= SESSIONS_AT_ONCE {
+                    if let Some(r) = running.join_next().await {
+                        join(r);
+                    }
+                }
+                let engine = self.clone();
+                running.spawn(async move { engine.expire(&sid, turns, cutoff).await });
+            }
+            while let Some(r) = running.join_next().await {
+                join(r);
+            }
+            if let Some(e) = failed {
+                return Err(e);
             }
             match next {
                 Some(n) => from = n,
