@@ -149,6 +149,12 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
             .set(load(v) as i64);
     }
     reg.register("connections", "Open connections by role", conns);
+    gauge(
+        &mut reg,
+        "requests_inflight",
+        "Requests being run, over every connection",
+        load(&s.connections.requests_inflight) as i64,
+    );
 
     counter(
         &mut reg,
