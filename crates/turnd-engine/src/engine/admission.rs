@@ -1,0 +1,105 @@
+//! Admission: `turn.submit`, its validation and idempotency.
+
+use super::*;
+
+impl Engine {
+    /// `turn.submit`.
+    pub async fn submit(&self, args: SubmitArgs) -> ApiResult<SubmitOk> {
+        check_id("session_id", &args.session_id)?;
+        check_id("function_id", &args.function_id)?;
+        if let Some(k) = &args.idempotency_key {
+            check_id("idempotency_key", k)?;
+        }
+        let max = self.inner.cfg.max_value_bytes;
+        let input = RawJson::from_value(&args.input);
+        if input.len() as u64 > max {
+            return Err(err(
+                ErrorCode::TooLarge,
+                format!("`input` is larger than max_value_bytes ({max})"),
+            ));
+        }
+        if args.turn_timeout_ms == Some(0) {
+            return Err(err(
+                ErrorCode::BadRequest,
+                "`turn_timeout_ms` must be positive",
+            ));
+        }
+        let cell = self.cell(&args.session_id);
+        let mut st = self.lock(&cell).await.map_err(read_failed)?;
+        if let Some(key) = &args.idempotency_key {
+            if let Some(rec) = self
+                .inner
+                .store
+                .idempotency(&args.session_id, key)
+                .map_err(read_failed)?
+            {
+                let t = self
+                    .turn_record_locked(&st, &rec.turn_id)
+                    .map_err(read_failed)?
+                    .ok_or_else(|| {
+                        err(
+                            ErrorCode::Internal,
+                            format!("idempotency key names missing turn {}", rec.turn_id),
+                        )
+                    })?;
+                if t.function_id != args.function_id || t.input.to_value() != args.input {
+                    return Err(err(
+                        ErrorCode::Conflict,
+                        format!("idempotency key {key:?} was used for turn {} with a different function_id or input", t.turn_id),
+                    ));
+                }
+                Counters::inc(&self.inner.counters.deduplicated);
+                return Ok(SubmitOk {
+                    turn: self.turn_view(&st, &t),
+                    deduplicated: true,
+                });
+            }
+        }
+        if st.active.len() as u64 >= self.inner.cfg.max_queued_per_session {
+            return Err(err(
+                ErrorCode::RateLimited,
+                format!(
+                    "session {} already holds {} unfinished turns (max_queued_per_session)",
+                    st.id,
+                    st.active.len()
+                ),
+            ));
+        }
+        let now = self.now_ms();
+        let mut tx = Tx::new(&st, now);
+        tx.meta.last_turn_seq += 1;
+        let seq = tx.meta.last_turn_seq;
+        let turn_id = new_turn_id();
+        let mut t =
+            TurnRecord::admitted(turn_id.clone(), &st.id, seq, &args.function_id, input, now);
+        t.idempotency_key = args.idempotency_key.clone();
+        t.deadline_ms = args.turn_timeout_ms.map(|d| now + d);
+        tx.event(
+            &st.id,
+            &turn_id,
+            EventKind::Admitted,
+            json!({"function_id": t.function_id, "seq": seq, "idempotency_key": t.idempotency_key}),
+        );
+        if let Some(key) = args.idempotency_key {
+            tx.idempotency = Some((
+                key,
+                IdempotencyRecord {
+                    turn_id: turn_id.clone(),
+                },
+            ));
+        }
+        tx.put_turn_from(t, None);
+        self.promote(&st, &mut tx);
+        self.commit(&cell, &mut st, tx)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let t = self
+            .turn_record_locked(&st, &turn_id)
+            .map_err(read_failed)?
+            .ok_or_else(|| err(ErrorCode::Internal, "admitted turn vanished"))?;
+        Ok(SubmitOk {
+            turn: self.turn_view(&st, &t),
+            deduplicated: false,
+        })
+    }
+}

@@ -1,0 +1,309 @@
+//! Committing a transition and what follows it: the write through the group commit,
+//! events to the log and the counters, the session's timer, and the drive loop that
+//! does whatever is due.
+
+use super::*;
+
+impl Engine {
+    /// Commit a transaction and apply it. On failure nothing in memory changed and
+    /// every slot the transaction reserved or freed is put back.
+    pub(super) async fn commit(
+        &self,
+        cell: &Arc<SessionCell>,
+        st: &mut SessionState,
+        mut tx: Tx,
+    ) -> Result<(), StoreError> {
+        if tx.is_empty() && tx.idempotency.is_none() {
+            self.after_change(cell, st, Vec::new());
+            return Ok(());
+        }
+        let batch = tx.batch(st);
+        match self.inner.store.commit(batch).await {
+            Ok(()) => {
+                if let Ok(mut e) = self.inner.storage_error.lock() {
+                    *e = None;
+                }
+                let released: Vec<String> = tx.released.iter().map(|r| r.3.clone()).collect();
+                let applied = tx.apply(st);
+                if let Ok(mut c) = self.inner.counts.lock() {
+                    for (from, to) in &applied.shifts {
+                        c.shift(*from, *to);
+                    }
+                }
+                for e in &applied.events {
+                    self.count_event(e);
+                }
+                for eff in applied.effects {
+                    match eff {
+                        Effect::Push(outbox, frame) => {
+                            if !outbox.push(frame) {
+                                tracing::debug!(conn_id = %outbox.conn_id, "push to a closed or full connection");
+                            }
+                        }
+                    }
+                }
+                self.publish(&st.id, &applied.events);
+                self.track_live(cell, &applied.admitted, &applied.terminal);
+                self.notify_terminal(&applied.terminal);
+                self.after_change(cell, st, released);
+                Ok(())
+            }
+            Err(e) => {
+                Counters::inc(&self.inner.counters.write_failures);
+                if let Ok(mut le) = self.inner.storage_error.lock() {
+                    *le = Some(e.to_string());
+                }
+                let mut reg = self.registry();
+                for (worker_id, inv_id) in &tx.reserved {
+                    reg.release(worker_id, inv_id);
+                }
+                for (worker_id, instance_id, inv_id, function_id) in &tx.released {
+                    reg.remember_assignment(
+                        worker_id,
+                        instance_id,
+                        inv_id,
+                        Assignment {
+                            session_id: st.id.clone(),
+                            function_id: function_id.clone(),
+                        },
+                        tx.now,
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Log a durable event with the identity fields every turn log line carries.
+    pub(super) fn log_event(&self, e: &Event) {
+        let d = &e.detail;
+        let step = d.get("step").and_then(Value::as_u64);
+        let attempt = d.get("attempt").and_then(Value::as_u64);
+        let inv = d.get("invocation_id").and_then(Value::as_str).unwrap_or("");
+        let kind = serde_json::to_value(e.kind).unwrap_or(Value::Null);
+        let kind = kind.as_str().unwrap_or("");
+        macro_rules! log {
+            ($lvl:ident) => {
+                tracing::$lvl!(
+                    session_id = %e.session_id,
+                    turn_id = %e.turn_id,
+                    step,
+                    attempt,
+                    invocation_id = inv,
+                    seq = e.seq,
+                    event = kind,
+                    detail = %d,
+                    "turn event"
+                )
+            };
+        }
+        match e.kind {
+            EventKind::Failed
+            | EventKind::OutcomeUnknown
+            | EventKind::LateResult
+            | EventKind::Amended
+            | EventKind::Redispatched => log!(warn),
+            EventKind::Completed
+            | EventKind::Cancelled
+            | EventKind::StopRequested
+            | EventKind::ProbeSent
+            | EventKind::CancelSent
+            | EventKind::RetryScheduled => log!(info),
+            EventKind::Admitted | EventKind::Dispatched | EventKind::Result => log!(debug),
+        }
+    }
+
+    pub(super) fn count_event(&self, e: &Event) {
+        self.log_event(e);
+        let c = &self.inner.counters;
+        match e.kind {
+            EventKind::Admitted => Counters::inc(&c.admissions),
+            EventKind::Dispatched => Counters::inc(&c.dispatches),
+            EventKind::Redispatched => Counters::inc(&c.redispatches),
+            EventKind::ProbeSent => Counters::inc(&c.probes_sent),
+            EventKind::OutcomeUnknown => Counters::inc(&c.outcome_unknown),
+            EventKind::Amended => Counters::inc(&c.amendments),
+            EventKind::RetryScheduled => Counters::inc(&c.retries_scheduled),
+            EventKind::CancelSent => Counters::inc(&c.cancels_sent),
+            EventKind::StopRequested => Counters::inc(&c.stops),
+            EventKind::Completed => c.terminal("completed".into()),
+            EventKind::Cancelled => c.terminal("cancelled".into()),
+            EventKind::Failed => {
+                let cause = e
+                    .detail
+                    .get("error")
+                    .and_then(|x| x.get("cause"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("unknown");
+                c.terminal(format!("failed:{cause}"));
+            }
+            EventKind::Result | EventKind::LateResult => {}
+        }
+    }
+
+    /// After any change: wake sessions waiting for freed capacity, update the
+    /// session's summary and re-arm its timer.
+    pub(super) fn after_change(
+        &self,
+        cell: &SessionCell,
+        st: &mut SessionState,
+        freed: Vec<String>,
+    ) {
+        for f in freed {
+            self.wake(&f);
+        }
+        let entry = sessions_list::WaitEntry::of(st, self.inner.cfg.dispatch_timeout_ms);
+        let summary = entry.as_ref().map(|e| Summary {
+            state: e.state,
+            since_ms: e.since_ms,
+            inflight: st.inv.is_some(),
+        });
+        if let Ok(mut s) = cell.summary.lock() {
+            *s = summary;
+        }
+        self.wait_index().set(&st.id, entry);
+        {
+            let mut reg = self.registry();
+            match st.holder() {
+                Some(h) if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) => {
+                    reg.wait_for(&h.function_id, &st.id)
+                }
+                _ => reg.not_waiting(&st.id),
+            }
+        }
+        self.arm(st);
+    }
+
+    /// The next time something is due for this session.
+    pub(super) fn next_due(&self, st: &SessionState) -> Option<u64> {
+        if let Some(p) = &st.pending {
+            return Some(p.retry_at_ms);
+        }
+        let h = st.holder()?;
+        let mut due = h.deadline_ms;
+        let mut consider = |x: Option<u64>| {
+            if let Some(x) = x {
+                due = Some(due.map_or(x, |d| d.min(x)));
+            }
+        };
+        match h.phase {
+            Phase::Queued | Phase::AwaitingWorker => consider(
+                self.inner
+                    .cfg
+                    .dispatch_timeout_ms
+                    .map(|d| h.phase_since_ms + d),
+            ),
+            Phase::BackingOff => consider(h.retry_at_ms),
+            Phase::Invoked => consider(st.inv.as_ref().map(|i| i.deadline_ms)),
+            Phase::Done => {}
+        }
+        due
+    }
+
+    pub(super) fn arm(&self, st: &mut SessionState) {
+        let due = self.next_due(st);
+        if let (Some(d), Some((at, _))) = (due, &st.timer) {
+            if *at == d {
+                return;
+            }
+        }
+        if let Some((_, h)) = st.timer.take() {
+            h.abort();
+        }
+        let Some(due) = due else { return };
+        if self.inner.shutdown.is_cancelled() {
+            return;
+        }
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        let sid = st.id.clone();
+        let at = self.inner.clock.instant_at(due);
+        let handle = tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            if let Some(inner) = weak.upgrade() {
+                let engine = Engine { inner };
+                engine.drive_timer(&sid).await;
+            }
+        });
+        st.timer = Some((due, handle.abort_handle()));
+    }
+
+    /// Spawn a drive of a session (used where the caller must not wait for it).
+    pub(super) fn spawn_drive(&self, session_id: String) {
+        let engine = self.clone();
+        tokio::spawn(async move { engine.drive(&session_id).await });
+    }
+
+    pub(super) fn wake(&self, function_id: &str) {
+        let sessions = {
+            let mut reg = self.registry();
+            let free = reg.free_capacity(function_id);
+            reg.take_waiting(function_id, free)
+        };
+        for s in sessions {
+            self.spawn_drive(s);
+        }
+    }
+
+    pub(super) async fn drive_timer(&self, session_id: &str) {
+        let Some(cell) = self.existing_cell(session_id) else {
+            return;
+        };
+        {
+            // The timer task is the one being replaced; forget it before driving so
+            // arm() does not abort the running task.
+            let mut st = cell.state.lock().await;
+            st.timer = None;
+        }
+        self.drive(session_id).await;
+    }
+
+    /// Do whatever is due for a session, until nothing is.
+    pub async fn drive(&self, session_id: &str) {
+        let cell = self.cell(session_id);
+        let mut st = match self.lock(&cell).await {
+            Ok(st) => st,
+            Err(e) => {
+                tracing::error!(session_id, "failed to load session: {e}");
+                return;
+            }
+        };
+        for _ in 0..16 {
+            let now = self.now_ms();
+            if let Some(p) = &st.pending {
+                if p.retry_at_ms > now {
+                    break;
+                }
+            }
+            let mut tx = Tx::new(&st, now);
+            self.due(&st, &mut tx);
+            if tx.is_empty() {
+                st.pending = None;
+                self.after_change(&cell, &mut st, Vec::new());
+                break;
+            }
+            if let Err(e) = self.commit(&cell, &mut st, tx).await {
+                let delay = st
+                    .pending
+                    .as_ref()
+                    .map(|p| (p.delay_ms * 2).min(RETRY_MAX_MS))
+                    .unwrap_or(RETRY_FIRST_MS);
+                let since = st.pending.as_ref().map(|p| p.since_ms).unwrap_or(now);
+                tracing::warn!(
+                    session_id,
+                    delay_ms = delay,
+                    "failed to write a state change, retrying: {e}"
+                );
+                st.pending = Some(Pending {
+                    error: e.to_string(),
+                    since_ms: since,
+                    retry_at_ms: now + delay,
+                    delay_ms: delay,
+                });
+                self.after_change(&cell, &mut st, Vec::new());
+                break;
+            }
+        }
+    }
+
+    // ------------------------------------------------------------- transitions
+}

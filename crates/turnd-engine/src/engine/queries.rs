@@ -1,0 +1,293 @@
+//! Queries: `turn.get`, `turn.wait`, `turn.list`, `session.inspect`, `session.events`,
+//! stats, the registry views and `store.check`.
+
+use super::*;
+
+impl Engine {
+    /// A turn as the session (locked) knows it: from memory if non-terminal, else
+    /// from the store.
+    pub(super) fn turn_record_locked(
+        &self,
+        st: &SessionState,
+        turn_id: &str,
+    ) -> Result<Option<TurnRecord>, StoreError> {
+        if let Some(t) = st.find(turn_id) {
+            return Ok(Some(t.clone()));
+        }
+        self.inner.store.turn(turn_id)
+    }
+
+    /// A turn's stored record, or `not_found`.
+    pub(super) fn stored_turn(&self, turn_id: &str) -> ApiResult<TurnRecord> {
+        check_id("turn_id", turn_id)?;
+        self.inner
+            .store
+            .turn(turn_id)
+            .map_err(read_failed)?
+            .ok_or_else(|| err(ErrorCode::NotFound, format!("no turn {turn_id} exists")))
+    }
+
+    /// `turn.get`.
+    pub async fn get_turn(&self, turn_id: &str) -> ApiResult<Turn> {
+        // A live turn's id is one this daemon minted, so only ids that pass
+        // `check_id` (in `stored_turn`) can be found here.
+        if let Some(cell) = self.live_cell(turn_id) {
+            let st = self.lock(&cell).await.map_err(read_failed)?;
+            if let Some(t) = st.find(turn_id) {
+                return Ok(self.turn_view(&st, t));
+            }
+            // It ended while we waited for the lock: the store has it.
+        }
+        let rec = self.stored_turn(turn_id)?;
+        if rec.status.is_terminal() {
+            return Ok(to_turn(&rec, None));
+        }
+        let cell = self.cell(&rec.session_id);
+        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let t = self
+            .turn_record_locked(&st, turn_id)
+            .map_err(read_failed)?
+            .unwrap_or(rec);
+        Ok(self.turn_view(&st, &t))
+    }
+
+    /// `turn.wait`.
+    pub async fn wait_turn(&self, turn_id: &str, timeout_ms: Option<u64>) -> ApiResult<Turn> {
+        let timeout = timeout_ms.unwrap_or(WAIT_DEFAULT_MS);
+        if timeout > WAIT_MAX_MS {
+            return Err(err(
+                ErrorCode::BadRequest,
+                format!("`timeout_ms` must be at most {WAIT_MAX_MS}"),
+            ));
+        }
+        let (tx, rx) = oneshot::channel();
+        if let Ok(mut w) = self.inner.waiters.lock() {
+            w.entry(turn_id.to_string()).or_default().push(tx);
+        }
+        let t = self.get_turn(turn_id).await;
+        let t = match t {
+            Ok(t) if !t.status.is_terminal() => t,
+            other => {
+                self.prune_waiters(turn_id);
+                return other;
+            }
+        };
+        let done = tokio::select! {
+            t = rx => t.ok(),
+            _ = tokio::time::sleep(Duration::from_millis(timeout)) => None,
+            _ = self.inner.shutdown.cancelled() => None,
+        };
+        self.prune_waiters(turn_id);
+        // The terminal turn comes with the notice, as committed; otherwise (timeout,
+        // shutdown) the turn as it stands now.
+        if let Some(done) = done {
+            return Ok(done);
+        }
+        match self.get_turn(turn_id).await {
+            Ok(t) => Ok(t),
+            Err(e) if e.code == ErrorCode::NotFound => Ok(t),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub(super) fn prune_waiters(&self, turn_id: &str) {
+        if let Ok(mut w) = self.inner.waiters.lock() {
+            if let Some(v) = w.get_mut(turn_id) {
+                v.retain(|s| !s.is_closed());
+                if v.is_empty() {
+                    w.remove(turn_id);
+                }
+            }
+        }
+    }
+
+    pub(super) fn notify_terminal(&self, turns: &[TurnRecord]) {
+        if turns.is_empty() {
+            return;
+        }
+        if let Ok(mut w) = self.inner.waiters.lock() {
+            for t in turns {
+                if let Some(v) = w.remove(&t.turn_id) {
+                    let turn = to_turn(t, None);
+                    for s in v {
+                        // A waiter that gave up needs no notice.
+                        if s.send(turn.clone()).is_err() {
+                            tracing::trace!(turn_id = %t.turn_id, "turn.wait caller already gone");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `turn.list`.
+    pub async fn list_turns(&self, args: ListArgs) -> ApiResult<ListOk> {
+        check_id("session_id", &args.session_id)?;
+        let limit = args.limit.unwrap_or(PAGE_DEFAULT);
+        if limit == 0 || limit > PAGE_MAX {
+            return Err(err(
+                ErrorCode::BadRequest,
+                format!("`limit` must be 1 to {PAGE_MAX}"),
+            ));
+        }
+        let cell = self.cell(&args.session_id);
+        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let mut before = args.before_seq.unwrap_or(u64::MAX);
+        let mut out = Vec::new();
+        let mut more = true;
+        while out.len() < limit as usize && more {
+            let ids = self
+                .inner
+                .store
+                .session_turn_ids(&args.session_id, before, 256)
+                .map_err(read_failed)?;
+            more = ids.len() == 256;
+            for (seq, id) in ids {
+                before = seq;
+                let Some(t) = self.turn_record_locked(&st, &id).map_err(read_failed)? else {
+                    continue;
+                };
+                if args.status.map(|s| s == t.status).unwrap_or(true) {
+                    out.push(self.turn_view(&st, &t));
+                    if out.len() == limit as usize {
+                        more = seq > 1;
+                        break;
+                    }
+                }
+            }
+        }
+        let next = if more && before > 1 {
+            out.last().map(|t| t.seq)
+        } else {
+            None
+        };
+        Ok(ListOk {
+            turns: out,
+            next_before_seq: next,
+        })
+    }
+
+    /// `session.inspect`.
+    pub async fn inspect(&self, session_id: &str) -> ApiResult<Session> {
+        check_id("session_id", session_id)?;
+        let cell = self.cell(session_id);
+        let st = self.lock(&cell).await.map_err(read_failed)?;
+        if st.meta.last_turn_seq == 0 {
+            return Err(err(
+                ErrorCode::NotFound,
+                format!("no session {session_id} exists"),
+            ));
+        }
+        let fmt = self.fmt_ms();
+        let lock = st.holder().map(|h| SessionLock {
+            turn_id: h.turn_id.clone(),
+            since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
+            wait: wait_of(
+                &st,
+                h,
+                self.inner.cfg.dispatch_timeout_ms,
+                &fmt,
+                Some(self.registry().supply(&h.function_id)),
+            ),
+        });
+        let queued = st
+            .active
+            .iter()
+            .skip(1)
+            .map(|t| QueuedTurn {
+                turn_id: t.turn_id.clone(),
+                seq: t.seq,
+                function_id: t.function_id.clone(),
+                created_at_ms: t.created_at_ms,
+            })
+            .collect();
+        Ok(Session {
+            session_id: session_id.to_string(),
+            lock,
+            queued,
+            turns: st.meta.counts.clone(),
+            last_event: st.meta.last_event_seq,
+        })
+    }
+
+    /// `session.events`.
+    pub async fn events(&self, args: EventsArgs) -> ApiResult<EventsOk> {
+        check_id("session_id", &args.session_id)?;
+        let limit = args.limit.unwrap_or(PAGE_DEFAULT);
+        if limit == 0 || limit > PAGE_MAX {
+            return Err(err(
+                ErrorCode::BadRequest,
+                format!("`limit` must be 1 to {PAGE_MAX}"),
+            ));
+        }
+        let after = args.after.unwrap_or(0);
+        let meta = self
+            .inner
+            .store
+            .session_meta(&args.session_id)
+            .map_err(read_failed)?;
+        if meta.is_none() {
+            return Err(err(
+                ErrorCode::NotFound,
+                format!("no session {} exists", args.session_id),
+            ));
+        }
+        let events = self
+            .inner
+            .store
+            .events(&args.session_id, after, limit as usize)
+            .map_err(read_failed)?;
+        let next = events.last().map(|e| e.seq).unwrap_or(after);
+        Ok(EventsOk { events, next })
+    }
+
+    /// `stats`.
+    pub fn stats(&self) -> Stats {
+        let now = self.now_ms();
+        let mut blocked = std::collections::BTreeMap::new();
+        let mut active = 0;
+        let mut inflight = 0;
+        let mut oldest: Option<u64> = None;
+        for c in self.cells() {
+            let s = c.summary.lock().ok().and_then(|s| *s);
+            if let Some(s) = s {
+                active += 1;
+                if s.inflight {
+                    inflight += 1;
+                }
+                *blocked.entry(s.state.as_str().to_string()).or_insert(0u64) += 1;
+                let age = now.saturating_sub(s.since_ms);
+                oldest = Some(oldest.map_or(age, |o| o.max(age)));
+            }
+        }
+        let reg = self.registry();
+        Stats {
+            sessions: SessionStats { active, blocked },
+            turns: self
+                .inner
+                .counts
+                .lock()
+                .map(|c| c.clone())
+                .unwrap_or_default(),
+            invocations_inflight: inflight,
+            workers_connected: reg.connected_count(),
+            oldest_wait_ms: oldest,
+            storage: self.storage_health(),
+        }
+    }
+
+    pub fn workers(&self) -> Vec<Worker> {
+        self.registry().workers()
+    }
+
+    pub fn functions(&self) -> Vec<Function> {
+        self.registry().functions()
+    }
+
+    /// `store.check`.
+    pub fn check(&self) -> ApiResult<Vec<Violation>> {
+        check_store(&self.inner.store).map_err(read_failed)
+    }
+
+    // ------------------------------------------------------------------ worker
+}

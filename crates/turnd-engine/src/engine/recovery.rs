@@ -1,0 +1,186 @@
+//! Recovery at start-up: every session meta read in pages, every unfinished turn
+//! brought back into memory and its session driven.
+
+use super::*;
+
+impl Engine {
+    /// Install one session's unfinished turns (in `seq` order) at start-up, and queue
+    /// the write that gives its in-flight invocation a fresh reconnect grace.
+    pub(super) async fn recover_session(
+        &self,
+        ts: Vec<TurnRecord>,
+        meta: SessionMeta,
+        now: u64,
+        pending: &mut Vec<(String, Tx, turnd_store::CommitTicket)>,
+    ) -> Result<(), StoreError> {
+        let Some(sid) = ts.first().map(|t| t.session_id.clone()) else {
+            return Ok(());
+        };
+        let store = &self.inner.store;
+        let grace = self.inner.cfg.reconnect_grace_ms;
+        let cell = self.cell(&sid);
+        let mut st = cell.state.lock().await;
+        if !st.loaded {
+            st.meta = meta;
+            st.loaded = true;
+        }
+        let bits: Vec<u128> = ts.iter().filter_map(|t| turn_id_bits(&t.turn_id)).collect();
+        self.track_live(&cell, &bits, &[]);
+        for t in ts {
+            st.active.insert(t);
+        }
+        let holder = st.holder().cloned();
+        if let Some(h) = holder.filter(|h| h.phase == Phase::Invoked) {
+            if let Some(inv) = h
+                .invocation_id
+                .as_deref()
+                .map(|id| store.invocation(id))
+                .transpose()?
+                .flatten()
+            {
+                if inv.is_active() {
+                    self.registry().remember_assignment(
+                        &inv.worker_id,
+                        &inv.instance_id,
+                        &inv.invocation_id,
+                        Assignment {
+                            session_id: sid.clone(),
+                            function_id: inv.function_id.clone(),
+                        },
+                        now,
+                    );
+                    st.inv = Some(Box::new(inv));
+                }
+            }
+        }
+        // Every in-flight invocation waits a fresh grace for its worker; a cancel
+        // in progress keeps its own (earlier) deadline.
+        let mut tx = Tx::new(&st, now);
+        if let Some(mut inv) = st
+            .inv
+            .as_deref()
+            .filter(|i| i.wait != InvWait::Cancelling)
+            .cloned()
+        {
+            inv.wait = InvWait::AwaitingReconnect;
+            inv.wait_since_ms = now;
+            inv.deadline_ms = now + grace;
+            tx.put_invocation(&st, inv);
+        }
+        if !tx.is_empty() {
+            let batch = tx.batch(&st);
+            pending.push((sid, tx, store.kv().commit(batch)));
+        }
+        Ok(())
+    }
+
+    /// Load every non-terminal turn, give every in-flight invocation a fresh reconnect
+    /// grace, and re-arm every timer from its stored absolute time.
+    pub(super) async fn recover(&self) -> Result<(), StoreError> {
+        let store = &self.inner.store;
+        let now = self.now_ms();
+        let mut pending = Vec::new();
+        // Stores written before session metas kept `active_from` are moved first.
+        let moved = store.migrate_legacy_active_index().await?;
+        if moved > 0 {
+            tracing::info!(
+                sessions = moved,
+                "moved the index of unfinished turns into the session metas"
+            );
+        }
+        // One pass over the session metas, page by page: every session is counted, and
+        // a session with unfinished turns gets them from its turn list, from the meta's
+        // `active_from` on. Memory is bounded by a page.
+        let mut metas = MetaCursor::new(store);
+        while let Some(meta) = metas.pop()? {
+            if meta.active_from.is_none() {
+                continue;
+            }
+            let ts = store.unfinished_turns(&meta)?;
+            self.recover_session(ts, meta, now, &mut pending).await?;
+        }
+        let (totals, mut known) = metas.finish();
+        if let Ok(mut c) = self.inner.counts.lock() {
+            *c = totals;
+        }
+        known.shrink_to_fit();
+        if self.inner.stored_sessions.set(known).is_err() {
+            tracing::warn!("session ids read twice at recovery; keeping the first set");
+        }
+        for (sid, tx, ticket) in pending {
+            match ticket.await {
+                Ok(Ok(())) => {
+                    let cell = self.cell(&sid);
+                    let mut st = cell.state.lock().await;
+                    let _applied = tx.apply(&mut st);
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(StoreError::Closed),
+            }
+        }
+        for c in self.cells() {
+            let mut st = c.state.lock().await;
+            self.after_change(&c, &mut st, Vec::new());
+            let sid = st.id.clone();
+            let has_holder = st.holder().is_some();
+            drop(st);
+            if has_holder {
+                self.spawn_drive(sid);
+            }
+        }
+        self.inner.recovered.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// Entries per page when recovery reads the session metas.
+const RECOVERY_PAGE: usize = 4096;
+
+/// Walks the session metas in key order, page by page, adding every meta to the
+/// totals.
+struct MetaCursor<'a> {
+    store: &'a Store,
+    page: std::collections::VecDeque<SessionMeta>,
+    next: Option<Vec<u8>>,
+    totals: TurnCounts,
+    /// [`session_hash`] of every meta read.
+    known: HashSet<u64>,
+}
+
+impl<'a> MetaCursor<'a> {
+    fn new(store: &'a Store) -> Self {
+        MetaCursor {
+            store,
+            page: Default::default(),
+            next: Some(Store::FIRST.to_vec()),
+            totals: TurnCounts::default(),
+            known: HashSet::new(),
+        }
+    }
+
+    /// The next meta in key order, counted into the totals.
+    fn pop(&mut self) -> Result<Option<SessionMeta>, StoreError> {
+        if self.page.is_empty() {
+            let Some(from) = self.next.take() else {
+                return Ok(None);
+            };
+            let (metas, next) = self.store.session_metas_page(&from, RECOVERY_PAGE)?;
+            self.page = metas.into();
+            self.next = next;
+        }
+        let m = self.page.pop_front();
+        if let Some(m) = &m {
+            self.known.insert(session_hash(&m.session_id));
+            for s in TurnStatus::ALL {
+                *self.totals.get_mut(s) += m.counts.get(s);
+            }
+        }
+        Ok(m)
+    }
+
+    /// The totals and the hashes of the session ids of every meta popped (recovery
+    /// pops them all).
+    fn finish(self) -> (TurnCounts, HashSet<u64>) {
+        (self.totals, self.known)
+    }
+}
