@@ -173,3 +173,258 @@ async fn a_connection_that_never_reads_is_closed() -> anyhow::Result<()> {
     drop(r);
     td.shutdown().await
 }
+
+/// `turnd_sessions_in_memory` from /metrics.
+async fn in_memory(admin: &str) -> Option<f64> {
+    let (_, body) = http_get(admin, "/metrics").await.ok()?;
+    metric(&body, "turnd_sessions_in_memory")
+}
+
+async fn wait_in_memory(admin: &str, n: f64) -> anyhow::Result<()> {
+    eventually(T, &format!("{n} sessions in memory"), || async move {
+        (in_memory(admin).await? == n).then_some(())
+    })
+    .await
+}
+
+/// The `seq`s of a list of events.
+fn seqs(events: &[Value]) -> Vec<u64> {
+    events.iter().filter_map(|e| e["seq"].as_u64()).collect()
+}
+
+/// Watch a session from `after: 0` and collect pushed events until `n` arrived.
+async fn replay_all(r: &mut Raw, session_id: &str, n: usize) -> anyhow::Result<Vec<Value>> {
+    let w = r
+        .ok("watch", json!({"session_id": session_id, "after": 0}))
+        .await?;
+    let watch_id = w["watch_id"].clone();
+    let mut got = Vec::new();
+    while got.len() < n {
+        let p = r.next_push().await?;
+        anyhow::ensure!(p["watch_id"] == watch_id, "push of another watch: {p}");
+        got.push(p["event"].clone());
+    }
+    Ok(got)
+}
+
+/// A session leaves memory once its last turn ended, and is read back from the store
+/// on its next inspect, submit, stop and watch: counts, `seq`s and events go on where
+/// they were, before and after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_session_leaves_memory_and_is_read_back_on_next_use() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let w = turnd_tests::echo_worker(&td.url, "w-back", 4).await;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    let t1 = r
+        .ok(
+            "turn.submit",
+            json!({"session_id": "back", "function_id": "echo", "input": 1}),
+        )
+        .await?;
+    let t1 = t1["turn"]["turn_id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let done = r
+        .ok("turn.wait", json!({"turn_id": t1, "timeout_ms": 10_000}))
+        .await?;
+    assert_eq!(done["turn"]["status"], "completed");
+    wait_in_memory(&td.admin, 0.0).await?;
+    assert_eq!(td.engine().sessions_in_memory(), 0);
+
+    // inspect: read back.
+    let s = r
+        .ok("session.inspect", json!({"session_id": "back"}))
+        .await?;
+    assert_eq!(s["session"]["turns"]["completed"], 1, "{s}");
+    let last = s["session"]["last_event"].as_u64().unwrap_or_default();
+    assert!(last >= 3, "{s}");
+    assert_eq!(td.engine().sessions_in_memory(), 0, "a read leaves nothing");
+
+    // submit: the next turn takes the next seq, its events follow the stored ones.
+    let t2 = r
+        .ok(
+            "turn.submit",
+            json!({"session_id": "back", "function_id": "nobody", "input": 2}),
+        )
+        .await?;
+    assert_eq!(t2["turn"]["seq"], 2, "{t2}");
+    let t2 = t2["turn"]["turn_id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        in_memory(&td.admin).await,
+        Some(1.0),
+        "a queued turn is live work"
+    );
+
+    // stop: the session's only unfinished turn is cancelled; it leaves memory again.
+    let stopped = r.ok("session.stop", json!({"session_id": "back"})).await?;
+    assert_eq!(stopped["turns"][0]["turn_id"], json!(t2));
+    assert_eq!(stopped["turns"][0]["status"], "cancelled");
+    wait_in_memory(&td.admin, 0.0).await?;
+    let again = r.ok("session.stop", json!({"session_id": "back"})).await?;
+    assert_eq!(again["turns"], json!([]), "an idle session stops nothing");
+
+    // watch: every stored event, in order, then live ones.
+    let s = r
+        .ok("session.inspect", json!({"session_id": "back"}))
+        .await?;
+    let last = s["session"]["last_event"].as_u64().unwrap_or_default();
+    let events = replay_all(&mut r, "back", last as usize).await?;
+    assert_eq!(seqs(&events), (1..=last).collect::<Vec<_>>());
+    assert_eq!(
+        in_memory(&td.admin).await,
+        Some(0.0),
+        "a watch holds no session state"
+    );
+    let t3 = r
+        .ok(
+            "turn.submit",
+            json!({"session_id": "back", "function_id": "echo", "input": 3}),
+        )
+        .await?;
+    assert_eq!(t3["turn"]["seq"], 3, "{t3}");
+    let mut live = Vec::new();
+    while live.last().and_then(|e: &Value| e["kind"].as_str()) != Some("completed") {
+        live.push(r.next_push().await?["event"].clone());
+    }
+    assert_eq!(
+        seqs(&live),
+        (last + 1..=last + live.len() as u64).collect::<Vec<_>>()
+    );
+    wait_in_memory(&td.admin, 0.0).await?;
+
+    // Across a restart: the stored session goes on where it was.
+    drop(r);
+    w.shutdown();
+    w.join().await?;
+    let dir = td.dir.clone();
+    td.shutdown().await?;
+    let td = TestDaemon::start_in(dir, |_| {}, false).await?;
+    assert_eq!(td.engine().sessions_in_memory(), 0);
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    let s = r
+        .ok("session.inspect", json!({"session_id": "back"}))
+        .await?;
+    assert_eq!(s["session"]["turns"]["completed"], 2, "{s}");
+    assert_eq!(s["session"]["turns"]["cancelled"], 1, "{s}");
+    let t4 = r
+        .ok(
+            "turn.submit",
+            json!({"session_id": "back", "function_id": "nobody", "input": 4}),
+        )
+        .await?;
+    assert_eq!(t4["turn"]["seq"], 4, "{t4}");
+    let stopped = r.ok("session.stop", json!({"session_id": "back"})).await?;
+    assert_eq!(stopped["turns"][0]["status"], "cancelled");
+    wait_in_memory(&td.admin, 0.0).await?;
+    let s = r
+        .ok("session.inspect", json!({"session_id": "back"}))
+        .await?;
+    let last = s["session"]["last_event"].as_u64().unwrap_or_default();
+    let events = replay_all(&mut r, "back", last as usize).await?;
+    assert_eq!(seqs(&events), (1..=last).collect::<Vec<_>>());
+    td.shutdown().await
+}
+
+/// Reads of ids that do not exist leave nothing in memory: no session, no function.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_of_unknown_ids_leave_nothing_behind() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    for i in 0..50 {
+        let sid = format!("ghost-{i}");
+        assert_eq!(
+            r.error_code("session.inspect", json!({"session_id": sid}))
+                .await?,
+            "not_found"
+        );
+        assert_eq!(
+            r.error_code("session.events", json!({"session_id": sid}))
+                .await?,
+            "not_found"
+        );
+        assert_eq!(
+            r.error_code("session.stop", json!({"session_id": sid}))
+                .await?,
+            "not_found"
+        );
+        let l = r.ok("turn.list", json!({"session_id": sid})).await?;
+        assert_eq!(l["turns"], json!([]));
+        let tid = format!("t_{i:032}");
+        assert_eq!(
+            r.error_code("turn.get", json!({"turn_id": tid})).await?,
+            "not_found"
+        );
+        assert_eq!(
+            r.error_code("watch", json!({"turn_id": tid})).await?,
+            "not_found"
+        );
+        let w = r
+            .ok("watch", json!({"session_id": sid, "after": 0}))
+            .await?;
+        r.ok("unwatch", json!({"watch_id": w["watch_id"]})).await?;
+    }
+    assert_eq!(td.engine().sessions_in_memory(), 0);
+    let m = metrics(&td).await?;
+    assert_eq!(metric(&m, "turnd_sessions_in_memory"), Some(0.0));
+    assert_eq!(metric(&m, "turnd_watches"), Some(0.0));
+    // A submit to a function nobody serves lists it while the turn waits for it; once
+    // the turn ends, the function is forgotten.
+    let t = r
+        .ok(
+            "turn.submit",
+            json!({"session_id": "s", "function_id": "no-such-fn", "input": 1}),
+        )
+        .await?;
+    let f = r.ok("functions.list", json!({})).await?;
+    assert_eq!(f["functions"][0]["function_id"], "no-such-fn", "{f}");
+    r.ok("turn.stop", json!({"turn_id": t["turn"]["turn_id"]}))
+        .await?;
+    let f = r.ok("functions.list", json!({})).await?;
+    assert_eq!(f["functions"], json!([]), "{f}");
+    assert_eq!(td.engine().registry_sizes(), (0, 0));
+    wait_in_memory(&td.admin, 0.0).await?;
+    td.shutdown().await
+}
+
+/// A worker's functions stay listed while it is connected and `worker_linger_ms`
+/// after; then the worker and its functions are forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn departed_workers_and_their_functions_are_forgotten_after_the_linger() -> anyhow::Result<()>
+{
+    let td = TestDaemon::start(|c| c.turns.worker_linger_ms = 400).await?;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    let w = turnd_tests::echo_worker(&td.url, "w-gone", 1).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let f = r.ok("functions.list", json!({})).await?;
+    assert_eq!(
+        f["functions"][0]["function_id"], "echo",
+        "kept while connected: {f}"
+    );
+    w.shutdown();
+    w.join().await?;
+    let ws = r.ok("workers.list", json!({})).await?;
+    assert_eq!(
+        ws["workers"][0]["worker_id"], "w-gone",
+        "listed right after: {ws}"
+    );
+    assert_eq!(ws["workers"][0]["connected"], false, "{ws}");
+    let f = r.ok("functions.list", json!({})).await?;
+    assert_eq!(
+        f["functions"][0]["function_id"], "echo",
+        "listed right after: {f}"
+    );
+    eventually(T, "the worker and its function to be forgotten", || {
+        let td = &td;
+        async move { (td.engine().registry_sizes() == (0, 0)).then_some(()) }
+    })
+    .await?;
+    let ws = r.ok("workers.list", json!({})).await?;
+    assert_eq!(ws["workers"], json!([]));
+    let f = r.ok("functions.list", json!({})).await?;
+    assert_eq!(f["functions"], json!([]));
+    td.shutdown().await
+}

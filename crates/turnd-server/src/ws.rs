@@ -392,6 +392,7 @@ where
                     break match writer_outbox.close_reason() {
                         Some(CloseReason::Superseded) => Some((CLOSE_SUPERSEDED, "superseded by a newer connection of this worker_id".to_string())),
                         Some(CloseReason::SlowReader) => Some((1008, "outgoing queue full: the peer does not read fast enough".to_string())),
+                        Some(CloseReason::Unavailable) => Some((1011, "a watch's events could not be read from the store; watch again with `after`".to_string())),
                         None => Some((1001, "server closing".to_string())),
                     };
                 }
