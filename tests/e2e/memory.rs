@@ -428,3 +428,152 @@ async fn departed_workers_and_their_functions_are_forgotten_after_the_linger() -
     assert_eq!(f["functions"], json!([]));
     td.shutdown().await
 }
+
+/// Admit `n` turns to a function nobody serves and stop them: 3 events per turn.
+async fn fill_session(r: &mut Raw, session_id: &str, n: usize, reason: &str) -> anyhow::Result<()> {
+    for i in 0..n {
+        let t = r
+            .ok(
+                "turn.submit",
+                json!({"session_id": session_id, "function_id": "nobody", "input": i}),
+            )
+            .await?;
+        r.ok(
+            "turn.stop",
+            json!({"turn_id": t["turn"]["turn_id"], "reason": reason}),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// A client with a tiny receive buffer, on a plain TCP socket.
+async fn small_buffer_client(td: &TestDaemon) -> anyhow::Result<turnd_tests::RawTcp> {
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    sock.set_recv_buffer_size(4096)?;
+    let addr = td
+        .url
+        .trim_start_matches("ws://")
+        .trim_end_matches("/v1")
+        .parse()?;
+    let stream = sock.connect(addr).await?;
+    let (ws, _) = tokio_tungstenite::client_async(td.url.as_str(), stream).await?;
+    let mut r = Raw::from_stream(ws);
+    r.ok(
+        "hello",
+        json!({"protocol": 1, "role": "client", "token": "t"}),
+    )
+    .await?;
+    Ok(r)
+}
+
+/// The next text frame of a raw TCP client, at most 5 s.
+async fn next_frame(r: &mut turnd_tests::RawTcp) -> anyhow::Result<Value> {
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(5), r.ws.next()).await?;
+        match m {
+            Some(Ok(Message::Text(t))) => return Ok(serde_json::from_str(t.as_str())?),
+            Some(Ok(Message::Close(c))) => anyhow::bail!("closed: {c:?}"),
+            Some(Ok(_)) => continue,
+            other => anyhow::bail!("connection ended: {other:?}"),
+        }
+    }
+}
+
+/// A reading client replays a session many times larger than its connection's
+/// queue and socket buffers from `after: 0`, while other turns are admitted, and
+/// gets every event once, in order, then the live ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reading_client_replays_a_session_larger_than_its_queue() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| c.server.outbox_frames = 16).await?;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    // About 6 MB of events (two of each turn's three carry the reason).
+    fill_session(&mut r, "long", 150, &"r".repeat(20_000)).await?;
+    let s = r
+        .ok("session.inspect", json!({"session_id": "long"}))
+        .await?;
+    assert_eq!(s["session"]["last_event"], 450, "{s}");
+    let mut watcher = small_buffer_client(&td).await?;
+    let f = json!({"id": 7, "op": "watch", "args": {"session_id": "long", "after": 0}});
+    watcher.ws.send(Message::text(f.to_string())).await?;
+    // More turns arrive while the watcher replays, and it reads late.
+    for i in 0..100 {
+        r.ok(
+            "turn.submit",
+            json!({"session_id": "long", "function_id": "nobody", "input": i}),
+        )
+        .await?;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let resp = next_frame(&mut watcher).await?;
+    assert_eq!(resp["id"], 7, "the response comes first: {resp}");
+    let watch_id = resp["ok"]["watch_id"].clone();
+    let mut got = Vec::new();
+    while got.len() < 550 {
+        let p = next_frame(&mut watcher).await?;
+        assert_eq!(p["watch_id"], watch_id, "{p}");
+        got.push(p["event"]["seq"].as_u64().unwrap_or_default());
+    }
+    assert_eq!(got, (1..=550).collect::<Vec<_>>());
+    // Nothing more, and the watch is live: the next event follows at once.
+    r.ok(
+        "turn.submit",
+        json!({"session_id": "long", "function_id": "nobody", "input": "last"}),
+    )
+    .await?;
+    let p = next_frame(&mut watcher).await?;
+    assert_eq!(p["event"]["seq"], 551, "{p}");
+    td.shutdown().await
+}
+
+/// A watcher that does not read holds up nothing but itself: its replay waits for
+/// room in its own queue, and the session it watches goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_that_never_reads_does_not_delay_its_session() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| {
+        c.server.outbox_frames = 16;
+        c.server.write_stall_ms = 60_000;
+        c.server.heartbeat_ms = 60_000;
+    })
+    .await?;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    // About 14 MB of events: more than the sockets and the queue hold.
+    fill_session(&mut r, "watched", 60, &"r".repeat(120_000)).await?;
+    let mut deaf = small_buffer_client(&td).await?;
+    let f = json!({"id": 99, "op": "watch", "args": {"session_id": "watched", "after": 0}});
+    deaf.ws.send(Message::text(f.to_string())).await?;
+    eventually(T, "the replay to be under way", || async {
+        let m = metrics(&td).await.ok()?;
+        (metric(&m, "turnd_watches") == Some(1.0)).then_some(())
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _w = turnd_tests::echo_worker(&td.url, "w-watched", 1).await;
+    let started = std::time::Instant::now();
+    let t = r
+        .ok(
+            "turn.submit",
+            json!({"session_id": "watched", "function_id": "echo", "input": 1}),
+        )
+        .await?;
+    let done = r
+        .ok(
+            "turn.wait",
+            json!({"turn_id": t["turn"]["turn_id"], "timeout_ms": 5_000}),
+        )
+        .await?;
+    assert_eq!(done["turn"]["status"], "completed", "{done}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    let m = metrics(&td).await?;
+    assert_eq!(
+        metric(&m, "turnd_watches"),
+        Some(1.0),
+        "the watcher is still there"
+    );
+    drop(deaf);
+    td.shutdown().await
+}
