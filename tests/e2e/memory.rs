@@ -577,3 +577,39 @@ async fn a_watcher_that_never_reads_does_not_delay_its_session() -> anyhow::Resu
     drop(deaf);
     td.shutdown().await
 }
+
+/// The operator page's live feed replays a session longer than the feed's queue
+/// (1024 events) from the start, every event once and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_feed_replays_a_long_session() -> anyhow::Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let td = TestDaemon::start(|_| {}).await?;
+    let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+    fill_session(&mut r, "feed-long", 400, "filler").await?;
+    let addr = td.admin.trim_start_matches("http://").to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await?;
+    s.write_all(
+        format!("GET /ui/session/feed?id=feed-long&after=0 HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n")
+            .as_bytes(),
+    )
+    .await?;
+    let mut lines = BufReader::new(s).lines();
+    let got = tokio::time::timeout(Duration::from_secs(T), async {
+        let mut got = Vec::new();
+        while got.len() < 1200 {
+            let line = lines.next_line().await?;
+            let Some(line) = line else {
+                anyhow::bail!("the feed ended after {} events", got.len());
+            };
+            if let Some(data) = line.strip_prefix("data: ") {
+                let e: Value = serde_json::from_str(data)?;
+                got.push(e["seq"].as_u64().unwrap_or_default());
+            }
+        }
+        anyhow::Ok(got)
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("the feed did not deliver 1200 events in time"))??;
+    assert_eq!(got, (1..=1200).collect::<Vec<_>>());
+    td.shutdown().await
+}
