@@ -5,10 +5,11 @@
 
 use std::time::Duration;
 
+use anyhow::Context;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
-use turnd_tests::{eventually, http_get, metric, Raw, TestDaemon};
+use turnd_tests::{eventually, http_get, metric, BinDaemon, Raw, TestDaemon};
 
 const T: u64 = 15;
 
@@ -612,4 +613,71 @@ async fn the_operator_feed_replays_a_long_session() -> anyhow::Result<()> {
     .map_err(|_| anyhow::anyhow!("the feed did not deliver 1200 events in time"))??;
     assert_eq!(got, (1..=1200).collect::<Vec<_>>());
     td.shutdown().await
+}
+
+/// VmRSS of a process, in kB.
+fn rss_kb(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("no VmRSS")
+}
+
+/// Pipeline `n` reads of unknown session ids over one connection (`window` in
+/// flight), each answered `not_found`.
+async fn unknown_reads(url: &str, from: usize, n: usize, window: usize) -> anyhow::Result<()> {
+    let (r, _) = Raw::hello(url, "client", json!({})).await?;
+    let (mut tx, mut rx) = r.ws.split();
+    let (mut sent, mut answered) = (0, 0);
+    while answered < n {
+        while sent < n && sent - answered < window {
+            let sid = format!("ghost-{}", from + sent);
+            let op = if sent % 2 == 0 {
+                "session.inspect"
+            } else {
+                "session.stop"
+            };
+            let args = json!({"session_id": sid});
+            sent += 1;
+            let f = json!({"id": sent, "op": op, "args": args}).to_string();
+            tx.send(Message::text(f)).await?;
+        }
+        let m = tokio::time::timeout(Duration::from_secs(10), rx.next()).await?;
+        let f: Value = match m {
+            Some(Ok(Message::Text(t))) => serde_json::from_str(t.as_str())?,
+            Some(Ok(_)) => continue,
+            other => anyhow::bail!("connection ended: {other:?}"),
+        };
+        let code = f.pointer("/error/code");
+        anyhow::ensure!(code == Some(&json!("not_found")), "unexpected answer {f}");
+        answered += 1;
+    }
+    Ok(())
+}
+
+/// The real binary's resident size does not grow with reads of ids that do not
+/// exist (each used to leave a session in memory for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_of_unknown_ids_do_not_grow_the_daemon() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = BinDaemon::start(&dir.path().join("data"), &[]).await?;
+    let pid = d.child.id().context("pid")?;
+    // Warm up: connections, buffers and the allocator's pools.
+    unknown_reads(&d.url, 0, 2_000, 256).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = rss_kb(pid)?;
+    unknown_reads(&d.url, 2_000, 24_000, 256).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = rss_kb(pid)?;
+    let (_, body) = http_get(&d.admin, "/metrics").await?;
+    eprintln!("VmRSS {before} kB before 24000 unknown-id reads, {after} kB after");
+    assert_eq!(metric(&body, "turnd_sessions_in_memory"), Some(0.0));
+    assert!(
+        after < before + 4 * 1024,
+        "VmRSS grew from {before} to {after} kB"
+    );
+    d.kill().await
 }
