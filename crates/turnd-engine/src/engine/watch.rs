@@ -146,18 +146,19 @@ impl Engine {
             if let Some(seq) = read_to {
                 cursor = seq;
             }
-            if full {
-                continue;
-            }
             let Ok(mut w) = self.inner.watches.lock() else {
                 return false;
             };
+            // Unwatched (or its connection ended) meanwhile: nothing more to send.
             let Some(watch) = w
                 .get_mut(session_id)
                 .and_then(|v| v.iter_mut().find(|x| x.watch_id == watch_id))
             else {
                 return false;
             };
+            if full {
+                continue;
+            }
             let noted = watch.replaying.unwrap_or(0);
             if noted <= cursor || read_to.is_none() {
                 // Caught up. (Events noted but no longer stored were deleted by
