@@ -116,6 +116,12 @@ enum Cmd {
         /// Submits in flight at once.
         #[arg(long, default_value_t = 1024)]
         inflight: usize,
+        /// `queued`: each session holds one queued turn for a function no worker
+        /// serves. `finished`: each session runs one turn to completion on an echo
+        /// worker, then all are idle. `unknown`: that many reads of session and turn
+        /// ids that do not exist (the daemon starts empty).
+        #[arg(long, default_value = "queued", value_parser = ["queued", "finished", "unknown"])]
+        what: String,
     },
     /// N sessions waiting for a worker nobody runs, then the render time of the
     /// operator page's screens and the answer time of `sessions.list`.
@@ -307,10 +313,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             common,
             sessions,
             inflight,
+            what,
         } => {
             init_tracing(&common.log);
             announce(&common);
-            runtime()?.block_on(scenarios::idle(&common, sessions, inflight))
+            match what.as_str() {
+                "finished" => {
+                    runtime()?.block_on(scenarios::idle_finished(&common, sessions, inflight))
+                }
+                "unknown" => {
+                    runtime()?.block_on(scenarios::idle_unknown(&common, sessions, inflight))
+                }
+                _ => runtime()?.block_on(scenarios::idle(&common, sessions, inflight)),
+            }
         }
         Cmd::Ui {
             common,

@@ -437,6 +437,221 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
     Ok(())
 }
 
+/// Resident size once the daemon's memory has settled after a phase: the lowest of
+/// a few readings over `wait`, taken after the engine holds no more than `live`
+/// sessions (or `wait` passed).
+async fn settled_rss(d: &BenchDaemon, live: usize, wait: Duration) -> (Option<u64>, usize) {
+    let until = Instant::now() + wait;
+    let engine = &d.daemon.engine;
+    while engine.sessions_in_memory() > live && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut low = proc_status_kb("VmRSS");
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if let Some(now) = proc_status_kb("VmRSS") {
+            low = Some(low.map_or(now, |l| l.min(now)));
+        }
+    }
+    (low, engine.sessions_in_memory())
+}
+
+/// `idle --what finished`: `n` sessions that each run one turn to completion on an
+/// echo worker, then idle; reports the resident size after they finished against the
+/// empty daemon's.
+pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow::Result<()> {
+    let (_tmp, data) = data_dir(common)?;
+    let rss_before_start = proc_status_kb("VmRSS");
+    let d = BenchDaemon::start(&data, common).await?;
+    let workers = Workers::start(&d.url, common.workers, common.concurrency).await?;
+    let cs = callers(&d.url, common.callers).await?;
+    let (rss_base, _) = settled_rss(&d, 0, Duration::from_secs(1)).await;
+    let probe = Probe::start(&d);
+    let start = Instant::now();
+    let mut lat = Latencies::default();
+    let mut failed = 0u64;
+    let mut first_error = None;
+    let mut set = JoinSet::new();
+    for s in 0..n {
+        while set.len() >= inflight.max(1) {
+            collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
+        }
+        let caller = cs[s % cs.len()].clone();
+        set.spawn(async move {
+            let t0 = Instant::now();
+            let r = async {
+                let t = caller
+                    .submit_simple(&format!("done-{s}"), ECHO, json!({"s": s}))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let t = caller
+                    .wait_terminal(&t.turn_id, TURN_LIMIT)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if t.status == TurnStatus::Completed {
+                    Ok(())
+                } else {
+                    Err(format!("turn {} ended {:?}", t.turn_id, t.status))
+                }
+            }
+            .await;
+            (r, t0.elapsed())
+        });
+    }
+    while !set.is_empty() {
+        collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
+    }
+    let wall = start.elapsed();
+    let measured = probe.finish(&d);
+    let stats = cs[0].stats().await.context("stats")?;
+    let (rss_done, in_memory) = settled_rss(&d, 0, Duration::from_secs(3)).await;
+    close_callers(cs).await;
+    workers.stop().await?;
+    let (rss_settled, _) = settled_rss(&d, 0, Duration::from_secs(2)).await;
+    let hwm = proc_status_kb("VmHWM");
+    d.shutdown().await?;
+    let kb = |v: Option<u64>| crate::measure::mb(v);
+    let growth = match (rss_done, rss_base) {
+        (Some(a), Some(b)) => format!("{} MB", (a as i64 - b as i64) / 1024),
+        _ => "–".into(),
+    };
+    let row = Row {
+        scenario: "idle (finished)".into(),
+        sync: sync_label(&common.sync),
+        work: format!(
+            "{n} sessions × 1 turn run to completion, then idle; {} caller conns, {inflight} turns in flight",
+            common.callers
+        ),
+        wall: Some(wall),
+        throughput: format!("{:.0} turns/s", lat.len() as f64 / wall.as_secs_f64().max(1e-9)),
+        latency: lat.summary(),
+        cpu: Some(measured.cpu),
+        rss_peak_kb: hwm,
+        commits: Some(measured.commits),
+        notes: format!(
+            "latency columns = submit→completed; RSS: {} before the daemon started, {} with the daemon, workers and callers connected, {} after all {n} turns completed ({growth} over the connected daemon; {in_memory} sessions in memory, {} completed), {} after the callers and workers closed; {}",
+            kb(rss_before_start),
+            kb(rss_base),
+            kb(rss_done),
+            stats.turns.completed,
+            kb(rss_settled),
+            measured.notes
+        ),
+    };
+    row.print();
+    if failed > 0 {
+        bail!(
+            "{failed} turns failed (first: {})",
+            first_error.unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// `idle --what unknown`: `n` reads of ids that do not exist (`session.inspect`,
+/// `turn.list`, `session.events`, `session.stop`, `turn.get` in turn) on an empty
+/// daemon; reports how much the resident size grew.
+pub async fn idle_unknown(common: &Common, n: usize, inflight: usize) -> anyhow::Result<()> {
+    let (_tmp, data) = data_dir(common)?;
+    let d = BenchDaemon::start(&data, common).await?;
+    let cs = callers(&d.url, common.callers).await?;
+    // Warm every connection and code path once, so that the growth below is the
+    // reads' own.
+    for (i, c) in cs.iter().enumerate() {
+        if let Ok(s) = c.inspect(&format!("warm-{i}")).await {
+            bail!("session warm-{i} exists: {s:?}");
+        }
+    }
+    let (rss_base, _) = settled_rss(&d, 0, Duration::from_secs(1)).await;
+    let probe = Probe::start(&d);
+    let start = Instant::now();
+    let mut lat = Latencies::default();
+    let mut failed = 0u64;
+    let mut first_error = None;
+    let mut set = JoinSet::new();
+    for s in 0..n {
+        while set.len() >= inflight.max(1) {
+            collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
+        }
+        let caller = cs[s % cs.len()].clone();
+        set.spawn(async move {
+            let t0 = Instant::now();
+            let sid = format!("ghost-{s}");
+            let r = match s % 5 {
+                0 => caller.inspect(&sid).await.map(|_| ()),
+                1 => caller
+                    .list(turnd_client::turnd_proto::ListArgs {
+                        session_id: sid,
+                        status: None,
+                        limit: None,
+                        before_seq: None,
+                    })
+                    .await
+                    .map(|_| ()),
+                2 => caller.events(&sid, Some(0), None).await.map(|_| ()),
+                3 => caller.stop_session(&sid, "bench").await.map(|_| ()),
+                _ => caller.get(&format!("t_{s:032x}")).await.map(|_| ()),
+            };
+            // Every one of them is not found (turn.list answers an empty page).
+            let r = match r {
+                Ok(()) => Ok(()),
+                Err(turnd_client::ClientError::Protocol(b))
+                    if b.code == turnd_client::turnd_proto::ErrorCode::NotFound =>
+                {
+                    Ok(())
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            (r, t0.elapsed())
+        });
+    }
+    while !set.is_empty() {
+        collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
+    }
+    let wall = start.elapsed();
+    let measured = probe.finish(&d);
+    let (rss_after, in_memory) = settled_rss(&d, 0, Duration::from_secs(2)).await;
+    let registry = d.daemon.engine.registry_sizes();
+    close_callers(cs).await;
+    let hwm = proc_status_kb("VmHWM");
+    d.shutdown().await?;
+    let kb = |v: Option<u64>| crate::measure::mb(v);
+    let growth = match (rss_after, rss_base) {
+        (Some(a), Some(b)) => format!("{:.1} MB", (a as f64 - b as f64) / 1024.0),
+        _ => "–".into(),
+    };
+    let row = Row {
+        scenario: "idle (unknown ids)".into(),
+        sync: sync_label(&common.sync),
+        work: format!(
+            "{n} reads of unknown ids (inspect, list, events, stop, get); {} caller conns, {inflight} in flight",
+            common.callers
+        ),
+        wall: Some(wall),
+        throughput: format!("{:.0} reads/s", lat.len() as f64 / wall.as_secs_f64().max(1e-9)),
+        latency: lat.summary(),
+        cpu: Some(measured.cpu),
+        rss_peak_kb: hwm,
+        commits: Some(measured.commits),
+        notes: format!(
+            "RSS: {} before the reads, {} after ({growth} growth); {in_memory} sessions in memory, registry {} workers / {} functions; {}",
+            kb(rss_base),
+            kb(rss_after),
+            registry.0,
+            registry.1,
+            measured.notes
+        ),
+    };
+    row.print();
+    if failed > 0 {
+        bail!(
+            "{failed} reads failed (first: {})",
+            first_error.unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
 type SubmitResult = (Result<(), String>, Duration);
 
 async fn collect_submit(

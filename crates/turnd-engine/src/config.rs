@@ -30,6 +30,10 @@ pub struct EngineConfig {
     pub max_queued_per_session: u64,
     /// Largest `input` (and step output/state) in bytes of JSON.
     pub max_value_bytes: u64,
+    /// How long a worker that disconnected, and the functions only it registered,
+    /// stay in the registry (and in `workers.list`/`functions.list`) once nothing
+    /// else refers to them.
+    pub worker_linger_ms: u64,
     /// How long a terminal turn is kept after it finished; 0 keeps it for good.
     pub retention_terminal_ms: u64,
     /// How often retention looks for turns to delete.
@@ -49,6 +53,7 @@ impl Default for EngineConfig {
             retry_backoff_max_ms: 60_000,
             max_queued_per_session: 10_000,
             max_value_bytes: 512 * 1024,
+            worker_linger_ms: 600_000,
             retention_terminal_ms: 72 * 3_600_000,
             retention_sweep_interval_ms: 60_000,
         }

@@ -27,12 +27,14 @@ use turnd_store::{
 };
 
 mod admission;
+mod cells;
 mod commit;
 mod deadlines;
 mod dispatch;
 mod outcomes;
 mod queries;
 mod recovery;
+mod registry_gc;
 mod results;
 mod retention;
 mod stop;
@@ -95,6 +97,12 @@ struct Watch {
     conn_id: String,
     outbox: Outbox,
     turn_id: Option<String>,
+    /// Events up to this `seq` were replayed (or were before the watch began); live
+    /// pushes are of later events only.
+    sent: u64,
+    /// While the watch replays stored events: the last `seq` published meanwhile,
+    /// which the replay reads back from the store. `None` once the watch is live.
+    replaying: Option<u64>,
 }
 
 struct Inner {
@@ -102,10 +110,9 @@ struct Inner {
     store: Store,
     clock: Clock,
     boot_id: String,
-    /// Every session used since start-up. A cell leaves only when retention forgets
-    /// its session, after deleting its meta from the store (`retention.rs`): any other
-    /// session evicted from here would be taken for a new one by `stored_sessions`
-    /// and reuse its `seq`s.
+    /// The sessions in use: a cell leaves when its last user lets it go and the
+    /// session has no unfinished turn, no timer and no pending write (`cells.rs`), or
+    /// when retention forgets its session. Its next use reads its meta back.
     sessions: Mutex<HashMap<String, Arc<SessionCell>>>,
     /// The session of every unfinished turn, by the 128 bits of its id, so
     /// `turn.get` and `turn.wait` find a live turn without a store read (a sled read
@@ -113,11 +120,13 @@ struct Inner {
     /// or no longer in its session, is read from the store.
     live_turns: Mutex<HashMap<u128, Arc<SessionCell>>>,
     /// Hashes of the ids of every session with a meta in the store at start-up, set
-    /// once recovery has read them all. A session missing here and not yet in memory
-    /// has no meta (every session used since start-up stays in memory), so its first
-    /// use reads nothing (a sled read waits for any group commit being applied). A
-    /// collision only costs a read.
+    /// once recovery has read them all. A session missing here, from `evicted` and
+    /// from memory has no meta, so its first use reads nothing (a sled read waits
+    /// for any group commit being applied). A collision only costs a read.
     stored_sessions: OnceLock<HashSet<u64>>,
+    /// Hashes of the ids of sessions with a meta that left memory since start-up
+    /// (8 bytes each, the only trace an idle session leaves in memory).
+    evicted: Mutex<HashSet<u64>>,
     registry: Mutex<Registry>,
     /// `turn.wait` callers by turn id; sent the turn once it is terminal.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Turn>>>>,
@@ -158,6 +167,7 @@ impl Engine {
                 sessions: Mutex::new(HashMap::new()),
                 live_turns: Mutex::new(HashMap::new()),
                 stored_sessions: OnceLock::new(),
+                evicted: Mutex::new(HashSet::new()),
                 registry: Mutex::new(Registry::default()),
                 waiters: Mutex::new(HashMap::new()),
                 watches: Mutex::new(HashMap::new()),
@@ -171,6 +181,7 @@ impl Engine {
         };
         engine.recover().await?;
         engine.spawn_retention();
+        engine.spawn_registry_gc();
         Ok(engine)
     }
 
@@ -237,20 +248,25 @@ impl Engine {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    fn cell(&self, session_id: &str) -> Arc<SessionCell> {
+    /// The session's cell, made (not yet loaded) when it is not in memory. It leaves
+    /// memory again when the returned reference is the last one dropped and the
+    /// session is idle (`cells.rs`).
+    fn cell(&self, session_id: &str) -> cells::CellRef {
         let mut m = self
             .inner
             .sessions
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        m.entry(session_id.to_string())
+        let cell = m
+            .entry(session_id.to_string())
             .or_insert_with(|| {
                 Arc::new(SessionCell {
                     state: tokio::sync::Mutex::new(SessionState::new(session_id)),
                     summary: Mutex::new(None),
                 })
             })
-            .clone()
+            .clone();
+        cells::CellRef::new(self, cell)
     }
 
     fn wait_index(&self) -> std::sync::MutexGuard<'_, sessions_list::WaitIndex> {
@@ -289,17 +305,20 @@ impl Engine {
     }
 
     /// The session cell of an unfinished turn, if `live_turns` knows it.
-    fn live_cell(&self, turn_id: &str) -> Option<Arc<SessionCell>> {
+    fn live_cell(&self, turn_id: &str) -> Option<cells::CellRef> {
         let k = turn_id_bits(turn_id)?;
-        self.live_turns().get(&k).cloned()
+        let cell = self.live_turns().get(&k).cloned()?;
+        Some(cells::CellRef::new(self, cell))
     }
 
-    fn existing_cell(&self, session_id: &str) -> Option<Arc<SessionCell>> {
-        self.inner
+    fn existing_cell(&self, session_id: &str) -> Option<cells::CellRef> {
+        let cell = self
+            .inner
             .sessions
             .lock()
             .ok()
-            .and_then(|m| m.get(session_id).cloned())
+            .and_then(|m| m.get(session_id).cloned())?;
+        Some(cells::CellRef::new(self, cell))
     }
 
     /// Lock a session, loading its meta from the store on first use.
@@ -314,7 +333,8 @@ impl Engine {
                 .inner
                 .stored_sessions
                 .get()
-                .is_none_or(|known| known.contains(&session_hash(&st.id)));
+                .is_none_or(|known| known.contains(&session_hash(&st.id)))
+                || self.was_evicted(&st.id);
             if maybe_stored {
                 if let Some(meta) = self.inner.store.session_meta(&st.id)? {
                     st.meta = meta;

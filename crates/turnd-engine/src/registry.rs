@@ -19,6 +19,8 @@ pub enum CloseReason {
     Superseded,
     /// Its outgoing queue overflowed: the peer does not read fast enough.
     SlowReader,
+    /// A watch's replay could not read the store (code 1011).
+    Unavailable,
 }
 
 /// The sending side of one connection: a bounded queue of text frames. A peer that
@@ -121,7 +123,13 @@ struct FunctionEntry {
     settings: FunctionSettings,
     concurrency: u32,
     /// Sessions whose lock holder waits for a worker of this function, oldest first.
+    /// May hold stale entries (`waiting_for` is the truth); compacted by [`Registry::gc`].
     waiting: VecDeque<String>,
+    /// Sessions in `waiting_for` that wait for this function.
+    waiters: usize,
+    /// When a connected worker last served it (or it was registered); the entry is
+    /// forgotten `linger` after, once no session waits for it.
+    served_ms: u64,
 }
 
 /// Who could run a function, for the reason of an `awaiting_worker` wait.
@@ -150,6 +158,9 @@ pub struct Registry {
     /// The function each waiting session's lock holder waits for. The per-function
     /// queues may hold stale entries; this map is the truth.
     waiting_for: HashMap<String, String>,
+    /// The latest time the registry was told (attach, detach, gc), for marking when
+    /// a function was last served without a clock of its own.
+    now_hint: u64,
 }
 
 /// What a worker `hello` replaced.
@@ -184,6 +195,7 @@ impl Registry {
                 inflight: HashMap::new(),
                 assigned: HashMap::new(),
             });
+        self.now_hint = self.now_hint.max(now_ms);
         let superseded = entry.outbox.take();
         entry.functions.clear();
         entry.name = name.to_string();
@@ -210,8 +222,15 @@ impl Registry {
         match &entry.outbox {
             Some(o) if o.conn_id == conn_id => {
                 entry.outbox = None;
+                // What it served lingers from now (see `gc`).
+                for f in entry.functions.keys() {
+                    if let Some(fe) = self.functions.get_mut(f) {
+                        fe.served_ms = fe.served_ms.max(now_ms);
+                    }
+                }
                 entry.functions.clear();
                 entry.since_ms = now_ms;
+                self.now_hint = self.now_hint.max(now_ms);
                 true
             }
             _ => false,
@@ -264,6 +283,8 @@ impl Registry {
                 settings,
                 concurrency,
                 waiting: VecDeque::new(),
+                waiters: 0,
+                served_ms: 0,
             });
         if f.settings != settings || f.concurrency != concurrency {
             tracing::info!(
@@ -277,6 +298,7 @@ impl Registry {
         f.registered = true;
         f.settings = settings;
         f.concurrency = concurrency;
+        f.served_ms = f.served_ms.max(self.now_hint);
         self.serving(function_id)
     }
 
@@ -332,7 +354,7 @@ impl Registry {
         candidates.sort();
         self.cursor = self.cursor.wrapping_add(1);
         let id = candidates[self.cursor % candidates.len()].clone();
-        self.waiting_for.remove(session_id);
+        self.unwait(session_id);
         let w = self.workers.get_mut(&id)?;
         *w.inflight.entry(function_id.to_string()).or_insert(0) += 1;
         w.assigned.insert(
@@ -372,6 +394,10 @@ impl Registry {
 
     /// Note that a session waits for a worker of `function_id`.
     pub fn wait_for(&mut self, function_id: &str, session_id: &str) {
+        if self.waiting_for.get(session_id).map(String::as_str) == Some(function_id) {
+            return;
+        }
+        self.unwait(session_id);
         let f = self
             .functions
             .entry(function_id.to_string())
@@ -384,18 +410,72 @@ impl Registry {
                 },
                 concurrency: 0,
                 waiting: VecDeque::new(),
+                waiters: 0,
+                served_ms: 0,
             });
-        let prev = self
-            .waiting_for
+        f.waiters += 1;
+        f.waiting.push_back(session_id.to_string());
+        self.waiting_for
             .insert(session_id.to_string(), function_id.to_string());
-        if prev.as_deref() != Some(function_id) {
-            f.waiting.push_back(session_id.to_string());
-        }
     }
 
     /// The session no longer waits for a worker.
     pub fn not_waiting(&mut self, session_id: &str) {
-        self.waiting_for.remove(session_id);
+        self.unwait(session_id);
+    }
+
+    /// Take the session out of `waiting_for`. A function that no worker registered
+    /// and no session waits for any more is forgotten at once.
+    fn unwait(&mut self, session_id: &str) {
+        let Some(function_id) = self.waiting_for.remove(session_id) else {
+            return;
+        };
+        if let Some(f) = self.functions.get_mut(&function_id) {
+            f.waiters = f.waiters.saturating_sub(1);
+            if f.waiters == 0 && !f.registered {
+                self.functions.remove(&function_id);
+            }
+        }
+    }
+
+    /// Forget what nothing refers to any more: a worker that is disconnected, has no
+    /// live invocation and left `linger_ms` ago or more; a function no connected
+    /// worker serves, no session waits for, and that was last served `linger_ms` ago
+    /// or more. Also drops the stale entries of the functions' waiting queues.
+    pub fn gc(&mut self, now_ms: u64, linger_ms: u64) {
+        self.now_hint = self.now_hint.max(now_ms);
+        let expired = |since: u64| now_ms.saturating_sub(since) >= linger_ms;
+        self.workers
+            .retain(|_, w| w.connected() || !w.assigned.is_empty() || !expired(w.since_ms));
+        let mut served: HashMap<&str, ()> = HashMap::new();
+        for w in self.workers.values().filter(|w| w.connected()) {
+            for f in w.functions.keys() {
+                served.insert(f.as_str(), ());
+            }
+        }
+        let mut gone = Vec::new();
+        for (id, f) in self.functions.iter_mut() {
+            if served.contains_key(id.as_str()) {
+                f.served_ms = f.served_ms.max(now_ms);
+            } else if f.waiters == 0 && expired(f.served_ms) {
+                gone.push(id.clone());
+            }
+        }
+        for id in gone {
+            self.functions.remove(&id);
+        }
+        let waiting_for = &self.waiting_for;
+        for (id, f) in self.functions.iter_mut() {
+            if f.waiting.len() > 2 * f.waiters + 16 {
+                f.waiting
+                    .retain(|s| waiting_for.get(s).is_some_and(|x| x == id));
+            }
+        }
+    }
+
+    /// Entries of the registry, for tests: (workers, functions).
+    pub fn sizes(&self) -> (usize, usize) {
+        (self.workers.len(), self.functions.len())
     }
 
     /// Take up to `n` sessions waiting for `function_id`, oldest first.
@@ -410,6 +490,7 @@ impl Registry {
             };
             if self.waiting_for.get(&s).map(|x| x == function_id) == Some(true) {
                 self.waiting_for.remove(&s);
+                f.waiters = f.waiters.saturating_sub(1);
                 out.push(s);
             }
         }
@@ -418,10 +499,9 @@ impl Registry {
 
     /// Sessions waiting for a function (for `functions.list`).
     fn waiting_count(&self, function_id: &str) -> u64 {
-        self.waiting_for
-            .values()
-            .filter(|f| *f == function_id)
-            .count() as u64
+        self.functions
+            .get(function_id)
+            .map_or(0, |f| f.waiters as u64)
     }
 
     /// Free slots for a function over connected workers.
@@ -561,5 +641,39 @@ mod tests {
         assert!(fs[0].registered);
         assert_eq!(fs[0].concurrency, 2);
         assert_eq!(fs[0].max_attempts, 3);
+    }
+
+    #[test]
+    fn what_nothing_refers_to_is_forgotten_after_the_linger() {
+        let mut r = Registry::default();
+        let (outbox, _rx) = Outbox::new("c_1".into(), 4);
+        r.attach("w-1", "w", "i-1", outbox, 1_000);
+        r.register("w-1", "f", 1, settings());
+        // A session waits for a function nobody registered, then stops waiting.
+        r.wait_for("ghost", "s-1");
+        assert_eq!(r.sizes(), (1, 2));
+        r.not_waiting("s-1");
+        assert_eq!(r.sizes(), (1, 1), "an unregistered function goes at once");
+        // Connected: kept however long.
+        r.gc(1_000_000, 500);
+        assert_eq!(r.sizes(), (1, 1));
+        // Gone at 2_000: listed until the linger has passed, with a live invocation
+        // keeping the worker.
+        let (outbox, _rx2) = Outbox::new("c_2".into(), 4);
+        r.attach("w-1", "w", "i-1", outbox, 1_000_500);
+        r.register("w-1", "f", 1, settings());
+        assert!(r.reserve("f", "inv-1", "s-2").is_some());
+        assert!(r.detach("w-1", "c_2", 1_002_000));
+        r.gc(1_002_400, 500);
+        assert_eq!(r.sizes(), (1, 1));
+        r.gc(1_002_500, 500);
+        assert_eq!(
+            r.sizes(),
+            (1, 0),
+            "the function went; the worker holds inv-1"
+        );
+        r.release("w-1", "inv-1");
+        r.gc(1_002_600, 500);
+        assert_eq!(r.sizes(), (0, 0));
     }
 }

@@ -149,6 +149,24 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
             .set(load(v) as i64);
     }
     reg.register("connections", "Open connections by role", conns);
+    gauge(
+        &mut reg,
+        "sessions_in_memory",
+        "Sessions whose state is held in memory: those with unfinished turns, and those in use by a request right now",
+        e.sessions_in_memory() as i64,
+    );
+    gauge(
+        &mut reg,
+        "watches",
+        "Watches held by every connection",
+        e.watch_count() as i64,
+    );
+    gauge(
+        &mut reg,
+        "requests_inflight",
+        "Requests being run, over every connection",
+        load(&s.connections.requests_inflight) as i64,
+    );
 
     counter(
         &mut reg,

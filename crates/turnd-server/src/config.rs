@@ -53,8 +53,14 @@ pub struct ServerConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
     /// Requests per second one connection may send (a token bucket of this size
-    /// refilled every second); more get `rate_limited`.
+    /// refilled every second); more get `rate_limited`. 0: no rate limit (the
+    /// default; `max_inflight_per_connection` bounds what one connection can hold).
     pub max_requests_per_second: u64,
+    /// Requests of one connection being run at once; more get `rate_limited`.
+    pub max_inflight_per_connection: u64,
+    /// How long a connection's writer may fail to write anything before the
+    /// connection is closed with 1008 (the peer does not read).
+    pub write_stall_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,6 +103,7 @@ pub struct TurnsConfig {
     pub retry_backoff_max_ms: u64,
     pub max_queued_per_session: u64,
     pub max_value_bytes: u64,
+    pub worker_linger_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -154,7 +161,9 @@ impl Default for ServerConfig {
             max_json_depth: 64,
             max_connections: 10_000,
             max_connections_per_ip: 1_000,
-            max_requests_per_second: 2_000,
+            max_requests_per_second: 0,
+            max_inflight_per_connection: 1_024,
+            write_stall_ms: 10_000,
             tls_cert: None,
             tls_key: None,
         }
@@ -190,6 +199,7 @@ impl Default for TurnsConfig {
             retry_backoff_max_ms: e.retry_backoff_max_ms,
             max_queued_per_session: e.max_queued_per_session,
             max_value_bytes: e.max_value_bytes,
+            worker_linger_ms: e.worker_linger_ms,
         }
     }
 }
@@ -319,6 +329,9 @@ impl Config {
         if self.server.heartbeat_ms < 10 {
             p.push("server.heartbeat_ms must be at least 10".into());
         }
+        if self.server.write_stall_ms < 10 {
+            p.push("server.write_stall_ms must be at least 10".into());
+        }
         for (name, v) in [
             ("server.outbox_frames", self.server.outbox_frames),
             ("server.max_json_depth", self.server.max_json_depth),
@@ -328,8 +341,8 @@ impl Config {
                 self.server.max_connections_per_ip,
             ),
             (
-                "server.max_requests_per_second",
-                self.server.max_requests_per_second,
+                "server.max_inflight_per_connection",
+                self.server.max_inflight_per_connection,
             ),
             (
                 "server.max_watches_per_connection",
@@ -476,6 +489,7 @@ impl Config {
             retry_backoff_max_ms: t.retry_backoff_max_ms,
             max_queued_per_session: t.max_queued_per_session,
             max_value_bytes: t.max_value_bytes,
+            worker_linger_ms: t.worker_linger_ms,
             retention_terminal_ms: self.retention.terminal_ms,
             retention_sweep_interval_ms: self.retention.sweep_interval_ms,
         }

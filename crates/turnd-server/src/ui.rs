@@ -636,8 +636,28 @@ async fn feed(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
         turn_id: None,
         after: Some(after),
     };
-    if let Err(x) = s.engine.watch(args, &outbox, 1, |_| String::new()).await {
-        return error_page(StatusCode::BAD_REQUEST, "Feed", &x.message);
+    // The watch replays stored events as the feed takes them, so it runs beside the
+    // stream; its answer (accepted, or why not) comes first.
+    let (began_tx, mut began) = tokio::sync::mpsc::channel::<Result<(), String>>(2);
+    let accepted = began_tx.clone();
+    let (engine, watch_outbox) = (s.engine.clone(), outbox.clone());
+    tokio::spawn(async move {
+        let respond = move |_: &turnd_proto::WatchOk| {
+            if accepted.try_send(Ok(())).is_err() {
+                tracing::trace!("feed gone before its watch began");
+            }
+            String::new()
+        };
+        if let Err(x) = engine.watch(args, &watch_outbox, 1, respond).await {
+            if began_tx.send(Err(x.message)).await.is_err() {
+                tracing::trace!("feed gone before its watch was refused");
+            }
+        }
+    });
+    match began.recv().await {
+        Some(Ok(())) => {}
+        Some(Err(m)) => return error_page(StatusCode::BAD_REQUEST, "Feed", &m),
+        None => return error_page(StatusCode::BAD_REQUEST, "Feed", "the watch ended"),
     }
     let closing = s.closing.clone();
     let guard = FeedGuard {

@@ -53,6 +53,8 @@ pub struct ConnectionCounts {
     pub per_ip: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u64>>,
     /// Connections refused by a limit.
     pub refused: AtomicU64,
+    /// Requests being run, over every connection.
+    pub requests_inflight: AtomicU64,
 }
 
 /// A connection's place in the limits; released when dropped.
@@ -133,6 +135,7 @@ fn too_deep(text: &str, max: u64) -> bool {
 }
 
 /// A token bucket: `rate` requests per second, bursts up to `rate`.
+#[derive(Debug)]
 struct Bucket {
     rate: f64,
     tokens: f64,
@@ -140,12 +143,13 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn new(rate: u64) -> Bucket {
-        Bucket {
+    /// The bucket of a `max_requests_per_second`; none when it is 0 (no limit).
+    fn new(rate: u64) -> Option<Bucket> {
+        (rate > 0).then(|| Bucket {
             rate: rate as f64,
             tokens: rate as f64,
             at: tokio::time::Instant::now(),
-        }
+        })
     }
 
     fn take(&mut self) -> bool {
@@ -183,6 +187,38 @@ struct Conn {
     outbox: Outbox,
     auth: OnceLock<Auth>,
     peer: SocketAddr,
+    /// Requests of this connection being run (spawned and not yet answered).
+    inflight: AtomicU64,
+}
+
+/// One request counted as in flight on its connection and in the daemon's total;
+/// uncounted when dropped, however the request task ends.
+struct InFlight(Arc<Conn>);
+
+impl InFlight {
+    /// Count a request, unless the connection already runs `max`.
+    fn take(conn: &Arc<Conn>, max: u64) -> Option<InFlight> {
+        if conn.inflight.fetch_add(1, Ordering::Relaxed) >= max {
+            conn.inflight.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        conn.shared
+            .connections
+            .requests_inflight
+            .fetch_add(1, Ordering::Relaxed);
+        Some(InFlight(conn.clone()))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.0
+            .shared
+            .connections
+            .requests_inflight
+            .fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Size at which a connection's set of exempted invocations (see
@@ -293,43 +329,62 @@ where
         outbox: outbox.clone(),
         auth: OnceLock::new(),
         peer,
+        inflight: AtomicU64::new(0),
     });
     shared.connections.of(None).fetch_add(1, Ordering::Relaxed);
     tracing::debug!(%peer, conn_id, "connection opened");
     let (mut sink, mut stream) = ws.split();
     let heartbeat = Duration::from_millis(shared.config.server.heartbeat_ms);
 
-    // Writer: drains the outbox, pings, and sends the close frame.
+    // Writer: drains the outbox, pings, and sends the close frame. Every write
+    // must finish within `write_stall_ms`: a peer that does not read fills the
+    // socket's buffers, and the connection is then closed (1008) rather than holding
+    // its queue and every request waiting for room in it.
     let writer_outbox = outbox.clone();
+    let stall = Duration::from_millis(shared.config.server.write_stall_ms);
     let (close_tx, mut close_rx) = tokio::sync::mpsc::channel::<(u16, String)>(1);
     let writer = tokio::spawn(async move {
         let mut ping = tokio::time::interval(heartbeat);
         ping.tick().await;
+        let stalled = || {
+            writer_outbox.close_with(CloseReason::SlowReader);
+            Some((
+                1008,
+                format!(
+                    "nothing could be written for {} ms: the peer does not read",
+                    stall.as_millis()
+                ),
+            ))
+        };
         let close = loop {
             tokio::select! {
                 frame = out_rx.recv() => match frame {
                     Some(f) => {
                         // Frames already queued behind this one go out in the same
                         // write: one flush (one send syscall) for the lot.
-                        if sink.feed(Message::text(f)).await.is_err() {
-                            break None;
-                        }
-                        let mut batched = 1;
-                        let mut written = Ok(());
-                        while written.is_ok() && batched < WRITE_BATCH_FRAMES {
-                            let Ok(more) = out_rx.try_recv() else { break };
-                            written = sink.feed(Message::text(more)).await;
-                            batched += 1;
-                        }
-                        if written.is_err() || sink.flush().await.is_err() {
-                            break None;
+                        let write = async {
+                            sink.feed(Message::text(f)).await?;
+                            let mut batched = 1;
+                            while batched < WRITE_BATCH_FRAMES {
+                                let Ok(more) = out_rx.try_recv() else { break };
+                                sink.feed(Message::text(more)).await?;
+                                batched += 1;
+                            }
+                            sink.flush().await
+                        };
+                        match tokio::time::timeout(stall, write).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) => break None,
+                            Err(_) => break stalled(),
                         }
                     }
                     None => break None,
                 },
                 _ = ping.tick() => {
-                    if sink.send(Message::Ping(Vec::new().into())).await.is_err() {
-                        break None;
+                    match tokio::time::timeout(stall, sink.send(Message::Ping(Vec::new().into()))).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => break None,
+                        Err(_) => break stalled(),
                     }
                 }
                 c = close_rx.recv() => break c,
@@ -337,28 +392,35 @@ where
                     break match writer_outbox.close_reason() {
                         Some(CloseReason::Superseded) => Some((CLOSE_SUPERSEDED, "superseded by a newer connection of this worker_id".to_string())),
                         Some(CloseReason::SlowReader) => Some((1008, "outgoing queue full: the peer does not read fast enough".to_string())),
+                        Some(CloseReason::Unavailable) => Some((1011, "a watch's events could not be read from the store; watch again with `after`".to_string())),
                         None => Some((1001, "server closing".to_string())),
                     };
                 }
             }
         };
-        // Flush what is queued (responses already promised), then close.
-        while let Ok(f) = out_rx.try_recv() {
-            if sink.send(Message::text(f)).await.is_err() {
-                break;
+        // Flush what is queued (responses already promised), then close; a peer that
+        // does not read gets no longer than `write_stall_ms` for all of it.
+        let finish = async {
+            while let Ok(f) = out_rx.try_recv() {
+                if sink.send(Message::text(f)).await.is_err() {
+                    break;
+                }
             }
-        }
-        if let Some((code, reason)) = close {
-            let frame = CloseFrame {
-                code: CloseCode::from(code),
-                reason: reason.into(),
-            };
-            if let Err(e) = sink.send(Message::Close(Some(frame))).await {
-                tracing::debug!("close frame not sent: {e}");
+            if let Some((code, reason)) = close {
+                let frame = CloseFrame {
+                    code: CloseCode::from(code),
+                    reason: reason.into(),
+                };
+                if let Err(e) = sink.send(Message::Close(Some(frame))).await {
+                    tracing::debug!("close frame not sent: {e}");
+                }
             }
-        }
-        if let Err(e) = sink.close().await {
-            tracing::trace!("socket close: {e}");
+            if let Err(e) = sink.close().await {
+                tracing::trace!("socket close: {e}");
+            }
+        };
+        if tokio::time::timeout(stall, finish).await.is_err() {
+            tracing::debug!("connection closed without its last frames: the peer does not read");
         }
     });
 
@@ -446,7 +508,10 @@ where
             }
         };
         bad_in_row = 0;
-        if !conn.exempt_result(&req, &mut exempted) && !bucket.take() {
+        if bucket.is_some()
+            && !conn.exempt_result(&req, &mut exempted)
+            && !bucket.as_mut().is_some_and(Bucket::take)
+        {
             let body = bad(
                 ErrorCode::RateLimited,
                 format!(
@@ -503,14 +568,29 @@ where
             }
             continue;
         }
-        let c = conn.clone();
+        let max_inflight = shared.config.server.max_inflight_per_connection;
+        let Some(counted) = InFlight::take(&conn, max_inflight) else {
+            let body = bad(
+                ErrorCode::RateLimited,
+                format!(
+                    "this connection already has {max_inflight} requests in progress \
+                     (server.max_inflight_per_connection); wait for their answers"
+                ),
+            );
+            if !conn.respond_error(Some(req.id), body).await {
+                break None;
+            }
+            continue;
+        };
         let id = req.id;
         let a = req.args_text().to_owned();
         shared.requests.spawn(async move {
+            let c = &counted.0;
             let r = c.run(op, &a, id).await;
             if let Some(r) = r {
                 c.respond(id, r).await;
             }
+            drop(counted);
         });
     };
     if let Some(c) = close {
@@ -837,7 +917,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn bucket_refills_with_time() {
-        let mut b = Bucket::new(2);
+        assert!(Bucket::new(0).is_none(), "0 is no limit");
+        let mut b = Bucket::new(2).expect("a bucket");
         assert!(b.take());
         assert!(b.take());
         assert!(!b.take());

@@ -248,9 +248,20 @@ impl Engine {
         let mut active = 0;
         let mut inflight = 0;
         let mut oldest: Option<u64> = None;
-        for c in self.cells() {
-            let s = c.summary.lock().ok().and_then(|s| *s);
-            if let Some(s) = s {
+        // Read under the map's lock rather than from clones of the cells, so that a
+        // session let go meanwhile still leaves memory (`cells.rs`).
+        let summaries: Vec<Summary> = self
+            .inner
+            .sessions
+            .lock()
+            .map(|m| {
+                m.values()
+                    .filter_map(|c| c.summary.lock().ok().and_then(|s| *s))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for s in summaries {
+            {
                 active += 1;
                 if s.inflight {
                     inflight += 1;

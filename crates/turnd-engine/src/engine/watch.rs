@@ -3,10 +3,22 @@
 
 use super::*;
 
+/// Events read per page of a watch's replay.
+const REPLAY_PAGE: usize = 256;
+
 impl Engine {
     /// `watch`: replays events after `after` (when given), then pushes every new
     /// event once, in order. `respond` builds the response frame, which is queued
     /// before any event so the peer learns the watch id first.
+    ///
+    /// The watch is registered under the session's lock at its last event `seq` (the
+    /// watermark), and the lock is let go at once. The replay then reads stored
+    /// events in pages and queues each, waiting for room in the connection's queue
+    /// (so a reading client can replay any session, and one that does not read holds
+    /// up only this request). Events committed meanwhile are not pushed but noted;
+    /// once the replay has read everything noted, the watch goes live in one step
+    /// under the watch table's lock, pushing only events after the last one
+    /// replayed: no gap, no repeat.
     pub async fn watch(
         &self,
         args: WatchArgs,
@@ -30,8 +42,12 @@ impl Engine {
                 ))
             }
         };
-        {
-            let w = self
+        let watch_id = new_watch_id();
+        let start = {
+            let cell = self.cell(&session_id);
+            let st = self.lock(&cell).await.map_err(read_failed)?;
+            let watermark = st.meta.last_event_seq;
+            let mut w = self
                 .inner
                 .watches
                 .lock()
@@ -47,44 +63,122 @@ impl Engine {
                     format!("at most {max_watches} watches per connection"),
                 ));
             }
-        }
-        let cell = self.cell(&session_id);
-        let st = self.lock(&cell).await.map_err(read_failed)?;
-        let watch_id = new_watch_id();
-        let replay = match args.after {
-            Some(after) => self
-                .inner
-                .store
-                .events(&session_id, after, usize::MAX)
-                .map_err(read_failed)?,
-            None => Vec::new(),
+            let start = args.after.unwrap_or(watermark);
+            w.entry(session_id.clone()).or_default().push(Watch {
+                watch_id: watch_id.clone(),
+                conn_id: outbox.conn_id.clone(),
+                outbox: outbox.clone(),
+                turn_id: turn_id.clone(),
+                sent: start,
+                replaying: Some(watermark),
+            });
+            start
         };
-        if !outbox
+        let first = match self.inner.store.events(&session_id, start, REPLAY_PAGE) {
+            Ok(page) => page,
+            Err(e) => {
+                self.drop_watch(&session_id, &watch_id);
+                return Err(read_failed(e));
+            }
+        };
+        let sent = outbox
             .send(respond(&WatchOk {
                 watch_id: watch_id.clone(),
             }))
-            .await
+            .await;
+        let tid = turn_id.as_deref();
+        if !sent
+            || !self
+                .replay(&session_id, &watch_id, tid, start, first, outbox)
+                .await
         {
-            return Ok(());
+            // The connection is gone (its watches may already have been dropped).
+            self.drop_watch(&session_id, &watch_id);
         }
-        for e in replay {
-            if turn_id.as_ref().map(|t| *t == e.turn_id).unwrap_or(true) {
-                outbox.push(push_frame(&Push::Event {
-                    watch_id: watch_id.clone(),
+        Ok(())
+    }
+
+    /// Queue the stored events of a registered watch after `cursor` (the first page
+    /// already read), page by page, then switch it to live (see [`Engine::watch`]).
+    /// False when the connection closed or the watch was dropped meanwhile. A later
+    /// page that cannot be read closes the connection (the watch cannot go on
+    /// without a gap; the client resumes with `after` on a new one).
+    async fn replay(
+        &self,
+        session_id: &str,
+        watch_id: &str,
+        turn_id: Option<&str>,
+        mut cursor: u64,
+        first: Vec<Event>,
+        outbox: &Outbox,
+    ) -> bool {
+        let mut next = Some(first);
+        loop {
+            let page = match next.take() {
+                Some(p) => p,
+                None => match self.inner.store.events(session_id, cursor, REPLAY_PAGE) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(
+                            session_id,
+                            watch_id,
+                            "watch replay could not read events; closing its connection: {e}"
+                        );
+                        outbox.close_with(CloseReason::Unavailable);
+                        return false;
+                    }
+                },
+            };
+            let full = page.len() == REPLAY_PAGE;
+            let read_to = page.last().map(|e| e.seq);
+            for e in page {
+                if turn_id.is_some_and(|t| t != e.turn_id) {
+                    continue;
+                }
+                let frame = push_frame(&Push::Event {
+                    watch_id: watch_id.to_string(),
                     event: e,
-                }));
+                });
+                if !outbox.send(frame).await {
+                    return false;
+                }
+            }
+            if let Some(seq) = read_to {
+                cursor = seq;
+            }
+            let Ok(mut w) = self.inner.watches.lock() else {
+                return false;
+            };
+            // Unwatched (or its connection ended) meanwhile: nothing more to send.
+            let Some(watch) = w
+                .get_mut(session_id)
+                .and_then(|v| v.iter_mut().find(|x| x.watch_id == watch_id))
+            else {
+                return false;
+            };
+            if full {
+                continue;
+            }
+            let noted = watch.replaying.unwrap_or(0);
+            if noted <= cursor || read_to.is_none() {
+                // Caught up. (Events noted but no longer stored were deleted by
+                // retention in the meantime; there is nothing to replay of them.)
+                watch.sent = cursor.max(noted);
+                watch.replaying = None;
+                return true;
             }
         }
+    }
+
+    fn drop_watch(&self, session_id: &str, watch_id: &str) {
         if let Ok(mut w) = self.inner.watches.lock() {
-            w.entry(session_id).or_default().push(Watch {
-                watch_id,
-                conn_id: outbox.conn_id.clone(),
-                outbox: outbox.clone(),
-                turn_id,
-            });
+            if let Some(v) = w.get_mut(session_id) {
+                v.retain(|x| x.watch_id != watch_id);
+                if v.is_empty() {
+                    w.remove(session_id);
+                }
+            }
         }
-        drop(st);
-        Ok(())
     }
 
     /// `unwatch`.
@@ -112,29 +206,30 @@ impl Engine {
     }
 
     pub(super) fn publish(&self, session_id: &str, events: &[Event]) {
-        if events.is_empty() {
-            return;
-        }
-        let Ok(w) = self.inner.watches.lock() else {
+        let Some(last) = events.last().map(|e| e.seq) else {
             return;
         };
-        let Some(subs) = w.get(session_id) else {
+        let Ok(mut w) = self.inner.watches.lock() else {
+            return;
+        };
+        let Some(subs) = w.get_mut(session_id) else {
             return;
         };
         for sub in subs {
+            if let Some(noted) = &mut sub.replaying {
+                // The replay reads these from the store.
+                *noted = (*noted).max(last);
+                continue;
+            }
             for e in events {
-                if sub
-                    .turn_id
-                    .as_ref()
-                    .map(|t| *t == e.turn_id)
-                    .unwrap_or(true)
-                {
+                if e.seq > sub.sent && sub.turn_id.as_ref().is_none_or(|t| *t == e.turn_id) {
                     sub.outbox.push(push_frame(&Push::Event {
                         watch_id: sub.watch_id.clone(),
                         event: e.clone(),
                     }));
                 }
             }
+            sub.sent = sub.sent.max(last);
         }
     }
 

@@ -1,0 +1,32 @@
+//! The registry forgets workers and functions nothing refers to any more (see
+//! [`Registry::gc`]): a task runs it every quarter of `worker_linger_ms` (at least
+//! every 50 ms, at most every minute).
+
+use super::*;
+
+impl Engine {
+    /// Start the registry's forgetting task.
+    pub(super) fn spawn_registry_gc(&self) {
+        let linger = self.inner.cfg.worker_linger_ms;
+        let every = Duration::from_millis((linger / 4).clamp(50, 60_000));
+        let weak = Arc::downgrade(&self.inner);
+        let shutdown = self.inner.shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+                let Some(inner) = weak.upgrade() else { return };
+                let engine = Engine { inner };
+                let now = engine.now_ms();
+                engine.registry().gc(now, linger);
+            }
+        });
+    }
+
+    /// Workers and functions in the registry (for tests and diagnostics).
+    pub fn registry_sizes(&self) -> (usize, usize) {
+        self.registry().sizes()
+    }
+}
