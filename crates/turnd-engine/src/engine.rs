@@ -17,20 +17,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use turnd_proto::*;
 use turnd_store::{
-    check_store, FunctionSettings, IdempotencyRecord, InvState, InvWait, InvocationRecord, Phase,
-    RawJson, SessionMeta, Store, StoreError, TurnRecord,
+    check_store, FunctionSettings, InvState, InvWait, InvocationRecord, Phase, RawJson,
+    SessionMeta, Store, StoreError, TurnRecord,
 };
 
 mod admission;
 mod commit;
-mod deadlines;
 mod dispatch;
-mod outcomes;
 mod queries;
 mod recovery;
 mod results;
@@ -41,11 +39,10 @@ mod workers;
 
 use crate::clock::Clock;
 use crate::config::EngineConfig;
+use crate::machine::{self, Effect};
 use crate::metrics::Counters;
 use crate::registry::{Assignment, CloseReason, Outbox, Registry};
-use crate::session::{
-    dispatch_detail, to_turn, wait_of, Effect, Pending, SessionState, Summary, Tx,
-};
+use crate::session::{to_turn, wait_of, Pending, SessionState, Summary, Tx};
 
 #[path = "sessions_list.rs"]
 mod sessions_list;

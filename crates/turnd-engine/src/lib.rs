@@ -7,6 +7,7 @@
 pub mod clock;
 pub mod config;
 mod engine;
+mod machine;
 pub mod metrics;
 pub mod registry;
 mod session;

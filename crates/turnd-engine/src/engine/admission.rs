@@ -65,31 +65,17 @@ impl Engine {
                 ),
             ));
         }
-        let now = self.now_ms();
-        let mut tx = Tx::new(&st, now);
-        tx.meta.last_turn_seq += 1;
-        let seq = tx.meta.last_turn_seq;
         let turn_id = new_turn_id();
-        let mut t =
-            TurnRecord::admitted(turn_id.clone(), &st.id, seq, &args.function_id, input, now);
-        t.idempotency_key = args.idempotency_key.clone();
-        t.deadline_ms = args.turn_timeout_ms.map(|d| now + d);
-        tx.event(
-            &st.id,
-            &turn_id,
-            EventKind::Admitted,
-            json!({"function_id": t.function_id, "seq": seq, "idempotency_key": t.idempotency_key}),
-        );
-        if let Some(key) = args.idempotency_key {
-            tx.idempotency = Some((
-                key,
-                IdempotencyRecord {
-                    turn_id: turn_id.clone(),
-                },
-            ));
-        }
-        tx.put_turn_from(t, None);
-        self.promote(&st, &mut tx);
+        let submission = machine::Submission {
+            turn_id: turn_id.clone(),
+            function_id: args.function_id,
+            input,
+            idempotency_key: args.idempotency_key,
+            turn_timeout_ms: args.turn_timeout_ms,
+        };
+        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+            machine::submit(cx, tx, submission)
+        });
         self.commit(&cell, &mut st, tx)
             .await
             .map_err(|e| unavailable(&e))?;

@@ -23,7 +23,8 @@ impl Engine {
                 if let Ok(mut e) = self.inner.storage_error.lock() {
                     *e = None;
                 }
-                let released: Vec<String> = tx.released.iter().map(|r| r.3.clone()).collect();
+                let released: Vec<String> =
+                    tx.released.iter().map(|r| r.function_id.clone()).collect();
                 let applied = tx.apply(st);
                 if let Ok(mut c) = self.inner.counts.lock() {
                     for (from, to) in &applied.shifts {
@@ -34,13 +35,7 @@ impl Engine {
                     self.count_event(e);
                 }
                 for eff in applied.effects {
-                    match eff {
-                        Effect::Push(outbox, frame) => {
-                            if !outbox.push(frame) {
-                                tracing::debug!(conn_id = %outbox.conn_id, "push to a closed or full connection");
-                            }
-                        }
-                    }
+                    self.carry_out(eff);
                 }
                 self.publish(&st.id, &applied.events);
                 self.track_live(cell, &applied.admitted, &applied.terminal);
@@ -57,14 +52,14 @@ impl Engine {
                 for (worker_id, inv_id) in &tx.reserved {
                     reg.release(worker_id, inv_id);
                 }
-                for (worker_id, instance_id, inv_id, function_id) in &tx.released {
+                for slot in &tx.released {
                     reg.remember_assignment(
-                        worker_id,
-                        instance_id,
-                        inv_id,
+                        &slot.worker_id,
+                        &slot.instance_id,
+                        &slot.invocation_id,
                         Assignment {
                             session_id: st.id.clone(),
-                            function_id: function_id.clone(),
+                            function_id: slot.function_id.clone(),
                         },
                         tx.now,
                     );
@@ -174,34 +169,8 @@ impl Engine {
         self.arm(st);
     }
 
-    /// The next time something is due for this session.
-    pub(super) fn next_due(&self, st: &SessionState) -> Option<u64> {
-        if let Some(p) = &st.pending {
-            return Some(p.retry_at_ms);
-        }
-        let h = st.holder()?;
-        let mut due = h.deadline_ms;
-        let mut consider = |x: Option<u64>| {
-            if let Some(x) = x {
-                due = Some(due.map_or(x, |d| d.min(x)));
-            }
-        };
-        match h.phase {
-            Phase::Queued | Phase::AwaitingWorker => consider(
-                self.inner
-                    .cfg
-                    .dispatch_timeout_ms
-                    .map(|d| h.phase_since_ms + d),
-            ),
-            Phase::BackingOff => consider(h.retry_at_ms),
-            Phase::Invoked => consider(st.inv.as_ref().map(|i| i.deadline_ms)),
-            Phase::Done => {}
-        }
-        due
-    }
-
     pub(super) fn arm(&self, st: &mut SessionState) {
-        let due = self.next_due(st);
+        let due = machine::next_due(st, &self.inner.cfg);
         if let (Some(d), Some((at, _))) = (due, &st.timer) {
             if *at == d {
                 return;
@@ -275,7 +244,8 @@ impl Engine {
                 }
             }
             let mut tx = Tx::new(&st, now);
-            self.due(&st, &mut tx);
+            machine::due(&self.ctx(&st), &mut tx);
+            self.settle(&st, &mut tx);
             if tx.is_empty() {
                 st.pending = None;
                 self.after_change(&cell, &mut st, Vec::new());
@@ -304,6 +274,4 @@ impl Engine {
             }
         }
     }
-
-    // ------------------------------------------------------------- transitions
 }

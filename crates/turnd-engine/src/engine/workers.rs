@@ -46,63 +46,27 @@ impl Engine {
         for (inv_id, a) in assigned {
             let cell = self.cell(&a.session_id);
             let mut st = self.lock(&cell).await.map_err(read_failed)?;
-            let Some(inv) = st.current_inv(&inv_id).cloned() else {
-                continue;
-            };
-            let Some(h) = st.holder().cloned() else {
-                continue;
-            };
-            let now = self.now_ms();
-            let mut tx = Tx::new(&st, now);
-            let verdict;
-            if inv.instance_id == instance_id {
-                if hello.inflight.contains(&inv_id) {
-                    let mut inv = inv;
-                    if inv.wait == InvWait::Cancelling {
-                        self.send_cancel(&mut tx, &inv, "stop requested");
-                    } else {
-                        // Kept: the attempt's own deadline applies again (a deadline that
-                        // passed while it was away leads to a probe at once).
-                        inv.wait = InvWait::AwaitingResult;
-                        inv.wait_since_ms = now;
-                        inv.deadline_ms = inv.attempt_deadline_ms.max(now);
-                    }
-                    tx.put_invocation(&st, inv);
-                    verdict = 0;
-                } else if hello.finished.contains(&inv_id) {
-                    let mut inv = inv;
-                    inv.wait = InvWait::AwaitingResend;
-                    inv.wait_since_ms = now;
-                    inv.deadline_ms = now + self.inner.cfg.probe_timeout_ms;
-                    tx.put_invocation(&st, inv);
-                    verdict = 0;
-                } else {
-                    self.lost(
-                        &st,
-                        &mut tx,
-                        h,
-                        inv,
-                        "the worker reconnected without it: it never received the invocation",
-                    );
-                    verdict = 1;
-                }
-            } else {
-                self.outcome_unknown(
-                    &st,
-                    &mut tx,
-                    h,
-                    inv,
-                    "the worker restarted (new instance_id) while the invocation was outstanding",
+            let mut verdict = None;
+            let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+                verdict = machine::reconcile(
+                    cx,
+                    tx,
+                    &inv_id,
+                    instance_id,
+                    &hello.inflight,
+                    &hello.finished,
                 );
-                verdict = 2;
-            }
+            });
+            let Some(verdict) = verdict else {
+                continue;
+            };
             self.commit(&cell, &mut st, tx)
                 .await
                 .map_err(|e| unavailable(&e))?;
             match verdict {
-                0 => rec.kept.push(inv_id),
-                1 => rec.redispatched.push(inv_id),
-                _ => rec.unknown.push(inv_id),
+                machine::Verdict::Kept => rec.kept.push(inv_id),
+                machine::Verdict::Redispatched => rec.redispatched.push(inv_id),
+                machine::Verdict::Unknown => rec.unknown.push(inv_id),
             }
         }
         // Work the worker still runs that the daemon already gave up (stopped while
@@ -136,23 +100,6 @@ impl Engine {
             rec.unknown.push(inv_id.clone());
         }
         Ok(rec)
-    }
-
-    /// An invocation the worker never received: dispatch again with the same attempt.
-    pub(super) fn lost(
-        &self,
-        st: &SessionState,
-        tx: &mut Tx,
-        h: TurnRecord,
-        inv: InvocationRecord,
-        reason: &str,
-    ) {
-        self.give_up(st, tx, inv.clone(), InvState::Lost);
-        if h.stop.is_some() {
-            self.cancel_turn(st, tx, h, None);
-        } else {
-            self.dispatch(st, tx, h, Some((&inv, reason)));
-        }
     }
 
     /// A worker connection ended: every session with an invocation on it re-checks
