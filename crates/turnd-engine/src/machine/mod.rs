@@ -48,6 +48,8 @@ mod stop;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
+mod sim;
+#[cfg(test)]
 mod tests;
 
 pub use admission::{submit, Submission};
