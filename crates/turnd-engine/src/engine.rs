@@ -34,6 +34,7 @@ mod recovery;
 mod results;
 mod retention;
 mod stop;
+mod timers;
 mod watch;
 mod workers;
 
@@ -126,6 +127,8 @@ struct Inner {
     waits: Mutex<sessions_list::WaitIndex>,
     recovered: AtomicBool,
     shutdown: CancellationToken,
+    /// Every session's next deadline.
+    timers: Arc<timers::TimerQueue>,
 }
 
 /// The engine: owns every session, the worker registry and the timers.
@@ -164,8 +167,10 @@ impl Engine {
                 waits: Mutex::new(sessions_list::WaitIndex::default()),
                 recovered: AtomicBool::new(false),
                 shutdown: CancellationToken::new(),
+                timers: Arc::default(),
             }),
         };
+        engine.spawn_timers();
         engine.recover().await?;
         engine.spawn_retention();
         Ok(engine)
@@ -210,9 +215,8 @@ impl Engine {
         let cells: Vec<_> = self.cells();
         for c in cells {
             if let Ok(mut st) = c.state.try_lock() {
-                if let Some((_, h)) = st.timer.take() {
-                    h.abort();
-                }
+                let old = st.timer.take();
+                self.inner.timers.set(&st.id, old, None);
             }
         }
     }

@@ -90,8 +90,8 @@ pub struct SessionState {
     pub active: ActiveTurns,
     /// The lock holder's live invocation.
     pub inv: Option<Box<InvocationRecord>>,
-    /// The armed timer and the Unix ms it fires at.
-    pub timer: Option<(u64, tokio::task::AbortHandle)>,
+    /// The Unix ms the session's entry in the engine's timer queue fires at.
+    pub timer: Option<u64>,
     /// A transition whose write failed and is being retried: (error, since, retry delay).
     pub pending: Option<Pending>,
 }

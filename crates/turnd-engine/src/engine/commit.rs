@@ -169,31 +169,35 @@ impl Engine {
         self.arm(st);
     }
 
+    /// Put the session's next deadline in the timer queue.
     pub(super) fn arm(&self, st: &mut SessionState) {
         let due = machine::next_due(st, &self.inner.cfg);
-        if let (Some(d), Some((at, _))) = (due, &st.timer) {
-            if *at == d {
-                return;
-            }
-        }
-        if let Some((_, h)) = st.timer.take() {
-            h.abort();
-        }
-        let Some(due) = due else { return };
-        if self.inner.shutdown.is_cancelled() {
+        if due == st.timer {
             return;
         }
+        let due = due.filter(|_| !self.inner.shutdown.is_cancelled());
+        self.inner.timers.set(&st.id, st.timer, due);
+        st.timer = due;
+    }
+
+    /// Start the timer queue's task: each due entry spawns a drive of its session.
+    pub(super) fn spawn_timers(&self) {
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
-        let sid = st.id.clone();
-        let at = self.inner.clock.instant_at(due);
-        let handle = tokio::spawn(async move {
-            tokio::time::sleep_until(at).await;
-            if let Some(inner) = weak.upgrade() {
-                let engine = Engine { inner };
-                engine.drive_timer(&sid).await;
-            }
+        let queue = self.inner.timers.clone();
+        let clock = self.inner.clock;
+        let shutdown = self.inner.shutdown.clone();
+        tokio::spawn(async move {
+            queue
+                .run(clock, shutdown, |sid, due| {
+                    let Some(inner) = weak.upgrade() else {
+                        return false;
+                    };
+                    let engine = Engine { inner };
+                    tokio::spawn(async move { engine.drive_timer(&sid, due).await });
+                    true
+                })
+                .await
         });
-        st.timer = Some((due, handle.abort_handle()));
     }
 
     /// Spawn a drive of a session (used where the caller must not wait for it).
@@ -213,15 +217,17 @@ impl Engine {
         }
     }
 
-    pub(super) async fn drive_timer(&self, session_id: &str) {
+    /// The timer queue fired the session's entry for `due`.
+    pub(super) async fn drive_timer(&self, session_id: &str, due: u64) {
         let Some(cell) = self.existing_cell(session_id) else {
             return;
         };
         {
-            // The timer task is the one being replaced; forget it before driving so
-            // arm() does not abort the running task.
+            // The entry left the queue: forget it, so the drive arms the next one.
             let mut st = cell.state.lock().await;
-            st.timer = None;
+            if st.timer == Some(due) {
+                st.timer = None;
+            }
         }
         self.drive(session_id).await;
     }
