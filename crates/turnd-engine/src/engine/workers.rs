@@ -42,31 +42,21 @@ impl Engine {
         instance_id: &str,
         assigned: Vec<(String, Assignment)>,
     ) -> ApiResult<Reconciled> {
+        // Every session at once, so their writes share the group commit's syncs
+        // (a worker with hundreds of invocations must not wait for as many syncs).
+        let verdicts = futures_util::future::join_all(
+            assigned
+                .iter()
+                .map(|(inv_id, a)| self.reconcile_one(hello, instance_id, inv_id, &a.session_id)),
+        )
+        .await;
         let mut rec = Reconciled::default();
-        for (inv_id, a) in assigned {
-            let cell = self.cell(&a.session_id);
-            let mut st = self.lock(&cell).await.map_err(read_failed)?;
-            let mut verdict = None;
-            let tx = self.transition(&st, self.now_ms(), |cx, tx| {
-                verdict = machine::reconcile(
-                    cx,
-                    tx,
-                    &inv_id,
-                    instance_id,
-                    &hello.inflight,
-                    &hello.finished,
-                );
-            });
-            let Some(verdict) = verdict else {
-                continue;
-            };
-            self.commit(&cell, &mut st, tx)
-                .await
-                .map_err(|e| unavailable(&e))?;
-            match verdict {
-                machine::Verdict::Kept => rec.kept.push(inv_id),
-                machine::Verdict::Redispatched => rec.redispatched.push(inv_id),
-                machine::Verdict::Unknown => rec.unknown.push(inv_id),
+        for ((inv_id, _), verdict) in assigned.into_iter().zip(verdicts) {
+            match verdict? {
+                Some(machine::Verdict::Kept) => rec.kept.push(inv_id),
+                Some(machine::Verdict::Redispatched) => rec.redispatched.push(inv_id),
+                Some(machine::Verdict::Unknown) => rec.unknown.push(inv_id),
+                None => {}
             }
         }
         // Work the worker still runs that the daemon already gave up (stopped while
@@ -102,6 +92,36 @@ impl Engine {
         Ok(rec)
     }
 
+    /// Reconcile one invocation assigned to a worker that said hello, in its
+    /// session (None: it is not the session's live invocation any more).
+    async fn reconcile_one(
+        &self,
+        hello: &HelloArgs,
+        instance_id: &str,
+        inv_id: &str,
+        session_id: &str,
+    ) -> ApiResult<Option<machine::Verdict>> {
+        let cell = self.cell(session_id);
+        let mut st = self.lock(&cell).await.map_err(read_failed)?;
+        let mut verdict = None;
+        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+            verdict = machine::reconcile(
+                cx,
+                tx,
+                inv_id,
+                instance_id,
+                &hello.inflight,
+                &hello.finished,
+            );
+        });
+        if verdict.is_some() {
+            self.commit(&cell, &mut st, tx)
+                .await
+                .map_err(|e| unavailable(&e))?;
+        }
+        Ok(verdict)
+    }
+
     /// A worker connection ended: every session with an invocation on it re-checks
     /// its worker (and starts waiting for the reconnect).
     pub async fn worker_disconnected(&self, worker_id: &str, conn_id: &str) {
@@ -112,9 +132,8 @@ impl Engine {
             }
             reg.assigned_sessions(worker_id)
         };
-        for s in sessions {
-            self.drive(&s).await;
-        }
+        // Every session at once, so their writes share the group commit's syncs.
+        futures_util::future::join_all(sessions.iter().map(|s| self.drive(s))).await;
     }
 
     /// `function.register`.
