@@ -337,7 +337,7 @@ impl Engine {
             Some(wait_of(
                 st,
                 t,
-                self.inner.cfg.dispatch_timeout_ms,
+                self.inner.cfg.turns.dispatch_timeout_ms,
                 &self.fmt_ms(),
                 Some(self.registry().supply(&t.function_id)),
             ))

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use turnd_engine::EngineConfig;
+use turnd_engine::{EngineConfig, TurnsConfig};
 use turnd_proto::Role;
 
 /// The whole configuration.
@@ -16,6 +16,7 @@ use turnd_proto::Role;
 pub struct Config {
     pub server: ServerConfig,
     pub storage: StorageConfig,
+    /// The engine's own type: every key of `[turns]` is defined once, there.
     pub turns: TurnsConfig,
     pub retention: RetentionConfig,
     pub auth: AuthConfig,
@@ -78,25 +79,6 @@ pub struct StorageConfig {
     pub apply_interval_ms: u64,
     /// How often a commit log whose write or sync failed tries to repair itself.
     pub heal_interval_ms: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct TurnsConfig {
-    /// SDK setting, accepted here so one file serves daemon and workers: how long a
-    /// worker waits for a result's acknowledgement before resending it.
-    pub result_ack_timeout_ms: u64,
-    pub default_timeout_ms: u64,
-    pub probe_timeout_ms: u64,
-    pub reconnect_grace_ms: u64,
-    pub cancel_grace_ms: u64,
-    pub max_steps: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dispatch_timeout_ms: Option<u64>,
-    pub retry_backoff_ms: u64,
-    pub retry_backoff_max_ms: u64,
-    pub max_queued_per_session: u64,
-    pub max_value_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -171,25 +153,6 @@ impl Default for StorageConfig {
             log_segment_kb: turnd_store::logged::DEFAULT_SEGMENT_KB,
             apply_interval_ms: turnd_store::logged::DEFAULT_APPLY_INTERVAL_MS,
             heal_interval_ms: turnd_store::logged::DEFAULT_HEAL_INTERVAL_MS,
-        }
-    }
-}
-
-impl Default for TurnsConfig {
-    fn default() -> Self {
-        let e = EngineConfig::default();
-        TurnsConfig {
-            result_ack_timeout_ms: 2_000,
-            default_timeout_ms: e.default_timeout_ms,
-            probe_timeout_ms: e.probe_timeout_ms,
-            reconnect_grace_ms: e.reconnect_grace_ms,
-            cancel_grace_ms: e.cancel_grace_ms,
-            max_steps: e.max_steps,
-            dispatch_timeout_ms: e.dispatch_timeout_ms,
-            retry_backoff_ms: e.retry_backoff_ms,
-            retry_backoff_max_ms: e.retry_backoff_max_ms,
-            max_queued_per_session: e.max_queued_per_session,
-            max_value_bytes: e.max_value_bytes,
         }
     }
 }
@@ -419,7 +382,6 @@ impl Config {
             ("turns.retry_backoff_max_ms", t.retry_backoff_max_ms),
             ("turns.max_queued_per_session", t.max_queued_per_session),
             ("turns.max_value_bytes", t.max_value_bytes),
-            ("turns.result_ack_timeout_ms", t.result_ack_timeout_ms),
         ] {
             if v == 0 {
                 p.push(format!("{name} must be positive"));
@@ -464,18 +426,8 @@ impl Config {
     }
 
     pub fn engine_config(&self) -> EngineConfig {
-        let t = &self.turns;
         EngineConfig {
-            default_timeout_ms: t.default_timeout_ms,
-            probe_timeout_ms: t.probe_timeout_ms,
-            reconnect_grace_ms: t.reconnect_grace_ms,
-            cancel_grace_ms: t.cancel_grace_ms,
-            max_steps: t.max_steps,
-            dispatch_timeout_ms: t.dispatch_timeout_ms,
-            retry_backoff_ms: t.retry_backoff_ms,
-            retry_backoff_max_ms: t.retry_backoff_max_ms,
-            max_queued_per_session: t.max_queued_per_session,
-            max_value_bytes: t.max_value_bytes,
+            turns: self.turns.clone(),
             retention_terminal_ms: self.retention.terminal_ms,
             retention_sweep_interval_ms: self.retention.sweep_interval_ms,
         }

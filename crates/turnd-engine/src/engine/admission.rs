@@ -10,7 +10,7 @@ impl Engine {
         if let Some(k) = &args.idempotency_key {
             check_id("idempotency_key", k)?;
         }
-        let max = self.inner.cfg.max_value_bytes;
+        let max = self.inner.cfg.turns.max_value_bytes;
         let input = RawJson::from_value(&args.input);
         if input.len() as u64 > max {
             return Err(err(
@@ -55,7 +55,7 @@ impl Engine {
                 });
             }
         }
-        if st.active.len() as u64 >= self.inner.cfg.max_queued_per_session {
+        if st.active.len() as u64 >= self.inner.cfg.turns.max_queued_per_session {
             return Err(err(
                 ErrorCode::RateLimited,
                 format!(

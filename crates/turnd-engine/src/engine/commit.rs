@@ -147,7 +147,7 @@ impl Engine {
         for f in freed {
             self.wake(&f);
         }
-        let entry = sessions_list::WaitEntry::of(st, self.inner.cfg.dispatch_timeout_ms);
+        let entry = sessions_list::WaitEntry::of(st, self.inner.cfg.turns.dispatch_timeout_ms);
         let summary = entry.as_ref().map(|e| Summary {
             state: e.state,
             since_ms: e.since_ms,

@@ -146,7 +146,9 @@ impl Engine {
                 "`concurrency` must be 1 to 10000",
             ));
         }
-        let timeout_ms = args.timeout_ms.unwrap_or(self.inner.cfg.default_timeout_ms);
+        let timeout_ms = args
+            .timeout_ms
+            .unwrap_or(self.inner.cfg.turns.default_timeout_ms);
         if timeout_ms == 0 {
             return Err(err(ErrorCode::BadRequest, "`timeout_ms` must be positive"));
         }

@@ -22,7 +22,7 @@ pub fn due(cx: &Ctx, tx: &mut Tx) {
             } else {
                 h.phase_since_ms
             };
-            if let Some(d) = cx.cfg.dispatch_timeout_ms {
+            if let Some(d) = cx.cfg.turns.dispatch_timeout_ms {
                 if since + d <= now {
                     let f = h.function_id.clone();
                     fail(
@@ -101,7 +101,7 @@ fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
     {
         inv.wait = InvWait::AwaitingReconnect;
         inv.wait_since_ms = now;
-        inv.deadline_ms = now + cx.cfg.reconnect_grace_ms;
+        inv.deadline_ms = now + cx.cfg.turns.reconnect_grace_ms;
         tx.put_invocation(st, inv);
         return;
     }
@@ -112,7 +112,7 @@ fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
         InvWait::AwaitingResult => {
             inv.wait = InvWait::Probing;
             inv.wait_since_ms = now;
-            inv.deadline_ms = now + cx.cfg.probe_timeout_ms;
+            inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
             tx.event(
                 &st.id,
                 &h.turn_id,
@@ -255,7 +255,7 @@ pub fn next_due(st: &SessionState, cfg: &EngineConfig) -> Option<u64> {
     let h = st.holder()?;
     let phase_due = match h.phase {
         Phase::Queued | Phase::AwaitingWorker => {
-            cfg.dispatch_timeout_ms.map(|d| h.phase_since_ms + d)
+            cfg.turns.dispatch_timeout_ms.map(|d| h.phase_since_ms + d)
         }
         Phase::BackingOff => h.retry_at_ms,
         Phase::Invoked => st.inv.as_ref().map(|i| i.deadline_ms),

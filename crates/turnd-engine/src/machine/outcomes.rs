@@ -80,7 +80,7 @@ pub(super) fn apply_outcome(
     inv: InvocationRecord,
     outcome: Outcome,
 ) {
-    let max_value = cx.cfg.max_value_bytes;
+    let max_value = cx.cfg.turns.max_value_bytes;
     tx.event(
         &cx.st.id,
         &h.turn_id,
@@ -122,8 +122,8 @@ pub(super) fn apply_outcome(
                 fail_too_large(tx, h, inv_id);
             } else if stopped {
                 cancel_turn(cx, tx, h, None);
-            } else if h.step + 1 >= cx.cfg.max_steps {
-                let max = cx.cfg.max_steps;
+            } else if h.step + 1 >= cx.cfg.turns.max_steps {
+                let max = cx.cfg.turns.max_steps;
                 fail(
                     cx,
                     tx,
@@ -181,11 +181,11 @@ pub(super) fn schedule_retry(
 ) {
     let cfg = cx.cfg;
     let delay = if h.backoff_ms == 0 {
-        cfg.retry_backoff_ms
+        cfg.turns.retry_backoff_ms
     } else {
         h.backoff_ms
     };
-    h.backoff_ms = (delay.saturating_mul(2)).min(cfg.retry_backoff_max_ms);
+    h.backoff_ms = (delay.saturating_mul(2)).min(cfg.turns.retry_backoff_max_ms);
     h.phase = Phase::BackingOff;
     h.phase_since_ms = tx.now;
     h.retry_at_ms = Some(tx.now + delay);

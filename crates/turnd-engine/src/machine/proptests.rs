@@ -92,7 +92,7 @@ fn live(sim: &Sim) -> Option<String> {
 fn apply(sim: &mut Sim, op: &Op, minted: &mut Vec<String>) {
     match op {
         Op::Submit(t) => {
-            if (sim.st.active.len() as u64) < sim.cfg.max_queued_per_session {
+            if (sim.st.active.len() as u64) < sim.cfg.turns.max_queued_per_session {
                 sim.submit_with(*t);
             }
         }
@@ -308,8 +308,8 @@ proptest! {
     ) {
         let delivery = if at_least_once { Delivery::AtLeastOnce } else { Delivery::AtMostOnce };
         let mut sim = Sim::new(delivery, max_attempts);
-        sim.cfg.max_steps = 3;
-        sim.cfg.max_queued_per_session = 6;
+        sim.cfg.turns.max_steps = 3;
+        sim.cfg.turns.max_queued_per_session = 6;
         let mut minted = Vec::new();
         let mut terminal_seen = HashMap::new();
         for op in &ops {

@@ -54,7 +54,7 @@ pub fn reconcile(
     } else if finished.iter().any(|i| i == invocation_id) {
         inv.wait = InvWait::AwaitingResend;
         inv.wait_since_ms = now;
-        inv.deadline_ms = now + cx.cfg.probe_timeout_ms;
+        inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
         tx.put_invocation(st, inv);
         Some(Verdict::Kept)
     } else {

@@ -72,7 +72,7 @@ pub fn late_result(
             })
             .unwrap_or(false);
     let output = RawJson::from_value(output);
-    if names_it && output.len() as u64 <= cx.cfg.max_value_bytes {
+    if names_it && output.len() as u64 <= cx.cfg.turns.max_value_bytes {
         let before = json!({"status": t.status, "error": t.error});
         let mut amended = t.clone();
         amended.status = TurnStatus::Completed;
@@ -145,7 +145,7 @@ pub fn probe_answer(
         InvocationState::Finished => {
             inv.wait = InvWait::AwaitingResend;
             inv.wait_since_ms = now;
-            inv.deadline_ms = now + cx.cfg.probe_timeout_ms;
+            inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
             tx.put_invocation(st, inv);
         }
         InvocationState::Unknown => lost(
@@ -158,7 +158,7 @@ pub fn probe_answer(
         InvocationState::Running => {
             inv.wait = InvWait::Cancelling;
             inv.wait_since_ms = now;
-            inv.deadline_ms = now + cx.cfg.cancel_grace_ms;
+            inv.deadline_ms = now + cx.cfg.turns.cancel_grace_ms;
             let reason = "the attempt ran past its deadline";
             send_cancel(tx, &inv, reason);
             tx.event(

@@ -8,6 +8,7 @@ use turnd_proto::{Delivery, Event, EventKind, Outcome};
 use turnd_store::{FunctionSettings, InvocationRecord, RawJson, TurnRecord};
 
 use super::*;
+use crate::config::TurnsConfig;
 
 pub(super) struct Sim {
     pub st: SessionState,
@@ -33,14 +34,17 @@ pub(super) struct Sim {
 impl Sim {
     pub fn new(delivery: Delivery, max_attempts: u32) -> Sim {
         let cfg = EngineConfig {
-            default_timeout_ms: 1_000,
-            probe_timeout_ms: 100,
-            reconnect_grace_ms: 500,
-            cancel_grace_ms: 200,
-            max_steps: 5,
-            dispatch_timeout_ms: None,
-            retry_backoff_ms: 50,
-            retry_backoff_max_ms: 150,
+            turns: TurnsConfig {
+                default_timeout_ms: 1_000,
+                probe_timeout_ms: 100,
+                reconnect_grace_ms: 500,
+                cancel_grace_ms: 200,
+                max_steps: 5,
+                dispatch_timeout_ms: None,
+                retry_backoff_ms: 50,
+                retry_backoff_max_ms: 150,
+                ..TurnsConfig::default()
+            },
             ..EngineConfig::default()
         };
         Sim {

@@ -39,7 +39,7 @@ pub fn stop_turn(cx: &Ctx, tx: &mut Tx, seq: u64, reason: String) {
                 if inv.wait != InvWait::Cancelling {
                     inv.wait = InvWait::Cancelling;
                     inv.wait_since_ms = tx.now;
-                    inv.deadline_ms = tx.now + cx.cfg.cancel_grace_ms;
+                    inv.deadline_ms = tx.now + cx.cfg.turns.cancel_grace_ms;
                 }
                 send_cancel(tx, &inv, &reason);
                 tx.event(

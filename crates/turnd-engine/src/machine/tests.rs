@@ -93,7 +93,7 @@ fn no_free_worker_leaves_the_turn_awaiting_one_until_capacity_frees() {
 #[test]
 fn dispatch_timeout_fails_with_no_worker() {
     let mut sim = Sim::new(Delivery::AtMostOnce, 1);
-    sim.cfg.dispatch_timeout_ms = Some(300);
+    sim.cfg.turns.dispatch_timeout_ms = Some(300);
     sim.free = false;
     let a = sim.submit();
     assert_eq!(next_due(&sim.st, &sim.cfg), Some(sim.now + 300));
@@ -107,7 +107,7 @@ fn dispatch_timeout_fails_with_no_worker() {
 #[test]
 fn continue_runs_the_next_step_and_the_step_limit_fails_the_turn() {
     let mut sim = Sim::new(Delivery::AtMostOnce, 1);
-    sim.cfg.max_steps = 2;
+    sim.cfg.turns.max_steps = 2;
     let a = sim.submit();
     let first = sim.live();
     sim.result(&first, Outcome::Continue(json!({"s": 1})));
@@ -124,7 +124,7 @@ fn continue_runs_the_next_step_and_the_step_limit_fails_the_turn() {
 #[test]
 fn a_too_large_result_fails_the_turn_invalid_result() {
     let mut sim = Sim::new(Delivery::AtMostOnce, 1);
-    sim.cfg.max_value_bytes = 8;
+    sim.cfg.turns.max_value_bytes = 8;
     let a = sim.submit();
     let inv = sim.live();
     sim.result(&inv, Outcome::Complete(json!("a long string")));
