@@ -184,7 +184,16 @@ const OPTIONAL_KEYS: &[&str] = &[
     "server.tls_cert",
     "server.tls_key",
     "retention.terminal_hours",
+    "turns.result_ack_timeout_ms",
 ];
+
+/// The message for `turns.result_ack_timeout_ms`, a key of earlier versions that
+/// nothing in the daemon read: refused, so a file that sets it does not look as if it
+/// changed anything.
+const RESULT_ACK_TIMEOUT_REFUSED: &str = "turns.result_ack_timeout_ms is not a daemon \
+    setting (no daemon ever read it): remove it; a worker's resend interval is set in \
+    its SDK (Rust WorkerOptions::result_ack_timeout, Python \
+    Worker(result_ack_timeout=...), TypeScript resultAckTimeoutMs)";
 
 /// A config that could not be loaded, with every problem found.
 #[derive(Debug, thiserror::Error)]
@@ -250,6 +259,13 @@ impl Config {
                 }
                 None => problems.push(format!("{k}: section {section} is not a table")),
             }
+        }
+        if merged
+            .get("turns")
+            .and_then(|t| t.get("result_ack_timeout_ms"))
+            .is_some()
+        {
+            problems.push(RESULT_ACK_TIMEOUT_REFUSED.to_string());
         }
         if !problems.is_empty() {
             return Err(ConfigError { problems });
@@ -603,6 +619,35 @@ mod tests {
         )];
         let loaded = load(None, ok).expect("terminal_ms loads");
         assert_eq!(loaded.config.engine_config().retention_terminal_ms, 5000);
+    }
+
+    /// The SDK-only key of earlier versions is refused with a message that says
+    /// where a worker's resend interval is set, from a file and from the environment.
+    #[test]
+    fn the_dead_result_ack_key_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("t.toml");
+        std::fs::write(&f, "[turns]\nresult_ack_timeout_ms = 2000\n").expect("write");
+        for (file, env) in [
+            (Some(f.as_path()), Vec::new()),
+            (
+                None,
+                vec![(
+                    "TURND_TURNS__RESULT_ACK_TIMEOUT_MS".to_string(),
+                    "2000".to_string(),
+                )],
+            ),
+        ] {
+            let msg = match Config::load(file, env) {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("result_ack_timeout_ms accepted"),
+            };
+            assert!(
+                msg.contains("turns.result_ack_timeout_ms")
+                    && msg.contains("WorkerOptions::result_ack_timeout"),
+                "{msg}"
+            );
+        }
     }
 
     #[test]
