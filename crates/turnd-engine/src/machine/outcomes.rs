@@ -145,30 +145,46 @@ pub(super) fn apply_outcome(
             }
         }
         Outcome::Fail(f) => {
-            let msg = if f.message.is_empty() {
-                f.code.clone()
-            } else {
-                format!("{}: {}", f.code, f.message)
-            };
-            if f.retryable && !stopped && attempt < settings.max_attempts {
-                schedule_retry(cx, tx, h, &inv_id, msg);
-            } else {
-                let cause = if f.retryable && !stopped {
-                    ErrorCause::AttemptsExhausted
-                } else {
-                    ErrorCause::HandlerFailed
-                };
-                let message = if cause == ErrorCause::AttemptsExhausted {
-                    format!("{msg} (after {attempt} attempts)")
-                } else {
-                    f.message.clone()
-                };
-                h.last_error = None;
-                fail(cx, tx, h, cause, &f.code, message, Some(inv_id));
-            }
+            let retry = f.retryable && !stopped && attempt < settings.max_attempts;
+            failed_attempt(cx, tx, h, &inv_id, attempt, f, retry, stopped);
         }
         Outcome::Cancelled(c) => cancel_turn(cx, tx, h, Some(&c.message)),
     }
+}
+
+/// The worker reported the attempt failed: retry it (`retry`) or fail the turn.
+#[allow(clippy::too_many_arguments)]
+fn failed_attempt(
+    cx: &Ctx,
+    tx: &mut Tx,
+    mut h: TurnRecord,
+    inv_id: &str,
+    attempt: u32,
+    f: turnd_proto::Failure,
+    retry: bool,
+    stopped: bool,
+) {
+    let msg = if f.message.is_empty() {
+        f.code.clone()
+    } else {
+        format!("{}: {}", f.code, f.message)
+    };
+    if retry {
+        schedule_retry(cx, tx, h, inv_id, msg);
+        return;
+    }
+    let cause = if f.retryable && !stopped {
+        ErrorCause::AttemptsExhausted
+    } else {
+        ErrorCause::HandlerFailed
+    };
+    let message = if cause == ErrorCause::AttemptsExhausted {
+        format!("{msg} (after {attempt} attempts)")
+    } else {
+        f.message.clone()
+    };
+    h.last_error = None;
+    fail(cx, tx, h, cause, &f.code, message, Some(inv_id.to_string()));
 }
 
 /// A retryable failure: back off (doubling, capped), then dispatch the next attempt.
