@@ -1,12 +1,13 @@
-//! The engine's timers and limits (the `[turns]` and `[retention]` config sections).
+//! The engine's timers and limits: the `[turns]` config section ([`TurnsConfig`],
+//! read by the server straight into this type) and the `[retention]` keys.
 
 use serde::{Deserialize, Serialize};
 
-/// Timers and limits of the turn state machine. Every field is a config key of the
-/// `[turns]` section; `retention_*` are the `[retention]` section.
+/// Timers and limits of the turn state machine: every field is a config key of the
+/// `[turns]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EngineConfig {
+#[serde(default)]
+pub struct TurnsConfig {
     /// Attempt deadline for functions registered without `timeout_ms`.
     pub default_timeout_ms: u64,
     /// How long to wait for `invocation.status` after a `probe`, and for a result the
@@ -20,6 +21,7 @@ pub struct EngineConfig {
     pub max_steps: u32,
     /// How long a turn waits for a worker before it fails with `no_worker`; `None`
     /// waits for good.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub dispatch_timeout_ms: Option<u64>,
     /// First retry backoff; doubled per retry.
     pub retry_backoff_ms: u64,
@@ -34,15 +36,11 @@ pub struct EngineConfig {
     /// stay in the registry (and in `workers.list`/`functions.list`) once nothing
     /// else refers to them.
     pub worker_linger_ms: u64,
-    /// How long a terminal turn is kept after it finished; 0 keeps it for good.
-    pub retention_terminal_ms: u64,
-    /// How often retention looks for turns to delete.
-    pub retention_sweep_interval_ms: u64,
 }
 
-impl Default for EngineConfig {
+impl Default for TurnsConfig {
     fn default() -> Self {
-        EngineConfig {
+        TurnsConfig {
             default_timeout_ms: 30_000,
             probe_timeout_ms: 2_000,
             reconnect_grace_ms: 10_000,
@@ -54,6 +52,27 @@ impl Default for EngineConfig {
             max_queued_per_session: 10_000,
             max_value_bytes: 512 * 1024,
             worker_linger_ms: 600_000,
+        }
+    }
+}
+
+/// Everything the engine is configured with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EngineConfig {
+    /// The `[turns]` section.
+    pub turns: TurnsConfig,
+    /// How long a terminal turn is kept after it finished; 0 keeps it for good
+    /// (`retention.terminal_ms`).
+    pub retention_terminal_ms: u64,
+    /// How often retention looks for turns to delete (`retention.sweep_interval_ms`).
+    pub retention_sweep_interval_ms: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            turns: TurnsConfig::default(),
             retention_terminal_ms: 72 * 3_600_000,
             retention_sweep_interval_ms: 60_000,
         }

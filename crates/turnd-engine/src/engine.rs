@@ -17,37 +17,35 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use turnd_proto::*;
 use turnd_store::{
-    check_store, FunctionSettings, IdempotencyRecord, InvState, InvWait, InvocationRecord, Phase,
-    RawJson, SessionMeta, Store, StoreError, TurnRecord,
+    check_store, FunctionSettings, InvState, InvWait, InvocationRecord, Phase, RawJson,
+    SessionMeta, Store, StoreError, TurnRecord,
 };
 
 mod admission;
 mod cells;
 mod commit;
-mod deadlines;
 mod dispatch;
-mod outcomes;
 mod queries;
 mod recovery;
 mod registry_gc;
 mod results;
 mod retention;
 mod stop;
+mod timers;
 mod watch;
 mod workers;
 
 use crate::clock::Clock;
 use crate::config::EngineConfig;
+use crate::machine::{self, Effect};
 use crate::metrics::Counters;
 use crate::registry::{Assignment, CloseReason, Outbox, Registry};
-use crate::session::{
-    dispatch_detail, to_turn, wait_of, Effect, Pending, SessionState, Summary, Tx,
-};
+use crate::session::{to_turn, wait_of, Pending, SessionState, Summary, Tx};
 
 #[path = "sessions_list.rs"]
 mod sessions_list;
@@ -138,6 +136,8 @@ struct Inner {
     waits: Mutex<sessions_list::WaitIndex>,
     recovered: AtomicBool,
     shutdown: CancellationToken,
+    /// Every session's next deadline.
+    timers: Arc<timers::TimerQueue>,
 }
 
 /// The engine: owns every session, the worker registry and the timers.
@@ -177,8 +177,10 @@ impl Engine {
                 waits: Mutex::new(sessions_list::WaitIndex::default()),
                 recovered: AtomicBool::new(false),
                 shutdown: CancellationToken::new(),
+                timers: Arc::default(),
             }),
         };
+        engine.spawn_timers();
         engine.recover().await?;
         engine.spawn_retention();
         engine.spawn_registry_gc();
@@ -224,9 +226,8 @@ impl Engine {
         let cells: Vec<_> = self.cells();
         for c in cells {
             if let Ok(mut st) = c.state.try_lock() {
-                if let Some((_, h)) = st.timer.take() {
-                    h.abort();
-                }
+                let old = st.timer.take();
+                self.inner.timers.set(&st.id, old, None);
             }
         }
     }
@@ -356,7 +357,7 @@ impl Engine {
             Some(wait_of(
                 st,
                 t,
-                self.inner.cfg.dispatch_timeout_ms,
+                self.inner.cfg.turns.dispatch_timeout_ms,
                 &self.fmt_ms(),
                 Some(self.registry().supply(&t.function_id)),
             ))
@@ -403,28 +404,22 @@ fn fmt_dur(ms: u64) -> String {
     }
 }
 
-/// Unix ms as `YYYY-MM-DDTHH:MM:SS.mmmZ` (civil-from-days, proleptic Gregorian).
+/// Unix ms as `YYYY-MM-DDTHH:MM:SS.mmmZ`.
 pub fn fmt_utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let days = (secs / 86_400) as i64;
-    let sod = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        sod / 3600,
-        (sod / 60) % 60,
-        sod % 60,
-        ms % 1000
-    )
+    match time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000) {
+        Ok(t) => format!(
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second(),
+            t.millisecond()
+        ),
+        // Past the year 9999: no calendar date to show.
+        Err(_) => format!("{ms} ms after the Unix epoch"),
+    }
 }
 
 #[cfg(test)]

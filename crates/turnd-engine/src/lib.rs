@@ -7,11 +7,12 @@
 pub mod clock;
 pub mod config;
 mod engine;
+mod machine;
 pub mod metrics;
 pub mod registry;
 mod session;
 
 pub use clock::Clock;
-pub use config::EngineConfig;
+pub use config::{EngineConfig, TurnsConfig};
 pub use engine::{fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation};
 pub use registry::{CloseReason, Outbox};

@@ -14,7 +14,8 @@ use turnd_store::{
     Batch, IdempotencyRecord, InvWait, InvocationRecord, Phase, RawJson, SessionMeta, TurnRecord,
 };
 
-use crate::registry::{Outbox, Supply};
+use crate::machine::{Effect, Slot, Want};
+use crate::registry::Supply;
 
 /// What a session's lock holder currently waits for, kept outside the session lock
 /// so `stats` can read every session cheaply.
@@ -89,8 +90,8 @@ pub struct SessionState {
     pub active: ActiveTurns,
     /// The lock holder's live invocation.
     pub inv: Option<Box<InvocationRecord>>,
-    /// The armed timer and the Unix ms it fires at.
-    pub timer: Option<(u64, tokio::task::AbortHandle)>,
+    /// The Unix ms the session's entry in the engine's timer queue fires at.
+    pub timer: Option<u64>,
     /// A transition whose write failed and is being retried: (error, since, retry delay).
     pub pending: Option<Pending>,
 }
@@ -132,13 +133,6 @@ impl SessionState {
     }
 }
 
-/// A side effect run only after the transition is durable.
-#[derive(Debug)]
-pub enum Effect {
-    /// Send a frame to a connection.
-    Push(Outbox, String),
-}
-
 /// The overlay a transition is built in.
 pub struct Tx {
     pub now: u64,
@@ -153,12 +147,19 @@ pub struct Tx {
     pub inv_writes: Vec<InvocationRecord>,
     pub idempotency: Option<(String, IdempotencyRecord)>,
     pub events: Vec<Event>,
+    /// What to do once the transaction is durable.
     pub effects: Vec<Effect>,
-    /// Dispatch slots reserved by this transaction: (worker_id, invocation_id).
+    /// The slots of the invocations this transaction ended, for the engine to free.
+    pub frees: Vec<Slot>,
+    /// The step this transaction wants dispatched; the engine answers with
+    /// [`crate::machine::grant`].
+    pub dispatch: Option<Want>,
+    /// Dispatch slots the engine reserved for this transaction: (worker_id,
+    /// invocation_id), freed again if the write fails.
     pub reserved: Vec<(String, String)>,
-    /// Slots freed by this transaction before its write, to restore if it fails:
-    /// (worker_id, instance_id, invocation_id, function_id).
-    pub released: Vec<(String, String, String, String)>,
+    /// Slots the engine freed for this transaction before its write, to restore if
+    /// it fails.
+    pub released: Vec<Slot>,
 }
 
 impl Tx {
@@ -173,6 +174,8 @@ impl Tx {
             idempotency: None,
             events: Vec::new(),
             effects: Vec::new(),
+            frees: Vec::new(),
+            dispatch: None,
             reserved: Vec::new(),
             released: Vec::new(),
         }

@@ -448,11 +448,11 @@ impl Engine {
             let wait = wait_of(
                 &st,
                 h,
-                self.inner.cfg.dispatch_timeout_ms,
+                self.inner.cfg.turns.dispatch_timeout_ms,
                 &fmt,
                 Some(self.registry().supply(&h.function_id)),
             );
-            let entry = WaitEntry::of(&st, self.inner.cfg.dispatch_timeout_ms);
+            let entry = WaitEntry::of(&st, self.inner.cfg.turns.dispatch_timeout_ms);
             let row_stuck = entry.as_ref().is_some_and(|e| {
                 is_stuck(
                     e.state,

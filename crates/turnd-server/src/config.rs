@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use turnd_engine::EngineConfig;
+use turnd_engine::{EngineConfig, TurnsConfig};
 use turnd_proto::Role;
 
 /// The whole configuration.
@@ -16,6 +16,7 @@ use turnd_proto::Role;
 pub struct Config {
     pub server: ServerConfig,
     pub storage: StorageConfig,
+    /// The engine's own type: every key of `[turns]` is defined once, there.
     pub turns: TurnsConfig,
     pub retention: RetentionConfig,
     pub auth: AuthConfig,
@@ -84,26 +85,6 @@ pub struct StorageConfig {
     pub apply_interval_ms: u64,
     /// How often a commit log whose write or sync failed tries to repair itself.
     pub heal_interval_ms: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct TurnsConfig {
-    /// SDK setting, accepted here so one file serves daemon and workers: how long a
-    /// worker waits for a result's acknowledgement before resending it.
-    pub result_ack_timeout_ms: u64,
-    pub default_timeout_ms: u64,
-    pub probe_timeout_ms: u64,
-    pub reconnect_grace_ms: u64,
-    pub cancel_grace_ms: u64,
-    pub max_steps: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dispatch_timeout_ms: Option<u64>,
-    pub retry_backoff_ms: u64,
-    pub retry_backoff_max_ms: u64,
-    pub max_queued_per_session: u64,
-    pub max_value_bytes: u64,
-    pub worker_linger_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -184,26 +165,6 @@ impl Default for StorageConfig {
     }
 }
 
-impl Default for TurnsConfig {
-    fn default() -> Self {
-        let e = EngineConfig::default();
-        TurnsConfig {
-            result_ack_timeout_ms: 2_000,
-            default_timeout_ms: e.default_timeout_ms,
-            probe_timeout_ms: e.probe_timeout_ms,
-            reconnect_grace_ms: e.reconnect_grace_ms,
-            cancel_grace_ms: e.cancel_grace_ms,
-            max_steps: e.max_steps,
-            dispatch_timeout_ms: e.dispatch_timeout_ms,
-            retry_backoff_ms: e.retry_backoff_ms,
-            retry_backoff_max_ms: e.retry_backoff_max_ms,
-            max_queued_per_session: e.max_queued_per_session,
-            max_value_bytes: e.max_value_bytes,
-            worker_linger_ms: e.worker_linger_ms,
-        }
-    }
-}
-
 impl Default for RetentionConfig {
     fn default() -> Self {
         let e = EngineConfig::default();
@@ -231,7 +192,16 @@ const OPTIONAL_KEYS: &[&str] = &[
     "server.tls_cert",
     "server.tls_key",
     "retention.terminal_hours",
+    "turns.result_ack_timeout_ms",
 ];
+
+/// The message for `turns.result_ack_timeout_ms`, a key of earlier versions that
+/// nothing in the daemon read: refused, so a file that sets it does not look as if it
+/// changed anything.
+const RESULT_ACK_TIMEOUT_REFUSED: &str = "turns.result_ack_timeout_ms is not a daemon \
+    setting (no daemon ever read it): remove it; a worker's resend interval is set in \
+    its SDK (Rust WorkerOptions::result_ack_timeout, Python \
+    Worker(result_ack_timeout=...), TypeScript resultAckTimeoutMs)";
 
 /// A config that could not be loaded, with every problem found.
 #[derive(Debug, thiserror::Error)]
@@ -297,6 +267,13 @@ impl Config {
                 }
                 None => problems.push(format!("{k}: section {section} is not a table")),
             }
+        }
+        if merged
+            .get("turns")
+            .and_then(|t| t.get("result_ack_timeout_ms"))
+            .is_some()
+        {
+            problems.push(RESULT_ACK_TIMEOUT_REFUSED.to_string());
         }
         if !problems.is_empty() {
             return Err(ConfigError { problems });
@@ -432,7 +409,6 @@ impl Config {
             ("turns.retry_backoff_max_ms", t.retry_backoff_max_ms),
             ("turns.max_queued_per_session", t.max_queued_per_session),
             ("turns.max_value_bytes", t.max_value_bytes),
-            ("turns.result_ack_timeout_ms", t.result_ack_timeout_ms),
         ] {
             if v == 0 {
                 p.push(format!("{name} must be positive"));
@@ -477,19 +453,8 @@ impl Config {
     }
 
     pub fn engine_config(&self) -> EngineConfig {
-        let t = &self.turns;
         EngineConfig {
-            default_timeout_ms: t.default_timeout_ms,
-            probe_timeout_ms: t.probe_timeout_ms,
-            reconnect_grace_ms: t.reconnect_grace_ms,
-            cancel_grace_ms: t.cancel_grace_ms,
-            max_steps: t.max_steps,
-            dispatch_timeout_ms: t.dispatch_timeout_ms,
-            retry_backoff_ms: t.retry_backoff_ms,
-            retry_backoff_max_ms: t.retry_backoff_max_ms,
-            max_queued_per_session: t.max_queued_per_session,
-            max_value_bytes: t.max_value_bytes,
-            worker_linger_ms: t.worker_linger_ms,
+            turns: self.turns.clone(),
             retention_terminal_ms: self.retention.terminal_ms,
             retention_sweep_interval_ms: self.retention.sweep_interval_ms,
         }
@@ -665,6 +630,35 @@ mod tests {
         )];
         let loaded = load(None, ok).expect("terminal_ms loads");
         assert_eq!(loaded.config.engine_config().retention_terminal_ms, 5000);
+    }
+
+    /// The SDK-only key of earlier versions is refused with a message that says
+    /// where a worker's resend interval is set, from a file and from the environment.
+    #[test]
+    fn the_dead_result_ack_key_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("t.toml");
+        std::fs::write(&f, "[turns]\nresult_ack_timeout_ms = 2000\n").expect("write");
+        for (file, env) in [
+            (Some(f.as_path()), Vec::new()),
+            (
+                None,
+                vec![(
+                    "TURND_TURNS__RESULT_ACK_TIMEOUT_MS".to_string(),
+                    "2000".to_string(),
+                )],
+            ),
+        ] {
+            let msg = match Config::load(file, env) {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("result_ack_timeout_ms accepted"),
+            };
+            assert!(
+                msg.contains("turns.result_ack_timeout_ms")
+                    && msg.contains("WorkerOptions::result_ack_timeout"),
+                "{msg}"
+            );
+        }
     }
 
     #[test]

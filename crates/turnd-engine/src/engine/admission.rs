@@ -10,7 +10,7 @@ impl Engine {
         if let Some(k) = &args.idempotency_key {
             check_id("idempotency_key", k)?;
         }
-        let max = self.inner.cfg.max_value_bytes;
+        let max = self.inner.cfg.turns.max_value_bytes;
         let input = RawJson::from_value(&args.input);
         if input.len() as u64 > max {
             return Err(err(
@@ -55,7 +55,7 @@ impl Engine {
                 });
             }
         }
-        if st.active.len() as u64 >= self.inner.cfg.max_queued_per_session {
+        if st.active.len() as u64 >= self.inner.cfg.turns.max_queued_per_session {
             return Err(err(
                 ErrorCode::RateLimited,
                 format!(
@@ -65,31 +65,17 @@ impl Engine {
                 ),
             ));
         }
-        let now = self.now_ms();
-        let mut tx = Tx::new(&st, now);
-        tx.meta.last_turn_seq += 1;
-        let seq = tx.meta.last_turn_seq;
         let turn_id = new_turn_id();
-        let mut t =
-            TurnRecord::admitted(turn_id.clone(), &st.id, seq, &args.function_id, input, now);
-        t.idempotency_key = args.idempotency_key.clone();
-        t.deadline_ms = args.turn_timeout_ms.map(|d| now + d);
-        tx.event(
-            &st.id,
-            &turn_id,
-            EventKind::Admitted,
-            json!({"function_id": t.function_id, "seq": seq, "idempotency_key": t.idempotency_key}),
-        );
-        if let Some(key) = args.idempotency_key {
-            tx.idempotency = Some((
-                key,
-                IdempotencyRecord {
-                    turn_id: turn_id.clone(),
-                },
-            ));
-        }
-        tx.put_turn_from(t, None);
-        self.promote(&st, &mut tx);
+        let submission = machine::Submission {
+            turn_id: turn_id.clone(),
+            function_id: args.function_id,
+            input,
+            idempotency_key: args.idempotency_key,
+            turn_timeout_ms: args.turn_timeout_ms,
+        };
+        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+            machine::submit(cx, tx, submission)
+        });
         self.commit(&cell, &mut st, tx)
             .await
             .map_err(|e| unavailable(&e))?;

@@ -23,7 +23,8 @@ impl Engine {
                 if let Ok(mut e) = self.inner.storage_error.lock() {
                     *e = None;
                 }
-                let released: Vec<String> = tx.released.iter().map(|r| r.3.clone()).collect();
+                let released: Vec<String> =
+                    tx.released.iter().map(|r| r.function_id.clone()).collect();
                 let applied = tx.apply(st);
                 if let Ok(mut c) = self.inner.counts.lock() {
                     for (from, to) in &applied.shifts {
@@ -34,13 +35,7 @@ impl Engine {
                     self.count_event(e);
                 }
                 for eff in applied.effects {
-                    match eff {
-                        Effect::Push(outbox, frame) => {
-                            if !outbox.push(frame) {
-                                tracing::debug!(conn_id = %outbox.conn_id, "push to a closed or full connection");
-                            }
-                        }
-                    }
+                    self.carry_out(eff);
                 }
                 self.publish(&st.id, &applied.events);
                 self.track_live(cell, &applied.admitted, &applied.terminal);
@@ -57,14 +52,14 @@ impl Engine {
                 for (worker_id, inv_id) in &tx.reserved {
                     reg.release(worker_id, inv_id);
                 }
-                for (worker_id, instance_id, inv_id, function_id) in &tx.released {
+                for slot in &tx.released {
                     reg.remember_assignment(
-                        worker_id,
-                        instance_id,
-                        inv_id,
+                        &slot.worker_id,
+                        &slot.instance_id,
+                        &slot.invocation_id,
                         Assignment {
                             session_id: st.id.clone(),
-                            function_id: function_id.clone(),
+                            function_id: slot.function_id.clone(),
                         },
                         tx.now,
                     );
@@ -152,7 +147,7 @@ impl Engine {
         for f in freed {
             self.wake(&f);
         }
-        let entry = sessions_list::WaitEntry::of(st, self.inner.cfg.dispatch_timeout_ms);
+        let entry = sessions_list::WaitEntry::of(st, self.inner.cfg.turns.dispatch_timeout_ms);
         let summary = entry.as_ref().map(|e| Summary {
             state: e.state,
             since_ms: e.since_ms,
@@ -174,57 +169,35 @@ impl Engine {
         self.arm(st);
     }
 
-    /// The next time something is due for this session.
-    pub(super) fn next_due(&self, st: &SessionState) -> Option<u64> {
-        if let Some(p) = &st.pending {
-            return Some(p.retry_at_ms);
-        }
-        let h = st.holder()?;
-        let mut due = h.deadline_ms;
-        let mut consider = |x: Option<u64>| {
-            if let Some(x) = x {
-                due = Some(due.map_or(x, |d| d.min(x)));
-            }
-        };
-        match h.phase {
-            Phase::Queued | Phase::AwaitingWorker => consider(
-                self.inner
-                    .cfg
-                    .dispatch_timeout_ms
-                    .map(|d| h.phase_since_ms + d),
-            ),
-            Phase::BackingOff => consider(h.retry_at_ms),
-            Phase::Invoked => consider(st.inv.as_ref().map(|i| i.deadline_ms)),
-            Phase::Done => {}
-        }
-        due
-    }
-
+    /// Put the session's next deadline in the timer queue.
     pub(super) fn arm(&self, st: &mut SessionState) {
-        let due = self.next_due(st);
-        if let (Some(d), Some((at, _))) = (due, &st.timer) {
-            if *at == d {
-                return;
-            }
-        }
-        if let Some((_, h)) = st.timer.take() {
-            h.abort();
-        }
-        let Some(due) = due else { return };
-        if self.inner.shutdown.is_cancelled() {
+        let due = machine::next_due(st, &self.inner.cfg);
+        if due == st.timer {
             return;
         }
+        let due = due.filter(|_| !self.inner.shutdown.is_cancelled());
+        self.inner.timers.set(&st.id, st.timer, due);
+        st.timer = due;
+    }
+
+    /// Start the timer queue's task: each due entry spawns a drive of its session.
+    pub(super) fn spawn_timers(&self) {
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
-        let sid = st.id.clone();
-        let at = self.inner.clock.instant_at(due);
-        let handle = tokio::spawn(async move {
-            tokio::time::sleep_until(at).await;
-            if let Some(inner) = weak.upgrade() {
-                let engine = Engine { inner };
-                engine.drive_timer(&sid).await;
-            }
+        let queue = self.inner.timers.clone();
+        let clock = self.inner.clock;
+        let shutdown = self.inner.shutdown.clone();
+        tokio::spawn(async move {
+            queue
+                .run(clock, shutdown, |sid, due| {
+                    let Some(inner) = weak.upgrade() else {
+                        return false;
+                    };
+                    let engine = Engine { inner };
+                    tokio::spawn(async move { engine.drive_timer(&sid, due).await });
+                    true
+                })
+                .await
         });
-        st.timer = Some((due, handle.abort_handle()));
     }
 
     /// Spawn a drive of a session (used where the caller must not wait for it).
@@ -244,15 +217,17 @@ impl Engine {
         }
     }
 
-    pub(super) async fn drive_timer(&self, session_id: &str) {
+    /// The timer queue fired the session's entry for `due`.
+    pub(super) async fn drive_timer(&self, session_id: &str, due: u64) {
         let Some(cell) = self.existing_cell(session_id) else {
             return;
         };
         {
-            // The timer task is the one being replaced; forget it before driving so
-            // arm() does not abort the running task.
+            // The entry left the queue: forget it, so the drive arms the next one.
             let mut st = cell.state.lock().await;
-            st.timer = None;
+            if st.timer == Some(due) {
+                st.timer = None;
+            }
         }
         self.drive(session_id).await;
     }
@@ -275,7 +250,8 @@ impl Engine {
                 }
             }
             let mut tx = Tx::new(&st, now);
-            self.due(&st, &mut tx);
+            machine::due(&self.ctx(&st), &mut tx);
+            self.settle(&st, &mut tx);
             if tx.is_empty() {
                 st.pending = None;
                 self.after_change(&cell, &mut st, Vec::new());
@@ -304,6 +280,4 @@ impl Engine {
             }
         }
     }
-
-    // ------------------------------------------------------------- transitions
 }

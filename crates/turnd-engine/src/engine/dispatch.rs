@@ -1,127 +1,121 @@
-//! Dispatch: granting a worker slot to the session's next step, promoting the next
-//! queued turn, and cancels sent to workers.
+//! The shell around the machine's transitions: what a transition reads of the world
+//! ([`machine::Ctx`]), the worker slots it frees and wants ([`Engine::settle`]), and
+//! its effects carried out once it is durable ([`Engine::carry_out`]).
 
 use super::*;
 
 impl Engine {
-    pub(super) fn send_cancel(&self, tx: &mut Tx, inv: &InvocationRecord, reason: &str) {
-        if let Some(o) = self.registry().outbox_of(&inv.worker_id, &inv.instance_id) {
-            let frame = push_frame(&Push::Cancel {
-                invocation_id: inv.invocation_id.clone(),
-                reason: reason.to_string(),
-            });
-            tx.effects.push(Effect::Push(o, frame));
+    /// What a transition of session `st` reads: the state, the configuration and
+    /// whether the worker of its live invocation is attached.
+    pub(super) fn ctx<'a>(&'a self, st: &'a SessionState) -> machine::Ctx<'a> {
+        let worker_connected = st
+            .inv
+            .as_deref()
+            .map(|i| self.registry().is_connected(&i.worker_id, &i.instance_id))
+            .unwrap_or(false);
+        machine::Ctx {
+            st,
+            cfg: &self.inner.cfg,
+            worker_connected,
         }
     }
 
-    /// Dispatch the current step of turn `h` (its attempt is the next one unless
-    /// `previous` names a lost invocation whose attempt is reused).
-    pub(super) fn dispatch(
-        &self,
-        st: &SessionState,
-        tx: &mut Tx,
-        mut h: TurnRecord,
-        previous: Option<(&InvocationRecord, &str)>,
-    ) {
-        let inv_id = new_invocation_id();
-        let reservation = self.registry().reserve(&h.function_id, &inv_id, &st.id);
-        let Some(r) = reservation else {
-            if h.phase != Phase::AwaitingWorker {
-                h.phase = Phase::AwaitingWorker;
-                h.phase_since_ms = tx.now;
-            }
-            h.retry_at_ms = None;
-            if let Some((prev, _)) = previous {
-                // A redispatch that found no worker: the next dispatch (attempt + 1)
-                // uses the attempt number the redispatch would have used.
-                h.attempt = prev.attempt.saturating_sub(1);
-            }
-            if tx.turn(st, h.seq) != Some(&h) {
-                tx.put_turn(st, h);
-            }
-            return;
-        };
-        tx.reserved.push((r.worker_id.clone(), inv_id.clone()));
-        let attempt = match previous {
-            Some((prev, _)) => prev.attempt,
-            None => h.attempt + 1,
-        };
-        let now = tx.now;
-        let inv = InvocationRecord {
-            invocation_id: inv_id.clone(),
-            turn_id: h.turn_id.clone(),
-            session_id: st.id.clone(),
-            function_id: h.function_id.clone(),
-            step: h.step,
-            attempt,
-            worker_id: r.worker_id.clone(),
-            instance_id: r.instance_id.clone(),
-            settings: r.settings,
-            state: InvState::Active,
-            wait: InvWait::AwaitingResult,
-            wait_since_ms: now,
-            deadline_ms: now + r.settings.timeout_ms,
-            attempt_deadline_ms: now + r.settings.timeout_ms,
-            dispatched_at_ms: now,
-            ended_at_ms: None,
-            outcome: None,
-            late: false,
-        };
-        let (kind, detail) = match previous {
-            Some((prev, reason)) => (
-                EventKind::Redispatched,
-                dispatch_detail(&inv, Some(&prev.invocation_id), Some(reason)),
-            ),
-            None => (EventKind::Dispatched, dispatch_detail(&inv, None, None)),
-        };
-        tx.event(&st.id, &h.turn_id, kind, detail);
-        let frame = push_frame(&Push::Invoke(Invoke {
-            invocation_id: inv_id.clone(),
-            function_id: h.function_id.clone(),
-            session_id: st.id.clone(),
-            turn_id: h.turn_id.clone(),
-            step: h.step,
-            attempt,
-            input: h.state().to_value(),
-            deadline_ms: inv.deadline_ms,
-        }));
-        tx.effects.push(Effect::Push(r.outbox, frame));
-        h.status = TurnStatus::Running;
-        h.phase = Phase::Invoked;
-        h.phase_since_ms = now;
-        h.attempt = attempt;
-        h.invocation_id = Some(inv_id);
-        h.retry_at_ms = None;
-        h.settings = Some(r.settings);
-        tx.put_turn(st, h);
-        tx.put_invocation(st, inv);
-    }
-
-    /// Make the next queued turn the lock holder and dispatch it if a worker is free.
-    pub(super) fn promote(&self, st: &SessionState, tx: &mut Tx) {
-        if let Some(seq) = tx.holder_seq(st) {
-            if let Some(h) = tx.take(st, seq) {
-                if h.phase == Phase::Queued {
-                    let mut h = h;
-                    h.phase = Phase::AwaitingWorker;
-                    h.phase_since_ms = tx.now;
-                    h.locked_at_ms = Some(tx.now);
-                    if h.deadline_ms.map(|d| d <= tx.now).unwrap_or(false) {
-                        self.fail(
-                            st,
-                            tx,
-                            h,
-                            ErrorCause::TimedOut,
-                            "turn_timeout",
-                            "the turn's deadline (turn_timeout_ms) passed while it was queued"
-                                .into(),
-                            None,
-                        );
-                        return;
-                    }
-                    self.dispatch(st, tx, h, None);
+    /// Settle a built transition with the registry: free the slots of the
+    /// invocations it ended (so the same worker can take the next step), then look
+    /// for a slot for the step it wants dispatched and answer the machine with it.
+    pub(super) fn settle(&self, st: &SessionState, tx: &mut Tx) {
+        let grant = {
+            let mut reg = self.registry();
+            for slot in std::mem::take(&mut tx.frees) {
+                if reg.release(&slot.worker_id, &slot.invocation_id).is_some() {
+                    tx.released.push(slot);
                 }
             }
+            let Some(want) = &tx.dispatch else {
+                return;
+            };
+            let inv_id = new_invocation_id();
+            let grant = reg
+                .reserve(&want.turn.function_id, &inv_id, &st.id)
+                .map(|r| machine::Grant {
+                    invocation_id: inv_id,
+                    worker_id: r.worker_id,
+                    instance_id: r.instance_id,
+                    conn_id: r.outbox.conn_id.clone(),
+                    settings: r.settings,
+                });
+            if let Some(g) = &grant {
+                tx.reserved
+                    .push((g.worker_id.clone(), g.invocation_id.clone()));
+            }
+            grant
+        };
+        let cx = machine::Ctx {
+            st,
+            cfg: &self.inner.cfg,
+            worker_connected: false,
+        };
+        machine::grant(&cx, tx, grant);
+    }
+
+    /// Build a transition on session `st` at `now` and settle it (not yet committed).
+    pub(super) fn transition(
+        &self,
+        st: &SessionState,
+        now: u64,
+        f: impl FnOnce(&machine::Ctx, &mut Tx),
+    ) -> Tx {
+        let mut tx = Tx::new(st, now);
+        f(&self.ctx(st), &mut tx);
+        self.settle(st, &mut tx);
+        tx
+    }
+
+    /// Carry out one effect of a committed transition.
+    pub(super) fn carry_out(&self, effect: Effect) {
+        let (outbox, frame) = match effect {
+            Effect::Invoke {
+                worker_id,
+                instance_id,
+                conn_id,
+                invoke,
+            } => {
+                // Only on the connection the slot was granted on: on any other the
+                // invocation is reconciled as lost.
+                let o = self
+                    .registry()
+                    .outbox_of(&worker_id, &instance_id)
+                    .filter(|o| o.conn_id == conn_id);
+                (o, push_frame(&Push::Invoke(invoke)))
+            }
+            Effect::Cancel {
+                worker_id,
+                instance_id,
+                invocation_id,
+                reason,
+            } => (
+                self.registry().outbox_of(&worker_id, &instance_id),
+                push_frame(&Push::Cancel {
+                    invocation_id,
+                    reason,
+                }),
+            ),
+            Effect::Probe {
+                worker_id,
+                instance_id,
+                invocation_id,
+            } => (
+                self.registry().outbox_of(&worker_id, &instance_id),
+                push_frame(&Push::Probe { invocation_id }),
+            ),
+        };
+        match outbox {
+            Some(o) => {
+                if !o.push(frame) {
+                    tracing::debug!(conn_id = %o.conn_id, "push to a closed or full connection");
+                }
+            }
+            None => tracing::debug!("push to a worker that is no longer connected"),
         }
     }
 }

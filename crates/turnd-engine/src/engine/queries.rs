@@ -185,7 +185,7 @@ impl Engine {
             wait: wait_of(
                 &st,
                 h,
-                self.inner.cfg.dispatch_timeout_ms,
+                self.inner.cfg.turns.dispatch_timeout_ms,
                 &fmt,
                 Some(self.registry().supply(&h.function_id)),
             ),

@@ -17,7 +17,7 @@ impl Engine {
             return Ok(());
         };
         let store = &self.inner.store;
-        let grace = self.inner.cfg.reconnect_grace_ms;
+        let grace = self.inner.cfg.turns.reconnect_grace_ms;
         let cell = self.cell(&sid);
         let mut st = cell.state.lock().await;
         if !st.loaded {

@@ -7,7 +7,7 @@ use super::*;
 impl Engine {
     /// Start the registry's forgetting task.
     pub(super) fn spawn_registry_gc(&self) {
-        let linger = self.inner.cfg.worker_linger_ms;
+        let linger = self.inner.cfg.turns.worker_linger_ms;
         let every = Duration::from_millis((linger / 4).clamp(50, 60_000));
         let weak = Arc::downgrade(&self.inner);
         let shutdown = self.inner.shutdown.clone();

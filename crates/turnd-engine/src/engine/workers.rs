@@ -42,67 +42,21 @@ impl Engine {
         instance_id: &str,
         assigned: Vec<(String, Assignment)>,
     ) -> ApiResult<Reconciled> {
+        // Every session at once, so their writes share the group commit's syncs
+        // (a worker with hundreds of invocations must not wait for as many syncs).
+        let verdicts = futures_util::future::join_all(
+            assigned
+                .iter()
+                .map(|(inv_id, a)| self.reconcile_one(hello, instance_id, inv_id, &a.session_id)),
+        )
+        .await;
         let mut rec = Reconciled::default();
-        for (inv_id, a) in assigned {
-            let cell = self.cell(&a.session_id);
-            let mut st = self.lock(&cell).await.map_err(read_failed)?;
-            let Some(inv) = st.current_inv(&inv_id).cloned() else {
-                continue;
-            };
-            let Some(h) = st.holder().cloned() else {
-                continue;
-            };
-            let now = self.now_ms();
-            let mut tx = Tx::new(&st, now);
-            let verdict;
-            if inv.instance_id == instance_id {
-                if hello.inflight.contains(&inv_id) {
-                    let mut inv = inv;
-                    if inv.wait == InvWait::Cancelling {
-                        self.send_cancel(&mut tx, &inv, "stop requested");
-                    } else {
-                        // Kept: the attempt's own deadline applies again (a deadline that
-                        // passed while it was away leads to a probe at once).
-                        inv.wait = InvWait::AwaitingResult;
-                        inv.wait_since_ms = now;
-                        inv.deadline_ms = inv.attempt_deadline_ms.max(now);
-                    }
-                    tx.put_invocation(&st, inv);
-                    verdict = 0;
-                } else if hello.finished.contains(&inv_id) {
-                    let mut inv = inv;
-                    inv.wait = InvWait::AwaitingResend;
-                    inv.wait_since_ms = now;
-                    inv.deadline_ms = now + self.inner.cfg.probe_timeout_ms;
-                    tx.put_invocation(&st, inv);
-                    verdict = 0;
-                } else {
-                    self.lost(
-                        &st,
-                        &mut tx,
-                        h,
-                        inv,
-                        "the worker reconnected without it: it never received the invocation",
-                    );
-                    verdict = 1;
-                }
-            } else {
-                self.outcome_unknown(
-                    &st,
-                    &mut tx,
-                    h,
-                    inv,
-                    "the worker restarted (new instance_id) while the invocation was outstanding",
-                );
-                verdict = 2;
-            }
-            self.commit(&cell, &mut st, tx)
-                .await
-                .map_err(|e| unavailable(&e))?;
-            match verdict {
-                0 => rec.kept.push(inv_id),
-                1 => rec.redispatched.push(inv_id),
-                _ => rec.unknown.push(inv_id),
+        for ((inv_id, _), verdict) in assigned.into_iter().zip(verdicts) {
+            match verdict? {
+                Some(machine::Verdict::Kept) => rec.kept.push(inv_id),
+                Some(machine::Verdict::Redispatched) => rec.redispatched.push(inv_id),
+                Some(machine::Verdict::Unknown) => rec.unknown.push(inv_id),
+                None => {}
             }
         }
         // Work the worker still runs that the daemon already gave up (stopped while
@@ -138,21 +92,34 @@ impl Engine {
         Ok(rec)
     }
 
-    /// An invocation the worker never received: dispatch again with the same attempt.
-    pub(super) fn lost(
+    /// Reconcile one invocation assigned to a worker that said hello, in its
+    /// session (None: it is not the session's live invocation any more).
+    async fn reconcile_one(
         &self,
-        st: &SessionState,
-        tx: &mut Tx,
-        h: TurnRecord,
-        inv: InvocationRecord,
-        reason: &str,
-    ) {
-        self.give_up(st, tx, inv.clone(), InvState::Lost);
-        if h.stop.is_some() {
-            self.cancel_turn(st, tx, h, None);
-        } else {
-            self.dispatch(st, tx, h, Some((&inv, reason)));
+        hello: &HelloArgs,
+        instance_id: &str,
+        inv_id: &str,
+        session_id: &str,
+    ) -> ApiResult<Option<machine::Verdict>> {
+        let cell = self.cell(session_id);
+        let mut st = self.lock(&cell).await.map_err(read_failed)?;
+        let mut verdict = None;
+        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+            verdict = machine::reconcile(
+                cx,
+                tx,
+                inv_id,
+                instance_id,
+                &hello.inflight,
+                &hello.finished,
+            );
+        });
+        if verdict.is_some() {
+            self.commit(&cell, &mut st, tx)
+                .await
+                .map_err(|e| unavailable(&e))?;
         }
+        Ok(verdict)
     }
 
     /// A worker connection ended: every session with an invocation on it re-checks
@@ -165,9 +132,8 @@ impl Engine {
             }
             reg.assigned_sessions(worker_id)
         };
-        for s in sessions {
-            self.drive(&s).await;
-        }
+        // Every session at once, so their writes share the group commit's syncs.
+        futures_util::future::join_all(sessions.iter().map(|s| self.drive(s))).await;
     }
 
     /// `function.register`.
@@ -180,7 +146,9 @@ impl Engine {
                 "`concurrency` must be 1 to 10000",
             ));
         }
-        let timeout_ms = args.timeout_ms.unwrap_or(self.inner.cfg.default_timeout_ms);
+        let timeout_ms = args
+            .timeout_ms
+            .unwrap_or(self.inner.cfg.turns.default_timeout_ms);
         if timeout_ms == 0 {
             return Err(err(ErrorCode::BadRequest, "`timeout_ms` must be positive"));
         }

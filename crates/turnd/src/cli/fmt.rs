@@ -200,45 +200,43 @@ pub fn duration(ms: u64) -> String {
     }
 }
 
-/// Year, month, day of the day `days` after 1970-01-01 (proleptic Gregorian).
-fn civil_from_days(days: u64) -> (u64, u64, u64) {
-    // Howard Hinnant's algorithm, for non-negative day numbers.
-    let z = days + 719_468;
-    let era = z / 146_097;
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + u64::from(m <= 2);
-    (y, m, d)
+/// The UTC date and time of Unix ms `ms` (None past the year 9999).
+fn civil(ms: u64) -> Option<time::OffsetDateTime> {
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).ok()
 }
 
 /// "2025-11-30 04:12:03 UTC".
 pub fn utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (y, mo, d) = civil_from_days(secs / 86_400);
-    let t = secs % 86_400;
-    format!(
-        "{y:04}-{mo:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        t / 3600,
-        (t % 3600) / 60,
-        t % 60
-    )
+    match civil(ms) {
+        Some(t) => format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        ),
+        None => format!("{ms} ms after the Unix epoch"),
+    }
 }
 
 /// An event time for a log line: "04:12:03.123Z" when it is from the same UTC day
 /// as `now`, otherwise "2025-11-29 04:12:03Z".
 pub fn log_time(ms: u64, now_ms: u64) -> String {
-    let secs = ms / 1000;
-    let t = secs % 86_400;
-    let (h, m, s) = (t / 3600, (t % 3600) / 60, t % 60);
-    if secs / 86_400 == (now_ms / 1000) / 86_400 {
-        format!("{h:02}:{m:02}:{s:02}.{:03}Z", ms % 1000)
+    let Some(t) = civil(ms) else {
+        return utc(ms);
+    };
+    let (h, m, s) = (t.hour(), t.minute(), t.second());
+    if ms / 86_400_000 == now_ms / 86_400_000 {
+        format!("{h:02}:{m:02}:{s:02}.{:03}Z", t.millisecond())
     } else {
-        let (y, mo, d) = civil_from_days(secs / 86_400);
-        format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02}:{s:02}Z")
+        format!(
+            "{:04}-{:02}-{:02} {h:02}:{m:02}:{s:02}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day()
+        )
     }
 }
 

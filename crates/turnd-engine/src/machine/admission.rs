@@ -1,0 +1,38 @@
+//! Admission: a new turn joins the session's FIFO and, when it is first, is wanted
+//! dispatched.
+
+use super::*;
+use turnd_store::IdempotencyRecord;
+
+/// A validated `turn.submit` (the shell checked ids, sizes and idempotency).
+#[derive(Debug, Clone)]
+pub struct Submission {
+    /// The new turn's id, minted by the shell.
+    pub turn_id: String,
+    pub function_id: String,
+    pub input: RawJson,
+    pub idempotency_key: Option<String>,
+    pub turn_timeout_ms: Option<u64>,
+}
+
+/// Event "submit": admit a turn at the end of the session's queue.
+pub fn submit(cx: &Ctx, tx: &mut Tx, s: Submission) {
+    let st = cx.st;
+    let now = tx.now;
+    tx.meta.last_turn_seq += 1;
+    let seq = tx.meta.last_turn_seq;
+    let mut t = TurnRecord::admitted(s.turn_id.clone(), &st.id, seq, &s.function_id, s.input, now);
+    t.idempotency_key = s.idempotency_key.clone();
+    t.deadline_ms = s.turn_timeout_ms.map(|d| now + d);
+    tx.event(
+        &st.id,
+        &s.turn_id,
+        EventKind::Admitted,
+        json!({"function_id": t.function_id, "seq": seq, "idempotency_key": t.idempotency_key}),
+    );
+    if let Some(key) = s.idempotency_key {
+        tx.idempotency = Some((key, IdempotencyRecord { turn_id: s.turn_id }));
+    }
+    tx.put_turn_from(t, None);
+    promote(cx, tx);
+}

@@ -1,0 +1,268 @@
+//! Deadlines and loss: what is due when a session's timer fires (probe, give up,
+//! retry, time out), the outcome-unknown rules, and when the timer fires next.
+
+use super::*;
+
+/// The transition that is due now for the session, if any (the timer fired, the
+/// worker went away, capacity was freed, a write is retried).
+pub fn due(cx: &Ctx, tx: &mut Tx) {
+    let st = cx.st;
+    let now = tx.now;
+    let Some(h) = tx.holder_seq(st).and_then(|s| tx.take(st, s)) else {
+        return;
+    };
+    if h.deadline_ms.map(|d| d <= now).unwrap_or(false) {
+        turn_deadline(cx, tx, h);
+        return;
+    }
+    match h.phase {
+        Phase::Queued | Phase::AwaitingWorker => {
+            let since = if h.phase == Phase::Queued {
+                now
+            } else {
+                h.phase_since_ms
+            };
+            if let Some(d) = cx.cfg.turns.dispatch_timeout_ms {
+                if since + d <= now {
+                    let f = h.function_id.clone();
+                    fail(
+                        cx,
+                        tx,
+                        h,
+                        ErrorCause::NoWorker,
+                        "no_worker",
+                        format!("no worker served {f} within dispatch_timeout_ms ({d} ms)"),
+                        None,
+                    );
+                    return;
+                }
+            }
+            dispatch(tx, h, None);
+        }
+        Phase::BackingOff => {
+            if h.retry_at_ms.map(|r| r <= now).unwrap_or(true) {
+                dispatch(tx, h, None);
+            }
+        }
+        Phase::Invoked => invoked_due(cx, tx, h),
+        Phase::Done => {}
+    }
+}
+
+/// The turn's own deadline passed.
+fn turn_deadline(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
+    let inv = tx.live(cx.st).cloned();
+    if h.stop.is_some() {
+        // Stopped before its own deadline passed: the stop is what ends it.
+        if let Some(inv) = inv {
+            send_cancel(tx, &inv, "stop requested");
+            give_up(cx, tx, inv, InvState::Abandoned);
+        }
+        cancel_turn(cx, tx, h, None);
+        return;
+    }
+    if let Some(inv) = &inv {
+        send_cancel(tx, inv, "the turn's deadline passed");
+        give_up(cx, tx, inv.clone(), InvState::TimedOut);
+    }
+    fail(
+        cx,
+        tx,
+        h,
+        ErrorCause::TimedOut,
+        "turn_timeout",
+        "the turn's deadline (turn_timeout_ms) passed".into(),
+        inv.map(|i| i.invocation_id),
+    );
+}
+
+/// What is due for a lock holder with an invocation out.
+fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
+    let st = cx.st;
+    let now = tx.now;
+    let Some(mut inv) = tx.live(st).cloned() else {
+        // The dispatch record is missing: the invocation was never written, so it
+        // was never sent. Dispatch again.
+        dispatch(tx, h, None);
+        return;
+    };
+    let connected = cx.worker_connected;
+    if !connected && inv.wait == InvWait::Cancelling && h.stop.is_some() {
+        // Stopped, and the worker is gone: nothing can answer the cancel.
+        give_up(cx, tx, inv, InvState::Abandoned);
+        cancel_turn(cx, tx, h, None);
+        return;
+    }
+    if !connected
+        && matches!(
+            inv.wait,
+            InvWait::AwaitingResult | InvWait::Probing | InvWait::AwaitingResend
+        )
+    {
+        inv.wait = InvWait::AwaitingReconnect;
+        inv.wait_since_ms = now;
+        inv.deadline_ms = now + cx.cfg.turns.reconnect_grace_ms;
+        tx.put_invocation(st, inv);
+        return;
+    }
+    if inv.deadline_ms > now {
+        return;
+    }
+    match inv.wait {
+        InvWait::AwaitingResult => {
+            inv.wait = InvWait::Probing;
+            inv.wait_since_ms = now;
+            inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
+            tx.event(
+                &st.id,
+                &h.turn_id,
+                EventKind::ProbeSent,
+                json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "deadline_ms": inv.deadline_ms}),
+            );
+            tx.effects.push(Effect::Probe {
+                worker_id: inv.worker_id.clone(),
+                instance_id: inv.instance_id.clone(),
+                invocation_id: inv.invocation_id.clone(),
+            });
+            tx.put_invocation(st, inv);
+        }
+        InvWait::Probing => outcome_unknown(
+            cx,
+            tx,
+            h,
+            inv,
+            "no answer to the probe within probe_timeout_ms",
+        ),
+        InvWait::AwaitingResend => outcome_unknown(
+            cx,
+            tx,
+            h,
+            inv,
+            "the worker reported the invocation finished but its result did not arrive within probe_timeout_ms",
+        ),
+        InvWait::AwaitingReconnect => outcome_unknown(
+            cx,
+            tx,
+            h,
+            inv,
+            "the worker did not reconnect within reconnect_grace_ms",
+        ),
+        InvWait::Cancelling => {
+            if h.stop.is_some() {
+                give_up(cx, tx, inv, InvState::Abandoned);
+                cancel_turn(cx, tx, h, None);
+            } else {
+                timed_out(cx, tx, h, inv);
+            }
+        }
+    }
+}
+
+/// Mark an invocation given up (or finished) and free its slot before the next
+/// dispatch is looked for, so the same worker can take the session's next step in
+/// this transaction.
+pub(super) fn give_up(cx: &Ctx, tx: &mut Tx, mut inv: InvocationRecord, state: InvState) {
+    inv.state = state;
+    inv.ended_at_ms = Some(tx.now);
+    tx.frees.push(Slot {
+        worker_id: inv.worker_id.clone(),
+        instance_id: inv.instance_id.clone(),
+        invocation_id: inv.invocation_id.clone(),
+        function_id: inv.function_id.clone(),
+    });
+    tx.put_invocation(cx.st, inv);
+}
+
+/// Rule 4 of the semantics: an attempt whose outcome is unknown.
+pub(super) fn outcome_unknown(
+    cx: &Ctx,
+    tx: &mut Tx,
+    h: TurnRecord,
+    inv: InvocationRecord,
+    reason: &str,
+) {
+    tx.event(
+        &cx.st.id,
+        &h.turn_id,
+        EventKind::OutcomeUnknown,
+        json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "step": inv.step, "attempt": inv.attempt, "reason": reason}),
+    );
+    let settings = inv.settings;
+    let inv_id = inv.invocation_id.clone();
+    give_up(cx, tx, inv.clone(), InvState::Unknown);
+    if h.stop.is_some() {
+        cancel_turn(cx, tx, h, None);
+    } else if settings.delivery == Delivery::AtLeastOnce {
+        if inv.attempt < settings.max_attempts {
+            let mut next = inv;
+            next.attempt += 1;
+            dispatch(tx, h, Some((&next, reason)));
+        } else {
+            fail(
+                cx,
+                tx,
+                h,
+                ErrorCause::AttemptsExhausted,
+                "outcome_unknown",
+                format!(
+                    "outcome of the last attempt is unknown ({reason}) and all {} attempts are used",
+                    settings.max_attempts
+                ),
+                Some(inv_id),
+            );
+        }
+    } else {
+        fail(
+            cx,
+            tx,
+            h,
+            ErrorCause::OutcomeUnknown,
+            "outcome_unknown",
+            format!("outcome of {inv_id} is unknown: {reason}; at_most_once never runs it again"),
+            Some(inv_id),
+        );
+    }
+}
+
+/// The attempt ran past its deadline and did not answer the cancel in time.
+fn timed_out(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, inv: InvocationRecord) {
+    let settings = inv.settings;
+    let inv_id = inv.invocation_id.clone();
+    let attempt = inv.attempt;
+    give_up(cx, tx, inv, InvState::TimedOut);
+    let message = format!("{inv_id} was still running past its deadline and did not answer the cancel within cancel_grace_ms");
+    if settings.delivery == Delivery::AtLeastOnce && attempt < settings.max_attempts {
+        h.last_error = Some(message.clone());
+        schedule_retry(cx, tx, h, &inv_id, message);
+    } else {
+        fail(
+            cx,
+            tx,
+            h,
+            ErrorCause::TimedOut,
+            "timed_out",
+            message,
+            Some(inv_id),
+        );
+    }
+}
+
+/// The next time something is due for the session (Unix ms), if anything is.
+pub fn next_due(st: &SessionState, cfg: &EngineConfig) -> Option<u64> {
+    if let Some(p) = &st.pending {
+        return Some(p.retry_at_ms);
+    }
+    let h = st.holder()?;
+    let phase_due = match h.phase {
+        Phase::Queued | Phase::AwaitingWorker => {
+            cfg.turns.dispatch_timeout_ms.map(|d| h.phase_since_ms + d)
+        }
+        Phase::BackingOff => h.retry_at_ms,
+        Phase::Invoked => st.inv.as_ref().map(|i| i.deadline_ms),
+        Phase::Done => None,
+    };
+    match (h.deadline_ms, phase_due) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}

@@ -1,0 +1,216 @@
+//! Outcomes: a step's result applied to its turn (completed, failed, cancelled, retry,
+//! next step) and the terminal records.
+
+use super::*;
+
+/// End the turn `h` with `status`, then promote the next queued turn.
+pub(super) fn terminal(
+    cx: &Ctx,
+    tx: &mut Tx,
+    mut h: TurnRecord,
+    status: TurnStatus,
+    detail: Value,
+) {
+    let kind = match status {
+        TurnStatus::Completed => EventKind::Completed,
+        TurnStatus::Failed => EventKind::Failed,
+        _ => EventKind::Cancelled,
+    };
+    h.status = status;
+    h.phase = Phase::Done;
+    h.phase_since_ms = tx.now;
+    h.finished_at_ms = Some(tx.now);
+    h.retry_at_ms = None;
+    tx.event(&cx.st.id, &h.turn_id, kind, detail);
+    tx.put_turn(cx.st, h);
+    promote(cx, tx);
+}
+
+/// Fail the turn `h`; its error carries the cause.
+pub(super) fn fail(
+    cx: &Ctx,
+    tx: &mut Tx,
+    mut h: TurnRecord,
+    cause: ErrorCause,
+    code: &str,
+    message: String,
+    invocation_id: Option<String>,
+) {
+    let error = TurnError {
+        cause,
+        code: code.to_string(),
+        message,
+        step: h.step,
+        invocation_id,
+    };
+    let detail = json!({ "error": error, "step": h.step });
+    h.error = Some(error);
+    terminal(cx, tx, h, TurnStatus::Failed, detail);
+}
+
+fn complete(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, output: RawJson) {
+    h.output = output.non_null();
+    let detail = json!({ "step": h.step });
+    terminal(cx, tx, h, TurnStatus::Completed, detail);
+}
+
+/// Cancel a turn. A turn without a stop record (its worker cancelled on its own)
+/// gets one that says so: every cancelled turn says why.
+pub(super) fn cancel_turn(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, worker_message: Option<&str>) {
+    if h.stop.is_none() {
+        h.stop = Some(StopInfo {
+            requested_at_ms: tx.now,
+            reason: format!(
+                "cancelled by the worker: {}",
+                worker_message
+                    .filter(|m| !m.is_empty())
+                    .unwrap_or("no message")
+            ),
+        });
+    }
+    let detail = json!({ "stop": h.stop, "step": h.step });
+    terminal(cx, tx, h, TurnStatus::Cancelled, detail);
+}
+
+/// Apply the outcome of the live invocation `inv` to the lock holder `h`.
+pub(super) fn apply_outcome(
+    cx: &Ctx,
+    tx: &mut Tx,
+    mut h: TurnRecord,
+    inv: InvocationRecord,
+    outcome: Outcome,
+) {
+    let max_value = cx.cfg.turns.max_value_bytes;
+    tx.event(
+        &cx.st.id,
+        &h.turn_id,
+        EventKind::Result,
+        json!({"invocation_id": inv.invocation_id, "outcome": outcome.kind(), "step": inv.step, "attempt": inv.attempt}),
+    );
+    let settings = inv.settings;
+    let inv_id = inv.invocation_id.clone();
+    let attempt = inv.attempt;
+    let mut done = inv;
+    done.outcome = Some(outcome.kind().to_string());
+    give_up(cx, tx, done, InvState::Finished);
+    let stopped = h.stop.is_some();
+    // A step's value is serialized once, for the size limit and for the record.
+    let too_large = |v: &RawJson| v.len() as u64 > max_value;
+    let fail_too_large = |tx: &mut Tx, h: TurnRecord, inv_id: String| {
+        fail(
+            cx,
+            tx,
+            h,
+            ErrorCause::InvalidResult,
+            "too_large",
+            format!("the step's result is larger than max_value_bytes ({max_value})"),
+            Some(inv_id),
+        );
+    };
+    match outcome {
+        Outcome::Complete(v) => {
+            let output = RawJson::from_value(&v);
+            if too_large(&output) {
+                fail_too_large(tx, h, inv_id);
+            } else {
+                complete(cx, tx, h, output);
+            }
+        }
+        Outcome::Continue(v) => {
+            let state = RawJson::from_value(&v);
+            if too_large(&state) {
+                fail_too_large(tx, h, inv_id);
+            } else if stopped {
+                cancel_turn(cx, tx, h, None);
+            } else if h.step + 1 >= cx.cfg.turns.max_steps {
+                let max = cx.cfg.turns.max_steps;
+                fail(
+                    cx,
+                    tx,
+                    h,
+                    ErrorCause::StepLimit,
+                    "step_limit",
+                    format!("the turn reached max_steps ({max})"),
+                    Some(inv_id),
+                );
+            } else {
+                h.step += 1;
+                h.attempt = 0;
+                h.backoff_ms = 0;
+                h.state = Some(state);
+                h.last_error = None;
+                h.phase = Phase::AwaitingWorker;
+                h.phase_since_ms = tx.now;
+                dispatch(tx, h, None);
+            }
+        }
+        Outcome::Fail(f) => {
+            let retry = f.retryable && !stopped && attempt < settings.max_attempts;
+            failed_attempt(cx, tx, h, &inv_id, attempt, f, retry, stopped);
+        }
+        Outcome::Cancelled(c) => cancel_turn(cx, tx, h, Some(&c.message)),
+    }
+}
+
+/// The worker reported the attempt failed: retry it (`retry`) or fail the turn.
+#[allow(clippy::too_many_arguments)]
+fn failed_attempt(
+    cx: &Ctx,
+    tx: &mut Tx,
+    mut h: TurnRecord,
+    inv_id: &str,
+    attempt: u32,
+    f: turnd_proto::Failure,
+    retry: bool,
+    stopped: bool,
+) {
+    let msg = if f.message.is_empty() {
+        f.code.clone()
+    } else {
+        format!("{}: {}", f.code, f.message)
+    };
+    if retry {
+        schedule_retry(cx, tx, h, inv_id, msg);
+        return;
+    }
+    let cause = if f.retryable && !stopped {
+        ErrorCause::AttemptsExhausted
+    } else {
+        ErrorCause::HandlerFailed
+    };
+    let message = if cause == ErrorCause::AttemptsExhausted {
+        format!("{msg} (after {attempt} attempts)")
+    } else {
+        f.message.clone()
+    };
+    h.last_error = None;
+    fail(cx, tx, h, cause, &f.code, message, Some(inv_id.to_string()));
+}
+
+/// A retryable failure: back off (doubling, capped), then dispatch the next attempt.
+pub(super) fn schedule_retry(
+    cx: &Ctx,
+    tx: &mut Tx,
+    mut h: TurnRecord,
+    inv_id: &str,
+    error: String,
+) {
+    let cfg = cx.cfg;
+    let delay = if h.backoff_ms == 0 {
+        cfg.turns.retry_backoff_ms
+    } else {
+        h.backoff_ms
+    };
+    h.backoff_ms = (delay.saturating_mul(2)).min(cfg.turns.retry_backoff_max_ms);
+    h.phase = Phase::BackingOff;
+    h.phase_since_ms = tx.now;
+    h.retry_at_ms = Some(tx.now + delay);
+    h.last_error = Some(error.clone());
+    tx.event(
+        &cx.st.id,
+        &h.turn_id,
+        EventKind::RetryScheduled,
+        json!({"invocation_id": inv_id, "delay_ms": delay, "retry_at_ms": tx.now + delay, "error": error, "next_attempt": h.attempt + 1}),
+    );
+    tx.put_turn(cx.st, h);
+}

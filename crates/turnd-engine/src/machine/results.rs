@@ -1,0 +1,173 @@
+//! Results: a worker's `result` (current or late), `heartbeat` and `status` (probe
+//! answer) for its invocations. Each is fenced by invocation: only the session's
+//! live invocation moves the turn.
+
+use super::*;
+
+/// Event "result": the outcome of `invocation_id`. Returns false, and builds nothing,
+/// when it is not the session's live invocation (the shell then looks up its record
+/// for [`late_result`]).
+pub fn result(cx: &Ctx, tx: &mut Tx, invocation_id: &str, outcome: Outcome) -> bool {
+    let Some(inv) = tx
+        .live(cx.st)
+        .filter(|i| i.invocation_id == invocation_id)
+        .cloned()
+    else {
+        return false;
+    };
+    let Some(h) = tx.holder_seq(cx.st).and_then(|s| tx.take(cx.st, s)) else {
+        return false;
+    };
+    apply_outcome(cx, tx, h, inv, outcome);
+    true
+}
+
+/// What became of a result for an invocation that is not the live one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LateVerdict {
+    /// Its result was applied already (or recorded late already): nothing changes.
+    Duplicate,
+    /// Recorded as evidence (and, where it names the failure, amending it).
+    Recorded,
+    /// The record says active, but it is not the session's live invocation.
+    ActiveNotCurrent,
+}
+
+/// Event "late result": a result for `rec`, which ended before it came. Recorded as
+/// evidence; a `complete` amends an `outcome_unknown` failure of `turn` that names
+/// exactly this invocation. `turn` is the stored turn of `rec` (read for a
+/// `complete` only).
+pub fn late_result(
+    cx: &Ctx,
+    tx: &mut Tx,
+    rec: &InvocationRecord,
+    outcome: &Outcome,
+    turn: Option<&TurnRecord>,
+) -> LateVerdict {
+    if rec.state == InvState::Finished || rec.late {
+        return LateVerdict::Duplicate;
+    }
+    if rec.state == InvState::Active {
+        return LateVerdict::ActiveNotCurrent;
+    }
+    let st = cx.st;
+    let mut late = rec.clone();
+    late.late = true;
+    tx.put_invocation(st, late);
+    tx.event(
+        &st.id,
+        &rec.turn_id,
+        EventKind::LateResult,
+        json!({"invocation_id": rec.invocation_id, "outcome": outcome.kind(), "invocation_state": rec.state.as_str(), "step": rec.step, "attempt": rec.attempt}),
+    );
+    let (Outcome::Complete(output), Some(t)) = (outcome, turn) else {
+        return LateVerdict::Recorded;
+    };
+    let names_it = t.status == TurnStatus::Failed
+        && t.error
+            .as_ref()
+            .map(|e| {
+                e.cause == ErrorCause::OutcomeUnknown
+                    && e.invocation_id.as_deref() == Some(&rec.invocation_id)
+            })
+            .unwrap_or(false);
+    let output = RawJson::from_value(output);
+    if names_it && output.len() as u64 <= cx.cfg.turns.max_value_bytes {
+        let before = json!({"status": t.status, "error": t.error});
+        let mut amended = t.clone();
+        amended.status = TurnStatus::Completed;
+        amended.output = output.non_null();
+        amended.recovered = true;
+        amended.error = None;
+        tx.event(
+            &st.id,
+            &t.turn_id,
+            EventKind::Amended,
+            json!({"invocation_id": rec.invocation_id, "before": before, "after": {"status": "completed", "recovered": true}}),
+        );
+        tx.put_turn_from(amended, Some(TurnStatus::Failed));
+    }
+    LateVerdict::Recorded
+}
+
+/// The answer to a heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heartbeat {
+    /// Not the live invocation: the worker should stop it.
+    NotCurrent,
+    /// The invocation's deadline now.
+    Deadline(u64),
+}
+
+/// Event "heartbeat": the live invocation's deadline moves to `now + timeout_ms`
+/// (not while it is being cancelled or its result is awaited again).
+pub fn heartbeat(cx: &Ctx, tx: &mut Tx, invocation_id: &str) -> Heartbeat {
+    let Some(mut inv) = cx.st.current_inv(invocation_id).cloned() else {
+        return Heartbeat::NotCurrent;
+    };
+    if matches!(inv.wait, InvWait::Cancelling | InvWait::AwaitingResend) {
+        return Heartbeat::Deadline(inv.deadline_ms);
+    }
+    let now = tx.now;
+    if inv.wait != InvWait::AwaitingResult {
+        inv.wait = InvWait::AwaitingResult;
+        inv.wait_since_ms = now;
+    }
+    inv.deadline_ms = now + inv.settings.timeout_ms;
+    inv.attempt_deadline_ms = inv.deadline_ms;
+    let deadline = inv.deadline_ms;
+    tx.put_invocation(cx.st, inv);
+    Heartbeat::Deadline(deadline)
+}
+
+/// Event "probe answer" (`invocation.status`). Only an answer about the invocation
+/// being probed changes anything.
+pub fn probe_answer(
+    cx: &Ctx,
+    tx: &mut Tx,
+    invocation_id: &str,
+    state: turnd_proto::InvocationState,
+) {
+    use turnd_proto::InvocationState;
+    let st = cx.st;
+    let Some(mut inv) = st
+        .current_inv(invocation_id)
+        .filter(|i| i.wait == InvWait::Probing)
+        .cloned()
+    else {
+        return;
+    };
+    let Some(h) = st.holder().cloned() else {
+        return;
+    };
+    let now = tx.now;
+    match state {
+        InvocationState::Finished => {
+            inv.wait = InvWait::AwaitingResend;
+            inv.wait_since_ms = now;
+            inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
+            tx.put_invocation(st, inv);
+        }
+        InvocationState::Unknown => lost(
+            cx,
+            tx,
+            h,
+            inv,
+            "the worker never received the invocation (probe answered unknown)",
+        ),
+        InvocationState::Running => {
+            inv.wait = InvWait::Cancelling;
+            inv.wait_since_ms = now;
+            inv.deadline_ms = now + cx.cfg.turns.cancel_grace_ms;
+            let reason = "the attempt ran past its deadline";
+            send_cancel(tx, &inv, reason);
+            tx.event(
+                &st.id,
+                &h.turn_id,
+                EventKind::CancelSent,
+                json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "reason": reason, "deadline_ms": inv.deadline_ms}),
+            );
+            tx.put_invocation(st, inv);
+        }
+    }
+}
