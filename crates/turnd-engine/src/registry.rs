@@ -140,6 +140,36 @@ pub struct Reservation {
     pub settings: FunctionSettings,
 }
 
+/// What a worker can do beyond what protocol v1 assumes of every worker. A worker
+/// whose client has no probe, heartbeat or cancel (an iii-sdk worker) is attached
+/// with [`WorkerCaps::NO_PROBE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerCaps {
+    /// The worker answers `probe`. Without it, a passed attempt deadline is an
+    /// unknown outcome at once.
+    pub probe: bool,
+    /// On `hello`, every live invocation assigned to the worker counts as listed in
+    /// `inflight` (its client keeps handlers running across reconnects).
+    pub keeps_inflight: bool,
+}
+
+impl WorkerCaps {
+    pub const V1: WorkerCaps = WorkerCaps {
+        probe: true,
+        keeps_inflight: false,
+    };
+    pub const NO_PROBE: WorkerCaps = WorkerCaps {
+        probe: false,
+        keeps_inflight: true,
+    };
+}
+
+impl Default for WorkerCaps {
+    fn default() -> Self {
+        WorkerCaps::V1
+    }
+}
+
 /// Workers, functions and capacity.
 #[derive(Debug, Default)]
 pub struct Registry {
@@ -150,6 +180,8 @@ pub struct Registry {
     /// The function each waiting session's lock holder waits for. The per-function
     /// queues may hold stale entries; this map is the truth.
     waiting_for: HashMap<String, String>,
+    /// Workers attached with other than [`WorkerCaps::V1`].
+    caps: HashMap<String, WorkerCaps>,
 }
 
 /// What a worker `hello` replaced.
@@ -199,6 +231,19 @@ impl Registry {
             superseded,
             assigned,
         }
+    }
+
+    /// Set what a worker_id can do (kept across its connections).
+    pub fn set_caps(&mut self, worker_id: &str, caps: WorkerCaps) {
+        if caps == WorkerCaps::V1 {
+            self.caps.remove(worker_id);
+        } else {
+            self.caps.insert(worker_id.to_string(), caps);
+        }
+    }
+
+    pub fn caps(&self, worker_id: &str) -> WorkerCaps {
+        self.caps.get(worker_id).copied().unwrap_or_default()
     }
 
     /// Detach a connection that ended. Returns false when the worker_id has a newer

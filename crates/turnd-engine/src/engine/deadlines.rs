@@ -98,6 +98,14 @@ impl Engine {
                     return;
                 }
                 match inv.wait {
+                    InvWait::AwaitingResult if !self.registry().caps(&inv.worker_id).probe => self
+                        .outcome_unknown(
+                            st,
+                            tx,
+                            h,
+                            inv,
+                            "the attempt deadline passed and the worker cannot be probed",
+                        ),
                     InvWait::AwaitingResult => {
                         let mut inv = inv;
                         inv.wait = InvWait::Probing;
