@@ -20,6 +20,8 @@ pub struct Config {
     pub retention: RetentionConfig,
     pub auth: AuthConfig,
     pub log: LogConfig,
+    /// The iii endpoint (`docs/iii.md`): off unless `iii.listen` is set.
+    pub iii: turnd_iii::IiiConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -221,6 +223,9 @@ const OPTIONAL_KEYS: &[&str] = &[
     "server.tls_cert",
     "server.tls_key",
     "retention.terminal_hours",
+    "iii.listen",
+    "iii.timeout_ms",
+    "iii.max_attempts",
 ];
 
 /// A config that could not be loaded, with every problem found.
@@ -442,6 +447,18 @@ impl Config {
                 p.push(format!(
                     "auth.tokens[{i}] ({}) is shorter than 8 characters",
                     tok.role.as_str()
+                ));
+            }
+        }
+        p.extend(self.iii.problems());
+        if let Some(Ok(addr)) = self.iii.listen.as_deref().map(str::parse::<SocketAddr>) {
+            if !addr.ip().is_loopback()
+                && self.auth.tokens.is_empty()
+                && !self.auth.allow_unauthenticated
+            {
+                p.push(format!(
+                    "iii.listen {addr} is not a loopback address and auth.tokens is empty; \
+                     configure tokens or set auth.allow_unauthenticated = true"
                 ));
             }
         }

@@ -192,10 +192,14 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     );
     println!("{line}");
     tracing::info!("{line}");
+    if let Some(url) = daemon.iii_url() {
+        tracing::info!("iii endpoint listening on {url}");
+    }
     if let Some(path) = &ready_file {
         let body = serde_json::json!({
             "ws": daemon.ws_url(),
             "admin": daemon.admin_url(),
+            "iii": daemon.iii_url(),
             "pid": std::process::id(),
         });
         let tmp = path.with_extension("tmp");
