@@ -196,10 +196,11 @@ def test_iii_token_is_required_and_accepted() -> None:
         os.environ["III_TOKEN"] = "wrong-token-here"
         give_up = ReconnectionConfig(initial_delay_ms=50, max_retries=2, jitter_factor=0.0)
         # register_worker blocks until connected (30 s at most); the refused one never is.
-        threading.Thread(
-            target=lambda: register_worker(d.iii, InitOptions(worker_name="py-bad", reconnection_config=give_up)),
-            daemon=True,
-        ).start()
+        def refused() -> None:
+            with pytest.raises(ConnectionError):
+                register_worker(d.iii, InitOptions(worker_name="py-bad", reconnection_config=give_up))
+
+        threading.Thread(target=refused, daemon=True).start()
         until("the refusal in turnd's log", lambda: d.stderr().count("iii connection refused") >= 3)
         os.environ["III_TOKEN"] = token
         w = register_worker(d.iii, InitOptions(worker_name="py-good", reconnection_config=RECONNECT))
