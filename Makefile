@@ -19,7 +19,7 @@ SYSCONFDIR ?= /etc
 UNITDIR ?= $(SYSCONFDIR)/systemd/system
 INSTALL_BIN ?= target/release/turnd
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean ui-screenshots
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean ui-screenshots
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -46,7 +46,7 @@ install: ## Install the release binary to PREFIX/bin (default /usr/local), the s
 run: ## Run the daemon (release build) on its embedded defaults (ws 127.0.0.1:7420, admin :7421, data in ./data); ARGS="…" go to `turnd serve`
 	$(CARGO) run --release -p turnd -- serve $(ARGS)
 
-test: check-repo test-rust test-python test-sdk-python test-sdk-typescript ## Run the whole test suite
+test: check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii ## Run the whole test suite
 
 TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so TURND_EXAMPLES_DIR=$(CURDIR)/target/debug/examples
 
@@ -83,6 +83,18 @@ test-python: venv ## The independent Python protocol client against the built bi
 test-sdk-python: venv ## The Python SDK's tests (sdk/python/tests) against the built binary
 	$(CARGO) build -p turnd --bin turnd
 	cd sdk/python && TURND_BIN=$(CURDIR)/target/debug/turnd $(VPY) -m pytest -q tests
+
+# The iii endpoint's tests drive the real iii SDKs, pinned: npm iii-sdk@0.22.1
+# (tests/iii/node/package-lock.json) and PyPI iii-sdk==0.25.0 (tests/python/requirements.txt).
+III_NODE := tests/iii/node
+$(III_NODE)/node_modules/.ci-stamp: $(III_NODE)/package-lock.json $(III_NODE)/package.json
+	cd $(III_NODE) && $(NPM) ci --no-audit --no-fund
+	touch $@
+
+test-iii: venv $(III_NODE)/node_modules/.ci-stamp ## iii-sdk workers and callers (npm 0.22.1, PyPI 0.25.0) against turnd's iii endpoint
+	$(CARGO) build -p turnd --bin turnd
+	cd $(III_NODE) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=2 --test-timeout=60000 --test-force-exit *.test.mjs
+	TURND_BIN=$(CURDIR)/target/debug/turnd $(VPY) -m pytest -q tests/iii/python
 
 lint: lint-sdk-python lint-sdk-typescript ## fmt check, clippy with warnings denied, the Python and TypeScript SDKs' checks, and the repository checks
 	$(CARGO) fmt --all -- --check

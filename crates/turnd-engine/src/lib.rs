@@ -15,4 +15,4 @@ mod session;
 pub use clock::Clock;
 pub use config::{EngineConfig, TurnsConfig};
 pub use engine::{fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation};
-pub use registry::{CloseReason, Outbox};
+pub use registry::{CloseReason, Outbox, WorkerCaps};

@@ -148,6 +148,36 @@ pub struct Reservation {
     pub settings: FunctionSettings,
 }
 
+/// What a worker can do beyond what protocol v1 assumes of every worker. A worker
+/// whose client has no probe, heartbeat or cancel (an iii-sdk worker) is attached
+/// with [`WorkerCaps::NO_PROBE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerCaps {
+    /// The worker answers `probe`. Without it, a passed attempt deadline is an
+    /// unknown outcome at once.
+    pub probe: bool,
+    /// On `hello`, every live invocation assigned to the worker counts as listed in
+    /// `inflight` (its client keeps handlers running across reconnects).
+    pub keeps_inflight: bool,
+}
+
+impl WorkerCaps {
+    pub const V1: WorkerCaps = WorkerCaps {
+        probe: true,
+        keeps_inflight: false,
+    };
+    pub const NO_PROBE: WorkerCaps = WorkerCaps {
+        probe: false,
+        keeps_inflight: true,
+    };
+}
+
+impl Default for WorkerCaps {
+    fn default() -> Self {
+        WorkerCaps::V1
+    }
+}
+
 /// Workers, functions and capacity.
 #[derive(Debug, Default)]
 pub struct Registry {
@@ -161,6 +191,8 @@ pub struct Registry {
     /// The latest time the registry was told (attach, detach, gc), for marking when
     /// a function was last served without a clock of its own.
     now_hint: u64,
+    /// Workers attached with other than [`WorkerCaps::V1`].
+    caps: HashMap<String, WorkerCaps>,
 }
 
 /// What a worker `hello` replaced.
@@ -211,6 +243,19 @@ impl Registry {
             superseded,
             assigned,
         }
+    }
+
+    /// Set what a worker_id can do (kept across its connections).
+    pub fn set_caps(&mut self, worker_id: &str, caps: WorkerCaps) {
+        if caps == WorkerCaps::V1 {
+            self.caps.remove(worker_id);
+        } else {
+            self.caps.insert(worker_id.to_string(), caps);
+        }
+    }
+
+    pub fn caps(&self, worker_id: &str) -> WorkerCaps {
+        self.caps.get(worker_id).copied().unwrap_or_default()
     }
 
     /// Detach a connection that ended. Returns false when the worker_id has a newer
@@ -447,6 +492,8 @@ impl Registry {
         let expired = |since: u64| now_ms.saturating_sub(since) >= linger_ms;
         self.workers
             .retain(|_, w| w.connected() || !w.assigned.is_empty() || !expired(w.since_ms));
+        let workers = &self.workers;
+        self.caps.retain(|id, _| workers.contains_key(id));
         let mut served: HashMap<&str, ()> = HashMap::new();
         for w in self.workers.values().filter(|w| w.connected()) {
             for f in w.functions.keys() {

@@ -21,6 +21,8 @@ pub struct Config {
     pub retention: RetentionConfig,
     pub auth: AuthConfig,
     pub log: LogConfig,
+    /// The iii endpoint (`docs/iii.md`): off unless `iii.listen` is set.
+    pub iii: turnd_iii::IiiConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -193,6 +195,9 @@ const OPTIONAL_KEYS: &[&str] = &[
     "server.tls_key",
     "retention.terminal_hours",
     "turns.result_ack_timeout_ms",
+    "iii.listen",
+    "iii.timeout_ms",
+    "iii.max_attempts",
 ];
 
 /// The message for `turns.result_ack_timeout_ms`, a key of earlier versions that
@@ -431,6 +436,18 @@ impl Config {
                 p.push(format!(
                     "auth.tokens[{i}] ({}) is shorter than 8 characters",
                     tok.role.as_str()
+                ));
+            }
+        }
+        p.extend(self.iii.problems());
+        if let Some(Ok(addr)) = self.iii.listen.as_deref().map(str::parse::<SocketAddr>) {
+            if !addr.ip().is_loopback()
+                && self.auth.tokens.is_empty()
+                && !self.auth.allow_unauthenticated
+            {
+                p.push(format!(
+                    "iii.listen {addr} is not a loopback address and auth.tokens is empty; \
+                     configure tokens or set auth.allow_unauthenticated = true"
                 ));
             }
         }

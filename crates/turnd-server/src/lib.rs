@@ -26,10 +26,12 @@ use turnd_store::{Kv, LoggedKv, LoggedOptions, SledOptions, Store, SyncMode};
 pub use config::Config;
 use ws::{ConnectionCounts, Shared};
 
-/// Both listeners, bound before any heavy start-up work.
+/// The listeners, bound before any heavy start-up work.
 pub struct Listeners {
     pub ws: TcpListener,
     pub admin: TcpListener,
+    /// The iii endpoint's, when `iii.listen` is set.
+    pub iii: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -42,7 +44,13 @@ impl Listeners {
             "ADMIN_LISTEN",
         )
         .await?;
-        Ok(Listeners { ws, admin })
+        let iii = match &cfg.iii.listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.with_context(|| {
+                format!("bind iii listener {addr} (iii.listen, TURND_III__LISTEN)")
+            })?),
+            None => None,
+        };
+        Ok(Listeners { ws, admin, iii })
     }
 }
 
@@ -95,6 +103,8 @@ pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<LoggedKv>> {
 pub struct Daemon {
     pub ws_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// The iii endpoint's address, when it is on.
+    pub iii_addr: Option<SocketAddr>,
     /// Whether both listeners speak TLS.
     pub tls: bool,
     pub engine: Engine,
@@ -121,24 +131,48 @@ impl Daemon {
             (Some(c), Some(k)) => Some(tls::acceptor(c, k)?),
             _ => None,
         };
+        let iii_addr = match &listeners.iii {
+            Some(l) => Some(l.local_addr().context("iii listener address")?),
+            None => None,
+        };
         let store = Store::new(kv.clone());
         let engine = Engine::open(store, cfg.engine_config())
             .await
             .context("recover the store")?;
+        let closing = CancellationToken::new();
+        let iii = match iii_addr {
+            Some(_) => Some(
+                turnd_iii::Iii::open(
+                    engine.clone(),
+                    cfg.iii.clone(),
+                    cfg.auth
+                        .tokens
+                        .iter()
+                        .map(|t| (t.role, t.token.clone()))
+                        .collect(),
+                    Duration::from_millis(cfg.server.heartbeat_ms),
+                    closing.clone(),
+                )
+                .await
+                .context("open the iii endpoint")?,
+            ),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             engine: engine.clone(),
             config: cfg,
             draining: CancellationToken::new(),
-            closing: CancellationToken::new(),
+            closing,
             requests: TaskTracker::new(),
             connections: ConnectionCounts::default(),
         });
         let shutdown = CancellationToken::new();
         let is_tls = tls.is_some();
-        let task = tokio::spawn(serve(shared, listeners, tls, kv, shutdown.clone()));
+        let task = tokio::spawn(serve(shared, listeners, tls, kv, shutdown.clone(), iii));
         Ok(Daemon {
             ws_addr,
             admin_addr,
+            iii_addr,
             tls: is_tls,
             engine,
             shutdown,
@@ -150,6 +184,11 @@ impl Daemon {
     pub fn ws_url(&self) -> String {
         let scheme = if self.tls { "wss" } else { "ws" };
         format!("{scheme}://{}{}", self.ws_addr, turnd_proto::WS_PATH)
+    }
+
+    /// `ws://ADDR` of the iii endpoint, when it is on.
+    pub fn iii_url(&self) -> Option<String> {
+        self.iii_addr.map(turnd_iii::url)
     }
 
     /// `http://ADDR` (`https://` with TLS).
@@ -184,8 +223,13 @@ async fn serve(
     tls: Option<tokio_rustls::TlsAcceptor>,
     kv: Arc<dyn Kv>,
     shutdown: CancellationToken,
+    iii: Option<Arc<turnd_iii::Iii>>,
 ) -> anyhow::Result<()> {
     let conns = TaskTracker::new();
+    let iii_task = match (iii, listeners.iii) {
+        (Some(iii), Some(l)) => Some(tokio::spawn(iii.serve(l))),
+        _ => None,
+    };
     let admin_shutdown = shared.closing.clone();
     let admin = tokio::spawn({
         let router = admin::router(shared.clone());
@@ -264,6 +308,11 @@ async fn serve(
         .is_err()
     {
         tracing::warn!("connections still open after 3s; closing anyway");
+    }
+    if let Some(t) = iii_task {
+        if let Err(e) = t.await {
+            tracing::warn!("iii endpoint task failed: {e}");
+        }
     }
     match admin.await {
         Ok(Ok(())) => {}

@@ -43,7 +43,7 @@ pub struct ServeArgs {
     /// Data directory (overrides storage.data_dir).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// Once serving, write {"ws": …, "admin": …, "pid": …} here.
+    /// Once serving, write {"ws": …, "admin": …, "pid": …} here (and "iii": … when the iii endpoint is on).
     #[arg(long)]
     pub ready_file: Option<PathBuf>,
     /// Log format: text or json (overrides log.format).
@@ -192,12 +192,18 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     );
     println!("{line}");
     tracing::info!("{line}");
+    if let Some(url) = daemon.iii_url() {
+        tracing::info!("iii endpoint listening on {url}");
+    }
     if let Some(path) = &ready_file {
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "ws": daemon.ws_url(),
             "admin": daemon.admin_url(),
             "pid": std::process::id(),
         });
+        if let (Some(url), Some(o)) = (daemon.iii_url(), body.as_object_mut()) {
+            o.insert("iii".into(), url.into());
+        }
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, body.to_string())
             .with_context(|| format!("write {}", tmp.display()))?;

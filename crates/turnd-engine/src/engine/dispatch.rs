@@ -8,15 +8,22 @@ impl Engine {
     /// What a transition of session `st` reads: the state, the configuration and
     /// whether the worker of its live invocation is attached.
     pub(super) fn ctx<'a>(&'a self, st: &'a SessionState) -> machine::Ctx<'a> {
-        let worker_connected = st
+        let (worker_connected, worker_probes) = st
             .inv
             .as_deref()
-            .map(|i| self.registry().is_connected(&i.worker_id, &i.instance_id))
-            .unwrap_or(false);
+            .map(|i| {
+                let reg = self.registry();
+                (
+                    reg.is_connected(&i.worker_id, &i.instance_id),
+                    reg.caps(&i.worker_id).probe,
+                )
+            })
+            .unwrap_or((false, true));
         machine::Ctx {
             st,
             cfg: &self.inner.cfg,
             worker_connected,
+            worker_probes,
         }
     }
 
@@ -54,6 +61,7 @@ impl Engine {
             st,
             cfg: &self.inner.cfg,
             worker_connected: false,
+            worker_probes: true,
         };
         machine::grant(&cx, tx, grant);
     }

@@ -2,11 +2,22 @@
 //! worker's disconnect, and function registration.
 
 use super::*;
+use crate::registry::WorkerCaps;
 
 impl Engine {
     /// A worker `hello`: attach the connection (superseding an older one of the same
     /// worker_id) and reconcile every invocation assigned to this worker_id.
     pub async fn worker_hello(&self, hello: &HelloArgs, outbox: Outbox) -> ApiResult<Reconciled> {
+        self.worker_hello_with(hello, outbox, WorkerCaps::V1).await
+    }
+
+    /// A worker `hello` for a worker that can do what `caps` says.
+    pub async fn worker_hello_with(
+        &self,
+        hello: &HelloArgs,
+        outbox: Outbox,
+        caps: WorkerCaps,
+    ) -> ApiResult<Reconciled> {
         let worker_id = hello
             .worker_id
             .as_deref()
@@ -18,13 +29,26 @@ impl Engine {
             .unwrap_or_else(|| outbox.conn_id.clone());
         let name = hello.name.clone().unwrap_or_else(|| worker_id.to_string());
         let conn_id = outbox.conn_id.clone();
-        let attached =
-            self.registry()
-                .attach(worker_id, &name, &instance_id, outbox, self.now_ms());
+        let attached = {
+            let mut reg = self.registry();
+            reg.set_caps(worker_id, caps);
+            reg.attach(worker_id, &name, &instance_id, outbox, self.now_ms())
+        };
         if let Some(old) = attached.superseded {
             tracing::info!(worker_id, old_conn = %old.conn_id, "worker connection superseded by a new hello");
             old.close_with(CloseReason::Superseded);
         }
+        // A worker that keeps its handlers across reconnects still runs all of them.
+        let kept;
+        let hello = if caps.keeps_inflight {
+            let mut all = hello.clone();
+            all.inflight
+                .extend(attached.assigned.iter().map(|(id, _)| id.clone()));
+            kept = all;
+            &kept
+        } else {
+            hello
+        };
         match self.reconcile(hello, &instance_id, attached.assigned).await {
             Ok(rec) => Ok(rec),
             Err(e) => {

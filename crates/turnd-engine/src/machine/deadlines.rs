@@ -109,6 +109,13 @@ fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
         return;
     }
     match inv.wait {
+        InvWait::AwaitingResult if !cx.worker_probes => outcome_unknown(
+            cx,
+            tx,
+            h,
+            inv,
+            "the attempt deadline passed and the worker cannot be probed",
+        ),
         InvWait::AwaitingResult => {
             inv.wait = InvWait::Probing;
             inv.wait_since_ms = now;

@@ -72,6 +72,10 @@ pub struct Ctx<'a> {
     /// Whether the worker connection (worker and instance) of the session's live
     /// invocation is attached; false when there is none.
     pub worker_connected: bool,
+    /// Whether the worker of the session's live invocation answers probes. A worker
+    /// that cannot be probed (an iii worker) has a passed attempt deadline taken as an
+    /// unknown outcome at once.
+    pub worker_probes: bool,
 }
 
 /// A side effect to carry out after the transition is durable, as plain data.

@@ -20,6 +20,8 @@ pub(super) struct Sim {
     pub instance: String,
     /// Whether the worker has room for a dispatch.
     pub free: bool,
+    /// Whether the worker answers probes.
+    pub probes: bool,
     pub settings: FunctionSettings,
     minted: u32,
     /// Slots granted and not freed, by invocation id.
@@ -54,6 +56,7 @@ impl Sim {
             connected: true,
             instance: "i1".into(),
             free: true,
+            probes: true,
             settings: FunctionSettings {
                 timeout_ms: 1_000,
                 delivery,
@@ -80,6 +83,7 @@ impl Sim {
             st: &self.st,
             cfg: &self.cfg,
             worker_connected,
+            worker_probes: self.probes,
         };
         f(&cx, &mut tx);
         for s in std::mem::take(&mut tx.frees) {

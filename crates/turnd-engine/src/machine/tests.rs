@@ -226,6 +226,18 @@ fn silence_past_the_probe_is_outcome_unknown_at_most_once() {
 }
 
 #[test]
+fn a_worker_that_cannot_be_probed_is_outcome_unknown_at_its_deadline() {
+    let mut sim = Sim::new(Delivery::AtMostOnce, 1);
+    sim.probes = false;
+    let a = sim.submit();
+    let inv = sim.live();
+    let e = sim.advance(1_000);
+    assert!(probes(&e).is_empty());
+    assert_eq!(cause(&sim, &a), ErrorCause::OutcomeUnknown);
+    assert_eq!(sim.inv(&inv).state, InvState::Unknown);
+}
+
+#[test]
 fn silence_past_the_probe_redispatches_at_least_once_then_exhausts() {
     let mut sim = Sim::new(Delivery::AtLeastOnce, 2);
     let a = sim.submit();

@@ -1,0 +1,235 @@
+//! turnd's iii endpoint: programs written with iii-sdk (npm 0.22.1, PyPI 0.25.0)
+//! connect to turnd as they would to an iii engine and get turnd's guarantees.
+//!
+//! Each iii connection is turned into calls on the [`Engine`] in process, as the
+//! protocol-v1 server does: a connection that registers functions becomes a turnd
+//! worker (`iii/<lineage>`), whose identity survives reconnects through iii's
+//! `reattach`; a `trigger` becomes a turn. See `docs/iii.md` for the mapping and for
+//! what is and is not guaranteed.
+
+pub mod config;
+mod conn;
+pub mod queue;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use ring::hmac;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use turnd_engine::Engine;
+use turnd_proto::Role;
+use turnd_store::Batch;
+
+pub use config::IiiConfig;
+use queue::QueueDef;
+
+/// Store keys of the iii endpoint's own records: the prefix `X` (records kept for
+/// the endpoints, not read by the engine), then `iii/`.
+pub(crate) fn store_key(rest: &str) -> Vec<u8> {
+    let mut k = b"Xiii/".to_vec();
+    k.extend_from_slice(rest.as_bytes());
+    k
+}
+
+/// State shared by every iii connection.
+pub struct Iii {
+    pub(crate) engine: Engine,
+    pub(crate) cfg: IiiConfig,
+    tokens: Vec<(Role, String)>,
+    /// Signs reattach tokens; kept in the store so tokens verify after a restart.
+    key: hmac::Key,
+    /// Every queue defined with `queue::define` (the store holds them; this is a copy).
+    pub(crate) queues: Mutex<HashMap<String, QueueDef>>,
+    /// Interval of the endpoint's WebSocket pings; a peer silent for 3× this is gone.
+    pub(crate) heartbeat: Duration,
+    /// Cancelled when connections must close.
+    pub(crate) closing: CancellationToken,
+    conns: TaskTracker,
+}
+
+impl Iii {
+    /// Load (or create, durably) the reattach secret and the queue definitions.
+    pub async fn open(
+        engine: Engine,
+        cfg: IiiConfig,
+        tokens: Vec<(Role, String)>,
+        heartbeat: Duration,
+        closing: CancellationToken,
+    ) -> anyhow::Result<Arc<Iii>> {
+        let store = engine.store().clone();
+        let secret_key = store_key("secret");
+        let secret = match store.kv().get(&secret_key).context("read the iii secret")? {
+            Some(s) if s.len() == 32 => s,
+            Some(s) => anyhow::bail!("the stored iii secret has {} bytes, not 32", s.len()),
+            None => {
+                let mut s = vec![0u8; 32];
+                ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut s)
+                    .map_err(|_| anyhow::anyhow!("no randomness for the iii secret"))?;
+                let mut b = Batch::new();
+                b.put_raw(secret_key, s.clone());
+                store.commit(b).await.context("write the iii secret")?;
+                s
+            }
+        };
+        let queues = queue::load(&store).context("read the iii queue definitions")?;
+        Ok(Arc::new(Iii {
+            engine,
+            cfg,
+            tokens,
+            key: hmac::Key::new(hmac::HMAC_SHA256, &secret),
+            queues: Mutex::new(queues),
+            heartbeat,
+            closing,
+            conns: TaskTracker::new(),
+        }))
+    }
+
+    /// Serve the listener until `closing` is cancelled, then wait (briefly) for the
+    /// connections to end.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        if let Err(e) = stream.set_nodelay(true) {
+                            tracing::debug!(%peer, "set TCP_NODELAY: {e}");
+                        }
+                        self.conns.spawn(conn::serve(self.clone(), stream, peer));
+                    }
+                    Err(e) => {
+                        tracing::warn!("iii endpoint: failed to accept a connection: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+                _ = self.closing.cancelled() => break,
+            }
+        }
+        drop(listener);
+        self.conns.close();
+        if tokio::time::timeout(Duration::from_secs(3), self.conns.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("iii connections still open after 3s; closing anyway");
+        }
+    }
+
+    /// Whether a token may open an iii connection: an iii connection is worker and
+    /// caller at once, so the token must be configured for both roles, or be an
+    /// operator token. Without tokens configured every connection is accepted.
+    pub(crate) fn token_ok(&self, given: Option<&str>) -> bool {
+        if self.tokens.is_empty() {
+            return true;
+        }
+        let given = given.unwrap_or("").as_bytes();
+        let (mut worker, mut client, mut operator) = (false, false, false);
+        for (role, t) in &self.tokens {
+            // Compare against every token in constant time, whatever matches first.
+            let eq = constant_time_eq::constant_time_eq(t.as_bytes(), given);
+            match role {
+                Role::Worker => worker |= eq,
+                Role::Client => client |= eq,
+                Role::Operator => operator |= eq,
+            }
+        }
+        operator || (worker && client)
+    }
+
+    /// The reattach token of a lineage: HMAC-SHA256 of it under the stored secret.
+    pub(crate) fn reattach_token(&self, lineage: &str) -> String {
+        let tag = hmac::sign(&self.key, lineage.as_bytes());
+        tag.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Whether `token` is the reattach token of `lineage`.
+    pub(crate) fn reattach_ok(&self, lineage: &str, token: &str) -> bool {
+        let Some(bytes) = unhex(token) else {
+            return false;
+        };
+        hmac::verify(&self.key, lineage.as_bytes(), &bytes).is_ok()
+    }
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+        .collect()
+}
+
+/// The address an iii listener is bound to, for logs and the ready file.
+pub fn url(addr: SocketAddr) -> String {
+    format!("ws://{addr}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use turnd_engine::EngineConfig;
+    use turnd_store::mem::MemKv;
+    use turnd_store::Store;
+
+    async fn iii(kv: Arc<MemKv>, tokens: Vec<(Role, String)>) -> Arc<Iii> {
+        let engine = Engine::open(Store::new(kv), EngineConfig::default())
+            .await
+            .expect("engine");
+        Iii::open(
+            engine,
+            IiiConfig::default(),
+            tokens,
+            Duration::from_secs(5),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("iii")
+    }
+
+    #[tokio::test]
+    async fn reattach_tokens_verify_after_a_restart_and_only_for_their_lineage() {
+        let kv = Arc::new(MemKv::new());
+        let a = iii(kv.clone(), vec![]).await;
+        let t = a.reattach_token("L1");
+        assert!(a.reattach_ok("L1", &t));
+        assert!(!a.reattach_ok("L2", &t));
+        assert!(!a.reattach_ok("L1", "00"));
+        assert!(!a.reattach_ok("L1", "zz"));
+        // The same store: the same secret.
+        let b = iii(kv, vec![]).await;
+        assert!(b.reattach_ok("L1", &t));
+        // Another store: another secret.
+        let c = iii(Arc::new(MemKv::new()), vec![]).await;
+        assert!(!c.reattach_ok("L1", &t));
+    }
+
+    #[tokio::test]
+    async fn a_token_must_serve_worker_and_client_or_be_an_operator_token() {
+        let kv = Arc::new(MemKv::new());
+        let open = iii(kv.clone(), vec![]).await;
+        assert!(open.token_ok(None));
+        let t = |r, s: &str| (r, s.to_string());
+        let a = iii(
+            kv,
+            vec![
+                t(Role::Worker, "both"),
+                t(Role::Client, "both"),
+                t(Role::Worker, "w-only"),
+                t(Role::Operator, "op"),
+            ],
+        )
+        .await;
+        assert!(a.token_ok(Some("both")));
+        assert!(a.token_ok(Some("op")));
+        assert!(!a.token_ok(Some("w-only")));
+        assert!(!a.token_ok(Some("nope")));
+        assert!(!a.token_ok(None));
+    }
+}

@@ -1,0 +1,163 @@
+// iii-sdk@0.22.1 callers and workers on turnd, unchanged: sync, failing, void and
+// timed-out triggers, and a fifo queue.
+import assert from 'node:assert/strict'
+import { after, before, test } from 'node:test'
+import { TriggerAction, registerWorker } from 'iii-sdk'
+import { sleep, startTurnd, until, V1 } from './lib.mjs'
+
+const TOML = `
+[iii]
+concurrency = 4
+`
+
+let turnd, worker, caller, v1
+const started = []
+const calls = { slow: 0 }
+
+before(async () => {
+  turnd = await startTurnd({ toml: TOML })
+  // Telemetry stays on (the SDK's default): turnd accepts and drops the /otel socket.
+  worker = registerWorker(turnd.iiiUrl, { workerName: 'node-worker', reconnectionConfig: { initialDelayMs: 100, jitterFactor: 0 } })
+  worker.registerFunction('demo::echo', async (input, metadata) => ({ echoed: input, metadata }))
+  worker.registerFunction('demo::fail', async (_input, metadata) => {
+    started.push(metadata.turnd.turn_id)
+    throw new Error('boom')
+  })
+  worker.registerFunction('demo::slow', async (input, metadata) => {
+    calls.slow += 1
+    started.push(metadata?.turnd?.turn_id)
+    await sleep(input.ms)
+    return { slept: input.ms }
+  })
+  const seen = []
+  worker.registerFunction('demo::fifo', async (input) => {
+    seen.push({ at: 'start', g: input.g, n: input.n, t: Date.now() })
+    await sleep(150)
+    seen.push({ at: 'end', g: input.g, n: input.n, t: Date.now() })
+    return { n: input.n }
+  })
+  worker.seen = seen
+  caller = registerWorker(turnd.iiiUrl, { workerName: 'node-caller', reconnectionConfig: { initialDelayMs: 100, jitterFactor: 0 } })
+  v1 = await V1.connect(turnd.wsUrl)
+  await until('the worker registered', async () => {
+    const { functions } = await v1.call('functions.list')
+    return functions.filter((f) => f.function_id.startsWith('demo::')).length === 4
+  })
+})
+
+after(async () => {
+  v1?.close()
+  await worker?.shutdown()
+  await caller?.shutdown()
+  await turnd?.stop()
+})
+
+test('a sync trigger answers with the result and turnd ids in the handler metadata', async () => {
+  const r = await caller.trigger({ function_id: 'demo::echo', payload: { n: 1 } })
+  assert.deepEqual(r.echoed, { n: 1 })
+  const ids = r.metadata.turnd
+  assert.match(ids.session_id, /^call:/)
+  assert.equal(ids.attempt, 1)
+  const t = await v1.turn(ids.turn_id)
+  assert.equal(t.status, 'completed')
+  assert.deepEqual(t.output, r)
+})
+
+test('a failing handler rejects the caller with invocation_failed and fails the turn', async () => {
+  const n = started.length
+  await assert.rejects(caller.trigger({ function_id: 'demo::fail', payload: {} }), (e) => {
+    assert.equal(e.name, 'InvocationError')
+    assert.equal(e.code, 'invocation_failed')
+    assert.match(e.message, /boom/)
+    return true
+  })
+  const t = await v1.turn(started[n])
+  assert.equal(t.status, 'failed')
+  assert.equal(t.error.code, 'invocation_failed')
+  assert.equal(t.error.cause, 'handler_failed')
+})
+
+test('a void trigger runs the function and answers nothing', async () => {
+  const before = calls.slow
+  const r = await caller.trigger({ function_id: 'demo::slow', payload: { ms: 10 }, action: TriggerAction.Void() })
+  assert.equal(r, undefined)
+  await until('the void call ran', () => calls.slow === before + 1)
+  const id = started[started.length - 1]
+  assert.equal((await v1.wait(id)).status, 'completed')
+})
+
+test('a caller timeout leaves the turn to complete', async () => {
+  const n = started.length
+  await assert.rejects(caller.trigger({ function_id: 'demo::slow', payload: { ms: 600 }, timeoutMs: 150 }), (e) => {
+    assert.equal(e.code, 'TIMEOUT')
+    return true
+  })
+  const id = await until('the handler started', () => started[n])
+  const t = await v1.wait(id)
+  assert.equal(t.status, 'completed')
+  assert.deepEqual(t.output, { slept: 600 })
+})
+
+test('an unknown engine function answers function_not_found', async () => {
+  await assert.rejects(caller.trigger({ function_id: 'engine::nope', payload: {} }), (e) => e.code === 'function_not_found')
+})
+
+test('a fifo queue runs serial within a group and parallel across groups', async () => {
+  const define = (config) => caller.trigger({ function_id: 'queue::define', payload: { queue: 'orders', config } })
+  await assert.rejects(caller.trigger({ function_id: 'demo::fifo', payload: { g: 'a', n: 0 }, action: TriggerAction.Enqueue({ queue: 'orders' }) }), (e) => {
+    assert.equal(e.code, 'enqueue_error')
+    return true
+  })
+  await assert.rejects(define({ type: 'fifo' }), /message_group_field/)
+  await assert.rejects(define({ type: 'fifo', message_group_field: 'g', bogus: 1 }), /unknown field/)
+  assert.deepEqual(await define({ type: 'fifo', message_group_field: 'g' }), { queue: 'orders', changed: true })
+  assert.deepEqual(await define({ type: 'fifo', message_group_field: 'g' }), { queue: 'orders', changed: false })
+  await assert.rejects(caller.trigger({ function_id: 'demo::fifo', payload: { n: 9 }, action: TriggerAction.Enqueue({ queue: 'orders' }) }), (e) => e.code === 'enqueue_error')
+
+  const receipts = []
+  for (let n = 1; n <= 3; n++) {
+    for (const g of ['a', 'b']) {
+      const r = await caller.trigger({ function_id: 'demo::fifo', payload: { g, n }, action: TriggerAction.Enqueue({ queue: 'orders' }) })
+      receipts.push({ g, n, id: r.messageReceiptId })
+    }
+  }
+  // Live depth counts the work in flight.
+  const stats = await caller.trigger({ function_id: 'engine::queue::topic_stats', payload: { topic: 'orders' } })
+  assert.ok(stats.depth > 0, `depth ${stats.depth} with work in flight`)
+  assert.equal(stats.config.message_group_field, 'g')
+  for (const r of receipts) {
+    const t = await v1.wait(r.id)
+    assert.equal(t.status, 'completed', JSON.stringify(t))
+    assert.equal(t.session_id, `orders:${r.g}`)
+    assert.deepEqual(t.output, { n: r.n })
+  }
+  const after = await caller.trigger({ function_id: 'engine::queue::topic_stats', payload: { queue: 'orders' } })
+  assert.equal(after.depth, 0)
+  const seen = worker.seen
+  for (const g of ['a', 'b']) {
+    const mine = seen.filter((e) => e.g === g)
+    // start/end strictly alternate, in enqueue order: one at a time within a group.
+    assert.deepEqual(
+      mine.map((e) => `${e.at}${e.n}`),
+      ['start1', 'end1', 'start2', 'end2', 'start3', 'end3'],
+    )
+  }
+  // Across groups, handlers overlapped.
+  const a1 = seen.find((e) => e.g === 'a' && e.n === 1 && e.at === 'start')
+  const b1 = seen.find((e) => e.g === 'b' && e.n === 1 && e.at === 'start')
+  const a1end = seen.find((e) => e.g === 'a' && e.n === 1 && e.at === 'end')
+  assert.ok(b1.t < a1end.t && a1.t < seen.find((e) => e.g === 'b' && e.n === 1 && e.at === 'end').t, 'groups a and b ran in parallel')
+})
+
+test('a queue definition survives a restart of turnd', async () => {
+  await turnd.restart()
+  await until('the caller is back', async () => {
+    try {
+      return await caller.trigger({ function_id: 'queue::define', payload: { queue: 'orders', config: { type: 'fifo', message_group_field: 'g' } }, timeoutMs: 500 })
+    } catch {
+      return false
+    }
+  }).then((r) => assert.equal(r.changed, false))
+  v1.close()
+  v1 = await V1.connect(turnd.wsUrl)
+})

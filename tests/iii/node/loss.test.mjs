@@ -1,0 +1,228 @@
+// The losses turnd exists to reconcile, with unchanged iii-sdk@0.22.1 workers: a
+// dropped `invocationresult` (the seed's case), a worker connection closed
+// mid-handler, a turnd restart mid-handler, a killed worker, and a stop.
+import assert from 'node:assert/strict'
+import { spawn } from 'node:child_process'
+import { createInterface } from 'node:readline'
+import { after, before, test } from 'node:test'
+import { TriggerAction, registerWorker } from 'iii-sdk'
+import { iiiOptions, sleep, startTurnd, until, V1 } from './lib.mjs'
+
+const DEADLINE_MS = 800
+const RECONNECT_GRACE_MS = 1500
+const CANCEL_GRACE_MS = 600
+
+const TOML = `
+[turns]
+reconnect_grace_ms = ${RECONNECT_GRACE_MS}
+cancel_grace_ms = ${CANCEL_GRACE_MS}
+
+[iii]
+concurrency = 4
+
+[[iii.functions]]
+id = "alo::slow"
+timeout_ms = 5000
+delivery = "at_least_once"
+max_attempts = 3
+
+[[iii.functions]]
+id = "alo::*"
+timeout_ms = ${DEADLINE_MS}
+delivery = "at_least_once"
+max_attempts = 3
+
+[[iii.functions]]
+id = "amo::slow"
+timeout_ms = 5000
+
+[[iii.functions]]
+id = "amo::*"
+timeout_ms = ${DEADLINE_MS}
+delivery = "at_most_once"
+`
+
+let turnd, worker, caller, v1
+/** Results held back by the wrapped send, by invocation id. */
+const held = new Map()
+/** Invocation ids whose result the wrapped send drops (and holds). */
+const drop = new Set()
+const log = []
+const inflight = new Map()
+let maxInflight = 0
+let send
+
+function record(fn) {
+  return async (input, metadata) => {
+    const g = `${fn}/${input.g}`
+    const now = (inflight.get(g) ?? 0) + 1
+    inflight.set(g, now)
+    maxInflight = Math.max(maxInflight, now)
+    log.push({ fn, at: 'start', n: input.n, g: input.g, t: Date.now(), ...metadata.turnd })
+    if (input.drop && metadata.turnd.attempt === 1) drop.add(metadata.turnd.invocation_id)
+    try {
+      await sleep(input.ms ?? 50)
+      return { n: input.n, attempt: metadata.turnd.attempt }
+    } finally {
+      inflight.set(g, inflight.get(g) - 1)
+      log.push({ fn, at: 'end', n: input.n, g: input.g, t: Date.now(), ...metadata.turnd })
+    }
+  }
+}
+
+const starts = (fn, g, n) => log.filter((e) => e.fn === fn && e.g === g && e.n === n && e.at === 'start')
+const kinds = (events) => events.map((e) => e.kind)
+
+async function enqueue(fn, payload) {
+  const r = await caller.trigger({ function_id: fn, payload, action: TriggerAction.Enqueue({ queue: 'seed' }) })
+  return r.messageReceiptId
+}
+
+before(async () => {
+  turnd = await startTurnd({ toml: TOML })
+  worker = registerWorker(turnd.iiiUrl, iiiOptions({ workerName: 'loss-worker' }))
+  // The test's hook: the SDK's own send, wrapped to lose chosen result frames.
+  send = worker.sendMessageRaw.bind(worker)
+  worker.sendMessageRaw = (data) => {
+    const m = JSON.parse(data)
+    if (m.type === 'invocationresult' && drop.has(m.invocation_id)) {
+      drop.delete(m.invocation_id)
+      held.set(m.invocation_id, data)
+      return
+    }
+    send(data)
+  }
+  for (const fn of ['alo::step', 'amo::step', 'amo::slow']) worker.registerFunction(fn, record(fn))
+  caller = registerWorker(turnd.iiiUrl, iiiOptions({ workerName: 'loss-caller' }))
+  v1 = await V1.connect(turnd.wsUrl)
+  await until('the worker registered', async () => (await v1.call('functions.list')).functions.length >= 3)
+  await caller.trigger({ function_id: 'queue::define', payload: { queue: 'seed', config: { type: 'fifo', message_group_field: 'g' } } })
+})
+
+after(async () => {
+  v1?.close()
+  await worker?.shutdown()
+  await caller?.shutdown()
+  await turnd?.stop()
+})
+
+test('a dropped invocationresult under at_least_once: redispatched after the deadline, the group moves on, the late result changes nothing', async () => {
+  maxInflight = 0
+  const t0 = Date.now()
+  const first = await enqueue('alo::step', { g: 'a', n: 1, drop: true })
+  const second = await enqueue('alo::step', { g: 'a', n: 2 })
+  const t1 = await v1.wait(first)
+  assert.equal(t1.status, 'completed')
+  assert.equal(t1.attempt, 2)
+  assert.deepEqual(t1.output, { n: 1, attempt: 2 })
+  const t2 = await v1.wait(second)
+  assert.equal(t2.status, 'completed')
+  // The group moved on within the deadline plus a margin (no probe to wait for).
+  const secondStart = starts('alo::step', 'a', 2)[0].t
+  assert.ok(secondStart - t0 < DEADLINE_MS + 1200, `second message started ${secondStart - t0} ms after the first was enqueued`)
+  assert.equal(maxInflight, 1, 'never two in flight in one group')
+  const ev = await v1.events(t1.session_id)
+  const mine = ev.filter((e) => e.turn_id === first)
+  assert.ok(kinds(mine).includes('outcome_unknown'), kinds(mine).join(','))
+  assert.ok(kinds(mine).includes('redispatched'))
+  assert.ok(!kinds(mine).includes('probe_sent'), 'an iii worker is never probed')
+  // The dropped frame arrives after all: a late result, recorded, changing nothing.
+  const [[, frame]] = [...held.entries()]
+  held.clear()
+  send(frame)
+  await until('the late result is recorded', async () => kinds(await v1.events(t1.session_id)).includes('late_result'))
+  const again = await v1.turn(first)
+  assert.equal(again.status, 'completed')
+  assert.deepEqual(again.output, { n: 1, attempt: 2 })
+})
+
+test('a dropped invocationresult under at_most_once: outcome_unknown, the group moves on, the late result amends', async () => {
+  maxInflight = 0
+  const first = await enqueue('amo::step', { g: 'b', n: 1, drop: true })
+  const second = await enqueue('amo::step', { g: 'b', n: 2 })
+  const t1 = await v1.wait(first)
+  assert.equal(t1.status, 'failed')
+  assert.equal(t1.error.cause, 'outcome_unknown')
+  assert.equal(starts('amo::step', 'b', 1).length, 1, 'never dispatched again')
+  const t2 = await v1.wait(second)
+  assert.equal(t2.status, 'completed')
+  assert.equal(maxInflight, 1)
+  const [[, frame]] = [...held.entries()]
+  held.clear()
+  send(frame)
+  const amended = await until('the late result amends the turn', async () => {
+    const t = await v1.turn(first)
+    return t.status === 'completed' && t
+  })
+  assert.equal(amended.recovered, true)
+  assert.deepEqual(amended.output, { n: 1, attempt: 1 })
+})
+
+test('a worker connection closed mid-handler reattaches and its result is applied', async () => {
+  const n = log.length
+  const call = caller.trigger({ function_id: 'amo::slow', payload: { g: 'x', n: 1, ms: 600 } })
+  await until('the handler started', () => log.length > n)
+  worker.ws.terminate()
+  const r = await call
+  assert.deepEqual(r, { n: 1, attempt: 1 })
+  assert.equal(starts('amo::slow', 'x', 1).length, 1, 'the handler ran once')
+  const ev = await v1.events(log[n].session_id)
+  assert.ok(!kinds(ev).includes('outcome_unknown'), kinds(ev).join(','))
+  assert.ok(!kinds(ev).includes('redispatched'))
+})
+
+test('turn.stop on a running iii invocation ends it cancelled after the cancel grace; its result is late', async () => {
+  const id = await enqueue('amo::slow', { g: 'c', n: 1, ms: 2000 })
+  await until('the handler started', () => starts('amo::slow', 'c', 1).length === 1)
+  const t0 = Date.now()
+  await v1.call('turn.stop', { turn_id: id, reason: 'test stop' })
+  const t = await v1.wait(id)
+  assert.equal(t.status, 'cancelled')
+  assert.equal(t.stop.reason, 'test stop')
+  assert.ok(Date.now() - t0 < CANCEL_GRACE_MS + 1000)
+  assert.equal(log.filter((e) => e.fn === 'amo::slow' && e.g === 'c' && e.at === 'end').length, 0, 'cancelled while the handler ran')
+  await until('the late result is recorded', async () => kinds(await v1.events(t.session_id)).includes('late_result'))
+  assert.equal((await v1.turn(id)).status, 'cancelled')
+})
+
+test('a killed worker: its invocation goes to a second worker after the reconnect grace', async () => {
+  const child = spawn(process.execPath, [new URL('./child-worker.mjs', import.meta.url).pathname, turnd.iiiUrl], { stdio: ['ignore', 'pipe', 'ignore'] })
+  const lines = createInterface({ input: child.stdout })
+  // The SDK writes its own debug lines to stdout too.
+  const started = new Promise((resolve) => lines.on('line', (l) => l.startsWith('{') && resolve(JSON.parse(l).started)))
+  try {
+    await until('the child registered', async () => (await v1.call('functions.list')).functions.some((f) => f.function_id === 'alo::slow' && f.workers > 0))
+    const id = await enqueue('alo::slow', { g: 'k', n: 1, ms: 3000 })
+    const first = await started
+    assert.equal(first.turn_id, id)
+    const second = registerWorker(turnd.iiiUrl, iiiOptions({ workerName: 'second' }))
+    second.registerFunction('alo::slow', async (_input, metadata) => ({ by: 'second', attempt: metadata.turnd.attempt }))
+    try {
+      child.kill('SIGKILL')
+      const t0 = Date.now()
+      const t = await v1.wait(id, 15000)
+      assert.equal(t.status, 'completed')
+      assert.deepEqual(t.output, { by: 'second', attempt: 2 })
+      assert.ok(Date.now() - t0 >= RECONNECT_GRACE_MS - 200, 'not before the grace')
+    } finally {
+      await second.shutdown()
+    }
+  } finally {
+    child.kill('SIGKILL')
+  }
+})
+
+test('a turnd restart mid-handler: the worker reattaches with its token and the result is applied', async () => {
+  const id = await enqueue('amo::slow', { g: 'r', n: 1, ms: 1200 })
+  await until('the handler started', () => starts('amo::slow', 'r', 1).length === 1)
+  v1.close()
+  await turnd.restart()
+  v1 = await V1.connect(turnd.wsUrl)
+  const t = await v1.wait(id, 10000)
+  assert.equal(t.status, 'completed', JSON.stringify(t))
+  assert.equal(t.recovered, false)
+  assert.deepEqual(t.output, { n: 1, attempt: 1 })
+  assert.equal(starts('amo::slow', 'r', 1).length, 1)
+  const ev = await v1.events(t.session_id)
+  assert.ok(!kinds(ev).includes('outcome_unknown'), kinds(ev).join(','))
+})

@@ -1,0 +1,218 @@
+"""iii-sdk==0.25.0 (PyPI) workers and callers on turnd's iii endpoint, unchanged.
+
+Run with the project's venv: ``target/venv/bin/python -m pytest -q tests/iii/python``
+(``TURND_BIN`` names the daemon, default ``target/debug/turnd``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+from iii import InitOptions, TriggerAction, register_worker
+from iii_helpers.observability import ReconnectionConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+from turnd_client import Client  # noqa: E402
+
+BIN = os.environ.get("TURND_BIN", str(ROOT / "target" / "debug" / "turnd"))
+FAST = {
+    "TURND_SERVER__HEARTBEAT_MS": "500",
+    "TURND_STORAGE__SYNC": "never",
+    "TURND_TURNS__PROBE_TIMEOUT_MS": "300",
+    "TURND_TURNS__RECONNECT_GRACE_MS": "3000",
+    "TURND_TURNS__CANCEL_GRACE_MS": "600",
+}
+RECONNECT = ReconnectionConfig(initial_delay_ms=100, max_delay_ms=400, jitter_factor=0.0)
+
+
+class Turnd:
+    def __init__(self, toml: str = "") -> None:
+        self.work = tempfile.TemporaryDirectory(prefix="turnd-iii-py-")
+        cfg = Path(self.work.name) / "turnd.toml"
+        cfg.write_text(toml)
+        ready = Path(self.work.name) / "ready.json"
+        self.stderr_path = Path(self.work.name) / "stderr"
+        env = dict(os.environ, RUST_LOG="info", TURND_III__LISTEN="127.0.0.1:0", **FAST)
+        self.proc = subprocess.Popen(
+            [BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0",
+             "--admin-listen", "127.0.0.1:0", "--data-dir", str(Path(self.work.name) / "data"),
+             "--ready-file", str(ready)],
+            env=env, stdout=subprocess.DEVNULL, stderr=self.stderr_path.open("w"),
+        )
+        deadline = time.time() + 15
+        while not ready.exists() or not ready.read_text():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"turnd not ready: {self.stderr()}")
+            time.sleep(0.02)
+        r = json.loads(ready.read_text())
+        self.ws, self.iii = r["ws"], r["iii"]
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.work.cleanup()
+
+
+def until(what: str, f: Callable[[], Any], secs: float = 8.0) -> Any:
+    deadline = time.time() + secs
+    while True:
+        v = f()
+        if v:
+            return v
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def registered(c: Client, fn: str) -> bool:
+    return any(f["function_id"] == fn and f["workers"] > 0
+               for f in c.request("functions.list")["functions"])
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[dict[str, Any]]:
+    d = Turnd("[iii]\nconcurrency = 4\n")
+    seen: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def echo(data: Any, metadata: Any = None) -> Any:
+        return {"echoed": data, "metadata": metadata}
+
+    def fail(data: Any) -> Any:
+        raise RuntimeError("boom")
+
+    def slow(data: Any, metadata: Any = None) -> Any:
+        with lock:
+            seen.append({"at": "start", **(metadata or {}).get("turnd", {})})
+        time.sleep(data["ms"] / 1000)
+        with lock:
+            seen.append({"at": "end", **(metadata or {}).get("turnd", {})})
+        return {"slept": data["ms"]}
+
+    worker = register_worker(d.iii, InitOptions(worker_name="py-worker", reconnection_config=RECONNECT))
+    worker.register_function("py::echo", echo)
+    worker.register_function("py::fail", fail)
+    worker.register_function("py::slow", slow)
+    caller = register_worker(d.iii, InitOptions(worker_name="py-caller", reconnection_config=RECONNECT))
+    c = Client(d.ws, role="operator")
+    until("the worker registered", lambda: registered(c, "py::slow"))
+    try:
+        yield {"turnd": d, "worker": worker, "caller": caller, "c": c, "seen": seen}
+    finally:
+        c.close()
+        worker.shutdown()
+        caller.shutdown()
+        d.stop()
+
+
+def test_sync_call_carries_turnd_ids_and_completes_the_turn(env: dict[str, Any]) -> None:
+    r = env["caller"].trigger({"function_id": "py::echo", "payload": {"n": 1}})
+    assert r["echoed"] == {"n": 1}
+    ids = r["metadata"]["turnd"]
+    assert ids["session_id"].startswith("call:")
+    t = env["c"].get(ids["turn_id"])
+    assert t["status"] == "completed"
+    assert t["output"] == r
+
+
+def test_failing_handler_raises_invocation_failed(env: dict[str, Any]) -> None:
+    with pytest.raises(Exception) as e:
+        env["caller"].trigger({"function_id": "py::fail", "payload": {}})
+    assert getattr(e.value, "code", None) == "invocation_failed"
+    assert "boom" in str(e.value)
+
+
+def test_void_runs_and_answers_nothing(env: dict[str, Any]) -> None:
+    n = len(env["seen"])
+    assert env["caller"].trigger({"function_id": "py::slow", "payload": {"ms": 10},
+                                  "action": TriggerAction.Void()}) is None
+    until("the void call ran", lambda: len(env["seen"]) >= n + 2)
+
+
+def test_caller_timeout_leaves_the_turn_to_complete(env: dict[str, Any]) -> None:
+    n = len(env["seen"])
+    with pytest.raises(Exception) as e:
+        env["caller"].trigger({"function_id": "py::slow", "payload": {"ms": 600}, "timeout_ms": 150})
+    assert getattr(e.value, "code", None) == "TIMEOUT"
+    start = until("the handler started", lambda: len(env["seen"]) > n and env["seen"][n])
+    t = env["c"].wait(start["turn_id"])
+    assert t["status"] == "completed"
+    assert t["output"] == {"slept": 600}
+
+
+def test_a_self_call_goes_through_turnd(env: dict[str, Any]) -> None:
+    r = env["worker"].trigger({"function_id": "py::echo", "payload": {"self": True}})
+    assert r["echoed"] == {"self": True}
+    assert env["c"].get(r["metadata"]["turnd"]["turn_id"])["status"] == "completed"
+
+
+def test_worker_socket_closed_mid_handler_reattaches_and_the_result_is_applied(env: dict[str, Any]) -> None:
+    worker, seen = env["worker"], env["seen"]
+    n = len(seen)
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        out["r"] = env["caller"].trigger({"function_id": "py::slow", "payload": {"ms": 700}})
+
+    th = threading.Thread(target=call)
+    th.start()
+    start = until("the handler started", lambda: len(seen) > n and seen[n])
+    # Close the SDK's socket from under it, as a dropped connection would.
+    asyncio.run_coroutine_threadsafe(worker._ws.close(), worker._loop).result(5)
+    th.join(10)
+    assert out["r"] == {"slept": 700}
+    assert [e["at"] for e in seen[n:] if e["turn_id"] == start["turn_id"]] == ["start", "end"]
+    kinds = [e["kind"] for e in env["c"].all_events(start["session_id"])]
+    assert "redispatched" not in kinds and "outcome_unknown" not in kinds, kinds
+
+
+def test_iii_token_is_required_and_accepted() -> None:
+    token = "py-iii-token-1"
+    d = Turnd(
+        "[auth]\ntokens = [\n"
+        f'  {{ role = "worker", token = "{token}" }},\n'
+        f'  {{ role = "client", token = "{token}" }},\n'
+        '  { role = "operator", token = "py-operator-1" },\n]\n'
+    )
+    old = os.environ.get("III_TOKEN")
+    try:
+        os.environ["III_TOKEN"] = "wrong-token-here"
+        give_up = ReconnectionConfig(initial_delay_ms=50, max_retries=2, jitter_factor=0.0)
+        # register_worker blocks until connected (30 s at most); the refused one never is.
+        def refused() -> None:
+            with pytest.raises(ConnectionError):
+                register_worker(d.iii, InitOptions(worker_name="py-bad", reconnection_config=give_up))
+
+        threading.Thread(target=refused, daemon=True).start()
+        until("the refusal in turnd's log", lambda: d.stderr().count("iii connection refused") >= 3)
+        os.environ["III_TOKEN"] = token
+        w = register_worker(d.iii, InitOptions(worker_name="py-good", reconnection_config=RECONNECT))
+        w.register_function("py::tok", lambda data: {"ok": data})
+        c = Client(d.ws, role="operator", token="py-operator-1")
+        until("the worker registered", lambda: registered(c, "py::tok"))
+        assert w.trigger({"function_id": "py::tok", "payload": 1}) == {"ok": 1}
+        c.close()
+        w.shutdown()
+    finally:
+        if old is None:
+            os.environ.pop("III_TOKEN", None)
+        else:
+            os.environ["III_TOKEN"] = old
+        d.stop()
