@@ -14,8 +14,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from iii import InitOptions, TriggerAction, register_worker
@@ -23,7 +24,7 @@ from iii_helpers.observability import ReconnectionConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
-from turnd_client import Client  # noqa: E402
+from turnd_client import Client
 
 BIN = os.environ.get("TURND_BIN", str(ROOT / "target" / "debug" / "turnd"))
 FAST = {
@@ -33,7 +34,9 @@ FAST = {
     "TURND_TURNS__RECONNECT_GRACE_MS": "3000",
     "TURND_TURNS__CANCEL_GRACE_MS": "600",
 }
-RECONNECT = ReconnectionConfig(initial_delay_ms=100, max_delay_ms=400, jitter_factor=0.0)
+RECONNECT = ReconnectionConfig(
+    initial_delay_ms=100, max_delay_ms=400, jitter_factor=0.0
+)
 
 
 class Turnd:
@@ -45,10 +48,23 @@ class Turnd:
         self.stderr_path = Path(self.work.name) / "stderr"
         env = dict(os.environ, RUST_LOG="info", TURND_III__LISTEN="127.0.0.1:0", **FAST)
         self.proc = subprocess.Popen(
-            [BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0",
-             "--admin-listen", "127.0.0.1:0", "--data-dir", str(Path(self.work.name) / "data"),
-             "--ready-file", str(ready)],
-            env=env, stdout=subprocess.DEVNULL, stderr=self.stderr_path.open("w"),
+            [
+                BIN,
+                "serve",
+                "--config",
+                str(cfg),
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(Path(self.work.name) / "data"),
+                "--ready-file",
+                str(ready),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.stderr_path.open("w"),
         )
         deadline = time.time() + 15
         while not ready.exists() or not ready.read_text():
@@ -82,8 +98,10 @@ def until(what: str, f: Callable[[], Any], secs: float = 8.0) -> Any:
 
 
 def registered(c: Client, fn: str) -> bool:
-    return any(f["function_id"] == fn and f["workers"] > 0
-               for f in c.request("functions.list")["functions"])
+    return any(
+        f["function_id"] == fn and f["workers"] > 0
+        for f in c.request("functions.list")["functions"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +124,15 @@ def env() -> Iterator[dict[str, Any]]:
             seen.append({"at": "end", **(metadata or {}).get("turnd", {})})
         return {"slept": data["ms"]}
 
-    worker = register_worker(d.iii, InitOptions(worker_name="py-worker", reconnection_config=RECONNECT))
+    worker = register_worker(
+        d.iii, InitOptions(worker_name="py-worker", reconnection_config=RECONNECT)
+    )
     worker.register_function("py::echo", echo)
     worker.register_function("py::fail", fail)
     worker.register_function("py::slow", slow)
-    caller = register_worker(d.iii, InitOptions(worker_name="py-caller", reconnection_config=RECONNECT))
+    caller = register_worker(
+        d.iii, InitOptions(worker_name="py-caller", reconnection_config=RECONNECT)
+    )
     c = Client(d.ws, role="operator")
     until("the worker registered", lambda: registered(c, "py::slow"))
     try:
@@ -122,7 +144,9 @@ def env() -> Iterator[dict[str, Any]]:
         d.stop()
 
 
-def test_sync_call_carries_turnd_ids_and_completes_the_turn(env: dict[str, Any]) -> None:
+def test_sync_call_carries_turnd_ids_and_completes_the_turn(
+    env: dict[str, Any],
+) -> None:
     r = env["caller"].trigger({"function_id": "py::echo", "payload": {"n": 1}})
     assert r["echoed"] == {"n": 1}
     ids = r["metadata"]["turnd"]
@@ -141,17 +165,29 @@ def test_failing_handler_raises_invocation_failed(env: dict[str, Any]) -> None:
 
 def test_void_runs_and_answers_nothing(env: dict[str, Any]) -> None:
     n = len(env["seen"])
-    assert env["caller"].trigger({"function_id": "py::slow", "payload": {"ms": 10},
-                                  "action": TriggerAction.Void()}) is None
+    assert (
+        env["caller"].trigger(
+            {
+                "function_id": "py::slow",
+                "payload": {"ms": 10},
+                "action": TriggerAction.Void(),
+            }
+        )
+        is None
+    )
     until("the void call ran", lambda: len(env["seen"]) >= n + 2)
 
 
 def test_caller_timeout_leaves_the_turn_to_complete(env: dict[str, Any]) -> None:
     n = len(env["seen"])
     with pytest.raises(Exception) as e:
-        env["caller"].trigger({"function_id": "py::slow", "payload": {"ms": 600}, "timeout_ms": 150})
+        env["caller"].trigger(
+            {"function_id": "py::slow", "payload": {"ms": 600}, "timeout_ms": 150}
+        )
     assert getattr(e.value, "code", None) == "TIMEOUT"
-    start = until("the handler started", lambda: len(env["seen"]) > n and env["seen"][n])
+    start = until(
+        "the handler started", lambda: len(env["seen"]) > n and env["seen"][n]
+    )
     t = env["c"].wait(start["turn_id"])
     assert t["status"] == "completed"
     assert t["output"] == {"slept": 600}
@@ -163,13 +199,17 @@ def test_a_self_call_goes_through_turnd(env: dict[str, Any]) -> None:
     assert env["c"].get(r["metadata"]["turnd"]["turn_id"])["status"] == "completed"
 
 
-def test_worker_socket_closed_mid_handler_reattaches_and_the_result_is_applied(env: dict[str, Any]) -> None:
+def test_worker_socket_closed_mid_handler_reattaches_and_the_result_is_applied(
+    env: dict[str, Any],
+) -> None:
     worker, seen = env["worker"], env["seen"]
     n = len(seen)
     out: dict[str, Any] = {}
 
     def call() -> None:
-        out["r"] = env["caller"].trigger({"function_id": "py::slow", "payload": {"ms": 700}})
+        out["r"] = env["caller"].trigger(
+            {"function_id": "py::slow", "payload": {"ms": 700}}
+        )
 
     th = threading.Thread(target=call)
     th.start()
@@ -178,9 +218,21 @@ def test_worker_socket_closed_mid_handler_reattaches_and_the_result_is_applied(e
     asyncio.run_coroutine_threadsafe(worker._ws.close(), worker._loop).result(5)
     th.join(10)
     assert out["r"] == {"slept": 700}
-    assert [e["at"] for e in seen[n:] if e["turn_id"] == start["turn_id"]] == ["start", "end"]
+    assert [e["at"] for e in seen[n:] if e["turn_id"] == start["turn_id"]] == [
+        "start",
+        "end",
+    ]
     kinds = [e["kind"] for e in env["c"].all_events(start["session_id"])]
     assert "redispatched" not in kinds and "outcome_unknown" not in kinds, kinds
+
+
+REFUSED_WORKER = """
+import sys
+from iii import InitOptions, register_worker
+from iii_helpers.observability import ReconnectionConfig
+give_up = ReconnectionConfig(initial_delay_ms=50, max_retries=2, jitter_factor=0.0)
+register_worker(sys.argv[1], InitOptions(worker_name="py-bad", reconnection_config=give_up))
+"""
 
 
 def test_iii_token_is_required_and_accepted() -> None:
@@ -193,17 +245,27 @@ def test_iii_token_is_required_and_accepted() -> None:
     )
     old = os.environ.get("III_TOKEN")
     try:
-        os.environ["III_TOKEN"] = "wrong-token-here"
-        give_up = ReconnectionConfig(initial_delay_ms=50, max_retries=2, jitter_factor=0.0)
-        # register_worker blocks until connected (30 s at most); the refused one never is.
-        def refused() -> None:
-            with pytest.raises(ConnectionError):
-                register_worker(d.iii, InitOptions(worker_name="py-bad", reconnection_config=give_up))
-
-        threading.Thread(target=refused, daemon=True).start()
-        until("the refusal in turnd's log", lambda: d.stderr().count("iii connection refused") >= 3)
+        # A worker with a wrong token, in a process of its own: the SDK keeps its
+        # non-daemon event-loop thread (and its retries) after a refusal, so the
+        # child is killed once turnd has refused it.
+        refused = subprocess.Popen(
+            [sys.executable, "-c", REFUSED_WORKER, d.iii],
+            env={**os.environ, "III_TOKEN": "wrong-token-here"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            until(
+                "the refusal in turnd's log",
+                lambda: d.stderr().count("iii connection refused") >= 3,
+            )
+        finally:
+            refused.kill()
+            refused.wait()
         os.environ["III_TOKEN"] = token
-        w = register_worker(d.iii, InitOptions(worker_name="py-good", reconnection_config=RECONNECT))
+        w = register_worker(
+            d.iii, InitOptions(worker_name="py-good", reconnection_config=RECONNECT)
+        )
         w.register_function("py::tok", lambda data: {"ok": data})
         c = Client(d.ws, role="operator", token="py-operator-1")
         until("the worker registered", lambda: registered(c, "py::tok"))
