@@ -232,6 +232,27 @@ impl Engine {
         }
     }
 
+    /// Run `f` every `every` until shutdown (or until the engine is dropped), each run
+    /// after the previous one has finished.
+    fn every<F, Fut>(&self, every: Duration, f: F)
+    where
+        F: Fn(Engine) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let weak = Arc::downgrade(&self.inner);
+        let shutdown = self.inner.shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+                let Some(inner) = weak.upgrade() else { return };
+                f(Engine { inner }).await;
+            }
+        });
+    }
+
     fn cells(&self) -> Vec<Arc<SessionCell>> {
         self.inner
             .sessions

@@ -9,19 +9,9 @@ impl Engine {
     pub(super) fn spawn_registry_gc(&self) {
         let linger = self.inner.cfg.turns.worker_linger_ms;
         let every = Duration::from_millis((linger / 4).clamp(50, 60_000));
-        let weak = Arc::downgrade(&self.inner);
-        let shutdown = self.inner.shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(every) => {}
-                    _ = shutdown.cancelled() => return,
-                }
-                let Some(inner) = weak.upgrade() else { return };
-                let engine = Engine { inner };
-                let now = engine.now_ms();
-                engine.registry().gc(now, linger);
-            }
+        self.every(every, move |engine| async move {
+            let now = engine.now_ms();
+            engine.registry().gc(now, linger);
         });
     }
 

@@ -263,22 +263,12 @@ impl Engine {
             return;
         }
         let every = Duration::from_millis(cfg.retention_sweep_interval_ms.max(1));
-        let weak = Arc::downgrade(&self.inner);
-        let shutdown = self.inner.shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(every) => {}
-                    _ = shutdown.cancelled() => return,
-                }
-                let Some(inner) = weak.upgrade() else { return };
-                let engine = Engine { inner };
-                match engine.sweep().await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::debug!("retention deleted {n} terminal turns"),
-                    Err(e) => {
-                        tracing::warn!("retention sweep failed (tried again at the next one): {e}")
-                    }
+        self.every(every, |engine| async move {
+            match engine.sweep().await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!("retention deleted {n} terminal turns"),
+                Err(e) => {
+                    tracing::warn!("retention sweep failed (tried again at the next one): {e}")
                 }
             }
         });
