@@ -332,3 +332,23 @@ async fn triggers_in_flight_per_connection_are_bounded() -> anyhow::Result<()> {
     assert_eq!(refused, want);
     d.shutdown().await
 }
+
+#[tokio::test]
+async fn a_daemon_shutdown_closes_iii_connections_with_1001() -> anyhow::Result<()> {
+    let d = start(|_| {}).await?;
+    let url = iii_url(&d);
+    let (mut ws, _) = open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
+    let stopping = tokio::spawn(d.shutdown());
+    let code = loop {
+        match tokio::time::timeout(Duration::from_secs(5), ws.next()).await {
+            Err(_) => bail!("no close frame within 5 s"),
+            Ok(None) => bail!("the connection ended without a close frame"),
+            Ok(Some(Err(e))) => bail!("connection error before a close frame: {e}"),
+            Ok(Some(Ok(Message::Close(Some(c))))) => break u16::from(c.code),
+            Ok(Some(Ok(_))) => {}
+        }
+    };
+    assert_eq!(code, 1001, "server closing");
+    stopping.await??;
+    Ok(())
+}

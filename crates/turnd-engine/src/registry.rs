@@ -21,6 +21,11 @@ pub enum CloseReason {
     SlowReader,
     /// A watch's replay could not read the store (code 1011).
     Unavailable,
+    /// The connection's reading side ended (the peer closed it or it failed): the
+    /// writer stops without a close frame of its own.
+    ReaderEnded,
+    /// The daemon is shutting down (code 1001).
+    ServerClosing,
 }
 
 /// The sending side of one connection: a bounded queue of text frames. A peer that

@@ -230,7 +230,8 @@ async fn serve_worker(
                     Some(CloseReason::Superseded) => Some((CLOSE_SUPERSEDED, "superseded by a reattach of this worker")),
                     Some(CloseReason::SlowReader) => Some((1008, "outgoing queue full: the peer does not read fast enough")),
                     Some(CloseReason::Unavailable) => Some((1011, "the store could not be read")),
-                    None => Some((1001, "server closing")),
+                    Some(CloseReason::ReaderEnded) => None,
+                    Some(CloseReason::ServerClosing) | None => Some((1001, "server closing")),
                 },
                 _ = done.cancelled() => break writer_conn.slow.load(Ordering::SeqCst).then_some(
                     (1008, "outgoing queue full: the peer does not read its answers"),
@@ -257,7 +258,7 @@ async fn serve_worker(
             _ = outbox.closed() => break,
             _ = conn.done.cancelled() => break,
             _ = iii.closing.cancelled() => {
-                outbox.close_with(CloseReason::SlowReader);
+                outbox.close_with(CloseReason::ServerClosing);
                 break;
             }
         };

@@ -393,7 +393,8 @@ where
                         Some(CloseReason::Superseded) => Some((CLOSE_SUPERSEDED, "superseded by a newer connection of this worker_id".to_string())),
                         Some(CloseReason::SlowReader) => Some((1008, "outgoing queue full: the peer does not read fast enough".to_string())),
                         Some(CloseReason::Unavailable) => Some((1011, "a watch's events could not be read from the store; watch again with `after`".to_string())),
-                        None => Some((1001, "server closing".to_string())),
+                        Some(CloseReason::ReaderEnded) => None,
+                        Some(CloseReason::ServerClosing) | None => Some((1001, "server closing".to_string())),
                     };
                 }
             }
@@ -598,7 +599,7 @@ where
             tracing::trace!("writer already gone");
         }
     } else {
-        outbox.close_with(CloseReason::SlowReader);
+        outbox.close_with(CloseReason::ReaderEnded);
     }
     shared.engine.connection_closed(&conn_id);
     let role = conn.auth.get().map(|a| a.role);
