@@ -366,11 +366,6 @@ impl Registry {
             .count() as u64
     }
 
-    /// Whether some connected worker serves the function.
-    pub fn has_worker(&self, function_id: &str) -> bool {
-        self.serving(function_id) > 0
-    }
-
     /// Reserve a slot on a connected worker serving `function_id` with free capacity;
     /// without one, the session is noted as waiting for the function.
     pub fn reserve(
@@ -624,14 +619,6 @@ impl Registry {
             .collect()
     }
 
-    /// Functions a worker serves (used when it frees capacity).
-    pub fn functions_of(&self, worker_id: &str) -> Vec<String> {
-        self.workers
-            .get(worker_id)
-            .map(|w| w.functions.keys().cloned().collect())
-            .unwrap_or_default()
-    }
-
     /// The session of a live invocation assigned to `worker_id`.
     pub fn assigned_session(&self, worker_id: &str, invocation_id: &str) -> Option<String> {
         self.workers
@@ -651,14 +638,6 @@ impl Registry {
         v.sort();
         v.dedup();
         v
-    }
-
-    /// Connected outboxes of every worker (for shutdown notices).
-    pub fn outboxes(&self) -> Vec<Outbox> {
-        self.workers
-            .values()
-            .filter_map(|w| w.outbox.clone())
-            .collect()
     }
 }
 
