@@ -12,9 +12,10 @@
 //! does whatever is due (dispatch, probe, give up, retry, fail on a deadline). Timers,
 //! worker disconnects, freed capacity and write retries all just call it.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -213,7 +214,7 @@ impl Engine {
     }
 
     pub fn storage_health(&self) -> StorageHealth {
-        let last_error = self.inner.storage_error.lock().ok().and_then(|e| e.clone());
+        let last_error = self.inner.storage_error.lock().clone();
         StorageHealth {
             writable: last_error.is_none(),
             last_error,
@@ -254,31 +255,18 @@ impl Engine {
     }
 
     fn cells(&self) -> Vec<Arc<SessionCell>> {
-        self.inner
-            .sessions
-            .lock()
-            .map(|m| m.values().cloned().collect())
-            .unwrap_or_default()
+        self.inner.sessions.lock().values().cloned().collect()
     }
 
-    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
-        // The registry holds plain data and no code that can panic while it is
-        // locked; a poisoned lock still holds consistent data.
-        self.inner
-            .registry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+    fn registry(&self) -> parking_lot::MutexGuard<'_, Registry> {
+        self.inner.registry.lock()
     }
 
     /// The session's cell, made (not yet loaded) when it is not in memory. It leaves
     /// memory again when the returned reference is the last one dropped and the
     /// session is idle (`cells.rs`).
     fn cell(&self, session_id: &str) -> cells::CellRef {
-        let mut m = self
-            .inner
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut m = self.inner.sessions.lock();
         let cell = m
             .entry(session_id.to_string())
             .or_insert_with(|| {
@@ -291,17 +279,12 @@ impl Engine {
         cells::CellRef::new(self, cell)
     }
 
-    fn wait_index(&self) -> std::sync::MutexGuard<'_, sessions_list::WaitIndex> {
-        // Plain data: a poisoned lock still holds a usable index.
-        self.inner.waits.lock().unwrap_or_else(|p| p.into_inner())
+    fn wait_index(&self) -> parking_lot::MutexGuard<'_, sessions_list::WaitIndex> {
+        self.inner.waits.lock()
     }
 
-    fn live_turns(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Arc<SessionCell>>> {
-        // Plain data: a poisoned lock still holds a usable map.
-        self.inner
-            .live_turns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+    fn live_turns(&self) -> parking_lot::MutexGuard<'_, HashMap<u128, Arc<SessionCell>>> {
+        self.inner.live_turns.lock()
     }
 
     /// Keep `live_turns` in step: admitted turns in, ended turns out.
@@ -334,12 +317,7 @@ impl Engine {
     }
 
     fn existing_cell(&self, session_id: &str) -> Option<cells::CellRef> {
-        let cell = self
-            .inner
-            .sessions
-            .lock()
-            .ok()
-            .and_then(|m| m.get(session_id).cloned())?;
+        let cell = self.inner.sessions.lock().get(session_id).cloned()?;
         Some(cells::CellRef::new(self, cell))
     }
 

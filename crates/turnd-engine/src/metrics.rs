@@ -1,8 +1,8 @@
 //! Counters of what the engine did, read by the admin `/metrics` endpoint.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 
 /// Monotonic counters. Gauges (turns by status, sessions by wait state, in-flight
 /// invocations) are computed from live state when scraped.
@@ -42,25 +42,24 @@ impl Counters {
     }
 
     pub fn terminal(&self, key: String) {
-        if let Ok(mut m) = self.terminal.lock() {
+        {
+            let mut m = self.terminal.lock();
             *m.entry(key).or_insert(0) += 1;
         }
     }
 
     pub fn probe_answer(&self, state: &'static str) {
-        if let Ok(mut m) = self.probe_answers.lock() {
+        {
+            let mut m = self.probe_answers.lock();
             *m.entry(state).or_insert(0) += 1;
         }
     }
 
     pub fn terminal_snapshot(&self) -> BTreeMap<String, u64> {
-        self.terminal.lock().map(|m| m.clone()).unwrap_or_default()
+        self.terminal.lock().clone()
     }
 
     pub fn probe_answers_snapshot(&self) -> BTreeMap<&'static str, u64> {
-        self.probe_answers
-            .lock()
-            .map(|m| m.clone())
-            .unwrap_or_default()
+        self.probe_answers.lock().clone()
     }
 }

@@ -35,7 +35,7 @@ pub struct Outbox {
     pub conn_id: String,
     tx: mpsc::Sender<String>,
     close: CancellationToken,
-    reason: std::sync::Arc<std::sync::Mutex<Option<CloseReason>>>,
+    reason: std::sync::Arc<parking_lot::Mutex<Option<CloseReason>>>,
 }
 
 impl Outbox {
@@ -72,7 +72,8 @@ impl Outbox {
     }
 
     pub fn close_with(&self, reason: CloseReason) {
-        if let Ok(mut r) = self.reason.lock() {
+        {
+            let mut r = self.reason.lock();
             r.get_or_insert(reason);
         }
         self.close.cancel();
@@ -84,7 +85,7 @@ impl Outbox {
     }
 
     pub fn close_reason(&self) -> Option<CloseReason> {
-        self.reason.lock().ok().and_then(|r| *r)
+        *self.reason.lock()
     }
 
     pub fn is_closed(&self) -> bool {

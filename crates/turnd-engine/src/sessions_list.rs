@@ -383,11 +383,7 @@ struct Page {
 impl Engine {
     /// Turns by status (the counts of `stats`, without its walk over every session).
     pub fn turn_counts(&self) -> turnd_proto::TurnCounts {
-        self.inner
-            .counts
-            .lock()
-            .map(|c| c.clone())
-            .unwrap_or_default()
+        self.inner.counts.lock().clone()
     }
 
     /// `sessions.list`.

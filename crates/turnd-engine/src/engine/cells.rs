@@ -62,11 +62,7 @@ fn idle(st: &SessionState) -> bool {
 impl Engine {
     /// Let go of a cell: evict it when this was its last user and it is idle.
     fn release(&self, cell: Arc<SessionCell>) {
-        let mut m = self
-            .inner
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut m = self.inner.sessions.lock();
         // The map's reference and this one: nobody else uses the session. A user
         // holding its lock would hold a reference too; `try_lock` never waits.
         if Arc::strong_count(&cell) == 2 {
@@ -75,11 +71,7 @@ impl Engine {
                 if ours && idle(&st) {
                     m.remove(&st.id);
                     if st.loaded && st.meta.last_turn_seq > 0 {
-                        self.inner
-                            .evicted
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(session_hash(&st.id));
+                        self.inner.evicted.lock().insert(session_hash(&st.id));
                     }
                 }
             }
@@ -94,25 +86,16 @@ impl Engine {
         self.inner
             .evicted
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .contains(&session_hash(session_id))
     }
 
     /// Sessions whose state is in memory (for `/metrics`).
     pub fn sessions_in_memory(&self) -> usize {
-        self.inner
-            .sessions
-            .lock()
-            .map(|m| m.len())
-            .unwrap_or_default()
+        self.inner.sessions.lock().len()
     }
 
     /// Watches held by every connection (for `/metrics`).
     pub fn watch_count(&self) -> usize {
-        self.inner
-            .watches
-            .lock()
-            .map(|w| w.values().map(Vec::len).sum())
-            .unwrap_or_default()
+        self.inner.watches.lock().values().map(Vec::len).sum()
     }
 }

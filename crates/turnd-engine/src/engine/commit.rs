@@ -20,13 +20,15 @@ impl Engine {
         let batch = tx.batch(st);
         match self.inner.store.commit(batch).await {
             Ok(()) => {
-                if let Ok(mut e) = self.inner.storage_error.lock() {
+                {
+                    let mut e = self.inner.storage_error.lock();
                     *e = None;
                 }
                 let released: Vec<String> =
                     tx.released.iter().map(|r| r.function_id.clone()).collect();
                 let applied = tx.apply(st);
-                if let Ok(mut c) = self.inner.counts.lock() {
+                {
+                    let mut c = self.inner.counts.lock();
                     for (from, to) in &applied.shifts {
                         c.shift(*from, *to);
                     }
@@ -45,7 +47,8 @@ impl Engine {
             }
             Err(e) => {
                 Counters::inc(&self.inner.counters.write_failures);
-                if let Ok(mut le) = self.inner.storage_error.lock() {
+                {
+                    let mut le = self.inner.storage_error.lock();
                     *le = Some(e.to_string());
                 }
                 let mut reg = self.registry();
@@ -153,7 +156,8 @@ impl Engine {
             since_ms: e.since_ms,
             inflight: st.inv.is_some(),
         });
-        if let Ok(mut s) = cell.summary.lock() {
+        {
+            let mut s = cell.summary.lock();
             *s = summary;
         }
         self.wait_index().set(&st.id, entry);

@@ -61,7 +61,8 @@ impl Engine {
             ));
         }
         let (tx, rx) = oneshot::channel();
-        if let Ok(mut w) = self.inner.waiters.lock() {
+        {
+            let mut w = self.inner.waiters.lock();
             w.entry(turn_id.to_string()).or_default().push(tx);
         }
         let t = self.get_turn(turn_id).await;
@@ -91,7 +92,8 @@ impl Engine {
     }
 
     pub(super) fn prune_waiters(&self, turn_id: &str) {
-        if let Ok(mut w) = self.inner.waiters.lock() {
+        {
+            let mut w = self.inner.waiters.lock();
             if let Some(v) = w.get_mut(turn_id) {
                 v.retain(|s| !s.is_closed());
                 if v.is_empty() {
@@ -105,7 +107,8 @@ impl Engine {
         if turns.is_empty() {
             return;
         }
-        if let Ok(mut w) = self.inner.waiters.lock() {
+        {
+            let mut w = self.inner.waiters.lock();
             for t in turns {
                 if let Some(v) = w.remove(&t.turn_id) {
                     let turn = to_turn(t, None);
@@ -254,12 +257,9 @@ impl Engine {
             .inner
             .sessions
             .lock()
-            .map(|m| {
-                m.values()
-                    .filter_map(|c| c.summary.lock().ok().and_then(|s| *s))
-                    .collect()
-            })
-            .unwrap_or_default();
+            .values()
+            .filter_map(|c| *c.summary.lock())
+            .collect();
         for s in summaries {
             {
                 active += 1;
@@ -274,12 +274,7 @@ impl Engine {
         let reg = self.registry();
         Stats {
             sessions: SessionStats { active, blocked },
-            turns: self
-                .inner
-                .counts
-                .lock()
-                .map(|c| c.clone())
-                .unwrap_or_default(),
+            turns: self.inner.counts.lock().clone(),
             invocations_inflight: inflight,
             workers_connected: reg.connected_count(),
             oldest_wait_ms: oldest,

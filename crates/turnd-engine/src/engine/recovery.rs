@@ -100,7 +100,8 @@ impl Engine {
             self.recover_session(ts, meta, now, &mut pending).await?;
         }
         let (totals, mut known) = metas.finish();
-        if let Ok(mut c) = self.inner.counts.lock() {
+        {
+            let mut c = self.inner.counts.lock();
             *c = totals;
         }
         known.shrink_to_fit();

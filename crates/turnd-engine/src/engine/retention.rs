@@ -424,7 +424,8 @@ impl Engine {
             st.meta.counts = counts;
             st.meta.events_pruned |= plan.pruned;
         }
-        if let Ok(mut c) = self.inner.counts.lock() {
+        {
+            let mut c = self.inner.counts.lock();
             for s in &plan.statuses {
                 let n = c.get_mut(*s);
                 *n = n.saturating_sub(1);
@@ -441,8 +442,8 @@ impl Engine {
         self.inner
             .watches
             .lock()
-            .map(|w| w.get(sid).is_some_and(|v| !v.is_empty()))
-            .unwrap_or(true)
+            .get(sid)
+            .is_some_and(|v| !v.is_empty())
     }
 
     /// Drop a forgotten session's cell from memory, unless someone else holds it
@@ -450,11 +451,7 @@ impl Engine {
     /// made for the same session). The check and the removal happen under the map's
     /// lock, under which every other holder got its reference.
     fn evict(&self, sid: &str, cell: &Arc<SessionCell>) {
-        let mut m = self
-            .inner
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut m = self.inner.sessions.lock();
         let ours = m.get(sid).is_some_and(|c| Arc::ptr_eq(c, cell));
         // The map's reference and the caller's.
         if ours && Arc::strong_count(cell) == 2 {

@@ -6,8 +6,8 @@
 //! is due, spawns a drive of that session; moving a timer is an update of the set,
 //! never a new task.
 
+use parking_lot::Mutex;
 use std::collections::BTreeSet;
-use std::sync::Mutex;
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -23,9 +23,8 @@ pub(crate) struct TimerQueue {
 }
 
 impl TimerQueue {
-    fn entries(&self) -> std::sync::MutexGuard<'_, BTreeSet<(u64, String)>> {
-        // Plain data: a poisoned lock still holds a usable set.
-        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    fn entries(&self) -> parking_lot::MutexGuard<'_, BTreeSet<(u64, String)>> {
+        self.entries.lock()
     }
 
     /// Move session `session_id`'s timer from `old` to `new` (None: none armed).

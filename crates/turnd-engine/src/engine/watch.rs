@@ -47,11 +47,7 @@ impl Engine {
             let cell = self.cell(&session_id);
             let st = self.lock(&cell).await.map_err(read_failed)?;
             let watermark = st.meta.last_event_seq;
-            let mut w = self
-                .inner
-                .watches
-                .lock()
-                .map_err(|_| err(ErrorCode::Internal, "watch table poisoned"))?;
+            let mut w = self.inner.watches.lock();
             let mine = w
                 .values()
                 .flatten()
@@ -146,9 +142,7 @@ impl Engine {
             if let Some(seq) = read_to {
                 cursor = seq;
             }
-            let Ok(mut w) = self.inner.watches.lock() else {
-                return false;
-            };
+            let mut w = self.inner.watches.lock();
             // Unwatched (or its connection ended) meanwhile: nothing more to send.
             let Some(watch) = w
                 .get_mut(session_id)
@@ -171,7 +165,8 @@ impl Engine {
     }
 
     fn drop_watch(&self, session_id: &str, watch_id: &str) {
-        if let Ok(mut w) = self.inner.watches.lock() {
+        {
+            let mut w = self.inner.watches.lock();
             if let Some(v) = w.get_mut(session_id) {
                 v.retain(|x| x.watch_id != watch_id);
                 if v.is_empty() {
@@ -183,11 +178,7 @@ impl Engine {
 
     /// `unwatch`.
     pub fn unwatch(&self, conn_id: &str, watch_id: &str) -> ApiResult<()> {
-        let mut w = self
-            .inner
-            .watches
-            .lock()
-            .map_err(|_| err(ErrorCode::Internal, "watch table poisoned"))?;
+        let mut w = self.inner.watches.lock();
         let mut found = false;
         for v in w.values_mut() {
             let before = v.len();
@@ -209,9 +200,7 @@ impl Engine {
         let Some(last) = events.last().map(|e| e.seq) else {
             return;
         };
-        let Ok(mut w) = self.inner.watches.lock() else {
-            return;
-        };
+        let mut w = self.inner.watches.lock();
         let Some(subs) = w.get_mut(session_id) else {
             return;
         };
@@ -235,7 +224,8 @@ impl Engine {
 
     /// A connection ended: drop its watches.
     pub fn connection_closed(&self, conn_id: &str) {
-        if let Ok(mut w) = self.inner.watches.lock() {
+        {
+            let mut w = self.inner.watches.lock();
             for v in w.values_mut() {
                 v.retain(|x| x.conn_id != conn_id);
             }
