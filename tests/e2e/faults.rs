@@ -408,6 +408,7 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
     let kv = Arc::new(LoggedKv::open(&data, LoggedOptions::default())?.0);
     let v = turnd_store::check_store(&Store::new(kv.clone()))?;
     kv.close()?;
+    drop(kv);
     let names: Vec<(&str, Option<&str>)> = v
         .iter()
         .map(|x| (x.invariant.as_str(), x.turn_id.as_deref()))
@@ -435,6 +436,16 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
     );
     let detail: Value = serde_json::to_value(&v)?;
     assert!(detail.to_string().contains("inv_missing"), "{detail}");
+    // The live `store.check` of a daemon on that store reports what stays broken (a
+    // failed turn without its cause is terminal: nothing at start-up touches it).
+    let td = TestDaemon::start_in(dir, |_| {}, false).await?;
+    let live = td.operator().await?.store_check().await?;
+    assert!(
+        live.iter().any(|x| x.invariant == "failed_without_cause"
+            && x.turn_id.as_deref() == Some(t2.turn_id.as_str())),
+        "{live:?}"
+    );
+    td.shutdown().await?;
     Ok(())
 }
 

@@ -227,15 +227,17 @@ async fn serve_worker(
                     if sink.send(Message::Ping(Vec::new().into())).await.is_err() { break None }
                 }
                 _ = writer_outbox.closed() => break match writer_outbox.close_reason() {
-                    Some(CloseReason::Superseded) => Some((CLOSE_SUPERSEDED, "superseded by a reattach of this worker")),
-                    Some(CloseReason::SlowReader) => Some((1008, "outgoing queue full: the peer does not read fast enough")),
-                    Some(CloseReason::Unavailable) => Some((1011, "the store could not be read")),
-                    Some(CloseReason::ReaderEnded) => None,
-                    Some(CloseReason::ServerClosing) | None => Some((1001, "server closing")),
+                    Some(r) => close_frame(r),
+                    None => Some((1001, "server closing")),
                 },
-                _ = done.cancelled() => break writer_conn.slow.load(Ordering::SeqCst).then_some(
-                    (1008, "outgoing queue full: the peer does not read its answers"),
-                ),
+                // The reader ends the connection after tagging why (if it did): both
+                // arms can be ready at once, so this one looks at the tag too.
+                _ = done.cancelled() => break match writer_outbox.close_reason() {
+                    Some(r) => close_frame(r),
+                    None => writer_conn.slow.load(Ordering::SeqCst).then_some(
+                        (1008, "outgoing queue full: the peer does not read its answers"),
+                    ),
+                },
             }
         };
         if let Some((code, reason)) = close {
@@ -298,6 +300,23 @@ async fn serve_worker(
         writer.abort();
     }
     tracing::debug!(%peer, conn_id, "iii connection closed");
+}
+
+/// The close frame (code, reason) for why the engine closed an iii connection; `None`:
+/// send none.
+fn close_frame(r: CloseReason) -> Option<(u16, &'static str)> {
+    match r {
+        CloseReason::Superseded => {
+            Some((CLOSE_SUPERSEDED, "superseded by a reattach of this worker"))
+        }
+        CloseReason::SlowReader => Some((
+            1008,
+            "outgoing queue full: the peer does not read fast enough",
+        )),
+        CloseReason::Unavailable => Some((1011, "the store could not be read")),
+        CloseReason::ReaderEnded => None,
+        CloseReason::ServerClosing => Some((1001, "server closing")),
+    }
 }
 
 /// An engine push as the iii frame the SDK understands (`None`: iii has no such

@@ -291,8 +291,24 @@ impl Engine {
     }
 
     /// `store.check`.
+    /// `store.check` on the live store. Its whole-store reads are not one snapshot, so
+    /// a turn that moves on between them (it finishes after the turns were read and
+    /// before the invocations and metas were) can look inconsistent. A violation is
+    /// therefore reported only when a second check, made after the first, finds it
+    /// again for the same turn and session: a real one stays until something repairs
+    /// it, a torn read does not repeat.
     pub fn check(&self) -> ApiResult<Vec<Violation>> {
-        check_store(&self.inner.store).map_err(read_failed)
+        let first = check_store(&self.inner.store).map_err(read_failed)?;
+        if first.is_empty() {
+            return Ok(first);
+        }
+        let again = check_store(&self.inner.store).map_err(read_failed)?;
+        let key = |v: &Violation| (v.invariant.clone(), v.turn_id.clone(), v.session_id.clone());
+        let seen: HashSet<_> = again.iter().map(key).collect();
+        Ok(first
+            .into_iter()
+            .filter(|v| seen.contains(&key(v)))
+            .collect())
     }
 
     // ------------------------------------------------------------------ worker
