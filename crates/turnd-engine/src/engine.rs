@@ -71,6 +71,17 @@ fn read_failed(e: StoreError) -> ErrorBody {
 
 const MAX_ID_BYTES: usize = 256;
 
+/// A page size asked for (`limit`), or the default: 1 to `PAGE_MAX`.
+fn page_limit(limit: Option<u64>) -> ApiResult<u64> {
+    match limit.unwrap_or(PAGE_DEFAULT) {
+        l @ 1..=PAGE_MAX => Ok(l),
+        _ => Err(err(
+            ErrorCode::BadRequest,
+            format!("`limit` must be 1 to {PAGE_MAX}"),
+        )),
+    }
+}
+
 /// Validate a caller-chosen id (session, function, worker, idempotency key).
 fn check_id(what: &str, s: &str) -> ApiResult<()> {
     if s.is_empty() || s.len() > MAX_ID_BYTES || s.chars().any(|c| c.is_control()) {

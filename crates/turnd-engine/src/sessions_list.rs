@@ -20,12 +20,11 @@ use std::ops::Bound;
 use std::sync::Arc;
 
 use turnd_proto::{
-    ErrorCode, SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState, PAGE_DEFAULT,
-    PAGE_MAX,
+    ErrorCode, SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState,
 };
 use turnd_store::InvWait;
 
-use super::{check_id, err, read_failed, ApiResult, Engine, SessionState};
+use super::{check_id, err, page_limit, read_failed, ApiResult, Engine, SessionState};
 use crate::session::wait_of;
 
 /// What the index records of one session's lock holder.
@@ -388,13 +387,7 @@ impl Engine {
 
     /// `sessions.list`.
     pub async fn list_sessions(&self, args: SessionsListArgs) -> ApiResult<SessionsListOk> {
-        let limit = args.limit.unwrap_or(PAGE_DEFAULT);
-        if limit == 0 || limit > PAGE_MAX {
-            return Err(err(
-                ErrorCode::BadRequest,
-                format!("`limit` must be 1 to {PAGE_MAX}"),
-            ));
-        }
+        let limit = page_limit(args.limit)?;
         if let Some(f) = &args.function_id {
             check_id("function_id", f)?;
         }

@@ -126,13 +126,7 @@ impl Engine {
     /// `turn.list`.
     pub async fn list_turns(&self, args: ListArgs) -> ApiResult<ListOk> {
         check_id("session_id", &args.session_id)?;
-        let limit = args.limit.unwrap_or(PAGE_DEFAULT);
-        if limit == 0 || limit > PAGE_MAX {
-            return Err(err(
-                ErrorCode::BadRequest,
-                format!("`limit` must be 1 to {PAGE_MAX}"),
-            ));
-        }
+        let limit = page_limit(args.limit)?;
         let cell = self.cell(&args.session_id);
         let st = self.lock(&cell).await.map_err(read_failed)?;
         let mut before = args.before_seq.unwrap_or(u64::MAX);
@@ -216,13 +210,7 @@ impl Engine {
     /// `session.events`.
     pub async fn events(&self, args: EventsArgs) -> ApiResult<EventsOk> {
         check_id("session_id", &args.session_id)?;
-        let limit = args.limit.unwrap_or(PAGE_DEFAULT);
-        if limit == 0 || limit > PAGE_MAX {
-            return Err(err(
-                ErrorCode::BadRequest,
-                format!("`limit` must be 1 to {PAGE_MAX}"),
-            ));
-        }
+        let limit = page_limit(args.limit)?;
         let after = args.after.unwrap_or(0);
         let meta = self
             .inner
