@@ -7,6 +7,7 @@
 pub mod clock;
 pub mod config;
 mod engine;
+mod error;
 mod machine;
 pub mod metrics;
 pub mod registry;
@@ -15,4 +16,5 @@ mod session;
 pub use clock::Clock;
 pub use config::{EngineConfig, TurnsConfig};
 pub use engine::{fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation};
+pub use error::{EngineError, EngineResult};
 pub use registry::{CloseReason, Outbox, WorkerCaps};

@@ -19,12 +19,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::Arc;
 
-use turnd_proto::{
-    ErrorCode, SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState,
-};
+use turnd_proto::{SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState};
 use turnd_store::InvWait;
 
-use super::{check_id, err, page_limit, read_failed, ApiResult, Engine, SessionState};
+use super::{check_id, page_limit, read_failed, ApiResult, Engine, EngineError, SessionState};
 use crate::session::wait_of;
 
 /// What the index records of one session's lock holder.
@@ -393,12 +391,7 @@ impl Engine {
         }
         let order = args.order.unwrap_or_default();
         let cursor = match &args.after {
-            Some(a) => Some(Cursor::decode(a, order).ok_or_else(|| {
-                err(
-                    ErrorCode::BadRequest,
-                    "`after` must be the `next` of a previous page in the same order",
-                )
-            })?),
+            Some(a) => Some(Cursor::decode(a, order).ok_or(EngineError::BadCursor)?),
             None => None,
         };
         let stuck = args.stuck.unwrap_or(false);

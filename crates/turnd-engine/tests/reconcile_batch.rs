@@ -192,7 +192,7 @@ async fn a_workers_sessions_go_through_the_group_commit_together() -> R {
     let together = kv.wait_held(n).await;
     let held = kv.held();
     kv.release().await;
-    let rec = back.await?.map_err(|e| e.message)?;
+    let rec = back.await?.map_err(|e| e.to_string())?;
     assert!(together, "hello had {held} of {n} writes waiting at once");
     assert_eq!(rec.kept.len(), n);
     engine.shutdown();

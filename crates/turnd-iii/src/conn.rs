@@ -448,7 +448,7 @@ impl Conn {
             Inbound::UnregisterFunction { id } => {
                 if let Some(w) = self.worker_id() {
                     if let Err(e) = self.iii.engine.unregister(&w, &id) {
-                        tracing::debug!(function_id = id, "iii unregisterfunction: {}", e.message);
+                        tracing::debug!(function_id = id, "iii unregisterfunction: {e}");
                     }
                 }
             }
@@ -529,7 +529,7 @@ impl Conn {
                 true
             }
             Err(e) => {
-                tracing::warn!(peer = %self.peer, worker_id, "iii worker not attached: {}", e.message);
+                tracing::warn!(peer = %self.peer, worker_id, "iii worker not attached: {e}");
                 false
             }
         }
@@ -557,8 +557,7 @@ impl Conn {
                 tracing::warn!(
                     worker_id = w,
                     function_id = r.id,
-                    "iii function not registered: {}",
-                    e.message
+                    "iii function not registered: {e}"
                 )
             }
         }
@@ -597,8 +596,7 @@ impl Conn {
             Err(e) => tracing::warn!(
                 worker_id = w,
                 invocation_id = id,
-                "iii invocationresult not taken: {}",
-                e.message
+                "iii invocationresult not taken: {e}"
             ),
         }
     }
@@ -679,7 +677,7 @@ impl Conn {
             })
             .await
             .map(|ok| ok.turn)
-            .map_err(|e| IiiError::new(e.code.as_str(), e.message))
+            .map_err(IiiError::from)
     }
 
     /// A sync trigger: the turn runs in a session of its own; its outcome is the
@@ -701,7 +699,7 @@ impl Conn {
             match waited {
                 Ok(next) => t = next,
                 Err(e) => {
-                    return self.answer(&i, Err(IiiError::new(e.code.as_str(), e.message)));
+                    return self.answer(&i, Err(IiiError::from(e)));
                 }
             }
         }

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod error;
 pub mod tls;
 pub mod ui;
 pub mod ws;

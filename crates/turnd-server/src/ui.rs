@@ -399,7 +399,7 @@ async fn overview(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response 
         .await
     {
         Ok(l) => l,
-        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Overview", &x.message),
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Overview", &x.to_string()),
     };
     let health = e.storage_health();
     let ready = e.ready() && !s.draining.is_cancelled();
@@ -467,7 +467,7 @@ async fn sessions(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Pa
     };
     let list: SessionsListOk = match s.engine.list_sessions(args).await {
         Ok(l) => l,
-        Err(x) => return error_page(StatusCode::BAD_REQUEST, "Sessions", &x.message),
+        Err(x) => return error_page(StatusCode::BAD_REQUEST, "Sessions", &x.to_string()),
     };
     let now = s.engine.now_ms();
     // The query string of this view without the cursor, for links.
@@ -519,11 +519,11 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
     let now = e.now_ms();
     let inspected = match e.inspect(&id).await {
         Ok(x) => x,
-        Err(x) => return error_page(StatusCode::NOT_FOUND, "Session", &x.message),
+        Err(x) => return error_page(StatusCode::NOT_FOUND, "Session", &x.to_string()),
     };
     let blocked = match e.blocked_on(&id).await {
         Ok(b) => b,
-        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.message),
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.to_string()),
     };
     let last = inspected.last_event;
     let from = last.saturating_sub(FEED_EVENTS);
@@ -536,7 +536,7 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
         .await
     {
         Ok(x) => x.events,
-        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.message),
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.to_string()),
     };
     let after = events.last().map(|e| e.seq).unwrap_or(from);
     page(
@@ -649,7 +649,7 @@ async fn feed(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
             String::new()
         };
         if let Err(x) = engine.watch(args, &watch_outbox, 1, respond).await {
-            if began_tx.send(Err(x.message)).await.is_err() {
+            if began_tx.send(Err(x.to_string())).await.is_err() {
                 tracing::trace!("feed gone before its watch was refused");
             }
         }
@@ -715,7 +715,7 @@ async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
     let now = e.now_ms();
     let t: Turn = match e.get_turn(&id).await {
         Ok(t) => t,
-        Err(x) => return error_page(StatusCode::NOT_FOUND, "Turn", &x.message),
+        Err(x) => return error_page(StatusCode::NOT_FOUND, "Turn", &x.to_string()),
     };
     // The turn's events, from the session's stream.
     let mut timeline = Vec::new();
@@ -731,7 +731,7 @@ async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
             .await
         {
             Ok(p) => p,
-            Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Turn", &x.message),
+            Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Turn", &x.to_string()),
         };
         if page.events.is_empty() {
             break;
@@ -844,7 +844,11 @@ async fn check(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     let vs = match result {
         Ok(Ok(v)) => v,
         Ok(Err(x)) => {
-            return error_page(StatusCode::SERVICE_UNAVAILABLE, "store.check", &x.message)
+            return error_page(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store.check",
+                &x.to_string(),
+            )
         }
         Err(j) => {
             return error_page(
