@@ -25,6 +25,7 @@ use turnd_engine::Engine;
 use turnd_store::{Kv, LoggedKv, LoggedOptions, SledOptions, Store, SyncMode};
 
 pub use config::Config;
+use config::StorageSync;
 use ws::{ConnectionCounts, Shared};
 
 /// The listeners, bound before any heavy start-up work.
@@ -69,8 +70,10 @@ async fn bind_one(addr: &str, what: &str, flag: &str, key: &str) -> anyhow::Resu
 
 /// How the config says the store is opened.
 pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
-    let mode = SyncMode::parse(&cfg.storage.sync)
-        .with_context(|| format!("storage.sync {:?}", cfg.storage.sync))?;
+    let mode = match cfg.storage.sync {
+        StorageSync::Always => SyncMode::Always,
+        StorageSync::Never => SyncMode::Never,
+    };
     Ok(LoggedOptions {
         sled: SledOptions {
             sync: mode,
