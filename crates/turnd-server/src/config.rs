@@ -425,8 +425,20 @@ impl Config {
     /// Check every value; report all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut p: Vec<String> = self.invalid.values().cloned().collect();
-        let listen = self.server.listen.parse::<SocketAddr>();
-        if let Err(e) = &listen {
+        self.server_problems(&mut p);
+        self.storage_problems(&mut p);
+        self.turns_problems(&mut p);
+        self.exposure_problems(&mut p);
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems: p })
+        }
+    }
+
+    /// Problems of `[server]`.
+    fn server_problems(&self, p: &mut Vec<String>) {
+        if let Err(e) = self.server.listen.parse::<SocketAddr>() {
             p.push(format!("server.listen {:?}: {e}", self.server.listen));
         }
         if let Err(e) = self.server.admin_listen.parse::<SocketAddr>() {
@@ -476,6 +488,10 @@ impl Config {
             (None, None) => {}
             _ => p.push("server.tls_cert and server.tls_key must be set together".into()),
         }
+    }
+
+    /// Problems of `[retention]` and `[storage]`.
+    fn storage_problems(&self, p: &mut Vec<String>) {
         if let Some(h) = self.retention.terminal_hours {
             p.push(format!(
                 "retention.terminal_hours was replaced by retention.terminal_ms (milliseconds): \
@@ -528,6 +544,10 @@ impl Config {
                 self.storage.checkpoint_mb
             ));
         }
+    }
+
+    /// Problems of `[turns]`.
+    fn turns_problems(&self, p: &mut Vec<String>) {
         let t = &self.turns;
         for (name, v) in [
             ("turns.default_timeout_ms", t.default_timeout_ms),
@@ -549,6 +569,10 @@ impl Config {
         if t.dispatch_timeout_ms == Some(0) {
             p.push("turns.dispatch_timeout_ms must be positive (omit it to wait for good)".into());
         }
+    }
+
+    /// Problems of `[auth]`, `[iii]`, and of listening beyond loopback without tokens.
+    fn exposure_problems(&self, p: &mut Vec<String>) {
         for (i, tok) in self.auth.tokens.iter().enumerate() {
             if tok.token.len() < 8 {
                 p.push(format!(
@@ -569,7 +593,7 @@ impl Config {
                 ));
             }
         }
-        if let Ok(addr) = listen {
+        if let Ok(addr) = self.server.listen.parse::<SocketAddr>() {
             if !addr.ip().is_loopback()
                 && self.auth.tokens.is_empty()
                 && !self.auth.allow_unauthenticated
@@ -579,11 +603,6 @@ impl Config {
                      configure tokens or set auth.allow_unauthenticated = true"
                 ));
             }
-        }
-        if p.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError { problems: p })
         }
     }
 

@@ -221,6 +221,65 @@ impl Daemon {
     }
 }
 
+/// The admin listener's task, ending gracefully once the server is closing.
+fn spawn_admin(
+    shared: &Arc<Shared>,
+    listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> JoinHandle<std::io::Result<()>> {
+    let admin_shutdown = shared.closing.clone();
+    let router = admin::router(shared.clone());
+    let graceful = async move { admin_shutdown.cancelled().await };
+    tokio::spawn(async move {
+        match tls {
+            Some(acceptor) => {
+                let l = tls::TlsListener {
+                    inner: listener,
+                    acceptor,
+                };
+                axum::serve(l, router)
+                    .with_graceful_shutdown(graceful)
+                    .await
+            }
+            None => {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(graceful)
+                    .await
+            }
+        }
+    })
+}
+
+/// Serve an accepted WebSocket connection in a task of its own (after the TLS
+/// handshake, with a time limit, when TLS is on).
+fn accept_connection(
+    shared: &Arc<Shared>,
+    conns: &TaskTracker,
+    tls: Option<&tokio_rustls::TlsAcceptor>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, "set TCP_NODELAY: {e}");
+    }
+    match tls {
+        Some(acceptor) => {
+            let acceptor = acceptor.clone();
+            let shared = shared.clone();
+            conns.spawn(async move {
+                match tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => ws::serve_connection(shared, s, peer).await,
+                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+        None => {
+            conns.spawn(ws::serve_connection(shared.clone(), stream, peer));
+        }
+    }
+}
+
 async fn serve(
     shared: Arc<Shared>,
     listeners: Listeners,
@@ -234,55 +293,11 @@ async fn serve(
         (Some(iii), Some(l)) => Some(tokio::spawn(iii.serve(l))),
         _ => None,
     };
-    let admin_shutdown = shared.closing.clone();
-    let admin = tokio::spawn({
-        let router = admin::router(shared.clone());
-        let graceful = async move { admin_shutdown.cancelled().await };
-        let listener = listeners.admin;
-        let tls = tls.clone();
-        async move {
-            match tls {
-                Some(acceptor) => {
-                    let l = tls::TlsListener {
-                        inner: listener,
-                        acceptor,
-                    };
-                    axum::serve(l, router)
-                        .with_graceful_shutdown(graceful)
-                        .await
-                }
-                None => {
-                    axum::serve(listener, router)
-                        .with_graceful_shutdown(graceful)
-                        .await
-                }
-            }
-        }
-    });
+    let admin = spawn_admin(&shared, listeners.admin, tls.clone());
     loop {
         tokio::select! {
             accepted = listeners.ws.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    if let Err(e) = stream.set_nodelay(true) {
-                        tracing::debug!(%peer, "set TCP_NODELAY: {e}");
-                    }
-                    match &tls {
-                        Some(acceptor) => {
-                            let acceptor = acceptor.clone();
-                            let shared = shared.clone();
-                            conns.spawn(async move {
-                                match tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                                    Ok(Ok(s)) => ws::serve_connection(shared, s, peer).await,
-                                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
-                                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                                }
-                            });
-                        }
-                        None => {
-                            conns.spawn(ws::serve_connection(shared.clone(), stream, peer));
-                        }
-                    }
-                }
+                Ok((stream, peer)) => accept_connection(&shared, &conns, tls.as_ref(), stream, peer),
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
                     tracing::warn!("failed to accept a connection: {e}");

@@ -23,7 +23,7 @@ use axum::routing::get;
 use axum::{Form, Router};
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use serde_json::Value;
-use turnd_engine::{fmt_utc, Outbox};
+use turnd_engine::{fmt_utc, BlockedOn, Engine, EngineError, Outbox};
 use turnd_proto::{
     new_connection_id, Event, EventKind, EventsArgs, Function, Role, SessionOrder, SessionRow,
     SessionsListArgs, SessionsListOk, Turn, WaitState, WatchArgs, Worker,
@@ -544,37 +544,7 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
         html! {
             h1 { "Session " span #session-id { (id) } }
             p { "Turns: queued " (inspected.turns.queued) ", running " (inspected.turns.running) ", completed " (inspected.turns.completed) ", failed " (inspected.turns.failed) ", cancelled " (inspected.turns.cancelled) }
-            div.card #blocked-on {
-                h2 { "Blocked on" }
-                @match &blocked {
-                    None => { p { "Nothing: the session has no unfinished turn." } }
-                    Some(b) => {
-                        @let t = &b.turn;
-                        dl {
-                            dt { "Turn" } dd { a href=(turn_href(&t.turn_id)) { (t.turn_id) } " (" (t.function_id) ", " (t.status.as_str()) ", step " (t.step) ")" }
-                            dt { "Holds the lock since" } dd { (time(b.locked_since_ms, now)) }
-                            @if let Some(w) = &t.wait {
-                                dt { "Wait" } dd.wait-state { (w.state.as_str()) " since " (time(w.since_ms, now)) }
-                                dt { "Reason" } dd { (w.reason) }
-                                dt { "Deadline" } dd {
-                                    @match w.deadline_ms {
-                                        Some(d) => { (time(d, now)) @if let Some(o) = w.on_deadline { ", then " strong { (on_deadline(o)) } } }
-                                        None => { "none (waits until something changes)" }
-                                    }
-                                }
-                            }
-                            dt { "Attempt" } dd { (t.attempt) }
-                            @if let Some(inv) = &b.invocation {
-                                dt { "Invocation" } dd { (inv.invocation_id) }
-                                dt { "Worker" } dd { (inv.worker_id) " (instance " (inv.instance_id) ")" }
-                                dt { "Running since" } dd { (time(inv.dispatched_at_ms, now)) " (timeout " (dur(inv.timeout_ms)) ")" }
-                                dt { "Last heartbeat" } dd { @match inv.last_heartbeat_ms { Some(h) => { (time(h, now)) } None => { "none since the dispatch" } } }
-                            }
-                            dt { "Last failure" } dd { @match &b.last_failure { Some(f) => { (f) } None => { "none" } } }
-                        }
-                    }
-                }
-            }
+            (blocked_card(blocked.as_ref(), now))
             h2 { "Queue (" (inspected.queued.len()) " behind the holder)" }
             table #queue {
                 thead { tr { th { "Seq" } th { "Turn" } th { "Function" } th { "Created" } } }
@@ -590,6 +560,43 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
             script { (PreEscaped(FEED_JS)) }
         },
     )
+}
+
+/// The session page's card of what the lock holder is blocked on.
+fn blocked_card(blocked: Option<&BlockedOn>, now: u64) -> Markup {
+    html! {
+        div.card #blocked-on {
+            h2 { "Blocked on" }
+            @match blocked {
+                None => { p { "Nothing: the session has no unfinished turn." } }
+                Some(b) => {
+                    @let t = &b.turn;
+                    dl {
+                        dt { "Turn" } dd { a href=(turn_href(&t.turn_id)) { (t.turn_id) } " (" (t.function_id) ", " (t.status.as_str()) ", step " (t.step) ")" }
+                        dt { "Holds the lock since" } dd { (time(b.locked_since_ms, now)) }
+                        @if let Some(w) = &t.wait {
+                            dt { "Wait" } dd.wait-state { (w.state.as_str()) " since " (time(w.since_ms, now)) }
+                            dt { "Reason" } dd { (w.reason) }
+                            dt { "Deadline" } dd {
+                                @match w.deadline_ms {
+                                    Some(d) => { (time(d, now)) @if let Some(o) = w.on_deadline { ", then " strong { (on_deadline(o)) } } }
+                                    None => { "none (waits until something changes)" }
+                                }
+                            }
+                        }
+                        dt { "Attempt" } dd { (t.attempt) }
+                        @if let Some(inv) = &b.invocation {
+                            dt { "Invocation" } dd { (inv.invocation_id) }
+                            dt { "Worker" } dd { (inv.worker_id) " (instance " (inv.instance_id) ")" }
+                            dt { "Running since" } dd { (time(inv.dispatched_at_ms, now)) " (timeout " (dur(inv.timeout_ms)) ")" }
+                            dt { "Last heartbeat" } dd { @match inv.last_heartbeat_ms { Some(h) => { (time(h, now)) } None => { "none since the dispatch" } } }
+                        }
+                        dt { "Last failure" } dd { @match &b.last_failure { Some(f) => { (f) } None => { "none" } } }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// An event kind as the protocol spells it.
@@ -706,33 +713,20 @@ impl Drop for FeedGuard {
     }
 }
 
-async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params) -> Response {
-    guard!(s, headers);
-    let Some(id) = q.get("id").cloned() else {
-        return error_page(StatusCode::BAD_REQUEST, "Turn", "no turn id given");
-    };
-    let e = &s.engine;
-    let now = e.now_ms();
-    let t: Turn = match e.get_turn(&id).await {
-        Ok(t) => t,
-        Err(x) => return error_page(StatusCode::NOT_FOUND, "Turn", &x.to_string()),
-    };
-    // The turn's events, from the session's stream.
+/// The turn's events, from the session's stream: up to its terminal event, reading
+/// at most `TIMELINE_MAX_EVENTS` of the session's.
+async fn turn_timeline(e: &Engine, t: &Turn) -> Result<Vec<Event>, EngineError> {
     let mut timeline = Vec::new();
     let mut after = 0;
     let mut read = 0;
     loop {
-        let page = match e
+        let page = e
             .events(EventsArgs {
                 session_id: t.session_id.clone(),
                 after: Some(after),
                 limit: Some(1000),
             })
-            .await
-        {
-            Ok(p) => p,
-            Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Turn", &x.to_string()),
-        };
+            .await?;
         if page.events.is_empty() {
             break;
         }
@@ -752,6 +746,24 @@ async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
             break;
         }
     }
+    Ok(timeline)
+}
+
+async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params) -> Response {
+    guard!(s, headers);
+    let Some(id) = q.get("id").cloned() else {
+        return error_page(StatusCode::BAD_REQUEST, "Turn", "no turn id given");
+    };
+    let e = &s.engine;
+    let now = e.now_ms();
+    let t: Turn = match e.get_turn(&id).await {
+        Ok(t) => t,
+        Err(x) => return error_page(StatusCode::NOT_FOUND, "Turn", &x.to_string()),
+    };
+    let timeline = match turn_timeline(e, &t).await {
+        Ok(events) => events,
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Turn", &x.to_string()),
+    };
     page(
         "Turn",
         html! {
