@@ -4,6 +4,14 @@
 //! It owns no sockets: the server hands it requests and [`Outbox`]es to push frames
 //! to, and it owns no disk format: it writes through `turnd_store::Store`.
 
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
+
 pub mod clock;
 pub mod config;
 mod engine;

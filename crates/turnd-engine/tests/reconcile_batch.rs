@@ -4,6 +4,11 @@
 //! with many invocations") is not part of the suite:
 //! `cargo test -p turnd-engine --test reconcile_batch -- --ignored --nocapture`.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -5,6 +5,14 @@
 //! integration tests and the benchmarks all start the real server the same way
 //! (tests on `127.0.0.1:0`, optionally on a fault-injecting store).
 
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
+
 pub mod admin;
 pub mod config;
 pub mod error;

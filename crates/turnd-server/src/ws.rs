@@ -263,6 +263,10 @@ const READ_BUFFER_BYTES: usize = 8 * 1024;
 const WRITE_BATCH_FRAMES: usize = 64;
 
 /// Serve one accepted TCP connection until it ends.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the reader loop of a connection: one select over its sources, on the hot path"
+)]
 pub async fn serve_connection<S>(shared: Arc<Shared>, stream: S, peer: SocketAddr)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -776,6 +780,10 @@ impl Conn {
     }
 
     /// Run one request. `None` means the response was already sent (watch).
+    #[allow(
+        clippy::too_many_lines,
+        reason = "the dispatch of the request path: one short arm per op"
+    )]
     async fn run(&self, op: Op, a: &str, id: u64) -> Option<Result<Reply, ErrorBody>> {
         let e = &self.shared.engine;
         let r = match op {
