@@ -109,7 +109,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     )
 }
 
-/// Gauges of what is there now: turns, waits, sessions, workers, connections.
+/// Gauges of what is there now: turns, waits, sessions, invocations, workers, storage.
 fn register_state(reg: &mut Registry, s: &Shared) {
     let e = &s.engine;
     let stats = e.stats();
