@@ -7,6 +7,11 @@
 //! where they are looked for. With `TURND_UI_SCREENSHOTS=DIR` the first test also
 //! writes a screenshot of each screen to `DIR/ui-*.png` (the ones in docs/).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;

@@ -2,6 +2,11 @@
 //! process against an in-process daemon, and what it prints (and its exit code) is
 //! compared with what the SDK sees.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::path::PathBuf;
 use std::process::{Output, Stdio};
 use std::time::Duration;

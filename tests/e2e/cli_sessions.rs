@@ -2,6 +2,11 @@
 //! against an in-process daemon, its output and exit code compared with what
 //! `sessions.list` answers through the SDK.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::path::PathBuf;
 use std::process::{Output, Stdio};
 use std::time::Duration;

@@ -32,6 +32,11 @@
 //! The kill moments, functions, step counts and stops come from one seeded PRNG: the
 //! seed is printed (`seed = …`) and `TURND_SEED` replays it.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};

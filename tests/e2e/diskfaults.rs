@@ -10,6 +10,10 @@
 //! and after `SIGKILL` and a restart every acknowledged turn is there with its result
 //! and `store.check` is clean. Linux only (`LD_PRELOAD` of glibc symbols).
 #![cfg(target_os = "linux")]
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
 
 use std::path::Path;
 use std::time::Duration;

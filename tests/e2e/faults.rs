@@ -5,6 +5,11 @@
 //! internal transition whose write fails shows `finalizing` (and `/readyz` fails) and
 //! is retried until written, without running any step twice.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,5 +1,10 @@
 //! Auth, limits, hostile input, graceful shutdown, and CI use of the built binary.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

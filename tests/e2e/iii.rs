@@ -3,6 +3,11 @@
 //! message, and an iii worker's deadline going straight to outcome unknown. The
 //! real SDKs' tests are in tests/iii (Node and Python).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

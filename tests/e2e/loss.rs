@@ -9,6 +9,11 @@
 //! turn runs afterwards, that the handler ran as often as the delivery mode allows
 //! (counted by the kit's workers), and that `store.check` finds nothing.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 

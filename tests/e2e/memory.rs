@@ -3,6 +3,11 @@
 //! and read back on their next use, watches replayed in pages, and the registry
 //! forgetting what nothing refers to.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::time::Duration;
 
 use anyhow::Context;

@@ -6,6 +6,11 @@
 //! to be built. Nothing waits on a fixed sleep: progress is observed through
 //! `turn.wait`, watches, notifications and `eventually`.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

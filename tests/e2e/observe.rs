@@ -2,6 +2,11 @@
 //! on_deadline; inspect, stats and /metrics agreeing with it; in-flight work never
 //! hidden; watch delivering every event once, in order, across a reconnect.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::time::Duration;
 
 use serde_json::{json, Value};

@@ -4,6 +4,11 @@
 //! idempotency key can be used again, and all of it holds across a restart and
 //! across SIGKILL in the middle of sweeps.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::time::{Duration, Instant};
 
 use serde_json::json;

@@ -2,6 +2,11 @@
 //! the state, function and stuck filters, both orders, paging with the cursor, the
 //! counts beside the page, roles and bad arguments.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 

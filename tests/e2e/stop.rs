@@ -13,6 +13,11 @@
 //! started and what each handler returned, so a test can compare the daemon's account
 //! with what really happened on the worker.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

@@ -3,6 +3,11 @@
 //! value taken from sessions, functions, inputs and errors, access with tokens, and
 //! the live feed's server-sent events.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::time::Duration;
 
 use anyhow::{bail, Context};

@@ -33,7 +33,7 @@ pub fn bench_config(data_dir: &Path, sync: &str, checkpoint_mb: u64) -> Config {
     cfg.server.listen = "127.0.0.1:0".into();
     cfg.server.admin_listen = "127.0.0.1:0".into();
     cfg.storage.data_dir = data_dir.to_path_buf();
-    cfg.storage.sync = sync.to_string();
+    cfg.set_storage_sync(sync);
     cfg.storage.checkpoint_mb = checkpoint_mb;
     cfg
 }

@@ -399,20 +399,7 @@ async fn run_io(
             }
             msg = out_rx.recv() => match msg {
                 Some(msg) => {
-                    // Requests already queued behind this one go out in the same
-                    // write: one flush (one send syscall) for the lot.
-                    let mut written = ws.feed(msg).await;
-                    let mut batched = 1;
-                    while written.is_ok() && batched < WRITE_BATCH_FRAMES {
-                        let Ok(more) = out_rx.try_recv() else { break };
-                        written = ws.feed(more).await;
-                        batched += 1;
-                    }
-                    let flushed = match written {
-                        Ok(()) => ws.flush().await,
-                        Err(e) => Err(e),
-                    };
-                    if let Err(e) = flushed {
+                    if let Err(e) = write_queued(&mut ws, msg, &mut out_rx).await {
                         debug!("failed to write to the connection: {e}");
                         break;
                     }
@@ -424,29 +411,13 @@ async fn run_io(
             },
             frame = ws.next() => {
                 last_rx = Instant::now();
-                match frame {
-                    None => break,
-                    Some(Err(e)) => {
-                        debug!("failed to read from the connection: {e}");
-                        break;
-                    }
-                    Some(Ok(Message::Text(text))) => {
-                        handle_text(&shared, &push_tx, text.as_str());
-                    }
-                    Some(Ok(Message::Close(frame))) => {
-                        if let Some(frame) = frame {
-                            debug!(code = u16::from(frame.code), reason = %frame.reason, "server closed the connection");
-                            *lock(&shared.close_code) = Some(u16::from(frame.code));
-                        }
-                        // Nothing may follow a close frame: the connection has ended for
-                        // us now, even if the server is slow to drop the socket.
+                match read_frame(&shared, &push_tx, frame) {
+                    Read::Going => {}
+                    Read::Ended => break,
+                    Read::PeerClosed => {
                         peer_closed = true;
                         break;
                     }
-                    Some(Ok(Message::Binary(_))) => {
-                        warn!("ignoring a binary frame from the server (protocol v1 is text only)");
-                    }
-                    Some(Ok(_)) => {} // ping/pong: answered by tungstenite
                 }
             }
         }
@@ -455,6 +426,75 @@ async fn run_io(
     // socket that is shutting down.
     shared.finish();
     drop(push_tx);
+    linger(ws, peer_closed, close_gracefully).await;
+}
+
+/// Write `first` and the requests already queued behind it in one write: one flush
+/// (one send syscall) for the lot.
+async fn write_queued(
+    ws: &mut Ws,
+    first: Message,
+    out_rx: &mut mpsc::UnboundedReceiver<Message>,
+) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+    let mut written = ws.feed(first).await;
+    let mut batched = 1;
+    while written.is_ok() && batched < WRITE_BATCH_FRAMES {
+        let Ok(more) = out_rx.try_recv() else { break };
+        written = ws.feed(more).await;
+        batched += 1;
+    }
+    match written {
+        Ok(()) => ws.flush().await,
+        Err(e) => Err(e),
+    }
+}
+
+/// What a frame read from the server means for the connection.
+enum Read {
+    /// It goes on.
+    Going,
+    /// It ended (the stream ended or failed).
+    Ended,
+    /// The server closed it: its close frame is answered while lingering.
+    PeerClosed,
+}
+
+/// Take one frame read from the server: answers and pushes are handed on.
+fn read_frame(
+    shared: &Shared,
+    push_tx: &mpsc::UnboundedSender<Push>,
+    frame: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>,
+) -> Read {
+    match frame {
+        None => Read::Ended,
+        Some(Err(e)) => {
+            debug!("failed to read from the connection: {e}");
+            Read::Ended
+        }
+        Some(Ok(Message::Text(text))) => {
+            handle_text(shared, push_tx, text.as_str());
+            Read::Going
+        }
+        Some(Ok(Message::Close(frame))) => {
+            if let Some(frame) = frame {
+                debug!(code = u16::from(frame.code), reason = %frame.reason, "server closed the connection");
+                *lock(&shared.close_code) = Some(u16::from(frame.code));
+            }
+            // Nothing may follow a close frame: the connection has ended for us now,
+            // even if the server is slow to drop the socket.
+            Read::PeerClosed
+        }
+        Some(Ok(Message::Binary(_))) => {
+            warn!("ignoring a binary frame from the server (protocol v1 is text only)");
+            Read::Going
+        }
+        Some(Ok(_)) => Read::Going, // ping/pong: answered by tungstenite
+    }
+}
+
+/// The end of a connection: answer the server's close, or send ours and wait for
+/// its answer, for at most `CLOSE_LINGER`.
+async fn linger(mut ws: Ws, peer_closed: bool, close_gracefully: bool) {
     let linger = async {
         if peer_closed {
             if let Err(e) = ws.flush().await {

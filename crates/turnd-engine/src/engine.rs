@@ -43,6 +43,7 @@ mod workers;
 
 use crate::clock::Clock;
 use crate::config::EngineConfig;
+use crate::error::{EngineError, EngineResult};
 use crate::machine::{self, Effect};
 use crate::metrics::Counters;
 use crate::registry::{Assignment, CloseReason, Outbox, Registry};
@@ -52,21 +53,15 @@ use crate::session::{to_turn, wait_of, Pending, SessionState, Summary, Tx};
 mod sessions_list;
 pub use sessions_list::{BlockedOn, LiveInvocation};
 
-type ApiResult<T> = Result<T, ErrorBody>;
+type ApiResult<T> = EngineResult<T>;
 
-fn err(code: ErrorCode, msg: impl Into<String>) -> ErrorBody {
-    ErrorBody::new(code, msg)
+/// A request's write failed: nothing was changed.
+fn unavailable(e: StoreError) -> EngineError {
+    EngineError::NotWritten(e)
 }
 
-fn unavailable(e: &StoreError) -> ErrorBody {
-    err(
-        ErrorCode::Unavailable,
-        format!("{e}; nothing was changed, retry later"),
-    )
-}
-
-fn read_failed(e: StoreError) -> ErrorBody {
-    err(ErrorCode::Unavailable, format!("{e}"))
+fn read_failed(e: StoreError) -> EngineError {
+    EngineError::ReadFailed(e)
 }
 
 const MAX_ID_BYTES: usize = 256;
@@ -75,20 +70,20 @@ const MAX_ID_BYTES: usize = 256;
 fn page_limit(limit: Option<u64>) -> ApiResult<u64> {
     match limit.unwrap_or(PAGE_DEFAULT) {
         l @ 1..=PAGE_MAX => Ok(l),
-        _ => Err(err(
-            ErrorCode::BadRequest,
-            format!("`limit` must be 1 to {PAGE_MAX}"),
+        _ => Err(EngineError::out_of_range(
+            "limit",
+            format!("1 to {PAGE_MAX}"),
         )),
     }
 }
 
 /// Validate a caller-chosen id (session, function, worker, idempotency key).
-fn check_id(what: &str, s: &str) -> ApiResult<()> {
+fn check_id(what: &'static str, s: &str) -> ApiResult<()> {
     if s.is_empty() || s.len() > MAX_ID_BYTES || s.chars().any(|c| c.is_control()) {
-        return Err(err(
-            ErrorCode::BadRequest,
-            format!("`{what}` must be 1 to {MAX_ID_BYTES} bytes with no control characters"),
-        ));
+        return Err(EngineError::BadId {
+            what,
+            max: MAX_ID_BYTES,
+        });
     }
     Ok(())
 }

@@ -7,91 +7,15 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
-use turnd_proto::{Delivery, Function, Worker};
 use turnd_store::FunctionSettings;
 
-/// Why an outgoing frame is sent; the connection task closes with the right code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CloseReason {
-    /// Superseded by a newer connection of the same worker_id (code 4001).
-    Superseded,
-    /// Its outgoing queue overflowed: the peer does not read fast enough.
-    SlowReader,
-    /// A watch's replay could not read the store (code 1011).
-    Unavailable,
-    /// The connection's reading side ended (the peer closed it or it failed): the
-    /// writer stops without a close frame of its own.
-    ReaderEnded,
-    /// The daemon is shutting down (code 1001).
-    ServerClosing,
-}
+mod outbox;
+#[cfg(test)]
+mod tests;
+mod views;
+mod waiting;
 
-/// The sending side of one connection: a bounded queue of text frames. A peer that
-/// cannot keep up is disconnected instead of making the daemon buffer without bound.
-#[derive(Debug, Clone)]
-pub struct Outbox {
-    pub conn_id: String,
-    tx: mpsc::Sender<String>,
-    close: CancellationToken,
-    reason: std::sync::Arc<parking_lot::Mutex<Option<CloseReason>>>,
-}
-
-impl Outbox {
-    /// A new outbox holding at most `capacity` frames, and its receiving side.
-    pub fn new(conn_id: String, capacity: usize) -> (Outbox, mpsc::Receiver<String>) {
-        let (tx, rx) = mpsc::channel(capacity.max(1));
-        (
-            Outbox {
-                conn_id,
-                tx,
-                close: CancellationToken::new(),
-                reason: Default::default(),
-            },
-            rx,
-        )
-    }
-
-    /// Queue a frame without waiting. Returns false (and closes the connection when the
-    /// queue is full) if it could not be queued.
-    pub fn push(&self, frame: String) -> bool {
-        match self.tx.try_send(frame) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                self.close_with(CloseReason::SlowReader);
-                false
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
-        }
-    }
-
-    /// Queue a frame, waiting for room (responses: the request task may wait).
-    pub async fn send(&self, frame: String) -> bool {
-        self.tx.send(frame).await.is_ok()
-    }
-
-    pub fn close_with(&self, reason: CloseReason) {
-        {
-            let mut r = self.reason.lock();
-            r.get_or_insert(reason);
-        }
-        self.close.cancel();
-    }
-
-    /// Resolves when the connection must close.
-    pub fn closed(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
-        self.close.cancelled()
-    }
-
-    pub fn close_reason(&self) -> Option<CloseReason> {
-        *self.reason.lock()
-    }
-
-    pub fn is_closed(&self) -> bool {
-        self.close.is_cancelled() || self.tx.is_closed()
-    }
-}
+pub use outbox::{CloseReason, Outbox};
 
 /// A live invocation assigned to a worker.
 #[derive(Debug, Clone)]
@@ -438,52 +362,6 @@ impl Registry {
             .filter(|o| !o.is_closed())
     }
 
-    /// Note that a session waits for a worker of `function_id`.
-    pub fn wait_for(&mut self, function_id: &str, session_id: &str) {
-        if self.waiting_for.get(session_id).map(String::as_str) == Some(function_id) {
-            return;
-        }
-        self.unwait(session_id);
-        let f = self
-            .functions
-            .entry(function_id.to_string())
-            .or_insert_with(|| FunctionEntry {
-                registered: false,
-                settings: FunctionSettings {
-                    timeout_ms: 0,
-                    delivery: Delivery::AtMostOnce,
-                    max_attempts: 1,
-                },
-                concurrency: 0,
-                waiting: VecDeque::new(),
-                waiters: 0,
-                served_ms: 0,
-            });
-        f.waiters += 1;
-        f.waiting.push_back(session_id.to_string());
-        self.waiting_for
-            .insert(session_id.to_string(), function_id.to_string());
-    }
-
-    /// The session no longer waits for a worker.
-    pub fn not_waiting(&mut self, session_id: &str) {
-        self.unwait(session_id);
-    }
-
-    /// Take the session out of `waiting_for`. A function that no worker registered
-    /// and no session waits for any more is forgotten at once.
-    fn unwait(&mut self, session_id: &str) {
-        let Some(function_id) = self.waiting_for.remove(session_id) else {
-            return;
-        };
-        if let Some(f) = self.functions.get_mut(&function_id) {
-            f.waiters = f.waiters.saturating_sub(1);
-            if f.waiters == 0 && !f.registered {
-                self.functions.remove(&function_id);
-            }
-        }
-    }
-
     /// Forget what nothing refers to any more: a worker that is disconnected, has no
     /// live invocation and left `linger_ms` ago or more; a function no connected
     /// worker serves, no session waits for, and that was last served `linger_ms` ago
@@ -521,37 +399,6 @@ impl Registry {
         }
     }
 
-    /// Entries of the registry, for tests: (workers, functions).
-    pub fn sizes(&self) -> (usize, usize) {
-        (self.workers.len(), self.functions.len())
-    }
-
-    /// Take up to `n` sessions waiting for `function_id`, oldest first.
-    pub fn take_waiting(&mut self, function_id: &str, n: usize) -> Vec<String> {
-        let mut out = Vec::new();
-        let Some(f) = self.functions.get_mut(function_id) else {
-            return out;
-        };
-        while out.len() < n {
-            let Some(s) = f.waiting.pop_front() else {
-                break;
-            };
-            if self.waiting_for.get(&s).map(|x| x == function_id) == Some(true) {
-                self.waiting_for.remove(&s);
-                f.waiters = f.waiters.saturating_sub(1);
-                out.push(s);
-            }
-        }
-        out
-    }
-
-    /// Sessions waiting for a function (for `functions.list`).
-    fn waiting_count(&self, function_id: &str) -> u64 {
-        self.functions
-            .get(function_id)
-            .map_or(0, |f| f.waiters as u64)
-    }
-
     /// Free slots for a function over connected workers.
     pub fn free_capacity(&self, function_id: &str) -> usize {
         self.workers
@@ -567,57 +414,6 @@ impl Registry {
 
     pub fn is_connected(&self, worker_id: &str, instance_id: &str) -> bool {
         self.outbox_of(worker_id, instance_id).is_some()
-    }
-
-    pub fn connected_count(&self) -> u64 {
-        self.workers.values().filter(|w| w.connected()).count() as u64
-    }
-
-    pub fn workers(&self) -> Vec<Worker> {
-        let mut out: Vec<Worker> = self
-            .workers
-            .values()
-            .map(|w| Worker {
-                worker_id: w.worker_id.clone(),
-                name: w.name.clone(),
-                connected: w.connected(),
-                instance_id: w.instance_id.clone(),
-                since_ms: w.since_ms,
-                functions: w.functions.keys().cloned().collect(),
-                inflight: w.assigned.len() as u64,
-            })
-            .collect();
-        out.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
-        out
-    }
-
-    /// Who could run `function_id`: whether any worker registered it since start-up,
-    /// and how many connected workers serve it now.
-    pub fn supply(&self, function_id: &str) -> Supply {
-        Supply {
-            registered: self
-                .functions
-                .get(function_id)
-                .is_some_and(|f| f.registered),
-            connected: self.serving(function_id),
-        }
-    }
-
-    pub fn functions(&self) -> Vec<Function> {
-        self.functions
-            .iter()
-            .filter(|(id, f)| f.concurrency > 0 || self.waiting_count(id) > 0)
-            .map(|(id, f)| Function {
-                function_id: id.clone(),
-                concurrency: f.concurrency,
-                timeout_ms: f.settings.timeout_ms,
-                delivery: f.settings.delivery,
-                max_attempts: f.settings.max_attempts,
-                workers: self.serving(id),
-                queued: self.waiting_count(id),
-                registered: f.registered,
-            })
-            .collect()
     }
 
     /// The session of a live invocation assigned to `worker_id`.
@@ -639,73 +435,5 @@ impl Registry {
         v.sort();
         v.dedup();
         v
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn settings() -> FunctionSettings {
-        FunctionSettings {
-            timeout_ms: 5_000,
-            delivery: Delivery::AtLeastOnce,
-            max_attempts: 3,
-        }
-    }
-
-    #[test]
-    fn a_function_known_only_from_a_waiting_session_is_listed_as_unregistered() {
-        let mut r = Registry::default();
-        assert!(r.reserve("ghost", "i_1", "s-1").is_none());
-        let fs = r.functions();
-        assert_eq!(fs.len(), 1);
-        assert_eq!(fs[0].function_id, "ghost");
-        assert!(!fs[0].registered);
-        assert_eq!((fs[0].queued, fs[0].workers), (1, 0));
-
-        // A registration (even by a worker that is not connected) makes its settings
-        // real, and they stay after the session stops waiting.
-        r.register("w-1", "ghost", 2, settings());
-        r.not_waiting("s-1");
-        let fs = r.functions();
-        assert_eq!(fs.len(), 1);
-        assert!(fs[0].registered);
-        assert_eq!(fs[0].concurrency, 2);
-        assert_eq!(fs[0].max_attempts, 3);
-    }
-
-    #[test]
-    fn what_nothing_refers_to_is_forgotten_after_the_linger() {
-        let mut r = Registry::default();
-        let (outbox, _rx) = Outbox::new("c_1".into(), 4);
-        r.attach("w-1", "w", "i-1", outbox, 1_000);
-        r.register("w-1", "f", 1, settings());
-        // A session waits for a function nobody registered, then stops waiting.
-        r.wait_for("ghost", "s-1");
-        assert_eq!(r.sizes(), (1, 2));
-        r.not_waiting("s-1");
-        assert_eq!(r.sizes(), (1, 1), "an unregistered function goes at once");
-        // Connected: kept however long.
-        r.gc(1_000_000, 500);
-        assert_eq!(r.sizes(), (1, 1));
-        // Gone at 2_000: listed until the linger has passed, with a live invocation
-        // keeping the worker.
-        let (outbox, _rx2) = Outbox::new("c_2".into(), 4);
-        r.attach("w-1", "w", "i-1", outbox, 1_000_500);
-        r.register("w-1", "f", 1, settings());
-        assert!(r.reserve("f", "inv-1", "s-2").is_some());
-        assert!(r.detach("w-1", "c_2", 1_002_000));
-        r.gc(1_002_400, 500);
-        assert_eq!(r.sizes(), (1, 1));
-        r.gc(1_002_500, 500);
-        assert_eq!(
-            r.sizes(),
-            (1, 0),
-            "the function went; the worker holds inv-1"
-        );
-        r.release("w-1", "inv-1");
-        r.gc(1_002_600, 500);
-        assert_eq!(r.sizes(), (0, 0));
     }
 }

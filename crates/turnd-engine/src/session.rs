@@ -374,6 +374,38 @@ fn on_unknown(inv: &InvocationRecord) -> OnDeadline {
     }
 }
 
+/// The wait of a lock holder that has no worker slot, with why (from `supply`).
+fn awaiting_worker(
+    t: &TurnRecord,
+    dispatch_timeout_ms: Option<u64>,
+    fmt_ms: &dyn Fn(u64) -> String,
+    supply: Option<Supply>,
+) -> Wait {
+    let f = &t.function_id;
+    let why = match supply {
+        Some(Supply {
+            registered: false, ..
+        }) => format!("no worker has registered {f}"),
+        Some(Supply { connected: 0, .. }) => {
+            format!("no connected worker serves {f} (the workers that registered it are gone)")
+        }
+        Some(Supply { connected, .. }) => {
+            format!("all {connected} connected worker(s) serving {f} are busy")
+        }
+        None => format!("no connected worker serving {f} has free capacity"),
+    };
+    let mut w = base_wait(
+        WaitState::AwaitingWorker,
+        format!("{why} (waiting since {})", fmt_ms(t.phase_since_ms)),
+        t.phase_since_ms,
+    );
+    if let Some(d) = dispatch_timeout_ms {
+        w.deadline_ms = Some(t.phase_since_ms + d);
+        w.on_deadline = Some(OnDeadline::Fail);
+    }
+    w
+}
+
 /// Why a non-terminal turn is not moving, and what happens next.
 ///
 /// `supply` says who could run the holder's function (None: not needed, the reason
@@ -417,29 +449,7 @@ pub fn wait_of(
     }
     let w = match t.phase {
         Phase::Queued | Phase::AwaitingWorker | Phase::Done => {
-            let f = &t.function_id;
-            let why = match supply {
-                Some(Supply {
-                    registered: false, ..
-                }) => format!("no worker has registered {f}"),
-                Some(Supply { connected: 0, .. }) => format!(
-                    "no connected worker serves {f} (the workers that registered it are gone)"
-                ),
-                Some(Supply { connected, .. }) => {
-                    format!("all {connected} connected worker(s) serving {f} are busy")
-                }
-                None => format!("no connected worker serving {f} has free capacity"),
-            };
-            let mut w = base_wait(
-                WaitState::AwaitingWorker,
-                format!("{why} (waiting since {})", fmt_ms(t.phase_since_ms)),
-                t.phase_since_ms,
-            );
-            if let Some(d) = dispatch_timeout_ms {
-                w.deadline_ms = Some(t.phase_since_ms + d);
-                w.on_deadline = Some(OnDeadline::Fail);
-            }
-            w
+            awaiting_worker(t, dispatch_timeout_ms, fmt_ms, supply)
         }
         Phase::BackingOff => {
             let mut w = base_wait(

@@ -19,12 +19,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::Arc;
 
-use turnd_proto::{
-    ErrorCode, SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState,
-};
+use turnd_proto::{SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState};
 use turnd_store::InvWait;
 
-use super::{check_id, err, page_limit, read_failed, ApiResult, Engine, SessionState};
+use super::{check_id, page_limit, read_failed, ApiResult, Engine, EngineError, SessionState};
 use crate::session::wait_of;
 
 /// What the index records of one session's lock holder.
@@ -284,6 +282,27 @@ impl WaitIndex {
             }
             ids.push((since, id.clone()));
         }
+        let (counts, total) = self.counts(q, source, &stuck);
+        Page {
+            ids: ids.into_iter().map(|(_, id)| id).collect(),
+            next,
+            total,
+            counts: counts
+                .into_iter()
+                .map(|(s, n)| (s.as_str().to_string(), n))
+                .collect(),
+        }
+    }
+
+    /// The sessions by wait state a page reports, and the total of its filters:
+    /// counted over the stuck ones when only those are asked for.
+    fn counts(
+        &self,
+        q: &Query<'_>,
+        source: &Lists,
+        stuck: &dyn Fn(&str) -> bool,
+    ) -> (BTreeMap<WaitState, u64>, u64) {
+        let function = q.function_id;
         let mut counts = BTreeMap::new();
         let total;
         if q.stuck {
@@ -322,15 +341,7 @@ impl WaitIndex {
                 None => source.len(),
             };
         }
-        Page {
-            ids: ids.into_iter().map(|(_, id)| id).collect(),
-            next,
-            total,
-            counts: counts
-                .into_iter()
-                .map(|(s, n)| (s.as_str().to_string(), n))
-                .collect(),
-        }
+        (counts, total)
     }
 }
 
@@ -393,12 +404,7 @@ impl Engine {
         }
         let order = args.order.unwrap_or_default();
         let cursor = match &args.after {
-            Some(a) => Some(Cursor::decode(a, order).ok_or_else(|| {
-                err(
-                    ErrorCode::BadRequest,
-                    "`after` must be the `next` of a previous page in the same order",
-                )
-            })?),
+            Some(a) => Some(Cursor::decode(a, order).ok_or(EngineError::BadCursor)?),
             None => None,
         };
         let stuck = args.stuck.unwrap_or(false);
@@ -431,52 +437,68 @@ impl Engine {
                 continue;
             };
             let st = self.lock(&cell).await.map_err(read_failed)?;
-            let Some(h) = st.holder() else {
-                continue;
-            };
-            let wait = wait_of(
-                &st,
-                h,
-                self.inner.cfg.turns.dispatch_timeout_ms,
-                &fmt,
-                Some(self.registry().supply(&h.function_id)),
-            );
-            let entry = WaitEntry::of(&st, self.inner.cfg.turns.dispatch_timeout_ms);
-            let row_stuck = entry.as_ref().is_some_and(|e| {
-                is_stuck(
-                    e.state,
-                    e.deadline_ms,
-                    e.stale_at_ms,
-                    served.contains(e.function_id),
-                    now,
-                )
-            });
-            if args.state.is_some_and(|s| s != wait.state)
-                || args
-                    .function_id
-                    .as_ref()
-                    .is_some_and(|f| *f != h.function_id)
-                || (stuck && !row_stuck)
-            {
-                continue;
+            if let Some(row) = self.session_row(&st, &args, &served, now, &fmt) {
+                rows.push(row);
             }
-            rows.push(SessionRow {
-                session_id: st.id.clone(),
-                turn_id: h.turn_id.clone(),
-                function_id: h.function_id.clone(),
-                step: h.step,
-                attempt: h.attempt,
-                locked_since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
-                queued: st.active.len().saturating_sub(1) as u64,
-                stuck: row_stuck,
-                wait,
-            });
         }
         Ok(SessionsListOk {
             sessions: rows,
             next: page.next.map(|c| c.encode()),
             total: page.total,
             counts: page.counts,
+        })
+    }
+}
+
+impl Engine {
+    /// A page's row for a session, read under its lock; `None` when it no longer has
+    /// a lock holder or no longer matches the filters (it moved since the index was
+    /// read).
+    fn session_row(
+        &self,
+        st: &SessionState,
+        args: &SessionsListArgs,
+        served: &HashSet<String>,
+        now: u64,
+        fmt: &dyn Fn(u64) -> String,
+    ) -> Option<SessionRow> {
+        let h = st.holder()?;
+        let wait = wait_of(
+            st,
+            h,
+            self.inner.cfg.turns.dispatch_timeout_ms,
+            fmt,
+            Some(self.registry().supply(&h.function_id)),
+        );
+        let entry = WaitEntry::of(st, self.inner.cfg.turns.dispatch_timeout_ms);
+        let row_stuck = entry.as_ref().is_some_and(|e| {
+            is_stuck(
+                e.state,
+                e.deadline_ms,
+                e.stale_at_ms,
+                served.contains(e.function_id),
+                now,
+            )
+        });
+        if args.state.is_some_and(|s| s != wait.state)
+            || args
+                .function_id
+                .as_ref()
+                .is_some_and(|f| *f != h.function_id)
+            || (args.stuck.unwrap_or(false) && !row_stuck)
+        {
+            return None;
+        }
+        Some(SessionRow {
+            session_id: st.id.clone(),
+            turn_id: h.turn_id.clone(),
+            function_id: h.function_id.clone(),
+            step: h.step,
+            attempt: h.attempt,
+            locked_since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
+            queued: st.active.len().saturating_sub(1) as u64,
+            stuck: row_stuck,
+            wait,
         })
     }
 }

@@ -1,6 +1,11 @@
 //! The in-memory index of unfinished turns (turn id → session) follows every way a
 //! turn starts and ends, and is rebuilt by recovery: it never keeps an ended turn.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::sync::Arc;
 
 use serde_json::json;

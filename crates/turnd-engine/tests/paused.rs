@@ -1,6 +1,11 @@
 //! The engine's timers on paused tokio time, with the default (long) timer values:
 //! every deadline is reached by advancing the clock, never by sleeping.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

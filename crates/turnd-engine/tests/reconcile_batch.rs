@@ -4,6 +4,11 @@
 //! with many invocations") is not part of the suite:
 //! `cargo test -p turnd-engine --test reconcile_batch -- --ignored --nocapture`.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -192,7 +197,7 @@ async fn a_workers_sessions_go_through_the_group_commit_together() -> R {
     let together = kv.wait_held(n).await;
     let held = kv.held();
     kv.release().await;
-    let rec = back.await?.map_err(|e| e.message)?;
+    let rec = back.await?.map_err(|e| e.to_string())?;
     assert!(together, "hello had {held} of {n} writes waiting at once");
     assert_eq!(rec.kept.len(), n);
     engine.shutdown();

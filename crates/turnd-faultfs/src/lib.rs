@@ -14,6 +14,13 @@
 //! do with real I/O errors, which fault injection above the store (`FaultyKv`) cannot
 //! show. Linux (glibc) only; elsewhere the library is empty.
 #![cfg(target_os = "linux")]
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
 
 use std::ffi::{c_int, c_void, CString};
 use std::sync::OnceLock;

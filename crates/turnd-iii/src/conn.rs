@@ -180,14 +180,75 @@ struct Conn {
     done: CancellationToken,
 }
 
+/// The writer of an iii connection: answers, the engine's pushes as iii frames,
+/// pings every heartbeat, and the close frame once the connection ends.
+async fn write_frames(
+    mut sink: futures_util::stream::SplitSink<
+        tokio_tungstenite::WebSocketStream<TcpStream>,
+        Message,
+    >,
+    mut frames: mpsc::Receiver<String>,
+    mut pushes: mpsc::Receiver<String>,
+    outbox: Outbox,
+    conn: Arc<Conn>,
+    heartbeat: std::time::Duration,
+) {
+    let done = conn.done.clone();
+    let mut ping = tokio::time::interval(heartbeat);
+    ping.tick().await;
+    let close: Option<(u16, &str)> = loop {
+        tokio::select! {
+            f = frames.recv() => match f {
+                Some(f) => if sink.send(Message::text(f)).await.is_err() { break None },
+                None => break None,
+            },
+            p = pushes.recv() => match p {
+                Some(p) => {
+                    if let Some(f) = translate_push(&p) {
+                        if sink.send(Message::text(f)).await.is_err() { break None }
+                    }
+                }
+                None => break None,
+            },
+            _ = ping.tick() => {
+                if sink.send(Message::Ping(Vec::new().into())).await.is_err() { break None }
+            }
+            _ = outbox.closed() => break match outbox.close_reason() {
+                Some(r) => close_frame(r),
+                None => Some((1001, "server closing")),
+            },
+            // The reader ends the connection after tagging why (if it did): both
+            // arms can be ready at once, so this one looks at the tag too.
+            _ = done.cancelled() => break match outbox.close_reason() {
+                Some(r) => close_frame(r),
+                None => conn.slow.load(Ordering::SeqCst).then_some(
+                    (1008, "outgoing queue full: the peer does not read its answers"),
+                ),
+            },
+        }
+    };
+    if let Some((code, reason)) = close {
+        let frame = CloseFrame {
+            code: CloseCode::from(code),
+            reason: reason.into(),
+        };
+        if let Err(e) = sink.send(Message::Close(Some(frame))).await {
+            tracing::debug!("close frame not sent: {e}");
+        }
+    }
+    if let Err(e) = sink.close().await {
+        tracing::trace!("socket close: {e}");
+    }
+}
+
 async fn serve_worker(
     iii: Arc<Iii>,
     ws: tokio_tungstenite::WebSocketStream<TcpStream>,
     peer: SocketAddr,
 ) {
     let conn_id = new_connection_id();
-    let (outbox, mut pushes) = Outbox::new(conn_id.clone(), OUTBOX_FRAMES);
-    let (tx, mut frames) = mpsc::channel::<String>(ANSWER_FRAMES);
+    let (outbox, pushes) = Outbox::new(conn_id.clone(), OUTBOX_FRAMES);
+    let (tx, frames) = mpsc::channel::<String>(ANSWER_FRAMES);
     let conn = Arc::new(Conn {
         iii: iii.clone(),
         peer,
@@ -200,59 +261,17 @@ async fn serve_worker(
         done: CancellationToken::new(),
     });
     tracing::debug!(%peer, conn_id, "iii connection opened");
-    let (mut sink, mut stream) = ws.split();
+    let (sink, mut stream) = ws.split();
     let heartbeat = iii.heartbeat;
 
-    let writer_outbox = outbox.clone();
-    let done = conn.done.clone();
-    let writer_conn = conn.clone();
-    let writer = tokio::spawn(async move {
-        let mut ping = tokio::time::interval(heartbeat);
-        ping.tick().await;
-        let close: Option<(u16, &str)> = loop {
-            tokio::select! {
-                f = frames.recv() => match f {
-                    Some(f) => if sink.send(Message::text(f)).await.is_err() { break None },
-                    None => break None,
-                },
-                p = pushes.recv() => match p {
-                    Some(p) => {
-                        if let Some(f) = translate_push(&p) {
-                            if sink.send(Message::text(f)).await.is_err() { break None }
-                        }
-                    }
-                    None => break None,
-                },
-                _ = ping.tick() => {
-                    if sink.send(Message::Ping(Vec::new().into())).await.is_err() { break None }
-                }
-                _ = writer_outbox.closed() => break match writer_outbox.close_reason() {
-                    Some(r) => close_frame(r),
-                    None => Some((1001, "server closing")),
-                },
-                // The reader ends the connection after tagging why (if it did): both
-                // arms can be ready at once, so this one looks at the tag too.
-                _ = done.cancelled() => break match writer_outbox.close_reason() {
-                    Some(r) => close_frame(r),
-                    None => writer_conn.slow.load(Ordering::SeqCst).then_some(
-                        (1008, "outgoing queue full: the peer does not read its answers"),
-                    ),
-                },
-            }
-        };
-        if let Some((code, reason)) = close {
-            let frame = CloseFrame {
-                code: CloseCode::from(code),
-                reason: reason.into(),
-            };
-            if let Err(e) = sink.send(Message::Close(Some(frame))).await {
-                tracing::debug!("close frame not sent: {e}");
-            }
-        }
-        if let Err(e) = sink.close().await {
-            tracing::trace!("socket close: {e}");
-        }
-    });
+    let writer = tokio::spawn(write_frames(
+        sink,
+        frames,
+        pushes,
+        outbox.clone(),
+        conn.clone(),
+        heartbeat,
+    ));
 
     loop {
         let next = tokio::select! {
@@ -448,7 +467,7 @@ impl Conn {
             Inbound::UnregisterFunction { id } => {
                 if let Some(w) = self.worker_id() {
                     if let Err(e) = self.iii.engine.unregister(&w, &id) {
-                        tracing::debug!(function_id = id, "iii unregisterfunction: {}", e.message);
+                        tracing::debug!(function_id = id, "iii unregisterfunction: {e}");
                     }
                 }
             }
@@ -529,7 +548,7 @@ impl Conn {
                 true
             }
             Err(e) => {
-                tracing::warn!(peer = %self.peer, worker_id, "iii worker not attached: {}", e.message);
+                tracing::warn!(peer = %self.peer, worker_id, "iii worker not attached: {e}");
                 false
             }
         }
@@ -557,8 +576,7 @@ impl Conn {
                 tracing::warn!(
                     worker_id = w,
                     function_id = r.id,
-                    "iii function not registered: {}",
-                    e.message
+                    "iii function not registered: {e}"
                 )
             }
         }
@@ -597,8 +615,7 @@ impl Conn {
             Err(e) => tracing::warn!(
                 worker_id = w,
                 invocation_id = id,
-                "iii invocationresult not taken: {}",
-                e.message
+                "iii invocationresult not taken: {e}"
             ),
         }
     }
@@ -679,7 +696,7 @@ impl Conn {
             })
             .await
             .map(|ok| ok.turn)
-            .map_err(|e| IiiError::new(e.code.as_str(), e.message))
+            .map_err(IiiError::from)
     }
 
     /// A sync trigger: the turn runs in a session of its own; its outcome is the
@@ -701,7 +718,7 @@ impl Conn {
             match waited {
                 Ok(next) => t = next,
                 Err(e) => {
-                    return self.answer(&i, Err(IiiError::new(e.code.as_str(), e.message)));
+                    return self.answer(&i, Err(IiiError::from(e)));
                 }
             }
         }

@@ -7,6 +7,14 @@
 //! `reattach`; a `trigger` becomes a turn. See `docs/iii.md` for the mapping and for
 //! what is and is not guaranteed.
 
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
+
 pub mod config;
 mod conn;
 pub mod queue;

@@ -214,7 +214,7 @@ impl crate::Iii {
                     ..SessionsListArgs::default()
                 })
                 .await
-                .map_err(|e| IiiError::new("unavailable", e.message))?;
+                .map_err(|e| IiiError::new("unavailable", e.to_string()))?;
             for row in &page.sessions {
                 if row.session_id.starts_with(&prefix) {
                     depth += 1 + row.queued;

@@ -6,6 +6,14 @@
 //! It depends on serde only, so the daemon, the SDK, the CLI and the tests share one
 //! definition and cannot drift apart.
 
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
+
 pub mod frame;
 pub mod ids;
 pub mod objects;

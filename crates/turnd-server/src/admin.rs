@@ -16,6 +16,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use turnd_engine::metrics::Counters;
 use turnd_proto::{TurnStatus, WaitState};
+use turnd_store::CommitStats;
 
 use crate::ws::Shared;
 
@@ -81,11 +82,37 @@ fn load(a: &AtomicU64) -> u64 {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let mut reg = Registry::with_prefix("turnd");
+    register_state(&mut reg, &s);
+    register_connections(&mut reg, &s);
+    register_transitions(&mut reg, s.engine.counters());
+    register_recovery(&mut reg, s.engine.counters());
+    let cs = s.engine.store().kv().commit_stats();
+    register_storage(&mut reg, &cs);
+    register_commit_log(&mut reg, &cs);
+
+    let mut body = String::new();
+    if let Err(e) = encode(&mut body, &reg) {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain")],
+            format!("encode metrics: {e}\n"),
+        );
+    }
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+/// Gauges of what is there now: turns, waits, sessions, invocations, workers, storage.
+fn register_state(reg: &mut Registry, s: &Shared) {
     let e = &s.engine;
     let stats = e.stats();
-    let c = e.counters();
-    let mut reg = Registry::with_prefix("turnd");
-
     let turns = Family::<Labels, Gauge>::default();
     for st in TurnStatus::ALL {
         turns
@@ -107,36 +134,40 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         waits,
     );
     gauge(
-        &mut reg,
+        reg,
         "sessions_active",
         "Sessions with unfinished turns",
         stats.sessions.active as i64,
     );
     gauge(
-        &mut reg,
+        reg,
         "invocations_inflight",
         "Invocations dispatched and not finished",
         stats.invocations_inflight as i64,
     );
     gauge(
-        &mut reg,
+        reg,
         "oldest_wait_seconds",
         "Age of the oldest wait of any session's lock holder",
         stats.oldest_wait_ms.map(|m| (m / 1000) as i64).unwrap_or(0),
     );
     gauge(
-        &mut reg,
+        reg,
         "workers_connected",
         "Connected workers",
         stats.workers_connected as i64,
     );
     gauge(
-        &mut reg,
+        reg,
         "storage_writable",
         "1 when the last storage write succeeded",
         stats.storage.writable as i64,
     );
+}
 
+/// Open connections, sessions in memory, watches and requests in flight.
+fn register_connections(reg: &mut Registry, s: &Shared) {
+    let e = &s.engine;
     let conns = Family::<Labels, Gauge>::default();
     for (role, v) in [
         ("unauthenticated", &s.connections.unauthenticated),
@@ -150,32 +181,35 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     }
     reg.register("connections", "Open connections by role", conns);
     gauge(
-        &mut reg,
+        reg,
         "sessions_in_memory",
         "Sessions whose state is held in memory: those with unfinished turns, and those in use by a request right now",
         e.sessions_in_memory() as i64,
     );
     gauge(
-        &mut reg,
+        reg,
         "watches",
         "Watches held by every connection",
         e.watch_count() as i64,
     );
     gauge(
-        &mut reg,
+        reg,
         "requests_inflight",
         "Requests being run, over every connection",
         load(&s.connections.requests_inflight) as i64,
     );
+}
 
+/// Counters of the turn lifecycle's transitions.
+fn register_transitions(reg: &mut Registry, c: &Counters) {
     counter(
-        &mut reg,
+        reg,
         "admissions",
         "Turns admitted",
         Counters::get(&c.admissions),
     );
     counter(
-        &mut reg,
+        reg,
         "admissions_deduplicated",
         "Submits answered with an existing turn",
         Counters::get(&c.deduplicated),
@@ -196,13 +230,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         terminal,
     );
     counter(
-        &mut reg,
+        reg,
         "dispatches",
         "Invocations dispatched",
         Counters::get(&c.dispatches),
     );
     counter(
-        &mut reg,
+        reg,
         "redispatches",
         "Invocations dispatched again after a lost dispatch or unknown outcome",
         Counters::get(&c.redispatches),
@@ -223,8 +257,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "invocation.result frames by how they were taken",
         results,
     );
+}
+
+/// Counters of how losses were detected and handled: probes, unknown outcomes,
+/// amendments, retries, cancels, stops, failed writes, retention.
+fn register_recovery(reg: &mut Registry, c: &Counters) {
     counter(
-        &mut reg,
+        reg,
         "probes_sent",
         "Probes sent at attempt deadlines",
         Counters::get(&c.probes_sent),
@@ -241,144 +280,128 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         answers,
     );
     counter(
-        &mut reg,
+        reg,
         "outcome_unknown",
         "Attempts whose outcome became unknown",
         Counters::get(&c.outcome_unknown),
     );
     counter(
-        &mut reg,
+        reg,
         "amendments",
         "Turns amended to completed by a late result",
         Counters::get(&c.amendments),
     );
     counter(
-        &mut reg,
+        reg,
         "retries_scheduled",
         "Retries scheduled after retryable failures or timeouts",
         Counters::get(&c.retries_scheduled),
     );
     counter(
-        &mut reg,
+        reg,
         "cancels_sent",
         "cancel pushes sent",
         Counters::get(&c.cancels_sent),
     );
-    counter(&mut reg, "stops", "Turns stopped", Counters::get(&c.stops));
+    counter(reg, "stops", "Turns stopped", Counters::get(&c.stops));
     counter(
-        &mut reg,
+        reg,
         "storage_write_failures",
         "Storage commits that failed",
         Counters::get(&c.write_failures),
     );
 
     counter(
-        &mut reg,
+        reg,
         "retention_deleted_turns",
         "Terminal turns deleted by retention",
         Counters::get(&c.turns_expired),
     );
+}
 
-    let cs = e.store().kv().commit_stats();
+/// The store's commit log, group commits, checkpoints and applies.
+fn register_storage(reg: &mut Registry, cs: &CommitStats) {
     counter(
-        &mut reg,
+        reg,
         "storage_commits",
         "Group commits (syncs) performed",
         cs.syncs,
     );
-    counter(
-        &mut reg,
-        "storage_batches",
-        "Atomic batches written",
-        cs.batches,
-    );
+    counter(reg, "storage_batches", "Atomic batches written", cs.batches);
     seconds(
-        &mut reg,
+        reg,
         "storage_commit_seconds",
         "Time spent in group commits: encoding, writing and syncing the commit log (divide by storage_commits for the mean)",
         cs.commit_micros,
     );
     seconds(
-        &mut reg,
+        reg,
         "storage_sync_seconds",
         "Of storage_commit_seconds, the time spent writing the commit log and its fdatasync",
         cs.sync_micros,
     );
     gauge(
-        &mut reg,
+        reg,
         "storage_max_group",
         "Largest number of batches that shared one sync",
         cs.max_group as i64,
     );
     counter(
-        &mut reg,
+        reg,
         "storage_checkpoints",
         "Checkpoints: sled closed and opened again so that a restart replays less of sled's log (store reads and applies wait meanwhile, commits do not)",
         cs.checkpoints,
     );
     seconds(
-        &mut reg,
+        reg,
         "storage_checkpoint_seconds",
         "Time spent in checkpoints",
         cs.checkpoint_micros,
     );
+}
+
+/// The commit log and the applies of its records to sled.
+fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
     counter(
-        &mut reg,
+        reg,
         "storage_log_bytes",
         "Bytes of batches appended to the commit log",
         cs.log_bytes,
     );
     counter(
-        &mut reg,
+        reg,
         "storage_applies",
         "Rounds in which the commit log's records were written to sled",
         cs.applies,
     );
     counter(
-        &mut reg,
+        reg,
         "storage_applied_keys",
         "Keys written to sled by those rounds (each key once per round)",
         cs.applied_keys,
     );
     seconds(
-        &mut reg,
+        reg,
         "storage_apply_seconds",
         "Time spent writing the commit log's records to sled",
         cs.apply_micros,
     );
     gauge(
-        &mut reg,
+        reg,
         "storage_unapplied_keys",
         "Keys committed to the commit log but not yet written to sled",
         cs.overlay_keys as i64,
     );
     counter(
-        &mut reg,
+        reg,
         "storage_log_trims",
         "Commit log segments deleted once sled held their records, flushed and synced",
         cs.log_trims,
     );
     gauge(
-        &mut reg,
+        reg,
         "storage_log_segments",
         "Files of the commit log",
         cs.log_segments as i64,
     );
-
-    let mut body = String::new();
-    if let Err(e) = encode(&mut body, &reg) {
-        return (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            [(header::CONTENT_TYPE, "text/plain")],
-            format!("encode metrics: {e}\n"),
-        );
-    }
-    (
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        body,
-    )
 }

@@ -3,6 +3,7 @@
 //! Unknown keys are warned about, not refused, so a rollback to an older binary
 //! still starts on a newer config file.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -23,6 +24,11 @@ pub struct Config {
     pub log: LogConfig,
     /// The iii endpoint (`docs/iii.md`): off unless `iii.listen` is set.
     pub iii: turnd_iii::IiiConfig,
+    /// Values of keys with a fixed set of values (`storage.sync`, `log.format`) that
+    /// were none of them, by key, with the problem to report; the default stands in
+    /// for each. [`Config::validate`] reports them with every other problem.
+    #[serde(skip)]
+    invalid: BTreeMap<&'static str, String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -73,7 +79,7 @@ pub struct StorageConfig {
     pub data_dir: PathBuf,
     /// `always` (fsync before every acknowledgement, group-committed) or `never`
     /// (tests and benchmarks only: acknowledged writes may be lost on power loss).
-    pub sync: String,
+    pub sync: StorageSync,
     /// MiB of decoded pages sled keeps in memory. The engine holds every live turn
     /// itself; the cache serves reads of finished turns and events.
     pub cache_mb: u64,
@@ -126,7 +132,7 @@ pub struct AuthConfig {
 #[serde(default)]
 pub struct LogConfig {
     /// `text` or `json`.
-    pub format: String,
+    pub format: LogFormat,
     /// A tracing filter, e.g. `info` or `turnd_engine=debug,info`.
     pub level: String,
 }
@@ -157,7 +163,7 @@ impl Default for StorageConfig {
     fn default() -> Self {
         StorageConfig {
             data_dir: PathBuf::from("./data"),
-            sync: "always".into(),
+            sync: StorageSync::Always,
             cache_mb: turnd_store::DEFAULT_CACHE_MB,
             checkpoint_mb: turnd_store::DEFAULT_CHECKPOINT_MB,
             log_segment_kb: turnd_store::logged::DEFAULT_SEGMENT_KB,
@@ -181,10 +187,96 @@ impl Default for RetentionConfig {
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig {
-            format: "text".into(),
+            format: LogFormat::Text,
             level: "info".into(),
         }
     }
+}
+
+/// A key whose value is one of a fixed set of names.
+pub trait Choice: Sized + Copy + 'static {
+    /// The key, `section.name`.
+    const KEY: &'static str;
+    /// Every value, in the order the messages name them.
+    const ALL: &'static [Self];
+    /// The value as written in the config.
+    fn name(self) -> &'static str;
+
+    /// The value named `s`, or the problem to report.
+    fn parse(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| Self::problem(format_args!("{s:?}")))
+    }
+
+    /// The problem with a value that is none of the allowed ones: names them.
+    fn problem(given: impl std::fmt::Display) -> String {
+        let names: Vec<String> = Self::ALL
+            .iter()
+            .map(|v| format!("{:?}", v.name()))
+            .collect();
+        format!("{} must be {}, not {given}", Self::KEY, names.join(" or "))
+    }
+}
+
+/// `storage.sync`: whether an acknowledgement waits for `fdatasync`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StorageSync {
+    /// fsync before every acknowledgement (group-committed). The default.
+    #[default]
+    Always,
+    /// No fsync: acknowledged writes may be lost on power loss. Tests and benchmarks.
+    Never,
+}
+
+impl Choice for StorageSync {
+    const KEY: &'static str = "storage.sync";
+    const ALL: &'static [Self] = &[StorageSync::Always, StorageSync::Never];
+    fn name(self) -> &'static str {
+        match self {
+            StorageSync::Always => "always",
+            StorageSync::Never => "never",
+        }
+    }
+}
+
+/// `log.format`: how log records are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines. The default.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl Choice for LogFormat {
+    const KEY: &'static str = "log.format";
+    const ALL: &'static [Self] = &[LogFormat::Text, LogFormat::Json];
+    fn name(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
+}
+
+/// Take the value of `C::KEY` out of the merged raw config when it is none of the
+/// allowed ones, returning the problem, so that the typed deserialization does not
+/// stop at it and the problem is reported with the config's others.
+fn take_invalid<C: Choice>(merged: &mut toml::Value) -> Option<String> {
+    let (section, key) = C::KEY.split_once('.')?;
+    let table = merged.get_mut(section)?.as_table_mut()?;
+    let problem = match table.get(key)? {
+        toml::Value::String(s) => C::parse(s).err()?,
+        other => C::problem(other),
+    };
+    table.remove(key);
+    Some(problem)
 }
 
 /// Keys that are valid but absent from the serialized defaults.
@@ -283,20 +375,70 @@ impl Config {
         if !problems.is_empty() {
             return Err(ConfigError { problems });
         }
+        let mut invalid = BTreeMap::new();
+        for (key, problem) in [
+            (StorageSync::KEY, take_invalid::<StorageSync>(&mut merged)),
+            (LogFormat::KEY, take_invalid::<LogFormat>(&mut merged)),
+        ] {
+            if let Some(p) = problem {
+                invalid.insert(key, p);
+            }
+        }
         let mut config: Config = merged
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::one(e.to_string()))?;
+        config.invalid = invalid;
         if let Some(path) = config.auth.token_file.clone() {
             config.auth.tokens.extend(read_token_file(&path)?);
         }
         Ok(Loaded { config, warnings })
     }
 
+    /// Set `storage.sync` from its name (a command-line flag, say); a name that is
+    /// none of the allowed ones is reported by [`Config::validate`].
+    pub fn set_storage_sync(&mut self, name: &str) {
+        if let Some(v) = self.choose::<StorageSync>(name) {
+            self.storage.sync = v;
+        }
+    }
+
+    /// Set `log.format` from its name; see [`Config::set_storage_sync`].
+    pub fn set_log_format(&mut self, name: &str) {
+        if let Some(v) = self.choose::<LogFormat>(name) {
+            self.log.format = v;
+        }
+    }
+
+    fn choose<C: Choice>(&mut self, name: &str) -> Option<C> {
+        match C::parse(name) {
+            Ok(v) => {
+                self.invalid.remove(C::KEY);
+                Some(v)
+            }
+            Err(problem) => {
+                self.invalid.insert(C::KEY, problem);
+                None
+            }
+        }
+    }
+
     /// Check every value; report all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let mut p = Vec::new();
-        let listen = self.server.listen.parse::<SocketAddr>();
-        if let Err(e) = &listen {
+        let mut p: Vec<String> = self.invalid.values().cloned().collect();
+        self.server_problems(&mut p);
+        self.storage_problems(&mut p);
+        self.turns_problems(&mut p);
+        self.exposure_problems(&mut p);
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems: p })
+        }
+    }
+
+    /// Problems of `[server]`.
+    fn server_problems(&self, p: &mut Vec<String>) {
+        if let Err(e) = self.server.listen.parse::<SocketAddr>() {
             p.push(format!("server.listen {:?}: {e}", self.server.listen));
         }
         if let Err(e) = self.server.admin_listen.parse::<SocketAddr>() {
@@ -346,12 +488,10 @@ impl Config {
             (None, None) => {}
             _ => p.push("server.tls_cert and server.tls_key must be set together".into()),
         }
-        if !matches!(self.storage.sync.as_str(), "always" | "never") {
-            p.push(format!(
-                "storage.sync must be \"always\" or \"never\", not {:?}",
-                self.storage.sync
-            ));
-        }
+    }
+
+    /// Problems of `[retention]` and `[storage]`.
+    fn storage_problems(&self, p: &mut Vec<String>) {
         if let Some(h) = self.retention.terminal_hours {
             p.push(format!(
                 "retention.terminal_hours was replaced by retention.terminal_ms (milliseconds): \
@@ -404,6 +544,10 @@ impl Config {
                 self.storage.checkpoint_mb
             ));
         }
+    }
+
+    /// Problems of `[turns]`.
+    fn turns_problems(&self, p: &mut Vec<String>) {
         let t = &self.turns;
         for (name, v) in [
             ("turns.default_timeout_ms", t.default_timeout_ms),
@@ -425,12 +569,10 @@ impl Config {
         if t.dispatch_timeout_ms == Some(0) {
             p.push("turns.dispatch_timeout_ms must be positive (omit it to wait for good)".into());
         }
-        if !matches!(self.log.format.as_str(), "text" | "json") {
-            p.push(format!(
-                "log.format must be \"text\" or \"json\", not {:?}",
-                self.log.format
-            ));
-        }
+    }
+
+    /// Problems of `[auth]`, `[iii]`, and of listening beyond loopback without tokens.
+    fn exposure_problems(&self, p: &mut Vec<String>) {
         for (i, tok) in self.auth.tokens.iter().enumerate() {
             if tok.token.len() < 8 {
                 p.push(format!(
@@ -451,7 +593,7 @@ impl Config {
                 ));
             }
         }
-        if let Ok(addr) = listen {
+        if let Ok(addr) = self.server.listen.parse::<SocketAddr>() {
             if !addr.ip().is_loopback()
                 && self.auth.tokens.is_empty()
                 && !self.auth.allow_unauthenticated
@@ -461,11 +603,6 @@ impl Config {
                      configure tokens or set auth.allow_unauthenticated = true"
                 ));
             }
-        }
-        if p.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError { problems: p })
         }
     }
 
@@ -678,16 +815,45 @@ mod tests {
         }
     }
 
+    /// A value of `storage.sync` or `log.format` that is none of the allowed ones is
+    /// reported with the config's other problems, naming the allowed values; a good
+    /// value from the environment replaces a bad one of the file.
+    #[test]
+    fn a_bad_choice_is_reported_with_every_other_problem() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("t.toml");
+        std::fs::write(
+            &f,
+            "[storage]\nsync = \"sometimes\"\n[server]\nmax_frame_bytes = 10\n[log]\nformat = 3\n",
+        )
+        .expect("write");
+        let l = Config::load(Some(&f), Vec::new()).expect("loads; validate reports");
+        let e = l.config.validate().expect_err("invalid");
+        assert_eq!(e.problems.len(), 3, "{e}");
+        for want in [
+            "storage.sync must be \"always\" or \"never\", not \"sometimes\"",
+            "log.format must be \"text\" or \"json\", not 3",
+            "server.max_frame_bytes must be at least 1024",
+        ] {
+            assert!(e.problems.iter().any(|p| p == want), "{want}: {e}");
+        }
+        let env = vec![("TURND_STORAGE__SYNC".to_string(), "never".to_string())];
+        let l = Config::load(Some(&f), env).expect("loads");
+        assert_eq!(l.config.storage.sync, StorageSync::Never);
+        let e = l.config.validate().expect_err("still invalid");
+        assert_eq!(e.problems.len(), 2, "{e}");
+    }
+
     #[test]
     fn validate_reports_every_problem() {
         let mut c = Config::default();
         c.server.listen = "0.0.0.0:7420".into();
-        c.storage.sync = "sometimes".into();
+        c.set_storage_sync("sometimes");
         c.turns.max_steps = 0;
         let e = c.validate().expect_err("invalid");
         assert_eq!(e.problems.len(), 3, "{e}");
         c.auth.allow_unauthenticated = true;
-        c.storage.sync = "never".into();
+        c.set_storage_sync("never");
         c.turns.max_steps = 5;
         c.validate().expect("valid with allow_unauthenticated");
     }

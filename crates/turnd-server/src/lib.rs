@@ -5,8 +5,17 @@
 //! integration tests and the benchmarks all start the real server the same way
 //! (tests on `127.0.0.1:0`, optionally on a fault-injecting store).
 
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
+
 pub mod admin;
 pub mod config;
+pub mod error;
 pub mod tls;
 pub mod ui;
 pub mod ws;
@@ -24,6 +33,7 @@ use turnd_engine::Engine;
 use turnd_store::{Kv, LoggedKv, LoggedOptions, SledOptions, Store, SyncMode};
 
 pub use config::Config;
+use config::StorageSync;
 use ws::{ConnectionCounts, Shared};
 
 /// The listeners, bound before any heavy start-up work.
@@ -68,8 +78,10 @@ async fn bind_one(addr: &str, what: &str, flag: &str, key: &str) -> anyhow::Resu
 
 /// How the config says the store is opened.
 pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
-    let mode = SyncMode::parse(&cfg.storage.sync)
-        .with_context(|| format!("storage.sync {:?}", cfg.storage.sync))?;
+    let mode = match cfg.storage.sync {
+        StorageSync::Always => SyncMode::Always,
+        StorageSync::Never => SyncMode::Never,
+    };
     Ok(LoggedOptions {
         sled: SledOptions {
             sync: mode,
@@ -217,6 +229,65 @@ impl Daemon {
     }
 }
 
+/// The admin listener's task, ending gracefully once the server is closing.
+fn spawn_admin(
+    shared: &Arc<Shared>,
+    listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> JoinHandle<std::io::Result<()>> {
+    let admin_shutdown = shared.closing.clone();
+    let router = admin::router(shared.clone());
+    let graceful = async move { admin_shutdown.cancelled().await };
+    tokio::spawn(async move {
+        match tls {
+            Some(acceptor) => {
+                let l = tls::TlsListener {
+                    inner: listener,
+                    acceptor,
+                };
+                axum::serve(l, router)
+                    .with_graceful_shutdown(graceful)
+                    .await
+            }
+            None => {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(graceful)
+                    .await
+            }
+        }
+    })
+}
+
+/// Serve an accepted WebSocket connection in a task of its own (after the TLS
+/// handshake, with a time limit, when TLS is on).
+fn accept_connection(
+    shared: &Arc<Shared>,
+    conns: &TaskTracker,
+    tls: Option<&tokio_rustls::TlsAcceptor>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, "set TCP_NODELAY: {e}");
+    }
+    match tls {
+        Some(acceptor) => {
+            let acceptor = acceptor.clone();
+            let shared = shared.clone();
+            conns.spawn(async move {
+                match tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => ws::serve_connection(shared, s, peer).await,
+                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+        None => {
+            conns.spawn(ws::serve_connection(shared.clone(), stream, peer));
+        }
+    }
+}
+
 async fn serve(
     shared: Arc<Shared>,
     listeners: Listeners,
@@ -230,55 +301,11 @@ async fn serve(
         (Some(iii), Some(l)) => Some(tokio::spawn(iii.serve(l))),
         _ => None,
     };
-    let admin_shutdown = shared.closing.clone();
-    let admin = tokio::spawn({
-        let router = admin::router(shared.clone());
-        let graceful = async move { admin_shutdown.cancelled().await };
-        let listener = listeners.admin;
-        let tls = tls.clone();
-        async move {
-            match tls {
-                Some(acceptor) => {
-                    let l = tls::TlsListener {
-                        inner: listener,
-                        acceptor,
-                    };
-                    axum::serve(l, router)
-                        .with_graceful_shutdown(graceful)
-                        .await
-                }
-                None => {
-                    axum::serve(listener, router)
-                        .with_graceful_shutdown(graceful)
-                        .await
-                }
-            }
-        }
-    });
+    let admin = spawn_admin(&shared, listeners.admin, tls.clone());
     loop {
         tokio::select! {
             accepted = listeners.ws.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    if let Err(e) = stream.set_nodelay(true) {
-                        tracing::debug!(%peer, "set TCP_NODELAY: {e}");
-                    }
-                    match &tls {
-                        Some(acceptor) => {
-                            let acceptor = acceptor.clone();
-                            let shared = shared.clone();
-                            conns.spawn(async move {
-                                match tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                                    Ok(Ok(s)) => ws::serve_connection(shared, s, peer).await,
-                                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
-                                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                                }
-                            });
-                        }
-                        None => {
-                            conns.spawn(ws::serve_connection(shared.clone(), stream, peer));
-                        }
-                    }
-                }
+                Ok((stream, peer)) => accept_connection(&shared, &conns, tls.as_ref(), stream, peer),
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
                     tracing::warn!("failed to accept a connection: {e}");

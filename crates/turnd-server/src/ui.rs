@@ -23,7 +23,7 @@ use axum::routing::get;
 use axum::{Form, Router};
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use serde_json::Value;
-use turnd_engine::{fmt_utc, Outbox};
+use turnd_engine::{fmt_utc, BlockedOn, Engine, EngineError, Outbox};
 use turnd_proto::{
     new_connection_id, Event, EventKind, EventsArgs, Function, Role, SessionOrder, SessionRow,
     SessionsListArgs, SessionsListOk, Turn, WaitState, WatchArgs, Worker,
@@ -399,7 +399,7 @@ async fn overview(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response 
         .await
     {
         Ok(l) => l,
-        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Overview", &x.message),
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Overview", &x.to_string()),
     };
     let health = e.storage_health();
     let ready = e.ready() && !s.draining.is_cancelled();
@@ -467,7 +467,7 @@ async fn sessions(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Pa
     };
     let list: SessionsListOk = match s.engine.list_sessions(args).await {
         Ok(l) => l,
-        Err(x) => return error_page(StatusCode::BAD_REQUEST, "Sessions", &x.message),
+        Err(x) => return error_page(StatusCode::BAD_REQUEST, "Sessions", &x.to_string()),
     };
     let now = s.engine.now_ms();
     // The query string of this view without the cursor, for links.
@@ -519,11 +519,11 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
     let now = e.now_ms();
     let inspected = match e.inspect(&id).await {
         Ok(x) => x,
-        Err(x) => return error_page(StatusCode::NOT_FOUND, "Session", &x.message),
+        Err(x) => return error_page(StatusCode::NOT_FOUND, "Session", &x.to_string()),
     };
     let blocked = match e.blocked_on(&id).await {
         Ok(b) => b,
-        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.message),
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.to_string()),
     };
     let last = inspected.last_event;
     let from = last.saturating_sub(FEED_EVENTS);
@@ -536,7 +536,7 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
         .await
     {
         Ok(x) => x.events,
-        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.message),
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Session", &x.to_string()),
     };
     let after = events.last().map(|e| e.seq).unwrap_or(from);
     page(
@@ -544,37 +544,7 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
         html! {
             h1 { "Session " span #session-id { (id) } }
             p { "Turns: queued " (inspected.turns.queued) ", running " (inspected.turns.running) ", completed " (inspected.turns.completed) ", failed " (inspected.turns.failed) ", cancelled " (inspected.turns.cancelled) }
-            div.card #blocked-on {
-                h2 { "Blocked on" }
-                @match &blocked {
-                    None => { p { "Nothing: the session has no unfinished turn." } }
-                    Some(b) => {
-                        @let t = &b.turn;
-                        dl {
-                            dt { "Turn" } dd { a href=(turn_href(&t.turn_id)) { (t.turn_id) } " (" (t.function_id) ", " (t.status.as_str()) ", step " (t.step) ")" }
-                            dt { "Holds the lock since" } dd { (time(b.locked_since_ms, now)) }
-                            @if let Some(w) = &t.wait {
-                                dt { "Wait" } dd.wait-state { (w.state.as_str()) " since " (time(w.since_ms, now)) }
-                                dt { "Reason" } dd { (w.reason) }
-                                dt { "Deadline" } dd {
-                                    @match w.deadline_ms {
-                                        Some(d) => { (time(d, now)) @if let Some(o) = w.on_deadline { ", then " strong { (on_deadline(o)) } } }
-                                        None => { "none (waits until something changes)" }
-                                    }
-                                }
-                            }
-                            dt { "Attempt" } dd { (t.attempt) }
-                            @if let Some(inv) = &b.invocation {
-                                dt { "Invocation" } dd { (inv.invocation_id) }
-                                dt { "Worker" } dd { (inv.worker_id) " (instance " (inv.instance_id) ")" }
-                                dt { "Running since" } dd { (time(inv.dispatched_at_ms, now)) " (timeout " (dur(inv.timeout_ms)) ")" }
-                                dt { "Last heartbeat" } dd { @match inv.last_heartbeat_ms { Some(h) => { (time(h, now)) } None => { "none since the dispatch" } } }
-                            }
-                            dt { "Last failure" } dd { @match &b.last_failure { Some(f) => { (f) } None => { "none" } } }
-                        }
-                    }
-                }
-            }
+            (blocked_card(blocked.as_ref(), now))
             h2 { "Queue (" (inspected.queued.len()) " behind the holder)" }
             table #queue {
                 thead { tr { th { "Seq" } th { "Turn" } th { "Function" } th { "Created" } } }
@@ -590,6 +560,43 @@ async fn session(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Par
             script { (PreEscaped(FEED_JS)) }
         },
     )
+}
+
+/// The session page's card of what the lock holder is blocked on.
+fn blocked_card(blocked: Option<&BlockedOn>, now: u64) -> Markup {
+    html! {
+        div.card #blocked-on {
+            h2 { "Blocked on" }
+            @match blocked {
+                None => { p { "Nothing: the session has no unfinished turn." } }
+                Some(b) => {
+                    @let t = &b.turn;
+                    dl {
+                        dt { "Turn" } dd { a href=(turn_href(&t.turn_id)) { (t.turn_id) } " (" (t.function_id) ", " (t.status.as_str()) ", step " (t.step) ")" }
+                        dt { "Holds the lock since" } dd { (time(b.locked_since_ms, now)) }
+                        @if let Some(w) = &t.wait {
+                            dt { "Wait" } dd.wait-state { (w.state.as_str()) " since " (time(w.since_ms, now)) }
+                            dt { "Reason" } dd { (w.reason) }
+                            dt { "Deadline" } dd {
+                                @match w.deadline_ms {
+                                    Some(d) => { (time(d, now)) @if let Some(o) = w.on_deadline { ", then " strong { (on_deadline(o)) } } }
+                                    None => { "none (waits until something changes)" }
+                                }
+                            }
+                        }
+                        dt { "Attempt" } dd { (t.attempt) }
+                        @if let Some(inv) = &b.invocation {
+                            dt { "Invocation" } dd { (inv.invocation_id) }
+                            dt { "Worker" } dd { (inv.worker_id) " (instance " (inv.instance_id) ")" }
+                            dt { "Running since" } dd { (time(inv.dispatched_at_ms, now)) " (timeout " (dur(inv.timeout_ms)) ")" }
+                            dt { "Last heartbeat" } dd { @match inv.last_heartbeat_ms { Some(h) => { (time(h, now)) } None => { "none since the dispatch" } } }
+                        }
+                        dt { "Last failure" } dd { @match &b.last_failure { Some(f) => { (f) } None => { "none" } } }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// An event kind as the protocol spells it.
@@ -649,7 +656,7 @@ async fn feed(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
             String::new()
         };
         if let Err(x) = engine.watch(args, &watch_outbox, 1, respond).await {
-            if began_tx.send(Err(x.message)).await.is_err() {
+            if began_tx.send(Err(x.to_string())).await.is_err() {
                 tracing::trace!("feed gone before its watch was refused");
             }
         }
@@ -706,33 +713,20 @@ impl Drop for FeedGuard {
     }
 }
 
-async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params) -> Response {
-    guard!(s, headers);
-    let Some(id) = q.get("id").cloned() else {
-        return error_page(StatusCode::BAD_REQUEST, "Turn", "no turn id given");
-    };
-    let e = &s.engine;
-    let now = e.now_ms();
-    let t: Turn = match e.get_turn(&id).await {
-        Ok(t) => t,
-        Err(x) => return error_page(StatusCode::NOT_FOUND, "Turn", &x.message),
-    };
-    // The turn's events, from the session's stream.
+/// The turn's events, from the session's stream: up to its terminal event, reading
+/// at most `TIMELINE_MAX_EVENTS` of the session's.
+async fn turn_timeline(e: &Engine, t: &Turn) -> Result<Vec<Event>, EngineError> {
     let mut timeline = Vec::new();
     let mut after = 0;
     let mut read = 0;
     loop {
-        let page = match e
+        let page = e
             .events(EventsArgs {
                 session_id: t.session_id.clone(),
                 after: Some(after),
                 limit: Some(1000),
             })
-            .await
-        {
-            Ok(p) => p,
-            Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Turn", &x.message),
-        };
+            .await?;
         if page.events.is_empty() {
             break;
         }
@@ -752,6 +746,24 @@ async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params
             break;
         }
     }
+    Ok(timeline)
+}
+
+async fn turn(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Params) -> Response {
+    guard!(s, headers);
+    let Some(id) = q.get("id").cloned() else {
+        return error_page(StatusCode::BAD_REQUEST, "Turn", "no turn id given");
+    };
+    let e = &s.engine;
+    let now = e.now_ms();
+    let t: Turn = match e.get_turn(&id).await {
+        Ok(t) => t,
+        Err(x) => return error_page(StatusCode::NOT_FOUND, "Turn", &x.to_string()),
+    };
+    let timeline = match turn_timeline(e, &t).await {
+        Ok(events) => events,
+        Err(x) => return error_page(StatusCode::SERVICE_UNAVAILABLE, "Turn", &x.to_string()),
+    };
     page(
         "Turn",
         html! {
@@ -844,7 +856,11 @@ async fn check(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     let vs = match result {
         Ok(Ok(v)) => v,
         Ok(Err(x)) => {
-            return error_page(StatusCode::SERVICE_UNAVAILABLE, "store.check", &x.message)
+            return error_page(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store.check",
+                &x.to_string(),
+            )
         }
         Err(j) => {
             return error_page(

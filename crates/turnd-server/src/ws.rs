@@ -28,6 +28,7 @@ use turnd_proto::frame::{encode_error, encode_ok, encode_ok_raw};
 use turnd_proto::*;
 
 use crate::config::Config;
+use crate::error::to_wire;
 
 /// State shared by every connection.
 pub struct Shared {
@@ -262,6 +263,10 @@ const READ_BUFFER_BYTES: usize = 8 * 1024;
 const WRITE_BATCH_FRAMES: usize = 64;
 
 /// Serve one accepted TCP connection until it ends.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the reader loop of a connection: one select over its sources, on the hot path"
+)]
 pub async fn serve_connection<S>(shared: Arc<Shared>, stream: S, peer: SocketAddr)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -681,7 +686,8 @@ impl Conn {
                 self.shared
                     .engine
                     .worker_hello(&h, self.outbox.clone())
-                    .await?,
+                    .await
+                    .map_err(to_wire)?,
             )
         } else {
             None
@@ -774,6 +780,10 @@ impl Conn {
     }
 
     /// Run one request. `None` means the response was already sent (watch).
+    #[allow(
+        clippy::too_many_lines,
+        reason = "the dispatch of the request path: one short arm per op"
+    )]
     async fn run(&self, op: Op, a: &str, id: u64) -> Option<Result<Reply, ErrorBody>> {
         let e = &self.shared.engine;
         let r = match op {
@@ -783,23 +793,29 @@ impl Conn {
             )),
             Op::Ping => ok(serde_json::json!({})),
             Op::FunctionRegister => match (self.worker_id(), args::<RegisterArgs>(a)) {
-                (Ok(w), Ok(r)) => e.register(&w, &r).and_then(ok),
+                (Ok(w), Ok(r)) => e.register(&w, &r).map_err(to_wire).and_then(ok),
                 (Err(x), _) | (_, Err(x)) => Err(x),
             },
             Op::FunctionUnregister => match (self.worker_id(), args::<FunctionIdArgs>(a)) {
                 (Ok(w), Ok(r)) => e
                     .unregister(&w, &r.function_id)
+                    .map_err(to_wire)
                     .and_then(|_| ok(serde_json::json!({}))),
                 (Err(x), _) | (_, Err(x)) => Err(x),
             },
             Op::InvocationResult => match args::<ResultArgs>(a) {
-                Ok(r) => e.result(&self.caller(), r).await.and_then(ok),
+                Ok(r) => e
+                    .result(&self.caller(), r)
+                    .await
+                    .map_err(to_wire)
+                    .and_then(ok),
                 Err(x) => Err(x),
             },
             Op::InvocationHeartbeat => match args::<InvocationIdArgs>(a) {
                 Ok(r) => e
                     .heartbeat(&self.caller(), &r.invocation_id)
                     .await
+                    .map_err(to_wire)
                     .and_then(ok),
                 Err(x) => Err(x),
             },
@@ -807,17 +823,19 @@ impl Conn {
                 Ok(r) => e
                     .status(&self.caller(), &r)
                     .await
+                    .map_err(to_wire)
                     .and_then(|_| ok(serde_json::json!({}))),
                 Err(x) => Err(x),
             },
             Op::TurnSubmit => match args::<SubmitArgs>(a) {
-                Ok(r) => e.submit(r).await.and_then(ok),
+                Ok(r) => e.submit(r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::TurnGet => match args::<TurnIdArgs>(a) {
                 Ok(r) => e
                     .get_turn(&r.turn_id)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turn| ok(TurnOk { turn })),
                 Err(x) => Err(x),
             },
@@ -825,6 +843,7 @@ impl Conn {
                 Ok(r) => e
                     .wait_turn(&r.turn_id, r.timeout_ms)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turn| ok(TurnOk { turn })),
                 Err(x) => Err(x),
             },
@@ -832,17 +851,19 @@ impl Conn {
                 Ok(r) => e
                     .stop_turn(&r.turn_id, r.reason)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turn| ok(TurnOk { turn })),
                 Err(x) => Err(x),
             },
             Op::TurnList => match args::<ListArgs>(a) {
-                Ok(r) => e.list_turns(r).await.and_then(ok),
+                Ok(r) => e.list_turns(r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::SessionInspect => match args::<SessionIdArgs>(a) {
                 Ok(r) => e
                     .inspect(&r.session_id)
                     .await
+                    .map_err(to_wire)
                     .and_then(|session| ok(SessionOk { session })),
                 Err(x) => Err(x),
             },
@@ -850,11 +871,12 @@ impl Conn {
                 Ok(r) => e
                     .stop_session(&r.session_id, r.reason)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turns| ok(TurnsOk { turns })),
                 Err(x) => Err(x),
             },
             Op::SessionEvents => match args::<EventsArgs>(a) {
-                Ok(r) => e.events(r).await.and_then(ok),
+                Ok(r) => e.events(r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::Watch => match args::<WatchArgs>(a) {
@@ -867,7 +889,7 @@ impl Conn {
                         .await;
                     return match res {
                         Ok(()) => None,
-                        Err(x) => Some(Err(x)),
+                        Err(x) => Some(Err(to_wire(x))),
                     };
                 }
                 Err(x) => Err(x),
@@ -875,6 +897,7 @@ impl Conn {
             Op::Unwatch => match args::<WatchIdArgs>(a) {
                 Ok(r) => e
                     .unwatch(&self.outbox.conn_id, &r.watch_id)
+                    .map_err(to_wire)
                     .and_then(|_| ok(serde_json::json!({}))),
                 Err(x) => Err(x),
             },
@@ -886,13 +909,15 @@ impl Conn {
                 functions: e.functions(),
             }),
             Op::SessionsList => match args::<SessionsListArgs>(a) {
-                Ok(r) => e.list_sessions(r).await.and_then(ok),
+                Ok(r) => e.list_sessions(r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::StoreCheck => {
                 let engine = e.clone();
                 match tokio::task::spawn_blocking(move || engine.check()).await {
-                    Ok(r) => r.and_then(|violations| ok(CheckOk { violations })),
+                    Ok(r) => r
+                        .map_err(to_wire)
+                        .and_then(|violations| ok(CheckOk { violations })),
                     Err(j) => Err(bad(
                         ErrorCode::Internal,
                         format!("store check task failed: {j}"),

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use crate::sled_kv::{Checkpoints, Job, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
-use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
+use crate::{Batch, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 /// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
 /// sorts before every key of the layout (`crate::keys`), whose scans never reach it.
@@ -406,7 +406,7 @@ fn probe_disk(dir: &Path) -> Result<(), StoreError> {
             f.write_all_at(&[0u8; PROBE_BYTES], 0)?;
             f.sync_data()
         })
-        .map_err(|e| StoreError::Write(format!("the disk still refuses writes: {e}")));
+        .map_err(|e| StoreError::io(IoOp::Write, "the disk still refuses writes", &e));
     if let Err(e) = std::fs::remove_file(&path) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::debug!("remove {path:?}: {e}");

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, RwLock, TryLockError};
 
 use tokio::runtime::RuntimeFlavor;
 
-use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
+use crate::{Batch, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 /// Whether commits are made durable with an fsync before they are acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -180,8 +180,9 @@ impl Shared {
 
     /// Open (or create) sled in `dir`.
     pub(crate) fn open(dir: &Path, opts: SledOptions) -> Result<Shared, StoreError> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| StoreError::Write(format!("create data dir {dir:?}: {e}")))?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            StoreError::io(IoOp::Write, format_args!("create data dir {dir:?}"), &e)
+        })?;
         let handle = Handle::open(dir, opts.cache_mb)?;
         sync_dir(dir)?;
         Ok(Shared {
@@ -227,7 +228,7 @@ impl Shared {
             .map_err(|e| StoreError::Sync(format!("flush: {e}")))?;
         h.log
             .sync_data()
-            .map_err(|e| StoreError::Sync(format!("fdatasync db: {e}")))?;
+            .map_err(|e| StoreError::io(IoOp::Sync, "fdatasync db", &e))?;
         let mut synced = self
             .synced_blobs
             .lock()
@@ -375,33 +376,40 @@ fn sync_blobs(dir: &Path, synced: &mut HashMap<OsString, u64>) -> Result<usize, 
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(StoreError::Sync(format!("read blobs dir: {e}"))),
+        Err(e) => return Err(StoreError::io(IoOp::Sync, "read blobs dir", &e)),
     };
     let mut live = HashMap::with_capacity(synced.len());
     let mut fresh = 0;
     for entry in entries {
-        let entry = entry.map_err(|e| StoreError::Sync(format!("read blobs dir: {e}")))?;
+        let entry = entry.map_err(|e| StoreError::io(IoOp::Sync, "read blobs dir", &e))?;
         let name = entry.file_name();
         // sled removes a blob once its value was replaced and the old one collected,
         // possibly after the listing: a blob that is gone needs nothing made durable.
         let len = match entry.metadata() {
             Ok(m) => m.len(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(StoreError::Sync(format!("stat blob {name:?}: {e}"))),
+            Err(e) => {
+                return Err(StoreError::io(
+                    IoOp::Sync,
+                    format_args!("stat blob {name:?}"),
+                    &e,
+                ))
+            }
         };
         if synced.get(&name) != Some(&len) {
             let f = match File::open(entry.path()) {
                 Ok(f) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => {
-                    return Err(StoreError::Sync(format!(
-                        "open blob {:?}: {e}",
-                        entry.path()
-                    )))
+                    return Err(StoreError::io(
+                        IoOp::Sync,
+                        format_args!("open blob {:?}", entry.path()),
+                        &e,
+                    ))
                 }
             };
             f.sync_data()
-                .map_err(|e| StoreError::Sync(format!("fdatasync blob: {e}")))?;
+                .map_err(|e| StoreError::io(IoOp::Sync, "fdatasync blob", &e))?;
             fresh += 1;
         }
         live.insert(name, len);
@@ -416,7 +424,7 @@ fn sync_blobs(dir: &Path, synced: &mut HashMap<OsString, u64>) -> Result<usize, 
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|e| StoreError::Sync(format!("fsync dir {dir:?}: {e}")))
+        .map_err(|e| StoreError::io(IoOp::Sync, format_args!("fsync dir {dir:?}"), &e))
 }
 
 /// Default size of sled's page cache (`storage.cache_mb`).

@@ -45,7 +45,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::StoreError;
+use crate::{IoOp, StoreError};
 
 /// Bytes of a record's header: length, CRC, lsn.
 pub const HEADER_BYTES: usize = 16;
@@ -107,13 +107,17 @@ fn segment_name(first_lsn: u64) -> String {
 }
 
 fn io(what: &str, e: std::io::Error) -> StoreError {
-    StoreError::Write(format!("commit log: {what}: {e}"))
+    StoreError::io(IoOp::Write, format_args!("commit log: {what}"), &e)
 }
 
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| StoreError::Sync(format!("commit log: fsync dir {dir:?}: {e}")))
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| {
+        StoreError::io(
+            IoOp::Sync,
+            format_args!("commit log: fsync dir {dir:?}"),
+            &e,
+        )
+    })
 }
 
 fn crc(lsn: u64, payload: &[u8]) -> u32 {
@@ -281,7 +285,7 @@ impl CommitLog {
                 .map_err(|e| io("preallocate a segment", std::io::Error::from(e)));
         let synced = prealloc.and_then(|()| {
             file.sync_all()
-                .map_err(|e| StoreError::Sync(format!("commit log: fsync a new segment: {e}")))
+                .map_err(|e| StoreError::io(IoOp::Sync, "commit log: fsync a new segment", &e))
         });
         if let Err(e) = synced.and_then(|()| sync_dir(dir)) {
             // Nothing was written to it: remove it, so the next try starts clean.
@@ -346,7 +350,7 @@ impl CommitLog {
                 }
                 self.file
                     .sync_data()
-                    .map_err(|e| StoreError::Sync(format!("commit log: fdatasync: {e}")))
+                    .map_err(|e| StoreError::io(IoOp::Sync, "commit log: fdatasync", &e))
             });
         match written {
             Ok(()) => {
@@ -396,7 +400,7 @@ impl CommitLog {
             .map_err(|e| io("write zeros over a failed append", e))?;
         self.file
             .sync_data()
-            .map_err(|e| StoreError::Sync(format!("commit log: fdatasync after repair: {e}")))?;
+            .map_err(|e| StoreError::io(IoOp::Sync, "commit log: fdatasync after repair", &e))?;
         self.failed = None;
         Ok(())
     }
@@ -406,7 +410,7 @@ impl CommitLog {
         self.file
             .flush()
             .and_then(|()| self.file.sync_data())
-            .map_err(|e| StoreError::Sync(format!("commit log: fdatasync: {e}")))
+            .map_err(|e| StoreError::io(IoOp::Sync, "commit log: fdatasync", &e))
     }
 }
 

@@ -19,6 +19,13 @@
 //! Nothing here is used by the daemon itself; it only ever talks to the daemon over
 //! its public protocol.
 
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
 #![warn(missing_docs)]
 
 pub mod proxy;

@@ -2,6 +2,14 @@
 //! (`serve`, `check-config`) or to the client commands, which talk to a running
 //! daemon through the SDK.
 
+#![cfg_attr(
+    test,
+    allow(
+        clippy::too_many_lines,
+        reason = "a test reads as one scenario from its setup to its last assertion"
+    )
+)]
+
 /// jemalloc instead of the system allocator: the daemon allocates and frees many
 /// small buffers per request (frames, JSON values, store batches); in profiles glibc
 /// malloc took about a quarter of all CPU time, and jemalloc keeps the resident size

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 use tokio_util::sync::CancellationToken;
+use turnd_server::config::{LogFormat, StorageSync};
 use turnd_server::{open_store, Config, Daemon, Listeners};
 
 /// Where the configuration comes from.
@@ -111,10 +112,9 @@ fn init_tracing(cfg: &Config) {
         .with_env_filter(filter)
         .with_ansi(log_colours())
         .with_writer(std::io::stderr);
-    if cfg.log.format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
+    match cfg.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
     }
 }
 
@@ -133,7 +133,7 @@ pub fn serve(args: ServeArgs) -> i32 {
         cfg.storage.data_dir = d.clone();
     }
     if let Some(f) = &args.log_format {
-        cfg.log.format = f.clone();
+        cfg.set_log_format(f);
     }
     if let Err(e) = cfg.validate() {
         eprintln!("turnd: {e}");
@@ -153,7 +153,10 @@ pub fn serve(args: ServeArgs) -> i32 {
             return 1;
         }
     };
-    let json_logs = cfg.log.format == "json";
+    let json_logs = match cfg.log.format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+    };
     match rt.block_on(run(cfg, args.ready_file)) {
         Ok(()) => 0,
         Err(e) => {
@@ -170,8 +173,9 @@ pub fn serve(args: ServeArgs) -> i32 {
 }
 
 async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
-    if cfg.storage.sync == "never" {
-        tracing::warn!("storage.sync = \"never\": acknowledged writes can be lost on a crash; use only for tests and benchmarks");
+    match cfg.storage.sync {
+        StorageSync::Never => tracing::warn!("storage.sync = \"never\": acknowledged writes can be lost on a crash; use only for tests and benchmarks"),
+        StorageSync::Always => {}
     }
     // Take over SIGTERM/SIGINT before anything can report readiness, so a signal
     // right after READY starts a graceful shutdown instead of killing the process.

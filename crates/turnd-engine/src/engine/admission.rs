@@ -13,16 +13,10 @@ impl Engine {
         let max = self.inner.cfg.turns.max_value_bytes;
         let input = RawJson::from_value(&args.input);
         if input.len() as u64 > max {
-            return Err(err(
-                ErrorCode::TooLarge,
-                format!("`input` is larger than max_value_bytes ({max})"),
-            ));
+            return Err(EngineError::InputTooLarge { max });
         }
         if args.turn_timeout_ms == Some(0) {
-            return Err(err(
-                ErrorCode::BadRequest,
-                "`turn_timeout_ms` must be positive",
-            ));
+            return Err(EngineError::out_of_range("turn_timeout_ms", "positive"));
         }
         let cell = self.cell(&args.session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
@@ -37,16 +31,16 @@ impl Engine {
                     .turn_record_locked(&st, &rec.turn_id)
                     .map_err(read_failed)?
                     .ok_or_else(|| {
-                        err(
-                            ErrorCode::Internal,
-                            format!("idempotency key names missing turn {}", rec.turn_id),
-                        )
+                        EngineError::invariant(format!(
+                            "idempotency key names missing turn {}",
+                            rec.turn_id
+                        ))
                     })?;
                 if t.function_id != args.function_id || t.input.to_value() != args.input {
-                    return Err(err(
-                        ErrorCode::Conflict,
-                        format!("idempotency key {key:?} was used for turn {} with a different function_id or input", t.turn_id),
-                    ));
+                    return Err(EngineError::IdempotencyConflict {
+                        key: key.clone(),
+                        turn_id: t.turn_id.clone(),
+                    });
                 }
                 Counters::inc(&self.inner.counters.deduplicated);
                 return Ok(SubmitOk {
@@ -56,14 +50,10 @@ impl Engine {
             }
         }
         if st.active.len() as u64 >= self.inner.cfg.turns.max_queued_per_session {
-            return Err(err(
-                ErrorCode::RateLimited,
-                format!(
-                    "session {} already holds {} unfinished turns (max_queued_per_session)",
-                    st.id,
-                    st.active.len()
-                ),
-            ));
+            return Err(EngineError::QueueFull {
+                session_id: st.id.clone(),
+                held: st.active.len(),
+            });
         }
         let turn_id = new_turn_id();
         let submission = machine::Submission {
@@ -76,13 +66,11 @@ impl Engine {
         let tx = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::submit(cx, tx, submission)
         });
-        self.commit(&cell, &mut st, tx)
-            .await
-            .map_err(|e| unavailable(&e))?;
+        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
         let t = self
             .turn_record_locked(&st, &turn_id)
             .map_err(read_failed)?
-            .ok_or_else(|| err(ErrorCode::Internal, "admitted turn vanished"))?;
+            .ok_or_else(|| EngineError::invariant("admitted turn vanished"))?;
         Ok(SubmitOk {
             turn: self.turn_view(&st, &t),
             deduplicated: false,

@@ -271,6 +271,7 @@ impl Engine {
                 tracing::warn!(
                     session_id,
                     delay_ms = delay,
+                    disk_full = e.is_disk_full(),
                     "failed to write a state change, retrying: {e}"
                 );
                 st.pending = Some(Pending {

@@ -24,7 +24,7 @@ impl Engine {
             .store
             .turn(turn_id)
             .map_err(read_failed)?
-            .ok_or_else(|| err(ErrorCode::NotFound, format!("no turn {turn_id} exists")))
+            .ok_or_else(|| EngineError::NoTurn(turn_id.to_string()))
     }
 
     /// `turn.get`.
@@ -55,9 +55,9 @@ impl Engine {
     pub async fn wait_turn(&self, turn_id: &str, timeout_ms: Option<u64>) -> ApiResult<Turn> {
         let timeout = timeout_ms.unwrap_or(WAIT_DEFAULT_MS);
         if timeout > WAIT_MAX_MS {
-            return Err(err(
-                ErrorCode::BadRequest,
-                format!("`timeout_ms` must be at most {WAIT_MAX_MS}"),
+            return Err(EngineError::out_of_range(
+                "timeout_ms",
+                format!("at most {WAIT_MAX_MS}"),
             ));
         }
         let (tx, rx) = oneshot::channel();
@@ -86,7 +86,7 @@ impl Engine {
         }
         match self.get_turn(turn_id).await {
             Ok(t) => Ok(t),
-            Err(e) if e.code == ErrorCode::NotFound => Ok(t),
+            Err(EngineError::NoTurn(_)) => Ok(t),
             Err(e) => Err(e),
         }
     }
@@ -170,10 +170,7 @@ impl Engine {
         let cell = self.cell(session_id);
         let st = self.lock(&cell).await.map_err(read_failed)?;
         if st.meta.last_turn_seq == 0 {
-            return Err(err(
-                ErrorCode::NotFound,
-                format!("no session {session_id} exists"),
-            ));
+            return Err(EngineError::NoSession(session_id.to_string()));
         }
         let fmt = self.fmt_ms();
         let lock = st.holder().map(|h| SessionLock {
@@ -218,10 +215,7 @@ impl Engine {
             .session_meta(&args.session_id)
             .map_err(read_failed)?;
         if meta.is_none() {
-            return Err(err(
-                ErrorCode::NotFound,
-                format!("no session {} exists", args.session_id),
-            ));
+            return Err(EngineError::NoSession(args.session_id.clone()));
         }
         let events = self
             .inner

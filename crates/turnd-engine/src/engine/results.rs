@@ -25,14 +25,11 @@ impl Engine {
                 applied = machine::result(cx, tx, &args.invocation_id, outcome);
             });
             if !applied {
-                return Err(err(
-                    ErrorCode::Internal,
+                return Err(EngineError::invariant(
                     "live invocation without a lock holder",
                 ));
             }
-            self.commit(&cell, &mut st, tx)
-                .await
-                .map_err(|e| unavailable(&e))?;
+            self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
             Counters::inc(&self.inner.counters.results_applied);
             return Ok(ResultOk {
                 accepted: Accepted::Applied,
@@ -69,17 +66,12 @@ impl Engine {
                     accepted: Accepted::Duplicate,
                 })
             }
-            machine::LateVerdict::ActiveNotCurrent => Err(err(
-                ErrorCode::Internal,
-                format!(
-                    "invocation {} is active but not its session's current one",
-                    rec.invocation_id
-                ),
-            )),
+            machine::LateVerdict::ActiveNotCurrent => Err(EngineError::invariant(format!(
+                "invocation {} is active but not its session's current one",
+                rec.invocation_id
+            ))),
             machine::LateVerdict::Recorded => {
-                self.commit(&cell, &mut st, tx)
-                    .await
-                    .map_err(|e| unavailable(&e))?;
+                self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
                 Counters::inc(&self.inner.counters.results_late);
                 Ok(ResultOk {
                     accepted: Accepted::Late,
@@ -90,11 +82,8 @@ impl Engine {
 
     /// `invocation.heartbeat`.
     pub async fn heartbeat(&self, caller: &Caller, invocation_id: &str) -> ApiResult<HeartbeatOk> {
-        let not_current = || {
-            err(
-                ErrorCode::NotFound,
-                format!("invocation {invocation_id} is not current; stop it"),
-            )
+        let not_current = || EngineError::NotCurrent {
+            invocation_id: invocation_id.to_string(),
         };
         let session_id = self
             .invocation_session(caller, invocation_id)?
@@ -109,9 +98,7 @@ impl Engine {
             return Err(not_current());
         };
         if !tx.is_empty() {
-            self.commit(&cell, &mut st, tx)
-                .await
-                .map_err(|e| unavailable(&e))?;
+            self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
         }
         Ok(HeartbeatOk { deadline_ms })
     }
@@ -120,12 +107,7 @@ impl Engine {
     pub async fn status(&self, caller: &Caller, args: &StatusArgs) -> ApiResult<()> {
         let session_id = self
             .invocation_session(caller, &args.invocation_id)?
-            .ok_or_else(|| {
-                err(
-                    ErrorCode::NotFound,
-                    format!("no invocation {} exists", args.invocation_id),
-                )
-            })?;
+            .ok_or_else(|| EngineError::NoInvocation(args.invocation_id.clone()))?;
         let label = match args.state {
             InvocationState::Running => "running",
             InvocationState::Finished => "finished",
@@ -141,9 +123,7 @@ impl Engine {
             // Not probing this invocation (any more): a stale status changes nothing.
             return Ok(());
         }
-        self.commit(&cell, &mut st, tx)
-            .await
-            .map_err(|e| unavailable(&e))?;
+        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
         Ok(())
     }
 }

@@ -138,6 +138,10 @@ fn total(c: &TurnCounts) -> u64 {
 /// Read what deleting `expired` of session `sid` writes (see the module doc).
 /// `counts` are the session's counts when the reads began: when the deleted turns
 /// are all of them, every event value is read, to forget the session.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one pass over a session's stored turns and events, its reads and writes together"
+)]
 fn plan(
     store: &Store,
     sid: &str,
@@ -324,6 +328,10 @@ impl Engine {
     }
 
     /// Delete the expired turns of one session (see the module doc).
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one pass over a session's stored turns and events, its reads and writes together"
+    )]
     async fn expire(
         &self,
         sid: &str,

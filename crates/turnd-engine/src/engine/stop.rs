@@ -25,13 +25,11 @@ impl Engine {
         let tx = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::stop_turn(cx, tx, t.seq, reason)
         });
-        self.commit(&cell, &mut st, tx)
-            .await
-            .map_err(|e| unavailable(&e))?;
+        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
         let t = self
             .turn_record_locked(&st, turn_id)
             .map_err(read_failed)?
-            .ok_or_else(|| err(ErrorCode::Internal, "stopped turn vanished"))?;
+            .ok_or_else(|| EngineError::invariant("stopped turn vanished"))?;
         Ok(self.turn_view(&st, &t))
     }
 
@@ -45,19 +43,14 @@ impl Engine {
         let cell = self.cell(session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
         if st.meta.last_turn_seq == 0 {
-            return Err(err(
-                ErrorCode::NotFound,
-                format!("no session {session_id} exists"),
-            ));
+            return Err(EngineError::NoSession(session_id.to_string()));
         }
         let reason = reason.unwrap_or_default();
         let tx = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::stop_session(cx, tx, &reason)
         });
         let ids: Vec<String> = st.active.iter().map(|t| t.turn_id.clone()).collect();
-        self.commit(&cell, &mut st, tx)
-            .await
-            .map_err(|e| unavailable(&e))?;
+        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
         let mut out = Vec::new();
         for id in ids {
             if let Some(t) = self.turn_record_locked(&st, &id).map_err(read_failed)? {

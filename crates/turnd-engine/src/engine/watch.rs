@@ -35,12 +35,7 @@ impl Engine {
                 let rec = self.stored_turn(t)?;
                 (rec.session_id, Some(t.clone()))
             }
-            _ => {
-                return Err(err(
-                    ErrorCode::BadRequest,
-                    "give exactly one of `session_id` and `turn_id`",
-                ))
-            }
+            _ => return Err(EngineError::WatchTarget),
         };
         let watch_id = new_watch_id();
         let start = {
@@ -54,10 +49,7 @@ impl Engine {
                 .filter(|x| x.conn_id == outbox.conn_id)
                 .count();
             if mine >= max_watches {
-                return Err(err(
-                    ErrorCode::RateLimited,
-                    format!("at most {max_watches} watches per connection"),
-                ));
+                return Err(EngineError::TooManyWatches { max: max_watches });
             }
             let start = args.after.unwrap_or(watermark);
             w.entry(session_id.clone()).or_default().push(Watch {
@@ -189,10 +181,7 @@ impl Engine {
         if found {
             Ok(())
         } else {
-            Err(err(
-                ErrorCode::NotFound,
-                format!("no watch {watch_id} on this connection"),
-            ))
+            Err(EngineError::NoWatch(watch_id.to_string()))
         }
     }
 

@@ -18,10 +18,7 @@ impl Engine {
         outbox: Outbox,
         caps: WorkerCaps,
     ) -> ApiResult<Reconciled> {
-        let worker_id = hello
-            .worker_id
-            .as_deref()
-            .ok_or_else(|| err(ErrorCode::BadRequest, "a worker `hello` needs `worker_id`"))?;
+        let worker_id = hello.worker_id.as_deref().ok_or(EngineError::NoWorkerId)?;
         check_id("worker_id", worker_id)?;
         let instance_id = hello
             .instance_id
@@ -139,9 +136,7 @@ impl Engine {
             );
         });
         if verdict.is_some() {
-            self.commit(&cell, &mut st, tx)
-                .await
-                .map_err(|e| unavailable(&e))?;
+            self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
         }
         Ok(verdict)
     }
@@ -165,24 +160,18 @@ impl Engine {
         check_id("function_id", &args.function_id)?;
         let concurrency = args.concurrency.unwrap_or(1);
         if concurrency == 0 || concurrency > 10_000 {
-            return Err(err(
-                ErrorCode::BadRequest,
-                "`concurrency` must be 1 to 10000",
-            ));
+            return Err(EngineError::out_of_range("concurrency", "1 to 10000"));
         }
         let timeout_ms = args
             .timeout_ms
             .unwrap_or(self.inner.cfg.turns.default_timeout_ms);
         if timeout_ms == 0 {
-            return Err(err(ErrorCode::BadRequest, "`timeout_ms` must be positive"));
+            return Err(EngineError::out_of_range("timeout_ms", "positive"));
         }
         let delivery = args.delivery.unwrap_or_default();
         let max_attempts = args.max_attempts.unwrap_or(delivery.default_max_attempts());
         if max_attempts == 0 || max_attempts > 1000 {
-            return Err(err(
-                ErrorCode::BadRequest,
-                "`max_attempts` must be 1 to 1000",
-            ));
+            return Err(EngineError::out_of_range("max_attempts", "1 to 1000"));
         }
         let workers = self.registry().register(
             worker_id,
@@ -206,10 +195,9 @@ impl Engine {
         if self.registry().unregister(worker_id, function_id) {
             Ok(())
         } else {
-            Err(err(
-                ErrorCode::NotFound,
-                format!("function {function_id} is not registered on this connection"),
-            ))
+            Err(EngineError::NotRegistered {
+                function_id: function_id.to_string(),
+            })
         }
     }
 
@@ -230,10 +218,10 @@ impl Engine {
         };
         if let Some(w) = &caller.worker_id {
             if caller.role == Role::Worker && inv.worker_id != *w {
-                return Err(err(
-                    ErrorCode::Forbidden,
-                    format!("invocation {invocation_id} was not dispatched to worker {w}"),
-                ));
+                return Err(EngineError::NotYourInvocation {
+                    invocation_id: invocation_id.to_string(),
+                    worker_id: w.clone(),
+                });
             }
         }
         Ok(Some(inv))

@@ -76,6 +76,28 @@ fn turn_deadline(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
     );
 }
 
+/// The attempt deadline passed: ask the worker about the invocation, and wait
+/// `turns.probe_timeout_ms` for its answer.
+fn probe(cx: &Ctx, tx: &mut Tx, h: &TurnRecord, mut inv: InvocationRecord) {
+    let st = cx.st;
+    let now = tx.now;
+    inv.wait = InvWait::Probing;
+    inv.wait_since_ms = now;
+    inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
+    tx.event(
+        &st.id,
+        &h.turn_id,
+        EventKind::ProbeSent,
+        json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "deadline_ms": inv.deadline_ms}),
+    );
+    tx.effects.push(Effect::Probe {
+        worker_id: inv.worker_id.clone(),
+        instance_id: inv.instance_id.clone(),
+        invocation_id: inv.invocation_id.clone(),
+    });
+    tx.put_invocation(st, inv);
+}
+
 /// What is due for a lock holder with an invocation out.
 fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
     let st = cx.st;
@@ -116,23 +138,7 @@ fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
             inv,
             "the attempt deadline passed and the worker cannot be probed",
         ),
-        InvWait::AwaitingResult => {
-            inv.wait = InvWait::Probing;
-            inv.wait_since_ms = now;
-            inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
-            tx.event(
-                &st.id,
-                &h.turn_id,
-                EventKind::ProbeSent,
-                json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "deadline_ms": inv.deadline_ms}),
-            );
-            tx.effects.push(Effect::Probe {
-                worker_id: inv.worker_id.clone(),
-                instance_id: inv.instance_id.clone(),
-                invocation_id: inv.invocation_id.clone(),
-            });
-            tx.put_invocation(st, inv);
-        }
+        InvWait::AwaitingResult => probe(cx, tx, &h, inv),
         InvWait::Probing => outcome_unknown(
             cx,
             tx,

@@ -1,0 +1,85 @@
+//! The sending side of a connection and why it is closed.
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Why an outgoing frame is sent; the connection task closes with the right code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    /// Superseded by a newer connection of the same worker_id (code 4001).
+    Superseded,
+    /// Its outgoing queue overflowed: the peer does not read fast enough.
+    SlowReader,
+    /// A watch's replay could not read the store (code 1011).
+    Unavailable,
+    /// The connection's reading side ended (the peer closed it or it failed): the
+    /// writer stops without a close frame of its own.
+    ReaderEnded,
+    /// The daemon is shutting down (code 1001).
+    ServerClosing,
+}
+
+/// The sending side of one connection: a bounded queue of text frames. A peer that
+/// cannot keep up is disconnected instead of making the daemon buffer without bound.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    pub conn_id: String,
+    tx: mpsc::Sender<String>,
+    close: CancellationToken,
+    reason: std::sync::Arc<parking_lot::Mutex<Option<CloseReason>>>,
+}
+
+impl Outbox {
+    /// A new outbox holding at most `capacity` frames, and its receiving side.
+    pub fn new(conn_id: String, capacity: usize) -> (Outbox, mpsc::Receiver<String>) {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        (
+            Outbox {
+                conn_id,
+                tx,
+                close: CancellationToken::new(),
+                reason: Default::default(),
+            },
+            rx,
+        )
+    }
+
+    /// Queue a frame without waiting. Returns false (and closes the connection when the
+    /// queue is full) if it could not be queued.
+    pub fn push(&self, frame: String) -> bool {
+        match self.tx.try_send(frame) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.close_with(CloseReason::SlowReader);
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+
+    /// Queue a frame, waiting for room (responses: the request task may wait).
+    pub async fn send(&self, frame: String) -> bool {
+        self.tx.send(frame).await.is_ok()
+    }
+
+    pub fn close_with(&self, reason: CloseReason) {
+        {
+            let mut r = self.reason.lock();
+            r.get_or_insert(reason);
+        }
+        self.close.cancel();
+    }
+
+    /// Resolves when the connection must close.
+    pub fn closed(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.close.cancelled()
+    }
+
+    pub fn close_reason(&self) -> Option<CloseReason> {
+        *self.reason.lock()
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.close.is_cancelled() || self.tx.is_closed()
+    }
+}
