@@ -58,7 +58,12 @@ async fn commit(e: &Engine, n: u8) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-async fn run(before: u16, after: u16, capacity: usize, steps: Vec<Step>) -> Result<(), TestCaseError> {
+async fn run(
+    before: u16,
+    after: u16,
+    capacity: usize,
+    steps: Vec<Step>,
+) -> Result<(), TestCaseError> {
     let store = Store::new(Arc::new(MemKv::new()));
     let e = open(&store).await;
     for _ in 0..before {
@@ -101,7 +106,9 @@ async fn run(before: u16, after: u16, capacity: usize, steps: Vec<Step>) -> Resu
         }
     }
     prop_assert!(watcher.is_finished(), "the replay ends once it is read");
-    let r = watcher.await.map_err(|x| TestCaseError::fail(x.to_string()))?;
+    let r = watcher
+        .await
+        .map_err(|x| TestCaseError::fail(x.to_string()))?;
     prop_assert!(r.is_ok(), "{:?}", r);
     prop_assert!(answered);
     let last = e
