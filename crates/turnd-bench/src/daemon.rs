@@ -141,7 +141,8 @@ pub struct BenchDaemon {
 
 impl BenchDaemon {
     pub async fn start(data_dir: &Path, common: &Common) -> anyhow::Result<BenchDaemon> {
-        let cfg = bench_config(data_dir, &common.sync, common.checkpoint_mb);
+        let mut cfg = bench_config(data_dir, &common.sync, common.checkpoint_mb);
+        cfg.storage.cache_mb = common.cache_mb;
         cfg.validate()?;
         let listeners = Listeners::bind(&cfg).await?;
         let kv = open_store(&cfg)?;

@@ -170,6 +170,28 @@ pub fn proc_status_kb(field: &str) -> Option<u64> {
     })
 }
 
+/// jemalloc's view of the process's heap: bytes the program holds (`allocated`), in
+/// pages it uses (`active`), pages resident (`resident`, also the allocator's own
+/// metadata and dirty pages not yet returned), and mapped or retained address space.
+/// Tells memory the program still holds from pages the allocator keeps.
+pub fn alloc_stats() -> String {
+    use tikv_jemalloc_ctl::{epoch, stats};
+    let read = || -> Result<String, tikv_jemalloc_ctl::Error> {
+        epoch::advance()?;
+        let m = |b: usize| b as f64 / (1024.0 * 1024.0);
+        Ok(format!(
+            "jemalloc allocated {:.0} MB, active {:.0} MB, resident {:.0} MB, metadata {:.0} MB, mapped {:.0} MB, retained {:.0} MB",
+            m(stats::allocated::read()?),
+            m(stats::active::read()?),
+            m(stats::resident::read()?),
+            m(stats::metadata::read()?),
+            m(stats::mapped::read()?),
+            m(stats::retained::read()?),
+        ))
+    };
+    read().unwrap_or_else(|e| format!("jemalloc stats unavailable: {e}"))
+}
+
 pub fn mb(kb: Option<u64>) -> String {
     match kb {
         Some(kb) => format!("{:.0} MB", kb as f64 / 1024.0),

@@ -466,6 +466,7 @@ pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow
     let workers = Workers::start(&d.url, common.workers, common.concurrency).await?;
     let cs = callers(&d.url, common.callers).await?;
     let (rss_base, _) = settled_rss(&d, 0, Duration::from_secs(1)).await;
+    let alloc_base = crate::measure::alloc_stats();
     let probe = Probe::start(&d);
     let start = Instant::now();
     let mut lat = Latencies::default();
@@ -505,9 +506,11 @@ pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow
     let measured = probe.finish(&d);
     let stats = cs[0].stats().await.context("stats")?;
     let (rss_done, in_memory) = settled_rss(&d, 0, Duration::from_secs(3)).await;
+    let alloc_done = crate::measure::alloc_stats();
     close_callers(cs).await;
     workers.stop().await?;
     let (rss_settled, _) = settled_rss(&d, 0, Duration::from_secs(2)).await;
+    let alloc_settled = crate::measure::alloc_stats();
     let hwm = proc_status_kb("VmHWM");
     d.shutdown().await?;
     let kb = |v: Option<u64>| crate::measure::mb(v);
@@ -529,7 +532,7 @@ pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow
         rss_peak_kb: hwm,
         commits: Some(measured.commits),
         notes: format!(
-            "latency columns = submit→completed; RSS: {} before the daemon started, {} with the daemon, workers and callers connected, {} after all {n} turns completed ({growth} over the connected daemon; {in_memory} sessions in memory, {} completed), {} after the callers and workers closed; {}",
+            "latency columns = submit→completed; RSS: {} before the daemon started, {} with the daemon, workers and callers connected, {} after all {n} turns completed ({growth} over the connected daemon; {in_memory} sessions in memory, {} completed), {} after the callers and workers closed; connected: {alloc_base}; all completed: {alloc_done}; closed: {alloc_settled}; {}",
             kb(rss_before_start),
             kb(rss_base),
             kb(rss_done),
@@ -908,6 +911,7 @@ async fn fill_and_kill(common: &Common, data: &Path, a: &RecoveryArgs) -> anyhow
         .args(["--concurrency", &common.concurrency.to_string()])
         .args(["--callers", &common.callers.to_string()])
         .args(["--checkpoint-mb", &common.checkpoint_mb.to_string()])
+        .args(["--cache-mb", &common.cache_mb.to_string()])
         .args(["--input-bytes", &common.input_bytes.to_string()])
         .arg("--data-dir")
         .arg(data)

@@ -51,6 +51,7 @@ use crate::session::{to_turn, wait_of, Pending, SessionState, Summary, Tx};
 
 #[path = "sessions_list.rs"]
 mod sessions_list;
+pub(crate) use cells::shrink_after_burst;
 pub use sessions_list::{BlockedOn, LiveInvocation};
 
 type ApiResult<T> = EngineResult<T>;
@@ -306,6 +307,9 @@ impl Engine {
             if let Some(k) = turn_id_bits(&t.turn_id) {
                 live.remove(&k);
             }
+        }
+        if !ended.is_empty() {
+            shrink_after_burst(&mut live);
         }
     }
 

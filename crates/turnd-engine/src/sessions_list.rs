@@ -198,6 +198,7 @@ impl WaitIndex {
             }
         }
         let Some(e) = entry else {
+            crate::engine::shrink_after_burst(&mut self.entries);
             return;
         };
         let function_id: Arc<str> = match self.by_function.get_key_value(e.function_id) {

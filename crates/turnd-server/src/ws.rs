@@ -327,7 +327,7 @@ where
         }
     };
     let conn_id = new_connection_id();
-    let (outbox, mut out_rx) =
+    let (outbox, out_rx) =
         Outbox::new(conn_id.clone(), shared.config.server.outbox_frames as usize);
     let conn = Arc::new(Conn {
         shared: shared.clone(),
@@ -338,97 +338,19 @@ where
     });
     shared.connections.of(None).fetch_add(1, Ordering::Relaxed);
     tracing::debug!(%peer, conn_id, "connection opened");
-    let (mut sink, mut stream) = ws.split();
+    let (sink, mut stream) = ws.split();
     let heartbeat = Duration::from_millis(shared.config.server.heartbeat_ms);
 
-    // Writer: drains the outbox, pings, and sends the close frame. Every write
-    // must finish within `write_stall_ms`: a peer that does not read fills the
-    // socket's buffers, and the connection is then closed (1008) rather than holding
-    // its queue and every request waiting for room in it.
-    let writer_outbox = outbox.clone();
     let stall = Duration::from_millis(shared.config.server.write_stall_ms);
-    let (close_tx, mut close_rx) = tokio::sync::mpsc::channel::<(u16, String)>(1);
-    let writer = tokio::spawn(async move {
-        let mut ping = tokio::time::interval(heartbeat);
-        ping.tick().await;
-        let stalled = || {
-            writer_outbox.close_with(CloseReason::SlowReader);
-            Some((
-                1008,
-                format!(
-                    "nothing could be written for {} ms: the peer does not read",
-                    stall.as_millis()
-                ),
-            ))
-        };
-        let close = loop {
-            tokio::select! {
-                frame = out_rx.recv() => match frame {
-                    Some(f) => {
-                        // Frames already queued behind this one go out in the same
-                        // write: one flush (one send syscall) for the lot.
-                        let write = async {
-                            sink.feed(Message::text(f)).await?;
-                            let mut batched = 1;
-                            while batched < WRITE_BATCH_FRAMES {
-                                let Ok(more) = out_rx.try_recv() else { break };
-                                sink.feed(Message::text(more)).await?;
-                                batched += 1;
-                            }
-                            sink.flush().await
-                        };
-                        match tokio::time::timeout(stall, write).await {
-                            Ok(Ok(())) => {}
-                            Ok(Err(_)) => break None,
-                            Err(_) => break stalled(),
-                        }
-                    }
-                    None => break None,
-                },
-                _ = ping.tick() => {
-                    match tokio::time::timeout(stall, sink.send(Message::Ping(Vec::new().into()))).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(_)) => break None,
-                        Err(_) => break stalled(),
-                    }
-                }
-                c = close_rx.recv() => break c,
-                _ = writer_outbox.closed() => {
-                    break match writer_outbox.close_reason() {
-                        Some(CloseReason::Superseded) => Some((CLOSE_SUPERSEDED, "superseded by a newer connection of this worker_id".to_string())),
-                        Some(CloseReason::SlowReader) => Some((1008, "outgoing queue full: the peer does not read fast enough".to_string())),
-                        Some(CloseReason::Unavailable) => Some((1011, "a watch's events could not be read from the store; watch again with `after`".to_string())),
-                        Some(CloseReason::ReaderEnded) => None,
-                        Some(CloseReason::ServerClosing) | None => Some((1001, "server closing".to_string())),
-                    };
-                }
-            }
-        };
-        // Flush what is queued (responses already promised), then close; a peer that
-        // does not read gets no longer than `write_stall_ms` for all of it.
-        let finish = async {
-            while let Ok(f) = out_rx.try_recv() {
-                if sink.send(Message::text(f)).await.is_err() {
-                    break;
-                }
-            }
-            if let Some((code, reason)) = close {
-                let frame = CloseFrame {
-                    code: CloseCode::from(code),
-                    reason: reason.into(),
-                };
-                if let Err(e) = sink.send(Message::Close(Some(frame))).await {
-                    tracing::debug!("close frame not sent: {e}");
-                }
-            }
-            if let Err(e) = sink.close().await {
-                tracing::trace!("socket close: {e}");
-            }
-        };
-        if tokio::time::timeout(stall, finish).await.is_err() {
-            tracing::debug!("connection closed without its last frames: the peer does not read");
-        }
-    });
+    let (close_tx, close_rx) = tokio::sync::oneshot::channel();
+    let writer = tokio::spawn(write_loop(
+        sink,
+        out_rx,
+        outbox.clone(),
+        close_rx,
+        heartbeat,
+        stall,
+    ));
 
     let mut bad_in_row = 0u32;
     let mut bucket = Bucket::new(shared.config.server.max_requests_per_second);
@@ -599,12 +521,11 @@ where
             drop(counted);
         });
     };
-    if let Some(c) = close {
-        if close_tx.send(c).await.is_err() {
-            tracing::trace!("writer already gone");
-        }
-    } else {
-        outbox.close_with(CloseReason::ReaderEnded);
+    // Tag the outbox first, then say which close frame: the writer sends the frame
+    // of whichever cause tagged it first, this one or the engine's.
+    outbox.close_with(CloseReason::ReaderEnded);
+    if close_tx.send(close).is_err() {
+        tracing::trace!("writer already gone");
     }
     shared.engine.connection_closed(&conn_id);
     let role = conn.auth.get().map(|a| a.role);
@@ -622,6 +543,133 @@ where
         tracing::debug!(conn_id, "writer did not finish in time");
     }
     tracing::debug!(%peer, conn_id, "connection closed");
+}
+
+/// The close frame (code, reason) for why the engine closed a connection; `None`:
+/// send none.
+fn engine_close_frame(r: CloseReason) -> Option<(u16, String)> {
+    let (code, reason) = match r {
+        CloseReason::Superseded => (
+            CLOSE_SUPERSEDED,
+            "superseded by a newer connection of this worker_id",
+        ),
+        CloseReason::SlowReader => (
+            1008,
+            "outgoing queue full: the peer does not read fast enough",
+        ),
+        CloseReason::Unavailable => (
+            1011,
+            "a watch's events could not be read from the store; watch again with `after`",
+        ),
+        CloseReason::ServerClosing => (1001, "server closing"),
+        CloseReason::ReaderEnded => return None,
+    };
+    Some((code, reason.to_string()))
+}
+
+/// The close frame of a closed connection: the first cause that tagged its outbox
+/// decides. The reader tags it ([`CloseReason::ReaderEnded`]) just before it sends
+/// its own choice on `from_reader` (`None`: the peer is gone, no frame); any other
+/// tag is the engine's.
+async fn close_frame(
+    outbox: &Outbox,
+    from_reader: &mut tokio::sync::oneshot::Receiver<Option<(u16, String)>>,
+) -> Option<(u16, String)> {
+    match outbox.close_reason() {
+        Some(CloseReason::ReaderEnded) => from_reader.await.ok().flatten(),
+        Some(r) => engine_close_frame(r),
+        None => Some((1001, "server closing".to_string())),
+    }
+}
+
+/// The writer of a connection: drains the outbox, pings, and sends the close
+/// frame. Every write must finish within `stall`: a peer that does not read fills
+/// the socket's buffers, and the connection is then closed (1008) rather than
+/// holding its queue and every request waiting for room in it.
+///
+/// The connection ends when its outbox is closed, by the engine or by the reader
+/// (which tags it, then sends its close frame on `from_reader`). Only that one arm
+/// ends the loop, and the frame is the first tag's whichever way it was woken, so
+/// the peer gets the same close code however the arms race.
+async fn write_loop<S>(
+    mut sink: S,
+    mut out_rx: tokio::sync::mpsc::Receiver<String>,
+    outbox: Outbox,
+    mut from_reader: tokio::sync::oneshot::Receiver<Option<(u16, String)>>,
+    heartbeat: Duration,
+    stall: Duration,
+) where
+    S: futures_util::Sink<Message, Error = WsError> + Unpin,
+{
+    let mut ping = tokio::time::interval(heartbeat);
+    ping.tick().await;
+    let close = loop {
+        let wrote = tokio::select! {
+            frame = out_rx.recv() => match frame {
+                Some(f) => {
+                    // Frames already queued behind this one go out in the same
+                    // write: one flush (one send syscall) for the lot.
+                    let write = async {
+                        sink.feed(Message::text(f)).await?;
+                        let mut batched = 1;
+                        while batched < WRITE_BATCH_FRAMES {
+                            let Ok(more) = out_rx.try_recv() else { break };
+                            sink.feed(Message::text(more)).await?;
+                            batched += 1;
+                        }
+                        sink.flush().await
+                    };
+                    tokio::time::timeout(stall, write).await
+                }
+                None => break None,
+            },
+            _ = ping.tick() => {
+                tokio::time::timeout(stall, sink.send(Message::Ping(Vec::new().into()))).await
+            }
+            _ = outbox.closed() => break close_frame(&outbox, &mut from_reader).await,
+        };
+        match wrote {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => break None,
+            Err(_) => {
+                outbox.close_with(CloseReason::SlowReader);
+                break match outbox.close_reason() {
+                    Some(CloseReason::SlowReader) => Some((
+                        1008,
+                        format!(
+                            "nothing could be written for {} ms: the peer does not read",
+                            stall.as_millis()
+                        ),
+                    )),
+                    _ => close_frame(&outbox, &mut from_reader).await,
+                };
+            }
+        }
+    };
+    // Flush what is queued (responses already promised), then close; a peer that
+    // does not read gets no longer than `stall` for all of it.
+    let finish = async {
+        while let Ok(f) = out_rx.try_recv() {
+            if sink.send(Message::text(f)).await.is_err() {
+                break;
+            }
+        }
+        if let Some((code, reason)) = close {
+            let frame = CloseFrame {
+                code: CloseCode::from(code),
+                reason: reason.into(),
+            };
+            if let Err(e) = sink.send(Message::Close(Some(frame))).await {
+                tracing::debug!("close frame not sent: {e}");
+            }
+        }
+        if let Err(e) = sink.close().await {
+            tracing::trace!("socket close: {e}");
+        }
+    };
+    if tokio::time::timeout(stall, finish).await.is_err() {
+        tracing::debug!("connection closed without its last frames: the peer does not read");
+    }
 }
 
 impl Conn {
@@ -951,5 +999,96 @@ mod tests {
         tokio::time::advance(Duration::from_millis(500)).await;
         assert!(b.take());
         assert!(!b.take());
+    }
+
+    /// The close code a peer receives when the reader's close and the engine's both
+    /// have happened before the writer looks: every arm of its `select!` is then
+    /// ready, and the code must be the first cause's whichever arm wins.
+    async fn close_code_seen(
+        first_engine: Option<CloseReason>,
+        reader: Option<(u16, &str)>,
+        then_engine: Option<CloseReason>,
+    ) -> Option<u16> {
+        use tokio_tungstenite::tungstenite::protocol::Role;
+        use tokio_tungstenite::WebSocketStream;
+        let (server_io, client_io) = tokio::io::duplex(1 << 16);
+        let server = WebSocketStream::from_raw_socket(server_io, Role::Server, None).await;
+        let mut client = WebSocketStream::from_raw_socket(client_io, Role::Client, None).await;
+        let (outbox, out_rx) = Outbox::new("c".into(), 8);
+        // A frame queued before the close, as a response would be.
+        assert!(outbox.push("{\"id\":1}".into()));
+        let (close_tx, close_rx) = tokio::sync::oneshot::channel();
+        if let Some(r) = first_engine {
+            outbox.close_with(r);
+        }
+        outbox.close_with(CloseReason::ReaderEnded);
+        close_tx
+            .send(reader.map(|(c, r)| (c, r.to_string())))
+            .expect("the writer is not started yet");
+        if let Some(r) = then_engine {
+            outbox.close_with(r);
+        }
+        let (sink, _stream) = server.split();
+        let writer = tokio::spawn(write_loop(
+            sink,
+            out_rx,
+            outbox,
+            close_rx,
+            Duration::from_millis(1),
+            Duration::from_secs(5),
+        ));
+        let mut code = None;
+        let mut texts = 0;
+        while let Some(Ok(m)) = client.next().await {
+            match m {
+                Message::Text(_) => texts += 1,
+                Message::Close(c) => {
+                    code = c.map(|c| u16::from(c.code));
+                    break;
+                }
+                _ => {}
+            }
+        }
+        writer.await.expect("the writer ends");
+        assert_eq!(texts, 1, "the queued frame goes out before the close");
+        code
+    }
+
+    #[tokio::test]
+    async fn the_first_cause_of_a_close_decides_its_code_whichever_arm_wins() {
+        // `select!` picks among ready arms at random: many rounds of each.
+        for _ in 0..40 {
+            // The reader closed first (a frame over the limit), then the engine
+            // (an overflowing push): 1009.
+            let code = close_code_seen(
+                None,
+                Some((CLOSE_TOO_BIG, "frame too large")),
+                Some(CloseReason::SlowReader),
+            )
+            .await;
+            assert_eq!(code, Some(CLOSE_TOO_BIG));
+            // The engine closed first (a newer connection of the worker), then the
+            // reader saw the outbox close: 4001.
+            let code = close_code_seen(Some(CloseReason::Superseded), None, None).await;
+            assert_eq!(code, Some(CLOSE_SUPERSEDED));
+            // The engine first, then the reader with a code of its own: 4001.
+            let code = close_code_seen(
+                Some(CloseReason::Superseded),
+                Some((1001, "server shutting down")),
+                None,
+            )
+            .await;
+            assert_eq!(code, Some(CLOSE_SUPERSEDED));
+            // The reader first, shutting down, then the engine: 1001.
+            let code = close_code_seen(
+                None,
+                Some((1001, "server shutting down")),
+                Some(CloseReason::Unavailable),
+            )
+            .await;
+            assert_eq!(code, Some(1001));
+            // The peer went away: no close frame of ours.
+            assert_eq!(close_code_seen(None, None, None).await, None);
+        }
     }
 }

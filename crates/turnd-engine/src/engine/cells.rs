@@ -54,6 +54,21 @@ impl Drop for CellRef {
     }
 }
 
+/// Give back what a map grew to in a burst once most of it is empty: a map keeps
+/// its capacity, so 100,000 sessions queued at once and finished would hold some
+/// MB of empty table for good. Shrinks to twice the entries left when fewer than a
+/// quarter of its slots are used, so a map that shrank must lose half its entries
+/// again before the next shrink: each shrink's rehash is paid for by the removals
+/// before it. Small maps are left alone.
+pub(crate) fn shrink_after_burst<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
+    m: &mut HashMap<K, V, S>,
+) {
+    const KEEP: usize = 1024;
+    if m.capacity() > KEEP && m.len() < m.capacity() / 4 {
+        m.shrink_to((m.len() * 2).max(KEEP));
+    }
+}
+
 /// Whether a session holds nothing that its stored meta does not.
 fn idle(st: &SessionState) -> bool {
     st.active.len() == 0 && st.inv.is_none() && st.timer.is_none() && st.pending.is_none()
@@ -70,6 +85,7 @@ impl Engine {
                 let ours = m.get(&st.id).is_some_and(|c| Arc::ptr_eq(c, &cell));
                 if ours && idle(&st) {
                     m.remove(&st.id);
+                    shrink_after_burst(&mut m);
                     if st.loaded && st.meta.last_turn_seq > 0 {
                         self.inner.evicted.lock().insert(session_hash(&st.id));
                     }
@@ -97,5 +113,44 @@ impl Engine {
     /// Watches held by every connection (for `/metrics`).
     pub fn watch_count(&self) -> usize {
         self.inner.watches.lock().values().map(Vec::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::shrink_after_burst;
+
+    #[test]
+    fn a_map_gives_back_its_burst_capacity() {
+        let mut m: HashMap<u64, u64> = (0..100_000).map(|i| (i, i)).collect();
+        let burst = m.capacity();
+        let mut shrinks = 0;
+        for i in 0..99_990 {
+            m.remove(&i);
+            let before = m.capacity();
+            shrink_after_burst(&mut m);
+            // (`capacity` also drops by one for a removal that leaves a tombstone.)
+            if m.capacity() < before * 3 / 4 {
+                shrinks += 1;
+            }
+            // Never more than four slots per entry once past the small size.
+            assert!(
+                m.capacity() <= 4 * m.len() + 2 * 1024 + 1,
+                "{} for {}",
+                m.capacity(),
+                m.len()
+            );
+        }
+        assert!(
+            m.capacity() < burst / 50,
+            "{} of {burst} kept",
+            m.capacity()
+        );
+        // Shrinking is rare: a handful of rehashes for 100,000 removals.
+        assert!((1..=8).contains(&shrinks), "{shrinks} shrinks");
+        // Nothing is shrunk below 1,024 slots.
+        assert!(m.capacity() >= 1024 - 16, "{}", m.capacity());
     }
 }

@@ -47,6 +47,11 @@ impl Outbox {
     /// Queue a frame without waiting. Returns false (and closes the connection when the
     /// queue is full) if it could not be queued.
     pub fn push(&self, frame: String) -> bool {
+        // Nothing more once closed: a frame queued after one that was refused would
+        // reach the peer past a gap, and it resumes after the last event it saw.
+        if self.close.is_cancelled() {
+            return false;
+        }
         match self.tx.try_send(frame) {
             Ok(()) => true,
             Err(mpsc::error::TrySendError::Full(_)) => {
