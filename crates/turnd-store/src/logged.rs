@@ -50,7 +50,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{Checkpoints, Job, Shared, SledOptions, SyncMode, APPLY_CHUNK};
+use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
 use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
 
@@ -172,7 +172,7 @@ struct Inner {
 /// The store: commit log in front, sled behind. See the module documentation.
 pub struct LoggedKv {
     inner: Arc<Inner>,
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    tx: Mutex<Option<mpsc::Sender<LogJob>>>,
     ctl: Mutex<Option<mpsc::Sender<Ctl>>>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -184,6 +184,41 @@ pub struct Replayed {
     pub records: usize,
     pub bytes: u64,
     pub millis: u64,
+}
+
+/// A batch on its way to the committer thread, already in the two forms the thread
+/// needs: its log record ([`encode`]) and its writes as the overlay holds them. The
+/// committing task prepares both (see [`LogJob::new`]), so the one thread every
+/// commit passes through only frames, writes, syncs and publishes.
+struct LogJob {
+    record: Vec<u8>,
+    writes: Vec<(Vec<u8>, Value)>,
+    reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+}
+
+impl LogJob {
+    fn new(batch: Batch, reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>) -> LogJob {
+        let record = encode(&batch);
+        let writes = batch
+            .ops
+            .into_iter()
+            .map(|op| match op {
+                KvOp::Put(k, v) => (k, Some(Arc::from(v))),
+                KvOp::Delete(k) => (k, None),
+            })
+            .collect();
+        LogJob {
+            record,
+            writes,
+            reply,
+        }
+    }
+}
+
+impl AsRef<[u8]> for LogJob {
+    fn as_ref(&self) -> &[u8] {
+        &self.record
+    }
 }
 
 fn lock_err(what: &str) -> StoreError {
@@ -307,7 +342,7 @@ impl LoggedKv {
             applied_cv: std::sync::Condvar::new(),
             applied_mx: Mutex::new(()),
         });
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<LogJob>();
         let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -519,7 +554,7 @@ fn wait_for_room(
 fn committer_loop(
     inner: &Inner,
     mut log: CommitLog,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<LogJob>,
     nudge: &mpsc::Sender<Ctl>,
     opts: &LoggedOptions,
 ) {
@@ -550,25 +585,25 @@ fn committer_loop(
                 Err(e) => tracing::warn!("the commit log is still not writable: {e}"),
             }
         }
-        let payloads: Vec<Vec<u8>> = jobs.iter().map(|j| encode(&j.batch)).collect();
-        let bytes: u64 = payloads.iter().map(|p| p.len() as u64).sum();
-        let result = log.append_group(&payloads, opts.sled.sync == SyncMode::Always);
+        let bytes: u64 = jobs.iter().map(|j| j.record.len() as u64).sum();
+        let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
         let synced = started.elapsed();
+        // Values a group replaces in the overlay are freed after its lock is released.
+        let mut replaced = Vec::new();
         let result = result.and_then(|first_lsn| {
             let mut o = inner.overlay.write().map_err(|_| lock_err("overlay"))?;
             for (i, job) in jobs.iter_mut().enumerate() {
                 let lsn = first_lsn + i as u64;
-                for op in std::mem::take(&mut job.batch.ops) {
-                    let (k, value) = match op {
-                        KvOp::Put(k, v) => (k, Some(Arc::from(v))),
-                        KvOp::Delete(k) => (k, None),
-                    };
-                    o.map.insert(k, Pending { lsn, value });
+                for (k, value) in job.writes.drain(..) {
+                    if let Some(old) = o.map.insert(k, Pending { lsn, value }) {
+                        replaced.push(old.value);
+                    }
                 }
             }
             o.committed = first_lsn + jobs.len() as u64 - 1;
             Ok(())
         });
+        drop(replaced);
         if let Err(e) = &result {
             tracing::error!("failed to commit a group of {} batches: {e}", jobs.len());
         }
@@ -915,7 +950,21 @@ impl Kv for LoggedKv {
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
-        crate::sled_kv::queue(&self.tx, batch)
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let job = LogJob::new(batch, reply);
+        let sent = match self.tx.lock() {
+            Ok(tx) => match tx.as_ref() {
+                Some(tx) => tx.send(job).map_err(|e| e.0.reply),
+                None => Err(job.reply),
+            },
+            Err(_) => Err(job.reply),
+        };
+        if let Err(reply) = sent {
+            if reply.send(Err(StoreError::Closed)).is_err() {
+                tracing::debug!("committer went away before it learned the store is closed");
+            }
+        }
+        rx
     }
 
     /// Committed batches are durable in the log already; this also writes them to
