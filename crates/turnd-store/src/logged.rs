@@ -1,10 +1,12 @@
 //! The store's commit path: turnd's commit log ([`crate::wal`]) in front of sled.
 //!
-//! **Commit.** The committer thread (`turnd-log-writer`) takes every queued batch,
-//! appends each as one record to the commit log, makes the group durable with one
-//! `fdatasync`, puts the group's writes into the *overlay* (key → newest value not
-//! yet in sled, with the lsn that wrote it) and only then answers the committers.
-//! sled is not on this path.
+//! **Commit.** A committing task encodes its batch (its log record and its writes
+//! in the overlay's form) and queues it. The committer thread (`turnd-log-writer`)
+//! takes every queued batch (after a large group, it waits briefly for as many as
+//! that group had: see `gather`), appends each as one record to the commit log,
+//! makes the group durable with one `fdatasync`, puts the group's writes into the
+//! *overlay* (key → newest value not yet in sled, with the lsn that wrote it) and
+//! only then answers the committers. sled is not on this path.
 //!
 //! **Apply.** The applier thread (`turnd-store-applier`) writes the overlay to sled
 //! every `apply_interval`: one value per key, however often the key was written in
@@ -551,6 +553,39 @@ fn wait_for_room(
     Ok(())
 }
 
+/// Groups of at least this many batches make the next group wait for more.
+const GATHER_FROM: usize = 4;
+/// The longest a group waits for more batches.
+const GATHER_MAX: Duration = Duration::from_millis(1);
+
+/// When the previous group had [`GATHER_FROM`] batches or more (many committers at
+/// once) and fewer than that are queued now, wait up to half the previous group's
+/// write and sync time (at most [`GATHER_MAX`]) for as many as it had. Under load
+/// this makes fewer, larger groups, each one `fdatasync`; a lone committer (groups
+/// of one, as in a sequential client) never waits.
+fn gather(
+    rx: &mpsc::Receiver<LogJob>,
+    jobs: &mut Vec<LogJob>,
+    last_group: usize,
+    last_sync: Duration,
+) {
+    let want = last_group.min(MAX_GROUP);
+    if last_group < GATHER_FROM || jobs.len() >= want {
+        return;
+    }
+    let until = Instant::now() + (last_sync / 2).min(GATHER_MAX);
+    while jobs.len() < want {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        match rx.recv_timeout(left) {
+            Ok(j) => jobs.push(j),
+            Err(_) => break,
+        }
+    }
+}
+
 fn committer_loop(
     inner: &Inner,
     mut log: CommitLog,
@@ -559,6 +594,9 @@ fn committer_loop(
     opts: &LoggedOptions,
 ) {
     let mut last_heal: Option<Instant> = None;
+    // Size of the previous group and how long its write and sync took.
+    let mut last_group = 0usize;
+    let mut last_sync = Duration::ZERO;
     while let Ok(first) = rx.recv() {
         let room = wait_for_room(inner, nudge, opts.heal_interval.saturating_mul(5));
         let mut jobs = vec![first];
@@ -568,6 +606,8 @@ fn committer_loop(
                 Err(_) => break,
             }
         }
+        gather(&rx, &mut jobs, last_group, last_sync);
+        last_group = jobs.len();
         if let Err(e) = room {
             tracing::error!("refused a group of {} batches: {e}", jobs.len());
             for job in jobs {
@@ -588,6 +628,7 @@ fn committer_loop(
         let bytes: u64 = jobs.iter().map(|j| j.record.len() as u64).sum();
         let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
         let synced = started.elapsed();
+        last_sync = synced;
         // Values a group replaces in the overlay are freed after its lock is released.
         let mut replaced = Vec::new();
         let result = result.and_then(|first_lsn| {
@@ -1014,6 +1055,45 @@ impl Kv for LoggedKv {
 mod tests {
     use super::*;
     use crate::keys;
+
+    /// `n` jobs queued on a fresh channel (their answers are dropped).
+    fn queued(n: usize) -> (mpsc::Sender<LogJob>, mpsc::Receiver<LogJob>) {
+        let (tx, rx) = mpsc::channel();
+        for i in 0..n {
+            let mut b = Batch::new();
+            b.put_raw(format!("k{i}").into_bytes(), b"v".to_vec());
+            let (reply, _) = tokio::sync::oneshot::channel();
+            tx.send(LogJob::new(b, reply)).expect("queue");
+        }
+        (tx, rx)
+    }
+
+    #[test]
+    fn a_group_waits_for_more_only_after_a_large_one() {
+        let sync = Duration::from_millis(10);
+        // After a small group nothing more is taken, however much is queued.
+        let (_tx, rx) = queued(6);
+        let mut jobs = vec![rx.recv().expect("first")];
+        gather(&rx, &mut jobs, GATHER_FROM - 1, sync);
+        assert_eq!(jobs.len(), 1);
+        // After a large one, as many as it had, and no more.
+        let (_tx, rx) = queued(12);
+        let mut jobs = vec![rx.recv().expect("first")];
+        gather(&rx, &mut jobs, 8, sync);
+        assert_eq!(jobs.len(), 8);
+        // Fewer arrive: the wait ends with what came, within the window.
+        let (_tx, rx) = queued(3);
+        let mut jobs = vec![rx.recv().expect("first")];
+        let t = Instant::now();
+        gather(&rx, &mut jobs, 8, sync);
+        assert_eq!(jobs.len(), 3);
+        assert!(t.elapsed() >= GATHER_MAX, "waited {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "waited {:?}",
+            t.elapsed()
+        );
+    }
 
     fn opts() -> LoggedOptions {
         LoggedOptions {
