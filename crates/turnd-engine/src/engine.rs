@@ -388,7 +388,8 @@ fn session_hash(session_id: &str) -> u64 {
 
 fn push_frame(p: &Push) -> String {
     // Pushes are built from our own types; serialization cannot fail.
-    serde_json::to_string(p).expect("push frames serialize")
+    turnd_proto::frame::to_json_text(p, turnd_proto::frame::FRAME_CAPACITY)
+        .expect("push frames serialize")
 }
 
 /// A Unix-ms time for a reason string: ISO-like UTC plus how long ago or ahead.

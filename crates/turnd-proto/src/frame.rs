@@ -351,7 +351,43 @@ pub fn encode_ok(id: u64, ok: &Value) -> String {
 
 /// Encode a success response whose answer is already JSON text.
 pub fn encode_ok_raw(id: u64, ok: &serde_json::value::RawValue) -> String {
-    format!("{{\"id\":{id},\"ok\":{}}}", ok.get())
+    encode_ok_text(id, ok.get())
+}
+
+/// Encode a success response whose answer is JSON text written by serde_json (as
+/// [`to_json_text`] writes it): one allocation of the frame's size.
+pub fn encode_ok_text(id: u64, ok: &str) -> String {
+    // 20 digits of a u64 and the envelope's 14 bytes.
+    let mut out = String::with_capacity(ok.len() + 34);
+    out.push_str("{\"id\":");
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    let mut n = id;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend(digits[i..].iter().map(|&d| char::from(d)));
+    out.push_str(",\"ok\":");
+    out.push_str(ok);
+    out.push('}');
+    out
+}
+
+/// The JSON text of `v`, written into a buffer of `capacity` bytes to start with:
+/// `serde_json::to_string` starts from an empty buffer and reallocates it several
+/// times for a frame of a few hundred bytes.
+pub fn to_json_text<T: Serialize + ?Sized>(
+    v: &T,
+    capacity: usize,
+) -> Result<String, serde_json::Error> {
+    let mut buf = Vec::with_capacity(capacity);
+    serde_json::to_writer(&mut buf, v)?;
+    String::from_utf8(buf).map_err(|e| serde::ser::Error::custom(format!("not UTF-8: {e}")))
 }
 
 /// Encode an error response; `id` is `null` when none could be read.
@@ -377,8 +413,11 @@ pub fn encode_request_typed<A: Serialize + ?Sized>(
         op: &'a str,
         args: &'a A,
     }
-    serde_json::to_string(&RequestFrame { id, op, args })
+    to_json_text(&RequestFrame { id, op, args }, FRAME_CAPACITY)
 }
+
+/// Bytes reserved for a frame before it is written (most frames are smaller).
+pub const FRAME_CAPACITY: usize = 512;
 
 /// A server push, tagged by its `push` member.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -589,6 +628,24 @@ mod tests {
             again.args["input"].as_f64().map(f64::to_bits)
         );
         assert_eq!(r, again);
+    }
+
+    #[test]
+    fn ok_frames_carry_their_id_and_answer_exactly() {
+        for id in [0, 7, 10, 12_345, u64::MAX] {
+            let answer =
+                to_json_text(&serde_json::json!({"turn_id": "t", "n": [1, 2]}), 4).expect("encode");
+            let text = encode_ok_text(id, &answer);
+            assert_eq!(text, format!("{{\"id\":{id},\"ok\":{answer}}}"));
+            let f = decode_server_frame(&text).expect("ok frame");
+            assert_eq!(
+                f,
+                ServerFrame::Ok {
+                    id,
+                    ok: serde_json::json!({"turn_id": "t", "n": [1, 2]})
+                }
+            );
+        }
     }
 
     #[test]

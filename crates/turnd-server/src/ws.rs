@@ -24,7 +24,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use turnd_engine::{Caller, CloseReason, Engine, Outbox};
-use turnd_proto::frame::{encode_error, encode_ok, encode_ok_raw};
+use turnd_proto::frame::{encode_error, encode_ok, encode_ok_text, to_json_text, FRAME_CAPACITY};
 use turnd_proto::*;
 
 use crate::config::Config;
@@ -245,11 +245,12 @@ fn args<T: DeserializeOwned>(text: &str) -> Result<T, ErrorBody> {
     serde_json::from_str(text).map_err(|e| bad(ErrorCode::BadRequest, format!("bad `args`: {e}")))
 }
 
-/// A successful answer, already serialized: written into the `ok` frame as is.
-type Reply = Box<serde_json::value::RawValue>;
+/// A successful answer, already serialized (JSON text written by serde_json):
+/// written into the `ok` frame as is.
+type Reply = String;
 
 fn ok<T: serde::Serialize>(v: T) -> Result<Reply, ErrorBody> {
-    serde_json::value::to_raw_value(&v)
+    to_json_text(&v, FRAME_CAPACITY)
         .map_err(|e| bad(ErrorCode::Internal, format!("encode response: {e}")))
 }
 
@@ -675,7 +676,7 @@ async fn write_loop<S>(
 impl Conn {
     async fn respond(&self, id: u64, r: Result<Reply, ErrorBody>) -> bool {
         match r {
-            Ok(v) => self.outbox.send(encode_ok_raw(id, &v)).await,
+            Ok(v) => self.outbox.send(encode_ok_text(id, &v)).await,
             Err(e) => self.respond_error(Some(id), e).await,
         }
     }

@@ -130,7 +130,10 @@ impl Batch {
     fn put_json<T: serde::Serialize>(&mut self, key: Vec<u8>, value: &T) {
         // Serializing our own record types cannot fail: they hold no maps with
         // non-string keys and no foreign Serialize impls.
-        let bytes = serde_json::to_vec(value).expect("records serialize to JSON");
+        // Sized for a typical record up front: growing from empty took several
+        // reallocations per record.
+        let mut bytes = Vec::with_capacity(RECORD_CAPACITY);
+        serde_json::to_writer(&mut bytes, value).expect("records serialize to JSON");
         self.put_raw(key, bytes);
     }
 
@@ -183,6 +186,9 @@ impl Batch {
         self.put_json(keys::session_meta(&m.session_id), m);
     }
 }
+
+/// Bytes reserved for one record's JSON before it is written (most are smaller).
+const RECORD_CAPACITY: usize = 512;
 
 /// Most events stored in one value (see [`Batch::put_events`]).
 pub const EVENTS_PER_VALUE: usize = 64;

@@ -1,10 +1,12 @@
 //! The store's commit path: turnd's commit log ([`crate::wal`]) in front of sled.
 //!
-//! **Commit.** The committer thread (`turnd-log-writer`) takes every queued batch,
-//! appends each as one record to the commit log, makes the group durable with one
-//! `fdatasync`, puts the group's writes into the *overlay* (key → newest value not
-//! yet in sled, with the lsn that wrote it) and only then answers the committers.
-//! sled is not on this path.
+//! **Commit.** A committing task encodes its batch (its log record and its writes
+//! in the overlay's form) and queues it. The committer thread (`turnd-log-writer`)
+//! takes every queued batch (after a large group, it waits briefly for as many as
+//! that group had: see `gather`), appends each as one record to the commit log,
+//! makes the group durable with one `fdatasync`, puts the group's writes into the
+//! *overlay* (key → newest value not yet in sled, with the lsn that wrote it) and
+//! only then answers the committers. sled is not on this path.
 //!
 //! **Apply.** The applier thread (`turnd-store-applier`) writes the overlay to sled
 //! every `apply_interval`: one value per key, however often the key was written in
@@ -50,7 +52,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{Checkpoints, Job, Shared, SledOptions, SyncMode, APPLY_CHUNK};
+use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
 use crate::{Batch, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
@@ -172,7 +174,7 @@ struct Inner {
 /// The store: commit log in front, sled behind. See the module documentation.
 pub struct LoggedKv {
     inner: Arc<Inner>,
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    tx: Mutex<Option<mpsc::Sender<LogJob>>>,
     ctl: Mutex<Option<mpsc::Sender<Ctl>>>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -184,6 +186,41 @@ pub struct Replayed {
     pub records: usize,
     pub bytes: u64,
     pub millis: u64,
+}
+
+/// A batch on its way to the committer thread, already in the two forms the thread
+/// needs: its log record ([`encode`]) and its writes as the overlay holds them. The
+/// committing task prepares both (see [`LogJob::new`]), so the one thread every
+/// commit passes through only frames, writes, syncs and publishes.
+struct LogJob {
+    record: Vec<u8>,
+    writes: Vec<(Vec<u8>, Value)>,
+    reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+}
+
+impl LogJob {
+    fn new(batch: Batch, reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>) -> LogJob {
+        let record = encode(&batch);
+        let writes = batch
+            .ops
+            .into_iter()
+            .map(|op| match op {
+                KvOp::Put(k, v) => (k, Some(Arc::from(v))),
+                KvOp::Delete(k) => (k, None),
+            })
+            .collect();
+        LogJob {
+            record,
+            writes,
+            reply,
+        }
+    }
+}
+
+impl AsRef<[u8]> for LogJob {
+    fn as_ref(&self) -> &[u8] {
+        &self.record
+    }
 }
 
 fn lock_err(what: &str) -> StoreError {
@@ -307,7 +344,7 @@ impl LoggedKv {
             applied_cv: std::sync::Condvar::new(),
             applied_mx: Mutex::new(()),
         });
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<LogJob>();
         let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -516,14 +553,50 @@ fn wait_for_room(
     Ok(())
 }
 
+/// Groups of at least this many batches make the next group wait for more.
+const GATHER_FROM: usize = 4;
+/// The longest a group waits for more batches.
+const GATHER_MAX: Duration = Duration::from_millis(1);
+
+/// When the previous group had [`GATHER_FROM`] batches or more (many committers at
+/// once) and fewer than that are queued now, wait up to half the previous group's
+/// write and sync time (at most [`GATHER_MAX`]) for as many as it had. Under load
+/// this makes fewer, larger groups, each one `fdatasync`; a lone committer (groups
+/// of one, as in a sequential client) never waits.
+fn gather(
+    rx: &mpsc::Receiver<LogJob>,
+    jobs: &mut Vec<LogJob>,
+    last_group: usize,
+    last_sync: Duration,
+) {
+    let want = last_group.min(MAX_GROUP);
+    if last_group < GATHER_FROM || jobs.len() >= want {
+        return;
+    }
+    let until = Instant::now() + (last_sync / 2).min(GATHER_MAX);
+    while jobs.len() < want {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        match rx.recv_timeout(left) {
+            Ok(j) => jobs.push(j),
+            Err(_) => break,
+        }
+    }
+}
+
 fn committer_loop(
     inner: &Inner,
     mut log: CommitLog,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<LogJob>,
     nudge: &mpsc::Sender<Ctl>,
     opts: &LoggedOptions,
 ) {
     let mut last_heal: Option<Instant> = None;
+    // Size of the previous group and how long its write and sync took.
+    let mut last_group = 0usize;
+    let mut last_sync = Duration::ZERO;
     while let Ok(first) = rx.recv() {
         let room = wait_for_room(inner, nudge, opts.heal_interval.saturating_mul(5));
         let mut jobs = vec![first];
@@ -533,6 +606,8 @@ fn committer_loop(
                 Err(_) => break,
             }
         }
+        gather(&rx, &mut jobs, last_group, last_sync);
+        last_group = jobs.len();
         if let Err(e) = room {
             tracing::error!("refused a group of {} batches: {e}", jobs.len());
             for job in jobs {
@@ -550,25 +625,26 @@ fn committer_loop(
                 Err(e) => tracing::warn!("the commit log is still not writable: {e}"),
             }
         }
-        let payloads: Vec<Vec<u8>> = jobs.iter().map(|j| encode(&j.batch)).collect();
-        let bytes: u64 = payloads.iter().map(|p| p.len() as u64).sum();
-        let result = log.append_group(&payloads, opts.sled.sync == SyncMode::Always);
+        let bytes: u64 = jobs.iter().map(|j| j.record.len() as u64).sum();
+        let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
         let synced = started.elapsed();
+        last_sync = synced;
+        // Values a group replaces in the overlay are freed after its lock is released.
+        let mut replaced = Vec::new();
         let result = result.and_then(|first_lsn| {
             let mut o = inner.overlay.write().map_err(|_| lock_err("overlay"))?;
             for (i, job) in jobs.iter_mut().enumerate() {
                 let lsn = first_lsn + i as u64;
-                for op in std::mem::take(&mut job.batch.ops) {
-                    let (k, value) = match op {
-                        KvOp::Put(k, v) => (k, Some(Arc::from(v))),
-                        KvOp::Delete(k) => (k, None),
-                    };
-                    o.map.insert(k, Pending { lsn, value });
+                for (k, value) in job.writes.drain(..) {
+                    if let Some(old) = o.map.insert(k, Pending { lsn, value }) {
+                        replaced.push(old.value);
+                    }
                 }
             }
             o.committed = first_lsn + jobs.len() as u64 - 1;
             Ok(())
         });
+        drop(replaced);
         if let Err(e) = &result {
             tracing::error!("failed to commit a group of {} batches: {e}", jobs.len());
         }
@@ -915,7 +991,21 @@ impl Kv for LoggedKv {
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
-        crate::sled_kv::queue(&self.tx, batch)
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let job = LogJob::new(batch, reply);
+        let sent = match self.tx.lock() {
+            Ok(tx) => match tx.as_ref() {
+                Some(tx) => tx.send(job).map_err(|e| e.0.reply),
+                None => Err(job.reply),
+            },
+            Err(_) => Err(job.reply),
+        };
+        if let Err(reply) = sent {
+            if reply.send(Err(StoreError::Closed)).is_err() {
+                tracing::debug!("committer went away before it learned the store is closed");
+            }
+        }
+        rx
     }
 
     /// Committed batches are durable in the log already; this also writes them to
@@ -965,6 +1055,45 @@ impl Kv for LoggedKv {
 mod tests {
     use super::*;
     use crate::keys;
+
+    /// `n` jobs queued on a fresh channel (their answers are dropped).
+    fn queued(n: usize) -> (mpsc::Sender<LogJob>, mpsc::Receiver<LogJob>) {
+        let (tx, rx) = mpsc::channel();
+        for i in 0..n {
+            let mut b = Batch::new();
+            b.put_raw(format!("k{i}").into_bytes(), b"v".to_vec());
+            let (reply, _) = tokio::sync::oneshot::channel();
+            tx.send(LogJob::new(b, reply)).expect("queue");
+        }
+        (tx, rx)
+    }
+
+    #[test]
+    fn a_group_waits_for_more_only_after_a_large_one() {
+        let sync = Duration::from_millis(10);
+        // After a small group nothing more is taken, however much is queued.
+        let (_tx, rx) = queued(6);
+        let mut jobs = vec![rx.recv().expect("first")];
+        gather(&rx, &mut jobs, GATHER_FROM - 1, sync);
+        assert_eq!(jobs.len(), 1);
+        // After a large one, as many as it had, and no more.
+        let (_tx, rx) = queued(12);
+        let mut jobs = vec![rx.recv().expect("first")];
+        gather(&rx, &mut jobs, 8, sync);
+        assert_eq!(jobs.len(), 8);
+        // Fewer arrive: the wait ends with what came, within the window.
+        let (_tx, rx) = queued(3);
+        let mut jobs = vec![rx.recv().expect("first")];
+        let t = Instant::now();
+        gather(&rx, &mut jobs, 8, sync);
+        assert_eq!(jobs.len(), 3);
+        assert!(t.elapsed() >= GATHER_MAX, "waited {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "waited {:?}",
+            t.elapsed()
+        );
+    }
 
     fn opts() -> LoggedOptions {
         LoggedOptions {

@@ -50,6 +50,9 @@ use crate::{IoOp, StoreError};
 /// Bytes of a record's header: length, CRC, lsn.
 pub const HEADER_BYTES: usize = 16;
 
+/// Capacity of the group buffer kept for the next group; a larger one is freed.
+const KEEP_BUFFER_BYTES: usize = 4 << 20;
+
 /// Default size of one segment file.
 pub const DEFAULT_SEGMENT_BYTES: u64 = 32 * 1024 * 1024;
 
@@ -100,6 +103,8 @@ pub struct CommitLog {
     /// Set by a failed write or sync: the range of the active segment that the failed
     /// group may have touched.
     failed: Option<(u64, u64)>,
+    /// The buffer a group is framed in, kept between groups.
+    buf: Vec<u8>,
 }
 
 fn segment_name(first_lsn: u64) -> String {
@@ -262,6 +267,7 @@ impl CommitLog {
                 next_lsn,
                 closed,
                 failed: None,
+                buf: Vec::new(),
             },
             records,
             segments,
@@ -317,22 +323,42 @@ impl CommitLog {
     /// Append `payloads` as consecutive records and, with `sync`, make them durable.
     /// Returns the lsn of the first. On an error nothing of the group counts as
     /// written.
-    pub fn append_group(&mut self, payloads: &[Vec<u8>], sync: bool) -> Result<u64, StoreError> {
+    pub fn append_group<P: AsRef<[u8]>>(
+        &mut self,
+        payloads: &[P],
+        sync: bool,
+    ) -> Result<u64, StoreError> {
         if self.failed.is_some() {
             return Err(StoreError::Write(
                 "commit log: an earlier append failed and the log has not been repaired yet".into(),
             ));
         }
         let first = self.next_lsn;
-        let mut buf = Vec::with_capacity(
+        // One buffer for every group, so a group costs no allocation; one that grew
+        // past a large group is let go.
+        let mut buf = std::mem::take(&mut self.buf);
+        if buf.capacity() > KEEP_BUFFER_BYTES {
+            buf = Vec::new();
+        }
+        buf.clear();
+        buf.reserve(
             payloads
                 .iter()
-                .map(|p| p.len() + HEADER_BYTES)
+                .map(|p| p.as_ref().len() + HEADER_BYTES)
                 .sum::<usize>(),
         );
         for (i, p) in payloads.iter().enumerate() {
-            frame(&mut buf, first + i as u64, p)?;
+            frame(&mut buf, first + i as u64, p.as_ref())?;
         }
+        let r = self.write_group(&buf, payloads.len() as u64, sync);
+        self.buf = buf;
+        r
+    }
+
+    /// Write a group's framed records at the end of the active segment (see
+    /// [`CommitLog::append_group`]).
+    fn write_group(&mut self, buf: &[u8], records: u64, sync: bool) -> Result<u64, StoreError> {
+        let first = self.next_lsn;
         let len = buf.len() as u64;
         // A group goes whole into one segment. The segment is closed when the group
         // does not fit; a group larger than a segment gets a segment of its own size.
@@ -342,7 +368,7 @@ impl CommitLog {
         let start = self.offset;
         let written = self
             .file
-            .write_all_at(&buf, start)
+            .write_all_at(buf, start)
             .map_err(|e| io("write", e))
             .and_then(|()| {
                 if !sync {
@@ -355,7 +381,7 @@ impl CommitLog {
         match written {
             Ok(()) => {
                 self.offset += len;
-                self.next_lsn += payloads.len() as u64;
+                self.next_lsn += records;
                 Ok(first)
             }
             Err(e) => {
