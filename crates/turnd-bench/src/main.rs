@@ -1,4 +1,4 @@
-//! `turnd-bench`: end-to-end benchmarks of turnd (issue 7).
+//! `turnd-bench`: end-to-end benchmarks of turnd.
 //!
 //! Every scenario starts the real daemon *in this process* ([`turnd_server::Daemon`]
 //! on `127.0.0.1:0`, a sled store in a temporary data directory, `storage.sync =
@@ -156,34 +156,8 @@ enum Cmd {
     Recovery {
         #[command(flatten)]
         common: Common,
-        /// Finished turns to retain.
-        #[arg(long, default_value_t = 1_000_000)]
-        turns: u64,
-        #[arg(long, default_value_t = 1000)]
-        sessions: usize,
-        /// Extra turns left queued (no worker) so recovery has live turns to load.
-        #[arg(long, default_value_t = 1000)]
-        queued: usize,
-        /// Keep the data directory here (`DIR/data`) instead of a temporary one.
-        #[arg(long)]
-        dir: Option<PathBuf>,
-        /// Measure the existing `DIR/data` without filling it again.
-        #[arg(long, requires = "dir")]
-        reuse: bool,
-        /// The turnd binary (default: `turnd` next to this executable, if present).
-        #[arg(long)]
-        turnd: Option<PathBuf>,
-        /// Restarts measured of each kind.
-        #[arg(long, default_value_t = 3)]
-        repeat: usize,
-        /// With --reuse: write this many more finished turns before the restarts (the
-        /// first restart then replays what they wrote).
-        #[arg(long, default_value_t = 0, requires = "reuse")]
-        top_up: u64,
-        /// Fill in a child process and end it with SIGKILL instead of a clean shutdown,
-        /// so that the restarts recover from a crash.
-        #[arg(long, conflicts_with = "reuse")]
-        kill: bool,
+        #[command(flatten)]
+        args: scenarios::RecoveryArgs,
     },
     /// (used by `recovery --kill`) Fill a data directory, print `filled` and wait to
     /// be killed.
@@ -219,37 +193,7 @@ enum Cmd {
     },
     /// A sustained closed-loop load on a real `turnd` binary: throughput per second,
     /// the longest interval with no completion, p50/p99/p99.9, disk per turn, RSS.
-    Soak {
-        /// The turnd binary to run (so that two builds run the same load).
-        #[arg(long)]
-        turnd: PathBuf,
-        #[arg(long, default_value_t = 100)]
-        sessions: usize,
-        #[arg(long, default_value_t = 60)]
-        seconds: u64,
-        /// Filler in every input (returned as the output), in bytes.
-        #[arg(long, default_value_t = 0)]
-        input_bytes: usize,
-        /// retention.terminal_ms of the daemon (default: the daemon's own).
-        #[arg(long)]
-        retention_ms: Option<u64>,
-        /// retention.sweep_interval_ms, with --retention-ms.
-        #[arg(long, default_value_t = 1000)]
-        sweep_ms: u64,
-        /// Seconds between marks of disk use and RSS.
-        #[arg(long, default_value_t = 10)]
-        mark_every: u64,
-        #[arg(long, default_value_t = 2)]
-        workers: usize,
-        #[arg(long, default_value_t = 8)]
-        callers: usize,
-        /// Directory for the temporary data directory (default: the system temp dir).
-        #[arg(long)]
-        tmp: Option<PathBuf>,
-        /// More environment for the daemon, KEY=VALUE (e.g. TURND_STORAGE__CHECKPOINT_MB=0).
-        #[arg(long = "env")]
-        env: Vec<String>,
-    },
+    Soak(soak::SoakArgs),
     /// A small known load against an external daemon (for scripts/check-fsync.sh).
     Drive {
         /// The daemon's WebSocket URL, e.g. ws://127.0.0.1:7420/v1.
@@ -350,34 +294,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             announce(&common);
             runtime()?.block_on(ui_page::ui(&common, sessions, inflight, repeat))
         }
-        Cmd::Recovery {
-            common,
-            turns,
-            sessions,
-            queued,
-            dir,
-            reuse,
-            turnd,
-            repeat,
-            top_up,
-            kill,
-        } => {
+        Cmd::Recovery { common, args } => {
             init_tracing(&common.log);
             announce(&common);
             let a = scenarios::RecoveryArgs {
-                turns,
-                sessions,
-                queued,
-                dir,
-                reuse,
-                turnd,
-                repeat: repeat.max(1),
-                top_up,
-                kill,
+                repeat: args.repeat.max(1),
+                ..args
             };
             let prepared = scenarios::prepare_recovery(&common, &a)?;
             runtime()?.block_on(scenarios::recovery(&common, &a, &prepared))
         }
+        other => run_tool(other),
+    }
+}
+
+/// The commands that are not a scenario of their own: helpers of `recovery`,
+/// sled alone, `soak` and `drive`.
+fn run_tool(cmd: Cmd) -> anyhow::Result<()> {
+    match cmd {
         Cmd::FillAndHold {
             common,
             data_dir,
@@ -414,41 +348,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             keys,
             value_bytes,
         }),
-        Cmd::Soak {
-            turnd,
-            sessions,
-            seconds,
-            input_bytes,
-            retention_ms,
-            sweep_ms,
-            mark_every,
-            workers,
-            callers,
-            tmp,
-            env,
-        } => {
+        Cmd::Soak(args) => {
             init_tracing("warn");
-            let env = env
-                .iter()
-                .map(|kv| {
-                    kv.split_once('=')
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                        .ok_or_else(|| anyhow::anyhow!("--env takes KEY=VALUE, not {kv:?}"))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            runtime()?.block_on(soak::soak(soak::SoakArgs {
-                turnd,
-                sessions,
-                seconds,
-                input_bytes,
-                retention_ms,
-                sweep_ms,
-                mark_every,
-                workers,
-                callers,
-                tmp,
-                env,
-            }))
+            runtime()?.block_on(soak::soak(args))
         }
         Cmd::Drive {
             url,
@@ -459,6 +361,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             init_tracing("warn");
             runtime()?.block_on(drive::drive(&url, sessions, turns, steps))
         }
+        Cmd::Sessions { .. }
+        | Cmd::Sequential { .. }
+        | Cmd::Multistep { .. }
+        | Cmd::Idle { .. }
+        | Cmd::Ui { .. }
+        | Cmd::Recovery { .. } => run(Cli { cmd }),
     }
 }
 

@@ -1,4 +1,4 @@
-//! The benchmark scenarios of issue 7. Each starts the real daemon in this process,
+//! The benchmark scenarios. Each starts the real daemon in this process,
 //! drives it over WebSocket through the SDK and prints one markdown row.
 //!
 //! Latency is measured from just before `turn.submit` is sent to the answer of the
@@ -364,26 +364,20 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
     let rss_base = proc_status_kb("VmRSS");
     let probe = Probe::start(&d);
     let start = Instant::now();
-    let mut submit = Latencies::default();
-    let mut failed = 0u64;
-    let mut first_error = None;
-    let mut set = JoinSet::new();
-    for s in 0..n {
-        while set.len() >= inflight.max(1) {
-            collect_submit(&mut set, &mut submit, &mut failed, &mut first_error).await;
-        }
+    let Bounded {
+        lat: mut submit,
+        failed,
+        first_error,
+    } = bounded(n, inflight, |s| {
         let caller = cs[s % cs.len()].clone();
-        set.spawn(async move {
-            let t0 = Instant::now();
+        async move {
             let r = caller
                 .submit_simple(&format!("idle-{s}"), NOBODY, json!({"s": s}))
                 .await;
-            (r.map(|_| ()).map_err(|e| e.to_string()), t0.elapsed())
-        });
-    }
-    while !set.is_empty() {
-        collect_submit(&mut set, &mut submit, &mut failed, &mut first_error).await;
-    }
+            r.map(|_| ()).map_err(|e| e.to_string())
+        }
+    })
+    .await;
     let wall = start.elapsed();
     let measured = probe.finish(&d);
     let stats = cs[0].stats().await.context("stats")?;
@@ -428,13 +422,7 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
         ),
     };
     row.print();
-    if failed > 0 {
-        bail!(
-            "{failed} submits failed (first: {})",
-            first_error.unwrap_or_default()
-        );
-    }
-    Ok(())
+    fail_if_any(failed, first_error, "submits")
 }
 
 /// Resident size once the daemon's memory has settled after a phase: the lowest of
@@ -469,39 +457,15 @@ pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow
     let alloc_base = crate::measure::alloc_stats();
     let probe = Probe::start(&d);
     let start = Instant::now();
-    let mut lat = Latencies::default();
-    let mut failed = 0u64;
-    let mut first_error = None;
-    let mut set = JoinSet::new();
-    for s in 0..n {
-        while set.len() >= inflight.max(1) {
-            collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
-        }
+    let Bounded {
+        mut lat,
+        failed,
+        first_error,
+    } = bounded(n, inflight, |s| {
         let caller = cs[s % cs.len()].clone();
-        set.spawn(async move {
-            let t0 = Instant::now();
-            let r = async {
-                let t = caller
-                    .submit_simple(&format!("done-{s}"), ECHO, json!({"s": s}))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let t = caller
-                    .wait_terminal(&t.turn_id, TURN_LIMIT)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if t.status == TurnStatus::Completed {
-                    Ok(())
-                } else {
-                    Err(format!("turn {} ended {:?}", t.turn_id, t.status))
-                }
-            }
-            .await;
-            (r, t0.elapsed())
-        });
-    }
-    while !set.is_empty() {
-        collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
-    }
+        run_done(caller, s)
+    })
+    .await;
     let wall = start.elapsed();
     let measured = probe.finish(&d);
     let stats = cs[0].stats().await.context("stats")?;
@@ -542,13 +506,7 @@ pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow
         ),
     };
     row.print();
-    if failed > 0 {
-        bail!(
-            "{failed} turns failed (first: {})",
-            first_error.unwrap_or_default()
-        );
-    }
-    Ok(())
+    fail_if_any(failed, first_error, "turns")
 }
 
 /// `idle --what unknown`: `n` reads of ids that do not exist (`session.inspect`,
@@ -568,49 +526,15 @@ pub async fn idle_unknown(common: &Common, n: usize, inflight: usize) -> anyhow:
     let (rss_base, _) = settled_rss(&d, 0, Duration::from_secs(1)).await;
     let probe = Probe::start(&d);
     let start = Instant::now();
-    let mut lat = Latencies::default();
-    let mut failed = 0u64;
-    let mut first_error = None;
-    let mut set = JoinSet::new();
-    for s in 0..n {
-        while set.len() >= inflight.max(1) {
-            collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
-        }
+    let Bounded {
+        mut lat,
+        failed,
+        first_error,
+    } = bounded(n, inflight, |s| {
         let caller = cs[s % cs.len()].clone();
-        set.spawn(async move {
-            let t0 = Instant::now();
-            let sid = format!("ghost-{s}");
-            let r = match s % 5 {
-                0 => caller.inspect(&sid).await.map(|_| ()),
-                1 => caller
-                    .list(turnd_client::turnd_proto::ListArgs {
-                        session_id: sid,
-                        status: None,
-                        limit: None,
-                        before_seq: None,
-                    })
-                    .await
-                    .map(|_| ()),
-                2 => caller.events(&sid, Some(0), None).await.map(|_| ()),
-                3 => caller.stop_session(&sid, "bench").await.map(|_| ()),
-                _ => caller.get(&format!("t_{s:032x}")).await.map(|_| ()),
-            };
-            // Every one of them is not found (turn.list answers an empty page).
-            let r = match r {
-                Ok(()) => Ok(()),
-                Err(turnd_client::ClientError::Protocol(b))
-                    if b.code == turnd_client::turnd_proto::ErrorCode::NotFound =>
-                {
-                    Ok(())
-                }
-                Err(e) => Err(e.to_string()),
-            };
-            (r, t0.elapsed())
-        });
-    }
-    while !set.is_empty() {
-        collect_submit(&mut set, &mut lat, &mut failed, &mut first_error).await;
-    }
+        read_unknown(caller, s)
+    })
+    .await;
     let wall = start.elapsed();
     let measured = probe.finish(&d);
     let (rss_after, in_memory) = settled_rss(&d, 0, Duration::from_secs(2)).await;
@@ -646,51 +570,150 @@ pub async fn idle_unknown(common: &Common, n: usize, inflight: usize) -> anyhow:
         ),
     };
     row.print();
+    fail_if_any(failed, first_error, "reads")
+}
+
+/// One session's one turn, submitted and waited for until it completed.
+async fn run_done(caller: Arc<Caller>, s: usize) -> Result<(), String> {
+    let t = caller
+        .submit_simple(&format!("done-{s}"), ECHO, json!({"s": s}))
+        .await
+        .map_err(|e| e.to_string())?;
+    let t = caller
+        .wait_terminal(&t.turn_id, TURN_LIMIT)
+        .await
+        .map_err(|e| e.to_string())?;
+    if t.status == TurnStatus::Completed {
+        Ok(())
+    } else {
+        Err(format!("turn {} ended {:?}", t.turn_id, t.status))
+    }
+}
+
+/// One read of an id that does not exist, by kind in turn; not found is success.
+async fn read_unknown(caller: Arc<Caller>, s: usize) -> Result<(), String> {
+    let sid = format!("ghost-{s}");
+    let r = match s % 5 {
+        0 => caller.inspect(&sid).await.map(|_| ()),
+        1 => caller
+            .list(turnd_client::turnd_proto::ListArgs {
+                session_id: sid,
+                status: None,
+                limit: None,
+                before_seq: None,
+            })
+            .await
+            .map(|_| ()),
+        2 => caller.events(&sid, Some(0), None).await.map(|_| ()),
+        3 => caller.stop_session(&sid, "bench").await.map(|_| ()),
+        _ => caller.get(&format!("t_{s:032x}")).await.map(|_| ()),
+    };
+    // Every one of them is not found (turn.list answers an empty page).
+    match r {
+        Ok(()) => Ok(()),
+        Err(turnd_client::ClientError::Protocol(b))
+            if b.code == turnd_client::turnd_proto::ErrorCode::NotFound =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+type SubmitResult = (Result<(), String>, Duration);
+
+/// An error naming how many of `what` failed, and the first failure.
+fn fail_if_any(failed: u64, first_error: Option<String>, what: &str) -> anyhow::Result<()> {
     if failed > 0 {
         bail!(
-            "{failed} reads failed (first: {})",
+            "{failed} {what} failed (first: {})",
             first_error.unwrap_or_default()
         );
     }
     Ok(())
 }
 
-type SubmitResult = (Result<(), String>, Duration);
+/// What [`bounded`] saw: the time of every task that succeeded, and the failures.
+struct Bounded {
+    lat: Latencies,
+    failed: u64,
+    first_error: Option<String>,
+}
 
-async fn collect_submit(
-    set: &mut JoinSet<SubmitResult>,
-    lat: &mut Latencies,
-    failed: &mut u64,
-    first_error: &mut Option<String>,
-) {
+/// Runs `task(0..n)`, at most `inflight` at a time, timing each.
+async fn bounded<F, Fut>(n: usize, inflight: usize, mut task: F) -> Bounded
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>> + Send + 'static,
+{
+    let mut out = Bounded {
+        lat: Latencies::default(),
+        failed: 0,
+        first_error: None,
+    };
+    let mut set = JoinSet::new();
+    for s in 0..n {
+        while set.len() >= inflight.max(1) {
+            collect_submit(&mut set, &mut out).await;
+        }
+        let fut = task(s);
+        set.spawn(async move {
+            let t0 = Instant::now();
+            (fut.await, t0.elapsed())
+        });
+    }
+    while !set.is_empty() {
+        collect_submit(&mut set, &mut out).await;
+    }
+    out
+}
+
+async fn collect_submit(set: &mut JoinSet<SubmitResult>, out: &mut Bounded) {
     if let Some(joined) = set.join_next().await {
         match joined {
-            Ok((Ok(()), took)) => lat.push(took),
+            Ok((Ok(()), took)) => out.lat.push(took),
             Ok((Err(e), _)) => {
-                *failed += 1;
-                first_error.get_or_insert(e);
+                out.failed += 1;
+                out.first_error.get_or_insert(e);
             }
             Err(e) => {
-                *failed += 1;
-                first_error.get_or_insert(e.to_string());
+                out.failed += 1;
+                out.first_error.get_or_insert(e.to_string());
             }
         }
     }
 }
 
 /// Settings of the `recovery` scenario.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct RecoveryArgs {
+    /// Finished turns to retain.
+    #[arg(long, default_value_t = 1_000_000)]
     pub turns: u64,
+    #[arg(long, default_value_t = 1000)]
     pub sessions: usize,
+    /// Extra turns left queued (no worker) so recovery has live turns to load.
+    #[arg(long, default_value_t = 1000)]
     pub queued: usize,
+    /// Keep the data directory here (`DIR/data`) instead of a temporary one.
+    #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Measure the existing `DIR/data` without filling it again.
+    #[arg(long, requires = "dir")]
     pub reuse: bool,
+    /// The turnd binary (default: `turnd` next to this executable, if present).
+    #[arg(long)]
     pub turnd: Option<PathBuf>,
+    /// Restarts measured of each kind.
+    #[arg(long, default_value_t = 3)]
     pub repeat: usize,
-    /// With `reuse`: finished turns written to the reused store before measuring.
+    /// With --reuse: write this many more finished turns before the restarts (the
+    /// first restart then replays what they wrote).
+    #[arg(long, default_value_t = 0, requires = "reuse")]
     pub top_up: u64,
-    /// Fill in a child process that is then killed with SIGKILL (see `fill`).
+    /// Fill in a child process and end it with SIGKILL instead of a clean shutdown,
+    /// so that the restarts recover from a crash.
+    #[arg(long, conflicts_with = "reuse")]
     pub kill: bool,
 }
 
@@ -999,6 +1022,10 @@ pub fn prepare_recovery(common: &Common, a: &RecoveryArgs) -> anyhow::Result<Pre
 
 /// `recovery`, second part: time restarts of the real binary and of an in-process
 /// open in a fresh process.
+#[allow(
+    clippy::too_many_lines,
+    reason = "a measured run reads as one script, from starting the daemon to the printed row"
+)]
 pub async fn recovery(common: &Common, a: &RecoveryArgs, p: &Prepared) -> anyhow::Result<()> {
     let data = p.data.clone();
     let reused = p.reused;

@@ -25,18 +25,44 @@ use crate::measure::{command_line, http_get, Latencies};
 use crate::scenarios::serve_command;
 
 /// What one soak run is.
+#[derive(clap::Args)]
 pub struct SoakArgs {
+    /// The turnd binary to run (so that two builds run the same load).
+    #[arg(long)]
     pub turnd: PathBuf,
+    #[arg(long, default_value_t = 100)]
     pub sessions: usize,
+    #[arg(long, default_value_t = 60)]
     pub seconds: u64,
+    /// Filler in every input (returned as the output), in bytes.
+    #[arg(long, default_value_t = 0)]
     pub input_bytes: usize,
+    /// retention.terminal_ms of the daemon (default: the daemon's own).
+    #[arg(long)]
     pub retention_ms: Option<u64>,
+    /// retention.sweep_interval_ms, with --retention-ms.
+    #[arg(long, default_value_t = 1000)]
     pub sweep_ms: u64,
+    /// Seconds between marks of disk use and RSS.
+    #[arg(long, default_value_t = 10)]
     pub mark_every: u64,
+    #[arg(long, default_value_t = 2)]
     pub workers: usize,
+    #[arg(long, default_value_t = 8)]
     pub callers: usize,
+    /// Directory for the temporary data directory (default: the system temp dir).
+    #[arg(long)]
     pub tmp: Option<PathBuf>,
+    /// More environment for the daemon, KEY=VALUE (e.g. TURND_STORAGE__CHECKPOINT_MB=0).
+    #[arg(long = "env", value_parser = key_value)]
     pub env: Vec<(String, String)>,
+}
+
+/// `KEY=VALUE` of `--env`.
+fn key_value(kv: &str) -> Result<(String, String), String> {
+    kv.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("takes KEY=VALUE, not {kv:?}"))
 }
 
 /// Blocks allocated under `dir`, in bytes (a preallocated file counts in full).
@@ -125,6 +151,10 @@ struct Log {
     latencies: Latencies,
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "a measured run reads as one script, from starting the daemon to the printed row"
+)]
 pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     let tmp = match &a.tmp {
         Some(t) => tempfile::tempdir_in(t)?,

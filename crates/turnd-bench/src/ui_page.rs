@@ -33,6 +33,10 @@ fn line(what: &str, lat: &mut Latencies, extra: &str) {
     );
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "a measured run reads as one script, from starting the daemon to the printed row"
+)]
 pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> anyhow::Result<()> {
     let tmp = match &common.tmp {
         Some(p) => tempfile::Builder::new()
