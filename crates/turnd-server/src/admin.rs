@@ -278,6 +278,19 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "Terminal turns deleted by retention",
         Counters::get(&c.turns_expired),
     );
+    counter(
+        &mut reg,
+        "retention_dropped_windows",
+        "Time windows of finished turns deleted whole by retention",
+        Counters::get(&c.windows_dropped),
+    );
+    let wins = e.store().kv().windows().unwrap_or_default();
+    gauge(
+        &mut reg,
+        "storage_windows",
+        "Time windows of finished turns on disk",
+        wins.iter().filter(|w| !w.dropped).count() as i64,
+    );
 
     let cs = e.store().kv().commit_stats();
     counter(

@@ -49,17 +49,30 @@ impl Engine {
         else {
             return unknown();
         };
-        // The stored turn, for a `complete` that may amend its failure.
+        // The turn's folded record when it is finished (what the late result writes
+        // goes into it), and the stored turn, for a `complete` that may amend its
+        // failure.
+        let recordable = !rec.late && !matches!(rec.state, InvState::Finished | InvState::Active);
+        let folded = if recordable {
+            self.inner
+                .store
+                .finished(&rec.turn_id)
+                .map_err(read_failed)?
+        } else {
+            None
+        };
         let turn = match &outcome {
-            Outcome::Complete(_)
-                if !rec.late && !matches!(rec.state, InvState::Finished | InvState::Active) =>
-            {
-                self.inner.store.turn(&rec.turn_id).map_err(read_failed)?
-            }
+            Outcome::Complete(_) if recordable => match &folded {
+                Some(f) => Some(f.turn.clone()),
+                None => self.inner.store.turn(&rec.turn_id).map_err(read_failed)?,
+            },
             _ => None,
         };
         let mut verdict = machine::LateVerdict::Duplicate;
         let tx = self.transition(&st, now, |cx, tx| {
+            if let Some(f) = folded {
+                tx.fold_onto(f);
+            }
             verdict = machine::late_result(cx, tx, &rec, &outcome, turn.as_ref());
         });
         match verdict {
