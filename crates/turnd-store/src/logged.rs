@@ -880,8 +880,16 @@ impl Applier<'_> {
             // durable, then delete the windows' directories.
             let sled = &self.inner.sled;
             sled.with(|h| sled.sync_files(h))?;
+            // A deletion that fails is tried again after the next round.
+            let mut failed = None;
             for (start, w) in std::mem::take(&mut self.closing) {
-                self.inner.windows.delete(start, w)?;
+                if let Err(e) = self.inner.windows.delete(start, w.clone()) {
+                    self.closing.push((start, w));
+                    failed.get_or_insert(e);
+                }
+            }
+            if let Some(e) = failed {
+                return Err(e);
             }
         }
         self.inner.windows.snapshot_idle(&mut self.upkeep);

@@ -30,6 +30,9 @@ pub(crate) struct Windows {
 struct State {
     table: Table,
     open: BTreeMap<u64, Arc<Shared>>,
+    /// Dropped windows whose directories are still to delete (once their drops are
+    /// durable): their files are expected on disk meanwhile.
+    deleting: HashSet<u64>,
 }
 
 /// What the applier keeps about windows between rounds.
@@ -225,6 +228,7 @@ impl Windows {
             return Ok(None);
         }
         s.table.slots.insert(start, Slot::Dropped(lsn));
+        s.deleting.insert(start);
         tracing::debug!("took the drop of the time window {start} (record {lsn})");
         Ok(s.open.remove(&start))
     }
@@ -234,15 +238,24 @@ impl Windows {
     pub(crate) fn delete(&self, start: u64, shared: Arc<Shared>) -> Result<(), StoreError> {
         shared.close();
         drop(shared);
-        self.remove_dir(start)
+        self.remove_dir(start)?;
+        if let Ok(mut s) = self.state.write() {
+            s.deleting.remove(&start);
+        }
+        Ok(())
     }
 
-    /// The windows, with the bytes of their files.
+    /// The windows, with the bytes of their files (none counted for a dropped window
+    /// whose deletion is under way).
     pub(crate) fn list(&self) -> Vec<WindowInfo> {
         match self.state.read() {
-            Ok(s) => s
-                .table
-                .list(|start| dir_bytes(&self.dir.join(start.to_string()))),
+            Ok(s) => s.table.list(|start| {
+                if s.deleting.contains(&start) {
+                    0
+                } else {
+                    dir_bytes(&self.dir.join(start.to_string()))
+                }
+            }),
             Err(_) => Vec::new(),
         }
     }
