@@ -26,8 +26,12 @@
 //! The daemon writes its commit log in segments of 64 KiB and its records to sled every
 //! 20 ms, deleting each segment once sled holds it, and checkpoints sled (closes and
 //! reopens it) after every MiB written to it, so kills fall during or between log
-//! appends, writes to sled, log trims and checkpoints; the trims and checkpoints each
-//! life made before its kill are printed, and the test fails if no life trimmed.
+//! appends, writes to sled, log trims and checkpoints; finished turns go to time
+//! windows of 50 ms (`storage.window_ms`), so kills also fall among window switches
+//! and writes to several windows. The trims, checkpoints and windows each life made
+//! before its kill are printed, and the test fails if no life trimmed or no life
+//! wrote to more than one window. (Kills during retention sweeps and window drops:
+//! `tests/e2e/retention.rs`.)
 //!
 //! The kill moments, functions, step counts and stops come from one seeded PRNG: the
 //! seed is printed (`seed = …`) and `TURND_SEED` replays it.
@@ -88,6 +92,8 @@ const ENV: &[(&str, &str)] = &[
     ("TURND_STORAGE__CHECKPOINT_MB", "1"),
     ("TURND_STORAGE__LOG_SEGMENT_KB", "64"),
     ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
+    // A new time window of finished turns every 50 ms of load.
+    ("TURND_STORAGE__WINDOW_MS", "50"),
 ];
 
 // ---------------------------------------------------------------- the record
@@ -141,6 +147,8 @@ struct Record {
     checkpoints: Vec<u64>,
     /// Commit log segments each life deleted behind sled, likewise.
     trims: Vec<u64>,
+    /// Time windows on disk just before each kill.
+    windows: Vec<u64>,
 }
 
 type Shared = Arc<Mutex<Record>>;
@@ -831,7 +839,10 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
             .context("turnd_storage_checkpoints_total in /metrics")?;
         let trims = metric(&metrics, "turnd_storage_log_trims_total")
             .context("turnd_storage_log_trims_total in /metrics")?;
+        let windows = metric(&metrics, "turnd_storage_windows")
+            .context("turnd_storage_windows in /metrics")?;
         daemon.kill().await.context("SIGKILL turnd")?;
+        rec(&record).windows.push(windows as u64);
         rec(&record).checkpoints.push(checkpoints as u64);
         rec(&record).trims.push(trims as u64);
         rec(&record).kills_after_ms.push(after);
@@ -873,11 +884,12 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
 
     let r = rec(&record);
     println!(
-        "crash test (seed {seed}): {} SIGKILLs at {:?} ms into the load, after {:?} store checkpoints and {:?} log trims; {} acknowledged submits ({} answered as deduplicated), {} acknowledged stops ({} session stops), {} applied + {} late results acknowledged, other result answers {:?}, {} invokes received; final: {} turns {:?}, {} events, {} dispatches; drain {:.1} s, total {:.1} s",
+        "crash test (seed {seed}): {} SIGKILLs at {:?} ms into the load, after {:?} store checkpoints, {:?} log trims and {:?} time windows; {} acknowledged submits ({} answered as deduplicated), {} acknowledged stops ({} session stops), {} applied + {} late results acknowledged, other result answers {:?}, {} invokes received; final: {} turns {:?}, {} events, {} dispatches; drain {:.1} s, total {:.1} s",
         r.kills_after_ms.len(),
         r.kills_after_ms,
         r.checkpoints,
         r.trims,
+        r.windows,
         r.turns.len(),
         r.deduplicated,
         r.stops.len(),
@@ -897,6 +909,10 @@ async fn acknowledged_writes_survive_sigkill() -> anyhow::Result<()> {
     ensure!(
         r.trims.iter().sum::<u64>() > 0,
         "no commit log segment was trimmed before the kills"
+    );
+    ensure!(
+        r.windows.iter().any(|w| *w > 1),
+        "no life wrote finished turns to more than one time window"
     );
     ensure!(r.turns.len() >= 50, "too little load to mean anything");
     ensure!(!r.applied.is_empty() && !r.stops.is_empty());

@@ -543,15 +543,29 @@ async fn large_inputs_reach_workers_and_survive_a_restart() -> Result<()> {
         assert_eq!(t.output.as_ref(), Some(&t.input));
     }
     let kv = d.engine().store().kv();
-    for id in done.iter().chain([&waiting.turn_id]) {
-        let apart = kv.get(&turnd_store::keys::turn_input(id))?;
-        ensure!(apart.is_some(), "the input of {id} is stored apart");
-        let record: Value =
-            serde_json::from_slice(&kv.get(&turnd_store::keys::turn(id))?.context("record")?)?;
+    // The waiting turn: its input apart from its record.
+    let id = &waiting.turn_id;
+    let apart = kv.get(&turnd_store::keys::turn_input(id))?;
+    ensure!(apart.is_some(), "the input of {id} is stored apart");
+    let record: Value =
+        serde_json::from_slice(&kv.get(&turnd_store::keys::turn(id))?.context("record")?)?;
+    ensure!(
+        record.get("input").is_none(),
+        "the record of {id} leaves its input out"
+    );
+    // The finished ones: one folded record with the input inline, nothing apart.
+    for id in &done {
+        ensure!(kv.get(&turnd_store::keys::turn_input(id))?.is_none());
+        ensure!(kv.get(&turnd_store::keys::turn(id))?.is_none());
+        let folded: Value = serde_json::from_slice(
+            &kv.get(&turnd_store::keys::finished(id))?
+                .context("folded record")?,
+        )?;
         ensure!(
-            record.get("input").is_none(),
-            "the record of {id} leaves its input out"
+            folded["turn"]["input"]["prompt"].as_str().map(str::len) == Some(20_000),
+            "the folded record of {id} holds its input"
         );
+        ensure!(folded["invocations"].as_array().map(Vec::len) == Some(1));
     }
     echo.shutdown();
     let dir = d.dir.clone();

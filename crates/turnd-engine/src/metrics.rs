@@ -25,6 +25,8 @@ pub struct Counters {
     pub write_failures: AtomicU64,
     /// Terminal turns deleted by retention.
     pub turns_expired: AtomicU64,
+    /// Time windows of finished turns dropped whole by retention.
+    pub windows_dropped: AtomicU64,
     /// Probe answers by state.
     pub probe_answers: Mutex<BTreeMap<&'static str, u64>>,
     /// Terminal transitions by status and cause (`completed`, `cancelled`,

@@ -11,7 +11,8 @@ use std::collections::{BTreeMap, HashMap};
 use serde_json::{json, Value};
 use turnd_proto::{Delivery, Event, EventKind, OnDeadline, Turn, TurnStatus, Wait, WaitState};
 use turnd_store::{
-    Batch, IdempotencyRecord, InvWait, InvocationRecord, Phase, RawJson, SessionMeta, TurnRecord,
+    Batch, FoldedTurn, IdempotencyRecord, InvWait, InvocationRecord, Phase, RawJson, SessionMeta,
+    TurnRecord,
 };
 
 use crate::machine::{Effect, Slot, Want};
@@ -145,6 +146,9 @@ pub struct Tx {
     pub live: Option<Option<Box<InvocationRecord>>>,
     /// Invocation records to write.
     pub inv_writes: Vec<InvocationRecord>,
+    /// Folded records of finished turns this transaction changes (a late result),
+    /// as read before it, by turn id: what it writes goes into them.
+    pub folded: HashMap<String, FoldedTurn>,
     pub idempotency: Option<(String, IdempotencyRecord)>,
     pub events: Vec<Event>,
     /// What to do once the transaction is durable.
@@ -171,6 +175,7 @@ impl Tx {
             orig_status: HashMap::new(),
             live: None,
             inv_writes: Vec::new(),
+            folded: HashMap::new(),
             idempotency: None,
             events: Vec::new(),
             effects: Vec::new(),
@@ -256,13 +261,48 @@ impl Tx {
         });
     }
 
+    /// Build on the stored folded record of a finished turn (read before a late
+    /// result changes it).
+    pub fn fold_onto(&mut self, f: FoldedTurn) {
+        self.folded.insert(f.turn.turn_id.clone(), f);
+    }
+
     /// The durable batch of this transaction.
+    ///
+    /// A turn that is terminal after it is written as one folded record
+    /// ([`FoldedTurn`]): the record with its input inline and the invocations of it
+    /// that ended, in place of its separate keys. An invocation still active (a
+    /// cancel awaiting its answer) stays under its own key until it ends.
     pub fn batch(&mut self, st: &SessionState) -> Batch {
         let mut b = Batch::new();
+        // turn id -> (folded record, whether its input was stored apart)
+        let mut finished: BTreeMap<String, (FoldedTurn, bool)> = BTreeMap::new();
         for (seq, t) in &self.turns {
             let orig = self.orig_status.get(seq).copied().flatten();
             if orig != Some(t.status) {
                 self.meta.counts.shift(orig, t.status);
+            }
+            if t.status.is_terminal() {
+                if orig.is_none() {
+                    b.put_list_entry(t);
+                }
+                let mut f = match self.folded.get(&t.turn_id) {
+                    Some(base) => {
+                        let mut f = base.clone();
+                        f.turn = FoldedTurn::new(t, Vec::new()).turn;
+                        f
+                    }
+                    None => FoldedTurn::new(t, Vec::new()),
+                };
+                if let Some(inv) = st
+                    .inv
+                    .as_deref()
+                    .filter(|i| i.turn_id == t.turn_id && !i.is_active())
+                {
+                    f.put_invocation(inv.clone());
+                }
+                finished.insert(t.turn_id.clone(), (f, t.input.is_apart()));
+                continue;
             }
             if orig.is_none() {
                 b.put_admission(t);
@@ -272,7 +312,22 @@ impl Tx {
         // Where recovery starts reading the session's turn list.
         self.meta.active_from = self.holder_seq(st);
         for i in &self.inv_writes {
+            if !i.is_active() {
+                if let Some((f, _)) = finished.get_mut(&i.turn_id) {
+                    f.put_invocation(i.clone());
+                    continue;
+                }
+                if let Some(base) = self.folded.get(&i.turn_id) {
+                    let mut f = base.clone();
+                    f.put_invocation(i.clone());
+                    finished.insert(i.turn_id.clone(), (f, false));
+                    continue;
+                }
+            }
             b.put_invocation(i);
+        }
+        for (f, apart) in finished.values() {
+            b.put_finished(f, *apart);
         }
         b.put_events(&self.events);
         if let Some((key, rec)) = &self.idempotency {

@@ -27,6 +27,30 @@ pub fn new_invocation_id() -> String {
     mint("inv_")
 }
 
+/// A new invocation id for a step of `turn_id`, `inv_…_…`: its own UUIDv7 and the
+/// turn's 32 hex digits, so that the record of an invocation folded into its finished
+/// turn is found from the invocation id alone ([`invocation_turn_id`]).
+pub fn new_invocation_id_of(turn_id: &str) -> String {
+    match turn_id
+        .strip_prefix("t_")
+        .filter(|h| turn_id_bits(turn_id).is_some() && h.len() == 32)
+    {
+        Some(hex) => format!("inv_{}_{hex}", uuid::Uuid::now_v7().simple()),
+        None => new_invocation_id(),
+    }
+}
+
+/// The turn id an invocation id made by [`new_invocation_id_of`] names (None for any
+/// other string).
+pub fn invocation_turn_id(invocation_id: &str) -> Option<String> {
+    let rest = invocation_id.strip_prefix("inv_")?;
+    let (own, hex) = rest.split_once('_')?;
+    if own.len() != 32 || hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    Some(format!("t_{hex}"))
+}
+
 /// A new watch id, `w_…`.
 pub fn new_watch_id() -> String {
     mint("w_")
@@ -51,5 +75,16 @@ mod tests {
         assert!(a < b, "v7 ids sort by creation: {a} {b}");
         assert!(turn_id_bits(&a).is_some() && turn_id_bits(&a) != turn_id_bits(&b));
         assert_eq!(turn_id_bits(&new_invocation_id()), None);
+        let inv = new_invocation_id_of(&a);
+        assert!(
+            inv.starts_with("inv_") && inv.len() == 4 + 32 + 1 + 32,
+            "{inv}"
+        );
+        assert_eq!(invocation_turn_id(&inv).as_deref(), Some(a.as_str()));
+        assert!(new_invocation_id_of(&a) != inv);
+        assert_eq!(invocation_turn_id(&new_invocation_id()), None);
+        assert_eq!(invocation_turn_id("inv_x"), None);
+        assert!(new_invocation_id_of("t-other").starts_with("inv_"));
+        assert_eq!(invocation_turn_id(&new_invocation_id_of("t-other")), None);
     }
 }

@@ -22,7 +22,10 @@ pub mod ops;
 pub use frame::{
     decode_raw_request, decode_request, ErrorBody, ErrorCode, FrameError, Push, RawRequest, Request,
 };
-pub use ids::{new_connection_id, new_invocation_id, new_turn_id, new_watch_id, turn_id_bits};
+pub use ids::{
+    invocation_turn_id, new_connection_id, new_invocation_id, new_invocation_id_of, new_turn_id,
+    new_watch_id, turn_id_bits,
+};
 pub use objects::*;
 pub use ops::*;
 

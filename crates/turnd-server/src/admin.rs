@@ -90,6 +90,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let cs = s.engine.store().kv().commit_stats();
     register_storage(&mut reg, &cs);
     register_commit_log(&mut reg, &cs);
+    let wins = s.engine.store().kv().windows().unwrap_or_default();
+    gauge(
+        &mut reg,
+        "storage_windows",
+        "Time windows of finished turns on disk",
+        wins.iter().filter(|w| !w.dropped).count() as i64,
+    );
 
     let mut body = String::new();
     if let Err(e) = encode(&mut body, &reg) {
@@ -316,6 +323,12 @@ fn register_recovery(reg: &mut Registry, c: &Counters) {
         "retention_deleted_turns",
         "Terminal turns deleted by retention",
         Counters::get(&c.turns_expired),
+    );
+    counter(
+        reg,
+        "retention_dropped_windows",
+        "Time windows of finished turns deleted whole by retention",
+        Counters::get(&c.windows_dropped),
     );
 }
 

@@ -93,6 +93,11 @@ pub struct StorageConfig {
     pub apply_interval_ms: u64,
     /// How often a commit log whose write or sync failed tries to repair itself.
     pub heal_interval_ms: u64,
+    /// A new time window of finished turns starts when the newest is this old (ms);
+    /// 0: no windows (finished turns stay in the main database).
+    pub window_ms: u64,
+    /// ... or this large on disk (MiB).
+    pub window_mb: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -169,6 +174,8 @@ impl Default for StorageConfig {
             log_segment_kb: turnd_store::logged::DEFAULT_SEGMENT_KB,
             apply_interval_ms: turnd_store::logged::DEFAULT_APPLY_INTERVAL_MS,
             heal_interval_ms: turnd_store::logged::DEFAULT_HEAL_INTERVAL_MS,
+            window_ms: turnd_store::windows::DEFAULT_WINDOW_MS,
+            window_mb: turnd_store::windows::DEFAULT_WINDOW_MB,
         }
     }
 }
@@ -533,6 +540,13 @@ impl Config {
                 1,
                 3_600_000,
             ),
+            (
+                "storage.window_ms",
+                self.storage.window_ms,
+                0,
+                30 * 86_400_000,
+            ),
+            ("storage.window_mb", self.storage.window_mb, 1, 1 << 20),
         ] {
             if !(lo..=hi).contains(&v) {
                 p.push(format!("{key} must be between {lo} and {hi}, not {v}"));

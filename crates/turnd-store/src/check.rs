@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use turnd_proto::{TurnStatus, Violation};
 
-use crate::{keys, InvState, InvocationRecord, Phase, Store, StoreError, TurnRecord};
+use crate::{keys, FoldedTurn, InvState, InvocationRecord, Phase, Store, StoreError, TurnRecord};
 
 fn violation(invariant: &str, t: Option<&TurnRecord>, session: &str, detail: String) -> Violation {
     Violation {
@@ -60,7 +60,6 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
             .map_err(|e| StoreError::Corrupt(format!("invocation: {e}")))?;
         invs.insert(i.invocation_id.clone(), i);
     }
-
     // A turn whose input is stored apart has it under its own key (an input written
     // with the turn's admission batch, so a turn without it was torn).
     for t in turns.values() {
@@ -71,6 +70,71 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
                 &t.session_id,
                 "the turn's record says its input is stored apart, and it is not there".into(),
             ));
+        }
+    }
+    // Finished turns' folded records: a turn is stored in one form only (the batch
+    // that folds it deletes its separate keys), it is terminal, and its folded
+    // invocations are its own, ended, and not also under their own keys.
+    let (fs, fe) = keys::finished_range();
+    for (k, v) in kv.scan(&fs, &fe, false, usize::MAX)? {
+        let f: FoldedTurn = serde_json::from_slice(&v)
+            .map_err(|e| StoreError::Corrupt(format!("finished turn: {e}")))?;
+        let t = &f.turn;
+        if keys::finished_turn_id(&k) != Some(t.turn_id.as_str()) {
+            out.push(violation(
+                "folded_record_misplaced",
+                Some(t),
+                &t.session_id,
+                format!("stored under {:?}", String::from_utf8_lossy(&k)),
+            ));
+        }
+        if turns.contains_key(&t.turn_id) {
+            out.push(violation(
+                "turn_stored_twice",
+                Some(t),
+                &t.session_id,
+                "the turn has a folded record and a record under its own key".into(),
+            ));
+        }
+        if !t.status.is_terminal() {
+            out.push(violation(
+                "folded_unfinished_turn",
+                Some(t),
+                &t.session_id,
+                format!("the folded record holds a {} turn", t.status.as_str()),
+            ));
+        }
+        for i in &f.invocations {
+            if i.turn_id != t.turn_id || i.is_active() || invs.contains_key(&i.invocation_id) {
+                out.push(violation(
+                    "folded_invocation_conflict",
+                    Some(t),
+                    &t.session_id,
+                    format!(
+                        "folded invocation {} (turn {}, {}) is another turn's, still active, or also stored under its own key",
+                        i.invocation_id,
+                        i.turn_id,
+                        i.state.as_str()
+                    ),
+                ));
+            }
+        }
+        turns.insert(t.turn_id.clone(), f.turn);
+    }
+
+    // A dropped time window has no files left once its drop was taken (the applier
+    // deletes its directory right after making the drop durable).
+    for w in kv.windows()? {
+        if w.dropped && w.bytes > 0 {
+            out.push(Violation {
+                invariant: "dropped_window_on_disk".into(),
+                turn_id: None,
+                session_id: None,
+                detail: format!(
+                    "the time window starting at {} is dropped and still holds {} bytes on disk",
+                    w.start_ms, w.bytes
+                ),
+            });
         }
     }
 

@@ -163,4 +163,8 @@ impl Kv for FaultyKv {
     fn health(&self) -> Result<(), String> {
         self.inner.health()
     }
+
+    fn windows(&self) -> Result<Vec<crate::WindowInfo>, StoreError> {
+        self.inner.windows()
+    }
 }

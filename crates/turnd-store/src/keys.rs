@@ -10,7 +10,8 @@
 //! |---|---|---|
 //! | `T` | turn id | `TurnRecord` |
 //! | `N` | turn id | the turn's input as JSON text, when at least `INPUT_APART_BYTES` long (written once, at admission) |
-//! | `I` | invocation id | `InvocationRecord` |
+//! | `I` | invocation id | `InvocationRecord` (of an unfinished turn, or an earlier attempt not folded) |
+//! | `F` | turn id | `FoldedTurn`: a finished turn's record, input inline, with its invocations |
 //! | `L` | session, 0, seq | turn id (every turn of the session) |
 //! | `A` | session, 0, seq | legacy: turn id of a non-terminal turn (stores written before session metas kept `active_from`; moved at start-up) |
 //! | `E` | session, 0, seq | `Event`, or an array of the consecutive events of one transition keyed by the last one's `seq` |
@@ -42,6 +43,20 @@ pub fn turn(turn_id: &str) -> Vec<u8> {
 /// A turn's input stored apart from its record.
 pub fn turn_input(turn_id: &str) -> Vec<u8> {
     simple(b'N', turn_id)
+}
+
+/// A finished turn's folded record.
+pub fn finished(turn_id: &str) -> Vec<u8> {
+    simple(b'F', turn_id)
+}
+
+pub fn finished_range() -> (Vec<u8>, Vec<u8>) {
+    (vec![b'F'], vec![b'F' + 1])
+}
+
+/// The turn id of a key of the `F` range.
+pub fn finished_turn_id(key: &[u8]) -> Option<&str> {
+    std::str::from_utf8(key.strip_prefix(b"F")?).ok()
 }
 
 pub fn invocation(invocation_id: &str) -> Vec<u8> {

@@ -17,6 +17,8 @@ pub mod mem;
 pub mod records;
 pub mod sled_kv;
 pub mod wal;
+pub mod windows;
+mod winstore;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,6 +27,7 @@ pub use check::check_store;
 pub use logged::{LoggedKv, LoggedOptions, Replayed};
 pub use records::*;
 pub use sled_kv::{SledKv, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
+pub use windows::{WindowInfo, WindowOptions};
 
 use turnd_proto::Event;
 
@@ -127,6 +130,13 @@ impl Batch {
         self.ops.push(KvOp::Delete(key));
     }
 
+    /// Drop the time window starting at `start_ms` (see [`windows`]): its finished
+    /// turns' records are gone from reads once this batch is committed, and its
+    /// directory is deleted once the drop is durable in the main database.
+    pub fn drop_window(&mut self, start_ms: u64) {
+        self.put_raw(windows::dropped_key(start_ms), Vec::new());
+    }
+
     fn put_json<T: serde::Serialize>(&mut self, key: Vec<u8>, value: &T) {
         // Serializing our own record types cannot fail: they hold no maps with
         // non-string keys and no foreign Serialize impls.
@@ -147,15 +157,35 @@ impl Batch {
     /// list and, when stored apart, its input. (Its record is written by `put_turn`,
     /// at admission and at every later transition.)
     pub fn put_admission(&mut self, t: &TurnRecord) {
-        self.put_raw(
-            keys::session_turn(&t.session_id, t.seq),
-            t.turn_id.as_bytes().to_vec(),
-        );
+        self.put_list_entry(t);
         if t.input.is_apart() {
             self.put_raw(
                 keys::turn_input(&t.turn_id),
                 t.input.as_str().as_bytes().to_vec(),
             );
+        }
+    }
+
+    /// A turn's place in its session's turn list.
+    pub fn put_list_entry(&mut self, t: &TurnRecord) {
+        self.put_raw(
+            keys::session_turn(&t.session_id, t.seq),
+            t.turn_id.as_bytes().to_vec(),
+        );
+    }
+
+    /// Write a finished turn's folded record in place of its separate keys: its
+    /// record, its input stored apart (when it was) and the records of the invocations
+    /// folded in are deleted in the same batch.
+    pub fn put_finished(&mut self, f: &FoldedTurn, input_apart: bool) {
+        let id = &f.turn.turn_id;
+        self.put_json(keys::finished(id), f);
+        self.delete(keys::turn(id));
+        if input_apart {
+            self.delete(keys::turn_input(id));
+        }
+        for i in &f.invocations {
+            self.delete(keys::invocation(&i.invocation_id));
         }
     }
 
@@ -242,6 +272,10 @@ pub trait Kv: Send + Sync + 'static {
     fn health(&self) -> Result<(), String> {
         Ok(())
     }
+    /// The time windows of finished turns, oldest first (see [`windows`]).
+    fn windows(&self) -> Result<Vec<WindowInfo>, StoreError> {
+        Ok(Vec::new())
+    }
 }
 
 /// Counters of the group-commit writer.
@@ -323,17 +357,45 @@ impl Store {
         self.kv.sync()
     }
 
-    /// A turn's record as stored: an input stored apart is not read back (`input`
-    /// is empty then). [`Store::turn`] reads the whole turn.
+    /// A finished turn's folded record.
+    pub fn finished(&self, turn_id: &str) -> Result<Option<FoldedTurn>, StoreError> {
+        self.kv
+            .get(&keys::finished(turn_id))?
+            .map(|b| decode("finished turn", &b))
+            .transpose()
+    }
+
+    /// A turn's record as stored: a finished turn's from its folded record, else its
+    /// own (where an input stored apart is not read back: `input` is empty then).
+    /// [`Store::turn`] reads the whole turn.
     pub fn turn_record(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
+        if let Some(f) = self.finished(turn_id)? {
+            return Ok(Some(f.turn));
+        }
+        self.separate_turn_record(turn_id)
+    }
+
+    /// A turn's record under its own key (an unfinished turn's, or a finished one of
+    /// the earlier layout).
+    pub fn separate_turn_record(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
         self.kv
             .get(&keys::turn(turn_id))?
             .map(|b| decode("turn", &b))
             .transpose()
     }
 
+    /// Whether a turn is stored, in either form.
+    pub fn turn_exists(&self, turn_id: &str) -> Result<bool, StoreError> {
+        Ok(self.kv.get(&keys::finished(turn_id))?.is_some()
+            || self.kv.get(&keys::turn(turn_id))?.is_some())
+    }
+
+    /// A whole turn, finished (folded) or not.
     pub fn turn(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
-        let Some(mut t) = self.turn_record(turn_id)? else {
+        if let Some(f) = self.finished(turn_id)? {
+            return Ok(Some(f.turn));
+        }
+        let Some(mut t) = self.separate_turn_record(turn_id)? else {
             return Ok(None);
         };
         if t.input.is_apart() {
@@ -351,11 +413,20 @@ impl Store {
         Ok(Some(t))
     }
 
+    /// An invocation: under its own key, or folded into its finished turn (found by
+    /// the turn id its invocation id names, [`turnd_proto::invocation_turn_id`]).
     pub fn invocation(&self, invocation_id: &str) -> Result<Option<InvocationRecord>, StoreError> {
-        self.kv
-            .get(&keys::invocation(invocation_id))?
-            .map(|b| decode("invocation", &b))
-            .transpose()
+        if let Some(b) = self.kv.get(&keys::invocation(invocation_id))? {
+            return decode("invocation", &b).map(Some);
+        }
+        let Some(turn_id) = turnd_proto::invocation_turn_id(invocation_id) else {
+            return Ok(None);
+        };
+        Ok(self.finished(&turn_id)?.and_then(|f| {
+            f.invocations
+                .into_iter()
+                .find(|i| i.invocation_id == invocation_id)
+        }))
     }
 
     pub fn idempotency(
@@ -411,9 +482,26 @@ impl Store {
         Ok(out)
     }
 
-    /// Up to `limit` turn records in key order (turn ids are UUIDv7, so oldest first)
-    /// from `from` on ([`Store::FIRST`]: the first), and where the next page starts.
-    /// An input stored apart is not read back (`input` is empty then).
+    /// Up to `limit` finished turns' folded records in key order (turn ids are
+    /// UUIDv7, so oldest first) from `from` on ([`Store::FIRST`]: the first), and
+    /// where the next page starts.
+    pub fn finished_page(
+        &self,
+        from: &[u8],
+        limit: usize,
+    ) -> Result<(Vec<FoldedTurn>, Option<Vec<u8>>), StoreError> {
+        let (page, next) = self.page(keys::finished_range(), from, limit)?;
+        let turns = page
+            .iter()
+            .map(|(_, v)| decode("finished turn", v))
+            .collect::<Result<_, _>>()?;
+        Ok((turns, next))
+    }
+
+    /// Up to `limit` turn records under their own keys in key order (turn ids are
+    /// UUIDv7, so oldest first) from `from` on ([`Store::FIRST`]: the first), and
+    /// where the next page starts: unfinished turns, and finished ones of the earlier
+    /// layout. An input stored apart is not read back (`input` is empty then).
     pub fn turns_page(
         &self,
         from: &[u8],
@@ -765,6 +853,108 @@ mod tests {
                 .iter()
                 .any(|v| v.invariant == "turn_input_missing"
                     && v.turn_id.as_deref() == Some("t-big")),
+            "{found:?}"
+        );
+    }
+
+    fn invocation(inv_id: &str, turn_id: &str, state: InvState) -> InvocationRecord {
+        InvocationRecord {
+            invocation_id: inv_id.into(),
+            turn_id: turn_id.into(),
+            session_id: "s".into(),
+            function_id: "f".into(),
+            step: 0,
+            attempt: 1,
+            worker_id: "w".into(),
+            instance_id: "i".into(),
+            settings: FunctionSettings {
+                timeout_ms: 1000,
+                delivery: turnd_proto::Delivery::AtLeastOnce,
+                max_attempts: 1,
+            },
+            state,
+            wait: InvWait::AwaitingResult,
+            wait_since_ms: 0,
+            deadline_ms: 0,
+            attempt_deadline_ms: 0,
+            dispatched_at_ms: 0,
+            ended_at_ms: None,
+            outcome: None,
+            late: false,
+        }
+    }
+
+    /// A finished turn is one folded record: the turn (its input inline, even one
+    /// stored apart while it ran) and its ended invocations, which are found by their
+    /// id alone; its separate keys are gone. A turn of the earlier layout (record,
+    /// input apart, invocation under their own keys) reads the same.
+    #[tokio::test]
+    async fn a_finished_turn_reads_the_same_folded_or_in_the_earlier_layout() {
+        let kv = Arc::new(mem::MemKv::new());
+        let store = Store::new(kv.clone());
+        let big = RawJson::from_value(&json!({"prompt": "q".repeat(INPUT_APART_BYTES)}));
+        let ids = [turnd_proto::new_turn_id(), turnd_proto::new_turn_id()];
+        let mut expected = Vec::new();
+        for (n, id) in ids.iter().enumerate() {
+            let inv_id = turnd_proto::new_invocation_id_of(id);
+            let mut t = TurnRecord::admitted(id.clone(), "s", n as u64 + 1, "f", big.clone(), 0);
+            t.invocation_id = Some(inv_id.clone());
+            let mut b = Batch::new();
+            b.put_admission(&t);
+            b.put_turn(&t);
+            b.put_invocation(&invocation(&inv_id, id, InvState::Active));
+            store.commit(b).await.expect("commit");
+            t.status = turnd_proto::TurnStatus::Completed;
+            t.phase = Phase::Done;
+            t.finished_at_ms = Some(5);
+            let inv = invocation(&inv_id, id, InvState::Finished);
+            let mut b = Batch::new();
+            if n == 0 {
+                b.put_finished(&FoldedTurn::new(&t, vec![inv.clone()]), true);
+            } else {
+                // The earlier layout: a terminal turn under its own keys.
+                b.put_turn(&t);
+                b.put_invocation(&inv);
+            }
+            store.commit(b).await.expect("commit");
+            expected.push((t, inv));
+        }
+        let (folded, _) = &expected[0];
+        for k in [
+            keys::turn(&folded.turn_id),
+            keys::turn_input(&folded.turn_id),
+            keys::invocation(folded.invocation_id.as_deref().expect("inv")),
+        ] {
+            assert_eq!(kv.get(&k).expect("get"), None, "{k:?} is deleted");
+        }
+        for (t, inv) in &expected {
+            let read = store.turn(&t.turn_id).expect("read").expect("turn");
+            assert_eq!(*read.input, big);
+            assert_eq!(read.status, turnd_proto::TurnStatus::Completed);
+            assert_eq!(
+                store
+                    .turn_record(&t.turn_id)
+                    .expect("read")
+                    .map(|r| r.status),
+                Some(turnd_proto::TurnStatus::Completed)
+            );
+            assert!(store.turn_exists(&t.turn_id).expect("read"));
+            let got = store.invocation(&inv.invocation_id).expect("read");
+            assert_eq!(got.as_ref(), Some(inv));
+        }
+        assert!(store.finished(&ids[0]).expect("read").is_some());
+        assert!(store.finished(&ids[1]).expect("read").is_none());
+        let unknown = turnd_proto::new_invocation_id_of(&ids[0]);
+        assert_eq!(store.invocation(&unknown).expect("read"), None);
+        assert!(check_store(&store).expect("check").is_empty());
+
+        // A record under its own key beside the folded one is reported.
+        let mut b = Batch::new();
+        b.put_turn(folded);
+        store.commit(b).await.expect("commit");
+        let found = check_store(&store).expect("check");
+        assert!(
+            found.iter().any(|v| v.invariant == "turn_stored_twice"),
             "{found:?}"
         );
     }

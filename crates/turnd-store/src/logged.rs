@@ -54,6 +54,8 @@ use std::time::{Duration, Instant};
 
 use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
+use crate::windows::{self, Route, WindowOptions};
+use crate::winstore::{Upkeep, Windows};
 use crate::{Batch, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 /// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
@@ -118,6 +120,8 @@ pub struct LoggedOptions {
     pub apply_interval: Duration,
     /// How often a failed log tries to repair itself.
     pub heal_interval: Duration,
+    /// When a new time window of finished turns starts.
+    pub windows: WindowOptions,
 }
 
 impl Default for LoggedOptions {
@@ -127,6 +131,7 @@ impl Default for LoggedOptions {
             segment_bytes: DEFAULT_SEGMENT_KB * 1024,
             apply_interval: Duration::from_millis(DEFAULT_APPLY_INTERVAL_MS),
             heal_interval: Duration::from_millis(DEFAULT_HEAL_INTERVAL_MS),
+            windows: WindowOptions::default(),
         }
     }
 }
@@ -156,6 +161,8 @@ enum Ctl {
 
 struct Inner {
     sled: Arc<Shared>,
+    /// The time windows of finished turns' records.
+    windows: Windows,
     overlay: RwLock<Overlay>,
     stats: Mutex<CommitStats>,
     log_dir: PathBuf,
@@ -289,18 +296,166 @@ pub fn decode(mut p: &[u8]) -> Result<Vec<KvOp>, StoreError> {
     Ok(ops)
 }
 
-/// The newest value of each key in `records`, in key order.
-fn coalesce(records: &[wal::Record]) -> Result<BTreeMap<Vec<u8>, Value>, StoreError> {
+/// The newest value of each key in `records`, with the lsn that wrote it, in key
+/// order.
+fn coalesce(records: &[wal::Record]) -> Result<BTreeMap<Vec<u8>, (u64, Value)>, StoreError> {
     let mut map = BTreeMap::new();
     for r in records {
         for op in decode(&r.payload)? {
             match op {
-                KvOp::Put(k, v) => map.insert(k, Some(Arc::from(v))),
-                KvOp::Delete(k) => map.insert(k, None),
+                KvOp::Put(k, v) => map.insert(k, (r.lsn, Some(Arc::from(v)))),
+                KvOp::Delete(k) => map.insert(k, (r.lsn, None)),
             };
         }
     }
     Ok(map)
+}
+
+/// Window drops committed in `entries` (keys of [`windows::dropped_key`] put), with
+/// the lsn of each.
+fn drops<'a>(entries: impl Iterator<Item = (&'a Vec<u8>, u64, bool)>) -> Vec<(u64, u64)> {
+    entries
+        .filter(|(_, _, put)| *put)
+        .filter_map(|(k, lsn, _)| windows::dropped_start(k).map(|s| (s, lsn)))
+        .collect()
+}
+
+/// The drops the main database records: window start → lsn of the drop.
+fn recorded_drops(sled: &Shared) -> Result<BTreeMap<u64, u64>, StoreError> {
+    let (s, e) = windows::dropped_range();
+    sled.with(|h| {
+        let mut out = BTreeMap::new();
+        for kv in h.db.range(s..e) {
+            let (k, v) = kv.map_err(|e| StoreError::Read(e.to_string()))?;
+            if let Some(start) = windows::dropped_start(&k) {
+                let lsn = <[u8; 8]>::try_from(v.as_ref()).map_or(0, u64::from_be_bytes);
+                out.insert(start, lsn);
+            }
+        }
+        Ok(out)
+    })
+}
+
+/// Write `entries` (key order, each with the lsn that wrote it) where they belong:
+/// folded records to their time window, the rest to the main database (a window
+/// drop with the lsn that made it as its value), in bounded batches. Returns the
+/// bytes written and the windows written to (not yet synced).
+fn apply_routed<'a>(
+    sled: &Shared,
+    wins: &Windows,
+    entries: impl Iterator<Item = (&'a Vec<u8>, u64, Option<&'a [u8]>)>,
+) -> Result<(u64, Vec<u64>), StoreError> {
+    type Op<'b> = (&'b Vec<u8>, Option<&'b [u8]>);
+    let mut main: Vec<Op<'a>> = Vec::new();
+    let mut to_windows: BTreeMap<u64, Vec<Op<'a>>> = BTreeMap::new();
+    let mut dropped: Vec<(Vec<u8>, u64)> = Vec::new();
+    for (k, lsn, v) in entries {
+        if k.first() == Some(&b'W') && v.is_some() {
+            dropped.push((k.clone(), lsn));
+            continue;
+        }
+        match wins.route(k) {
+            Route::Main => main.push((k, v)),
+            Route::Window(start) => to_windows.entry(start).or_default().push((k, v)),
+        }
+    }
+    let mut bytes = 0;
+    let mut written = Vec::new();
+    for (start, entries) in to_windows {
+        let Some(w) = wins.get(start) else {
+            return Err(StoreError::Write(format!("window {start} is not open")));
+        };
+        bytes += apply_to_sled(&w, entries.into_iter(), None)?;
+        written.push(start);
+    }
+    bytes += apply_to_sled(sled, main.into_iter(), None)?;
+    if !dropped.is_empty() {
+        let values: Vec<[u8; 8]> = dropped.iter().map(|(_, l)| l.to_be_bytes()).collect();
+        bytes += apply_to_sled(
+            sled,
+            dropped
+                .iter()
+                .zip(&values)
+                .map(|((k, _), v)| (k, Some(&v[..]))),
+            None,
+        )?;
+    }
+    Ok((bytes, written))
+}
+
+/// Flush and `fdatasync` the windows in `written`: done before the main database
+/// records an applied mark past their writes, so that a mark never claims what a
+/// window may not have.
+fn sync_windows(wins: &Windows, written: &[u64]) -> Result<(), StoreError> {
+    for start in written {
+        if let Some(w) = wins.get(*start) {
+            w.with(|h| w.sync_files(h))?;
+        }
+    }
+    Ok(())
+}
+
+/// Take a committed drop of the window starting at `start` (by the record `lsn`):
+/// copy what it still holds to the main database, as stored, then route its keys
+/// there. Returns the window's database, to close and delete once the drop is durable.
+fn take_drop(
+    sled: &Shared,
+    wins: &Windows,
+    start: u64,
+    lsn: u64,
+) -> Result<Option<(u64, Arc<Shared>)>, StoreError> {
+    if let Some(w) = wins.get(start) {
+        let held: Vec<(sled::IVec, sled::IVec)> = w.with(|h| {
+            h.db.iter()
+                .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.as_ref() != APPLIED_KEY))
+                .collect::<sled::Result<_>>()
+                .map_err(|e| StoreError::Read(e.to_string()))
+        })?;
+        if !held.is_empty() {
+            tracing::warn!(
+                "the time window {start} still held {} records when it was dropped (turns that ended while retention judged it empty): moved to the main database",
+                held.len()
+            );
+            sled.with(|h| {
+                for chunk in held.chunks(APPLY_KEYS) {
+                    let mut b = sled::Batch::default();
+                    for (k, v) in chunk {
+                        b.insert(k.clone(), v.clone());
+                    }
+                    h.db.apply_batch(b)
+                        .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))?;
+                }
+                Ok(())
+            })?;
+        }
+    }
+    Ok(wins.mark_dropped(start, lsn)?.map(|w| (start, w)))
+}
+
+/// Write records read back from the log (coalesced) where they belong, record
+/// `mark` as applied, make all of it durable, and finish the drops among them.
+fn replay_into(
+    sled: &Shared,
+    wins: &Windows,
+    map: &BTreeMap<Vec<u8>, (u64, Value)>,
+    mark: u64,
+) -> Result<(), StoreError> {
+    let (_, written) = apply_routed(
+        sled,
+        wins,
+        map.iter().map(|(k, (l, v))| (k, *l, v.as_deref())),
+    )?;
+    sync_windows(wins, &written)?;
+    let mut closing = Vec::new();
+    for (start, lsn) in drops(map.iter().map(|(k, (l, v))| (k, *l, v.is_some()))) {
+        closing.extend(take_drop(sled, wins, start, lsn)?);
+    }
+    apply_to_sled(sled, std::iter::empty(), Some(mark))?;
+    sled.with(|h| sled.sync_files(h))?;
+    for (start, w) in closing {
+        wins.delete(start, w)?;
+    }
+    Ok(())
 }
 
 impl LoggedKv {
@@ -310,6 +465,7 @@ impl LoggedKv {
         let started = Instant::now();
         let sled = Arc::new(Shared::open(dir, opts.sled)?);
         let applied = applied_mark(&sled)?;
+        let wins = Windows::open(dir, opts.windows, opts.sled, &recorded_drops(&sled)?)?;
         let log_dir = dir.join("log");
         let opened = CommitLog::open(&log_dir, opts.segment_bytes, applied)?;
         let closed = opened.log.closed();
@@ -320,18 +476,14 @@ impl LoggedKv {
         };
         if let Some(last) = opened.records.last().map(|r| r.lsn) {
             let map = coalesce(&opened.records)?;
-            apply_to_sled(
-                &sled,
-                map.iter().map(|(k, v)| (k, v.as_deref())),
-                Some(last),
-            )?;
-            sled.with(|h| sled.sync_files(h))?;
+            replay_into(&sled, &wins, &map, last)?;
             wal::trim_before(&log_dir, &closed, last)?;
         }
         let committed = opened.log.next_lsn() - 1;
         replayed.millis = started.elapsed().as_millis() as u64;
         let inner = Arc::new(Inner {
             sled,
+            windows: wins,
             overlay: RwLock::new(Overlay {
                 map: BTreeMap::new(),
                 committed,
@@ -676,6 +828,10 @@ struct Applier<'a> {
     /// When sled was last opened again after failing (see [`Applier::repair`]).
     last_repair: Option<Instant>,
     heal_interval: Duration,
+    /// Dropped windows whose directories are still to delete, once their drops are
+    /// durable in the main database.
+    closing: Vec<(u64, Arc<Shared>)>,
+    upkeep: Upkeep,
 }
 
 impl Applier<'_> {
@@ -695,14 +851,39 @@ impl Applier<'_> {
             let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
             (o.committed, o.map.keys().next_back().cloned())
         };
+        // A new window is made only when finished turns are to be written (an idle
+        // daemon makes none).
+        let finished_pending = {
+            let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
+            let (fs, fe) = crate::keys::finished_range();
+            o.map.range(fs..fe).next().is_some()
+        };
+        if finished_pending {
+            if let Err(e) = self.inner.windows.switch_if_due() {
+                tracing::warn!("a new time window could not be made (tried again next round): {e}");
+            }
+        }
         if committed == self.applied {
             return Ok(());
         }
+        // Drops committed since the last round, taken once this round's writes are in
+        // the windows (retention's deletes of their records among them): what they
+        // still hold then moves to the main database, where their keys go from now on.
+        let pending: Vec<(u64, u64)> = {
+            let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
+            let (s, e) = windows::dropped_range();
+            drops(
+                o.map
+                    .range(s..e)
+                    .map(|(k, p)| (k, p.lsn, p.value.is_some())),
+            )
+        };
         let Some(end) = end else {
             apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
             self.applied = committed;
             return Ok(());
         };
+        let mut written: Vec<u64> = Vec::new();
         let mut from: Option<Vec<u8>> = None;
         let mut keys = 0u64;
         loop {
@@ -722,11 +903,18 @@ impl Applier<'_> {
             };
             let mut next = last.clone();
             next.push(0);
-            self.checkpoints.written += apply_to_sled(
+            let (bytes, wins) = apply_routed(
                 &self.inner.sled,
-                slice.iter().map(|(k, _, v)| (k, v.as_deref())),
-                None,
+                &self.inner.windows,
+                slice.iter().map(|(k, lsn, v)| (k, *lsn, v.as_deref())),
             )?;
+            self.checkpoints.written += bytes;
+            for w in wins {
+                self.inner.windows.written(&mut self.upkeep, w);
+                if !written.contains(&w) {
+                    written.push(w);
+                }
+            }
             {
                 let mut o = self
                     .inner
@@ -746,6 +934,11 @@ impl Applier<'_> {
             }
             from = Some(next);
         }
+        sync_windows(&self.inner.windows, &written)?;
+        for (start, lsn) in pending {
+            let taken = take_drop(&self.inner.sled, &self.inner.windows, start, lsn)?;
+            self.closing.extend(taken);
+        }
         apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
         self.applied = committed;
         if let Ok(mut s) = self.inner.stats.lock() {
@@ -758,6 +951,24 @@ impl Applier<'_> {
 
     /// Once a log segment is wholly applied: make sled durable, then delete it.
     fn trim(&mut self, force_flush: bool) -> Result<(), StoreError> {
+        if !self.closing.is_empty() {
+            // The drops are in the main database (this round wrote them): make them
+            // durable, then delete the windows' directories.
+            let sled = &self.inner.sled;
+            sled.with(|h| sled.sync_files(h))?;
+            // A deletion that fails is tried again after the next round.
+            let mut failed = None;
+            for (start, w) in std::mem::take(&mut self.closing) {
+                if let Err(e) = self.inner.windows.delete(start, w.clone()) {
+                    self.closing.push((start, w));
+                    failed.get_or_insert(e);
+                }
+            }
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
+        self.inner.windows.snapshot_idle(&mut self.upkeep);
         if !force_flush && wal::closed_count(&self.inner.closed) == 0 {
             return Ok(());
         }
@@ -836,6 +1047,10 @@ impl Applier<'_> {
             return Ok(None);
         }
         sled.reopen_after_failure()?;
+        // The windows were written in the same rounds and refuse writes the same way.
+        for (_, w) in self.inner.windows.all_open() {
+            w.reopen_after_failure()?;
+        }
         let mark = applied_mark(sled)?;
         let upto = self
             .inner
@@ -848,7 +1063,13 @@ impl Applier<'_> {
         }
         let records = wal::read_range(&self.inner.log_dir, mark, upto)?;
         let map = coalesce(&records)?;
-        apply_to_sled(sled, map.iter().map(|(k, v)| (k, v.as_deref())), Some(upto))?;
+        let (_, written) = apply_routed(
+            sled,
+            &self.inner.windows,
+            map.iter().map(|(k, (l, v))| (k, *l, v.as_deref())),
+        )?;
+        sync_windows(&self.inner.windows, &written)?;
+        apply_to_sled(sled, std::iter::empty(), Some(upto))?;
         // The next round writes the overlay (values at least as new) again.
         self.applied = mark;
         Ok(Some(records.len()))
@@ -862,6 +1083,8 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         applied,
         last_repair: None,
         heal_interval: opts.heal_interval,
+        closing: Vec::new(),
+        upkeep: Upkeep::default(),
     };
     loop {
         // Behind (a quarter of the overlay's room used): no pause between rounds.
@@ -890,6 +1113,13 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
+}
+
+/// Whether the overlay holds a committed drop of the window starting at `start`.
+fn drop_pending(o: &Overlay, start: u64) -> bool {
+    o.map
+        .get(&windows::dropped_key(start))
+        .is_some_and(|p| p.value.is_some())
 }
 
 /// Merge a snapshot of the overlay's range (in scan order) with sled's range.
@@ -938,7 +1168,7 @@ fn merge(
 
 impl Kv for LoggedKv {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        {
+        let window = {
             let o = self
                 .inner
                 .overlay
@@ -947,13 +1177,31 @@ impl Kv for LoggedKv {
             if let Some(p) = o.map.get(key) {
                 return Ok(p.value.as_ref().map(|v| v.to_vec()));
             }
-        }
-        self.inner.sled.with(|h| {
-            match h.db.get(key).map_err(|e| StoreError::Read(e.to_string()))? {
-                Some(v) => unpack(&v).map(Some),
-                None => Ok(None),
+            if key.first() == Some(&b'F') {
+                self.inner.windows.reader(key)
+            } else {
+                None
             }
-        })
+        };
+        let read = |sled: &Shared| {
+            sled.with(
+                |h| match h.db.get(key).map_err(|e| StoreError::Read(e.to_string()))? {
+                    Some(v) => unpack(&v).map(Some),
+                    None => Ok(None),
+                },
+            )
+        };
+        match window {
+            Some(w) => match read(&w) {
+                Ok(v) => Ok(v),
+                // Closed by a drop meanwhile: the key is read where it goes now.
+                Err(_) if !matches!(self.inner.windows.route(key), Route::Window(_)) => {
+                    read(&self.inner.sled)
+                }
+                Err(e) => Err(e),
+            },
+            None => read(&self.inner.sled),
+        }
     }
 
     fn scan(
@@ -966,20 +1214,55 @@ impl Kv for LoggedKv {
         if start >= end {
             return Ok(Vec::new());
         }
-        let pending: Vec<(Vec<u8>, Value)> = {
+        type Pendings = Vec<(Vec<u8>, Value)>;
+        let (pending, wins): (Pendings, Vec<Arc<Shared>>) = {
             let o = self
                 .inner
                 .overlay
                 .read()
                 .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
             let range = o.map.range(start.to_vec()..end.to_vec());
+            let folded = start < &b"G"[..] && &b"F"[..] < end;
             let entry = |(k, p): (&Vec<u8>, &Pending)| (k.clone(), p.value.clone());
-            if reverse {
+            let pending = if reverse {
                 range.rev().map(entry).collect()
             } else {
                 range.map(entry).collect()
-            }
+            };
+            let wins = if folded {
+                self.inner.windows.readers_in(start, end)
+            } else {
+                Vec::new()
+            };
+            (pending, wins)
         };
+        if !wins.is_empty() {
+            // Folded records in windows: each source's range in order, then merged. A
+            // source gives `limit` entries more than the overlay can hide (deletes).
+            let enough = limit.saturating_add(pending.len());
+            let mut all: Vec<(sled::IVec, sled::IVec)> = Vec::new();
+            for src in std::iter::once(&self.inner.sled).chain(wins.iter()) {
+                let part = src.with(|h| {
+                    let range = h.db.range(start.to_vec()..end.to_vec());
+                    let taken: sled::Result<Vec<_>> = if reverse {
+                        range.rev().take(enough).collect()
+                    } else {
+                        range.take(enough).collect()
+                    };
+                    taken.map_err(|e| StoreError::Read(e.to_string()))
+                })?;
+                all.extend(part);
+            }
+            all.sort_by(|a, b| {
+                if reverse {
+                    b.0.cmp(&a.0)
+                } else {
+                    a.0.cmp(&b.0)
+                }
+            });
+            all.dedup_by(|a, b| a.0 == b.0);
+            return merge(pending, all.into_iter().map(Ok), reverse, limit);
+        }
         self.inner.sled.with(|h| {
             let range = h.db.range(start.to_vec()..end.to_vec());
             if reverse {
@@ -1024,6 +1307,23 @@ impl Kv for LoggedKv {
         s.overlay_keys = self.overlay_len() as u64;
         s.log_segments = wal::closed_count(&self.inner.closed) as u64 + 1;
         s
+    }
+
+    fn windows(&self) -> Result<Vec<crate::WindowInfo>, StoreError> {
+        let mut list = self.inner.windows.list();
+        let o = self
+            .inner
+            .overlay
+            .read()
+            .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
+        for w in &mut list {
+            // Committed, not yet taken by the applier: its directory is still there.
+            if drop_pending(&o, w.start_ms) && !w.dropped {
+                w.dropped = true;
+                w.bytes = 0;
+            }
+        }
+        Ok(list)
     }
 
     fn health(&self) -> Result<(), String> {
@@ -1284,6 +1584,177 @@ mod tests {
             .expect("scan")
             .len() as u64;
         assert_eq!(n, batches * per_batch);
+    }
+
+    fn turn_at(ms: u64, n: u8) -> String {
+        format!("t_{ms:012x}7000800000000000{n:04x}")
+    }
+
+    fn in_sled(sled: &Shared, key: &[u8]) -> bool {
+        sled.with(|h| h.db.get(key).map_err(|e| StoreError::Read(e.to_string())))
+            .expect("read")
+            .is_some()
+    }
+
+    /// Folded records go to the window of their turn id's time, everything else (and
+    /// turns minted before the first window) to the main database. A drop moves what
+    /// the window still holds to the main database, and its directory goes once the
+    /// drop is durable; a start after a crash does not re-create it from the log and
+    /// loses nothing committed, before the drop or after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn windows_route_by_turn_time_and_a_drop_survives_a_replay() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let manual = LoggedOptions {
+            apply_interval: Duration::from_secs(3600),
+            windows: WindowOptions {
+                window_ms: 1,
+                window_bytes: u64::MAX,
+            },
+            ..opts()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), manual).expect("open");
+        // Windows are made when finished turns are to be written.
+        let put_f = |id: &str| put(&keys::finished(id), id);
+        let far = turn_at(u64::from(u32::MAX) << 8, 9);
+        commit(&kv, put_f(&far)).await;
+        kv.sync().expect("round: first window");
+        std::thread::sleep(Duration::from_millis(5));
+        commit(&kv, put_f(&far)).await;
+        kv.sync().expect("round: second window");
+        let list = kv.windows().expect("windows");
+        assert!(list.len() >= 2, "{list:?}");
+        let (a, b) = (list[0].start_ms, list[0].end_ms.expect("end"));
+        assert!(dir.path().join("windows").join(a.to_string()).is_dir());
+
+        let (old, early, late, after) = (
+            turn_at(a - 1, 0),
+            turn_at(a, 1),
+            turn_at(b - 1, 2),
+            turn_at(a, 3),
+        );
+        commit(&kv, put_f(&old)).await;
+        commit(&kv, put_f(&early)).await;
+        commit(&kv, put(&keys::session_meta("s"), "m")).await;
+        kv.sync().expect("apply");
+        let wa = kv.inner.windows.get(a).expect("window a");
+        assert!(in_sled(&wa, &keys::finished(&early)));
+        assert!(!in_sled(&kv.inner.sled, &keys::finished(&early)));
+        assert!(
+            in_sled(&kv.inner.sled, &keys::finished(&old)),
+            "minted before any window"
+        );
+        assert!(in_sled(&kv.inner.sled, &keys::session_meta("s")));
+        assert!(!in_sled(&wa, &keys::session_meta("s")));
+        let (fs, fe) = keys::finished_range();
+        assert_eq!(kv.scan(&fs, &fe, false, usize::MAX).expect("scan").len(), 3);
+        assert_eq!(
+            kv.get(&keys::finished(&early)).expect("get"),
+            Some(early.clone().into_bytes())
+        );
+        // A scan of few entries whose first ones the overlay deletes still finds the
+        // window's next record.
+        let (ws, we) = windows::finished_key_range(a, Some(b));
+        let mut del = Batch::new();
+        del.delete(keys::finished(&early));
+        commit(&kv, del).await;
+        let second = turn_at(a, 5);
+        commit(&kv, put_f(&second)).await;
+        kv.sync().expect("apply");
+        commit(&kv, {
+            let mut d = Batch::new();
+            d.delete(keys::finished(&second));
+            d
+        })
+        .await;
+        commit(&kv, put_f(&early)).await;
+        kv.sync().expect("apply");
+        let mut d = Batch::new();
+        d.delete(keys::finished(&early));
+        commit(&kv, d).await;
+        assert!(kv.scan(&ws, &we, false, 1).expect("scan").is_empty());
+        commit(&kv, put_f(&second)).await;
+        kv.sync().expect("apply");
+        let mut d = Batch::new();
+        d.delete(keys::finished(&early));
+        d.put_raw(keys::finished(&early), early.clone().into_bytes());
+        commit(&kv, d).await;
+        kv.sync().expect("apply");
+        let mut d = Batch::new();
+        d.delete(keys::finished(&early));
+        commit(&kv, d).await;
+        let found = kv.scan(&ws, &we, false, 1).expect("scan");
+        assert_eq!(found.len(), 1, "the record after a deleted one");
+        assert_eq!(found[0].0, keys::finished(&second));
+        commit(&kv, put_f(&early)).await;
+        let mut d = Batch::new();
+        d.delete(keys::finished(&second));
+        commit(&kv, d).await;
+        kv.sync().expect("apply");
+        drop(wa);
+
+        // Not applied before the "crash": a record of the window, its drop, and a
+        // record of the window written after the drop.
+        commit(&kv, put_f(&late)).await;
+        let mut b2 = Batch::new();
+        b2.drop_window(a);
+        commit(&kv, b2).await;
+        assert!(kv.windows().expect("windows")[0].dropped);
+        commit(&kv, put_f(&after)).await;
+        std::mem::forget(kv);
+        let copy = tempfile::tempdir().expect("tempdir");
+        copy_dir(dir.path(), copy.path());
+        let (kv, replayed) = LoggedKv::open(copy.path(), manual).expect("reopen");
+        assert_eq!(replayed.records, 3);
+        let window_a = copy.path().join("windows").join(a.to_string());
+        assert!(
+            !window_a.exists(),
+            "the dropped window's directory is deleted"
+        );
+        for id in [&old, &early, &late, &after] {
+            assert_eq!(
+                kv.get(&keys::finished(id)).expect("get"),
+                Some(id.clone().into_bytes()),
+                "{id}"
+            );
+            assert!(in_sled(&kv.inner.sled, &keys::finished(id)), "{id} in main");
+        }
+        let listed = kv.windows().expect("windows");
+        assert!(listed[0].dropped && listed[0].start_ms == a, "{listed:?}");
+        // Deleting a record of the dropped window deletes it where it is now.
+        let mut del = Batch::new();
+        del.delete(keys::finished(&early));
+        commit(&kv, del).await;
+        kv.close().expect("close");
+        drop(kv);
+        let (kv, replayed) = LoggedKv::open(copy.path(), manual).expect("reopen");
+        assert_eq!(replayed.records, 0);
+        assert!(!window_a.exists());
+        assert!(kv.windows().expect("windows")[0].dropped);
+        assert_eq!(
+            kv.get(&keys::finished(&after)).expect("get"),
+            Some(after.into_bytes())
+        );
+        assert_eq!(kv.get(&keys::finished(&early)).expect("get"), None);
+        assert_eq!(kv.scan(&fs, &fe, false, usize::MAX).expect("scan").len(), 4);
+        // `store.check` reports a dropped window whose files are still there. (The
+        // records above are not JSON: deleted first.)
+        let mut d = Batch::new();
+        for (k, _) in kv.scan(&fs, &fe, false, usize::MAX).expect("scan") {
+            d.delete(k);
+        }
+        d.delete(keys::session_meta("s"));
+        commit(&kv, d).await;
+        let store = crate::Store::new(Arc::new(kv));
+        let dropped_on_disk = |store: &crate::Store| {
+            crate::check_store(store)
+                .expect("check")
+                .iter()
+                .any(|v| v.invariant == "dropped_window_on_disk")
+        };
+        assert!(!dropped_on_disk(&store));
+        std::fs::create_dir_all(&window_a).expect("mkdir");
+        std::fs::write(window_a.join("db"), b"left over").expect("write");
+        assert!(dropped_on_disk(&store));
     }
 
     /// Segments are deleted once sled holds their records, so the log stays small

@@ -1,15 +1,30 @@
 //! An in-memory [`Kv`] over a `BTreeMap`: every commit is applied at once and
 //! atomically, and its ticket is resolved when returned. Nothing is durable. For
 //! engine tests on paused time, fuzzing and benchmarks of everything but the disk.
+//!
+//! It keeps the time windows of finished turns as the sled store does (see
+//! [`crate::windows`]): the same table, the same switch policy (by the wall clock
+//! and the bytes of its finished turns' records, checked when finished turns are
+//! written), and a committed drop marks the window dropped.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
+use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
 use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
 
 #[derive(Default)]
+struct State {
+    map: BTreeMap<Vec<u8>, Vec<u8>>,
+    table: Table,
+    /// Bytes of records written to each open window.
+    bytes: HashMap<u64, u64>,
+}
+
+#[derive(Default)]
 pub struct MemKv {
-    map: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
+    state: Mutex<State>,
+    opts: WindowOptions,
     stats: Mutex<CommitStats>,
 }
 
@@ -18,15 +33,66 @@ impl MemKv {
         MemKv::default()
     }
 
+    /// With windows made by `opts`.
+    pub fn with_windows(opts: WindowOptions) -> MemKv {
+        MemKv {
+            opts,
+            ..MemKv::default()
+        }
+    }
+
     fn poisoned() -> StoreError {
         StoreError::Read("in-memory store lock poisoned".into())
     }
 }
 
+impl State {
+    fn apply(&mut self, batch: Batch, opts: &WindowOptions) {
+        let now = windows::now_ms();
+        let newest = self
+            .table
+            .newest()
+            .map_or(0, |s| self.bytes.get(&s).copied().unwrap_or(0));
+        let finished = batch
+            .ops
+            .iter()
+            .any(|op| matches!(op, KvOp::Put(k, _) if k.first() == Some(&b'F')));
+        if finished && self.table.due(opts, now, newest) {
+            let start = self.table.next_start(now);
+            self.table.slots.insert(start, Slot::Open);
+        }
+        for op in batch.ops {
+            match op {
+                KvOp::Put(k, v) => {
+                    if let Some(start) = windows::dropped_start(&k) {
+                        self.drop_window(start);
+                    } else if let Route::Window(s) = self.table.route(&k) {
+                        *self.bytes.entry(s).or_default() += (k.len() + v.len()) as u64;
+                    }
+                    self.map.insert(k, v);
+                }
+                KvOp::Delete(k) => {
+                    self.map.remove(&k);
+                }
+            }
+        }
+    }
+
+    /// A committed drop: the window is gone; records it still held stay readable
+    /// (the sled store moves them to its main database).
+    fn drop_window(&mut self, start: u64) {
+        if !matches!(self.table.slots.get(&start), Some(Slot::Open)) {
+            return;
+        }
+        self.table.slots.insert(start, Slot::Dropped(0));
+        self.bytes.remove(&start);
+    }
+}
+
 impl Kv for MemKv {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let m = self.map.lock().map_err(|_| Self::poisoned())?;
-        Ok(m.get(key).cloned())
+        let s = self.state.lock().map_err(|_| Self::poisoned())?;
+        Ok(s.map.get(key).cloned())
     }
 
     fn scan(
@@ -40,8 +106,8 @@ impl Kv for MemKv {
         if start >= end {
             return Ok(Vec::new());
         }
-        let m = self.map.lock().map_err(|_| Self::poisoned())?;
-        let range = m.range(start.to_vec()..end.to_vec());
+        let s = self.state.lock().map_err(|_| Self::poisoned())?;
+        let range = s.map.range(start.to_vec()..end.to_vec());
         let entry = |(k, v): (&Vec<u8>, &Vec<u8>)| (k.clone(), v.clone());
         Ok(if reverse {
             range.rev().take(limit).map(entry).collect()
@@ -52,18 +118,9 @@ impl Kv for MemKv {
 
     fn commit(&self, batch: Batch) -> CommitTicket {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let result = match self.map.lock() {
-            Ok(mut m) => {
-                for op in batch.ops {
-                    match op {
-                        KvOp::Put(k, v) => {
-                            m.insert(k, v);
-                        }
-                        KvOp::Delete(k) => {
-                            m.remove(&k);
-                        }
-                    }
-                }
+        let result = match self.state.lock() {
+            Ok(mut s) => {
+                s.apply(batch, &self.opts);
                 if let Ok(mut s) = self.stats.lock() {
                     s.syncs += 1;
                     s.batches += 1;
@@ -85,5 +142,11 @@ impl Kv for MemKv {
 
     fn commit_stats(&self) -> CommitStats {
         self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    fn windows(&self) -> Result<Vec<WindowInfo>, StoreError> {
+        let s = self.state.lock().map_err(|_| Self::poisoned())?;
+        Ok(s.table
+            .list(|start| s.bytes.get(&start).copied().unwrap_or(0)))
     }
 }

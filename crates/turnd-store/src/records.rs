@@ -95,6 +95,14 @@ impl TurnInput {
     pub(crate) fn fill(&mut self, raw: RawJson) {
         self.raw = raw;
     }
+
+    /// The same input, stored inline (in a finished turn's folded record).
+    pub fn inline(&self) -> TurnInput {
+        TurnInput {
+            raw: self.raw.clone(),
+            apart: false,
+        }
+    }
 }
 
 impl Default for TurnInput {
@@ -260,6 +268,39 @@ impl TurnRecord {
             last_error: None,
             settings: None,
             backoff_ms: 0,
+        }
+    }
+}
+
+/// A finished turn as stored: written once when the turn becomes terminal (and again
+/// when a late result amends it), in place of its record, its input stored apart and
+/// the invocation records it had in memory. Its record holds the input inline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FoldedTurn {
+    pub turn: TurnRecord,
+    /// Its invocations folded in (its last one at least, when it had one; invocations
+    /// of earlier attempts may still be under their own keys).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub invocations: Vec<InvocationRecord>,
+}
+
+impl FoldedTurn {
+    /// `turn` with its input made inline.
+    pub fn new(turn: &TurnRecord, invocations: Vec<InvocationRecord>) -> FoldedTurn {
+        let mut turn = turn.clone();
+        turn.input = turn.input.inline();
+        FoldedTurn { turn, invocations }
+    }
+
+    /// Put `inv` in, in place of an earlier version of it.
+    pub fn put_invocation(&mut self, inv: InvocationRecord) {
+        match self
+            .invocations
+            .iter_mut()
+            .find(|i| i.invocation_id == inv.invocation_id)
+        {
+            Some(slot) => *slot = inv,
+            None => self.invocations.push(inv),
         }
     }
 }

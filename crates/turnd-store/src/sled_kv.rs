@@ -318,6 +318,18 @@ impl Shared {
         Ok(())
     }
 
+    /// Close sled for good (a dropped time window, whose directory is deleted next).
+    /// Readers that come later get an error, never a stale read.
+    pub(crate) fn close(&self) {
+        let Ok(mut slot) = self.handle.write() else {
+            return;
+        };
+        let old = slot.take();
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(old))).is_err() {
+            tracing::warn!("closing sled at {:?} panicked", self.dir);
+        }
+    }
+
     /// Open the store after a checkpoint closed it.
     fn reopen(&self) -> Result<Handle, StoreError> {
         open_when_unlocked(|| Handle::open(&self.dir, self.opts.cache_mb))

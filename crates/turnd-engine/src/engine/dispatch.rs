@@ -41,7 +41,7 @@ impl Engine {
             let Some(want) = &tx.dispatch else {
                 return;
             };
-            let inv_id = new_invocation_id();
+            let inv_id = new_invocation_id_of(&want.turn.turn_id);
             let grant = reg
                 .reserve(&want.turn.function_id, &inv_id, &st.id)
                 .map(|r| machine::Grant {

@@ -46,17 +46,12 @@ impl Engine {
         else {
             return unknown();
         };
-        // The stored turn, for a `complete` that may amend its failure.
-        let turn = match &outcome {
-            Outcome::Complete(_)
-                if !rec.late && !matches!(rec.state, InvState::Finished | InvState::Active) =>
-            {
-                self.inner.store.turn(&rec.turn_id).map_err(read_failed)?
-            }
-            _ => None,
-        };
+        let (folded, turn) = self.late_result_records(&rec, &outcome)?;
         let mut verdict = machine::LateVerdict::Duplicate;
         let tx = self.transition(&st, now, |cx, tx| {
+            if let Some(f) = folded {
+                tx.fold_onto(f);
+            }
             verdict = machine::late_result(cx, tx, &rec, &outcome, turn.as_ref());
         });
         match verdict {
@@ -78,6 +73,33 @@ impl Engine {
                 })
             }
         }
+    }
+
+    /// What a late result of `rec` reads before its transition: the turn's folded
+    /// record when it is finished (what the late result writes goes into it), and the
+    /// stored turn, for a `complete` that may amend its failure.
+    fn late_result_records(
+        &self,
+        rec: &InvocationRecord,
+        outcome: &Outcome,
+    ) -> ApiResult<(Option<turnd_store::FoldedTurn>, Option<TurnRecord>)> {
+        let recordable = !rec.late && !matches!(rec.state, InvState::Finished | InvState::Active);
+        let folded = if recordable {
+            self.inner
+                .store
+                .finished(&rec.turn_id)
+                .map_err(read_failed)?
+        } else {
+            None
+        };
+        let turn = match outcome {
+            Outcome::Complete(_) if recordable => match &folded {
+                Some(f) => Some(f.turn.clone()),
+                None => self.inner.store.turn(&rec.turn_id).map_err(read_failed)?,
+            },
+            _ => None,
+        };
+        Ok((folded, turn))
     }
 
     /// `invocation.heartbeat`.

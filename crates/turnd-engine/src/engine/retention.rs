@@ -9,7 +9,8 @@
 //! [`SESSIONS_AT_ONCE`] sessions at the same time, whose batches share group
 //! commits), with everything that belongs to them alone:
 //!
-//! - its record, its input stored apart, its place in the session's turn list;
+//! - its folded record (or, for a turn of the earlier layout, its record and its
+//!   input stored apart), its place in the session's turn list;
 //! - its idempotency key (when it still names this turn), so the key can be used
 //!   again;
 //! - its invocations (the last one from the record, the others from the `dispatched`
@@ -44,7 +45,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::runtime::RuntimeFlavor;
 use turnd_proto::{Event, EventKind, TurnCounts, TurnStatus};
-use turnd_store::{keys, Batch, SessionMeta, Store, StoreError};
+use turnd_store::{keys, windows, Batch, SessionMeta, Store, StoreError};
 
 use super::{Engine, SessionCell};
 
@@ -98,7 +99,9 @@ async fn off_runtime<T: Send + 'static>(
 
 /// From `from` on, the expired turns of up to [`SWEEP_BATCH`] (a page more at most),
 /// by session, and where the next gathering starts (None: past the cutoff or at the
-/// end).
+/// end). Finished turns' folded records (`F` keys) are read first, then the records
+/// under their own keys (`T`: unfinished turns, and finished ones of the earlier
+/// layout); `from` is a key of either range.
 #[allow(clippy::type_complexity)]
 fn gather(
     store: &Store,
@@ -107,11 +110,20 @@ fn gather(
 ) -> Result<(BTreeMap<String, Vec<Expired>>, Option<Vec<u8>>), StoreError> {
     let mut by_session: BTreeMap<String, Vec<Expired>> = BTreeMap::new();
     let mut n = 0;
+    let (turn_start, _) = keys::turn_range();
     loop {
-        let (page, next) = store.turns_page(&from, TURN_PAGE)?;
+        let folded_phase = from.is_empty() || from.first() == Some(&b'F');
+        let (page, next) = if folded_phase {
+            let (page, next) = store.finished_page(&from, TURN_PAGE)?;
+            (page.into_iter().map(|f| f.turn).collect::<Vec<_>>(), next)
+        } else {
+            store.turns_page(&from, TURN_PAGE)?
+        };
+        let mut past_cutoff = false;
         for t in page {
             if t.created_at_ms > cutoff {
-                return Ok((by_session, None));
+                past_cutoff = true;
+                break;
             }
             if t.status.is_terminal() && t.finished_at_ms.is_some_and(|f| f <= cutoff) {
                 n += 1;
@@ -124,11 +136,48 @@ fn gather(
                 });
             }
         }
+        let next = match (past_cutoff, next) {
+            (false, Some(next)) => Some(next),
+            // The end of the folded records (or of what can have expired there):
+            // on to the records under their own keys.
+            _ if folded_phase => Some(turn_start.clone()),
+            _ => None,
+        };
         match next {
             Some(next) if n < SWEEP_BATCH => from = next,
             next => return Ok((by_session, next)),
         }
     }
+}
+
+/// How long after a window's end turn ids may still be minted in it and not yet be
+/// stored (an admission in progress); such a turn, should it finish after its
+/// window was dropped, is stored in the main database instead, so this only keeps
+/// that rare case rarer.
+const MINT_MARGIN_MS: u64 = 1_000;
+
+/// The windows that can be dropped whole: not the newest (which takes new turns),
+/// ended more than [`MINT_MARGIN_MS`] ago by the wall clock that mints turn ids, with
+/// no folded record left (every turn of it expired and deleted) and no unfinished
+/// turn minted in it.
+fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, StoreError> {
+    let kv = store.kv();
+    let mut out = Vec::new();
+    for w in kv.windows()? {
+        let Some(end) = w.end_ms else { continue };
+        if w.dropped || end.saturating_add(MINT_MARGIN_MS) > wall_ms {
+            continue;
+        }
+        let (fs, fe) = windows::finished_key_range(w.start_ms, Some(end));
+        let (ts, te) = windows::turn_key_range(w.start_ms, Some(end));
+        // Unfinished turns first: a turn that finishes between the two reads moves from
+        // the second range into the first, and is seen there. (One that finishes after
+        // them is moved to the main database when the drop is taken.)
+        if kv.scan(&ts, &te, false, 1)?.is_empty() && kv.scan(&fs, &fe, false, 1)?.is_empty() {
+            out.push(w.start_ms);
+        }
+    }
+    Ok(out)
 }
 
 fn total(c: &TurnCounts) -> u64 {
@@ -149,11 +198,11 @@ fn plan(
     cutoff: u64,
     counts: &TurnCounts,
 ) -> Result<Plan, StoreError> {
-    let kv = store.kv();
     let mut b = Batch::new();
     let mut gone: HashSet<String> = HashSet::new();
     let mut statuses = Vec::new();
     for t in expired {
+        b.delete(keys::finished(&t.turn_id));
         b.delete(keys::turn(&t.turn_id));
         b.delete(keys::turn_input(&t.turn_id));
         b.delete(keys::session_turn(sid, t.seq));
@@ -186,7 +235,7 @@ fn plan(
         }
         // A turn that still has its record remains (unfinished turns have theirs
         // from admission on); one without is gone since an earlier sweep.
-        let found = kv.get(&keys::turn(&e.turn_id))?.is_some();
+        let found = store.turn_exists(&e.turn_id)?;
         exists.insert(e.turn_id.clone(), found);
         Ok(!found)
     };
@@ -323,6 +372,17 @@ impl Engine {
                 Some(n) => from = n,
                 None => break,
             }
+        }
+        let store = self.inner.store.clone();
+        for start in off_runtime(move || empty_windows(&store, windows::now_ms())).await? {
+            let mut b = Batch::new();
+            b.drop_window(start);
+            self.inner.store.commit(b).await?;
+            self.inner
+                .counters
+                .windows_dropped
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!("dropped the time window starting at {start}");
         }
         Ok(deleted)
     }
@@ -474,6 +534,7 @@ mod tests {
     use crate::config::EngineConfig;
     use serde_json::json;
     use turnd_proto::{ListArgs, SubmitArgs, TurnStatus};
+    use turnd_store::Kv;
 
     fn submit(session: &str, key: Option<&str>) -> SubmitArgs {
         SubmitArgs {
@@ -493,6 +554,92 @@ mod tests {
             ..EngineConfig::default()
         };
         Engine::open(Store::new(kv), cfg).await.expect("open")
+    }
+
+    /// Time windows of finished turns: a window is dropped whole once every turn
+    /// minted in it is gone, never while one of its turns is unfinished, and never
+    /// the newest one.
+    #[tokio::test(start_paused = true)]
+    async fn a_window_is_dropped_once_all_its_turns_are_gone() {
+        let kv = Arc::new(turnd_store::mem::MemKv::with_windows(
+            turnd_store::WindowOptions {
+                window_ms: 20,
+                window_bytes: u64::MAX,
+            },
+        ));
+        let cfg = EngineConfig {
+            retention_terminal_ms: 10_000,
+            retention_sweep_interval_ms: 3_600_000,
+            ..EngineConfig::default()
+        };
+        let e = Engine::open(Store::new(kv.clone()), cfg)
+            .await
+            .expect("open");
+        let wall = |ms| std::thread::sleep(Duration::from_millis(ms));
+        // A window is made when a finished turn is written and the newest is older
+        // than 20 ms, starting after every turn id minted so far.
+        let mut ids = Vec::new();
+        for sid in ["s0", "s1", "s2", "s3", "s4"] {
+            let id = e
+                .submit(submit(sid, None))
+                .await
+                .expect("submit")
+                .turn
+                .turn_id;
+            if sid != "s2" {
+                e.stop_turn(&id, None).await.expect("stop");
+            }
+            ids.push(id);
+            if sid != "s2" {
+                wall(30);
+            }
+        }
+        let starts: Vec<u64> = kv
+            .windows()
+            .expect("windows")
+            .iter()
+            .map(|w| w.start_ms)
+            .collect();
+        assert_eq!(starts.len(), 4, "{starts:?}");
+        let window_of = |id: &str| {
+            let ms = turnd_store::windows::turn_ms(id).expect("minted");
+            starts.iter().rev().find(|s| **s <= ms).copied()
+        };
+        assert_eq!(window_of(&ids[0]), None, "minted before the first window");
+        let (w_b, w_c, w_z) = (
+            window_of(&ids[1]).expect("b"),
+            window_of(&ids[2]).expect("c"),
+            window_of(&ids[4]).expect("z"),
+        );
+        assert_eq!(window_of(&ids[3]), Some(w_c));
+        assert!(w_b < w_c && w_c < w_z && w_z < starts[3], "{starts:?}");
+        tokio::time::advance(Duration::from_millis(10_001)).await;
+        wall(MINT_MARGIN_MS + 50);
+        assert_eq!(e.sweep().await.expect("sweep"), 4);
+        let state = |start: u64| {
+            kv.windows()
+                .expect("windows")
+                .into_iter()
+                .find(|w| w.start_ms == start)
+                .map(|w| w.dropped)
+        };
+        assert_eq!(state(w_b), Some(true), "every turn of it is gone");
+        assert_eq!(state(w_z), Some(true));
+        assert_eq!(state(w_c), Some(false), "one of its turns is unfinished");
+        assert!(e.get_turn(&ids[1]).await.is_err());
+        e.stop_turn(&ids[2], None).await.expect("stop");
+        tokio::time::advance(Duration::from_millis(10_001)).await;
+        assert_eq!(e.sweep().await.expect("sweep"), 1);
+        assert_eq!(state(w_c), Some(true));
+        let newest = kv.windows().expect("windows").pop().expect("newest");
+        assert!(!newest.dropped, "the newest window takes new turns");
+        assert_eq!(
+            e.inner
+                .counters
+                .windows_dropped
+                .load(std::sync::atomic::Ordering::Relaxed),
+            3
+        );
     }
 
     /// Turns stopped while queued end at once, with no worker: terminal turns to

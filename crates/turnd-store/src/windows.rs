@@ -1,0 +1,289 @@
+//! Time windows of finished turns.
+//!
+//! A finished turn's folded record (`F` key) is stored in the sled database of the
+//! time window its turn id falls in: the window with the largest start at or before
+//! the turn id's UUIDv7 timestamp, under `DATA_DIR/windows/<start_ms>/`. Everything
+//! else (sessions' metas, turn lists, events, idempotency keys, unfinished turns) stays
+//! in the main database. Retention returns a window's space by deleting its directory
+//! whole, which sled's files never do for deleted keys.
+//!
+//! **Routing never changes after the fact.** A new window starts when the newest is
+//! older than `window_ms` or larger than `window_bytes`, at a start later than the
+//! wall clock when it is made, so later than every turn id minted so far: no turn
+//! already routed to an older window falls into it. Turn ids minted before the first
+//! window (stores of the earlier layout) route to no window: their records stay in the
+//! main database.
+//!
+//! **Dropping a window** is an ordinary commit of the key [`dropped_key`] (prefix `W`
+//! and the window's start), so it is in the commit log in order with every other
+//! write. Retention commits it once the window holds no record and no unfinished turn
+//! was minted in it. The applier, when it takes the drop, first copies whatever
+//! records the window still holds to the main database (none, unless a turn finished
+//! between retention's check and the drop), then routes the window's keys to the main
+//! database from then on, records the drop in the main database (with the lsn of the
+//! record that dropped it), makes that durable, and only then deletes the directory.
+//! A start after a crash reads the drops from the main database and the log: a
+//! dropped window is never re-created (its records in the log go to the main
+//! database, where later records of the log delete them again as they did before),
+//! and a directory of a dropped window still present is deleted. So a drop never
+//! throws away anything committed.
+
+use std::collections::BTreeMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::keys;
+
+/// Defaults of `storage.window_ms` and `storage.window_mb`.
+pub const DEFAULT_WINDOW_MS: u64 = 3_600_000;
+pub const DEFAULT_WINDOW_MB: u64 = 256;
+
+/// When a new window starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowOptions {
+    /// A window older than this (by its start) is followed by a new one; 0 keeps
+    /// finished turns in the main database (no windows).
+    pub window_ms: u64,
+    /// A window larger than this on disk is followed by a new one.
+    pub window_bytes: u64,
+}
+
+impl Default for WindowOptions {
+    fn default() -> Self {
+        WindowOptions {
+            window_ms: DEFAULT_WINDOW_MS,
+            window_bytes: DEFAULT_WINDOW_MB * 1024 * 1024,
+        }
+    }
+}
+
+/// A window as [`crate::Kv::windows`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowInfo {
+    pub start_ms: u64,
+    /// The next window's start (None: the newest window, which takes new turns).
+    pub end_ms: Option<u64>,
+    /// Bytes of its files (0 once dropped and deleted).
+    pub bytes: u64,
+    /// Its drop is committed.
+    pub dropped: bool,
+}
+
+/// Wall clock, Unix milliseconds.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The UUIDv7 timestamp of a turn id minted by the daemon (`t_` and 32 hex digits).
+pub fn turn_ms(turn_id: &str) -> Option<u64> {
+    let hex = turn_id.strip_prefix("t_")?;
+    if hex.len() != 32 {
+        return None;
+    }
+    u64::from_str_radix(hex.get(..12)?, 16).ok()
+}
+
+/// The timestamp of the turn a folded record's key names (None: not an `F` key of a
+/// minted turn id).
+pub fn routed_ms(key: &[u8]) -> Option<u64> {
+    turn_ms(keys::finished_turn_id(key)?)
+}
+
+/// The key whose commit drops the window starting at `start_ms`.
+pub fn dropped_key(start_ms: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'W');
+    k.extend_from_slice(&start_ms.to_be_bytes());
+    k
+}
+
+/// The window start a key of [`dropped_key`] names.
+pub fn dropped_start(key: &[u8]) -> Option<u64> {
+    let b: [u8; 8] = key.strip_prefix(b"W")?.try_into().ok()?;
+    Some(u64::from_be_bytes(b))
+}
+
+pub fn dropped_range() -> (Vec<u8>, Vec<u8>) {
+    (vec![b'W'], vec![b'W' + 1])
+}
+
+/// The `F` keys of turns minted in `[start_ms, end_ms)` (end None: to the end).
+pub fn finished_key_range(start_ms: u64, end_ms: Option<u64>) -> (Vec<u8>, Vec<u8>) {
+    id_range(b'F', start_ms, end_ms)
+}
+
+/// The `T` keys (unfinished turns) of turns minted in `[start_ms, end_ms)`.
+pub fn turn_key_range(start_ms: u64, end_ms: Option<u64>) -> (Vec<u8>, Vec<u8>) {
+    id_range(b'T', start_ms, end_ms)
+}
+
+fn id_range(prefix: u8, start_ms: u64, end_ms: Option<u64>) -> (Vec<u8>, Vec<u8>) {
+    let bound = |ms: u64| {
+        let mut k = vec![prefix];
+        k.extend_from_slice(format!("t_{ms:012x}").as_bytes());
+        k
+    };
+    let end = match end_ms {
+        Some(e) => bound(e),
+        None => vec![prefix + 1],
+    };
+    (bound(start_ms), end)
+}
+
+/// Where a window stands in a store's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    Open,
+    /// Dropped by the record with this lsn (0 when not known: the in-memory store).
+    Dropped(u64),
+}
+
+/// Where a key is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Main,
+    Window(u64),
+}
+
+/// The windows by start: routing and the switch policy, shared by the sled store and
+/// the in-memory one.
+#[derive(Debug, Default, Clone)]
+pub struct Table {
+    pub slots: BTreeMap<u64, Slot>,
+}
+
+impl Table {
+    /// Where a key goes (see the module documentation): a folded record to the open
+    /// window its turn id's time falls in, anything else (and a record of a dropped
+    /// window, or of a turn minted before the first window) to the main database.
+    pub fn route(&self, key: &[u8]) -> Route {
+        let Some(ms) = routed_ms(key) else {
+            return Route::Main;
+        };
+        match self.slots.range(..=ms).next_back() {
+            Some((start, Slot::Open)) => Route::Window(*start),
+            None | Some((_, Slot::Dropped(_))) => Route::Main,
+        }
+    }
+
+    /// The window start a key falls in, whatever its state.
+    pub fn start_of(&self, key: &[u8]) -> Option<u64> {
+        let ms = routed_ms(key)?;
+        self.slots.range(..=ms).next_back().map(|(s, _)| *s)
+    }
+
+    /// The newest window's start.
+    pub fn newest(&self) -> Option<u64> {
+        self.slots.keys().next_back().copied()
+    }
+
+    /// Whether a new window should start now, given the newest one's size.
+    pub fn due(&self, opts: &WindowOptions, now: u64, newest_bytes: u64) -> bool {
+        if opts.window_ms == 0 {
+            return false;
+        }
+        match self.slots.iter().next_back() {
+            None => true,
+            Some((start, Slot::Dropped(_))) => now >= *start,
+            Some((start, Slot::Open)) => {
+                now.saturating_sub(*start) >= opts.window_ms || newest_bytes >= opts.window_bytes
+            }
+        }
+    }
+
+    /// The start of a new window made now: later than the wall clock (and so than
+    /// every turn id minted so far) and than every window's start.
+    pub fn next_start(&self, now: u64) -> u64 {
+        let after = self.newest().map_or(0, |s| s + 1);
+        (now + 1).max(after)
+    }
+
+    /// The windows, with their ends.
+    pub fn list(&self, bytes: impl Fn(u64) -> u64) -> Vec<WindowInfo> {
+        let starts: Vec<(u64, Slot)> = self.slots.iter().map(|(s, v)| (*s, *v)).collect();
+        starts
+            .iter()
+            .enumerate()
+            .map(|(i, (start, slot))| WindowInfo {
+                start_ms: *start,
+                end_ms: starts.get(i + 1).map(|(s, _)| *s),
+                bytes: bytes(*start),
+                dropped: matches!(slot, Slot::Dropped(_)),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fkey(ms: u64) -> Vec<u8> {
+        keys::finished(&format!("t_{ms:012x}7000800000000000000a"))
+    }
+
+    /// A folded record goes to the window with the largest start at or before its
+    /// turn id's timestamp; before the first window, and after its window's drop, to
+    /// the main database.
+    #[test]
+    fn keys_route_by_their_turn_ids_time() {
+        assert_eq!(
+            turn_ms("t_0192d3f2a1b27000800000000000000a"),
+            Some(0x0192d3f2a1b2)
+        );
+        assert_eq!(turn_ms("t_x"), None);
+        let mut t = Table::default();
+        assert_eq!(t.route(&fkey(5)), Route::Main);
+        t.slots.insert(100, Slot::Open);
+        t.slots.insert(200, Slot::Open);
+        assert_eq!(t.route(&fkey(99)), Route::Main);
+        assert_eq!(t.route(&fkey(100)), Route::Window(100));
+        assert_eq!(t.route(&fkey(199)), Route::Window(100));
+        assert_eq!(t.route(&fkey(200)), Route::Window(200));
+        assert_eq!(t.route(&fkey(u64::from(u32::MAX))), Route::Window(200));
+        assert_eq!(
+            t.route(&keys::turn("t_00000000012c7000800000000000000a")),
+            Route::Main
+        );
+        assert_eq!(t.route(&keys::session_meta("s")), Route::Main);
+        t.slots.insert(100, Slot::Dropped(50));
+        assert_eq!(t.route(&fkey(150)), Route::Main);
+        assert_eq!(t.start_of(&fkey(150)), Some(100));
+
+        let (s, e) = finished_key_range(100, Some(200));
+        assert!(s <= fkey(100) && fkey(199) < e && fkey(200) >= e && fkey(99) < s);
+        let (_, e) = finished_key_range(200, None);
+        assert!(fkey(u64::MAX >> 16) < e);
+        assert_eq!(dropped_start(&dropped_key(1234)), Some(1234));
+    }
+
+    #[test]
+    fn a_new_window_starts_after_every_minted_id_when_due() {
+        let opts = WindowOptions {
+            window_ms: 1000,
+            window_bytes: 10,
+        };
+        let mut t = Table::default();
+        assert!(t.due(&opts, 5, 0));
+        assert_eq!(t.next_start(5), 6);
+        t.slots.insert(6, Slot::Open);
+        assert!(!t.due(&opts, 500, 0));
+        assert!(t.due(&opts, 500, 10), "too large");
+        assert!(t.due(&opts, 1006, 0), "too old");
+        // A clock that went back never makes a start at or before an existing one.
+        assert_eq!(t.next_start(3), 7);
+        assert!(!t.due(
+            &WindowOptions {
+                window_ms: 0,
+                ..opts
+            },
+            5000,
+            99
+        ));
+        let listed = t.list(|_| 42);
+        assert_eq!(listed[0].end_ms, None);
+        assert_eq!(listed[0].bytes, 42);
+    }
+}
