@@ -1,0 +1,168 @@
+//! Retention on the in-memory store: sweeps, forgetting, window drops.
+
+use super::*;
+use crate::config::EngineConfig;
+use serde_json::json;
+use turnd_proto::{ListArgs, SubmitArgs, TurnStatus};
+use turnd_store::Kv;
+
+fn submit(session: &str, key: Option<&str>) -> SubmitArgs {
+    SubmitArgs {
+        session_id: session.into(),
+        function_id: "f".into(),
+        input: json!({"n": 1}),
+        idempotency_key: key.map(str::to_string),
+        turn_timeout_ms: None,
+    }
+}
+
+async fn engine(terminal_ms: u64) -> Engine {
+    let kv = Arc::new(turnd_store::mem::MemKv::new());
+    let cfg = EngineConfig {
+        retention_terminal_ms: terminal_ms,
+        retention_sweep_interval_ms: 3_600_000,
+        ..EngineConfig::default()
+    };
+    Engine::open(Store::new(kv), cfg).await.expect("open")
+}
+
+/// Time windows of finished turns: a window is dropped whole once every turn
+/// minted in it is gone, never while one of its turns is unfinished, and never
+/// the newest one.
+#[tokio::test(start_paused = true)]
+async fn a_window_is_dropped_once_all_its_turns_are_gone() {
+    let kv = Arc::new(turnd_store::mem::MemKv::with_windows(
+        turnd_store::WindowOptions {
+            window_ms: 20,
+            window_bytes: u64::MAX,
+        },
+    ));
+    let cfg = EngineConfig {
+        retention_terminal_ms: 10_000,
+        retention_sweep_interval_ms: 3_600_000,
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(Store::new(kv.clone()), cfg)
+        .await
+        .expect("open");
+    let wall = |ms| std::thread::sleep(Duration::from_millis(ms));
+    // A window is made when a finished turn is written and the newest is older
+    // than 20 ms, starting after every turn id minted so far.
+    let mut ids = Vec::new();
+    for sid in ["s0", "s1", "s2", "s3", "s4"] {
+        let id = e
+            .submit(submit(sid, None))
+            .await
+            .expect("submit")
+            .turn
+            .turn_id;
+        if sid != "s2" {
+            e.stop_turn(&id, None).await.expect("stop");
+        }
+        ids.push(id);
+        if sid != "s2" {
+            wall(30);
+        }
+    }
+    let starts: Vec<u64> = kv
+        .windows()
+        .expect("windows")
+        .iter()
+        .map(|w| w.start_ms)
+        .collect();
+    assert_eq!(starts.len(), 4, "{starts:?}");
+    let window_of = |id: &str| {
+        let ms = turnd_store::windows::turn_ms(id).expect("minted");
+        starts.iter().rev().find(|s| **s <= ms).copied()
+    };
+    assert_eq!(window_of(&ids[0]), None, "minted before the first window");
+    let (w_b, w_c, w_z) = (
+        window_of(&ids[1]).expect("b"),
+        window_of(&ids[2]).expect("c"),
+        window_of(&ids[4]).expect("z"),
+    );
+    assert_eq!(window_of(&ids[3]), Some(w_c));
+    assert!(w_b < w_c && w_c < w_z && w_z < starts[3], "{starts:?}");
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    wall(MINT_MARGIN_MS + 50);
+    assert_eq!(e.sweep().await.expect("sweep"), 4);
+    let state = |start: u64| {
+        kv.windows()
+            .expect("windows")
+            .into_iter()
+            .find(|w| w.start_ms == start)
+            .map(|w| w.dropped)
+    };
+    assert_eq!(state(w_b), Some(true), "every turn of it is gone");
+    assert_eq!(state(w_z), Some(true));
+    assert_eq!(state(w_c), Some(false), "one of its turns is unfinished");
+    assert!(e.get_turn(&ids[1]).await.is_err());
+    e.stop_turn(&ids[2], None).await.expect("stop");
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    assert_eq!(e.sweep().await.expect("sweep"), 1);
+    assert_eq!(state(w_c), Some(true));
+    let newest = kv.windows().expect("windows").pop().expect("newest");
+    assert!(!newest.dropped, "the newest window takes new turns");
+    assert_eq!(
+        e.inner
+            .counters
+            .windows_dropped
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+}
+
+/// Turns stopped while queued end at once, with no worker: terminal turns to
+/// expire. Everything of an expired turn goes, the unfinished one stays, and a
+/// session with no turns left is forgotten.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_deletes_expired_turns_and_forgets_empty_sessions() {
+    let e = engine(10_000).await;
+    let old = e.submit(submit("s", Some("k1"))).await.expect("submit");
+    let gone = e.submit(submit("gone", None)).await.expect("submit");
+    e.stop_turn(&old.turn.turn_id, None).await.expect("stop");
+    e.stop_turn(&gone.turn.turn_id, None).await.expect("stop");
+    let kept = e.submit(submit("s", None)).await.expect("submit");
+    assert_eq!(
+        e.sweep().await.expect("sweep"),
+        0,
+        "nothing is old enough yet"
+    );
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    assert_eq!(e.sweep().await.expect("sweep"), 2);
+
+    let store = &e.inner.store;
+    assert!(store.turn(&old.turn.turn_id).expect("read").is_none());
+    assert!(store.idempotency("s", "k1").expect("read").is_none());
+    let listed = e
+        .list_turns(ListArgs {
+            session_id: "s".into(),
+            status: None,
+            limit: None,
+            before_seq: None,
+        })
+        .await
+        .expect("list");
+    let ids: Vec<&str> = listed.turns.iter().map(|t| t.turn_id.as_str()).collect();
+    assert_eq!(ids, vec![kept.turn.turn_id.as_str()]);
+    assert_eq!(listed.turns[0].status, TurnStatus::Queued);
+    let s = e.inspect("s").await.expect("inspect");
+    assert_eq!((s.turns.cancelled, s.turns.queued), (0, 1));
+    let events = store.events("s", 0, usize::MAX).expect("events");
+    assert!(
+        events.iter().all(|ev| ev.turn_id == kept.turn.turn_id),
+        "{events:?}"
+    );
+    assert!(!events.is_empty());
+
+    // The session with nothing left is forgotten, in the store and in memory.
+    assert!(store.session_meta("gone").expect("read").is_none());
+    assert!(e.existing_cell("gone").is_none());
+    assert!(e.inspect("gone").await.is_err());
+    // Its id and the freed key can be used again.
+    let again = e.submit(submit("gone", None)).await.expect("submit");
+    assert_eq!(again.turn.seq, 1);
+    let reused = e.submit(submit("s", Some("k1"))).await.expect("submit");
+    assert!(!reused.deduplicated);
+    assert_ne!(reused.turn.turn_id, old.turn.turn_id);
+}
