@@ -368,11 +368,16 @@ impl Store {
     /// A turn's record as stored: a finished turn's from its folded record, else its
     /// own (where an input stored apart is not read back: `input` is empty then).
     /// [`Store::turn`] reads the whole turn.
+    ///
+    /// The turn's own key is read before its folded record: a turn that finishes
+    /// moves from the one to the other in one atomic batch, and a folded record is
+    /// deleted only by retention, so in this order a read racing the turn's end
+    /// finds it in one place or the other (the other order can miss it in both).
     pub fn turn_record(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
-        if let Some(f) = self.finished(turn_id)? {
-            return Ok(Some(f.turn));
+        if let Some(t) = self.separate_turn_record(turn_id)? {
+            return Ok(Some(t));
         }
-        self.separate_turn_record(turn_id)
+        Ok(self.finished(turn_id)?.map(|f| f.turn))
     }
 
     /// A turn's record under its own key (an unfinished turn's, or a finished one of
@@ -386,31 +391,35 @@ impl Store {
 
     /// Whether a turn is stored, in either form.
     pub fn turn_exists(&self, turn_id: &str) -> Result<bool, StoreError> {
-        Ok(self.kv.get(&keys::finished(turn_id))?.is_some()
-            || self.kv.get(&keys::turn(turn_id))?.is_some())
+        // Its own key first, as in [`Store::turn_record`].
+        Ok(self.kv.get(&keys::turn(turn_id))?.is_some()
+            || self.kv.get(&keys::finished(turn_id))?.is_some())
     }
 
-    /// A whole turn, finished (folded) or not.
+    /// A whole turn, finished (folded) or not. Its own keys are read first, as in
+    /// [`Store::turn_record`]; an input stored apart that is gone by the time it is
+    /// read means the turn finished meanwhile, and its folded record has it.
     pub fn turn(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
-        if let Some(f) = self.finished(turn_id)? {
-            return Ok(Some(f.turn));
-        }
         let Some(mut t) = self.separate_turn_record(turn_id)? else {
-            return Ok(None);
+            return Ok(self.finished(turn_id)?.map(|f| f.turn));
         };
-        if t.input.is_apart() {
-            let raw = self
-                .kv
-                .get(&keys::turn_input(turn_id))?
-                .and_then(|b| RawJson::from_stored(&b))
-                .ok_or_else(|| {
-                    StoreError::Corrupt(format!(
-                        "turn {turn_id}: its input, stored apart, is missing or not JSON"
-                    ))
-                })?;
-            t.input.fill(raw);
+        if !t.input.is_apart() {
+            return Ok(Some(t));
         }
-        Ok(Some(t))
+        if let Some(raw) = self
+            .kv
+            .get(&keys::turn_input(turn_id))?
+            .and_then(|b| RawJson::from_stored(&b))
+        {
+            t.input.fill(raw);
+            return Ok(Some(t));
+        }
+        match self.finished(turn_id)? {
+            Some(f) => Ok(Some(f.turn)),
+            None => Err(StoreError::Corrupt(format!(
+                "turn {turn_id}: its input, stored apart, is missing or not JSON"
+            ))),
+        }
     }
 
     /// An invocation: under its own key, or folded into its finished turn (found by
@@ -792,6 +801,82 @@ mod tests {
         let mut t = TurnRecord::admitted(format!("t-{sid}-{seq}"), sid, seq, "f", input, 0);
         t.status = status;
         t
+    }
+
+    /// A store whose first read of a key runs `finish` right after it answered: the
+    /// turn's end committed between the two reads of a lookup.
+    struct EndsBetweenReads {
+        inner: mem::MemKv,
+        finish: std::sync::Mutex<Option<Batch>>,
+    }
+
+    impl Kv for EndsBetweenReads {
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            let got = self.inner.get(key)?;
+            let finish = self.finish.lock().expect("lock").take();
+            if let Some(b) = finish {
+                // MemKv applies a batch as it is queued.
+                drop(self.inner.commit(b));
+            }
+            Ok(got)
+        }
+        fn scan(
+            &self,
+            start: &[u8],
+            end: &[u8],
+            reverse: bool,
+            limit: usize,
+        ) -> Result<Vec<Entry>, StoreError> {
+            self.inner.scan(start, end, reverse, limit)
+        }
+        fn commit(&self, batch: Batch) -> CommitTicket {
+            self.inner.commit(batch)
+        }
+        fn sync(&self) -> Result<(), StoreError> {
+            self.inner.sync()
+        }
+    }
+
+    /// A turn that finishes while it is being read is found, live or folded, by
+    /// every lookup: its own keys and its folded record change in one batch, so the
+    /// lookups must read its own keys first.
+    #[tokio::test]
+    async fn a_turn_that_finishes_between_two_reads_is_still_found() {
+        for apart in [false, true] {
+            let input = if apart {
+                RawJson::from_value(&json!({"prompt": "q".repeat(INPUT_APART_BYTES)}))
+            } else {
+                RawJson::from_value(&json!({"prompt": "short"}))
+            };
+            let live = TurnRecord::admitted("t-race".into(), "s", 1, "f", input.clone(), 0);
+            let mut done = live.clone();
+            done.status = turnd_proto::TurnStatus::Completed;
+            done.phase = Phase::Done;
+            done.finished_at_ms = Some(5);
+            let mut finish = Batch::new();
+            finish.put_finished(&FoldedTurn::new(&done, Vec::new()), apart);
+            for read in 0..3 {
+                let kv = Arc::new(EndsBetweenReads {
+                    inner: mem::MemKv::new(),
+                    finish: std::sync::Mutex::new(None),
+                });
+                let store = Store::new(kv.clone());
+                let mut b = Batch::new();
+                b.put_admission(&live);
+                b.put_turn(&live);
+                store.commit(b).await.expect("commit");
+                *kv.finish.lock().expect("lock") = Some(finish.clone());
+                let found = match read {
+                    0 => store
+                        .turn("t-race")
+                        .expect("turn")
+                        .map(|t| *t.input == input),
+                    1 => store.turn_record("t-race").expect("record").map(|_| true),
+                    _ => store.turn_exists("t-race").expect("exists").then_some(true),
+                };
+                assert_eq!(found, Some(true), "lookup {read}, input apart: {apart}");
+            }
+        }
     }
 
     /// An input of `INPUT_APART_BYTES` or more is written once under its own key, the
