@@ -499,12 +499,7 @@ impl Store {
         from: &[u8],
         limit: usize,
     ) -> Result<(Vec<FoldedTurn>, Option<Vec<u8>>), StoreError> {
-        let (page, next) = self.page(keys::finished_range(), from, limit)?;
-        let turns = page
-            .iter()
-            .map(|(_, v)| decode("finished turn", v))
-            .collect::<Result<_, _>>()?;
-        Ok((turns, next))
+        self.decoded_page("finished turn", keys::finished_range(), from, limit)
     }
 
     /// Up to `limit` turn records under their own keys in key order (turn ids are
@@ -516,12 +511,7 @@ impl Store {
         from: &[u8],
         limit: usize,
     ) -> Result<(Vec<TurnRecord>, Option<Vec<u8>>), StoreError> {
-        let (page, next) = self.page(keys::turn_range(), from, limit)?;
-        let turns = page
-            .iter()
-            .map(|(_, v)| decode("turn", v))
-            .collect::<Result<_, _>>()?;
-        Ok((turns, next))
+        self.decoded_page("turn", keys::turn_range(), from, limit)
     }
 
     /// Up to `limit` stored event values of a session from key `from` on (None: its
@@ -586,12 +576,7 @@ impl Store {
         from: &[u8],
         limit: usize,
     ) -> Result<(Vec<SessionMeta>, Option<Vec<u8>>), StoreError> {
-        let (page, next) = self.page(keys::session_meta_range(), from, limit)?;
-        let metas = page
-            .iter()
-            .map(|(_, v)| decode("session meta", v))
-            .collect::<Result<_, _>>()?;
-        Ok((metas, next))
+        self.decoded_page("session meta", keys::session_meta_range(), from, limit)
     }
 
     /// The unfinished turns of a session, read from its turn list from the meta's
@@ -690,16 +675,23 @@ impl Store {
 
     /// Up to `limit` entries of `range` with keys from `from` on ([`Store::FIRST`]:
     /// the range's start), and where the next page starts (None: no more).
-    fn page(
+    /// Up to `limit` records of a key range, decoded as `what`, from `from` on (empty:
+    /// the range's first), and where the next page starts.
+    fn decoded_page<T: serde::de::DeserializeOwned>(
         &self,
+        what: &str,
         (start, end): (Vec<u8>, Vec<u8>),
         from: &[u8],
         limit: usize,
-    ) -> Result<(Vec<Entry>, Option<Vec<u8>>), StoreError> {
+    ) -> Result<(Vec<T>, Option<Vec<u8>>), StoreError> {
         let from = if from.is_empty() { &start[..] } else { from };
         let page = self.kv.scan(from, &end, false, limit)?;
         let next = next_page(&page, limit);
-        Ok((page, next))
+        let records = page
+            .iter()
+            .map(|(_, v)| decode(what, v))
+            .collect::<Result<_, _>>()?;
+        Ok((records, next))
     }
 
     /// All session metas (used by the checker and for listing).

@@ -13,6 +13,24 @@ pub(super) fn send_cancel(tx: &mut Tx, inv: &InvocationRecord, reason: &str) {
     });
 }
 
+/// Send a cancel for `inv`, an invocation of `turn_id` now waiting for the cancel's
+/// answer, and record it with a `cancel_sent` event.
+pub(super) fn send_cancel_recorded(
+    tx: &mut Tx,
+    session_id: &str,
+    turn_id: &str,
+    inv: &InvocationRecord,
+    reason: &str,
+) {
+    send_cancel(tx, inv, reason);
+    tx.event(
+        session_id,
+        turn_id,
+        EventKind::CancelSent,
+        json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "reason": reason, "deadline_ms": inv.deadline_ms}),
+    );
+}
+
 /// Want the current step of turn `h` dispatched (its attempt is the next one unless
 /// `previous` names a lost invocation whose attempt is reused). The shell answers
 /// with [`grant`].

@@ -60,7 +60,7 @@ pub use results::{heartbeat, late_result, probe_answer, result, Heartbeat, LateV
 pub use stop::{stop_session, stop_turn};
 
 use deadlines::{give_up, outcome_unknown};
-use dispatch::{dispatch, promote, send_cancel};
+use dispatch::{dispatch, promote, send_cancel, send_cancel_recorded};
 use outcomes::{apply_outcome, cancel_turn, fail, schedule_retry};
 use reconcile::lost;
 

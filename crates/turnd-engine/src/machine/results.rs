@@ -160,13 +160,7 @@ pub fn probe_answer(
             inv.wait_since_ms = now;
             inv.deadline_ms = now + cx.cfg.turns.cancel_grace_ms;
             let reason = "the attempt ran past its deadline";
-            send_cancel(tx, &inv, reason);
-            tx.event(
-                &st.id,
-                &h.turn_id,
-                EventKind::CancelSent,
-                json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "reason": reason, "deadline_ms": inv.deadline_ms}),
-            );
+            send_cancel_recorded(tx, &st.id, &h.turn_id, &inv, reason);
             tx.put_invocation(st, inv);
         }
     }

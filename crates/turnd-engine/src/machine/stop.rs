@@ -41,13 +41,7 @@ pub fn stop_turn(cx: &Ctx, tx: &mut Tx, seq: u64, reason: String) {
                     inv.wait_since_ms = tx.now;
                     inv.deadline_ms = tx.now + cx.cfg.turns.cancel_grace_ms;
                 }
-                send_cancel(tx, &inv, &reason);
-                tx.event(
-                    &st.id,
-                    &t.turn_id,
-                    EventKind::CancelSent,
-                    json!({"invocation_id": inv.invocation_id, "worker_id": inv.worker_id, "reason": reason, "deadline_ms": inv.deadline_ms}),
-                );
+                send_cancel_recorded(tx, &st.id, &t.turn_id, &inv, &reason);
                 tx.put_invocation(st, inv);
                 tx.put_turn(st, t);
             } else {
