@@ -1,10 +1,10 @@
 //! The `frame_decode` target's body: the decoders the daemon and the SDK run on every
 //! text frame they receive.
 
-use turnd_proto::{decode_raw_request, decode_request};
 use turnd_proto::frame::{
     decode_server_frame, encode_error, encode_ok, encode_request, ServerFrame,
 };
+use turnd_proto::{decode_raw_request, decode_request};
 
 // Numbers are compared exactly: since the workspace builds serde_json with
 // `float_roundtrip` (bf6cf56), every f64 survives decode -> encode -> decode bit for

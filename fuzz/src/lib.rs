@@ -144,6 +144,108 @@ mod tests {
         assert_eq!(r.count("store.check", "ok"), 1);
     }
 
+    /// The memory and registry checks run and see what they guard: reads of ids
+    /// nobody used and a stopped turn to a function nobody serves leave no session
+    /// behind, a worker's functions are forgotten after it left and the linger
+    /// passed, and memory is checked after every action.
+    #[test]
+    fn requests_harness_checks_memory_and_the_registry() {
+        use crate::requests::{run_actions, Action, Json, OutcomeChoice, Setup};
+        let setup = Setup {
+            dispatch_timeout: 0,
+            max_queued: 0,
+            max_steps: 0,
+            max_value: 0,
+            small_worker_outbox: false,
+        };
+        let submit = |session, function| Action::Submit {
+            session,
+            function,
+            input: Json(serde_json::json!({"q": 1})),
+            key: 0,
+            timeout: 0,
+        };
+        let actions = vec![
+            Action::Hello {
+                worker: 0,
+                instance: 0,
+                inflight: vec![],
+                finished: vec![],
+            },
+            Action::Register {
+                worker: 0,
+                function: 0,
+                concurrency: 1,
+                timeout: 4,
+                delivery: 2,
+                max_attempts: 3,
+            },
+            submit(0, 0),
+            // A turn to a function nobody serves, on a fresh session, stopped.
+            submit(0, 250),
+            Action::Inspect { session: 245 },
+            Action::List {
+                session: 250,
+                status: 0,
+                limit: 0,
+                before: 0,
+            },
+            Action::Events {
+                session: 241,
+                after: 0,
+                limit: 0,
+            },
+            Action::StopSession {
+                session: 242,
+                reason: false,
+            },
+            Action::Watch {
+                session: 243,
+                turn: 0,
+                which: 0,
+                after: 0,
+            },
+            Action::Get { turn: 250 },
+            Action::Result {
+                caller: 0,
+                invocation: 0,
+                outcome: OutcomeChoice::Complete(Json(serde_json::json!("done"))),
+            },
+            Action::Advance { step: 8 },
+        ];
+        let r = run_actions(&setup, &actions);
+        eprintln!("{r:#?}");
+        assert_eq!(r.count("turn.submit", "ok"), 2);
+        assert_eq!(r.count("turn.stop", "ok"), 1);
+        assert_eq!(r.count("invocation.result", "ok"), 1);
+        assert_eq!(r.unknown_reads, 7, "six reads and the stopped submit");
+        assert!(r.memory_checks > actions.len() as u64);
+        assert!(r.registry_checked);
+    }
+
+    /// Pseudo-random inputs (a fixed xorshift stream), as a short stand-in for a
+    /// fuzzing run on stable Rust.
+    #[test]
+    fn requests_random_inputs_run_clean() {
+        let n: usize = std::env::var("TURND_FUZZ_RANDOM_INPUTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200);
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for i in 0..n {
+            let len = 64 + (next() % 960) as usize;
+            let data: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            eprintln!("random input {i}");
+            crate::requests::run(&data);
+        }
+    }
+
     /// The float finding through the engine: the same submit, once with an integer
     /// above u64::MAX and once with the number as the daemon prints it, is one turn
     /// (deduplicated), not a `conflict`.

@@ -26,6 +26,7 @@
 //! every `ok` result decodes as its op's result type. With the environment variable
 //! `TURND_FUZZ_NO_INTERNAL=1`, an `internal` error answer is a failure too.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,6 +39,7 @@ use turnd_proto::frame::{
     decode_server_frame, encode_error, encode_ok, encode_request, ServerFrame,
 };
 use turnd_proto::*;
+use turnd_server::error::to_wire;
 use turnd_store::faulty::{Faults, FaultyKv};
 use turnd_store::mem::MemKv;
 use turnd_store::{check_store, Kv, Store};
@@ -345,6 +347,13 @@ pub struct Report {
     pub invocations: usize,
     /// Turns learned.
     pub turns: usize,
+    /// Checks that memory holds exactly the sessions with live work.
+    pub memory_checks: u64,
+    /// Reads of unknown ids (and stopped submits to a function nobody serves)
+    /// whose effect on the sessions in memory was checked.
+    pub unknown_reads: u64,
+    /// Whether the registry was checked after the wind-down at the end.
+    pub registry_checked: bool,
 }
 
 impl Report {
@@ -364,7 +373,11 @@ struct Durable {
     invocations: Vec<String>,
     next_conn: u64,
     next_req: u64,
+    /// Fresh sessions made for submits to a function nobody serves.
+    strays: u64,
     strict_internal: bool,
+    /// `TURND_FUZZ_STRICT_REGISTRY=1`: no tolerance for the known stale wait.
+    strict_registry: bool,
     report: Report,
 }
 
@@ -378,18 +391,27 @@ struct World<'d> {
     watches: Vec<String>,
 }
 
-/// Run one input.
-pub fn run(data: &[u8]) {
+/// Decode an input into the engine's settings and up to [`MAX_ACTIONS`] actions.
+pub fn decode(data: &[u8]) -> Option<(Setup, Vec<Action>)> {
     let mut u = Unstructured::new(data);
-    let Ok(setup) = Setup::arbitrary(&mut u) else {
-        return;
-    };
+    let setup = Setup::arbitrary(&mut u).ok()?;
     let mut actions = Vec::new();
     while !u.is_empty() && actions.len() < MAX_ACTIONS {
         match Action::arbitrary(&mut u) {
             Ok(a) => actions.push(a),
             Err(_) => break,
         }
+    }
+    Some((setup, actions))
+}
+
+/// Run one input. With `TURND_FUZZ_PRINT=1` the decoded input is printed first.
+pub fn run(data: &[u8]) {
+    let Some((setup, actions)) = decode(data) else {
+        return;
+    };
+    if std::env::var_os("TURND_FUZZ_PRINT").is_some() {
+        eprintln!("{setup:?}\n{actions:#?}");
     }
     run_actions(&setup, &actions);
 }
@@ -406,20 +428,27 @@ pub fn run_actions(setup: &Setup, actions: &[Action]) -> Report {
         invocations: Vec::new(),
         next_conn: 0,
         next_req: 1,
+        strays: 0,
         strict_internal: std::env::var_os("TURND_FUZZ_NO_INTERNAL").is_some_and(|v| v != "0"),
+        strict_registry: std::env::var_os("TURND_FUZZ_STRICT_REGISTRY").is_some_and(|v| v != "0"),
         report: Report::default(),
     };
     let cfg = engine_config(setup);
     let worker_cap = if setup.small_worker_outbox { 4 } else { 4096 };
-    for epoch in actions.split(|a| matches!(a, Action::Restart)) {
+    let epochs: Vec<&[Action]> = actions.split(|a| matches!(a, Action::Restart)).collect();
+    let last = epochs.len() - 1;
+    for (k, epoch) in epochs.into_iter().enumerate() {
         let (rt, engine) = open(&mut d, &cfg);
         rt.block_on(async {
             let mut w = World::new(&mut d, engine, worker_cap);
             w.check("after open (recovery)");
+            w.settle().await;
+            w.check_memory(|| "after open (recovery)".into()).await;
             for a in epoch {
                 w.act(a).await;
                 w.settle().await;
                 w.check_between(a);
+                w.check_memory(|| format!("after {a:?}")).await;
             }
             // Lift the faults and let pending retries and timers run, then check.
             w.d.faults.set_fail_writes(false);
@@ -429,6 +458,13 @@ pub fn run_actions(setup: &Setup, actions: &[Action]) -> Report {
                 w.settle().await;
             }
             w.check("at the end of the epoch");
+            w.check_memory(|| "at the end of the epoch".into()).await;
+            // The input's end (not a crash): every connection ends, the linger
+            // passes, and the registry must have forgotten what nothing refers to.
+            if k == last {
+                w.wind_down().await;
+                w.check("after the wind-down");
+            }
             w.engine.shutdown();
         });
         // Dropping the runtime drops every task of this engine, as a crash would.
@@ -482,14 +518,38 @@ fn open(d: &mut Durable, cfg: &EngineConfig) -> (tokio::runtime::Runtime, Engine
 
 fn engine_config(s: &Setup) -> EngineConfig {
     let mut c = turnd_server::Config::default().engine_config();
-    c.dispatch_timeout_ms = pick(
+    c.turns.dispatch_timeout_ms = pick(
         &[None, None, Some(100), Some(1_000), Some(10_000)],
         s.dispatch_timeout,
     );
-    c.max_queued_per_session = pick(&[10_000, 10_000, 1, 2, 3], s.max_queued);
-    c.max_steps = pick(&[1_000, 1_000, 1, 2, 3], s.max_steps);
-    c.max_value_bytes = pick(&[512 * 1024, 512 * 1024, 16, 64], s.max_value);
+    c.turns.max_queued_per_session = pick(&[10_000, 10_000, 1, 2, 3], s.max_queued);
+    c.turns.max_steps = pick(&[1_000, 1_000, 1, 2, 3], s.max_steps);
+    c.turns.max_value_bytes = pick(&[512 * 1024, 512 * 1024, 16, 64], s.max_value);
     c
+}
+
+/// What the store holds that is live: the sessions with an unfinished turn, how
+/// many unfinished turns there are, and the functions they name.
+#[derive(Debug, Default)]
+struct Live {
+    sessions: BTreeSet<String>,
+    turns: usize,
+    functions: BTreeSet<String>,
+}
+
+fn live_in(store: &Store) -> Result<Live, turnd_store::StoreError> {
+    let mut live = Live::default();
+    for meta in store.session_metas()? {
+        let unfinished = store.unfinished_turns(&meta)?;
+        if unfinished.is_empty() {
+            continue;
+        }
+        live.sessions.insert(meta.session_id.clone());
+        live.turns += unfinished.len();
+        live.functions
+            .extend(unfinished.into_iter().map(|t| t.function_id));
+    }
+    Ok(live)
 }
 
 /// What the server concluded about one frame.
@@ -523,6 +583,24 @@ impl<'d> World<'d> {
             self.d.turns[i as usize % self.d.turns.len()].clone()
         } else {
             bogus_ids()[i as usize % 4].clone()
+        }
+    }
+
+    /// Whether `turn_id(i)` is one of the bogus ids (no turn has it).
+    fn bogus_turn(&self, i: u8) -> bool {
+        self.d.turns.is_empty() || i >= 240
+    }
+
+    /// Session `i`: one of [`SESSIONS`], or from 240 on an id no other action
+    /// names (longer than any string [`Json`] draws), with whether the store knows
+    /// nothing of it.
+    fn session_arg(&self, i: u8) -> (String, bool) {
+        if i >= 240 {
+            let id = format!("session-never-used-{i}");
+            let unknown = self.no_such_session(&id);
+            (id, unknown)
+        } else {
+            (pick(&SESSIONS, i).to_string(), false)
         }
     }
 
@@ -565,6 +643,229 @@ impl<'d> World<'d> {
             v.is_empty(),
             "store invariants violated after {a:?}: {v:#?}"
         );
+    }
+
+    /// What the store says is live, read with read faults lifted for the moment.
+    fn live_in_store(&self) -> Live {
+        let reads = self
+            .d
+            .faults
+            .fail_reads
+            .load(std::sync::atomic::Ordering::SeqCst);
+        self.d.faults.set_fail_reads(false);
+        let r = live_in(&self.d.store);
+        self.d.faults.set_fail_reads(reads);
+        r.unwrap_or_else(|e| panic!("the in-memory store does not read: {e}"))
+    }
+
+    /// Memory follows live work: the sessions in memory are exactly those with an
+    /// unfinished turn in the store, and the index of live turns holds exactly the
+    /// unfinished turns (the invariant of `turnd-engine/tests/memory_props.rs`).
+    ///
+    /// A session is also held while it has a live invocation, an armed timer or a
+    /// write being retried, but each of those exists only for an unfinished turn
+    /// (`machine::next_due` arms nothing for a session without a lock holder), so
+    /// they add no session; a watch does not hold its session's state at all.
+    ///
+    /// Exact only once every user of a session has let go: a cell leaves memory
+    /// when its last user drops it, and a drive that this action spawned (freed
+    /// capacity, a timer that fired, a disconnect) may still hold one at the moment
+    /// the action returns. Those run to the end at the current instant (no store
+    /// operation here waits for time), so the check first lets runnable tasks run,
+    /// without moving time, then checks.
+    async fn check_memory(&mut self, when: impl FnOnce() -> String) {
+        for _ in 0..64 {
+            tokio::task::yield_now().await;
+        }
+        let live = self.live_in_store();
+        let memory = self.engine.session_ids_in_memory();
+        let want: Vec<String> = live.sessions.iter().cloned().collect();
+        if memory != want {
+            panic!(
+                "sessions in memory {}: {memory:?}, but the sessions with an unfinished \
+                 turn in the store are {want:?}",
+                when()
+            );
+        }
+        let indexed = self.engine.live_turn_index_len();
+        if indexed != live.turns {
+            panic!(
+                "the index of live turns holds {indexed} entries {}, the store has {} \
+                 unfinished turns",
+                when(),
+                live.turns
+            );
+        }
+        self.d.report.memory_checks += 1;
+    }
+
+    /// Whether nothing in the store knows session `id` (an id the fuzzer's other
+    /// actions could only reach through `RawText`).
+    fn no_such_session(&self, id: &str) -> bool {
+        let reads = self
+            .d
+            .faults
+            .fail_reads
+            .load(std::sync::atomic::Ordering::SeqCst);
+        self.d.faults.set_fail_reads(false);
+        let meta = self.d.store.session_meta(id);
+        self.d.faults.set_fail_reads(reads);
+        matches!(meta, Ok(None))
+    }
+
+    /// A request that names only unknown ids (`unknown`): nothing it touched may
+    /// outlive it, so the sessions in memory are as many right after its answer as
+    /// right before it. (Nothing else is runnable meanwhile: `settle` ran every
+    /// task that was, and such a request wakes none.)
+    async fn request_unknown(&mut self, unknown: bool, who: Who, op: &str, args: &Value) {
+        if !unknown {
+            return self.request(who, op, args).await;
+        }
+        self.settle().await;
+        let before = self.engine.session_ids_in_memory();
+        self.request(who, op, args).await;
+        let after = self.engine.session_ids_in_memory();
+        assert_eq!(
+            before, after,
+            "{op} naming only unknown ids changed the sessions in memory ({args})"
+        );
+        self.d.report.unknown_reads += 1;
+    }
+
+    /// A turn to a function nobody serves, on a fresh session, stopped at once:
+    /// once it is cancelled, its session holds nothing live and must leave memory
+    /// (and the function, known while the turn waited for it, is forgotten by the
+    /// registry after the linger, which `wind_down` checks).
+    async fn stray_submit(&mut self, function: u8, input: &Value, timeout: Option<u64>) {
+        self.d.strays += 1;
+        let session = format!("session-stray-{}", self.d.strays);
+        let function = format!("function-nobody-serves-{function}");
+        self.settle().await;
+        let before = self.engine.session_ids_in_memory();
+        let known = self.d.turns.len();
+        let mut args = json!({
+            "session_id": session,
+            "function_id": function,
+            "input": input,
+        });
+        if let Some(t) = timeout {
+            args["turn_timeout_ms"] = json!(t);
+        }
+        self.request(Who::Client, "turn.submit", &args).await;
+        // A new turn id is appended to what was learned (none if the submit failed).
+        let Some(turn) = self.d.turns.get(known).cloned() else {
+            return;
+        };
+        self.request(Who::Client, "turn.stop", &json!({ "turn_id": turn }))
+            .await;
+        self.settle().await;
+        let reads = self
+            .d
+            .faults
+            .fail_reads
+            .load(std::sync::atomic::Ordering::SeqCst);
+        self.d.faults.set_fail_reads(false);
+        let stored = self.d.store.turn(&turn);
+        self.d.faults.set_fail_reads(reads);
+        // A stop that could not be written leaves the turn queued: live work.
+        if let Ok(Some(t)) = stored {
+            if t.status.is_terminal() {
+                assert_eq!(
+                    before,
+                    self.engine.session_ids_in_memory(),
+                    "a stopped turn to a function nobody serves left its session in memory"
+                );
+                self.d.report.unknown_reads += 1;
+            }
+        }
+    }
+
+    /// The end of the input: every worker connection ends, the client connection
+    /// ends (dropping its watches), and the workers' linger passes on paused time
+    /// (with two periods of the registry's forgetting task to spare). Then memory
+    /// must hold only live sessions, no watch may be left, and the registry must
+    /// hold no function that no unfinished turn names and no worker without a
+    /// live invocation assigned to it.
+    async fn wind_down(&mut self) {
+        for i in 0..self.workers.len() {
+            self.disconnect(i).await;
+        }
+        self.engine.connection_closed(&self.client.outbox.conn_id);
+        self.client = Self::client_conn(self.d);
+        self.watches.clear();
+        assert_eq!(
+            self.engine.watch_count(),
+            0,
+            "watches outlived their connection"
+        );
+        let linger = self.engine.config().turns.worker_linger_ms;
+        // `registry_gc`: the forgetting task runs every quarter of the linger,
+        // clamped to 50 ms ..= 60 s.
+        let every = (linger / 4).clamp(50, 60_000);
+        let step = (linger + 2 * every) / 16 + 1;
+        for _ in 0..16 {
+            tokio::time::sleep(Duration::from_millis(step)).await;
+            self.settle().await;
+        }
+        self.check_memory(|| "after the wind-down".into()).await;
+        let live = self.live_in_store();
+        let listed = self.engine.functions();
+        // Known engine bug (docs/fuzzing.md, "Findings"): a submit whose write fails
+        // leaves the registry noting its session as waiting for the function (the
+        // note is made while the transition is settled, before the commit, and a
+        // failed commit does not take it back), so the function stays listed with
+        // `queued` > 0 until that session is used again or a worker with free
+        // capacity serves the function. Tolerated only for a function with sessions noted
+        // as waiting (`queued` > 0), and only in an input where a write failed,
+        // unless `TURND_FUZZ_STRICT_REGISTRY=1`.
+        let writes_failed = self
+            .d
+            .faults
+            .refused
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > 0;
+        let mut tolerated = 0;
+        for f in &listed {
+            if live.functions.contains(&f.function_id) {
+                continue;
+            }
+            if !self.d.strict_registry && writes_failed && f.queued > 0 {
+                tolerated += 1;
+                continue;
+            }
+            panic!(
+                "function {} is still listed {linger} ms after its last worker left, and \
+                 no unfinished turn names it (unfinished: {:?}): {listed:?}",
+                f.function_id, live.functions
+            );
+        }
+        let (workers, functions) = self.engine.registry_sizes();
+        assert!(
+            functions <= live.functions.len() + tolerated,
+            "the registry holds {functions} functions after the linger, but unfinished \
+             turns name only {:?}",
+            live.functions
+        );
+        let listed = self.engine.workers();
+        assert_eq!(listed.len(), workers);
+        let mut assigned = 0;
+        for w in &listed {
+            assert!(
+                !w.connected && w.inflight > 0,
+                "worker {} is kept {linger} ms after its connection ended with no live \
+                 invocation: {listed:?}",
+                w.worker_id
+            );
+            assigned += w.inflight;
+        }
+        // At most one live invocation per session, and only for an unfinished turn.
+        assert!(
+            assigned as usize <= live.sessions.len(),
+            "{assigned} invocations still assigned to departed workers, for {} sessions \
+             with an unfinished turn: {listed:?}",
+            live.sessions.len()
+        );
+        self.d.report.registry_checked = true;
     }
 
     /// Let spawned tasks (drives after freed capacity, etc.) run, without moving time.
@@ -711,6 +1012,18 @@ impl<'d> World<'d> {
                 .await;
             }
             Action::Submit {
+                function,
+                input,
+                timeout,
+                ..
+            } if *function >= 240 => {
+                let t = pick(
+                    &[None, None, Some(1u64), Some(1_000), Some(60_000)],
+                    *timeout,
+                );
+                self.stray_submit(*function, &input.0, t).await;
+            }
+            Action::Submit {
                 session,
                 function,
                 input,
@@ -735,28 +1048,33 @@ impl<'d> World<'d> {
             }
             Action::Get { turn } => {
                 let args = json!({ "turn_id": self.turn_id(*turn) });
-                self.request(Who::Client, "turn.get", &args).await;
+                self.request_unknown(self.bogus_turn(*turn), Who::Client, "turn.get", &args)
+                    .await;
             }
             Action::Wait { turn, timeout } => {
                 let args = json!({
                     "turn_id": self.turn_id(*turn),
                     "timeout_ms": pick(&[0u64, 10, 1_000, 30_000, 300_001], *timeout),
                 });
-                self.request(Who::Client, "turn.wait", &args).await;
+                self.request_unknown(self.bogus_turn(*turn), Who::Client, "turn.wait", &args)
+                    .await;
             }
             Action::Stop { turn, reason } => {
                 let mut args = json!({ "turn_id": self.turn_id(*turn) });
                 if *reason {
                     args["reason"] = json!("fuzz");
                 }
-                self.request(Who::Client, "turn.stop", &args).await;
+                self.request_unknown(self.bogus_turn(*turn), Who::Client, "turn.stop", &args)
+                    .await;
             }
             Action::StopSession { session, reason } => {
-                let mut args = json!({ "session_id": pick(&SESSIONS, *session) });
+                let (id, unknown) = self.session_arg(*session);
+                let mut args = json!({ "session_id": id });
                 if *reason {
                     args["reason"] = json!("fuzz");
                 }
-                self.request(Who::Client, "session.stop", &args).await;
+                self.request_unknown(unknown, Who::Client, "session.stop", &args)
+                    .await;
             }
             Action::List {
                 session,
@@ -764,7 +1082,8 @@ impl<'d> World<'d> {
                 limit,
                 before,
             } => {
-                let mut args = json!({ "session_id": pick(&SESSIONS, *session) });
+                let (id, unknown) = self.session_arg(*session);
+                let mut args = json!({ "session_id": id });
                 if let Some(s) = pick(
                     &[
                         None,
@@ -787,18 +1106,22 @@ impl<'d> World<'d> {
                 ) {
                     args["before_seq"] = json!(b);
                 }
-                self.request(Who::Client, "turn.list", &args).await;
+                self.request_unknown(unknown, Who::Client, "turn.list", &args)
+                    .await;
             }
             Action::Inspect { session } => {
-                let args = json!({ "session_id": pick(&SESSIONS, *session) });
-                self.request(Who::Client, "session.inspect", &args).await;
+                let (id, unknown) = self.session_arg(*session);
+                let args = json!({ "session_id": id });
+                self.request_unknown(unknown, Who::Client, "session.inspect", &args)
+                    .await;
             }
             Action::Events {
                 session,
                 after,
                 limit,
             } => {
-                let mut args = json!({ "session_id": pick(&SESSIONS, *session) });
+                let (id, unknown) = self.session_arg(*session);
+                let mut args = json!({ "session_id": id });
                 if let Some(x) = pick(
                     &[None, Some(0u64), Some(1), Some(3), Some(u64::MAX)],
                     *after,
@@ -808,7 +1131,8 @@ impl<'d> World<'d> {
                 if let Some(l) = pick(&[None, Some(1u64), Some(2), Some(0), Some(1_001)], *limit) {
                     args["limit"] = json!(l);
                 }
-                self.request(Who::Client, "session.events", &args).await;
+                self.request_unknown(unknown, Who::Client, "session.events", &args)
+                    .await;
             }
             Action::Watch {
                 session,
@@ -817,9 +1141,19 @@ impl<'d> World<'d> {
                 after,
             } => {
                 let mut args = json!({});
+                // A watch of a session nobody used registers the watch (live work
+                // of its own) but holds no session state.
+                let mut unknown = false;
                 match which % 4 {
-                    0 => args["session_id"] = json!(pick(&SESSIONS, *session)),
-                    1 => args["turn_id"] = json!(self.turn_id(*turn)),
+                    0 => {
+                        let (id, u) = self.session_arg(*session);
+                        unknown = u;
+                        args["session_id"] = json!(id);
+                    }
+                    1 => {
+                        unknown = self.bogus_turn(*turn);
+                        args["turn_id"] = json!(self.turn_id(*turn));
+                    }
                     2 => {
                         args["session_id"] = json!(pick(&SESSIONS, *session));
                         args["turn_id"] = json!(self.turn_id(*turn));
@@ -829,7 +1163,8 @@ impl<'d> World<'d> {
                 if let Some(x) = pick(&[None, Some(0u64), Some(2), Some(u64::MAX)], *after) {
                     args["after"] = json!(x);
                 }
-                self.request(Who::Client, "watch", &args).await;
+                self.request_unknown(unknown, Who::Client, "watch", &args)
+                    .await;
             }
             Action::Unwatch { watch } => {
                 let id = if self.watches.is_empty() || *watch >= 240 {
@@ -938,7 +1273,11 @@ impl<'d> World<'d> {
             if h.protocol != PROTOCOL_VERSION {
                 return Err(ErrorBody::new(ErrorCode::UnsupportedProtocol, "protocol"));
             }
-            let rec = self.engine.worker_hello(&h, outbox.clone()).await?;
+            let rec = self
+                .engine
+                .worker_hello(&h, outbox.clone())
+                .await
+                .map_err(to_wire)?;
             ok(HelloOk {
                 server: "turnd".into(),
                 version: "fuzz".into(),
@@ -1035,33 +1374,45 @@ impl<'d> World<'d> {
             Op::Hello => Err(ErrorBody::new(ErrorCode::Conflict, "already said hello")),
             Op::Ping => ok(json!({})),
             Op::FunctionRegister => match (worker_id(), args::<RegisterArgs>(a)) {
-                (Ok(w), Ok(r)) => e.register(&w, &r).and_then(ok),
+                (Ok(w), Ok(r)) => e.register(&w, &r).map_err(to_wire).and_then(ok),
                 (Err(x), _) | (_, Err(x)) => Err(x),
             },
             Op::FunctionUnregister => match (worker_id(), args::<FunctionIdArgs>(a)) {
-                (Ok(w), Ok(r)) => e.unregister(&w, &r.function_id).and_then(|_| ok(json!({}))),
+                (Ok(w), Ok(r)) => e
+                    .unregister(&w, &r.function_id)
+                    .map_err(to_wire)
+                    .and_then(|_| ok(json!({}))),
                 (Err(x), _) | (_, Err(x)) => Err(x),
             },
             Op::InvocationResult => match args::<ResultArgs>(a) {
-                Ok(r) => e.result(caller, r).await.and_then(ok),
+                Ok(r) => e.result(caller, r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::InvocationHeartbeat => match args::<InvocationIdArgs>(a) {
-                Ok(r) => e.heartbeat(caller, &r.invocation_id).await.and_then(ok),
+                Ok(r) => e
+                    .heartbeat(caller, &r.invocation_id)
+                    .await
+                    .map_err(to_wire)
+                    .and_then(ok),
                 Err(x) => Err(x),
             },
             Op::InvocationStatus => match args::<StatusArgs>(a) {
-                Ok(r) => e.status(caller, &r).await.and_then(|_| ok(json!({}))),
+                Ok(r) => e
+                    .status(caller, &r)
+                    .await
+                    .map_err(to_wire)
+                    .and_then(|_| ok(json!({}))),
                 Err(x) => Err(x),
             },
             Op::TurnSubmit => match args::<SubmitArgs>(a) {
-                Ok(r) => e.submit(r).await.and_then(ok),
+                Ok(r) => e.submit(r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::TurnGet => match args::<TurnIdArgs>(a) {
                 Ok(r) => e
                     .get_turn(&r.turn_id)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turn| ok(TurnOk { turn })),
                 Err(x) => Err(x),
             },
@@ -1069,6 +1420,7 @@ impl<'d> World<'d> {
                 Ok(r) => e
                     .wait_turn(&r.turn_id, r.timeout_ms)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turn| ok(TurnOk { turn })),
                 Err(x) => Err(x),
             },
@@ -1076,17 +1428,19 @@ impl<'d> World<'d> {
                 Ok(r) => e
                     .stop_turn(&r.turn_id, r.reason)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turn| ok(TurnOk { turn })),
                 Err(x) => Err(x),
             },
             Op::TurnList => match args::<ListArgs>(a) {
-                Ok(r) => e.list_turns(r).await.and_then(ok),
+                Ok(r) => e.list_turns(r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::SessionInspect => match args::<SessionIdArgs>(a) {
                 Ok(r) => e
                     .inspect(&r.session_id)
                     .await
+                    .map_err(to_wire)
                     .and_then(|session| ok(SessionOk { session })),
                 Err(x) => Err(x),
             },
@@ -1094,11 +1448,12 @@ impl<'d> World<'d> {
                 Ok(r) => e
                     .stop_session(&r.session_id, r.reason)
                     .await
+                    .map_err(to_wire)
                     .and_then(|turns| ok(TurnsOk { turns })),
                 Err(x) => Err(x),
             },
             Op::SessionEvents => match args::<EventsArgs>(a) {
-                Ok(r) => e.events(r).await.and_then(ok),
+                Ok(r) => e.events(r).await.map_err(to_wire).and_then(ok),
                 Err(x) => Err(x),
             },
             Op::Watch => match args::<WatchArgs>(a) {
@@ -1110,7 +1465,7 @@ impl<'d> World<'d> {
                         .await;
                     return match res {
                         Ok(()) => None,
-                        Err(x) => Some(Err(x)),
+                        Err(x) => Some(Err(to_wire(x))),
                     };
                 }
                 Err(x) => Err(x),
@@ -1118,6 +1473,7 @@ impl<'d> World<'d> {
             Op::Unwatch => match args::<WatchIdArgs>(a) {
                 Ok(r) => e
                     .unwatch(&self.client.outbox.conn_id, &r.watch_id)
+                    .map_err(to_wire)
                     .and_then(|_| ok(json!({}))),
                 Err(x) => Err(x),
             },
@@ -1128,8 +1484,15 @@ impl<'d> World<'d> {
             Op::FunctionsList => ok(FunctionsOk {
                 functions: e.functions(),
             }),
+            Op::SessionsList => match args::<SessionsListArgs>(a) {
+                Ok(r) => e.list_sessions(r).await.map_err(to_wire).and_then(ok),
+                Err(x) => Err(x),
+            },
             // The server runs this on the blocking pool; the result is the same.
-            Op::StoreCheck => e.check().and_then(|violations| ok(CheckOk { violations })),
+            Op::StoreCheck => e
+                .check()
+                .map_err(to_wire)
+                .and_then(|violations| ok(CheckOk { violations })),
         };
         Some(r)
     }
@@ -1203,6 +1566,9 @@ impl<'d> World<'d> {
             }
             "functions.list" => {
                 let _: FunctionsOk = decode_as(op, &v);
+            }
+            "sessions.list" => {
+                let _: SessionsListOk = decode_as(op, &v);
             }
             "store.check" => {
                 let c: CheckOk = decode_as(op, &v);

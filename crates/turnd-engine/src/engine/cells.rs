@@ -110,6 +110,14 @@ impl Engine {
         self.inner.sessions.lock().len()
     }
 
+    /// The ids of the sessions whose state is in memory, sorted: which ones
+    /// [`Engine::sessions_in_memory`] counts (for tests and diagnostics; read-only).
+    pub fn session_ids_in_memory(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.inner.sessions.lock().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
     /// Watches held by every connection (for `/metrics`).
     pub fn watch_count(&self) -> usize {
         self.inner.watches.lock().values().map(Vec::len).sum()
