@@ -929,7 +929,9 @@ impl Applier<'_> {
             }
             self.inner.applied_cv.notify_all();
             keys += slice.len() as u64;
-            if slice.len() < APPLY_KEYS {
+            // A full slice that ended at `end` is the round's last: a range starting
+            // past its end would panic.
+            if slice.len() < APPLY_KEYS || *last == end {
                 break;
             }
             from = Some(next);
@@ -1411,6 +1413,30 @@ mod tests {
 
     async fn commit(kv: &LoggedKv, b: Batch) {
         kv.commit(b).await.expect("answered").expect("committed");
+    }
+
+    /// A round whose overlay ends exactly at a slice boundary (a multiple of
+    /// `APPLY_KEYS` keys) ends there: the walk once went on with a range starting past
+    /// its end, which panicked and ended the applier thread.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_round_ending_at_a_slice_boundary_applies_everything() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let slow = LoggedOptions {
+            apply_interval: Duration::from_secs(3600),
+            ..opts()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+        for slices in [1u64, 2] {
+            let mut b = Batch::new();
+            for i in 0..APPLY_KEYS as u64 * slices {
+                b.put_raw(keys::event(&format!("s{slices}"), i), b"v".to_vec());
+            }
+            commit(&kv, b).await;
+            assert_eq!(kv.overlay_len(), APPLY_KEYS * slices as usize);
+            kv.sync().expect("the round applies every slice");
+            assert_eq!(kv.overlay_len(), 0);
+            kv.health().expect("the applier thread is alive");
+        }
     }
 
     #[test]
