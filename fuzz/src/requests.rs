@@ -376,8 +376,6 @@ struct Durable {
     /// Fresh sessions made for submits to a function nobody serves.
     strays: u64,
     strict_internal: bool,
-    /// `TURND_FUZZ_STRICT_REGISTRY=1`: no tolerance for the known stale wait.
-    strict_registry: bool,
     report: Report,
 }
 
@@ -430,7 +428,6 @@ pub fn run_actions(setup: &Setup, actions: &[Action]) -> Report {
         next_req: 1,
         strays: 0,
         strict_internal: std::env::var_os("TURND_FUZZ_NO_INTERNAL").is_some_and(|v| v != "0"),
-        strict_registry: std::env::var_os("TURND_FUZZ_STRICT_REGISTRY").is_some_and(|v| v != "0"),
         report: Report::default(),
     };
     let cfg = engine_config(setup);
@@ -810,27 +807,8 @@ impl<'d> World<'d> {
         self.check_memory(|| "after the wind-down".into()).await;
         let live = self.live_in_store();
         let listed = self.engine.functions();
-        // Known engine bug (docs/fuzzing.md, "Findings"): a submit whose write fails
-        // leaves the registry noting its session as waiting for the function (the
-        // note is made while the transition is settled, before the commit, and a
-        // failed commit does not take it back), so the function stays listed with
-        // `queued` > 0 until that session is used again or a worker with free
-        // capacity serves the function. Tolerated only for a function with sessions noted
-        // as waiting (`queued` > 0), and only in an input where a write failed,
-        // unless `TURND_FUZZ_STRICT_REGISTRY=1`.
-        let writes_failed = self
-            .d
-            .faults
-            .refused
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > 0;
-        let mut tolerated = 0;
         for f in &listed {
             if live.functions.contains(&f.function_id) {
-                continue;
-            }
-            if !self.d.strict_registry && writes_failed && f.queued > 0 {
-                tolerated += 1;
                 continue;
             }
             panic!(
@@ -841,7 +819,7 @@ impl<'d> World<'d> {
         }
         let (workers, functions) = self.engine.registry_sizes();
         assert!(
-            functions <= live.functions.len() + tolerated,
+            functions <= live.functions.len(),
             "the registry holds {functions} functions after the linger, but unfinished \
              turns name only {:?}",
             live.functions

@@ -97,6 +97,39 @@ async fn admission_write_fails_then_nothing_exists() -> anyhow::Result<()> {
     td.shutdown().await
 }
 
+/// A submit that finds no worker notes its session as waiting for the function
+/// while the transition is built; when the write fails, that note goes too, so the
+/// function is not listed (and kept in memory) with a waiting session that holds
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_submit_leaves_no_waiting_session_behind() -> anyhow::Result<()> {
+    let td = TestDaemon::start_faulty(|_| {}).await?;
+    let c = td.caller().await?;
+    faults(&td).fail_nth(1);
+    let args = SubmitArgs {
+        session_id: "nobody-serves".into(),
+        function_id: "unserved".into(),
+        input: json!(1),
+        idempotency_key: None,
+        turn_timeout_ms: None,
+    };
+    unavailable(c.submit(args.clone()).await.expect_err("write refused"));
+    let listed = c.functions().await?;
+    assert!(
+        listed.iter().all(|f| f.function_id != "unserved"),
+        "a refused submit left its function listed: {listed:?}"
+    );
+    // The same submit written: the session waits for the function, as it should.
+    c.submit(args).await?;
+    let listed = c.functions().await?;
+    let f = listed
+        .iter()
+        .find(|f| f.function_id == "unserved")
+        .expect("listed while a session waits for it");
+    assert_eq!(f.queued, 1, "{listed:?}");
+    td.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatch_write_fails_session_finalizing_then_proceeds() -> anyhow::Result<()> {
     let td = TestDaemon::start_faulty(|_| {}).await?;

@@ -67,6 +67,11 @@ impl Engine {
                         tx.now,
                     );
                 }
+                // Building the transition may have noted the session as waiting for
+                // a worker (a reservation that found none): the state did not
+                // change, so neither may that note, or the function's entry would
+                // outlive every connection and turn that names it.
+                note_waiting(&mut reg, st);
                 Err(e)
             }
         }
@@ -161,15 +166,7 @@ impl Engine {
             *s = summary;
         }
         self.wait_index().set(&st.id, entry);
-        {
-            let mut reg = self.registry();
-            match st.holder() {
-                Some(h) if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) => {
-                    reg.wait_for(&h.function_id, &st.id)
-                }
-                _ => reg.not_waiting(&st.id),
-            }
-        }
+        note_waiting(&mut self.registry(), st);
         self.arm(st);
     }
 
@@ -284,5 +281,16 @@ impl Engine {
                 break;
             }
         }
+    }
+}
+
+/// Bring the registry's note of what the session waits for in step with its state:
+/// the function of its holder while that is queued or awaits a worker, else nothing.
+fn note_waiting(reg: &mut crate::registry::Registry, st: &SessionState) {
+    match st.holder() {
+        Some(h) if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) => {
+            reg.wait_for(&h.function_id, &st.id)
+        }
+        _ => reg.not_waiting(&st.id),
     }
 }
