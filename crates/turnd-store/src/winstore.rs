@@ -12,8 +12,11 @@ use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
 use crate::StoreError;
 
 /// MiB of sled cache per window: windows are written once per finished turn and read
-/// for finished turns only.
-const WINDOW_CACHE_MB: u64 = 4;
+/// for finished turns only, and with `retention.terminal_ms` of 72 h and hourly
+/// windows about 73 are open at once, so a cache each of 4 MiB (the earlier size)
+/// could hold close to 300 MiB after reads of old turns; a miss is served by the
+/// operating system's page cache.
+const WINDOW_CACHE_MB: u64 = 1;
 
 /// A window that took no write for this long is reopened once (sled writes its
 /// snapshot only when it opens a store), so a later start opens it fast.
