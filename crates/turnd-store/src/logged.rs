@@ -157,6 +157,9 @@ enum Ctl {
     Flush(mpsc::Sender<Result<(), StoreError>>),
     /// The overlay is full: apply now.
     Nudge,
+    /// End the applier thread, as a panic in it would (tests only).
+    #[cfg(test)]
+    Exit,
 }
 
 struct Inner {
@@ -687,7 +690,11 @@ fn wait_for_room(
             )));
         }
         if nudge.send(Ctl::Nudge).is_err() {
-            return Ok(());
+            // Nothing will take the overlay's keys to sled any more: refuse rather
+            // than let it grow with every commit.
+            return Err(StoreError::Write(format!(
+                "the store's applier thread has ended; {MAX_OVERLAY_KEYS} keys wait for sled"
+            )));
         }
         let Ok(g) = inner.applied_mx.lock() else {
             return Ok(());
@@ -1112,6 +1119,8 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
                     tracing::debug!("flush requester went away");
                 }
             }
+            #[cfg(test)]
+            Ok(Ctl::Exit) => break,
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
@@ -1610,6 +1619,45 @@ mod tests {
             .expect("scan")
             .len() as u64;
         assert_eq!(n, batches * per_batch);
+    }
+
+    /// With the applier thread gone, a full overlay refuses commits instead of
+    /// growing with each one, and the store reports itself unhealthy.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_overlay_with_no_applier_refuses_commits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let slow = LoggedOptions {
+            apply_interval: Duration::from_secs(3600),
+            segment_bytes: 64 << 20,
+            heal_interval: Duration::from_millis(20),
+            ..opts()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+        kv.ctl
+            .lock()
+            .expect("ctl")
+            .as_ref()
+            .expect("open")
+            .send(Ctl::Exit)
+            .expect("send");
+        for _ in 0..500 {
+            if kv.health().is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(kv.health().is_err(), "the applier's end is reported");
+        let mut b = Batch::new();
+        for j in 0..=MAX_OVERLAY_KEYS as u64 {
+            b.put_raw(keys::event("s", j), b"v".to_vec());
+        }
+        commit(&kv, b).await;
+        let refused = kv
+            .commit(put(&keys::event("t", 0), "v"))
+            .await
+            .expect("answered");
+        assert!(refused.is_err(), "a commit past a full overlay was taken");
+        assert_eq!(kv.overlay_len(), MAX_OVERLAY_KEYS + 1);
     }
 
     fn turn_at(ms: u64, n: u8) -> String {
