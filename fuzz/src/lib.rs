@@ -12,6 +12,39 @@ pub mod requests;
 mod tests {
     use std::path::Path;
 
+    use crate::requests::{Action, Json};
+
+    /// Worker 0 says hello and registers function 0 (concurrency 1).
+    fn hello_and_register() -> Vec<Action> {
+        vec![
+            Action::Hello {
+                worker: 0,
+                instance: 0,
+                inflight: vec![],
+                finished: vec![],
+            },
+            Action::Register {
+                worker: 0,
+                function: 0,
+                concurrency: 1,
+                timeout: 4,
+                delivery: 2,
+                max_attempts: 3,
+            },
+        ]
+    }
+
+    /// A small `turn.submit` to a session and a function (by index).
+    fn submit(session: u8, function: u8) -> Action {
+        Action::Submit {
+            session,
+            function,
+            input: Json(serde_json::json!({"q": 1})),
+            key: 0,
+            timeout: 0,
+        }
+    }
+
     /// Every file under `dir/<target>` (seeds, kept regressions).
     fn inputs(dir: &str, target: &str) -> Vec<(String, Vec<u8>)> {
         let d = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir).join(target);
@@ -67,38 +100,12 @@ mod tests {
     /// it, its result completes the turn, a restart recovers, and the checks pass.
     #[test]
     fn requests_harness_drives_a_turn_to_completion() {
-        use crate::requests::{run_actions, Action, Json, OutcomeChoice, Setup};
-        let setup = Setup {
-            dispatch_timeout: 0,
-            max_queued: 0,
-            max_steps: 0,
-            max_value: 0,
-            small_worker_outbox: false,
-        };
-        let submit = |session| Action::Submit {
-            session,
-            function: 0,
-            input: Json(serde_json::json!({"q": 1})),
-            key: 0,
-            timeout: 0,
-        };
-        let actions = vec![
-            Action::Hello {
-                worker: 0,
-                instance: 0,
-                inflight: vec![],
-                finished: vec![],
-            },
-            Action::Register {
-                worker: 0,
-                function: 0,
-                concurrency: 1,
-                timeout: 4,
-                delivery: 2,
-                max_attempts: 3,
-            },
-            submit(0),
-            submit(0),
+        use crate::requests::{run_actions, OutcomeChoice, Setup};
+        let setup = Setup::default();
+        let mut actions = hello_and_register();
+        actions.extend([
+            submit(0, 0),
+            submit(0, 0),
             Action::Result {
                 caller: 0,
                 invocation: 0,
@@ -129,7 +136,7 @@ mod tests {
                 limit: 0,
             },
             Action::Check,
-        ];
+        ]);
         let r = run_actions(&setup, &actions);
         eprintln!("{r:#?}");
         assert_eq!(r.count("function.register", "ok"), 1);
@@ -150,36 +157,10 @@ mod tests {
     /// passed, and memory is checked after every action.
     #[test]
     fn requests_harness_checks_memory_and_the_registry() {
-        use crate::requests::{run_actions, Action, Json, OutcomeChoice, Setup};
-        let setup = Setup {
-            dispatch_timeout: 0,
-            max_queued: 0,
-            max_steps: 0,
-            max_value: 0,
-            small_worker_outbox: false,
-        };
-        let submit = |session, function| Action::Submit {
-            session,
-            function,
-            input: Json(serde_json::json!({"q": 1})),
-            key: 0,
-            timeout: 0,
-        };
-        let actions = vec![
-            Action::Hello {
-                worker: 0,
-                instance: 0,
-                inflight: vec![],
-                finished: vec![],
-            },
-            Action::Register {
-                worker: 0,
-                function: 0,
-                concurrency: 1,
-                timeout: 4,
-                delivery: 2,
-                max_attempts: 3,
-            },
+        use crate::requests::{run_actions, OutcomeChoice, Setup};
+        let setup = Setup::default();
+        let mut actions = hello_and_register();
+        actions.extend([
             submit(0, 0),
             // A turn to a function nobody serves, on a fresh session, stopped.
             submit(0, 250),
@@ -212,7 +193,7 @@ mod tests {
                 outcome: OutcomeChoice::Complete(Json(serde_json::json!("done"))),
             },
             Action::Advance { step: 8 },
-        ];
+        ]);
         let r = run_actions(&setup, &actions);
         eprintln!("{r:#?}");
         assert_eq!(r.count("turn.submit", "ok"), 2);
@@ -251,14 +232,8 @@ mod tests {
     /// (deduplicated), not a `conflict`.
     #[test]
     fn idempotent_submit_survives_the_daemons_own_float_text() {
-        use crate::requests::{run_actions, Action, Setup};
-        let setup = Setup {
-            dispatch_timeout: 0,
-            max_queued: 0,
-            max_steps: 0,
-            max_value: 0,
-            small_worker_outbox: false,
-        };
+        use crate::requests::{run_actions, Setup};
+        let setup = Setup::default();
         let submit = |id: u64, input: &str| Action::RawText {
             role: 2,
             text: format!(

@@ -185,8 +185,9 @@ pub enum OutcomeChoice {
     Raw(Json),
 }
 
-/// Engine settings chosen per input, to reach the limits quickly.
-#[derive(Arbitrary, Debug, Clone)]
+/// Engine settings chosen per input, to reach the limits quickly (all zero, the
+/// default: the engine's own limits).
+#[derive(Arbitrary, Debug, Clone, Default)]
 pub struct Setup {
     pub dispatch_timeout: u8,
     pub max_queued: u8,

@@ -673,10 +673,9 @@ impl Store {
     /// Where a paged scan starts.
     pub const FIRST: &'static [u8] = &[];
 
-    /// Up to `limit` entries of `range` with keys from `from` on ([`Store::FIRST`]:
-    /// the range's start), and where the next page starts (None: no more).
-    /// Up to `limit` records of a key range, decoded as `what`, from `from` on (empty:
-    /// the range's first), and where the next page starts.
+    /// Up to `limit` records of `range` with keys from `from` on ([`Store::FIRST`]:
+    /// the range's start), decoded as `what`, and where the next page starts (None:
+    /// no more).
     fn decoded_page<T: serde::de::DeserializeOwned>(
         &self,
         what: &str,

@@ -47,6 +47,7 @@
 //! `std::time`; no tokio timer depends on them.
 
 use std::collections::BTreeMap;
+use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
@@ -891,16 +892,15 @@ impl Applier<'_> {
             return Ok(());
         };
         let mut written: Vec<u64> = Vec::new();
-        let mut from: Option<Vec<u8>> = None;
+        // After the first slice, the walk goes on past the last key taken (an
+        // exclusive start: past `end` the range is empty, never reversed).
+        let mut from: Bound<Vec<u8>> = Bound::Unbounded;
         let mut keys = 0u64;
         loop {
             let slice: Vec<(Vec<u8>, u64, Value)> = {
                 let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
-                let range = match &from {
-                    Some(f) => o.map.range::<Vec<u8>, _>(f..=&end),
-                    None => o.map.range::<Vec<u8>, _>(..=&end),
-                };
-                range
+                o.map
+                    .range::<Vec<u8>, _>((from.as_ref(), Bound::Included(&end)))
                     .take(APPLY_KEYS)
                     .map(|(k, p)| (k.clone(), p.lsn, p.value.clone()))
                     .collect()
@@ -908,8 +908,7 @@ impl Applier<'_> {
             let Some((last, _, _)) = slice.last() else {
                 break;
             };
-            let mut next = last.clone();
-            next.push(0);
+            let next = Bound::Excluded(last.clone());
             let (bytes, wins) = apply_routed(
                 &self.inner.sled,
                 &self.inner.windows,
@@ -936,12 +935,10 @@ impl Applier<'_> {
             }
             self.inner.applied_cv.notify_all();
             keys += slice.len() as u64;
-            // A full slice that ended at `end` is the round's last: a range starting
-            // past its end would panic.
-            if slice.len() < APPLY_KEYS || *last == end {
+            if slice.len() < APPLY_KEYS {
                 break;
             }
-            from = Some(next);
+            from = next;
         }
         sync_windows(&self.inner.windows, &written)?;
         for (start, lsn) in pending {
@@ -1414,6 +1411,14 @@ mod tests {
         }
     }
 
+    /// Options whose applier runs only when asked (`sync`) or nudged.
+    fn slow() -> LoggedOptions {
+        LoggedOptions {
+            apply_interval: Duration::from_secs(3600),
+            ..opts()
+        }
+    }
+
     fn put(k: &[u8], v: &str) -> Batch {
         let mut b = Batch::new();
         b.put_raw(k.to_vec(), v.as_bytes().to_vec());
@@ -1430,11 +1435,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_round_ending_at_a_slice_boundary_applies_everything() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let slow = LoggedOptions {
-            apply_interval: Duration::from_secs(3600),
-            ..opts()
-        };
-        let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+        let (kv, _) = LoggedKv::open(dir.path(), slow()).expect("open");
         for slices in [1u64, 2] {
             let mut b = Batch::new();
             for i in 0..APPLY_KEYS as u64 * slices {
@@ -1477,11 +1478,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reads_see_the_overlay_and_sled_merged() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let slow = LoggedOptions {
-            apply_interval: Duration::from_secs(3600),
-            ..opts()
-        };
-        let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+        let (kv, _) = LoggedKv::open(dir.path(), slow()).expect("open");
         for i in 0..10u64 {
             commit(&kv, put(&keys::event("s", i), &format!("a{i}"))).await;
         }
@@ -1525,11 +1522,7 @@ mod tests {
     async fn a_start_replays_what_sled_did_not_get() {
         let dir = tempfile::tempdir().expect("tempdir");
         {
-            let slow = LoggedOptions {
-                apply_interval: Duration::from_secs(3600),
-                ..opts()
-            };
-            let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+            let (kv, _) = LoggedKv::open(dir.path(), slow()).expect("open");
             for i in 0..300u64 {
                 commit(&kv, put(&keys::event("s", i), &format!("v{i}"))).await;
             }
@@ -1589,9 +1582,8 @@ mod tests {
     async fn a_full_overlay_makes_commits_wait_for_the_applier() {
         let dir = tempfile::tempdir().expect("tempdir");
         let slow = LoggedOptions {
-            apply_interval: Duration::from_secs(3600),
             segment_bytes: 64 << 20,
-            ..opts()
+            ..slow()
         };
         let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
         let per_batch = 100u64;
@@ -1627,10 +1619,9 @@ mod tests {
     async fn a_full_overlay_with_no_applier_refuses_commits() {
         let dir = tempfile::tempdir().expect("tempdir");
         let slow = LoggedOptions {
-            apply_interval: Duration::from_secs(3600),
             segment_bytes: 64 << 20,
             heal_interval: Duration::from_millis(20),
-            ..opts()
+            ..slow()
         };
         let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
         kv.ctl

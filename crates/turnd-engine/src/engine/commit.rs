@@ -286,7 +286,7 @@ impl Engine {
 
 /// Bring the registry's note of what the session waits for in step with its state:
 /// the function of its holder while that is queued or awaits a worker, else nothing.
-fn note_waiting(reg: &mut crate::registry::Registry, st: &SessionState) {
+fn note_waiting(reg: &mut Registry, st: &SessionState) {
     match st.holder() {
         Some(h) if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) => {
             reg.wait_for(&h.function_id, &st.id)
