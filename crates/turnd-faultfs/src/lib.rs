@@ -1,12 +1,21 @@
 //! A failing disk for durability tests, as an `LD_PRELOAD` library.
 //!
 //! Loaded into the real `turnd` binary, it interposes the C library's `pwrite64`,
-//! `pwrite`, `fdatasync` and `fsync`. While the file `fail-writes` exists in the
-//! directory named by `TURND_FAULTFS_DIR`, every positioned write (how the commit log
-//! and sled write) fails with `EIO`; while `disk-full` exists there, every positioned
-//! write fails with `ENOSPC`, as on a full disk; while `fail-syncs` exists there, every
-//! `fdatasync` and `fsync` fails with `EIO`. Otherwise each call goes to the C library unchanged. The
-//! flags are looked up on every call, so a test switches the disk between working and
+//! `pwrite`, `fdatasync` and `fsync`. The flag files in the directory named by
+//! `TURND_FAULTFS_DIR` choose what fails:
+//!
+//! - `fail-writes`: every positioned write (how the commit log and sled write) fails
+//!   with `EIO`;
+//! - `disk-full`: every positioned write fails with `ENOSPC`, as on a full disk;
+//! - `fail-syncs`: every `fdatasync` and `fsync` fails with `EIO`;
+//! - `fail-db-writes`: a positioned write to a file named `db` (sled's main file,
+//!   `DATA_DIR/db`, and a time window's) fails with `EIO`; the commit log
+//!   (`DATA_DIR/log/…`), the disk probe (`DATA_DIR/write-probe`) and every other file
+//!   are written as usual, so sled fails while the disk takes writes. The file's name
+//!   is read (`/proc/self/fd/N`) only while the flag exists.
+//!
+//! Otherwise each call goes to the C library unchanged. The flags are looked up on
+//! every call (one `access` each), so a test switches the disk between working and
 //! failing while the daemon runs. Nothing else is changed, and without
 //! `TURND_FAULTFS_DIR` the library does nothing at all.
 //!
@@ -32,6 +41,7 @@ struct Flags {
     writes: CString,
     full: CString,
     syncs: CString,
+    db_writes: CString,
 }
 
 fn flags() -> Option<&'static Flags> {
@@ -43,6 +53,7 @@ fn flags() -> Option<&'static Flags> {
                 writes: CString::new(format!("{dir}/fail-writes")).ok()?,
                 full: CString::new(format!("{dir}/disk-full")).ok()?,
                 syncs: CString::new(format!("{dir}/fail-syncs")).ok()?,
+                db_writes: CString::new(format!("{dir}/fail-db-writes")).ok()?,
             })
         })
         .as_ref()
@@ -83,13 +94,47 @@ fn fail<R: From<i8>>(code: c_int) -> R {
     R::from(-1)
 }
 
-/// A positioned write: `ENOSPC` while `disk-full` exists, else as [`guarded`] with
+/// A positioned write to `fd`: `ENOSPC` while `disk-full` exists, `EIO` while
+/// `fail-db-writes` exists and `fd` is a file named `db`, else as [`guarded`] with
 /// `fail-writes`.
-fn write_guarded(call: impl FnOnce() -> Option<ssize_t>) -> ssize_t {
+fn write_guarded(fd: c_int, call: impl FnOnce() -> Option<ssize_t>) -> ssize_t {
     if failing(|f| &f.full) {
         return fail(libc::ENOSPC);
     }
+    if failing(|f| &f.db_writes) && named_db(fd) {
+        return fail(libc::EIO);
+    }
     guarded(|f| &f.writes, call)
+}
+
+/// Whether `fd` is open on a file named `db` (its path from `/proc/self/fd/N`).
+/// Allocates nothing; `errno` is left as it was.
+fn named_db(fd: c_int) -> bool {
+    use std::io::Write;
+    let mut link = [0u8; 32];
+    let mut w = &mut link[..];
+    if write!(w, "/proc/self/fd/{fd}\0").is_err() {
+        return false;
+    }
+    let mut target = [0u8; 4096];
+    // SAFETY: `link` is NUL-terminated (written above) and `target` is writable for
+    // its whole length; `__errno_location` returns the calling thread's errno slot,
+    // restored so that a failed `readlink` does not leak into the interposed call.
+    let n = unsafe {
+        let errno = libc::__errno_location();
+        let saved = *errno;
+        let n = libc::readlink(
+            link.as_ptr().cast(),
+            target.as_mut_ptr().cast(),
+            target.len(),
+        );
+        *errno = saved;
+        n
+    };
+    usize::try_from(n)
+        .ok()
+        .and_then(|n| target.get(..n))
+        .is_some_and(|path| path.ends_with(b"/db"))
 }
 
 /// The next definition of `name` (NUL-terminated) after this library: the C
@@ -117,7 +162,7 @@ type Pwrite64Fn = unsafe extern "C" fn(c_int, *const c_void, size_t, off64_t) ->
 type SyncFn = unsafe extern "C" fn(c_int) -> c_int;
 
 /// Interposed `pwrite64`: fails with `ENOSPC` while `disk-full` exists, with `EIO`
-/// while `fail-writes` exists.
+/// while `fail-writes` exists, or `fail-db-writes` and `fd` is a file named `db`.
 ///
 /// # Safety
 ///
@@ -129,11 +174,13 @@ pub unsafe extern "C" fn pwrite64(
     count: size_t,
     offset: off64_t,
 ) -> ssize_t {
-    write_guarded(|| real!("pwrite64", Pwrite64Fn).map(|f| f(fd, buf, count, offset)))
+    write_guarded(fd, || {
+        real!("pwrite64", Pwrite64Fn).map(|f| f(fd, buf, count, offset))
+    })
 }
 
 /// Interposed `pwrite`: fails with `ENOSPC` while `disk-full` exists, with `EIO`
-/// while `fail-writes` exists.
+/// while `fail-writes` exists, or `fail-db-writes` and `fd` is a file named `db`.
 ///
 /// # Safety
 ///
@@ -145,7 +192,9 @@ pub unsafe extern "C" fn pwrite(
     count: size_t,
     offset: off_t,
 ) -> ssize_t {
-    write_guarded(|| real!("pwrite", PwriteFn).map(|f| f(fd, buf, count, offset)))
+    write_guarded(fd, || {
+        real!("pwrite", PwriteFn).map(|f| f(fd, buf, count, offset))
+    })
 }
 
 /// Interposed `fdatasync`: fails with `EIO` while `fail-syncs` exists.
