@@ -30,6 +30,7 @@ static MALLOC_CONF: &[u8; 60] = b"background_thread:true,dirty_decay_ms:1000,muz
 
 mod cli;
 mod serve;
+mod watchdog;
 
 use clap::{Parser, Subcommand};
 

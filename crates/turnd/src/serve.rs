@@ -217,6 +217,7 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
         tracing::debug!("sd_notify READY not sent: {e}");
     }
     let shutdown = daemon.shutdown_token();
+    crate::watchdog::spawn(daemon.engine.store().kv().clone(), shutdown.clone());
     tokio::spawn(watch_signals(shutdown, term, int));
     daemon.join().await?;
     if let Some(path) = &ready_file {
