@@ -79,6 +79,15 @@ pub fn disk_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
+/// Blocks allocated in the data directory's three parts: the main sled database (and
+/// everything else outside the two subdirectories), `windows/` and `log/`.
+fn disk_parts(data: &Path) -> (u64, u64, u64) {
+    let windows = disk_bytes(&data.join("windows"));
+    let log = disk_bytes(&data.join("log"));
+    let all = disk_bytes(data);
+    (all.saturating_sub(windows + log), windows, log)
+}
+
 fn rss_kb(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
@@ -209,7 +218,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             marks.push((
                 start.elapsed().as_secs(),
                 done,
-                disk_bytes(&data),
+                disk_parts(&data),
                 rss_kb(d.pid),
                 store_metrics(&d.admin).await,
             ));
@@ -279,10 +288,13 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         disk_end as f64 / n.max(1) as f64,
         rss_end.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0))
     );
-    for (s, done, disk, rss, m) in marks {
+    for (s, done, (main, windows, wal), rss, m) in marks {
         println!(
-            "  mark {s:>4} s: {done:>8} turns · disk {:>8.1} MB · RSS {} MB · {m}",
-            disk as f64 / 1e6,
+            "  mark {s:>4} s: {done:>8} turns · disk {:>8.1} MB (main {:.1} · windows {:.1} · log {:.1}) · RSS {} MB · {m}",
+            (main + windows + wal) as f64 / 1e6,
+            main as f64 / 1e6,
+            windows as f64 / 1e6,
+            wal as f64 / 1e6,
             rss.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0))
         );
     }
