@@ -96,6 +96,7 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
             window_ms: cfg.storage.window_ms,
             window_bytes: cfg.storage.window_mb.saturating_mul(1024 * 1024),
         },
+        idle_reopen: turnd_store::DEFAULT_IDLE_REOPEN,
     })
 }
 

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use check::check_store;
-pub use logged::{LoggedKv, LoggedOptions, Replayed};
+pub use logged::{LoggedKv, LoggedOptions, Replayed, DEFAULT_IDLE_REOPEN};
 pub use records::*;
 pub use sled_kv::{SledKv, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
 pub use windows::{WindowInfo, WindowOptions};

@@ -123,7 +123,15 @@ pub struct LoggedOptions {
     pub heal_interval: Duration,
     /// When a new time window of finished turns starts.
     pub windows: WindowOptions,
+    /// After this long with nothing written to it, a sled database (the main one, or
+    /// a time window) that took writes since it was last opened is closed and opened
+    /// again: sled writes its snapshot then (so a later start opens it fast), and the
+    /// memory its cache and tables grew to in a burst goes back.
+    pub idle_reopen: Duration,
 }
+
+/// Default of [`LoggedOptions::idle_reopen`].
+pub const DEFAULT_IDLE_REOPEN: Duration = Duration::from_secs(5);
 
 impl Default for LoggedOptions {
     fn default() -> Self {
@@ -133,6 +141,7 @@ impl Default for LoggedOptions {
             apply_interval: Duration::from_millis(DEFAULT_APPLY_INTERVAL_MS),
             heal_interval: Duration::from_millis(DEFAULT_HEAL_INTERVAL_MS),
             windows: WindowOptions::default(),
+            idle_reopen: DEFAULT_IDLE_REOPEN,
         }
     }
 }
@@ -840,6 +849,8 @@ struct Applier<'a> {
     /// durable in the main database.
     closing: Vec<(u64, Arc<Shared>)>,
     upkeep: Upkeep,
+    /// [`LoggedOptions::idle_reopen`].
+    idle_reopen: Duration,
 }
 
 impl Applier<'_> {
@@ -914,7 +925,7 @@ impl Applier<'_> {
                 &self.inner.windows,
                 slice.iter().map(|(k, lsn, v)| (k, *lsn, v.as_deref())),
             )?;
-            self.checkpoints.written += bytes;
+            self.checkpoints.wrote(bytes);
             for w in wins {
                 self.inner.windows.written(&mut self.upkeep, w);
                 if !written.contains(&w) {
@@ -974,7 +985,9 @@ impl Applier<'_> {
                 return Err(e);
             }
         }
-        self.inner.windows.snapshot_idle(&mut self.upkeep);
+        self.inner
+            .windows
+            .snapshot_idle(&mut self.upkeep, self.idle_reopen);
         if !force_flush && wal::closed_count(&self.inner.closed) == 0 {
             return Ok(());
         }
@@ -1001,6 +1014,8 @@ impl Applier<'_> {
                 }
                 self.checkpoints
                     .after_group(&self.inner.sled, &self.inner.stats);
+                self.checkpoints
+                    .when_idle(&self.inner.sled, &self.inner.stats, self.idle_reopen);
             }
             Err(e) => {
                 let since = match err.as_ref() {
@@ -1091,6 +1106,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         heal_interval: opts.heal_interval,
         closing: Vec::new(),
         upkeep: Upkeep::default(),
+        idle_reopen: opts.idle_reopen,
     };
     loop {
         // Behind (a quarter of the overlay's room used): no pause between rounds.
@@ -1447,6 +1463,51 @@ mod tests {
             assert_eq!(kv.overlay_len(), 0);
             kv.health().expect("the applier thread is alive");
         }
+    }
+
+    /// Once writes pause for `idle_reopen`, sled is checkpointed (closed and opened
+    /// again: its snapshot written, its cache given back) once, not again while
+    /// nothing is written, and once more after the next writes pause; what was
+    /// written reads the same throughout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pause_in_writes_reopens_sled_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let idle = Duration::from_millis(100);
+        let (kv, _) = LoggedKv::open(
+            dir.path(),
+            LoggedOptions {
+                idle_reopen: idle,
+                ..opts()
+            },
+        )
+        .expect("open");
+        let kv = &kv;
+        let checkpoints = || kv.commit_stats().checkpoints;
+        let until = |n: u64| async move {
+            let t = Instant::now();
+            while kv.commit_stats().checkpoints < n {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "no checkpoint {n} after the writes paused"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::sleep(idle * 3).await;
+        assert_eq!(checkpoints(), 0, "nothing written: nothing to reopen");
+        for i in 0..50u64 {
+            commit(kv, put(&keys::event("s", i), &format!("v{i}"))).await;
+        }
+        until(1).await;
+        tokio::time::sleep(idle * 10).await;
+        assert_eq!(checkpoints(), 1, "reopened again with nothing written");
+        let v7 = kv.get(&keys::event("s", 7)).expect("get");
+        assert_eq!(v7.as_deref(), Some(&b"v7"[..]));
+        commit(kv, put(&keys::event("s", 50), "v50")).await;
+        until(2).await;
+        let v50 = kv.get(&keys::event("s", 50)).expect("get");
+        assert_eq!(v50.as_deref(), Some(&b"v50"[..]));
+        kv.health().expect("healthy");
     }
 
     #[test]

@@ -525,7 +525,10 @@ fn add_to_sled_batch(b: &mut sled::Batch, batch: Batch) -> u64 {
 pub(crate) struct Checkpoints {
     /// `checkpoint_mb` in bytes; 0: never.
     every: u64,
-    pub(crate) written: u64,
+    /// Bytes of keys and values written since sled was last opened.
+    written: u64,
+    /// When sled was last written.
+    last_write: Option<std::time::Instant>,
     deferred_since: Option<std::time::Instant>,
 }
 
@@ -534,7 +537,16 @@ impl Checkpoints {
         Checkpoints {
             every: opts.checkpoint_mb.saturating_mul(1024 * 1024),
             written: 0,
+            last_write: None,
             deferred_since: None,
+        }
+    }
+
+    /// Note `bytes` of keys and values written to sled.
+    pub(crate) fn wrote(&mut self, bytes: u64) {
+        if bytes > 0 {
+            self.written += bytes;
+            self.last_write = Some(std::time::Instant::now());
         }
     }
 
@@ -544,6 +556,27 @@ impl Checkpoints {
         if self.every == 0 || self.written < self.every {
             return;
         }
+        self.run(shared, stats);
+    }
+
+    /// Checkpoint once sled took no write for `idle` after taking some since it was
+    /// last opened: the snapshot is then written while nothing waits, and what sled's
+    /// cache and tables grew to in a burst of writes is given back (sled keeps far
+    /// more than `cache_mb` of recently written pages). Never with `checkpoint_mb = 0`.
+    pub(crate) fn when_idle(
+        &mut self,
+        shared: &Shared,
+        stats: &Mutex<CommitStats>,
+        idle: std::time::Duration,
+    ) {
+        let quiet = self.last_write.is_some_and(|t| t.elapsed() >= idle);
+        if self.every == 0 || self.written == 0 || !quiet {
+            return;
+        }
+        self.run(shared, stats);
+    }
+
+    fn run(&mut self, shared: &Shared, stats: &Mutex<CommitStats>) {
         let started = std::time::Instant::now();
         let wait = self
             .deferred_since
@@ -600,7 +633,7 @@ fn writer_loop(shared: &Shared, rx: mpsc::Receiver<Job>, stats: &Mutex<CommitSta
         while jobs.peek().is_some() {
             let mut merged = sled::Batch::default();
             for job in jobs.by_ref().take(APPLY_CHUNK) {
-                checkpoints.written += add_to_sled_batch(&mut merged, job.batch);
+                checkpoints.wrote(add_to_sled_batch(&mut merged, job.batch));
                 replies.push(job.reply);
             }
             chunks.push(merged);

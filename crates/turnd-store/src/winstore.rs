@@ -18,10 +18,6 @@ use crate::StoreError;
 /// operating system's page cache.
 const WINDOW_CACHE_MB: u64 = 1;
 
-/// A window that took no write for this long is reopened once (sled writes its
-/// snapshot only when it opens a store), so a later start opens it fast.
-const SNAPSHOT_AFTER_IDLE: Duration = Duration::from_secs(5);
-
 pub(crate) struct Windows {
     dir: PathBuf,
     pub(crate) opts: WindowOptions,
@@ -266,20 +262,22 @@ impl Windows {
     /// Note a write to a window.
     pub(crate) fn written(&self, upkeep: &mut Upkeep, start: u64) {
         upkeep.last_write.insert(start, Instant::now());
+        upkeep.snapshotted.remove(&start);
     }
 
-    /// Reopen, once, each window but the newest that took no write for a while, so
-    /// that sled writes its snapshot and a later start opens it fast.
-    pub(crate) fn snapshot_idle(&self, upkeep: &mut Upkeep) {
-        let newest = self.state.read().ok().and_then(|s| s.table.newest());
+    /// Reopen each window that took no write for `idle` since it was last written
+    /// (or opened), once: sled writes its snapshot only when it opens a store, so a
+    /// later start opens it fast, and the memory its cache and tables grew to while
+    /// it took writes goes back. The newest window too, once writes pause.
+    pub(crate) fn snapshot_idle(&self, upkeep: &mut Upkeep, idle: Duration) {
         for (start, shared) in self.all_open() {
-            if Some(start) == newest || upkeep.snapshotted.contains(&start) {
+            if upkeep.snapshotted.contains(&start) {
                 continue;
             }
             let idle = upkeep
                 .last_write
                 .get(&start)
-                .is_none_or(|t| t.elapsed() >= SNAPSHOT_AFTER_IDLE);
+                .is_none_or(|t| t.elapsed() >= idle);
             if !idle {
                 continue;
             }
