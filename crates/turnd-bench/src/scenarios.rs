@@ -469,7 +469,10 @@ pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow
     let wall = start.elapsed();
     let measured = probe.finish(&d);
     let stats = cs[0].stats().await.context("stats")?;
-    let (rss_done, in_memory) = settled_rss(&d, 0, Duration::from_secs(3)).await;
+    // Idle: long enough for the store to reopen sled once writes have paused (which
+    // gives back what its cache grew to in the burst), and a few readings after.
+    let idle = turnd_store::DEFAULT_IDLE_REOPEN + Duration::from_secs(3);
+    let (rss_done, in_memory) = settled_rss(&d, 0, idle).await;
     let alloc_done = crate::measure::alloc_stats();
     close_callers(cs).await;
     workers.stop().await?;
