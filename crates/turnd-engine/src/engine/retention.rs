@@ -51,8 +51,13 @@ use super::{Engine, SessionCell};
 
 /// Turn records read per page of a sweep.
 const TURN_PAGE: usize = 512;
-/// Most turns a sweep gathers before it deletes them (and reads on).
-const SWEEP_BATCH: usize = 4096;
+/// Most turns a sweep gathers before it deletes them (and reads on). Each batch reads
+/// every session it touches from the session's first stored event value, so a
+/// smaller batch reads the same values again: with 4096, a sweep at 10,000 turns/s
+/// (100 sessions) deleted about half as many turns per second as this one and fell
+/// behind (`docs/benchmarks.md`). A batch holds about 200 bytes per turn while it is
+/// deleted.
+const SWEEP_BATCH: usize = 16384;
 /// Sessions whose expired turns a sweep deletes at the same time.
 const SESSIONS_AT_ONCE: usize = 64;
 /// Event values read per page of a session's event scan.
