@@ -851,6 +851,10 @@ struct Applier<'a> {
     upkeep: Upkeep,
     /// [`LoggedOptions::idle_reopen`].
     idle_reopen: Duration,
+    /// Size of a commit log segment, for the spare made ahead of need.
+    segment_bytes: u64,
+    /// When making the spare segment last failed (tried again after `heal_interval`).
+    spare_failed: Option<Instant>,
 }
 
 impl Applier<'_> {
@@ -1000,6 +1004,32 @@ impl Applier<'_> {
         Ok(())
     }
 
+    /// Make the commit log's next segment ahead of need when none is ready
+    /// ([`wal::prepare_spare`]); after a failure (a full disk), not again for
+    /// `heal_interval`.
+    fn keep_spare(&mut self) {
+        if self
+            .spare_failed
+            .is_some_and(|t| t.elapsed() < self.heal_interval)
+        {
+            return;
+        }
+        match wal::prepare_spare(&self.inner.log_dir, self.segment_bytes) {
+            Ok(made) => {
+                if made {
+                    tracing::debug!("made the commit log's next segment ahead of need");
+                }
+                self.spare_failed = None;
+            }
+            Err(e) => {
+                if self.spare_failed.is_none() {
+                    tracing::warn!("the commit log's next segment could not be made ahead of need (it is reserved when needed instead): {e}");
+                }
+                self.spare_failed = Some(Instant::now());
+            }
+        }
+    }
+
     fn round(&mut self, force_flush: bool) -> Result<(), StoreError> {
         let r = self.apply().and_then(|()| self.trim(force_flush));
         let mut err = self
@@ -1016,6 +1046,7 @@ impl Applier<'_> {
                     .after_group(&self.inner.sled, &self.inner.stats);
                 self.checkpoints
                     .when_idle(&self.inner.sled, &self.inner.stats, self.idle_reopen);
+                self.keep_spare();
             }
             Err(e) => {
                 let since = match err.as_ref() {
@@ -1107,6 +1138,8 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         closing: Vec::new(),
         upkeep: Upkeep::default(),
         idle_reopen: opts.idle_reopen,
+        segment_bytes: opts.segment_bytes,
+        spare_failed: None,
     };
     loop {
         // Behind (a quarter of the overlay's room used): no pause between rounds.
@@ -1893,8 +1926,13 @@ mod tests {
             commit(&kv, put(&keys::session_meta("s"), &format!("{i:0>100}"))).await;
         }
         kv.sync().expect("flush");
+        // Segments only: the spare made ahead of need is not one yet.
         let segments = std::fs::read_dir(dir.path().join("log"))
             .expect("list")
+            .filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".seg"))
+            })
             .count();
         assert!(segments <= 2, "{segments} segments left");
         let s = kv.commit_stats();
