@@ -85,11 +85,18 @@ fn pings(lines: &[String]) -> usize {
     lines.iter().filter(|l| *l == "WATCHDOG=1").count()
 }
 
-/// Submit turns `from..from + n` to session `wd` and wait until each completed.
+/// Submit turns `from..from + n`, each to a session of its own (`wd-<i>`), and wait
+/// until each completed. A new session reads nothing from sled: while sled fails,
+/// the applier closes it to open it again and, with the open failing too, reads of
+/// what sled held before (an idle session's meta, read back on its next submit)
+/// answer `unavailable`, whereas everything committed since is still in the overlay.
 async fn completed_turns(c: &Caller, from: u64, n: u64) -> anyhow::Result<Vec<(String, u64)>> {
     let mut acked = Vec::new();
     for i in from..from + n {
-        acked.push((c.submit_simple("wd", "echo", json!(i)).await?.turn_id, i));
+        let t = c
+            .submit_simple(&format!("wd-{i}"), "echo", json!(i))
+            .await?;
+        acked.push((t.turn_id, i));
     }
     for (id, _) in &acked {
         let done = c.wait_terminal(id, WAIT).await?;
