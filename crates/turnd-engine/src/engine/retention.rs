@@ -73,6 +73,12 @@ struct Expired {
     status: TurnStatus,
     idempotency_key: Option<String>,
     invocation_id: Option<String>,
+    /// Read from its folded record: the invocations folded into it. Folding deleted
+    /// the turn's own record, its input stored apart and these invocations' keys in
+    /// the same batch, so none of them is deleted again (a delete of a key that is not
+    /// there still takes a place in the commit log, the overlay and the applier's
+    /// sled work). None: a record under its own key (the earlier layout).
+    folded: Option<Vec<String>>,
 }
 
 /// What deleting one session's expired turns writes, read without its lock.
@@ -120,12 +126,20 @@ fn gather(
         let folded_phase = from.is_empty() || from.first() == Some(&b'F');
         let (page, next) = if folded_phase {
             let (page, next) = store.finished_page(&from, TURN_PAGE)?;
-            (page.into_iter().map(|f| f.turn).collect::<Vec<_>>(), next)
+            let page: Vec<_> = page
+                .into_iter()
+                .map(|f| {
+                    let folded = f.invocations.into_iter().map(|i| i.invocation_id);
+                    (f.turn, Some(folded.collect()))
+                })
+                .collect();
+            (page, next)
         } else {
-            store.turns_page(&from, TURN_PAGE)?
+            let (page, next) = store.turns_page(&from, TURN_PAGE)?;
+            (page.into_iter().map(|t| (t, None)).collect(), next)
         };
         let mut past_cutoff = false;
-        for t in page {
+        for (t, folded) in page {
             if t.created_at_ms > cutoff {
                 past_cutoff = true;
                 break;
@@ -138,6 +152,7 @@ fn gather(
                     status: t.status,
                     idempotency_key: t.idempotency_key,
                     invocation_id: t.invocation_id,
+                    folded,
                 });
             }
         }
@@ -189,21 +204,32 @@ fn total(c: &TurnCounts) -> u64 {
     c.queued + c.running + c.completed + c.failed + c.cancelled
 }
 
+/// What [`delete_turns`] found: the turns deleted, their statuses, and the
+/// invocations folded into their records (whose own keys are gone already).
+struct Deleted {
+    gone: HashSet<String>,
+    statuses: Vec<TurnStatus>,
+    folded: HashSet<String>,
+}
+
 /// The deletes of the expired turns' own keys: their records, their places in the
 /// session's turn list, their idempotency keys (while these still name them) and
-/// their last invocations. Returns the turns deleted and their statuses.
+/// their last invocations (unless folded into their records).
 fn delete_turns(
     store: &Store,
     sid: &str,
     expired: Vec<Expired>,
     b: &mut Batch,
-) -> Result<(HashSet<String>, Vec<TurnStatus>), StoreError> {
+) -> Result<Deleted, StoreError> {
     let mut gone: HashSet<String> = HashSet::new();
     let mut statuses = Vec::new();
+    let mut folded_invs: HashSet<String> = HashSet::new();
     for t in expired {
         b.delete(keys::finished(&t.turn_id));
-        b.delete(keys::turn(&t.turn_id));
-        b.delete(keys::turn_input(&t.turn_id));
+        if t.folded.is_none() {
+            b.delete(keys::turn(&t.turn_id));
+            b.delete(keys::turn_input(&t.turn_id));
+        }
         b.delete(keys::session_turn(sid, t.seq));
         if let Some(k) = &t.idempotency_key {
             if store
@@ -213,13 +239,20 @@ fn delete_turns(
                 b.delete(keys::idempotency(sid, k));
             }
         }
+        folded_invs.extend(t.folded.into_iter().flatten());
         if let Some(inv) = &t.invocation_id {
-            b.delete(keys::invocation(inv));
+            if !folded_invs.contains(inv) {
+                b.delete(keys::invocation(inv));
+            }
         }
         statuses.push(t.status);
         gone.insert(t.turn_id);
     }
-    Ok((gone, statuses))
+    Ok(Deleted {
+        gone,
+        statuses,
+        folded: folded_invs,
+    })
 }
 
 /// Read what deleting `expired` of session `sid` writes (see the module doc).
@@ -233,7 +266,11 @@ fn plan(
     counts: &TurnCounts,
 ) -> Result<Plan, StoreError> {
     let mut b = Batch::new();
-    let (gone, statuses) = delete_turns(store, sid, expired, &mut b)?;
+    let Deleted {
+        gone,
+        statuses,
+        folded,
+    } = delete_turns(store, sid, expired, &mut b)?;
     let read_all = total(counts) <= gone.len() as u64;
     let mut all_values = read_all.then(Vec::new);
 
@@ -285,7 +322,9 @@ fn plan(
             for e in &dead {
                 if e.kind == EventKind::Dispatched {
                     if let Some(inv) = e.detail.get("invocation_id").and_then(Value::as_str) {
-                        b.delete(keys::invocation(inv));
+                        if !folded.contains(inv) {
+                            b.delete(keys::invocation(inv));
+                        }
                     }
                 }
             }

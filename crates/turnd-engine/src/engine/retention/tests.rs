@@ -166,3 +166,101 @@ async fn a_sweep_deletes_expired_turns_and_forgets_empty_sessions() {
     assert!(!reused.deduplicated);
     assert_ne!(reused.turn.turn_id, old.turn.turn_id);
 }
+
+/// Every delete a sweep plans is of a key that is there: a finished turn's own
+/// record, its input stored apart and the invocations folded into its record went
+/// when it was folded, and deleting them again would only load the commit log, the
+/// overlay and the applier.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_deletes_only_keys_that_are_there() {
+    use crate::{Caller, Outbox};
+    use turnd_proto::{Delivery, HelloArgs, Outcome, RegisterArgs, ResultArgs, Role};
+    let e = engine(10_000).await;
+    let (ob, mut rx) = Outbox::new("c1".into(), 1024);
+    let hello = HelloArgs {
+        protocol: 1,
+        role: Role::Worker,
+        token: None,
+        name: None,
+        worker_id: Some("w".into()),
+        instance_id: Some("i1".into()),
+        inflight: vec![],
+        finished: vec![],
+    };
+    e.worker_hello(&hello, ob).await.expect("hello");
+    let reg = RegisterArgs {
+        function_id: "f".into(),
+        concurrency: Some(1),
+        timeout_ms: None,
+        delivery: Some(Delivery::AtLeastOnce),
+        max_attempts: None,
+    };
+    e.register("w", &reg).expect("register");
+    let worker = Caller {
+        role: Role::Worker,
+        worker_id: Some("w".into()),
+    };
+    // Three turns run to completion (each with an invocation folded into its
+    // record), one with an idempotency key, and one cancelled while queued.
+    for i in 0..3 {
+        let key = (i == 1).then_some("k");
+        e.submit(submit("s", key)).await.expect("submit");
+        let mut inv = None;
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+            while let Ok(f) = rx.try_recv() {
+                let v: serde_json::Value = serde_json::from_str(&f).expect("JSON");
+                if v["push"] == "invoke" {
+                    inv = v["invocation_id"].as_str().map(str::to_string);
+                }
+            }
+            if inv.is_some() {
+                break;
+            }
+        }
+        let invocation_id = inv.expect("the turn was dispatched");
+        e.result(
+            &worker,
+            ResultArgs {
+                invocation_id,
+                outcome: Outcome::Complete(json!({"i": i})),
+            },
+        )
+        .await
+        .expect("result");
+    }
+    let blocker = e.submit(submit("s", None)).await.expect("submit");
+    let queued = e.submit(submit("s", None)).await.expect("submit");
+    e.stop_turn(&queued.turn.turn_id, None).await.expect("stop");
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+
+    let store = &e.inner.store;
+    let cutoff = e.now_ms() - 10_000;
+    let (by_session, _) = gather(store, Store::FIRST.to_vec(), cutoff).expect("gather");
+    let expired = by_session
+        .into_values()
+        .next()
+        .expect("the session's turns");
+    assert_eq!(expired.len(), 4, "three completed and one cancelled");
+    let counts = store.session_meta("s").expect("meta").expect("meta").counts;
+    let planned = plan(store, "s", expired, cutoff, &counts).expect("plan");
+    let kv = store.kv();
+    let mut deletes = 0;
+    for op in &planned.batch.ops {
+        if let turnd_store::KvOp::Delete(k) = op {
+            deletes += 1;
+            assert!(
+                kv.get(k).expect("read").is_some(),
+                "a delete of a key that is not there: {}",
+                String::from_utf8_lossy(k)
+            );
+        }
+    }
+    assert!(
+        deletes >= 4 * 2,
+        "each turn's record and list entry at least"
+    );
+    // And the sweep itself leaves the unfinished turn and nothing of the others.
+    assert_eq!(e.sweep().await.expect("sweep"), 4);
+    assert!(store.turn(&blocker.turn.turn_id).expect("read").is_some());
+}
