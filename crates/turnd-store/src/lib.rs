@@ -267,6 +267,13 @@ pub trait Kv: Send + Sync + 'static {
     fn commit_stats(&self) -> CommitStats {
         CommitStats::default()
     }
+    /// Whether the store is behind: commits would soon wait for it (the commit log's
+    /// keys not yet in sled fill over half their room). Background writers
+    /// (retention) hold back while it is, so that they do not push the commits of
+    /// live work into that wait.
+    fn busy(&self) -> bool {
+        false
+    }
     /// Err when the store can no longer work without a restart (a thread of its own
     /// has ended); `/healthz` fails with it.
     fn health(&self) -> Result<(), String> {

@@ -1354,6 +1354,10 @@ impl Kv for LoggedKv {
         self.flush_now()
     }
 
+    fn busy(&self) -> bool {
+        self.overlay_len() > MAX_OVERLAY_KEYS / 2
+    }
+
     fn commit_stats(&self) -> CommitStats {
         let mut s = self
             .inner
@@ -1496,6 +1500,25 @@ mod tests {
             assert_eq!(kv.overlay_len(), 0);
             kv.health().expect("the applier thread is alive");
         }
+    }
+
+    /// The store is busy while more than half the overlay's room waits for sled, and
+    /// not once the applier took it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_is_busy_while_half_the_overlay_waits_for_sled() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (kv, _) = LoggedKv::open(dir.path(), slow()).expect("open");
+        assert!(!kv.busy());
+        let mut b = Batch::new();
+        for i in 0..(MAX_OVERLAY_KEYS / 2) as u64 {
+            b.put_raw(keys::event("s", i), b"v".to_vec());
+        }
+        commit(&kv, b).await;
+        assert!(!kv.busy(), "half the room is not yet behind");
+        commit(&kv, put(&keys::event("t", 0), "v")).await;
+        assert!(kv.busy(), "more than half the room waits for sled");
+        kv.sync().expect("apply");
+        assert!(!kv.busy());
     }
 
     /// Once writes pause for `idle_reopen`, sled is checkpointed (closed and opened

@@ -65,6 +65,10 @@ const EVENT_PAGE: usize = 64;
 /// Times the lock-free check of a session's new events is repeated before it is done
 /// under the lock.
 const RECHECKS: usize = 4;
+/// Longest a sweep holds back one session's deletes while the store is behind
+/// ([`turnd_store::Kv::busy`]), so that under a load that keeps it behind the sweep
+/// still moves on.
+const HOLD_BACK_MAX: Duration = Duration::from_millis(20);
 
 /// A terminal turn to delete, as the sweep read it.
 struct Expired {
@@ -435,6 +439,7 @@ impl Engine {
                         join(r);
                     }
                 }
+                self.hold_back().await;
                 let engine = self.clone();
                 running.spawn(async move { engine.expire(&sid, turns, cutoff).await });
             }
@@ -461,6 +466,15 @@ impl Engine {
             tracing::debug!("dropped the time window starting at {start}");
         }
         Ok(deleted)
+    }
+
+    /// Wait while the store is behind, at most [`HOLD_BACK_MAX`]: retention's deletes
+    /// then wait rather than fill the room that live commits need.
+    async fn hold_back(&self) {
+        let until = tokio::time::Instant::now() + HOLD_BACK_MAX;
+        while self.inner.store.kv().busy() && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 
     /// Delete the expired turns of one session (see the module doc).
