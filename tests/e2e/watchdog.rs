@@ -85,18 +85,11 @@ fn pings(lines: &[String]) -> usize {
     lines.iter().filter(|l| *l == "WATCHDOG=1").count()
 }
 
-/// Submit turns `from..from + n`, each to a session of its own (`wd-<i>`), and wait
-/// until each completed. A new session reads nothing from sled: while sled fails,
-/// the applier closes it to open it again and, with the open failing too, reads of
-/// what sled held before (an idle session's meta, read back on its next submit)
-/// answer `unavailable`, whereas everything committed since is still in the overlay.
+/// Submit turns `from..from + n` to session `wd` and wait until each completed.
 async fn completed_turns(c: &Caller, from: u64, n: u64) -> anyhow::Result<Vec<(String, u64)>> {
     let mut acked = Vec::new();
     for i in from..from + n {
-        let t = c
-            .submit_simple(&format!("wd-{i}"), "echo", json!(i))
-            .await?;
-        acked.push((t.turn_id, i));
+        acked.push((c.submit_simple("wd", "echo", json!(i)).await?.turn_id, i));
     }
     for (id, _) in &acked {
         let done = c.wait_terminal(id, WAIT).await?;
@@ -143,10 +136,20 @@ async fn the_watchdog_is_pinged_while_the_store_is_healthy_and_no_longer_once_it
 
     let w = echo_worker(&d.url, "w-wd", 8).await;
     let c = Caller::connect(&d.url, None).await?;
-    let mut acked = completed_turns(&c, 0, 5).await?;
+    let acked = completed_turns(&c, 0, 5).await?;
     // sled's writes fail from here on; the commit log still takes every commit.
+    // While they fail the applier closes sled to open it again, and with that open
+    // failing too, reads of what sled held answer `unavailable`. So what is written
+    // now needs no read: turns for a function nobody serves, each in a session of
+    // its own (a new session reads nothing), acknowledged once in the commit log.
     std::fs::write(flags.join("fail-db-writes"), b"")?;
-    acked.extend(completed_turns(&c, 100, 5).await?);
+    let mut queued = Vec::new();
+    for i in 100..105u64 {
+        let t = c
+            .submit_simple(&format!("wd-{i}"), "nobody", json!(i))
+            .await?;
+        queued.push((t.turn_id, i));
+    }
     let (_, why) = turnd_tests::eventually(20, "/healthz 503 while sled fails", || async {
         http_get(&d.admin, "/healthz")
             .await
@@ -177,6 +180,11 @@ async fn the_watchdog_is_pinged_while_the_store_is_healthy_and_no_longer_once_it
         let t = c.get(id).await?;
         assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
         assert_eq!(t.output, Some(json!(i)), "{t:?}");
+    }
+    for (id, i) in &queued {
+        let t = c.get(id).await?;
+        assert_eq!(t.status, TurnStatus::Queued, "{t:?}");
+        assert_eq!(t.input, json!(i), "{t:?}");
     }
     let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
     let v = op.store_check().await?;
