@@ -21,7 +21,7 @@ use std::time::Duration;
 use serde_json::json;
 use turnd_client::turnd_proto::{ErrorCode, ListArgs, TurnStatus};
 use turnd_client::{Caller, ClientError, WorkerHandle};
-use turnd_tests::{echo_worker, faultfs_lib, http_get, metric, BinDaemon};
+use turnd_tests::{echo_turns, echo_worker, faultfs_lib, http_get, metric, BinDaemon};
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -30,19 +30,6 @@ fn refused(r: Result<impl std::fmt::Debug, ClientError>, what: &str) {
         Err(e) => assert_eq!(e.code(), Some(ErrorCode::Unavailable), "{what}: {e}"),
         Ok(v) => panic!("{what}: accepted ({v:?}) while the store cannot make it durable"),
     }
-}
-
-async fn run_turns(c: &Caller, from: u64, n: u64) -> anyhow::Result<Vec<(String, u64)>> {
-    let mut acked = Vec::new();
-    for i in from..from + n {
-        let t = c.submit_simple("disk", "echo", json!(i)).await?;
-        acked.push((t.turn_id, i));
-    }
-    for (id, _) in &acked {
-        let done = c.wait_terminal(id, WAIT).await?;
-        assert_eq!(done.status, TurnStatus::Completed, "{done:?}");
-    }
-    Ok(acked)
 }
 
 /// How often the test daemon's commit log tries to repair itself.
@@ -69,7 +56,7 @@ async fn acknowledged_turns_survive(flag: &str) -> anyhow::Result<()> {
     .await?;
     let w = echo_worker(&d.url, "w-disk", 8).await;
     let c = Caller::connect(&d.url, None).await?;
-    let mut acked = run_turns(&c, 0, 5).await?;
+    let mut acked = echo_turns(&c, "disk", 0, 5).await?;
     assert_eq!(http_get(&d.admin, "/readyz").await?.0, 200);
 
     std::fs::write(flags.join(flag), b"")?;
@@ -98,7 +85,7 @@ async fn acknowledged_turns_survive(flag: &str) -> anyhow::Result<()> {
     let done = c.wait_terminal(&first.turn_id, WAIT).await?;
     assert_eq!(done.status, TurnStatus::Completed, "{done:?}");
     acked.push((first.turn_id, 50));
-    acked.extend(run_turns(&c, 100, 3).await?);
+    acked.extend(echo_turns(&c, "disk", 100, 3).await?);
     turnd_tests::eventually(5, "/readyz 200 after the repair", || async {
         matches!(http_get(&d.admin, "/readyz").await, Ok((200, _))).then_some(())
     })
@@ -132,7 +119,7 @@ async fn acknowledged_turns_survive(flag: &str) -> anyhow::Result<()> {
     let v = op.store_check().await?;
     assert!(v.is_empty(), "store.check after the restart: {v:?}");
     let w = echo_worker(&d.url, "w-disk", 8).await;
-    run_turns(&c, 200, 3).await?;
+    echo_turns(&c, "disk", 200, 3).await?;
     w.shutdown();
     stop(d).await
 }
@@ -173,7 +160,7 @@ async fn the_fault_library_without_flags_changes_nothing() -> anyhow::Result<()>
     .await?;
     let w: WorkerHandle = echo_worker(&d.url, "w-disk", 8).await;
     let c = Caller::connect(&d.url, None).await?;
-    run_turns(&c, 0, 5).await?;
+    echo_turns(&c, "disk", 0, 5).await?;
     w.shutdown();
     stop(d).await
 }

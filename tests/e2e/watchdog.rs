@@ -24,7 +24,7 @@ use serde_json::json;
 use tokio::net::UnixDatagram;
 use turnd_client::turnd_proto::TurnStatus;
 use turnd_client::Caller;
-use turnd_tests::{echo_worker, faultfs_lib, http_get, BinDaemon};
+use turnd_tests::{echo_turns, echo_worker, faultfs_lib, http_get, BinDaemon};
 
 /// `WATCHDOG_USEC` of the test daemons: pings every 200 ms.
 const WATCHDOG_USEC: &str = "400000";
@@ -85,19 +85,6 @@ fn pings(lines: &[String]) -> usize {
     lines.iter().filter(|l| *l == "WATCHDOG=1").count()
 }
 
-/// Submit turns `from..from + n` to session `wd` and wait until each completed.
-async fn completed_turns(c: &Caller, from: u64, n: u64) -> anyhow::Result<Vec<(String, u64)>> {
-    let mut acked = Vec::new();
-    for i in from..from + n {
-        acked.push((c.submit_simple("wd", "echo", json!(i)).await?.turn_id, i));
-    }
-    for (id, _) in &acked {
-        let done = c.wait_terminal(id, WAIT).await?;
-        assert_eq!(done.status, TurnStatus::Completed, "{done:?}");
-    }
-    Ok(acked)
-}
-
 /// Pinged while healthy; once sled keeps failing while the disk takes writes,
 /// `/healthz` fails, `STATUS=` says why and the pings stop; after `SIGKILL` (what
 /// systemd's watchdog does, with `SIGABRT`) and a start on the same data directory,
@@ -136,7 +123,7 @@ async fn the_watchdog_is_pinged_while_the_store_is_healthy_and_no_longer_once_it
 
     let w = echo_worker(&d.url, "w-wd", 8).await;
     let c = Caller::connect(&d.url, None).await?;
-    let acked = completed_turns(&c, 0, 5).await?;
+    let acked = echo_turns(&c, "wd", 0, 5).await?;
     // sled's writes fail from here on; the commit log still takes every commit.
     // While they fail the applier closes sled to open it again, and with that open
     // failing too, reads of what sled held answer `unavailable`. So what is written

@@ -148,6 +148,27 @@ pub fn event_kinds(events: &[Event], turn_id: &str) -> Vec<EventKind> {
         .collect()
 }
 
+/// Submit turns `from..from + n` (input: the number) to `session` for `echo` (see
+/// [`echo_worker`]), then wait until each completed (at most 15 s each). Returns
+/// each acknowledged turn's id with its number.
+pub async fn echo_turns(
+    c: &Caller,
+    session: &str,
+    from: u64,
+    n: u64,
+) -> anyhow::Result<Vec<(String, u64)>> {
+    let mut acked = Vec::new();
+    for i in from..from + n {
+        let t = c.submit_simple(session, "echo", json!(i)).await?;
+        acked.push((t.turn_id, i));
+    }
+    for (id, _) in &acked {
+        let done = c.wait_terminal(id, Duration::from_secs(15)).await?;
+        assert_eq!(done.status, turnd_proto::TurnStatus::Completed, "{done:?}");
+    }
+    Ok(acked)
+}
+
 /// Wait until the turn is terminal (at most `secs`).
 pub async fn wait_done(c: &Caller, turn_id: &str, secs: u64) -> anyhow::Result<Turn> {
     Ok(c.wait_terminal(turn_id, Duration::from_secs(secs)).await?)

@@ -300,42 +300,24 @@ impl CommitLog {
     /// `fallocate`.
     fn create(dir: &Path, first_lsn: u64, bytes: u64) -> Result<(Segment, File, u64), StoreError> {
         let path = dir.join(segment_name(first_lsn));
-        if let Some(file) = take_spare(dir, &path, bytes) {
-            if let Err(e) = sync_dir(dir) {
+        let made = match take_spare(dir, &path, bytes) {
+            Some(file) => Ok((file, bytes)),
+            None => reserve(&path, bytes.max(1)),
+        };
+        match made.and_then(|made| sync_dir(dir).map(|()| made)) {
+            Ok((file, allocated)) => Ok((Segment { first_lsn, path }, file, allocated)),
+            Err(e) => {
+                // Nothing was written to it: remove it, so the next try starts clean.
                 if let Err(rm) = std::fs::remove_file(&path) {
-                    tracing::warn!(
-                        "failed to remove the segment {path:?} that could not be made: {rm}"
-                    );
+                    if rm.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(
+                            "failed to remove the segment {path:?} that could not be made: {rm}"
+                        );
+                    }
                 }
-                return Err(e);
+                Err(e)
             }
-            return Ok((Segment { first_lsn, path }, file, bytes));
         }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(|e| io(&format!("create {path:?}"), e))?;
-        let allocated = bytes.max(1);
-        let prealloc =
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, allocated)
-                .map_err(|e| io("preallocate a segment", std::io::Error::from(e)));
-        let synced = prealloc.and_then(|()| {
-            file.sync_all()
-                .map_err(|e| StoreError::io(IoOp::Sync, "commit log: fsync a new segment", &e))
-        });
-        if let Err(e) = synced.and_then(|()| sync_dir(dir)) {
-            // Nothing was written to it: remove it, so the next try starts clean.
-            if let Err(rm) = std::fs::remove_file(&path) {
-                tracing::warn!(
-                    "failed to remove the segment {path:?} that could not be created: {rm}"
-                );
-            }
-            return Err(e);
-        }
-        Ok((Segment { first_lsn, path }, file, allocated))
     }
 
     /// The lsn the next appended record gets.
@@ -526,6 +508,22 @@ pub fn prepare_spare(dir: &Path, bytes: u64) -> Result<bool, StoreError> {
         return Err(io("make a spare segment", e));
     }
     Ok(true)
+}
+
+/// A new file at `path` of `bytes` reserved with `fallocate`, and synced.
+fn reserve(path: &Path, bytes: u64) -> Result<(File, u64), StoreError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| io(&format!("create {path:?}"), e))?;
+    rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, bytes)
+        .map_err(|e| io("preallocate a segment", std::io::Error::from(e)))?;
+    file.sync_all()
+        .map_err(|e| StoreError::io(IoOp::Sync, "commit log: fsync a new segment", &e))?;
+    Ok((file, bytes))
 }
 
 /// The spare renamed to `path` and opened, when one of `bytes` is ready.
