@@ -227,13 +227,13 @@ pub fn fmt_commits(c: &CommitStats) -> String {
         return "0 commits".into();
     }
     let mut s = format!(
-        "{} group commits / {} batches (avg {:.1} per group, max {}) / per group {:.0} µs encoding + {:.0} µs writing and fdatasync of the commit log",
+        "{} group commits / {} batches (avg {:.1} per group, max {}) / per group {:.0} µs framing, writing and fdatasync of the commit log + {:.0} µs putting its writes in the overlay",
         c.syncs,
         c.batches,
         c.batches as f64 / c.syncs as f64,
         c.max_group,
-        c.commit_micros.saturating_sub(c.sync_micros) as f64 / c.syncs as f64,
-        c.sync_micros as f64 / c.syncs as f64
+        c.sync_micros as f64 / c.syncs as f64,
+        c.commit_micros.saturating_sub(c.sync_micros) as f64 / c.syncs as f64
     );
     if c.applies > 0 {
         s.push_str(&format!(

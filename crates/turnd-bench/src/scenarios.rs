@@ -68,9 +68,9 @@ impl Probe {
         let sync = commits.sync_micros as f64 / 1e6 / secs;
         let load = |l: Option<f64>| l.map(|l| format!("{l:.1}")).unwrap_or_else(|| "?".into());
         let notes = format!(
-            "store writer busy {:.0}% of the wall time applying batches and {:.0}% in flush + fdatasync; {}; {}; machine load average {} at start, {} at end (2 cores, shared)",
-            apply * 100.0,
+            "log writer busy {:.0}% of the wall time writing and syncing the commit log and {:.0}% putting groups in the overlay; {}; {}; machine load average {} at start, {} at end (2 cores, shared)",
             sync * 100.0,
+            apply * 100.0,
             kv.describe(),
             threads,
             load(self.load),
