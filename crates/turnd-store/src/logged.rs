@@ -738,23 +738,61 @@ const GATHER_FROM: usize = 4;
 /// The longest a group waits for more batches.
 const GATHER_MAX: Duration = Duration::from_millis(1);
 
+/// A sleep that grew the group by less than this share on average (batches it
+/// brought, against those taken before it) is not worth its wait.
+const GATHER_GAIN_MIN: f64 = 0.5;
+/// While sleeping does not pay, every this many large groups sleeps once anyway, to
+/// notice when it pays again.
+const GATHER_PROBE_EVERY: u32 = 16;
+
+/// What the committer knows of its earlier gathers.
+struct Gather {
+    /// How much a sleep grew the group (batches it brought over those taken before
+    /// it), as a running mean (each sleep weighs half).
+    gain: f64,
+    /// Large groups since the last sleep, while sleeping does not pay.
+    skipped: u32,
+}
+
+impl Gather {
+    fn new() -> Gather {
+        Gather {
+            gain: GATHER_GAIN_MIN,
+            skipped: 0,
+        }
+    }
+}
+
 /// When the previous group had [`GATHER_FROM`] batches or more (many committers at
 /// once), sleep for as long as the previous group's write and sync took (at most
 /// [`GATHER_MAX`]) and then take every batch queued meanwhile. Under load this makes
 /// fewer, larger groups, each one `fdatasync`. The thread sleeps rather than waits
 /// on the queue: a wait would be woken by every batch that arrives (a futex wake for
 /// the committing task and a context switch for this thread, each time), a sleep
-/// costs one wake-up however many arrive. A lone committer (groups of one, as in a
-/// sequential client) never waits.
+/// costs one wake-up however many arrive.
+///
+/// A sleep pays only while committers outside the group are about to commit. When a
+/// handful of committers are all in the group (a few sessions in a closed loop),
+/// none arrives during it and it only delays them; so once sleeps grow groups by
+/// less than [`GATHER_GAIN_MIN`] on average, only every [`GATHER_PROBE_EVERY`]th
+/// large group sleeps. A lone committer (groups of one, as in a sequential client) never
+/// waits. Returns whether it slept.
 fn gather(
     rx: &mpsc::Receiver<LogJob>,
     jobs: &mut Vec<LogJob>,
     last_group: usize,
     last_sync: Duration,
-) {
+    g: &mut Gather,
+) -> bool {
     if last_group < GATHER_FROM || jobs.len() >= MAX_GROUP {
-        return;
+        return false;
     }
+    if g.gain < GATHER_GAIN_MIN && g.skipped + 1 < GATHER_PROBE_EVERY {
+        g.skipped += 1;
+        return false;
+    }
+    g.skipped = 0;
+    let before = jobs.len();
     std::thread::sleep(last_sync.min(GATHER_MAX));
     while jobs.len() < MAX_GROUP {
         match rx.try_recv() {
@@ -762,6 +800,8 @@ fn gather(
             Err(_) => break,
         }
     }
+    g.gain = (g.gain + (jobs.len() - before) as f64 / before.max(1) as f64) / 2.0;
+    true
 }
 
 fn committer_loop(
@@ -775,6 +815,7 @@ fn committer_loop(
     // Size of the previous group and how long its write and sync took.
     let mut last_group = 0usize;
     let mut last_sync = Duration::ZERO;
+    let mut gathered = Gather::new();
     while let Ok(first) = rx.recv() {
         let room = wait_for_room(inner, nudge, opts.heal_interval.saturating_mul(5));
         let mut jobs = vec![first];
@@ -784,7 +825,7 @@ fn committer_loop(
                 Err(_) => break,
             }
         }
-        gather(&rx, &mut jobs, last_group, last_sync);
+        gather(&rx, &mut jobs, last_group, last_sync, &mut gathered);
         last_group = jobs.len();
         if let Err(e) = room {
             tracing::error!("refused a group of {} batches: {e}", jobs.len());
@@ -1455,20 +1496,68 @@ mod tests {
         // After a small group nothing more is taken, however much is queued.
         let (_tx, rx) = queued(6);
         let mut jobs = vec![rx.recv().expect("first")];
-        gather(&rx, &mut jobs, GATHER_FROM - 1, sync);
+        assert!(!gather(
+            &rx,
+            &mut jobs,
+            GATHER_FROM - 1,
+            sync,
+            &mut Gather::new()
+        ));
         assert_eq!(jobs.len(), 1);
         // After a large one, the group sleeps first and then takes everything
         // queued.
         let (_tx, rx) = queued(3);
         let mut jobs = vec![rx.recv().expect("first")];
         let t = Instant::now();
-        gather(&rx, &mut jobs, 8, sync);
+        assert!(gather(&rx, &mut jobs, 8, sync, &mut Gather::new()));
         assert_eq!(jobs.len(), 3);
         assert!(t.elapsed() >= GATHER_MAX, "waited {:?}", t.elapsed());
         assert!(
             t.elapsed() < Duration::from_secs(2),
             "waited {:?}",
             t.elapsed()
+        );
+    }
+
+    /// Sleeps that bring nothing (every committer already in the group) stop, but
+    /// for one in `GATHER_PROBE_EVERY` large groups; one that brings batches again
+    /// makes the next group sleep too.
+    #[test]
+    fn a_group_stops_sleeping_when_sleeps_bring_nothing() {
+        let sync = Duration::from_micros(50);
+        let mut g = Gather::new();
+        let (tx, rx) = queued(0);
+        let mut slept = Vec::new();
+        for _ in 0..GATHER_PROBE_EVERY * 2 + 1 {
+            let mut jobs = Vec::new();
+            slept.push(gather(&rx, &mut jobs, 8, sync, &mut g));
+            assert!(jobs.is_empty());
+        }
+        let probe = GATHER_PROBE_EVERY as usize;
+        let sleeps: Vec<usize> = (0..slept.len()).filter(|i| slept[*i]).collect();
+        assert_eq!(sleeps, vec![0, probe, probe * 2], "{slept:?}");
+        // A probe that doubles its group: the next large group sleeps again.
+        for _ in 0..probe - 1 {
+            assert!(!gather(&rx, &mut Vec::new(), 8, sync, &mut g));
+        }
+        let (_, mut jobs) = {
+            let (tx2, rx2) = queued(2);
+            (
+                tx2,
+                vec![rx2.recv().expect("first"), rx2.recv().expect("second")],
+            )
+        };
+        for i in 0..4 {
+            let mut b = Batch::new();
+            b.put_raw(format!("k{i}").into_bytes(), b"v".to_vec());
+            let (reply, _) = tokio::sync::oneshot::channel();
+            tx.send(LogJob::new(b, reply)).expect("queue");
+        }
+        assert!(gather(&rx, &mut jobs, 8, sync, &mut g), "the probe");
+        assert_eq!(jobs.len(), 6);
+        assert!(
+            gather(&rx, &mut Vec::new(), 8, sync, &mut g),
+            "after a paying probe"
         );
     }
 
