@@ -368,10 +368,10 @@ fn apply_routed<'a>(
     type Op<'b> = (&'b [u8], Option<&'b [u8]>);
     let mut main: Vec<Op<'a>> = Vec::new();
     let mut to_windows: BTreeMap<u64, Vec<Op<'a>>> = BTreeMap::new();
-    let mut dropped: Vec<(Vec<u8>, u64)> = Vec::new();
+    let mut dropped: Vec<(&'a [u8], u64)> = Vec::new();
     for (k, lsn, v) in entries {
         if k.first() == Some(&b'W') && v.is_some() {
-            dropped.push((k.to_vec(), lsn));
+            dropped.push((k, lsn));
             continue;
         }
         match wins.route(k) {
@@ -396,7 +396,7 @@ fn apply_routed<'a>(
             dropped
                 .iter()
                 .zip(&values)
-                .map(|((k, _), v)| (k.as_slice(), Some(&v[..]))),
+                .map(|((k, _), v)| (*k, Some(&v[..]))),
             None,
         )?;
     }
@@ -794,14 +794,19 @@ fn gather(
     g.skipped = 0;
     let before = jobs.len();
     std::thread::sleep(last_sync.min(GATHER_MAX));
+    take_queued(rx, jobs);
+    g.gain = (g.gain + (jobs.len() - before) as f64 / before.max(1) as f64) / 2.0;
+    true
+}
+
+/// Take every queued batch, up to [`MAX_GROUP`] in the group.
+fn take_queued(rx: &mpsc::Receiver<LogJob>, jobs: &mut Vec<LogJob>) {
     while jobs.len() < MAX_GROUP {
         match rx.try_recv() {
             Ok(j) => jobs.push(j),
             Err(_) => break,
         }
     }
-    g.gain = (g.gain + (jobs.len() - before) as f64 / before.max(1) as f64) / 2.0;
-    true
 }
 
 fn committer_loop(
@@ -819,12 +824,7 @@ fn committer_loop(
     while let Ok(first) = rx.recv() {
         let room = wait_for_room(inner, nudge, opts.heal_interval.saturating_mul(5));
         let mut jobs = vec![first];
-        while jobs.len() < MAX_GROUP {
-            match rx.try_recv() {
-                Ok(j) => jobs.push(j),
-                Err(_) => break,
-            }
-        }
+        take_queued(&rx, &mut jobs);
         gather(&rx, &mut jobs, last_group, last_sync, &mut gathered);
         last_group = jobs.len();
         if let Err(e) = room {
@@ -1478,15 +1478,20 @@ mod tests {
     use super::*;
     use crate::keys;
 
-    /// `n` jobs queued on a fresh channel (their answers are dropped).
-    fn queued(n: usize) -> (mpsc::Sender<LogJob>, mpsc::Receiver<LogJob>) {
-        let (tx, rx) = mpsc::channel();
+    /// Queue `n` jobs (their answers are dropped).
+    fn send_jobs(tx: &mpsc::Sender<LogJob>, n: usize) {
         for i in 0..n {
             let mut b = Batch::new();
             b.put_raw(format!("k{i}").into_bytes(), b"v".to_vec());
             let (reply, _) = tokio::sync::oneshot::channel();
             tx.send(LogJob::new(b, reply)).expect("queue");
         }
+    }
+
+    /// `n` jobs queued on a fresh channel.
+    fn queued(n: usize) -> (mpsc::Sender<LogJob>, mpsc::Receiver<LogJob>) {
+        let (tx, rx) = mpsc::channel();
+        send_jobs(&tx, n);
         (tx, rx)
     }
 
@@ -1540,19 +1545,9 @@ mod tests {
         for _ in 0..probe - 1 {
             assert!(!gather(&rx, &mut Vec::new(), 8, sync, &mut g));
         }
-        let (_, mut jobs) = {
-            let (tx2, rx2) = queued(2);
-            (
-                tx2,
-                vec![rx2.recv().expect("first"), rx2.recv().expect("second")],
-            )
-        };
-        for i in 0..4 {
-            let mut b = Batch::new();
-            b.put_raw(format!("k{i}").into_bytes(), b"v".to_vec());
-            let (reply, _) = tokio::sync::oneshot::channel();
-            tx.send(LogJob::new(b, reply)).expect("queue");
-        }
+        send_jobs(&tx, 2);
+        let mut jobs = vec![rx.recv().expect("first"), rx.recv().expect("second")];
+        send_jobs(&tx, 4);
         assert!(gather(&rx, &mut jobs, 8, sync, &mut g), "the probe");
         assert_eq!(jobs.len(), 6);
         assert!(

@@ -308,13 +308,7 @@ impl CommitLog {
             Ok((file, allocated)) => Ok((Segment { first_lsn, path }, file, allocated)),
             Err(e) => {
                 // Nothing was written to it: remove it, so the next try starts clean.
-                if let Err(rm) = std::fs::remove_file(&path) {
-                    if rm.kind() != std::io::ErrorKind::NotFound {
-                        tracing::warn!(
-                            "failed to remove the segment {path:?} that could not be made: {rm}"
-                        );
-                    }
-                }
+                remove_if_there(&path);
                 Err(e)
             }
         }
@@ -500,14 +494,20 @@ pub fn prepare_spare(dir: &Path, bytes: u64) -> Result<bool, StoreError> {
         })
         .and_then(|()| std::fs::rename(&tmp, &spare));
     if let Err(e) = made {
-        if let Err(rm) = std::fs::remove_file(&tmp) {
-            if rm.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!("failed to remove {tmp:?}: {rm}");
-            }
-        }
+        remove_if_there(&tmp);
         return Err(io("make a spare segment", e));
     }
     Ok(true)
+}
+
+/// Remove a file a failed step left behind, if it is there (a failure to is logged:
+/// the step's own error is what the caller reports).
+fn remove_if_there(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!("failed to remove {path:?}: {e}");
+        }
+    }
 }
 
 /// A new file at `path` of `bytes` reserved with `fallocate`, and synced.
@@ -544,9 +544,7 @@ fn take_spare(dir: &Path, path: &Path, bytes: u64) -> Option<File> {
         Ok(f) => Some(f),
         Err(e) => {
             tracing::debug!("the spare segment could not be opened: {e}");
-            if let Err(rm) = std::fs::remove_file(path) {
-                tracing::warn!("failed to remove {path:?}: {rm}");
-            }
+            remove_if_there(path);
             None
         }
     }
