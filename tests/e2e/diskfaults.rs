@@ -252,9 +252,18 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
         .lock()
         .map_err(|_| anyhow::anyhow!("poisoned"))?
         .clone();
-    // Every acknowledged turn completes, without a restart.
+    // Every acknowledged turn completes, without a restart. Until sled is opened again
+    // (within the heal interval once the disk takes writes) a read that reaches it
+    // may be refused as `unavailable`, which is retryable; an acknowledged turn is
+    // never missing.
     for (_, id, _) in &acked {
-        let done = c.wait_terminal(id, WAIT).await?;
+        let done = turnd_tests::eventually(15, "the acknowledged turn read back", || async {
+            match c.wait_terminal(id, WAIT).await {
+                Err(e) if e.code() == Some(ErrorCode::Unavailable) => None,
+                other => Some(other),
+            }
+        })
+        .await??;
         assert_eq!(done.status, TurnStatus::Completed, "{done:?}");
     }
     // sled, which refuses every write after a failed one until it is opened again,

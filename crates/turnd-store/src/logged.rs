@@ -892,6 +892,9 @@ struct Applier<'a> {
     inner: &'a Inner,
     checkpoints: Checkpoints,
     applied: u64,
+    /// The applied mark when sled's files were last synced: sled holds at least
+    /// this much whatever happens to its handle.
+    synced: u64,
     /// When sled was last opened again after failing (see [`Applier::repair`]).
     last_repair: Option<Instant>,
     heal_interval: Duration,
@@ -1035,6 +1038,7 @@ impl Applier<'_> {
             // durable, then delete the windows' directories.
             let sled = &self.inner.sled;
             sled.with(|h| sled.sync_files(h))?;
+            self.synced = self.applied;
             // A deletion that fails is tried again after the next round.
             let mut failed = None;
             for (start, w) in std::mem::take(&mut self.closing) {
@@ -1055,6 +1059,7 @@ impl Applier<'_> {
         }
         let sled = &self.inner.sled;
         sled.with(|h| sled.sync_files(h))?;
+        self.synced = self.applied;
         let n = wal::trim_before(&self.inner.log_dir, &self.inner.closed, self.applied)?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.log_trims += n as u64;
@@ -1142,12 +1147,15 @@ impl Applier<'_> {
         r
     }
 
-    /// After a failed write sled refuses every later one until it is opened again:
-    /// open it again, then write to it what the commit log holds past the mark sled
-    /// recovered (what the failed handle held only in memory is gone with it; the
-    /// log is trimmed only past what sled synced, so it still has all of that).
-    /// Returns the records written again (None: the disk still refuses a write, and
-    /// sled was left as it is). The next round applies the overlay.
+    /// After a failed write sled refuses every later one until it is opened again,
+    /// and what its handle held only in memory is gone with it (the same for the
+    /// windows, written in the same rounds). So first the commit log's records past
+    /// what sled surely has (the mark at its last sync: the log is trimmed only past
+    /// that) go back into the overlay, where they were not written again since:
+    /// reads find them there while sled is opened again, and the next round writes
+    /// them to sled again. Then sled and every window are opened again. Returns the
+    /// records read back (None: the disk still refuses a write, and sled was left as
+    /// it is).
     fn repair(&mut self) -> Result<Option<usize>, StoreError> {
         let sled = &self.inner.sled;
         // Closing sled while the disk still fails would leave reads without a store
@@ -1156,33 +1164,33 @@ impl Applier<'_> {
             tracing::debug!("sled not opened again: {e}");
             return Ok(None);
         }
-        sled.reopen_after_failure()?;
-        // The windows were written in the same rounds and refuse writes the same way.
-        for (_, w) in self.inner.windows.all_open() {
-            w.reopen_after_failure()?;
-        }
-        let mark = applied_mark(sled)?;
         let upto = self
             .inner
             .overlay
             .read()
             .map_err(|_| lock_err("overlay"))?
             .committed;
-        if upto <= mark {
-            return Ok(Some(0));
-        }
-        let records = wal::read_range(&self.inner.log_dir, mark, upto)?;
+        let records = wal::read_range(&self.inner.log_dir, self.synced, upto)?;
         let map = coalesce(&records)?;
-        let (_, written) = apply_routed(
-            sled,
-            &self.inner.windows,
-            map.iter()
-                .map(|(k, (l, v))| (k.as_slice(), *l, v.as_deref())),
-        )?;
-        sync_windows(&self.inner.windows, &written)?;
-        apply_to_sled(sled, std::iter::empty(), Some(upto))?;
-        // The next round writes the overlay (values at least as new) again.
-        self.applied = mark;
+        {
+            let mut o = self
+                .inner
+                .overlay
+                .write()
+                .map_err(|_| lock_err("overlay"))?;
+            for (k, (lsn, value)) in map {
+                // A key in the overlay already holds its newest value.
+                o.map
+                    .entry(OKey::from_vec(k))
+                    .or_insert(Pending { lsn, value });
+            }
+        }
+        sled.reopen_after_failure()?;
+        for (_, w) in self.inner.windows.all_open() {
+            w.reopen_after_failure()?;
+        }
+        // The next round writes the overlay, and the mark after it.
+        self.applied = self.synced.min(applied_mark(sled)?);
         Ok(Some(records.len()))
     }
 }
@@ -1192,6 +1200,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         inner,
         checkpoints: Checkpoints::new(&opts.sled),
         applied,
+        synced: applied,
         last_repair: None,
         heal_interval: opts.heal_interval,
         closing: Vec::new(),
