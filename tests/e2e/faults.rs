@@ -428,18 +428,29 @@ async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
             keys::turn(&rec2.turn_id),
             serde_json::to_vec(&rec2).expect("json"),
         );
-        b.delete(keys::event("bad", 1));
-        // The meta says the first unfinished turn is the second one (now failed), so
-        // recovery would skip the first.
         let mut meta = store
             .session_meta("bad")
             .ok()
             .flatten()
             .expect("meta stored");
+        // The first event goes (keys as stored: with their routes).
+        let (values, _) = store
+            .event_values_page(meta.keys(), None, 1)
+            .expect("events");
+        let (first, _) = values.into_iter().next().expect("an event value");
+        b.delete(first);
+        // The third, still queued, drops out of its session's turn list.
+        let third = store
+            .list_entries(meta.keys(), 3, 4, false, 1)
+            .expect("list")
+            .into_iter()
+            .next()
+            .expect("listed");
+        b.delete(third.0);
+        // The meta says the first unfinished turn is the second one (now failed), so
+        // recovery would skip the first.
         meta.active_from = Some(2);
         b.put_session_meta(&meta);
-        // The third, still queued, drops out of its session's turn list.
-        b.delete(keys::session_turn("bad", 3));
         b
     })
     .await?;

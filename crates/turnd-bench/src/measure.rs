@@ -219,6 +219,9 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         overlay_keys: after.overlay_keys,
         log_segments: after.log_segments,
         log_trims: after.log_trims.saturating_sub(before.log_trims),
+        window_leftovers: after
+            .window_leftovers
+            .saturating_sub(before.window_leftovers),
     }
 }
 

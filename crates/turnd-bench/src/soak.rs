@@ -114,6 +114,9 @@ async fn store_metrics(admin: &str) -> String {
         "turnd_storage_unapplied_keys",
         "turnd_storage_log_segments",
         "turnd_retention_deleted_turns_total",
+        "turnd_storage_window_leftover_keys_total",
+        "turnd_storage_apply_seconds_total",
+        "turnd_storage_applied_keys_total",
     ];
     body.lines()
         .filter(|l| pick.iter().any(|p| l.starts_with(p)))

@@ -333,6 +333,8 @@ impl Tx {
         if let Some((key, rec)) = &self.idempotency {
             b.put_idempotency(&self.meta.session_id, key, rec);
         }
+        // Reads of the session look for its routed keys from here on.
+        self.meta.routed_at(b.routed_from());
         b.put_session_meta(&self.meta);
         b
     }

@@ -417,4 +417,10 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "Files of the commit log",
         cs.log_segments as i64,
     );
+    counter(
+        reg,
+        "storage_window_leftover_keys",
+        "Keys a dropped time window still held, moved to the main database instead of going with the window",
+        cs.window_leftovers,
+    );
 }

@@ -3,9 +3,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use turnd_proto::{TurnStatus, Violation};
+use turnd_proto::{Event, TurnStatus, Violation};
 
-use crate::{keys, FoldedTurn, InvState, InvocationRecord, Phase, Store, StoreError, TurnRecord};
+use crate::{
+    keys, windows, FoldedTurn, InvState, InvocationRecord, Phase, SessionKeys, SessionMeta, Store,
+    StoreError, TurnRecord,
+};
 
 fn violation(invariant: &str, t: Option<&TurnRecord>, session: &str, detail: String) -> Violation {
     Violation {
@@ -27,7 +30,7 @@ fn counts_agree_now(store: &Store, session_id: &str) -> Result<bool, StoreError>
             return Ok(true);
         };
         let mut have = turnd_proto::TurnCounts::default();
-        for (_, id) in store.session_turn_ids(session_id, u64::MAX, usize::MAX)? {
+        for (_, id) in store.session_turn_ids(before.keys(), u64::MAX, usize::MAX)? {
             if let Some(t) = store.turn_record(&id)? {
                 *have.get_mut(t.status) += 1;
             }
@@ -148,13 +151,13 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         .iter()
         .map(|m| (m.session_id.as_str(), m.last_turn_seq))
         .collect();
+    let by_id: HashMap<&str, &SessionMeta> =
+        metas.iter().map(|m| (m.session_id.as_str(), m)).collect();
     for m in &metas {
         let mark = m.active_from.or_else(|| legacy.get(&m.session_id).copied());
         let Some(seq) = mark else { continue };
         marks.insert(&m.session_id, seq);
-        let at = kv
-            .get(&keys::session_turn(&m.session_id, seq))?
-            .map(|id| String::from_utf8_lossy(&id).to_string());
+        let at = store.list_entry(m.keys(), seq)?;
         match at.as_deref().map(|id| (id, turns.get(id))) {
             None | Some((_, None)) => out.push(Violation {
                 invariant: "active_index_dangling".into(),
@@ -211,9 +214,15 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
             }
             // Recovery finds it through its session's turn list, up to the meta's last
             // turn. (A session with no meta at all is reported by the mark check above.)
-            let listed = kv.get(&keys::session_turn(&t.session_id, t.seq))?;
+            let reach = SessionKeys {
+                id: &t.session_id,
+                from_ms: by_id
+                    .get(t.session_id.as_str())
+                    .and_then(|m| m.routed_from_ms),
+            };
+            let listed = store.list_entry(reach, t.seq)?;
             let last = last_seqs.get(t.session_id.as_str()).copied();
-            if listed.as_deref() != Some(t.turn_id.as_bytes()) || last.is_some_and(|l| t.seq > l) {
+            if listed.as_deref() != Some(t.turn_id.as_str()) || last.is_some_and(|l| t.seq > l) {
                 out.push(violation(
                     "unindexed_active_turn",
                     Some(t),
@@ -222,7 +231,7 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
                         "{} turn (seq {}) is not where recovery looks for it: its session's turn list holds {:?} there and the session's last turn is {:?}",
                         t.status.as_str(),
                         t.seq,
-                        listed.as_deref().map(String::from_utf8_lossy),
+                        listed,
                         last
                     ),
                 ));
@@ -351,6 +360,8 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         }
     }
 
+    routes_reachable(store, &by_id, &mut out)?;
+
     // A session's stored counts by status are those of its stored turns
     // (admission, every status change and retention's deletions keep them in step).
     let mut counted: HashMap<&str, turnd_proto::TurnCounts> = HashMap::new();
@@ -376,7 +387,7 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
     // retention deleted events of the session, ascending and not past it. Every
     // event is about a stored turn (retention deletes a turn's events with it).
     for meta in &metas {
-        let events = store.events(&meta.session_id, 0, usize::MAX)?;
+        let events = store.events(meta.keys(), 0, usize::MAX)?;
         for e in events
             .iter()
             .filter(|e| !e.turn_id.is_empty() && !turns.contains_key(&e.turn_id))
@@ -426,6 +437,70 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
         }
     }
     Ok(out)
+}
+
+/// Every routed key of a session (turn list entry, event value, idempotency key)
+/// is where reads of the session look: its session has a meta whose
+/// `routed_from_ms` is at or before the key's route. And an event value is routed by
+/// the newest turn among its events, so that the window it is in outlives each of
+/// them (see [`crate::windows`]).
+fn routes_reachable(
+    store: &Store,
+    metas: &HashMap<&str, &SessionMeta>,
+    out: &mut Vec<Violation>,
+) -> Result<(), StoreError> {
+    let kv = store.kv();
+    for (s, e) in [
+        keys::session_turn_range(),
+        (vec![b'E'], vec![b'F']),
+        (vec![b'K'], vec![b'L']),
+    ] {
+        for (k, v) in kv.scan(&s, &e, false, usize::MAX)? {
+            let Some(route) = keys::session_route(&k) else {
+                continue;
+            };
+            let sid = k
+                .get(1..)
+                .and_then(|b| b.split(|c| *c == 0).next())
+                .map(|b| String::from_utf8_lossy(b).to_string())
+                .unwrap_or_default();
+            let from = metas.get(sid.as_str()).and_then(|m| m.routed_from_ms);
+            if from.is_none_or(|f| route < f) {
+                out.push(Violation {
+                    invariant: "routed_key_unreachable".into(),
+                    turn_id: None,
+                    session_id: Some(sid.clone()),
+                    detail: format!(
+                        "a key routed at {route} ({:?}) is before where its session's reads look ({from:?})",
+                        String::from_utf8_lossy(&k)
+                    ),
+                });
+            }
+            if k.first() == Some(&b'E') {
+                let events: Vec<Event> = if v.first() == Some(&b'[') {
+                    serde_json::from_slice(&v)
+                } else {
+                    serde_json::from_slice(&v).map(|e| vec![e])
+                }
+                .map_err(|e| StoreError::Corrupt(format!("events: {e}")))?;
+                let newest = events
+                    .iter()
+                    .filter_map(|e| windows::turn_ms(&e.turn_id))
+                    .max();
+                if newest != Some(route) {
+                    out.push(Violation {
+                        invariant: "event_value_misrouted".into(),
+                        turn_id: None,
+                        session_id: Some(sid),
+                        detail: format!(
+                            "an event value routed at {route} holds events whose newest turn is of {newest:?}"
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

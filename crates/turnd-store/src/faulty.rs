@@ -135,6 +135,20 @@ impl Kv for FaultyKv {
         self.inner.scan(start, end, reverse, limit)
     }
 
+    fn scan_session(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+        from_ms: Option<u64>,
+    ) -> Result<Vec<Entry>, StoreError> {
+        if self.faults.fail_reads.load(Ordering::SeqCst) {
+            return Err(StoreError::Read("injected read fault".into()));
+        }
+        self.inner.scan_session(start, end, reverse, limit, from_ms)
+    }
+
     fn commit(&self, batch: Batch) -> CommitTicket {
         if self.refuse_commit(&batch) {
             let (tx, rx) = tokio::sync::oneshot::channel();

@@ -12,11 +12,21 @@
 //! | `N` | turn id | the turn's input as JSON text, when at least `INPUT_APART_BYTES` long (written once, at admission) |
 //! | `I` | invocation id | `InvocationRecord` (of an unfinished turn, or an earlier attempt not folded) |
 //! | `F` | turn id | `FoldedTurn`: a finished turn's record, input inline, with its invocations |
-//! | `L` | session, 0, seq | turn id (every turn of the session) |
+//! | `L` | session, 0, seq, route | turn id (every turn of the session) |
 //! | `A` | session, 0, seq | legacy: turn id of a non-terminal turn (stores written before session metas kept `active_from`; moved at start-up) |
-//! | `E` | session, 0, seq | `Event`, or an array of the consecutive events of one transition keyed by the last one's `seq` |
-//! | `K` | session, 0, idempotency key | `IdempotencyRecord` |
+//! | `E` | session, 0, seq, route | `Event`, or an array of the consecutive events of one transition keyed by the last one's `seq` |
+//! | `K` | session, 0, idempotency key, 0, route | `IdempotencyRecord` |
 //! | `M` | session | `SessionMeta` |
+//!
+//! **Routes.** A session's turn list entries, event values and idempotency keys end in
+//! a *route*: the [`ROUTE_BYTES`]-byte big-endian UUIDv7 time (Unix ms) of the turn
+//! they belong to (for an event value, the newest turn among its events). The store
+//! puts each in the time window of that time, with the folded records of the same
+//! turns ([`crate::windows`]), so that dropping a window takes them too. The route
+//! comes after the `seq` (or the idempotency key), so a session's keys still sort by
+//! `seq`, and a range from `(session, seq)` still starts at that `seq`. Keys written
+//! before routes (and of turns whose ids are not minted UUIDv7s) have none and stay
+//! in the main database; both forms read the same.
 
 use crate::StoreError;
 
@@ -28,12 +38,78 @@ fn simple(prefix: u8, id: &str) -> Vec<u8> {
 }
 
 fn session_seq(prefix: u8, session_id: &str, seq: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(2 + session_id.len() + 8);
+    session_seq_routed(prefix, session_id, seq, None)
+}
+
+/// Bytes of a key's route: a UUIDv7 timestamp is 48 bits of Unix ms.
+pub const ROUTE_BYTES: usize = 6;
+
+fn push_route(k: &mut Vec<u8>, ms: u64) {
+    k.extend_from_slice(&ms.to_be_bytes()[8 - ROUTE_BYTES..]);
+}
+
+fn read_route(b: &[u8]) -> Option<u64> {
+    let b: [u8; ROUTE_BYTES] = b.try_into().ok()?;
+    let mut full = [0u8; 8];
+    full[8 - ROUTE_BYTES..].copy_from_slice(&b);
+    Some(u64::from_be_bytes(full))
+}
+
+fn session_seq_routed(prefix: u8, session_id: &str, seq: u64, route: Option<u64>) -> Vec<u8> {
+    let mut k = Vec::with_capacity(2 + session_id.len() + 8 + ROUTE_BYTES);
     k.push(prefix);
     k.extend_from_slice(session_id.as_bytes());
     k.push(0);
     k.extend_from_slice(&seq.to_be_bytes());
+    if let Some(ms) = route {
+        push_route(&mut k, ms);
+    }
     k
+}
+
+/// A session-sequenced key (prefix, session, 0, seq, and maybe a route) taken apart:
+/// the session id, the `seq` and the route. Session ids hold no zero byte, so the
+/// first one ends it.
+pub fn split_session_seq(key: &[u8]) -> Option<(&str, u64, Option<u64>)> {
+    let body = key.get(1..)?;
+    let nul = body.iter().position(|b| *b == 0)?;
+    let sid = std::str::from_utf8(&body[..nul]).ok()?;
+    let rest = &body[nul + 1..];
+    let seq = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+    match rest.len() - 8 {
+        0 => Some((sid, seq, None)),
+        ROUTE_BYTES => Some((sid, seq, Some(read_route(&rest[8..])?))),
+        _ => None,
+    }
+}
+
+/// The route a key of a session's turn list, events or idempotency keys ends in
+/// (None: another kind of key, or one written without a route).
+pub fn session_route(key: &[u8]) -> Option<u64> {
+    match key.first()? {
+        b'L' | b'E' => split_session_seq(key)?.2,
+        b'K' => {
+            // K, session, 0, idempotency key, 0, route: neither id holds a zero byte.
+            let body = &key[1..];
+            let first = body.iter().position(|b| *b == 0)?;
+            let after = &body[first + 1..];
+            let second = after.iter().position(|b| *b == 0)?;
+            read_route(&after[second + 1..])
+        }
+        _ => None,
+    }
+}
+
+/// Whether `[start, end)` meets the keys that can carry a route (`E`, `K`, `L`).
+pub fn meets_routed(start: &[u8], end: &[u8]) -> bool {
+    [b'E', b'K', b'L']
+        .iter()
+        .any(|p| start < &[p + 1][..] && &[*p][..] < end)
+}
+
+/// The route of a turn's keys: its id's UUIDv7 time (None: not a minted id).
+pub fn route_of(turn_id: &str) -> Option<u64> {
+    crate::windows::turn_ms(turn_id)
 }
 
 pub fn turn(turn_id: &str) -> Vec<u8> {
@@ -71,8 +147,15 @@ pub fn session_meta_range() -> (Vec<u8>, Vec<u8>) {
     (vec![b'M'], vec![b'M' + 1])
 }
 
+/// Where a session's turn list is at `seq` without a route: the key of an entry
+/// written before routes, and the bound of a range from `seq`.
 pub fn session_turn(session_id: &str, seq: u64) -> Vec<u8> {
     session_seq(b'L', session_id, seq)
+}
+
+/// The turn list entry of `turn_id` at `seq`, routed by the turn.
+pub fn session_turn_of(session_id: &str, seq: u64, turn_id: &str) -> Vec<u8> {
+    session_seq_routed(b'L', session_id, seq, route_of(turn_id))
 }
 
 /// Every session's turn list.
@@ -80,10 +163,9 @@ pub fn session_turn_range() -> (Vec<u8>, Vec<u8>) {
     (vec![b'L'], vec![b'L' + 1])
 }
 
-/// The session id of a session-sequenced key (prefix, session, 0, seq).
+/// The session id of a session-sequenced key (prefix, session, 0, seq, route).
 pub fn session_of(key: &[u8]) -> Option<String> {
-    let body = key.get(1..key.len().checked_sub(9)?)?;
-    String::from_utf8(body.to_vec()).ok()
+    split_session_seq(key).map(|(s, _, _)| s.to_string())
 }
 
 /// The index of non-terminal turns kept by stores of the earlier format (read only to
@@ -104,8 +186,16 @@ pub fn invocation_range() -> (Vec<u8>, Vec<u8>) {
     (vec![b'I'], vec![b'I' + 1])
 }
 
+/// A session's events at `seq` without a route: the key of a value written before
+/// routes, and the bound of a range from `seq`.
 pub fn event(session_id: &str, seq: u64) -> Vec<u8> {
     session_seq(b'E', session_id, seq)
+}
+
+/// An event value's key: its last event's `seq`, and its route (the newest turn
+/// among its events), when it has one.
+pub fn event_routed(session_id: &str, seq: u64, route: Option<u64>) -> Vec<u8> {
+    session_seq_routed(b'E', session_id, seq, route)
 }
 
 /// Exclusive end of a session's event range.
@@ -117,8 +207,9 @@ pub fn event_end(session_id: &str) -> Vec<u8> {
     k
 }
 
+/// An idempotency key as written before routes.
 pub fn idempotency(session_id: &str, key: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(2 + session_id.len() + key.len());
+    let mut k = Vec::with_capacity(3 + session_id.len() + key.len() + ROUTE_BYTES);
     k.push(b'K');
     k.extend_from_slice(session_id.as_bytes());
     k.push(0);
@@ -126,14 +217,30 @@ pub fn idempotency(session_id: &str, key: &str) -> Vec<u8> {
     k
 }
 
-/// The trailing big-endian sequence number of a session-sequenced key.
-pub fn seq_suffix(key: &[u8]) -> Result<u64, StoreError> {
-    if key.len() < 9 {
-        return Err(StoreError::Corrupt(format!("key too short: {key:?}")));
+/// An idempotency key naming `turn_id`, routed by it.
+pub fn idempotency_of(session_id: &str, key: &str, turn_id: &str) -> Vec<u8> {
+    let mut k = idempotency(session_id, key);
+    if let Some(ms) = route_of(turn_id) {
+        k.push(0);
+        push_route(&mut k, ms);
     }
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&key[key.len() - 8..]);
-    Ok(u64::from_be_bytes(b))
+    k
+}
+
+/// The range holding an idempotency key in either form (with or without a route):
+/// an idempotency key holds no zero byte, so nothing else falls in it.
+pub fn idempotency_range(session_id: &str, key: &str) -> (Vec<u8>, Vec<u8>) {
+    let start = idempotency(session_id, key);
+    let mut end = start.clone();
+    end.push(1);
+    (start, end)
+}
+
+/// The sequence number of a session-sequenced key.
+pub fn seq_suffix(key: &[u8]) -> Result<u64, StoreError> {
+    split_session_seq(key)
+        .map(|(_, seq, _)| seq)
+        .ok_or_else(|| StoreError::Corrupt(format!("not a session-sequenced key: {key:?}")))
 }
 
 #[cfg(test)]
@@ -148,5 +255,46 @@ mod tests {
         // "s" and "s1" must not interleave.
         assert!(event_end("s") < event("s1", 0));
         assert_eq!(seq_suffix(&session_turn("abc", 77)).expect("seq"), 77);
+    }
+
+    const TURN: &str = "t_0192d3f2a1b27000800000000000000a";
+
+    /// A route follows the `seq`: routed keys sort by `seq` among unrouted ones, stay
+    /// in the range from their `seq`, and come apart into what built them.
+    #[test]
+    fn routed_keys_sort_by_seq_and_come_apart() {
+        let ms = 0x0192d3f2a1b2;
+        let routed = session_turn_of("s", 7, TURN);
+        assert_eq!(split_session_seq(&routed), Some(("s", 7, Some(ms))));
+        assert_eq!(
+            split_session_seq(&session_turn("s", 7)),
+            Some(("s", 7, None))
+        );
+        assert_eq!(session_route(&routed), Some(ms));
+        assert_eq!(session_route(&session_turn("s", 7)), None);
+        assert_eq!(seq_suffix(&routed).expect("seq"), 7);
+        assert_eq!(session_of(&routed).as_deref(), Some("s"));
+        assert!(session_turn("s", 7) <= routed && routed < session_turn("s", 8));
+        assert!(session_turn_of("s", 6, TURN) < session_turn("s", 7));
+        // A route of all ones still sorts before the next seq.
+        let top = event_routed("s", 7, Some((1 << 48) - 1));
+        assert!(top < event("s", 8) && top < event_end("s"));
+        // A turn id that is not minted gives no route.
+        assert_eq!(session_turn_of("s", 7, "t1"), session_turn("s", 7));
+
+        let k = idempotency_of("s", "key", TURN);
+        assert_eq!(session_route(&k), Some(ms));
+        assert_eq!(session_route(&idempotency("s", "key")), None);
+        let (a, b) = idempotency_range("s", "key");
+        assert!(a <= k && k < b);
+        assert!(idempotency("s", "key") >= a && idempotency("s", "key") < b);
+        // Another key of the same session is outside it.
+        assert!(idempotency_of("s", "key2", TURN) >= b);
+        assert!(idempotency_of("s", "ke", TURN) < a);
+
+        assert!(meets_routed(&event("s", 0), &event_end("s")));
+        assert!(!meets_routed(b"F", b"G"));
+        assert!(!meets_routed(b"M", b"N"));
+        assert!(meets_routed(b"A", b"Z"));
     }
 }

@@ -14,7 +14,10 @@ pub mod faulty;
 pub mod keys;
 pub mod logged;
 pub mod mem;
+mod merged;
 pub mod records;
+#[cfg(test)]
+mod route_tests;
 pub mod sled_kv;
 pub mod wal;
 pub mod windows;
@@ -111,6 +114,9 @@ pub enum KvOp {
 #[derive(Debug, Clone, Default)]
 pub struct Batch {
     pub ops: Vec<KvOp>,
+    /// The earliest time of a turn that a routed key put by this batch was written
+    /// for ([`Batch::routed_from`]).
+    routed_from: Option<u64>,
 }
 
 impl Batch {
@@ -166,12 +172,28 @@ impl Batch {
         }
     }
 
-    /// A turn's place in its session's turn list.
+    /// A turn's place in its session's turn list, routed by the turn.
     pub fn put_list_entry(&mut self, t: &TurnRecord) {
+        self.note_routed(keys::route_of(&t.turn_id));
         self.put_raw(
-            keys::session_turn(&t.session_id, t.seq),
+            keys::session_turn_of(&t.session_id, t.seq, &t.turn_id),
             t.turn_id.as_bytes().to_vec(),
         );
+    }
+
+    fn note_routed(&mut self, ms: Option<u64>) {
+        if let Some(ms) = ms {
+            self.routed_from = Some(self.routed_from.map_or(ms, |m| m.min(ms)));
+        }
+    }
+
+    /// The earliest time of a turn a routed key of this batch was written for: every
+    /// turn of its routed event values counts, not only the newest that routes each,
+    /// so that a value written again without some of its events (by retention) is
+    /// routed at or after it too. The session's meta records it
+    /// ([`SessionMeta::routed_at`]) in the same batch.
+    pub fn routed_from(&self) -> Option<u64> {
+        self.routed_from
     }
 
     /// Write a finished turn's folded record in place of its separate keys: its
@@ -198,18 +220,46 @@ impl Batch {
     /// event (a single event as itself, several as an array). sled's cost is per key,
     /// and a transition often writes three; the cap keeps a read of one event from
     /// decoding thousands (a `session.stop` of a long queue writes two per turn).
+    ///
+    /// A value is routed by the newest turn among its events (see [`keys`]), when
+    /// every one of them is a minted turn id; otherwise it has no route.
     pub fn put_events(&mut self, events: &[Event]) {
+        self.put_events_in(events, true);
+    }
+
+    /// [`Batch::put_events`], with no route when `routed` is false: retention writes a
+    /// value of the earlier layout again in the same form, so that it stays where
+    /// reads of a session with no routed keys look.
+    pub fn put_events_in(&mut self, events: &[Event], routed: bool) {
         for group in events.chunks(EVENTS_PER_VALUE) {
+            let Some(last) = group.last() else { continue };
+            let route = if routed {
+                self.events_route(group)
+            } else {
+                None
+            };
+            let key = keys::event_routed(&last.session_id, last.seq, route);
             match group {
-                [] => {}
-                [e] => self.put_json(keys::event(&e.session_id, e.seq), e),
-                [.., last] => self.put_json(keys::event(&last.session_id, last.seq), &group),
+                [e] => self.put_json(key, e),
+                _ => self.put_json(key, &group),
             }
         }
     }
 
+    /// The route of an event value: its newest turn's time, noting every turn's.
+    fn events_route(&mut self, group: &[Event]) -> Option<u64> {
+        let times: Option<Vec<u64>> = group.iter().map(|e| keys::route_of(&e.turn_id)).collect();
+        let times = times?;
+        for ms in &times {
+            self.note_routed(Some(*ms));
+        }
+        times.into_iter().max()
+    }
+
+    /// An idempotency key, routed by the turn it names.
     pub fn put_idempotency(&mut self, session_id: &str, key: &str, rec: &IdempotencyRecord) {
-        self.put_json(keys::idempotency(session_id, key), rec);
+        self.note_routed(keys::route_of(&rec.turn_id));
+        self.put_json(keys::idempotency_of(session_id, key, &rec.turn_id), rec);
     }
 
     pub fn put_session_meta(&mut self, m: &SessionMeta) {
@@ -259,6 +309,21 @@ pub trait Kv: Send + Sync + 'static {
         reverse: bool,
         limit: usize,
     ) -> Result<Vec<Entry>, StoreError>;
+    /// [`Kv::scan`] of a range of one session's keys (its turn list, events or
+    /// idempotency keys), all of whose routes ([`keys`]) are at or after `from_ms`
+    /// (None: the session has no routed key; its meta's
+    /// [`SessionMeta::routed_from_ms`]): a store with time windows reads only the
+    /// windows that can hold them, where a plain scan reads them all.
+    fn scan_session(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+        _from_ms: Option<u64>,
+    ) -> Result<Vec<Entry>, StoreError> {
+        self.scan(start, end, reverse, limit)
+    }
     /// Queue an atomic batch for the next group commit.
     fn commit(&self, batch: Batch) -> CommitTicket;
     /// Make everything committed so far durable (used at shutdown).
@@ -320,6 +385,10 @@ pub struct CommitStats {
     pub log_segments: u64,
     /// Commit log segments deleted once sled held their records.
     pub log_trims: u64,
+    /// Keys a time window still held when its drop was taken, moved to the main
+    /// database (turns that ended, or events written, between retention's judging
+    /// the window empty and the drop; see [`windows`]).
+    pub window_leftovers: u64,
 }
 
 /// The index of unfinished turns of the earlier store layout.
@@ -331,6 +400,24 @@ pub struct LegacyActiveIndex {
     pub last: HashMap<String, u64>,
     /// The index's keys.
     pub keys: Vec<Vec<u8>>,
+}
+
+/// A session's id and where its routed keys can be ([`SessionMeta::routed_from_ms`]):
+/// what a read of its turn list, events or idempotency keys needs.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionKeys<'a> {
+    pub id: &'a str,
+    pub from_ms: Option<u64>,
+}
+
+impl SessionMeta {
+    /// Where this session's keys are.
+    pub fn keys(&self) -> SessionKeys<'_> {
+        SessionKeys {
+            id: &self.session_id,
+            from_ms: self.routed_from_ms,
+        }
+    }
 }
 
 /// The typed store the engine uses.
@@ -445,15 +532,32 @@ impl Store {
         }))
     }
 
+    /// The record of a session's idempotency key.
     pub fn idempotency(
         &self,
-        session_id: &str,
+        s: SessionKeys<'_>,
         key: &str,
     ) -> Result<Option<IdempotencyRecord>, StoreError> {
-        self.kv
-            .get(&keys::idempotency(session_id, key))?
-            .map(|b| decode("idempotency key", &b))
-            .transpose()
+        Ok(self.idempotency_entry(s, key)?.map(|(_, r)| r))
+    }
+
+    /// A session's idempotency key as stored (with its route, or without one when
+    /// written before routes), and its record.
+    pub fn idempotency_entry(
+        &self,
+        s: SessionKeys<'_>,
+        key: &str,
+    ) -> Result<Option<(Vec<u8>, IdempotencyRecord)>, StoreError> {
+        let (start, end) = keys::idempotency_range(s.id, key);
+        match self
+            .kv
+            .scan_session(&start, &end, false, 1, s.from_ms)?
+            .into_iter()
+            .next()
+        {
+            Some((k, v)) => Ok(Some((k, decode("idempotency key", &v)?))),
+            None => Ok(None),
+        }
     }
 
     pub fn session_meta(&self, session_id: &str) -> Result<Option<SessionMeta>, StoreError> {
@@ -466,10 +570,11 @@ impl Store {
     /// Events of a session with `seq > after`, ascending, at most `limit`.
     pub fn events(
         &self,
-        session_id: &str,
+        s: SessionKeys<'_>,
         after: u64,
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
+        let session_id = s.id;
         // A stored value holds one or more events and is keyed by its last one, so
         // the scan starts at the first value that may hold `after + 1`. Values are
         // read in small pages: each holds at least one wanted event, and the first
@@ -480,7 +585,7 @@ impl Store {
         let mut out = Vec::new();
         while out.len() < limit {
             let n = PAGE.min(limit - out.len());
-            let page = self.kv.scan(&from, &end, false, n)?;
+            let page = self.kv.scan_session(&from, &end, false, n, s.from_ms)?;
             for (_, v) in &page {
                 let group: Vec<Event> = if v.first() == Some(&b'[') {
                     decode("events", v)?
@@ -526,13 +631,15 @@ impl Store {
     #[allow(clippy::type_complexity)]
     pub fn event_values_page(
         &self,
-        session_id: &str,
+        s: SessionKeys<'_>,
         from: Option<&[u8]>,
         limit: usize,
     ) -> Result<(Vec<(Vec<u8>, Vec<Event>)>, Option<Vec<u8>>), StoreError> {
-        let start = keys::event(session_id, 0);
-        let end = keys::event_end(session_id);
-        let page = self.kv.scan(from.unwrap_or(&start), &end, false, limit)?;
+        let start = keys::event(s.id, 0);
+        let end = keys::event_end(s.id);
+        let page = self
+            .kv
+            .scan_session(from.unwrap_or(&start), &end, false, limit, s.from_ms)?;
         let next = next_page(&page, limit);
         let values = page
             .into_iter()
@@ -551,29 +658,47 @@ impl Store {
     /// Turn ids of a session with `seq < before`, newest first, at most `limit`.
     pub fn session_turn_ids(
         &self,
-        session_id: &str,
+        s: SessionKeys<'_>,
         before: u64,
         limit: usize,
     ) -> Result<Vec<(u64, String)>, StoreError> {
-        self.turn_index(session_id, 0, before, true, limit)
+        Ok(self
+            .list_entries(s, 0, before, true, limit)?
+            .into_iter()
+            .map(|(_, seq, id)| (seq, id))
+            .collect())
     }
 
-    /// Entries of a session's turn list with `from <= seq < to`, as `(seq, turn id)`.
-    fn turn_index(
+    /// Entries of a session's turn list with `from <= seq < to`, as `(key as stored,
+    /// seq, turn id)`, ascending (descending when `reverse`), at most `limit`.
+    pub fn list_entries(
         &self,
-        session_id: &str,
+        s: SessionKeys<'_>,
         from: u64,
         to: u64,
         reverse: bool,
         limit: usize,
-    ) -> Result<Vec<(u64, String)>, StoreError> {
-        let start = keys::session_turn(session_id, from);
-        let end = keys::session_turn(session_id, to);
+    ) -> Result<Vec<(Vec<u8>, u64, String)>, StoreError> {
+        let start = keys::session_turn(s.id, from);
+        let end = keys::session_turn(s.id, to);
         self.kv
-            .scan(&start, &end, reverse, limit)?
+            .scan_session(&start, &end, reverse, limit, s.from_ms)?
             .into_iter()
-            .map(|(k, v)| Ok((keys::seq_suffix(&k)?, turn_index_id(v)?)))
+            .map(|(k, v)| {
+                let seq = keys::seq_suffix(&k)?;
+                Ok((k, seq, turn_index_id(v)?))
+            })
             .collect()
+    }
+
+    /// The turn id a session's turn list holds at `seq`.
+    pub fn list_entry(&self, s: SessionKeys<'_>, seq: u64) -> Result<Option<String>, StoreError> {
+        let to = seq.saturating_add(1);
+        Ok(self
+            .list_entries(s, seq, to, false, 1)?
+            .into_iter()
+            .next()
+            .map(|(_, _, id)| id))
     }
 
     /// Up to `limit` session metas with keys from `from` on (start with
@@ -594,19 +719,12 @@ impl Store {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
-        let ids = if from == meta.last_turn_seq {
-            // The common case, one unfinished turn and nothing after it: a point read
-            // (cheaper in sled than a range scan).
-            let key = keys::session_turn(&meta.session_id, from);
-            match self.kv.get(&key)? {
-                Some(v) => vec![(from, turn_index_id(v)?)],
-                None => Vec::new(),
-            }
-        } else {
-            let to = meta.last_turn_seq.saturating_add(1);
-            self.turn_index(&meta.session_id, from, to, false, usize::MAX)?
-        };
-        for (seq, id) in ids {
+        let to = meta
+            .last_turn_seq
+            .saturating_add(1)
+            .max(from.saturating_add(1));
+        let ids = self.list_entries(meta.keys(), from, to, false, usize::MAX)?;
+        for (_, seq, id) in ids {
             let t = self.turn(&id)?.ok_or_else(|| {
                 StoreError::Corrupt(format!(
                     "session {} lists missing turn {id} at seq {seq}",
@@ -774,9 +892,13 @@ mod tests {
             .map(|(k, _)| keys::seq_suffix(k).expect("seq"))
             .collect();
         assert_eq!(keyed, vec![1, 4, 5, 69, 133, 155]);
+        let at = SessionKeys {
+            id: "s",
+            from_ms: None,
+        };
         let seqs = |after, limit| -> Vec<u64> {
             store
-                .events("s", after, limit)
+                .events(at, after, limit)
                 .expect("events")
                 .iter()
                 .map(|e| e.seq)
@@ -790,7 +912,7 @@ mod tests {
             }
         }
         assert!(seqs(3, 0).is_empty());
-        let all = store.events("s", 0, usize::MAX).expect("events");
+        let all = store.events(at, 0, usize::MAX).expect("events");
         assert_eq!(all[2], ev(3), "an event inside a group reads back whole");
     }
 
@@ -977,6 +1099,7 @@ mod tests {
         let store = Store::new(kv.clone());
         let big = RawJson::from_value(&json!({"prompt": "q".repeat(INPUT_APART_BYTES)}));
         let ids = [turnd_proto::new_turn_id(), turnd_proto::new_turn_id()];
+        let mut meta = SessionMeta::new("s");
         let mut expected = Vec::new();
         for (n, id) in ids.iter().enumerate() {
             let inv_id = turnd_proto::new_invocation_id_of(id);
@@ -986,6 +1109,12 @@ mod tests {
             b.put_admission(&t);
             b.put_turn(&t);
             b.put_invocation(&invocation(&inv_id, id, InvState::Active));
+            // The session's meta, as every transition writes it: with where its
+            // routed keys are, and counting the turns once they are completed.
+            meta.last_turn_seq = n as u64 + 1;
+            meta.counts.completed = n as u64 + 1;
+            meta.routed_at(b.routed_from());
+            b.put_session_meta(&meta);
             store.commit(b).await.expect("commit");
             t.status = turnd_proto::TurnStatus::Completed;
             t.phase = Phase::Done;

@@ -359,12 +359,12 @@ fn recorded_drops(sled: &Shared) -> Result<BTreeMap<u64, u64>, StoreError> {
 /// Write `entries` (key order, each with the lsn that wrote it) where they belong:
 /// folded records to their time window, the rest to the main database (a window
 /// drop with the lsn that made it as its value), in bounded batches. Returns the
-/// bytes written and the windows written to (not yet synced).
+/// bytes written and the windows written to (not yet synced), with how many keys each.
 fn apply_routed<'a>(
     sled: &Shared,
     wins: &Windows,
     entries: impl Iterator<Item = (&'a [u8], u64, Option<&'a [u8]>)>,
-) -> Result<(u64, Vec<u64>), StoreError> {
+) -> Result<(u64, Vec<(u64, u64)>), StoreError> {
     type Op<'b> = (&'b [u8], Option<&'b [u8]>);
     let mut main: Vec<Op<'a>> = Vec::new();
     let mut to_windows: BTreeMap<u64, Vec<Op<'a>>> = BTreeMap::new();
@@ -385,8 +385,9 @@ fn apply_routed<'a>(
         let Some(w) = wins.get(start) else {
             return Err(StoreError::Write(format!("window {start} is not open")));
         };
+        let n = entries.len() as u64;
         bytes += apply_to_sled(&w, entries.into_iter(), None)?;
-        written.push(start);
+        written.push((start, n));
     }
     bytes += apply_to_sled(sled, main.into_iter(), None)?;
     if !dropped.is_empty() {
@@ -417,13 +418,16 @@ fn sync_windows(wins: &Windows, written: &[u64]) -> Result<(), StoreError> {
 
 /// Take a committed drop of the window starting at `start` (by the record `lsn`):
 /// copy what it still holds to the main database, as stored, then route its keys
-/// there. Returns the window's database, to close and delete once the drop is durable.
+/// there. Returns the window's database, to close and delete once the drop is durable,
+/// and how many keys it still held.
+#[allow(clippy::type_complexity)]
 fn take_drop(
     sled: &Shared,
     wins: &Windows,
     start: u64,
     lsn: u64,
-) -> Result<Option<(u64, Arc<Shared>)>, StoreError> {
+) -> Result<(Option<(u64, Arc<Shared>)>, u64), StoreError> {
+    let mut leftovers = 0;
     if let Some(w) = wins.get(start) {
         let held: Vec<(sled::IVec, sled::IVec)> = w.with(|h| {
             h.db.iter()
@@ -431,9 +435,10 @@ fn take_drop(
                 .collect::<sled::Result<_>>()
                 .map_err(|e| StoreError::Read(e.to_string()))
         })?;
+        leftovers = held.len() as u64;
         if !held.is_empty() {
             tracing::warn!(
-                "the time window {start} still held {} records when it was dropped (turns that ended while retention judged it empty): moved to the main database",
+                "the time window {start} still held {} keys when it was dropped (turns that ended, or events written, while retention judged it empty): moved to the main database",
                 held.len()
             );
             sled.with(|h| {
@@ -449,7 +454,10 @@ fn take_drop(
             })?;
         }
     }
-    Ok(wins.mark_dropped(start, lsn)?.map(|w| (start, w)))
+    Ok((
+        wins.mark_dropped(start, lsn)?.map(|w| (start, w)),
+        leftovers,
+    ))
 }
 
 /// Write records read back from the log (coalesced) where they belong, record
@@ -466,13 +474,14 @@ fn replay_into(
         map.iter()
             .map(|(k, (l, v))| (k.as_slice(), *l, v.as_deref())),
     )?;
+    let written: Vec<u64> = written.into_iter().map(|(w, _)| w).collect();
     sync_windows(wins, &written)?;
     let mut closing = Vec::new();
     for (start, lsn) in drops(
         map.iter()
             .map(|(k, (l, v))| (k.as_slice(), *l, v.is_some())),
     ) {
-        closing.extend(take_drop(sled, wins, start, lsn)?);
+        closing.extend(take_drop(sled, wins, start, lsn)?.0);
     }
     apply_to_sled(sled, std::iter::empty(), Some(mark))?;
     sled.with(|h| sled.sync_files(h))?;
@@ -927,19 +936,32 @@ impl Applier<'_> {
             let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
             (o.committed, o.map.keys().next_back().cloned())
         };
-        // A new window is made only when finished turns are to be written (an idle
-        // daemon makes none).
-        let finished_pending = {
+        // A new window is made only when turns were admitted or finished (their list
+        // entries or folded records are to be written): an idle daemon makes none.
+        let turns_pending = {
             let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
-            let (fs, fe) = crate::keys::finished_range();
-            o.map
-                .range::<[u8], _>((Bound::Included(&fs[..]), Bound::Excluded(&fe[..])))
-                .next()
-                .is_some()
+            [
+                crate::keys::finished_range(),
+                crate::keys::session_turn_range(),
+            ]
+            .iter()
+            .any(|(s, e)| {
+                o.map
+                    .range::<[u8], _>((Bound::Included(&s[..]), Bound::Excluded(&e[..])))
+                    .next()
+                    .is_some()
+            })
         };
-        if finished_pending {
-            if let Err(e) = self.inner.windows.switch_if_due() {
-                tracing::warn!("a new time window could not be made (tried again next round): {e}");
+        if turns_pending {
+            match self.inner.windows.switch_if_due() {
+                // Not idle before it took its first writes.
+                Ok(Some(start)) => self.inner.windows.written(&mut self.upkeep, start, 0),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(
+                        "a new time window could not be made (tried again next round): {e}"
+                    );
+                }
             }
         }
         if committed == self.applied {
@@ -991,8 +1013,8 @@ impl Applier<'_> {
                     .map(|(k, lsn, v)| (k.as_slice(), *lsn, v.as_deref())),
             )?;
             self.checkpoints.wrote(bytes);
-            for w in wins {
-                self.inner.windows.written(&mut self.upkeep, w);
+            for (w, keys) in wins {
+                self.inner.windows.written(&mut self.upkeep, w, keys);
                 if !written.contains(&w) {
                     written.push(w);
                 }
@@ -1017,13 +1039,16 @@ impl Applier<'_> {
             from = next;
         }
         sync_windows(&self.inner.windows, &written)?;
+        let mut leftovers = 0;
         for (start, lsn) in pending {
-            let taken = take_drop(&self.inner.sled, &self.inner.windows, start, lsn)?;
+            let (taken, held) = take_drop(&self.inner.sled, &self.inner.windows, start, lsn)?;
             self.closing.extend(taken);
+            leftovers += held;
         }
         apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
         self.applied = committed;
         if let Ok(mut s) = self.inner.stats.lock() {
+            s.window_leftovers += leftovers;
             s.applies += 1;
             s.applied_keys += keys;
             s.apply_micros += started.elapsed().as_micros() as u64;
@@ -1051,6 +1076,7 @@ impl Applier<'_> {
                 return Err(e);
             }
         }
+        self.inner.windows.warm_written(&mut self.upkeep);
         self.inner
             .windows
             .snapshot_idle(&mut self.upkeep, self.idle_reopen);
@@ -1250,7 +1276,7 @@ fn drop_pending(o: &Overlay, start: u64) -> bool {
 /// Merge a snapshot of the overlay's range (in scan order) with sled's range.
 fn merge(
     overlay: Vec<(Vec<u8>, Value)>,
-    sled: impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+    sled: impl Iterator<Item = Result<(sled::IVec, sled::IVec), StoreError>>,
     reverse: bool,
     limit: usize,
 ) -> Result<Vec<Entry>, StoreError> {
@@ -1261,7 +1287,7 @@ fn merge(
         let sled_key = match s.peek() {
             Some(Ok((k, _))) => Some(k.clone()),
             Some(Err(_)) => match s.next() {
-                Some(Err(e)) => return Err(StoreError::Read(e.to_string())),
+                Some(Err(e)) => return Err(e),
                 _ => None,
             },
             None => None,
@@ -1302,7 +1328,7 @@ impl Kv for LoggedKv {
             if let Some(p) = o.map.get(key) {
                 return Ok(p.value.as_ref().map(|v| v.to_vec()));
             }
-            if key.first() == Some(&b'F') {
+            if windows::routed_ms(key).is_some() {
                 self.inner.windows.reader(key)
             } else {
                 None
@@ -1329,12 +1355,24 @@ impl Kv for LoggedKv {
         }
     }
 
+    /// A scan reads every window that can hold keys of the range.
     fn scan(
         &self,
         start: &[u8],
         end: &[u8],
         reverse: bool,
         limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        self.scan_session(start, end, reverse, limit, Some(0))
+    }
+
+    fn scan_session(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+        from_ms: Option<u64>,
     ) -> Result<Vec<Entry>, StoreError> {
         if start >= end {
             return Ok(Vec::new());
@@ -1349,53 +1387,32 @@ impl Kv for LoggedKv {
             let range = o
                 .map
                 .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)));
-            let folded = start < &b"G"[..] && &b"F"[..] < end;
             let entry = |(k, p): (&OKey, &Pending)| (k.to_vec(), p.value.clone());
             let pending = if reverse {
                 range.rev().map(entry).collect()
             } else {
                 range.map(entry).collect()
             };
-            let wins = if folded {
-                self.inner.windows.readers_in(start, end)
-            } else {
-                Vec::new()
-            };
-            (pending, wins)
+            (pending, self.inner.windows.readers_in(start, end, from_ms))
+        };
+        let read = |r: sled::Result<(sled::IVec, sled::IVec)>| {
+            r.map_err(|e| StoreError::Read(e.to_string()))
         };
         if !wins.is_empty() {
-            // Folded records in windows: each source's range in order, then merged. A
-            // source gives `limit` entries more than the overlay can hide (deletes).
-            let enough = limit.saturating_add(pending.len());
-            let mut all: Vec<(sled::IVec, sled::IVec)> = Vec::new();
-            for src in std::iter::once(&self.inner.sled).chain(wins.iter()) {
-                let part = src.with(|h| {
-                    let range = h.db.range(start.to_vec()..end.to_vec());
-                    let taken: sled::Result<Vec<_>> = if reverse {
-                        range.rev().take(enough).collect()
-                    } else {
-                        range.take(enough).collect()
-                    };
-                    taken.map_err(|e| StoreError::Read(e.to_string()))
-                })?;
-                all.extend(part);
-            }
-            all.sort_by(|a, b| {
-                if reverse {
-                    b.0.cmp(&a.0)
-                } else {
-                    a.0.cmp(&b.0)
-                }
-            });
-            all.dedup_by(|a, b| a.0 == b.0);
-            return merge(pending, all.into_iter().map(Ok), reverse, limit);
+            // Keys in windows: the sources merged, each read only as far as needed.
+            // A source's first read is `limit` entries more than the overlay can hide
+            // (deletes), at most a chunk.
+            let first = limit.saturating_add(pending.len());
+            let sources = std::iter::once(&*self.inner.sled).chain(wins.iter().map(|w| &**w));
+            let merged = crate::merged::Merged::new(sources, start, end, reverse, first);
+            return merge(pending, merged, reverse, limit);
         }
         self.inner.sled.with(|h| {
             let range = h.db.range(start.to_vec()..end.to_vec());
             if reverse {
-                merge(pending, range.rev(), true, limit)
+                merge(pending, range.rev().map(read), true, limit)
             } else {
-                merge(pending, range, false, limit)
+                merge(pending, range.map(read), false, limit)
             }
         })
     }
@@ -1483,7 +1500,7 @@ impl Kv for LoggedKv {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::keys;
 
@@ -1789,7 +1806,8 @@ mod tests {
         assert_eq!(kv.get(&keys::event("s", 7)).expect("get"), None);
     }
 
-    fn copy_dir(from: &Path, to: &Path) {
+    /// A copy of a directory as a crash would leave it (the files as they are).
+    pub(crate) fn copy_dir(from: &Path, to: &Path) {
         std::fs::create_dir_all(to).expect("mkdir");
         for e in std::fs::read_dir(from).expect("list") {
             let e = e.expect("entry");

@@ -4,8 +4,8 @@
 //!
 //! It keeps the time windows of finished turns as the sled store does (see
 //! [`crate::windows`]): the same table, the same switch policy (by the wall clock
-//! and the bytes of its finished turns' records, checked when finished turns are
-//! written), and a committed drop marks the window dropped.
+//! and the bytes of the keys routed to it, checked when turns are admitted or
+//! finished), and a committed drop marks the window dropped.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -19,6 +19,8 @@ struct State {
     table: Table,
     /// Bytes of records written to each open window.
     bytes: HashMap<u64, u64>,
+    /// Keys a window still held when it was dropped.
+    leftovers: u64,
 }
 
 #[derive(Default)]
@@ -53,11 +55,12 @@ impl State {
             .table
             .newest()
             .map_or(0, |s| self.bytes.get(&s).copied().unwrap_or(0));
-        let finished = batch
+        // As in the sled store: when turns are admitted or finished.
+        let turns = batch
             .ops
             .iter()
-            .any(|op| matches!(op, KvOp::Put(k, _) if k.first() == Some(&b'F')));
-        if finished && self.table.due(opts, now, newest) {
+            .any(|op| matches!(op, KvOp::Put(k, _) if matches!(k.first(), Some(b'F' | b'L'))));
+        if turns && self.table.due(opts, now, newest) {
             let start = self.table.next_start(now);
             self.table.slots.insert(start, Slot::Open);
         }
@@ -79,11 +82,18 @@ impl State {
     }
 
     /// A committed drop: the window is gone; records it still held stay readable
-    /// (the sled store moves them to its main database).
+    /// (the sled store moves them to its main database) and are counted.
     fn drop_window(&mut self, start: u64) {
         if !matches!(self.table.slots.get(&start), Some(Slot::Open)) {
             return;
         }
+        let table = &self.table;
+        let held = self
+            .map
+            .keys()
+            .filter(|k| table.route(k) == Route::Window(start))
+            .count();
+        self.leftovers += held as u64;
         self.table.slots.insert(start, Slot::Dropped(0));
         self.bytes.remove(&start);
     }
@@ -141,7 +151,11 @@ impl Kv for MemKv {
     }
 
     fn commit_stats(&self) -> CommitStats {
-        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+        let mut s = self.stats.lock().map(|s| s.clone()).unwrap_or_default();
+        if let Ok(st) = self.state.lock() {
+            s.window_leftovers = st.leftovers;
+        }
+        s
     }
 
     fn windows(&self) -> Result<Vec<WindowInfo>, StoreError> {

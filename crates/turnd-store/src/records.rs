@@ -424,6 +424,13 @@ pub struct SessionMeta {
     /// after 1 and have holes (those of deleted turns).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub events_pruned: bool,
+    /// At or before the route of every routed key of the session (its turn list
+    /// entries, event values and idempotency keys; see [`crate::keys`]): the earliest
+    /// time of a turn any of them was written for. Reads of the session's keys look
+    /// only in the time windows from this one on. None: the session has no routed key
+    /// (every key of it is in the main database).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_from_ms: Option<u64>,
 }
 
 impl SessionMeta {
@@ -435,6 +442,15 @@ impl SessionMeta {
             counts: TurnCounts::default(),
             active_from: None,
             events_pruned: false,
+            routed_from_ms: None,
+        }
+    }
+
+    /// Lower [`SessionMeta::routed_from_ms`] to `ms` (a batch wrote routed keys for
+    /// turns of that time: [`crate::Batch::routed_from`]).
+    pub fn routed_at(&mut self, ms: Option<u64>) {
+        if let Some(ms) = ms {
+            self.routed_from_ms = Some(self.routed_from_ms.map_or(ms, |m| m.min(ms)));
         }
     }
 }

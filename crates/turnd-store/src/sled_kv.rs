@@ -144,6 +144,8 @@ pub(crate) struct Shared {
     handle: RwLock<Option<Handle>>,
     dir: PathBuf,
     opts: SledOptions,
+    /// MiB of cache the next open of sled takes ([`Shared::set_cache_mb`]).
+    cache_mb: std::sync::atomic::AtomicU64,
     /// Set after a failed sync, apply or checkpoint. Linux may drop dirty pages whose
     /// write-back failed, so after an fsync error nothing tells what reached the disk;
     /// a failed `apply_batch` may leave part of its group in sled's memory. Every later
@@ -189,9 +191,16 @@ impl Shared {
             handle: RwLock::new(Some(handle)),
             dir: dir.to_path_buf(),
             opts,
+            cache_mb: std::sync::atomic::AtomicU64::new(opts.cache_mb),
             poisoned: Mutex::new(None),
             synced_blobs: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The cache sled gets when it is next opened again (a checkpoint, a repair).
+    pub(crate) fn set_cache_mb(&self, mb: u64) {
+        self.cache_mb
+            .store(mb, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The directory sled lives in.
@@ -332,7 +341,8 @@ impl Shared {
 
     /// Open the store after a checkpoint closed it.
     fn reopen(&self) -> Result<Handle, StoreError> {
-        open_when_unlocked(|| Handle::open(&self.dir, self.opts.cache_mb))
+        let cache_mb = self.cache_mb.load(std::sync::atomic::Ordering::Relaxed);
+        open_when_unlocked(|| Handle::open(&self.dir, cache_mb))
     }
 }
 

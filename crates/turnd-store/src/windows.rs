@@ -2,10 +2,19 @@
 //!
 //! A finished turn's folded record (`F` key) is stored in the sled database of the
 //! time window its turn id falls in: the window with the largest start at or before
-//! the turn id's UUIDv7 timestamp, under `DATA_DIR/windows/<start_ms>/`. Everything
-//! else (sessions' metas, turn lists, events, idempotency keys, unfinished turns) stays
-//! in the main database. Retention returns a window's space by deleting its directory
-//! whole, which sled's files never do for deleted keys.
+//! the turn id's UUIDv7 timestamp, under `DATA_DIR/windows/<start_ms>/`. So are the
+//! keys of sessions that carry a route ([`keys`]: turn list entries, event values and
+//! idempotency keys, each routed by the time of the turn it belongs to, an event value
+//! by the newest turn among its events). Everything else (sessions' metas, unfinished
+//! turns, invocations) stays in the main database. Retention returns a window's space
+//! by deleting its directory whole, which sled's files never do for deleted keys.
+//!
+//! **What a window holds belongs to its turns.** A turn's list entry and idempotency
+//! key are routed by the turn itself, an event value by its newest turn, and
+//! retention, when it deletes a turn, deletes its entry and key and writes every event
+//! value that held its events again without them (routed by the newest turn left, in
+//! an older or the same window). So once every turn minted in a window is deleted,
+//! and none is unfinished, nothing of a remaining turn is left in it.
 //!
 //! **Routing never changes after the fact.** A new window starts when the newest is
 //! older than `window_ms` or larger than `window_bytes`, at a start later than the
@@ -85,10 +94,15 @@ pub fn turn_ms(turn_id: &str) -> Option<u64> {
     u64::from_str_radix(hex.get(..12)?, 16).ok()
 }
 
-/// The timestamp of the turn a folded record's key names (None: not an `F` key of a
-/// minted turn id).
+/// The time a key is routed by: for a folded record the timestamp of the turn its key
+/// names, for a session's turn list entry, event value or idempotency key its route
+/// ([`keys::session_route`]). None: a key of the main database (any other kind, one
+/// written without a route, or one of a turn id that is not minted).
 pub fn routed_ms(key: &[u8]) -> Option<u64> {
-    turn_ms(keys::finished_turn_id(key)?)
+    match key.first()? {
+        b'F' => turn_ms(keys::finished_turn_id(key)?),
+        _ => keys::session_route(key),
+    }
 }
 
 /// The key whose commit drops the window starting at `start_ms`.

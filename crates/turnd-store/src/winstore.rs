@@ -11,17 +11,30 @@ use crate::sled_kv::{Shared, SledOptions};
 use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
 use crate::StoreError;
 
-/// MiB of sled cache per window: windows are written once per finished turn and read
-/// for finished turns only, and with `retention.terminal_ms` of 72 h and hourly
-/// windows about 73 are open at once, so a cache each of 4 MiB (the earlier size)
+/// MiB of sled cache of a window that takes no writes: with `retention.terminal_ms`
+/// of 72 h and hourly windows about 73 are open at once, so a cache each of 4 MiB
 /// could hold close to 300 MiB after reads of old turns; a miss is served by the
-/// operating system's page cache.
+/// operating system's page cache. A window that takes the writes of live sessions
+/// (the newest, and one made or opened while it does) has the main database's cache
+/// (`storage.cache_mb`) instead: it takes their turn list entries, events and
+/// idempotency keys, spread over the keyspace by session, and with 1 MiB sled read
+/// most of the leaves it changed back from its files (the applier's time per key
+/// went from about 20 to 30 – 40 µs in a retention soak). It goes back to this once
+/// idle ([`Windows::snapshot_idle`] opens it again).
 const WINDOW_CACHE_MB: u64 = 1;
+
+/// Keys written to a window with the small cache after which it is opened again with
+/// the large one: retention deleting an old window's turns writes to it for about
+/// `window_ms`, and a turn that ends late in it writes a handful of keys.
+const WARM_KEYS: u64 = 4096;
 
 pub(crate) struct Windows {
     dir: PathBuf,
     pub(crate) opts: WindowOptions,
+    /// Options of an idle window's sled.
     sled: SledOptions,
+    /// MiB of cache of a window that takes writes (the main database's).
+    hot_cache_mb: u64,
     state: RwLock<State>,
 }
 
@@ -32,6 +45,8 @@ struct State {
     /// Dropped windows whose directories are still to delete (once their drops are
     /// durable): their files are expected on disk meanwhile.
     deleting: HashSet<u64>,
+    /// Open windows whose sled has the small cache ([`WINDOW_CACHE_MB`]).
+    small: HashSet<u64>,
 }
 
 /// What the applier keeps about windows between rounds.
@@ -39,6 +54,8 @@ struct State {
 pub(crate) struct Upkeep {
     last_write: HashMap<u64, Instant>,
     snapshotted: HashSet<u64>,
+    /// Keys written to each window with the small cache since it got it.
+    small_writes: HashMap<u64, u64>,
 }
 
 fn lock_err() -> StoreError {
@@ -88,22 +105,36 @@ impl Windows {
                 checkpoint_mb: 0,
                 ..sled
             },
+            hot_cache_mb: sled.cache_mb.max(WINDOW_CACHE_MB),
             state: RwLock::new(State::default()),
         };
         if w.dir.exists() {
             let entries = std::fs::read_dir(&w.dir)
                 .map_err(|e| StoreError::Read(format!("list {:?}: {e}", w.dir)))?;
+            let mut starts = Vec::new();
             for e in entries {
                 let e = e.map_err(|e| StoreError::Read(format!("list {:?}: {e}", w.dir)))?;
-                let Some(start) = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) else {
-                    continue;
-                };
+                if let Some(start) = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) {
+                    starts.push(start);
+                }
+            }
+            starts.sort_unstable();
+            let newest = starts
+                .iter()
+                .rev()
+                .find(|s| !dropped.contains_key(s))
+                .copied();
+            for start in starts {
                 if dropped.contains_key(&start) {
                     // A drop durable in the main database whose deletion a crash cut.
                     w.remove_dir(start)?;
                     continue;
                 }
-                let shared = Shared::open(&e.path(), w.sled)?;
+                let hot = Some(start) == newest;
+                let shared = Shared::open(&w.dir.join(start.to_string()), w.opened(hot))?;
+                if !hot {
+                    state.small.insert(start);
+                }
                 state.table.slots.insert(start, Slot::Open);
                 state.open.insert(start, Arc::new(shared));
             }
@@ -115,6 +146,19 @@ impl Windows {
         );
         *w.state.write().map_err(|_| lock_err())? = state;
         Ok(w)
+    }
+
+    /// A window's sled options: the newest (which takes writes) with the main
+    /// database's cache, any other with [`WINDOW_CACHE_MB`].
+    fn opened(&self, newest: bool) -> SledOptions {
+        SledOptions {
+            cache_mb: if newest {
+                self.hot_cache_mb
+            } else {
+                WINDOW_CACHE_MB
+            },
+            ..self.sled
+        }
     }
 
     fn remove_dir(&self, start: u64) -> Result<(), StoreError> {
@@ -143,17 +187,28 @@ impl Windows {
         s.open.get(&start).cloned()
     }
 
-    /// The open windows whose keys meet `[start, end)`.
-    pub(crate) fn readers_in(&self, start: &[u8], end: &[u8]) -> Vec<Arc<Shared>> {
+    /// The open windows that can hold keys of `[start, end)`: for folded records,
+    /// those whose turn ids meet the range; for a session's routed keys, those that
+    /// end after `session_from` (its meta's `routed_from_ms`; None: no window).
+    pub(crate) fn readers_in(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        session_from: Option<u64>,
+    ) -> Vec<Arc<Shared>> {
         let Ok(s) = self.state.read() else {
             return Vec::new();
         };
+        let folded = start < &b"G"[..] && &b"F"[..] < end;
+        let from = session_from.filter(|_| crate::keys::meets_routed(start, end));
         let list = s.table.list(|_| 0);
         list.iter()
             .filter(|w| !w.dropped)
             .filter(|w| {
                 let (ws, we) = windows::finished_key_range(w.start_ms, w.end_ms);
-                ws.as_slice() < end && start < we.as_slice()
+                let ids = folded && ws.as_slice() < end && start < we.as_slice();
+                let session = from.is_some_and(|f| w.end_ms.is_none_or(|e| e > f));
+                ids || session
             })
             .filter_map(|w| s.open.get(&w.start_ms).cloned())
             .collect()
@@ -201,7 +256,7 @@ impl Windows {
         }
         // `Shared::open` creates the directory and syncs it; its entry in `windows/`
         // is synced here, before any record is routed to it.
-        let shared = Shared::open(&self.dir.join(start.to_string()), self.sled)?;
+        let shared = Shared::open(&self.dir.join(start.to_string()), self.opened(true))?;
         sync_dir(&self.dir)?;
         let mut s = self.state.write().map_err(|_| lock_err())?;
         s.table.slots.insert(start, Slot::Open);
@@ -259,10 +314,41 @@ impl Windows {
         }
     }
 
-    /// Note a write to a window.
-    pub(crate) fn written(&self, upkeep: &mut Upkeep, start: u64) {
+    /// Note a write of `keys` keys to a window.
+    pub(crate) fn written(&self, upkeep: &mut Upkeep, start: u64, keys: u64) {
         upkeep.last_write.insert(start, Instant::now());
         upkeep.snapshotted.remove(&start);
+        if self.state.read().is_ok_and(|s| s.small.contains(&start)) {
+            *upkeep.small_writes.entry(start).or_default() += keys;
+        }
+    }
+
+    /// Open again with the large cache each window with the small one that took
+    /// [`WARM_KEYS`] keys since (an old window whose turns retention deletes).
+    pub(crate) fn warm_written(&self, upkeep: &mut Upkeep) {
+        let due: Vec<u64> = upkeep
+            .small_writes
+            .iter()
+            .filter(|(_, n)| **n >= WARM_KEYS)
+            .map(|(s, _)| *s)
+            .collect();
+        for start in due {
+            let Some(shared) = self.get(start) else {
+                upkeep.small_writes.remove(&start);
+                continue;
+            };
+            shared.set_cache_mb(self.hot_cache_mb);
+            match shared.checkpoint(false) {
+                Ok(true) => {
+                    upkeep.small_writes.remove(&start);
+                    if let Ok(mut s) = self.state.write() {
+                        s.small.remove(&start);
+                    }
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!("reopening window {start} failed: {e}"),
+            }
+        }
     }
 
     /// Reopen each window that took no write for `idle` since it was last written
@@ -270,6 +356,7 @@ impl Windows {
     /// later start opens it fast, and the memory its cache and tables grew to while
     /// it took writes goes back. The newest window too, once writes pause.
     pub(crate) fn snapshot_idle(&self, upkeep: &mut Upkeep, idle: Duration) {
+        let newest = self.state.read().ok().and_then(|s| s.table.newest());
         for (start, shared) in self.all_open() {
             if upkeep.snapshotted.contains(&start) {
                 continue;
@@ -281,10 +368,22 @@ impl Windows {
             if !idle {
                 continue;
             }
+            // Opened again with the cache of a window that takes no writes, but for
+            // the newest, which takes them again once writes resume.
+            let hot = Some(start) == newest;
+            shared.set_cache_mb(self.opened(hot).cache_mb);
             match shared.checkpoint(false) {
                 Ok(true) => {
                     upkeep.snapshotted.insert(start);
                     upkeep.last_write.remove(&start);
+                    upkeep.small_writes.remove(&start);
+                    if let Ok(mut s) = self.state.write() {
+                        if hot {
+                            s.small.remove(&start);
+                        } else {
+                            s.small.insert(start);
+                        }
+                    }
                 }
                 Ok(false) => {}
                 Err(e) => tracing::warn!("reopening window {start} failed: {e}"),

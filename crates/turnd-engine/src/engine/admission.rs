@@ -24,7 +24,7 @@ impl Engine {
             if let Some(rec) = self
                 .inner
                 .store
-                .idempotency(&args.session_id, key)
+                .idempotency(st.meta.keys(), key)
                 .map_err(read_failed)?
             {
                 let t = self

@@ -136,7 +136,7 @@ impl Engine {
             let ids = self
                 .inner
                 .store
-                .session_turn_ids(&args.session_id, before, 256)
+                .session_turn_ids(st.meta.keys(), before, 256)
                 .map_err(read_failed)?;
             more = ids.len() == 256;
             for (seq, id) in ids {
@@ -214,13 +214,13 @@ impl Engine {
             .store
             .session_meta(&args.session_id)
             .map_err(read_failed)?;
-        if meta.is_none() {
+        let Some(meta) = meta else {
             return Err(EngineError::NoSession(args.session_id.clone()));
-        }
+        };
         let events = self
             .inner
             .store
-            .events(&args.session_id, after, limit as usize)
+            .events(meta.keys(), after, limit as usize)
             .map_err(read_failed)?;
         let next = events.last().map(|e| e.seq).unwrap_or(after);
         Ok(EventsOk { events, next })

@@ -45,7 +45,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::runtime::RuntimeFlavor;
 use turnd_proto::{Event, EventKind, TurnCounts, TurnStatus};
-use turnd_store::{keys, windows, Batch, SessionMeta, Store, StoreError};
+use turnd_store::{keys, windows, Batch, SessionKeys, SessionMeta, Store, StoreError};
 
 use super::{Engine, SessionCell};
 
@@ -216,31 +216,58 @@ struct Deleted {
     folded: HashSet<String>,
 }
 
+/// The keys of the expired turns' places in the session's turn list, as stored (with
+/// a route, or without one when written before routes), read in one scan.
+fn list_keys(
+    store: &Store,
+    s: SessionKeys<'_>,
+    expired: &[Expired],
+) -> Result<HashMap<u64, Vec<u8>>, StoreError> {
+    let (Some(first), Some(last)) = (
+        expired.iter().map(|t| t.seq).min(),
+        expired.iter().map(|t| t.seq).max(),
+    ) else {
+        return Ok(HashMap::new());
+    };
+    let wanted: HashMap<u64, &str> = expired
+        .iter()
+        .map(|t| (t.seq, t.turn_id.as_str()))
+        .collect();
+    Ok(store
+        .list_entries(s, first, last.saturating_add(1), false, usize::MAX)?
+        .into_iter()
+        .filter(|(_, seq, id)| wanted.get(seq) == Some(&id.as_str()))
+        .map(|(k, seq, _)| (seq, k))
+        .collect())
+}
+
 /// The deletes of the expired turns' own keys: their records, their places in the
 /// session's turn list, their idempotency keys (while these still name them) and
 /// their last invocations (unless folded into their records).
 fn delete_turns(
     store: &Store,
-    sid: &str,
+    s: SessionKeys<'_>,
     expired: Vec<Expired>,
     b: &mut Batch,
 ) -> Result<Deleted, StoreError> {
     let mut gone: HashSet<String> = HashSet::new();
     let mut statuses = Vec::new();
     let mut folded_invs: HashSet<String> = HashSet::new();
+    let mut listed = list_keys(store, s, &expired)?;
     for t in expired {
         b.delete(keys::finished(&t.turn_id));
         if t.folded.is_none() {
             b.delete(keys::turn(&t.turn_id));
             b.delete(keys::turn_input(&t.turn_id));
         }
-        b.delete(keys::session_turn(sid, t.seq));
+        if let Some(k) = listed.remove(&t.seq) {
+            b.delete(k);
+        }
         if let Some(k) = &t.idempotency_key {
-            if store
-                .idempotency(sid, k)?
-                .is_some_and(|r| r.turn_id == t.turn_id)
-            {
-                b.delete(keys::idempotency(sid, k));
+            if let Some((key, r)) = store.idempotency_entry(s, k)? {
+                if r.turn_id == t.turn_id {
+                    b.delete(key);
+                }
             }
         }
         folded_invs.extend(t.folded.into_iter().flatten());
@@ -264,7 +291,7 @@ fn delete_turns(
 /// are all of them, every event value is read, to forget the session.
 fn plan(
     store: &Store,
-    sid: &str,
+    s: SessionKeys<'_>,
     expired: Vec<Expired>,
     cutoff: u64,
     counts: &TurnCounts,
@@ -274,7 +301,7 @@ fn plan(
         gone,
         statuses,
         folded,
-    } = delete_turns(store, sid, expired, &mut b)?;
+    } = delete_turns(store, s, expired, &mut b)?;
     let read_all = total(counts) <= gone.len() as u64;
     let mut all_values = read_all.then(Vec::new);
 
@@ -297,7 +324,7 @@ fn plan(
     let mut pruned = false;
     let mut from: Option<Vec<u8>> = None;
     'scan: loop {
-        let (values, next) = store.event_values_page(sid, from.as_deref(), EVENT_PAGE)?;
+        let (values, next) = store.event_values_page(s, from.as_deref(), EVENT_PAGE)?;
         for (key, events) in values {
             if events.first().is_some_and(|e| e.at_ms > cutoff) {
                 match all_values.as_mut() {
@@ -333,10 +360,12 @@ fn plan(
                 }
             }
             pruned = true;
+            // Keyed by the last kept event and routed by the newest turn kept (a value
+            // written before routes is written again without one); written after the
+            // delete, so it wins when that is the same key.
+            let routed = keys::session_route(&key).is_some();
             b.delete(key);
-            // Keyed by the last kept event; written after the delete, so it wins
-            // when that is the same key.
-            b.put_events(&kept);
+            b.put_events_in(&kept, routed);
         }
         match next {
             Some(n) => from = Some(n),
@@ -361,10 +390,10 @@ fn uncount(counts: &mut TurnCounts, statuses: &[TurnStatus]) {
 }
 
 /// Deletes of every stored event value of `sid` (a session being forgotten).
-fn delete_all_events(store: &Store, sid: &str, b: &mut Batch) -> Result<(), StoreError> {
+fn delete_all_events(store: &Store, s: SessionKeys<'_>, b: &mut Batch) -> Result<(), StoreError> {
     let mut from: Option<Vec<u8>> = None;
     loop {
-        let (values, next) = store.event_values_page(sid, from.as_deref(), EVENT_PAGE)?;
+        let (values, next) = store.event_values_page(s, from.as_deref(), EVENT_PAGE)?;
         for (key, _) in values {
             b.delete(key);
         }
@@ -378,12 +407,12 @@ fn delete_all_events(store: &Store, sid: &str, b: &mut Batch) -> Result<(), Stor
 /// Whether an event of `sid` after `after` is about one of the turns in `gone`.
 fn touched(
     store: &Store,
-    sid: &str,
+    s: SessionKeys<'_>,
     after: u64,
     gone: &HashSet<String>,
 ) -> Result<bool, StoreError> {
     Ok(store
-        .events(sid, after, usize::MAX)?
+        .events(s, after, usize::MAX)?
         .iter()
         .any(|e| gone.contains(&e.turn_id)))
 }
@@ -477,6 +506,47 @@ impl Engine {
         }
     }
 
+    /// Lock the session once no event after `seen` is about a turn of `gone` (checked
+    /// without the lock, a few times, then under it). None: one is, the session is
+    /// left to the next sweep (a late result changed one of them).
+    async fn lock_untouched<'a>(
+        &self,
+        cell: &'a Arc<SessionCell>,
+        sid: &str,
+        mut seen: u64,
+        gone: &Arc<HashSet<String>>,
+    ) -> Result<Option<tokio::sync::MutexGuard<'a, super::SessionState>>, StoreError> {
+        let mut rechecks = 0;
+        loop {
+            let st = self.lock(cell).await?;
+            let now = st.meta.last_event_seq;
+            if now == seen {
+                return Ok(Some(st));
+            }
+            if rechecks == RECHECKS {
+                if touched(&self.inner.store, st.meta.keys(), seen, gone)? {
+                    return Ok(None);
+                }
+                return Ok(Some(st));
+            }
+            let from_ms = st.meta.routed_from_ms;
+            drop(st);
+            rechecks += 1;
+            let (store, owned_sid, g) = (self.inner.store.clone(), sid.to_string(), gone.clone());
+            let s = move || {
+                let keys = SessionKeys {
+                    id: &owned_sid,
+                    from_ms,
+                };
+                touched(&store, keys, seen, &g)
+            };
+            if off_runtime(s).await? {
+                return Ok(None);
+            }
+            seen = now;
+        }
+    }
+
     /// Delete the expired turns of one session (see the module doc).
     async fn expire(
         &self,
@@ -485,41 +555,29 @@ impl Engine {
         cutoff: u64,
     ) -> Result<u64, StoreError> {
         let cell = self.cell(sid);
-        let (planned_at, counts) = {
+        let (planned_at, counts, from_ms) = {
             let st = self.lock(&cell).await?;
-            (st.meta.last_event_seq, st.meta.counts.clone())
+            let m = &st.meta;
+            (m.last_event_seq, m.counts.clone(), m.routed_from_ms)
         };
-        let mut seen = planned_at;
         let store = self.inner.store.clone();
         let owned_sid = sid.to_string();
-        let plan = off_runtime(move || plan(&store, &owned_sid, expired, cutoff, &counts)).await?;
+        let plan = off_runtime(move || {
+            let s = SessionKeys {
+                id: &owned_sid,
+                from_ms,
+            };
+            plan(&store, s, expired, cutoff, &counts)
+        })
+        .await?;
         if plan.gone.is_empty() {
             return Ok(0);
         }
         let gone = Arc::new(plan.gone);
 
         // Under the lock only if nothing touched the turns since the reads.
-        let mut rechecks = 0;
-        let mut st = loop {
-            let st = self.lock(&cell).await?;
-            let now = st.meta.last_event_seq;
-            if now == seen {
-                break st;
-            }
-            if rechecks == RECHECKS {
-                if touched(&self.inner.store, sid, seen, &gone)? {
-                    return Ok(0);
-                }
-                break st;
-            }
-            drop(st);
-            rechecks += 1;
-            let (store, owned_sid, g) = (self.inner.store.clone(), sid.to_string(), gone.clone());
-            if off_runtime(move || touched(&store, &owned_sid, seen, &g)).await? {
-                // A late result changed one of them: the next sweep reads it again.
-                return Ok(0);
-            }
-            seen = now;
+        let Some(mut st) = self.lock_untouched(&cell, sid, planned_at, &gone).await? else {
+            return Ok(0);
         };
 
         let mut b = plan.batch;
@@ -539,7 +597,7 @@ impl Engine {
                         b.delete(k);
                     }
                 }
-                _ => delete_all_events(&self.inner.store, sid, &mut b)?,
+                _ => delete_all_events(&self.inner.store, st.meta.keys(), &mut b)?,
             }
             b.delete(keys::session_meta(sid));
         } else {

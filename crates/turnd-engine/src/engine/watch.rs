@@ -2,6 +2,7 @@
 //! connection's watches.
 
 use super::*;
+use turnd_store::SessionKeys;
 
 /// Events read per page of a watch's replay.
 const REPLAY_PAGE: usize = 256;
@@ -38,10 +39,11 @@ impl Engine {
             _ => return Err(EngineError::WatchTarget),
         };
         let watch_id = new_watch_id();
-        let start = {
+        let (start, from_ms) = {
             let cell = self.cell(&session_id);
             let st = self.lock(&cell).await.map_err(read_failed)?;
             let watermark = st.meta.last_event_seq;
+            let from_ms = st.meta.routed_from_ms;
             let mut w = self.inner.watches.lock();
             let mine = w
                 .values()
@@ -60,9 +62,13 @@ impl Engine {
                 sent: start,
                 replaying: Some(watermark),
             });
-            start
+            (start, from_ms)
         };
-        let first = match self.inner.store.events(&session_id, start, REPLAY_PAGE) {
+        let keys = SessionKeys {
+            id: &session_id,
+            from_ms,
+        };
+        let first = match self.inner.store.events(keys, start, REPLAY_PAGE) {
             Ok(page) => page,
             Err(e) => {
                 self.drop_watch(&session_id, &watch_id);
@@ -77,7 +83,7 @@ impl Engine {
         let tid = turn_id.as_deref();
         if !sent
             || !self
-                .replay(&session_id, &watch_id, tid, start, first, outbox)
+                .replay(keys, &watch_id, tid, start, first, outbox)
                 .await
         {
             // The connection is gone (its watches may already have been dropped).
@@ -93,18 +99,19 @@ impl Engine {
     /// without a gap; the client resumes with `after` on a new one).
     async fn replay(
         &self,
-        session_id: &str,
+        keys: SessionKeys<'_>,
         watch_id: &str,
         turn_id: Option<&str>,
         mut cursor: u64,
         first: Vec<Event>,
         outbox: &Outbox,
     ) -> bool {
+        let session_id = keys.id;
         let mut next = Some(first);
         loop {
             let page = match next.take() {
                 Some(p) => p,
-                None => match self.inner.store.events(session_id, cursor, REPLAY_PAGE) {
+                None => match self.inner.store.events(keys, cursor, REPLAY_PAGE) {
                     Ok(p) => p,
                     Err(e) => {
                         tracing::warn!(

@@ -26,11 +26,8 @@ async fn engine(terminal_ms: u64) -> Engine {
     Engine::open(Store::new(kv), cfg).await.expect("open")
 }
 
-/// Time windows of finished turns: a window is dropped whole once every turn
-/// minted in it is gone, never while one of its turns is unfinished, and never
-/// the newest one.
-#[tokio::test(start_paused = true)]
-async fn a_window_is_dropped_once_all_its_turns_are_gone() {
+/// An engine keeping turns 10 s on an in-memory store with 20 ms windows.
+async fn windowed() -> (Arc<turnd_store::mem::MemKv>, Engine) {
     let kv = Arc::new(turnd_store::mem::MemKv::with_windows(
         turnd_store::WindowOptions {
             window_ms: 20,
@@ -45,6 +42,15 @@ async fn a_window_is_dropped_once_all_its_turns_are_gone() {
     let e = Engine::open(Store::new(kv.clone()), cfg)
         .await
         .expect("open");
+    (kv, e)
+}
+
+/// Time windows of finished turns: a window is dropped whole once every turn
+/// minted in it is gone, never while one of its turns is unfinished, and never
+/// the newest one.
+#[tokio::test(start_paused = true)]
+async fn a_window_is_dropped_once_all_its_turns_are_gone() {
+    let (kv, e) = windowed().await;
     let wall = |ms| std::thread::sleep(Duration::from_millis(ms));
     // A window is made when a finished turn is written and the newest is older
     // than 20 ms, starting after every turn id minted so far.
@@ -133,7 +139,11 @@ async fn a_sweep_deletes_expired_turns_and_forgets_empty_sessions() {
 
     let store = &e.inner.store;
     assert!(store.turn(&old.turn.turn_id).expect("read").is_none());
-    assert!(store.idempotency("s", "k1").expect("read").is_none());
+    let meta = store.session_meta("s").expect("read").expect("meta");
+    assert!(store
+        .idempotency(meta.keys(), "k1")
+        .expect("read")
+        .is_none());
     let listed = e
         .list_turns(ListArgs {
             session_id: "s".into(),
@@ -148,7 +158,7 @@ async fn a_sweep_deletes_expired_turns_and_forgets_empty_sessions() {
     assert_eq!(listed.turns[0].status, TurnStatus::Queued);
     let s = e.inspect("s").await.expect("inspect");
     assert_eq!((s.turns.cancelled, s.turns.queued), (0, 1));
-    let events = store.events("s", 0, usize::MAX).expect("events");
+    let events = store.events(meta.keys(), 0, usize::MAX).expect("events");
     assert!(
         events.iter().all(|ev| ev.turn_id == kept.turn.turn_id),
         "{events:?}"
@@ -167,16 +177,12 @@ async fn a_sweep_deletes_expired_turns_and_forgets_empty_sessions() {
     assert_ne!(reused.turn.turn_id, old.turn.turn_id);
 }
 
-/// Every delete a sweep plans is of a key that is there: a finished turn's own
-/// record, its input stored apart and the invocations folded into its record went
-/// when it was folded, and deleting them again would only load the commit log, the
-/// overlay and the applier.
-#[tokio::test(start_paused = true)]
-async fn a_sweep_deletes_only_keys_that_are_there() {
+/// A worker `w` serving `f` one invocation at a time, attached to `e`: its pushes,
+/// and who it is when it answers.
+async fn worker(e: &Engine) -> (tokio::sync::mpsc::Receiver<String>, crate::Caller) {
     use crate::{Caller, Outbox};
-    use turnd_proto::{Delivery, HelloArgs, Outcome, RegisterArgs, ResultArgs, Role};
-    let e = engine(10_000).await;
-    let (ob, mut rx) = Outbox::new("c1".into(), 1024);
+    use turnd_proto::{Delivery, HelloArgs, RegisterArgs, Role};
+    let (ob, rx) = Outbox::new("c1".into(), 1024);
     let hello = HelloArgs {
         protocol: 1,
         role: Role::Worker,
@@ -196,38 +202,58 @@ async fn a_sweep_deletes_only_keys_that_are_there() {
         max_attempts: None,
     };
     e.register("w", &reg).expect("register");
-    let worker = Caller {
+    let caller = Caller {
         role: Role::Worker,
         worker_id: Some("w".into()),
     };
+    (rx, caller)
+}
+
+/// The invocation id of the next `invoke` pushed to the worker.
+async fn next_invocation(rx: &mut tokio::sync::mpsc::Receiver<String>) -> String {
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+        while let Ok(f) = rx.try_recv() {
+            let v: serde_json::Value = serde_json::from_str(&f).expect("JSON");
+            if v["push"] == "invoke" {
+                if let Some(id) = v["invocation_id"].as_str() {
+                    return id.to_string();
+                }
+            }
+        }
+    }
+    panic!("no turn was dispatched");
+}
+
+/// Complete the invocation with `output`.
+async fn complete(e: &Engine, worker: &crate::Caller, invocation_id: String, output: u64) {
+    use turnd_proto::{Outcome, ResultArgs};
+    e.result(
+        worker,
+        ResultArgs {
+            invocation_id,
+            outcome: Outcome::Complete(json!({"i": output})),
+        },
+    )
+    .await
+    .expect("result");
+}
+
+/// Every delete a sweep plans is of a key that is there: a finished turn's own
+/// record, its input stored apart and the invocations folded into its record went
+/// when it was folded, and deleting them again would only load the commit log, the
+/// overlay and the applier.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_deletes_only_keys_that_are_there() {
+    let e = engine(10_000).await;
+    let (mut rx, worker) = worker(&e).await;
     // Three turns run to completion (each with an invocation folded into its
     // record), one with an idempotency key, and one cancelled while queued.
     for i in 0..3 {
         let key = (i == 1).then_some("k");
         e.submit(submit("s", key)).await.expect("submit");
-        let mut inv = None;
-        for _ in 0..100 {
-            tokio::task::yield_now().await;
-            while let Ok(f) = rx.try_recv() {
-                let v: serde_json::Value = serde_json::from_str(&f).expect("JSON");
-                if v["push"] == "invoke" {
-                    inv = v["invocation_id"].as_str().map(str::to_string);
-                }
-            }
-            if inv.is_some() {
-                break;
-            }
-        }
-        let invocation_id = inv.expect("the turn was dispatched");
-        e.result(
-            &worker,
-            ResultArgs {
-                invocation_id,
-                outcome: Outcome::Complete(json!({"i": i})),
-            },
-        )
-        .await
-        .expect("result");
+        let invocation_id = next_invocation(&mut rx).await;
+        complete(&e, &worker, invocation_id, i).await;
     }
     let blocker = e.submit(submit("s", None)).await.expect("submit");
     let queued = e.submit(submit("s", None)).await.expect("submit");
@@ -242,8 +268,8 @@ async fn a_sweep_deletes_only_keys_that_are_there() {
         .next()
         .expect("the session's turns");
     assert_eq!(expired.len(), 4, "three completed and one cancelled");
-    let counts = store.session_meta("s").expect("meta").expect("meta").counts;
-    let planned = plan(store, "s", expired, cutoff, &counts).expect("plan");
+    let meta = store.session_meta("s").expect("meta").expect("meta");
+    let planned = plan(store, meta.keys(), expired, cutoff, &meta.counts).expect("plan");
     let kv = store.kv();
     let mut deletes = 0;
     for op in &planned.batch.ops {
@@ -263,4 +289,103 @@ async fn a_sweep_deletes_only_keys_that_are_there() {
     // And the sweep itself leaves the unfinished turn and nothing of the others.
     assert_eq!(e.sweep().await.expect("sweep"), 4);
     assert!(store.turn(&blocker.turn.turn_id).expect("read").is_some());
+}
+
+/// A session's list entries, events and idempotency keys are in the windows of
+/// their turns, an event value in its newest turn's: when a turn ends and hands the
+/// session to the next one in the same transition, the value of both is in the next
+/// one's window. Dropping the first turn's window once it expired leaves nothing
+/// behind (nothing is moved to the main database) and takes nothing of the turn that
+/// remains; the store's invariants hold throughout, routes included.
+#[tokio::test(start_paused = true)]
+async fn a_window_drop_takes_only_what_belongs_to_its_deleted_turns() {
+    let (kv, e) = windowed().await;
+    let wall = |ms| std::thread::sleep(Duration::from_millis(ms));
+    let checked = || async {
+        let found = turnd_store::check_store(&e.inner.store).expect("check");
+        assert!(found.is_empty(), "{found:?}");
+    };
+    // The first window, made by a turn that ends at once (stopped while queued, before
+    // there is a worker).
+    let first = e.submit(submit("p", None)).await.expect("submit").turn;
+    e.stop_turn(&first.turn_id, None).await.expect("stop");
+    let (mut rx, worker) = worker(&e).await;
+    wall(30);
+    let x = e
+        .submit(submit("s", Some("kx")))
+        .await
+        .expect("submit")
+        .turn;
+    let x_inv = next_invocation(&mut rx).await;
+    wall(30);
+    let y = e
+        .submit(submit("s", Some("ky")))
+        .await
+        .expect("submit")
+        .turn;
+    wall(30);
+    // Made by this admission: a window after both.
+    e.submit(submit("q", None)).await.expect("submit");
+    let windows = kv.windows().expect("windows");
+    let window_of = |id: &str| {
+        let ms = turnd_store::windows::turn_ms(id).expect("minted");
+        windows
+            .iter()
+            .rev()
+            .find(|w| w.start_ms <= ms)
+            .map(|w| w.start_ms)
+    };
+    let (w_x, w_y) = (window_of(&x.turn_id), window_of(&y.turn_id));
+    assert!(w_x.is_some() && w_x < w_y, "{windows:?}");
+    // X completes and Y is dispatched in the same transition.
+    complete(&e, &worker, x_inv, 1).await;
+    let y_inv = next_invocation(&mut rx).await;
+    checked().await;
+
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    wall(MINT_MARGIN_MS + 50);
+    assert_eq!(e.sweep().await.expect("sweep"), 2, "X and the first turn");
+    let dropped = |start: Option<u64>| {
+        kv.windows()
+            .expect("windows")
+            .into_iter()
+            .any(|w| Some(w.start_ms) == start && w.dropped)
+    };
+    assert!(dropped(w_x), "X's window goes with X");
+    assert!(!dropped(w_y), "Y is unfinished");
+    assert_eq!(kv.commit_stats().window_leftovers, 0);
+    checked().await;
+    let events = |after| {
+        e.events(turnd_proto::EventsArgs {
+            session_id: "s".into(),
+            after: Some(after),
+            limit: None,
+        })
+    };
+    let left = events(0).await.expect("events").events;
+    assert!(left.iter().all(|ev| ev.turn_id == y.turn_id), "{left:?}");
+    let kinds: Vec<_> = left.iter().map(|ev| ev.kind).collect();
+    assert_eq!(
+        kinds,
+        [EventKind::Admitted, EventKind::Dispatched],
+        "Y's events, the one written with X's included"
+    );
+    let meta = e
+        .inner
+        .store
+        .session_meta("s")
+        .expect("read")
+        .expect("meta");
+    let y_key = e.inner.store.idempotency(meta.keys(), "ky").expect("read");
+    assert_eq!(y_key.map(|r| r.turn_id), Some(y.turn_id.clone()));
+
+    // Y ends and expires: its window goes too, and the session is forgotten.
+    complete(&e, &worker, y_inv, 2).await;
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    wall(MINT_MARGIN_MS + 50);
+    assert_eq!(e.sweep().await.expect("sweep"), 1);
+    assert!(dropped(w_y));
+    assert_eq!(kv.commit_stats().window_leftovers, 0);
+    assert!(e.inspect("s").await.is_err(), "forgotten");
+    checked().await;
 }

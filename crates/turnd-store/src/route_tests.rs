@@ -1,0 +1,205 @@
+//! The routed keys of sessions in [`crate::LoggedKv`]'s time windows: where they are
+//! written, which windows a read of a session looks in, and what a window's drop and
+//! a replay after a crash do with them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use turnd_proto::{Event, EventKind};
+
+use crate::windows::WindowOptions;
+use crate::{
+    Batch, IdempotencyRecord, Kv, LoggedKv, LoggedOptions, RawJson, SessionKeys, SessionMeta,
+    Store, TurnRecord,
+};
+
+fn turn_at(ms: u64, n: u8) -> String {
+    format!("t_{ms:012x}7000800000000000{n:04x}")
+}
+
+fn event(seq: u64, turn_id: &str) -> Event {
+    Event {
+        seq,
+        session_id: "s".into(),
+        turn_id: turn_id.into(),
+        at_ms: seq,
+        kind: EventKind::Admitted,
+        detail: json!({}),
+    }
+}
+
+async fn commit(store: &Store, b: Batch) {
+    store.commit(b).await.expect("committed");
+}
+
+/// Admit `turn_id` at `seq` into the meta's session: its list entry, an event, an
+/// idempotency key named after it, and the meta recording where its keys are.
+fn admission(meta: &mut SessionMeta, seq: u64, turn_id: &str) -> Batch {
+    let input = RawJson::from_value(&json!(null));
+    let t = TurnRecord::admitted(turn_id.into(), &meta.session_id, seq, "f", input, 0);
+    let mut b = Batch::new();
+    b.put_list_entry(&t);
+    b.put_events(&[event(seq, turn_id)]);
+    b.put_idempotency(
+        &meta.session_id,
+        &format!("k{seq}"),
+        &IdempotencyRecord {
+            turn_id: turn_id.into(),
+        },
+    );
+    meta.last_turn_seq = seq;
+    meta.last_event_seq = seq;
+    meta.routed_at(b.routed_from());
+    b.put_session_meta(meta);
+    b
+}
+
+fn listed(store: &Store, s: SessionKeys<'_>) -> Vec<String> {
+    let mut ids: Vec<String> = store
+        .session_turn_ids(s, u64::MAX, usize::MAX)
+        .expect("list")
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect();
+    ids.reverse();
+    ids
+}
+
+fn event_turns(store: &Store, s: SessionKeys<'_>) -> Vec<String> {
+    store
+        .events(s, 0, usize::MAX)
+        .expect("events")
+        .into_iter()
+        .map(|e| e.turn_id)
+        .collect()
+}
+
+fn refs(ids: &[&String]) -> Vec<String> {
+    ids.iter().map(|s| s.to_string()).collect()
+}
+
+/// A session's turn list entries, event values and idempotency keys go to the
+/// window of their turn (an event value to its newest turn's), those of turns minted
+/// before the first window to the main database. A read of the session looks in the
+/// windows from its meta's `routed_from_ms` on, and finds each of them; a window
+/// before that is not read. A dropped window's keys move to the main database and
+/// read the same, also after a replay of the log from before the drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let manual = LoggedOptions {
+        segment_bytes: 4096,
+        apply_interval: Duration::from_secs(3600),
+        windows: WindowOptions {
+            window_ms: 1,
+            window_bytes: u64::MAX,
+        },
+        ..LoggedOptions::default()
+    };
+    let (kv, _) = LoggedKv::open(dir.path(), manual).expect("open");
+    let kv = Arc::new(kv);
+    let store = Store::new(kv.clone());
+    // Two windows, made by a turn admitted far in the future (a window is made only
+    // when turns are admitted or finished).
+    let far = turn_at(u64::from(u32::MAX) << 8, 9);
+    let mut scratch = SessionMeta::new("far");
+    for _ in 0..2 {
+        let mut b = admission(&mut scratch, 1, &far);
+        b.ops
+            .retain(|op| matches!(op, crate::KvOp::Put(k, _) if k[0] == b'L'));
+        commit(&store, b).await;
+        kv.sync().expect("round: a window");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let list = kv.windows().expect("windows");
+    assert!(list.len() >= 2, "{list:?}");
+    let (a, b) = (list[0].start_ms, list[0].end_ms.expect("end"));
+
+    let (old, early, late) = (turn_at(a - 1, 0), turn_at(a, 1), turn_at(b, 2));
+    let mut meta = SessionMeta::new("s");
+    for (seq, id) in [(1, &old), (2, &early), (3, &late)] {
+        commit(&store, admission(&mut meta, seq, id)).await;
+    }
+    // One transition's events about two turns: routed by the newer one.
+    let mut both = Batch::new();
+    both.put_events(&[event(4, &early), event(5, &late)]);
+    meta.last_event_seq = 5;
+    meta.routed_at(both.routed_from());
+    both.put_session_meta(&meta);
+    commit(&store, both).await;
+    kv.sync().expect("apply");
+    assert_eq!(
+        meta.routed_from_ms,
+        crate::keys::route_of(&old),
+        "the meta records the earliest turn of a routed key (in the main database here)"
+    );
+
+    let all = [old.clone(), early.clone(), late.clone()];
+    assert_eq!(listed(&store, meta.keys()), all);
+    assert_eq!(
+        event_turns(&store, meta.keys()),
+        refs(&[&old, &early, &late, &early, &late])
+    );
+    for (seq, id) in [(1, &old), (2, &early), (3, &late)] {
+        let rec = store
+            .idempotency(meta.keys(), &format!("k{seq}"))
+            .expect("read");
+        assert_eq!(rec.map(|r| r.turn_id).as_ref(), Some(id));
+    }
+    // Where each is: the main database alone holds the turn minted before any window;
+    // from the second window on, the first window's keys are not read.
+    let main_only = SessionKeys {
+        id: "s",
+        from_ms: None,
+    };
+    assert_eq!(listed(&store, main_only), std::slice::from_ref(&old));
+    let from_b = SessionKeys {
+        id: "s",
+        from_ms: Some(b),
+    };
+    assert_eq!(listed(&store, from_b), [old.clone(), late.clone()]);
+    assert_eq!(
+        event_turns(&store, from_b),
+        refs(&[&old, &late, &early, &late]),
+        "the value of both turns is in the second window"
+    );
+    assert!(store.idempotency(from_b, "k2").expect("read").is_none());
+    // A plain scan reads every window.
+    let (ls, le) = crate::keys::session_turn_range();
+    let scanned = kv.scan(&ls, &le, false, usize::MAX).expect("scan");
+    assert_eq!(scanned.len(), 4, "three turns of s and the far one");
+
+    // Not applied before the "crash": one more event of the first window's turn, then
+    // the window's drop.
+    let mut more = Batch::new();
+    more.put_events(&[event(6, &early)]);
+    meta.last_event_seq = 6;
+    more.put_session_meta(&meta);
+    commit(&store, more).await;
+    let mut d = Batch::new();
+    d.drop_window(a);
+    commit(&store, d).await;
+    let crashed = tempfile::tempdir().expect("tempdir");
+    crate::logged::tests::copy_dir(dir.path(), crashed.path());
+
+    kv.sync().expect("apply the drop");
+    assert!(!dir.path().join("windows").join(a.to_string()).exists());
+    let wanted_events = refs(&[&old, &early, &late, &early, &late, &early]);
+    for s in [meta.keys(), main_only] {
+        assert_eq!(listed(&store, s)[..2], [old.clone(), early.clone()]);
+        assert!(store.idempotency(s, "k2").expect("read").is_some());
+    }
+    assert_eq!(event_turns(&store, meta.keys()), wanted_events);
+    drop(store);
+    kv.close().expect("close");
+    drop(kv);
+
+    let (kv, replayed) = LoggedKv::open(crashed.path(), manual).expect("reopen");
+    assert_eq!(replayed.records, 2, "the event and the drop");
+    assert!(!crashed.path().join("windows").join(a.to_string()).exists());
+    let store = Store::new(Arc::new(kv));
+    assert_eq!(listed(&store, meta.keys()), all);
+    assert_eq!(event_turns(&store, meta.keys()), wanted_events);
+    assert_eq!(listed(&store, main_only), [old.clone(), early.clone()]);
+}
