@@ -149,6 +149,18 @@ impl Kv for FaultyKv {
         self.inner.scan_session(start, end, reverse, limit, from_ms)
     }
 
+    fn scan_one(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        from_ms: Option<u64>,
+    ) -> Result<Option<Entry>, StoreError> {
+        if self.faults.fail_reads.load(Ordering::SeqCst) {
+            return Err(StoreError::Read("injected read fault".into()));
+        }
+        self.inner.scan_one(start, end, from_ms)
+    }
+
     fn commit(&self, batch: Batch) -> CommitTicket {
         if self.refuse_commit(&batch) {
             let (tx, rx) = tokio::sync::oneshot::channel();

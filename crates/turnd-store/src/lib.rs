@@ -324,6 +324,21 @@ pub trait Kv: Send + Sync + 'static {
     ) -> Result<Vec<Entry>, StoreError> {
         self.scan(start, end, reverse, limit)
     }
+    /// The key of a range of one session's keys that holds at most one (its turn list
+    /// entry at one seq, whose route a reader does not know), as [`Kv::scan_session`]
+    /// reads it. A store with time windows looks in them newest first and stops at
+    /// the first it finds, where a scan reads every one.
+    fn scan_one(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        from_ms: Option<u64>,
+    ) -> Result<Option<Entry>, StoreError> {
+        Ok(self
+            .scan_session(start, end, false, 1, from_ms)?
+            .into_iter()
+            .next())
+    }
     /// Queue an atomic batch for the next group commit.
     fn commit(&self, batch: Batch) -> CommitTicket;
     /// Make everything committed so far durable (used at shutdown).
@@ -693,12 +708,12 @@ impl Store {
 
     /// The turn id a session's turn list holds at `seq`.
     pub fn list_entry(&self, s: SessionKeys<'_>, seq: u64) -> Result<Option<String>, StoreError> {
-        let to = seq.saturating_add(1);
-        Ok(self
-            .list_entries(s, seq, to, false, 1)?
-            .into_iter()
-            .next()
-            .map(|(_, _, id)| id))
+        let start = keys::session_turn(s.id, seq);
+        let end = keys::session_turn(s.id, seq.saturating_add(1));
+        self.kv
+            .scan_one(&start, &end, s.from_ms)?
+            .map(|(_, v)| turn_index_id(v))
+            .transpose()
     }
 
     /// Up to `limit` session metas with keys from `from` on (start with
@@ -719,12 +734,21 @@ impl Store {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
-        let to = meta
-            .last_turn_seq
-            .saturating_add(1)
-            .max(from.saturating_add(1));
-        let ids = self.list_entries(meta.keys(), from, to, false, usize::MAX)?;
-        for (_, seq, id) in ids {
+        let ids = if from >= meta.last_turn_seq {
+            // The common case, one unfinished turn and nothing after it: a lookup that
+            // stops at the window holding it (a scan reads every window of the
+            // session's time).
+            self.list_entry(meta.keys(), from)?
+                .map(|id| vec![(from, id)])
+                .unwrap_or_default()
+        } else {
+            let to = meta.last_turn_seq.saturating_add(1);
+            self.list_entries(meta.keys(), from, to, false, usize::MAX)?
+                .into_iter()
+                .map(|(_, seq, id)| (seq, id))
+                .collect()
+        };
+        for (seq, id) in ids {
             let t = self.turn(&id)?.ok_or_else(|| {
                 StoreError::Corrupt(format!(
                     "session {} lists missing turn {id} at seq {seq}",

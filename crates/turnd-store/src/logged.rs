@@ -1417,6 +1417,57 @@ impl Kv for LoggedKv {
         })
     }
 
+    fn scan_one(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        from_ms: Option<u64>,
+    ) -> Result<Option<Entry>, StoreError> {
+        if start >= end {
+            return Ok(None);
+        }
+        let (pending, wins) = {
+            let o = self
+                .inner
+                .overlay
+                .read()
+                .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
+            let pending: Vec<(Vec<u8>, Value)> = o
+                .map
+                .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)))
+                .map(|(k, p)| (k.to_vec(), p.value.clone()))
+                .collect();
+            (pending, self.inner.windows.readers_in(start, end, from_ms))
+        };
+        // The overlay holds the newest value of what it holds.
+        if let Some((k, Some(v))) = pending.iter().find(|(_, v)| v.is_some()) {
+            return Ok(Some((k.clone(), v.to_vec())));
+        }
+        let deleted = |k: &[u8]| pending.iter().any(|(p, _)| p.as_slice() == k);
+        // Newest window first: a session's recent turns are there; the main database
+        // (keys of no route, or moved out of a dropped window) last.
+        let sources = wins
+            .iter()
+            .rev()
+            .map(|w| &**w)
+            .chain(std::iter::once(&*self.inner.sled));
+        for src in sources {
+            let hit = src.with(|h| {
+                for r in h.db.range(start.to_vec()..end.to_vec()) {
+                    let (k, v) = r.map_err(|e| StoreError::Read(e.to_string()))?;
+                    if !deleted(&k) {
+                        return Ok(Some((k.to_vec(), v.to_vec())));
+                    }
+                }
+                Ok(None)
+            })?;
+            if hit.is_some() {
+                return Ok(hit);
+            }
+        }
+        Ok(None)
+    }
+
     fn commit(&self, batch: Batch) -> CommitTicket {
         let (reply, rx) = tokio::sync::oneshot::channel();
         let job = LogJob::new(batch, reply);

@@ -165,6 +165,14 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
         "the value of both turns is in the second window"
     );
     assert!(store.idempotency(from_b, "k2").expect("read").is_none());
+    // The one entry at a seq, found wherever it is (the main database, either window),
+    // and not in a window the session's keys cannot be in.
+    for (seq, id) in [(1, &old), (2, &early), (3, &late)] {
+        let at = store.list_entry(meta.keys(), seq).expect("read");
+        assert_eq!(at.as_ref(), Some(id), "seq {seq}");
+    }
+    assert_eq!(store.list_entry(from_b, 2).expect("read"), None);
+    assert_eq!(store.list_entry(meta.keys(), 4).expect("read"), None);
     // A plain scan reads every window.
     let (ls, le) = crate::keys::session_turn_range();
     let scanned = kv.scan(&ls, &le, false, usize::MAX).expect("scan");
@@ -202,4 +210,14 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     assert_eq!(listed(&store, meta.keys()), all);
     assert_eq!(event_turns(&store, meta.keys()), wanted_events);
     assert_eq!(listed(&store, main_only), [old.clone(), early.clone()]);
+    assert_eq!(
+        store.list_entry(meta.keys(), 2).expect("read").as_ref(),
+        Some(&early),
+        "moved to the main database by the drop"
+    );
+    // A delete not yet applied hides the entry in its window.
+    let mut del = Batch::new();
+    del.delete(crate::keys::session_turn_of("s", 3, &late));
+    commit(&store, del).await;
+    assert_eq!(store.list_entry(meta.keys(), 3).expect("read"), None);
 }
