@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use turnd_proto::{Event, TurnStatus, Violation};
+use turnd_proto::{TurnStatus, Violation};
 
 use crate::{
     keys, windows, FoldedTurn, InvState, InvocationRecord, Phase, SessionKeys, SessionMeta, Store,
@@ -477,13 +477,7 @@ fn routes_reachable(
                 });
             }
             if k.first() == Some(&b'E') {
-                let events: Vec<Event> = if v.first() == Some(&b'[') {
-                    serde_json::from_slice(&v)
-                } else {
-                    serde_json::from_slice(&v).map(|e| vec![e])
-                }
-                .map_err(|e| StoreError::Corrupt(format!("events: {e}")))?;
-                let newest = events
+                let newest = crate::event_value(&v)?
                     .iter()
                     .filter_map(|e| windows::turn_ms(&e.turn_id))
                     .max();

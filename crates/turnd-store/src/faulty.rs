@@ -99,6 +99,14 @@ impl FaultyKv {
             .is_ok()
     }
 
+    /// An injected read fault, while reads are set to fail.
+    fn read_fault(&self) -> Result<(), StoreError> {
+        if self.faults.fail_reads.load(Ordering::SeqCst) {
+            return Err(StoreError::Read("injected read fault".into()));
+        }
+        Ok(())
+    }
+
     fn refuse_commit(&self, batch: &Batch) -> bool {
         let n = self.faults.commits.fetch_add(1, Ordering::SeqCst) + 1;
         let nth = self.faults.fail_at.load(Ordering::SeqCst) == n;
@@ -116,9 +124,7 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 
 impl Kv for FaultyKv {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        if self.faults.fail_reads.load(Ordering::SeqCst) {
-            return Err(StoreError::Read("injected read fault".into()));
-        }
+        self.read_fault()?;
         self.inner.get(key)
     }
 
@@ -129,9 +135,7 @@ impl Kv for FaultyKv {
         reverse: bool,
         limit: usize,
     ) -> Result<Vec<Entry>, StoreError> {
-        if self.faults.fail_reads.load(Ordering::SeqCst) {
-            return Err(StoreError::Read("injected read fault".into()));
-        }
+        self.read_fault()?;
         self.inner.scan(start, end, reverse, limit)
     }
 
@@ -143,9 +147,7 @@ impl Kv for FaultyKv {
         limit: usize,
         from_ms: Option<u64>,
     ) -> Result<Vec<Entry>, StoreError> {
-        if self.faults.fail_reads.load(Ordering::SeqCst) {
-            return Err(StoreError::Read("injected read fault".into()));
-        }
+        self.read_fault()?;
         self.inner.scan_session(start, end, reverse, limit, from_ms)
     }
 
@@ -155,9 +157,7 @@ impl Kv for FaultyKv {
         end: &[u8],
         from_ms: Option<u64>,
     ) -> Result<Option<Entry>, StoreError> {
-        if self.faults.fail_reads.load(Ordering::SeqCst) {
-            return Err(StoreError::Read("injected read fault".into()));
-        }
+        self.read_fault()?;
         self.inner.scan_one(start, end, from_ms)
     }
 

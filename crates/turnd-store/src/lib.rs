@@ -248,12 +248,14 @@ impl Batch {
 
     /// The route of an event value: its newest turn's time, noting every turn's.
     fn events_route(&mut self, group: &[Event]) -> Option<u64> {
-        let times: Option<Vec<u64>> = group.iter().map(|e| keys::route_of(&e.turn_id)).collect();
-        let times = times?;
-        for ms in &times {
-            self.note_routed(Some(*ms));
+        let (mut oldest, mut newest) = (u64::MAX, 0);
+        for e in group {
+            let ms = keys::route_of(&e.turn_id)?;
+            oldest = oldest.min(ms);
+            newest = newest.max(ms);
         }
-        times.into_iter().max()
+        self.note_routed(Some(oldest));
+        Some(newest)
     }
 
     /// An idempotency key, routed by the turn it names.
@@ -325,9 +327,9 @@ pub trait Kv: Send + Sync + 'static {
         self.scan(start, end, reverse, limit)
     }
     /// The key of a range of one session's keys that holds at most one (its turn list
-    /// entry at one seq, whose route a reader does not know), as [`Kv::scan_session`]
-    /// reads it. A store with time windows looks in them newest first and stops at
-    /// the first it finds, where a scan reads every one.
+    /// entry at one seq, or one idempotency key: a reader does not know their routes),
+    /// as [`Kv::scan_session`] reads it. A store with time windows looks in them
+    /// newest first and stops at the first it finds, where a scan reads every one.
     fn scan_one(
         &self,
         start: &[u8],
@@ -443,6 +445,15 @@ pub struct Store {
 
 fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
+}
+
+/// The events of a stored event value: one event, or an array of them.
+pub(crate) fn event_value(v: &[u8]) -> Result<Vec<Event>, StoreError> {
+    if v.first() == Some(&b'[') {
+        decode("events", v)
+    } else {
+        Ok(vec![decode("event", v)?])
+    }
 }
 
 impl Store {
@@ -564,12 +575,7 @@ impl Store {
         key: &str,
     ) -> Result<Option<(Vec<u8>, IdempotencyRecord)>, StoreError> {
         let (start, end) = keys::idempotency_range(s.id, key);
-        match self
-            .kv
-            .scan_session(&start, &end, false, 1, s.from_ms)?
-            .into_iter()
-            .next()
-        {
+        match self.kv.scan_one(&start, &end, s.from_ms)? {
             Some((k, v)) => Ok(Some((k, decode("idempotency key", &v)?))),
             None => Ok(None),
         }
@@ -602,12 +608,7 @@ impl Store {
             let n = PAGE.min(limit - out.len());
             let page = self.kv.scan_session(&from, &end, false, n, s.from_ms)?;
             for (_, v) in &page {
-                let group: Vec<Event> = if v.first() == Some(&b'[') {
-                    decode("events", v)?
-                } else {
-                    vec![decode("event", v)?]
-                };
-                out.extend(group.into_iter().filter(|e| e.seq > after));
+                out.extend(event_value(v)?.into_iter().filter(|e| e.seq > after));
             }
             match next_page(&page, n) {
                 Some(next) => from = next,
@@ -658,14 +659,7 @@ impl Store {
         let next = next_page(&page, limit);
         let values = page
             .into_iter()
-            .map(|(k, v)| {
-                let group: Vec<Event> = if v.first() == Some(&b'[') {
-                    decode("events", &v)?
-                } else {
-                    vec![decode("event", &v)?]
-                };
-                Ok((k, group))
-            })
+            .map(|(k, v)| event_value(&v).map(|g| (k, g)))
             .collect::<Result<_, StoreError>>()?;
         Ok((values, next))
     }

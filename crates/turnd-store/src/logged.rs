@@ -1317,6 +1317,39 @@ fn merge(
     Ok(out)
 }
 
+/// What the overlay holds of a range, in scan order.
+type Pendings = Vec<(Vec<u8>, Value)>;
+
+impl LoggedKv {
+    /// Where a read of `[start, end)` looks: a snapshot of the overlay's range (in scan
+    /// order) and the windows that can hold its keys (those of a session from
+    /// `from_ms` on), taken under the overlay's lock so that the applier cannot move
+    /// a key between them meanwhile.
+    fn session_sources(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        from_ms: Option<u64>,
+    ) -> Result<(Pendings, Vec<Arc<Shared>>), StoreError> {
+        let o = self
+            .inner
+            .overlay
+            .read()
+            .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
+        let range = o
+            .map
+            .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)));
+        let entry = |(k, p): (&OKey, &Pending)| (k.to_vec(), p.value.clone());
+        let pending = if reverse {
+            range.rev().map(entry).collect()
+        } else {
+            range.map(entry).collect()
+        };
+        Ok((pending, self.inner.windows.readers_in(start, end, from_ms)))
+    }
+}
+
 impl Kv for LoggedKv {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
         let window = {
@@ -1377,24 +1410,7 @@ impl Kv for LoggedKv {
         if start >= end {
             return Ok(Vec::new());
         }
-        type Pendings = Vec<(Vec<u8>, Value)>;
-        let (pending, wins): (Pendings, Vec<Arc<Shared>>) = {
-            let o = self
-                .inner
-                .overlay
-                .read()
-                .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
-            let range = o
-                .map
-                .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)));
-            let entry = |(k, p): (&OKey, &Pending)| (k.to_vec(), p.value.clone());
-            let pending = if reverse {
-                range.rev().map(entry).collect()
-            } else {
-                range.map(entry).collect()
-            };
-            (pending, self.inner.windows.readers_in(start, end, from_ms))
-        };
+        let (pending, wins) = self.session_sources(start, end, reverse, from_ms)?;
         let read = |r: sled::Result<(sled::IVec, sled::IVec)>| {
             r.map_err(|e| StoreError::Read(e.to_string()))
         };
@@ -1426,19 +1442,7 @@ impl Kv for LoggedKv {
         if start >= end {
             return Ok(None);
         }
-        let (pending, wins) = {
-            let o = self
-                .inner
-                .overlay
-                .read()
-                .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
-            let pending: Vec<(Vec<u8>, Value)> = o
-                .map
-                .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)))
-                .map(|(k, p)| (k.to_vec(), p.value.clone()))
-                .collect();
-            (pending, self.inner.windows.readers_in(start, end, from_ms))
-        };
+        let (pending, wins) = self.session_sources(start, end, false, from_ms)?;
         // The overlay holds the newest value of what it holds.
         if let Some((k, Some(v))) = pending.iter().find(|(_, v)| v.is_some()) {
             return Ok(Some((k.clone(), v.to_vec())));

@@ -382,20 +382,37 @@ impl Windows {
             .map(|(s, _)| *s)
             .collect();
         for start in due {
-            let Some(shared) = self.get(start) else {
-                upkeep.small_writes.remove(&start);
-                continue;
-            };
-            shared.set_cache_mb(self.hot_cache_mb);
-            match shared.checkpoint(false) {
-                Ok(true) => {
+            match self.get(start) {
+                Some(shared) => {
+                    self.reopen(upkeep, start, &shared, true);
+                }
+                None => {
                     upkeep.small_writes.remove(&start);
-                    if let Ok(mut s) = self.state.write() {
+                }
+            }
+        }
+    }
+
+    /// Close and open a window's sled again, with the large cache (`hot`) or the small
+    /// one. Returns whether it was (false: it could not be closed now, or failed).
+    fn reopen(&self, upkeep: &mut Upkeep, start: u64, shared: &Shared, hot: bool) -> bool {
+        shared.set_cache_mb(self.opened(hot).cache_mb);
+        match shared.checkpoint(false) {
+            Ok(true) => {
+                upkeep.small_writes.remove(&start);
+                if let Ok(mut s) = self.state.write() {
+                    if hot {
                         s.small.remove(&start);
+                    } else {
+                        s.small.insert(start);
                     }
                 }
-                Ok(false) => {}
-                Err(e) => tracing::warn!("reopening window {start} failed: {e}"),
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                tracing::warn!("reopening window {start} failed: {e}");
+                false
             }
         }
     }
@@ -419,23 +436,9 @@ impl Windows {
             }
             // Opened again with the cache of a window that takes no writes, but for
             // the newest, which takes them again once writes resume.
-            let hot = Some(start) == newest;
-            shared.set_cache_mb(self.opened(hot).cache_mb);
-            match shared.checkpoint(false) {
-                Ok(true) => {
-                    upkeep.snapshotted.insert(start);
-                    upkeep.last_write.remove(&start);
-                    upkeep.small_writes.remove(&start);
-                    if let Ok(mut s) = self.state.write() {
-                        if hot {
-                            s.small.remove(&start);
-                        } else {
-                            s.small.insert(start);
-                        }
-                    }
-                }
-                Ok(false) => {}
-                Err(e) => tracing::warn!("reopening window {start} failed: {e}"),
+            if self.reopen(upkeep, start, &shared, Some(start) == newest) {
+                upkeep.snapshotted.insert(start);
+                upkeep.last_write.remove(&start);
             }
         }
     }
