@@ -205,6 +205,10 @@ pub struct LoggedKv {
     ctl: Mutex<Option<mpsc::Sender<Ctl>>>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Run once by the next read right after it took its sources (a test's drop of a
+    /// window between the two).
+    #[cfg(test)]
+    after_sources: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 /// What [`LoggedKv::open`] did before serving.
@@ -560,6 +564,8 @@ impl LoggedKv {
                 ctl: Mutex::new(Some(ctl_tx)),
                 committer: Mutex::new(Some(committer)),
                 applier: Mutex::new(Some(applier)),
+                #[cfg(test)]
+                after_sources: Mutex::new(None),
             },
             replayed,
         ))
@@ -1320,6 +1326,10 @@ fn merge(
 /// What the overlay holds of a range, in scan order.
 type Pendings = Vec<(Vec<u8>, Value)>;
 
+/// How many times a read is made again because a window it read was dropped
+/// meanwhile (see [`LoggedKv::read_sources`]).
+const DROPPED_RETRIES: usize = 4;
+
 impl LoggedKv {
     /// Where a read of `[start, end)` looks: a snapshot of the overlay's range (in scan
     /// order) and the windows that can hold its keys (those of a session from
@@ -1347,6 +1357,44 @@ impl LoggedKv {
             range.map(entry).collect()
         };
         Ok((pending, self.inner.windows.readers_in(start, end, from_ms)))
+    }
+
+    /// Read `[start, end)` with `read` from its sources ([`LoggedKv::session_sources`]).
+    /// A window among them may be dropped while it is read: retention's drop moves
+    /// what the window still holds to the main database, then closes it, and a read
+    /// of a closed window fails. The read is then made again from the sources as they
+    /// are now, which no longer name it; a window is dropped once, so this ends.
+    fn read_sources<T>(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        from_ms: Option<u64>,
+        read: impl Fn(Pendings, &[Arc<Shared>]) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut tries = 0;
+        loop {
+            let (pending, wins) = self.session_sources(start, end, reverse, from_ms)?;
+            #[cfg(test)]
+            if let Some(hook) = self.after_sources.lock().ok().and_then(|mut h| h.take()) {
+                hook();
+            }
+            match read(pending, &wins) {
+                Err(e) if tries < DROPPED_RETRIES && wins.iter().any(|w| w.is_closed()) => {
+                    tracing::debug!("a window was dropped while it was read; reading again: {e}");
+                    tries += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Have the next read run `hook` right after it took its sources.
+    #[cfg(test)]
+    pub(crate) fn after_sources(&self, hook: impl FnOnce() + Send + 'static) {
+        if let Ok(mut h) = self.after_sources.lock() {
+            *h = Some(Box::new(hook));
+        }
     }
 }
 
@@ -1410,26 +1458,27 @@ impl Kv for LoggedKv {
         if start >= end {
             return Ok(Vec::new());
         }
-        let (pending, wins) = self.session_sources(start, end, reverse, from_ms)?;
-        let read = |r: sled::Result<(sled::IVec, sled::IVec)>| {
-            r.map_err(|e| StoreError::Read(e.to_string()))
-        };
-        if !wins.is_empty() {
-            // Keys in windows: the sources merged, each read only as far as needed.
-            // A source's first read is `limit` entries more than the overlay can hide
-            // (deletes), at most a chunk.
-            let first = limit.saturating_add(pending.len());
-            let sources = std::iter::once(&*self.inner.sled).chain(wins.iter().map(|w| &**w));
-            let merged = crate::merged::Merged::new(sources, start, end, reverse, first);
-            return merge(pending, merged, reverse, limit);
-        }
-        self.inner.sled.with(|h| {
-            let range = h.db.range(start.to_vec()..end.to_vec());
-            if reverse {
-                merge(pending, range.rev().map(read), true, limit)
-            } else {
-                merge(pending, range.map(read), false, limit)
+        self.read_sources(start, end, reverse, from_ms, |pending, wins| {
+            let read = |r: sled::Result<(sled::IVec, sled::IVec)>| {
+                r.map_err(|e| StoreError::Read(e.to_string()))
+            };
+            if !wins.is_empty() {
+                // Keys in windows: the sources merged, each read only as far as needed.
+                // A source's first read is `limit` entries more than the overlay can
+                // hide (deletes), at most a chunk.
+                let first = limit.saturating_add(pending.len());
+                let sources = std::iter::once(&*self.inner.sled).chain(wins.iter().map(|w| &**w));
+                let merged = crate::merged::Merged::new(sources, start, end, reverse, first);
+                return merge(pending, merged, reverse, limit);
             }
+            self.inner.sled.with(|h| {
+                let range = h.db.range(start.to_vec()..end.to_vec());
+                if reverse {
+                    merge(pending, range.rev().map(read), true, limit)
+                } else {
+                    merge(pending, range.map(read), false, limit)
+                }
+            })
         })
     }
 
@@ -1442,34 +1491,35 @@ impl Kv for LoggedKv {
         if start >= end {
             return Ok(None);
         }
-        let (pending, wins) = self.session_sources(start, end, false, from_ms)?;
-        // The overlay holds the newest value of what it holds.
-        if let Some((k, Some(v))) = pending.iter().find(|(_, v)| v.is_some()) {
-            return Ok(Some((k.clone(), v.to_vec())));
-        }
-        let deleted = |k: &[u8]| pending.iter().any(|(p, _)| p.as_slice() == k);
-        // Newest window first: a session's recent turns are there; the main database
-        // (keys of no route, or moved out of a dropped window) last.
-        let sources = wins
-            .iter()
-            .rev()
-            .map(|w| &**w)
-            .chain(std::iter::once(&*self.inner.sled));
-        for src in sources {
-            let hit = src.with(|h| {
-                for r in h.db.range(start.to_vec()..end.to_vec()) {
-                    let (k, v) = r.map_err(|e| StoreError::Read(e.to_string()))?;
-                    if !deleted(&k) {
-                        return Ok(Some((k.to_vec(), v.to_vec())));
-                    }
-                }
-                Ok(None)
-            })?;
-            if hit.is_some() {
-                return Ok(hit);
+        self.read_sources(start, end, false, from_ms, |pending, wins| {
+            // The overlay holds the newest value of what it holds.
+            if let Some((k, Some(v))) = pending.iter().find(|(_, v)| v.is_some()) {
+                return Ok(Some((k.clone(), v.to_vec())));
             }
-        }
-        Ok(None)
+            let deleted = |k: &[u8]| pending.iter().any(|(p, _)| p.as_slice() == k);
+            // Newest window first: a session's recent turns are there; the main
+            // database (keys of no route, or moved out of a dropped window) last.
+            let sources = wins
+                .iter()
+                .rev()
+                .map(|w| &**w)
+                .chain(std::iter::once(&*self.inner.sled));
+            for src in sources {
+                let hit = src.with(|h| {
+                    for r in h.db.range(start.to_vec()..end.to_vec()) {
+                        let (k, v) = r.map_err(|e| StoreError::Read(e.to_string()))?;
+                        if !deleted(&k) {
+                            return Ok(Some((k.to_vec(), v.to_vec())));
+                        }
+                    }
+                    Ok(None)
+                })?;
+                if hit.is_some() {
+                    return Ok(hit);
+                }
+            }
+            Ok(None)
+        })
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {

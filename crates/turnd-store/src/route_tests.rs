@@ -221,3 +221,67 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     commit(&store, del).await;
     assert_eq!(store.list_entry(meta.keys(), 3).expect("read"), None);
 }
+
+/// A read that took its sources (the overlay's range and the windows to read) just
+/// before a window among them was dropped is made again: the drop moved the window's
+/// keys to the main database and closed it, so a read of it fails, and the read made
+/// again finds them in the main database. Both kinds of read: a session's list and
+/// the one entry at a seq.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_meets_a_window_dropped_meanwhile_is_made_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let manual = LoggedOptions {
+        segment_bytes: 4096,
+        apply_interval: Duration::from_secs(3600),
+        windows: WindowOptions {
+            window_ms: 1,
+            window_bytes: u64::MAX,
+        },
+        ..LoggedOptions::default()
+    };
+    let (kv, _) = LoggedKv::open(dir.path(), manual).expect("open");
+    let kv = Arc::new(kv);
+    let store = Store::new(kv.clone());
+    let far = turn_at(u64::from(u32::MAX) << 8, 9);
+    let mut scratch = SessionMeta::new("far");
+    for _ in 0..3 {
+        let mut b = admission(&mut scratch, 1, &far);
+        b.ops
+            .retain(|op| matches!(op, crate::KvOp::Put(k, _) if k[0] == b'L'));
+        commit(&store, b).await;
+        kv.sync().expect("round: a window");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let list = kv.windows().expect("windows");
+    assert!(list.len() >= 3, "{list:?}");
+    let (a, b) = (list[0].start_ms, list[1].start_ms);
+    let (x, y) = (turn_at(a, 1), turn_at(b, 2));
+    let mut meta = SessionMeta::new("s");
+    commit(&store, admission(&mut meta, 1, &x)).await;
+    commit(&store, admission(&mut meta, 2, &y)).await;
+    kv.sync().expect("apply");
+
+    // Each drop is committed now and applied by the next read, between its sources
+    // and its reading them.
+    let drop_during_next_read = |start: u64| {
+        let (store, kv) = (store.clone(), kv.clone());
+        async move {
+            let mut d = Batch::new();
+            d.drop_window(start);
+            commit(&store, d).await;
+            let applier = kv.clone();
+            kv.after_sources(move || applier.sync().expect("apply the drop"));
+        }
+    };
+    let gone = |start: u64| !dir.path().join("windows").join(start.to_string()).exists();
+    drop_during_next_read(a).await;
+    assert_eq!(listed(&store, meta.keys()), [x.clone(), y.clone()]);
+    assert!(gone(a), "the read applied the drop");
+    drop_during_next_read(b).await;
+    assert_eq!(
+        store.list_entry(meta.keys(), 2).expect("read").as_ref(),
+        Some(&y)
+    );
+    assert!(gone(b), "the read applied the drop");
+    assert!(kv.commit_stats().window_leftovers > 0, "moved, not deleted");
+}

@@ -327,6 +327,12 @@ impl Shared {
         Ok(())
     }
 
+    /// Whether the handle is gone: closed for good ([`Shared::close`]), or not opened
+    /// again after a checkpoint.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.handle.read().is_ok_and(|h| h.is_none())
+    }
+
     /// Close sled for good (a dropped time window, whose directory is deleted next).
     /// Readers that come later get an error, never a stale read.
     pub(crate) fn close(&self) {
