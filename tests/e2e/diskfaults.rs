@@ -310,3 +310,77 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
     assert!(v.is_empty(), "store.check after the restart: {v:?}");
     stop(d).await
 }
+
+/// A time window falls due while sled's files refuse writes (`fail-db-writes`; the
+/// commit log works, so turns are acknowledged and complete meanwhile). Either the
+/// new window's sled cannot be opened, and nothing of it may be left: at the next
+/// start every directory under `windows/` is a window, and one left by the failed
+/// try would take the keys of its time from the window they are written to
+/// meanwhile, so that they would read as missing. Or it opens, and its first writes
+/// fail like the main database's. Once sled takes writes again the applier opens
+/// the main database and every window again and writes the commit log's records to
+/// them; after `SIGKILL` and a restart every acknowledged turn is there with its
+/// output and `store.check` is clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_started_while_sled_fails_loses_nothing() -> anyhow::Result<()> {
+    const WINDOW_MS: u64 = 150;
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let flags = dir.path().join("faultfs");
+    std::fs::create_dir(&flags)?;
+    let lib = faultfs_lib()?;
+    let (lib, flags_s) = (lib.to_string_lossy(), flags.to_string_lossy());
+    let window = WINDOW_MS.to_string();
+    let d = BinDaemon::start(
+        &data,
+        &[
+            ("LD_PRELOAD", &lib),
+            ("TURND_FAULTFS_DIR", &flags_s),
+            ("TURND_STORAGE__HEAL_INTERVAL_MS", HEAL_MS),
+            ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
+            ("TURND_STORAGE__WINDOW_MS", &window),
+        ],
+    )
+    .await?;
+    let w = echo_worker(&d.url, "w-win", 8).await;
+    let c = Caller::connect(&d.url, None).await?;
+    let windows =
+        || -> anyhow::Result<usize> { Ok(std::fs::read_dir(data.join("windows"))?.count()) };
+    let mut acked = echo_turns(&c, "win", 0, 3).await?;
+    turnd_tests::eventually(5, "the first window", || async {
+        (windows().ok()? >= 1).then_some(())
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(WINDOW_MS + 50)).await;
+
+    // The next window is due; sled's files refuse writes for three of its lengths.
+    std::fs::write(flags.join("fail-db-writes"), b"")?;
+    let failing = tokio::time::Instant::now();
+    let mut i = 100;
+    while failing.elapsed() < Duration::from_millis(3 * WINDOW_MS) {
+        acked.extend(echo_turns(&c, "win", i, 1).await?);
+        i += 1;
+    }
+    std::fs::remove_file(flags.join("fail-db-writes"))?;
+    turnd_tests::eventually(10, "sled takes the commit log's records again", || async {
+        let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
+        (metric(&m, "turnd_storage_unapplied_keys")? == 0.0).then_some(())
+    })
+    .await?;
+    acked.extend(echo_turns(&c, "win", 1000, 3).await?);
+    drop(c);
+    w.shutdown();
+    d.kill().await?;
+
+    let d = BinDaemon::start(&data, &[]).await?;
+    let c = Caller::connect(&d.url, None).await?;
+    for (id, i) in &acked {
+        let t = c.get(id).await?;
+        assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
+        assert_eq!(t.output, Some(json!(i)), "{t:?}");
+    }
+    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
+    let v = op.store_check().await?;
+    assert!(v.is_empty(), "store.check after the restart: {v:?}");
+    stop(d).await
+}

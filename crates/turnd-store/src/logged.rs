@@ -56,7 +56,7 @@ use std::time::{Duration, Instant};
 use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
 use crate::windows::{self, Route, WindowOptions};
-use crate::winstore::{Upkeep, Windows};
+use crate::winstore::{Switch, Upkeep, Windows};
 use crate::{Batch, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 /// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
@@ -959,13 +959,16 @@ impl Applier<'_> {
             })
         };
         if turns_pending {
-            match self.inner.windows.switch_if_due() {
+            // An error: a window that could not be made left its directory, which
+            // would take keys written now at the next start; nothing is written
+            // until it is removed.
+            match self.inner.windows.switch_if_due()? {
                 // Not idle before it took its first writes.
-                Ok(Some(start)) => self.inner.windows.written(&mut self.upkeep, start, 0),
-                Ok(None) => {}
-                Err(e) => {
+                Switch::Made(start) => self.inner.windows.written(&mut self.upkeep, start, 0),
+                Switch::NotDue => {}
+                Switch::Failed(e) => {
                     tracing::warn!(
-                        "a new time window could not be made (tried again next round): {e}"
+                        "a new time window could not be made (nothing of it is left; tried again next round): {e}"
                     );
                 }
             }

@@ -47,6 +47,19 @@ struct State {
     deleting: HashSet<u64>,
     /// Open windows whose sled has the small cache ([`WINDOW_CACHE_MB`]).
     small: HashSet<u64>,
+    /// A window that could not be made and whose directory could not be removed yet
+    /// (see [`Windows::switch_if_due`]).
+    unmade: Option<u64>,
+}
+
+/// What [`Windows::switch_if_due`] did.
+#[derive(Debug)]
+pub(crate) enum Switch {
+    /// Made the window of this start.
+    Made(u64),
+    NotDue,
+    /// Could not make it, and nothing of it is left: tried again later.
+    Failed(StoreError),
 }
 
 /// What the applier keeps about windows between rounds.
@@ -277,8 +290,24 @@ impl Windows {
     }
 
     /// Start a new window when the newest is too old or too large (see
-    /// [`Table::due`]). Returns its start.
-    pub(crate) fn switch_if_due(&self) -> Result<Option<u64>, StoreError> {
+    /// [`Table::due`]).
+    ///
+    /// A window whose sled cannot be opened (a full or failing disk) must leave
+    /// nothing behind: at the next start every directory under `windows/` is a
+    /// window, and one left by a failed try would take the keys of its time from the
+    /// window they are written to meanwhile, so that they would read as missing. Its
+    /// directory is removed; while it cannot be, this returns an error and nothing is
+    /// to be written to the windows.
+    pub(crate) fn switch_if_due(&self) -> Result<Switch, StoreError> {
+        let unmade = self.state.read().map_err(|_| lock_err())?.unmade;
+        if let Some(start) = unmade {
+            self.remove_dir(start).map_err(|e| {
+                StoreError::Write(format!(
+                    "the time window {start} could not be made and its directory is still there: {e}"
+                ))
+            })?;
+            self.state.write().map_err(|_| lock_err())?.unmade = None;
+        }
         let now = windows::now_ms();
         let newest = {
             let s = self.state.read().map_err(|_| lock_err())?;
@@ -291,7 +320,7 @@ impl Windows {
         let start = {
             let s = self.state.read().map_err(|_| lock_err())?;
             if !s.table.due(&self.opts, now, bytes) {
-                return Ok(None);
+                return Ok(Switch::NotDue);
             }
             s.table.next_start(now)
         };
@@ -305,13 +334,25 @@ impl Windows {
         }
         // `Shared::open` creates the directory and syncs it; its entry in `windows/`
         // is synced here, before any record is routed to it.
-        let shared = Shared::open(&self.dir.join(start.to_string()), self.opened(true))?;
-        sync_dir(&self.dir)?;
+        let made = Shared::open(&self.dir.join(start.to_string()), self.opened(true))
+            .and_then(|shared| sync_dir(&self.dir).map(|()| shared));
+        let shared = match made {
+            Ok(shared) => shared,
+            Err(e) => {
+                if let Err(rm) = self.remove_dir(start) {
+                    self.state.write().map_err(|_| lock_err())?.unmade = Some(start);
+                    return Err(StoreError::Write(format!(
+                        "the time window {start} could not be made ({e}) and its directory could not be removed: {rm}"
+                    )));
+                }
+                return Ok(Switch::Failed(e));
+            }
+        };
         let mut s = self.state.write().map_err(|_| lock_err())?;
         s.table.slots.insert(start, Slot::Open);
         s.open.insert(start, Arc::new(shared));
         tracing::debug!("made the time window {start}");
-        Ok(Some(start))
+        Ok(Switch::Made(start))
     }
 
     /// Record a committed drop (by the record `lsn`), once what the window held is in
