@@ -500,9 +500,24 @@ impl LoggedKv {
     /// `dir/log`. Writes what the log holds past sled's applied mark to sled first.
     pub fn open(dir: &Path, opts: LoggedOptions) -> Result<(LoggedKv, Replayed), StoreError> {
         let started = Instant::now();
-        let sled = Arc::new(Shared::open(dir, opts.sled)?);
+        let (main_mb, hot_mb) = crate::winstore::split_cache(opts.sled.cache_mb, &opts.windows);
+        let sled = Arc::new(Shared::open(
+            dir,
+            SledOptions {
+                cache_mb: main_mb,
+                ..opts.sled
+            },
+        )?);
         let applied = applied_mark(&sled)?;
-        let wins = Windows::open(dir, opts.windows, opts.sled, &recorded_drops(&sled)?)?;
+        let wins = Windows::open(
+            dir,
+            opts.windows,
+            SledOptions {
+                cache_mb: hot_mb,
+                ..opts.sled
+            },
+            &recorded_drops(&sled)?,
+        )?;
         let log_dir = dir.join("log");
         let opened = CommitLog::open(&log_dir, opts.segment_bytes, applied)?;
         let closed = opened.log.closed();
