@@ -96,11 +96,7 @@ async fn acknowledged_turns_survive(flag: &str) -> anyhow::Result<()> {
 
     let d = BinDaemon::start(&data, &[]).await?;
     let c = Caller::connect(&d.url, None).await?;
-    for (id, i) in &acked {
-        let t = c.get(id).await?;
-        assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
-        assert_eq!(t.output, Some(json!(i)), "{t:?}");
-    }
+    all_completed(&c, &acked).await?;
     // The refused submit left no turn: the repair wrote over whatever it had left.
     let listed = c
         .list(ListArgs {
@@ -115,13 +111,43 @@ async fn acknowledged_turns_survive(flag: &str) -> anyhow::Result<()> {
     ids.sort();
     want.sort();
     assert_eq!(ids, want, "the session's turns after the restart");
-    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
-    let v = op.store_check().await?;
-    assert!(v.is_empty(), "store.check after the restart: {v:?}");
+    store_is_clean(&d.url).await?;
     let w = echo_worker(&d.url, "w-disk", 8).await;
     echo_turns(&c, "disk", 200, 3).await?;
     w.shutdown();
     stop(d).await
+}
+
+/// Every acknowledged turn (id, input) read back completed, with its input as output.
+async fn all_completed(c: &Caller, acked: &[(String, u64)]) -> anyhow::Result<()> {
+    for (id, i) in acked {
+        let t = c.get(id).await?;
+        assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
+        assert_eq!(t.output, Some(json!(i)), "{t:?}");
+    }
+    Ok(())
+}
+
+/// `store.check` finds nothing.
+async fn store_is_clean(url: &str) -> anyhow::Result<()> {
+    let op = Caller::connect_as(url, turnd_client::turnd_proto::Role::Operator, None).await?;
+    let v = op.store_check().await?;
+    assert!(v.is_empty(), "store.check after the restart: {v:?}");
+    Ok(())
+}
+
+/// Within `secs`, sled (which refuses every write after a failed one until it is
+/// opened again) has taken every record of the commit log.
+async fn all_applied(admin: &str, secs: u64) -> anyhow::Result<()> {
+    turnd_tests::eventually(
+        secs,
+        "sled takes the commit log's records again",
+        || async {
+            let (_, m) = http_get(admin, "/metrics").await.ok()?;
+            (metric(&m, "turnd_storage_unapplied_keys")? == 0.0).then_some(())
+        },
+    )
+    .await
 }
 
 async fn stop(d: BinDaemon) -> anyhow::Result<()> {
@@ -268,11 +294,7 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
     }
     // sled, which refuses every write after a failed one until it is opened again,
     // takes the commit log's records again: nothing is left waiting for it.
-    turnd_tests::eventually(5, "sled takes the commit log's records again", || async {
-        let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
-        (metric(&m, "turnd_storage_unapplied_keys")? == 0.0).then_some(())
-    })
-    .await?;
+    all_applied(&d.admin, 5).await?;
     assert_eq!(http_get(&d.admin, "/healthz").await?.0, 200);
     drop(c);
     w.shutdown();
@@ -305,9 +327,7 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
         want.sort();
         assert_eq!(ids, want, "the turns of {session} after the restart");
     }
-    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
-    let v = op.store_check().await?;
-    assert!(v.is_empty(), "store.check after the restart: {v:?}");
+    store_is_clean(&d.url).await?;
     stop(d).await
 }
 
@@ -362,11 +382,7 @@ async fn a_window_started_while_sled_fails_loses_nothing() -> anyhow::Result<()>
         i += 1;
     }
     std::fs::remove_file(flags.join("fail-db-writes"))?;
-    turnd_tests::eventually(10, "sled takes the commit log's records again", || async {
-        let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
-        (metric(&m, "turnd_storage_unapplied_keys")? == 0.0).then_some(())
-    })
-    .await?;
+    all_applied(&d.admin, 10).await?;
     acked.extend(echo_turns(&c, "win", 1000, 3).await?);
     drop(c);
     w.shutdown();
@@ -374,13 +390,7 @@ async fn a_window_started_while_sled_fails_loses_nothing() -> anyhow::Result<()>
 
     let d = BinDaemon::start(&data, &[]).await?;
     let c = Caller::connect(&d.url, None).await?;
-    for (id, i) in &acked {
-        let t = c.get(id).await?;
-        assert_eq!(t.status, TurnStatus::Completed, "{t:?}");
-        assert_eq!(t.output, Some(json!(i)), "{t:?}");
-    }
-    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
-    let v = op.store_check().await?;
-    assert!(v.is_empty(), "store.check after the restart: {v:?}");
+    all_completed(&c, &acked).await?;
+    store_is_clean(&d.url).await?;
     stop(d).await
 }

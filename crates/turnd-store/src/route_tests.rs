@@ -55,6 +55,45 @@ fn admission(meta: &mut SessionMeta, seq: u64, turn_id: &str) -> Batch {
     b
 }
 
+/// A store whose windows are switched by hand: 1 ms windows, applied only by
+/// `sync`.
+fn manual() -> LoggedOptions {
+    LoggedOptions {
+        segment_bytes: 4096,
+        apply_interval: Duration::from_secs(3600),
+        windows: WindowOptions {
+            window_ms: 1,
+            window_bytes: u64::MAX,
+        },
+        ..LoggedOptions::default()
+    }
+}
+
+/// A store in `dir` ([`manual`]) with at least `n` windows, made by a turn admitted
+/// far in the future (a window is made only when turns are admitted or finished),
+/// and the windows.
+async fn with_windows(
+    dir: &std::path::Path,
+    n: usize,
+) -> (Arc<LoggedKv>, Store, Vec<crate::WindowInfo>) {
+    let (kv, _) = LoggedKv::open(dir, manual()).expect("open");
+    let kv = Arc::new(kv);
+    let store = Store::new(kv.clone());
+    let far = turn_at(u64::from(u32::MAX) << 8, 9);
+    let mut scratch = SessionMeta::new("far");
+    for _ in 0..n {
+        let mut b = admission(&mut scratch, 1, &far);
+        b.ops
+            .retain(|op| matches!(op, crate::KvOp::Put(k, _) if k[0] == b'L'));
+        commit(&store, b).await;
+        kv.sync().expect("round: a window");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let list = kv.windows().expect("windows");
+    assert!(list.len() >= n, "{list:?}");
+    (kv, store, list)
+}
+
 fn listed(store: &Store, s: SessionKeys<'_>) -> Vec<String> {
     let mut ids: Vec<String> = store
         .session_turn_ids(s, u64::MAX, usize::MAX)
@@ -88,32 +127,7 @@ fn refs(ids: &[&String]) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let manual = LoggedOptions {
-        segment_bytes: 4096,
-        apply_interval: Duration::from_secs(3600),
-        windows: WindowOptions {
-            window_ms: 1,
-            window_bytes: u64::MAX,
-        },
-        ..LoggedOptions::default()
-    };
-    let (kv, _) = LoggedKv::open(dir.path(), manual).expect("open");
-    let kv = Arc::new(kv);
-    let store = Store::new(kv.clone());
-    // Two windows, made by a turn admitted far in the future (a window is made only
-    // when turns are admitted or finished).
-    let far = turn_at(u64::from(u32::MAX) << 8, 9);
-    let mut scratch = SessionMeta::new("far");
-    for _ in 0..2 {
-        let mut b = admission(&mut scratch, 1, &far);
-        b.ops
-            .retain(|op| matches!(op, crate::KvOp::Put(k, _) if k[0] == b'L'));
-        commit(&store, b).await;
-        kv.sync().expect("round: a window");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let list = kv.windows().expect("windows");
-    assert!(list.len() >= 2, "{list:?}");
+    let (kv, store, list) = with_windows(dir.path(), 2).await;
     let (a, b) = (list[0].start_ms, list[0].end_ms.expect("end"));
 
     let (old, early, late) = (turn_at(a - 1, 0), turn_at(a, 1), turn_at(b, 2));
@@ -203,7 +217,7 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     kv.close().expect("close");
     drop(kv);
 
-    let (kv, replayed) = LoggedKv::open(crashed.path(), manual).expect("reopen");
+    let (kv, replayed) = LoggedKv::open(crashed.path(), manual()).expect("reopen");
     assert_eq!(replayed.records, 2, "the event and the drop");
     assert!(!crashed.path().join("windows").join(a.to_string()).exists());
     let store = Store::new(Arc::new(kv));
@@ -230,30 +244,7 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_that_meets_a_window_dropped_meanwhile_is_made_again() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let manual = LoggedOptions {
-        segment_bytes: 4096,
-        apply_interval: Duration::from_secs(3600),
-        windows: WindowOptions {
-            window_ms: 1,
-            window_bytes: u64::MAX,
-        },
-        ..LoggedOptions::default()
-    };
-    let (kv, _) = LoggedKv::open(dir.path(), manual).expect("open");
-    let kv = Arc::new(kv);
-    let store = Store::new(kv.clone());
-    let far = turn_at(u64::from(u32::MAX) << 8, 9);
-    let mut scratch = SessionMeta::new("far");
-    for _ in 0..3 {
-        let mut b = admission(&mut scratch, 1, &far);
-        b.ops
-            .retain(|op| matches!(op, crate::KvOp::Put(k, _) if k[0] == b'L'));
-        commit(&store, b).await;
-        kv.sync().expect("round: a window");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let list = kv.windows().expect("windows");
-    assert!(list.len() >= 3, "{list:?}");
+    let (kv, store, list) = with_windows(dir.path(), 3).await;
     let (a, b) = (list[0].start_ms, list[1].start_ms);
     let (x, y) = (turn_at(a, 1), turn_at(b, 2));
     let mut meta = SessionMeta::new("s");

@@ -314,15 +314,7 @@ impl Windows {
     /// directory is removed; while it cannot be, this returns an error and nothing is
     /// to be written to the windows.
     pub(crate) fn switch_if_due(&self) -> Result<Switch, StoreError> {
-        let unmade = self.state.read().map_err(|_| lock_err())?.unmade;
-        if let Some(start) = unmade {
-            self.remove_dir(start).map_err(|e| {
-                StoreError::Write(format!(
-                    "the time window {start} could not be made and its directory is still there: {e}"
-                ))
-            })?;
-            self.state.write().map_err(|_| lock_err())?.unmade = None;
-        }
+        self.remove_unmade()?;
         let now = windows::now_ms();
         let newest = {
             let s = self.state.read().map_err(|_| lock_err())?;
@@ -354,12 +346,8 @@ impl Windows {
         let shared = match made {
             Ok(shared) => shared,
             Err(e) => {
-                if let Err(rm) = self.remove_dir(start) {
-                    self.state.write().map_err(|_| lock_err())?.unmade = Some(start);
-                    return Err(StoreError::Write(format!(
-                        "the time window {start} could not be made ({e}) and its directory could not be removed: {rm}"
-                    )));
-                }
+                self.state.write().map_err(|_| lock_err())?.unmade = Some(start);
+                self.remove_unmade()?;
                 return Ok(Switch::Failed(e));
             }
         };
@@ -368,6 +356,20 @@ impl Windows {
         s.open.insert(start, Arc::new(shared));
         tracing::debug!("made the time window {start}");
         Ok(Switch::Made(start))
+    }
+
+    /// Remove the directory of a window that could not be made, if there is one.
+    fn remove_unmade(&self) -> Result<(), StoreError> {
+        let Some(start) = self.state.read().map_err(|_| lock_err())?.unmade else {
+            return Ok(());
+        };
+        self.remove_dir(start).map_err(|e| {
+            StoreError::Write(format!(
+                "the time window {start} could not be made and its directory is still there: {e}"
+            ))
+        })?;
+        self.state.write().map_err(|_| lock_err())?.unmade = None;
+        Ok(())
     }
 
     /// Record a committed drop (by the record `lsn`), once what the window held is in
