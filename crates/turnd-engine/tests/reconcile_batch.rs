@@ -19,7 +19,9 @@ use common::*;
 use turnd_engine::{Engine, EngineConfig, Outbox};
 use turnd_proto::*;
 use turnd_store::mem::MemKv;
-use turnd_store::{Batch, CommitTicket, Entry, Kv, LoggedKv, LoggedOptions, Store, StoreError};
+use turnd_store::{
+    Batch, CommitReply, CommitTicket, Entry, Kv, LoggedKv, LoggedOptions, Store, StoreError,
+};
 
 struct Measured {
     disconnect: Duration,
@@ -74,10 +76,7 @@ async fn run(n: usize) -> Result<Measured, Box<dyn std::error::Error>> {
 }
 
 /// A commit written but not yet acknowledged, and its acknowledgement.
-type Held = (
-    CommitTicket,
-    tokio::sync::oneshot::Sender<Result<(), StoreError>>,
-);
+type Held = (CommitTicket, CommitReply);
 
 /// A store whose commits, while held, are written but not acknowledged until
 /// released: how many a transition has waiting at once shows whether sessions go
@@ -136,7 +135,7 @@ impl Kv for HeldKv {
         if !self.hold.load(Ordering::SeqCst) {
             return ticket;
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (tx, rx) = CommitTicket::new();
         if let Ok(mut h) = self.held.lock() {
             h.push((ticket, tx));
         }

@@ -57,7 +57,7 @@ use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
 use crate::windows::{self, Route, WindowOptions};
 use crate::winstore::{Switch, Upkeep, Windows};
-use crate::{Batch, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
+use crate::{Batch, CommitReply, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 /// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
 /// sorts before every key of the layout (`crate::keys`), whose scans never reach it.
@@ -226,11 +226,19 @@ pub struct Replayed {
 struct LogJob {
     record: Vec<u8>,
     writes: Vec<(OKey, Value)>,
-    reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+    reply: CommitReply,
+}
+
+/// A job's buffers once the committer is done with them, sent back with its answer
+/// (see [`crate::Answer`]): its log record, and its writes' slots, which now hold
+/// the overlay values the group replaced (every write replaces at most one).
+pub(crate) struct Spent {
+    _record: Vec<u8>,
+    _replaced: Vec<(OKey, Value)>,
 }
 
 impl LogJob {
-    fn new(batch: Batch, reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>) -> LogJob {
+    fn new(batch: Batch, reply: CommitReply) -> LogJob {
         let record = encode(&batch);
         let writes = batch
             .ops
@@ -878,22 +886,25 @@ fn committer_loop(
         let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
         let synced = started.elapsed();
         last_sync = synced;
-        // Values a group replaces in the overlay are freed after its lock is released.
-        let mut replaced = Vec::new();
+        // Each write's slot takes the value it replaces in the overlay, so that the
+        // committing task frees it with the rest of its batch.
         let result = result.and_then(|first_lsn| {
             let mut o = inner.overlay.write().map_err(|_| lock_err("overlay"))?;
             for (i, job) in jobs.iter_mut().enumerate() {
                 let lsn = first_lsn + i as u64;
-                for (k, value) in job.writes.drain(..) {
-                    if let Some(old) = o.map.insert(k, Pending { lsn, value }) {
-                        replaced.push(old.value);
+                for (k, value) in &mut job.writes {
+                    let pending = Pending {
+                        lsn,
+                        value: value.take(),
+                    };
+                    if let Some(old) = o.map.insert(std::mem::take(k), pending) {
+                        *value = old.value;
                     }
                 }
             }
             o.committed = first_lsn + jobs.len() as u64 - 1;
             Ok(())
         });
-        drop(replaced);
         if let Err(e) = &result {
             tracing::error!("failed to commit a group of {} batches: {e}", jobs.len());
         }
@@ -907,7 +918,11 @@ fn committer_loop(
             s.log_bytes += bytes;
         }
         for job in jobs {
-            if job.reply.send(result.clone()).is_err() {
+            let spent = Spent {
+                _record: job.record,
+                _replaced: job.writes,
+            };
+            if job.reply.send_spent(result.clone(), Some(spent)).is_err() {
                 tracing::debug!("committer went away before its commit finished");
             }
         }
@@ -1541,7 +1556,7 @@ impl Kv for LoggedKv {
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
-        let (reply, rx) = tokio::sync::oneshot::channel();
+        let (reply, rx) = CommitTicket::new();
         let job = LogJob::new(batch, reply);
         let sent = match self.tx.lock() {
             Ok(tx) => match tx.as_ref() {
@@ -1632,7 +1647,7 @@ pub(crate) mod tests {
         for i in 0..n {
             let mut b = Batch::new();
             b.put_raw(format!("k{i}").into_bytes(), b"v".to_vec());
-            let (reply, _) = tokio::sync::oneshot::channel();
+            let (reply, _) = CommitTicket::new();
             tx.send(LogJob::new(b, reply)).expect("queue");
         }
     }

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, RwLock, TryLockError};
 
 use tokio::runtime::RuntimeFlavor;
 
-use crate::{Batch, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
+use crate::{Batch, CommitReply, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 /// Whether commits are made durable with an fsync before they are acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -47,12 +47,12 @@ impl SyncMode {
 /// A batch queued for a group commit, and where its result goes.
 pub(crate) struct Job {
     pub(crate) batch: Batch,
-    pub(crate) reply: tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+    pub(crate) reply: CommitReply,
 }
 
 /// Queue `batch` for the thread behind `tx`; a closed store answers `Closed` at once.
 pub(crate) fn queue(tx: &Mutex<Option<mpsc::Sender<Job>>>, batch: Batch) -> CommitTicket {
-    let (reply, rx) = tokio::sync::oneshot::channel();
+    let (reply, rx) = CommitTicket::new();
     let sent = match tx.lock() {
         Ok(tx) => match tx.as_ref() {
             Some(tx) => tx.send(Job { batch, reply }).map_err(|e| e.0.reply),
