@@ -187,14 +187,61 @@ impl Shared {
         })?;
         let handle = Handle::open(dir, opts.cache_mb)?;
         sync_dir(dir)?;
-        Ok(Shared {
+        Ok(Shared::opened(dir, opts, handle))
+    }
+
+    fn opened(dir: &Path, opts: SledOptions, handle: Handle) -> Shared {
+        Shared {
             handle: RwLock::new(Some(handle)),
             dir: dir.to_path_buf(),
             opts,
             cache_mb: std::sync::atomic::AtomicU64::new(opts.cache_mb),
             poisoned: Mutex::new(None),
             synced_blobs: Mutex::new(HashMap::new()),
-        })
+        }
+    }
+
+    /// Make a new database at `dir`, which must not exist, so that a crash at any
+    /// moment leaves either no directory there or a whole database: sled's open of a
+    /// new directory writes its `conf` in two writes and syncs none of it, and a
+    /// directory left half made would fail the next start's open. The database is
+    /// made under the name [`making_path`] gives, closed, its files and directory
+    /// synced, renamed into place (the parent synced), and opened there. A directory
+    /// left under the making name by a crash is the caller's to remove at start.
+    pub(crate) fn make(dir: &Path, opts: SledOptions) -> Result<Shared, StoreError> {
+        let making = making_path(dir);
+        match std::fs::remove_dir_all(&making) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(StoreError::io(
+                    IoOp::Write,
+                    format_args!("remove {making:?}"),
+                    &e,
+                ))
+            }
+        }
+        std::fs::create_dir_all(&making)
+            .map_err(|e| StoreError::io(IoOp::Write, format_args!("create {making:?}"), &e))?;
+        let handle = Handle::open(&making, 1)?;
+        handle
+            .db
+            .flush()
+            .map_err(|e| StoreError::Sync(format!("flush sled at {making:?}: {e}")))?;
+        drop(handle);
+        sync_tree(&making)?;
+        std::fs::rename(&making, dir).map_err(|e| {
+            StoreError::io(
+                IoOp::Write,
+                format_args!("rename {making:?} to {dir:?}"),
+                &e,
+            )
+        })?;
+        if let Some(parent) = dir.parent() {
+            sync_dir(parent)?;
+        }
+        let handle = open_when_unlocked(|| Handle::open(dir, opts.cache_mb))?;
+        Ok(Shared::opened(dir, opts, handle))
     }
 
     /// The cache sled gets when it is next opened again (a checkpoint, a repair).
@@ -453,6 +500,36 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| StoreError::io(IoOp::Sync, format_args!("fsync dir {dir:?}"), &e))
+}
+
+/// Where [`Shared::make`] makes the database of `dir` before renaming it into place:
+/// `dir`'s name with `.new` appended.
+pub(crate) fn making_path(dir: &Path) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(".new");
+    dir.with_file_name(name)
+}
+
+/// `fsync` every file under `dir`, then the directories, deepest first.
+fn sync_tree(dir: &Path) -> Result<(), StoreError> {
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| StoreError::io(IoOp::Sync, format_args!("list {dir:?}"), &e))?;
+    for entry in entries {
+        let entry =
+            entry.map_err(|e| StoreError::io(IoOp::Sync, format_args!("list {dir:?}"), &e))?;
+        let path = entry.path();
+        let kind = entry
+            .file_type()
+            .map_err(|e| StoreError::io(IoOp::Sync, format_args!("stat {path:?}"), &e))?;
+        if kind.is_dir() {
+            sync_tree(&path)?;
+        } else {
+            File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| StoreError::io(IoOp::Sync, format_args!("fsync {path:?}"), &e))?;
+        }
+    }
+    sync_dir(dir)
 }
 
 /// Default size of sled's page cache (`storage.cache_mb`). The engine holds every

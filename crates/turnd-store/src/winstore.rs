@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{Shared, SledOptions};
+use crate::sled_kv::{making_path, Shared, SledOptions};
 use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
 use crate::StoreError;
 
@@ -129,6 +129,12 @@ fn open_all<T: Send>(
     Ok(all)
 }
 
+/// The start of the window a directory named `name` was being made for
+/// ([`Shared::make`]), if it is such a directory.
+fn making_start(name: &str) -> Option<u64> {
+    name.strip_suffix(".new")?.parse().ok()
+}
+
 fn lock_err() -> StoreError {
     StoreError::Write("windows lock poisoned".into())
 }
@@ -185,8 +191,14 @@ impl Windows {
             let mut starts = Vec::new();
             for e in entries {
                 let e = e.map_err(|e| StoreError::Read(format!("list {:?}: {e}", w.dir)))?;
-                if let Some(start) = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) {
+                let name = e.file_name();
+                let Some(name) = name.to_str() else { continue };
+                if let Ok(start) = name.parse::<u64>() {
                     starts.push(start);
+                } else if let Some(start) = making_start(name) {
+                    // A window whose making a crash cut: it never took a key.
+                    tracing::info!("removing the time window {start} a crash left half made");
+                    w.remove_dir(start)?;
                 }
             }
             starts.sort_unstable();
@@ -238,13 +250,17 @@ impl Windows {
         }
     }
 
+    /// Remove a window's directory, and the one it was made in if a make was cut.
     fn remove_dir(&self, start: u64) -> Result<(), StoreError> {
         let path = self.dir.join(start.to_string());
-        match std::fs::remove_dir_all(&path) {
-            Ok(()) => sync_dir(&self.dir),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(StoreError::Write(format!("remove {path:?}: {e}"))),
+        for path in [making_path(&path), path] {
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => sync_dir(&self.dir)?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(StoreError::Write(format!("remove {path:?}: {e}"))),
+            }
         }
+        Ok(())
     }
 
     /// Where a key goes.
@@ -339,10 +355,9 @@ impl Windows {
                 sync_dir(parent)?;
             }
         }
-        // `Shared::open` creates the directory and syncs it; its entry in `windows/`
-        // is synced here, before any record is routed to it.
-        let made = Shared::open(&self.dir.join(start.to_string()), self.opened(true))
-            .and_then(|shared| sync_dir(&self.dir).map(|()| shared));
+        // Made whole or not at all (a crash leaves at most the making directory),
+        // its entry in `windows/` synced before any record is routed to it.
+        let made = Shared::make(&self.dir.join(start.to_string()), self.opened(true));
         let shared = match made {
             Ok(shared) => shared,
             Err(e) => {
@@ -535,6 +550,62 @@ mod tests {
         assert!(open_all(&[], Ok::<u64, StoreError>)
             .expect("none")
             .is_empty());
+    }
+
+    /// A window is made whole or not at all. What a crash can leave of a make is its
+    /// making directory (`<start>.new`), which the next start removes; the same
+    /// half-made directory under a window's own name would fail that start, since
+    /// sled refuses a `conf` cut short.
+    #[test]
+    fn a_window_cut_while_being_made_is_removed_at_start() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let opts = WindowOptions {
+            window_ms: 1,
+            ..WindowOptions::default()
+        };
+        let w = Windows::open(data.path(), opts, SledOptions::default(), &BTreeMap::new())
+            .expect("open");
+        let Switch::Made(start) = w.switch_if_due().expect("switch") else {
+            panic!("no window made");
+        };
+        let dir = data.path().join("windows");
+        let made = dir.join(start.to_string());
+        assert!(made.join("conf").is_file() && made.join("db").is_file());
+        assert!(
+            !making_path(&made).exists(),
+            "the making directory was renamed"
+        );
+        drop(w);
+
+        // sled's open of a new directory writes `conf` in two writes (text, then its
+        // CRC); a crash between them leaves this.
+        let cut = start + 10;
+        let half_made = |path: &Path| {
+            std::fs::create_dir_all(path).expect("mkdir");
+            std::fs::write(path.join("conf"), "segment_size: 524288\n").expect("conf");
+        };
+        let named = dir.join("refused");
+        half_made(&named);
+        assert!(
+            Shared::open(&named, SledOptions::default()).is_err(),
+            "sled opens a cut conf"
+        );
+        std::fs::remove_dir_all(&named).expect("rm");
+        half_made(&making_path(&dir.join(cut.to_string())));
+
+        let w = Windows::open(data.path(), opts, SledOptions::default(), &BTreeMap::new())
+            .expect("a start after a cut make");
+        let starts: Vec<u64> = w.list().iter().map(|i| i.start_ms).collect();
+        assert_eq!(starts, vec![start]);
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("list")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            left,
+            vec![start.to_string()],
+            "only the whole window is left"
+        );
     }
 
     /// `storage.cache_mb` is shared by the main database and the window that takes
