@@ -303,8 +303,8 @@ fn next_page(page: &[Entry], limit: usize) -> Option<Vec<u8>> {
 /// what others allocated returns every block to its owner's arena, a lock each time).
 pub(crate) struct Answer {
     result: Result<(), StoreError>,
-    #[allow(dead_code)] // held only to be dropped by the ticket's task
-    spent: Option<logged::Spent>,
+    /// Held only to be dropped by the ticket's task.
+    _spent: Option<logged::Spent>,
 }
 
 /// A pending group commit: resolves once the batch is durable (or failed); an error
@@ -358,7 +358,12 @@ impl CommitReply {
         result: Result<(), StoreError>,
         spent: Option<logged::Spent>,
     ) -> Result<(), Result<(), StoreError>> {
-        self.0.send(Answer { result, spent }).map_err(|a| a.result)
+        self.0
+            .send(Answer {
+                result,
+                _spent: spent,
+            })
+            .map_err(|a| a.result)
     }
 }
 

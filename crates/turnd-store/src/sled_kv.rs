@@ -207,21 +207,11 @@ impl Shared {
     /// directory left half made would fail the next start's open. The database is
     /// made under the name [`making_path`] gives, closed, its files and directory
     /// synced, renamed into place (the parent synced), and opened there. A directory
-    /// left under the making name by a crash is the caller's to remove at start.
+    /// left under the making name (by a crash, or a make that failed) is the caller's
+    /// to remove; while it is there, a make is refused rather than reusing it.
     pub(crate) fn make(dir: &Path, opts: SledOptions) -> Result<Shared, StoreError> {
         let making = making_path(dir);
-        match std::fs::remove_dir_all(&making) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(StoreError::io(
-                    IoOp::Write,
-                    format_args!("remove {making:?}"),
-                    &e,
-                ))
-            }
-        }
-        std::fs::create_dir_all(&making)
+        std::fs::create_dir(&making)
             .map_err(|e| StoreError::io(IoOp::Write, format_args!("create {making:?}"), &e))?;
         let handle = Handle::open(&making, 1)?;
         handle
@@ -502,11 +492,14 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(|e| StoreError::io(IoOp::Sync, format_args!("fsync dir {dir:?}"), &e))
 }
 
+/// What [`making_path`] appends to a directory's name.
+pub(crate) const MAKING_SUFFIX: &str = ".new";
+
 /// Where [`Shared::make`] makes the database of `dir` before renaming it into place:
-/// `dir`'s name with `.new` appended.
+/// `dir`'s name with [`MAKING_SUFFIX`] appended.
 pub(crate) fn making_path(dir: &Path) -> PathBuf {
     let mut name = dir.file_name().unwrap_or_default().to_os_string();
-    name.push(".new");
+    name.push(MAKING_SUFFIX);
     dir.with_file_name(name)
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{making_path, Shared, SledOptions};
+use crate::sled_kv::{making_path, Shared, SledOptions, MAKING_SUFFIX};
 use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
 use crate::StoreError;
 
@@ -132,7 +132,7 @@ fn open_all<T: Send>(
 /// The start of the window a directory named `name` was being made for
 /// ([`Shared::make`]), if it is such a directory.
 fn making_start(name: &str) -> Option<u64> {
-    name.strip_suffix(".new")?.parse().ok()
+    name.strip_suffix(MAKING_SUFFIX)?.parse().ok()
 }
 
 fn lock_err() -> StoreError {
