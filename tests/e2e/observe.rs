@@ -477,6 +477,51 @@ async fn metrics_count_terminal_transitions_by_cause_and_health_answers() -> any
     td.shutdown().await
 }
 
+/// A turn that ends within `storage.apply_delay_ms` of its admission never reaches
+/// sled: its record (created at admission) and its invocation's (created at
+/// dispatch) wait in the overlay, and their deletes when it ends are dropped rather
+/// than written, as `turnd_storage_dropped_deletes_total` counts. The turn's
+/// answer and its finished record are read back all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_ending_within_the_apply_delay_leaves_no_deletes_to_write() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|cfg| {
+        cfg.storage.apply_interval_ms = 10;
+        cfg.storage.apply_delay_ms = 2_000;
+    })
+    .await?;
+    let c = td.caller().await?;
+    let (mut w, _) = Raw::hello(
+        &td.url,
+        "worker",
+        json!({"worker_id": "w-d", "instance_id": "i1"}),
+    )
+    .await?;
+    w.ok("function.register", json!({"function_id": "f"}))
+        .await?;
+    let t = c.submit_simple("d", "f", Value::Null).await?;
+    let invoke = w.next_push().await?;
+    w.ok(
+        "invocation.result",
+        json!({"invocation_id": invoke["invocation_id"], "outcome": {"complete": 7}}),
+    )
+    .await?;
+    wait_done(&c, &t.turn_id, T).await?;
+    let admin = td.admin.clone();
+    let dropped = eventually(T, "the turn's deletes to be dropped", || {
+        let admin = admin.clone();
+        async move {
+            let (_, body) = http_get(&admin, "/metrics").await.ok()?;
+            metric(&body, "turnd_storage_dropped_deletes_total").filter(|n| *n >= 2.0)
+        }
+    })
+    .await?;
+    assert_eq!(dropped, 2.0, "the turn's record and its invocation's");
+    let read = c.get(&t.turn_id).await?;
+    assert_eq!(read.status, TurnStatus::Completed);
+    assert_eq!(read.output, Some(json!(7)));
+    td.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_registering_during_admission_is_never_missed() -> anyhow::Result<()> {
     // A turn admitted while its function's first worker registers must be

@@ -143,6 +143,7 @@ impl BenchDaemon {
     pub async fn start(data_dir: &Path, common: &Common) -> anyhow::Result<BenchDaemon> {
         let mut cfg = bench_config(data_dir, &common.sync, common.checkpoint_mb);
         cfg.storage.cache_mb = common.cache_mb;
+        cfg.storage.apply_delay_ms = common.apply_delay_ms;
         cfg.validate()?;
         let listeners = Listeners::bind(&cfg).await?;
         let kv = open_store(&cfg)?;

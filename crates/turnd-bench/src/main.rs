@@ -86,6 +86,10 @@ pub struct Common {
     /// storage.cache_mb of the daemon: sled's page cache.
     #[arg(long, default_value_t = turnd_store::DEFAULT_CACHE_MB)]
     pub cache_mb: u64,
+    /// storage.apply_delay_ms of the daemon: how long a live record's write waits
+    /// before it is written to sled.
+    #[arg(long, default_value_t = turnd_store::logged::DEFAULT_APPLY_DELAY_MS)]
+    pub apply_delay_ms: u64,
 }
 
 #[derive(Subcommand)]

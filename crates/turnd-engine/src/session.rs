@@ -146,6 +146,9 @@ pub struct Tx {
     pub live: Option<Option<Box<InvocationRecord>>>,
     /// Invocation records to write.
     pub inv_writes: Vec<InvocationRecord>,
+    /// Ids of the invocations this transaction dispatches (minted for them: no
+    /// store holds their records yet).
+    pub new_invocations: Vec<String>,
     /// Folded records of finished turns this transaction changes (a late result),
     /// as read before it, by turn id: what it writes goes into them.
     pub folded: HashMap<String, FoldedTurn>,
@@ -175,6 +178,7 @@ impl Tx {
             orig_status: HashMap::new(),
             live: None,
             inv_writes: Vec::new(),
+            new_invocations: Vec::new(),
             folded: HashMap::new(),
             idempotency: None,
             events: Vec::new(),
@@ -249,6 +253,13 @@ impl Tx {
         self.inv_writes.push(inv);
     }
 
+    /// [`Tx::put_invocation`] of an invocation being dispatched, under an id minted
+    /// for it.
+    pub fn put_new_invocation(&mut self, st: &SessionState, inv: InvocationRecord) {
+        self.new_invocations.push(inv.invocation_id.clone());
+        self.put_invocation(st, inv);
+    }
+
     pub fn event(&mut self, session_id: &str, turn_id: &str, kind: EventKind, detail: Value) {
         self.meta.last_event_seq += 1;
         self.events.push(Event {
@@ -306,8 +317,10 @@ impl Tx {
             }
             if orig.is_none() {
                 b.put_admission(t);
+                b.put_new_turn(t);
+            } else {
+                b.put_turn(t);
             }
-            b.put_turn(t);
         }
         // Where recovery starts reading the session's turn list.
         self.meta.active_from = self.holder_seq(st);
@@ -324,7 +337,11 @@ impl Tx {
                     continue;
                 }
             }
-            b.put_invocation(i);
+            if self.new_invocations.contains(&i.invocation_id) {
+                b.put_new_invocation(i);
+            } else {
+                b.put_invocation(i);
+            }
         }
         for (f, apart) in finished.values() {
             b.put_finished(f, *apart);

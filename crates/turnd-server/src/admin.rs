@@ -393,6 +393,12 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "Keys written to sled by those rounds (each key once per round)",
         cs.applied_keys,
     );
+    counter(
+        reg,
+        "storage_dropped_deletes",
+        "Deletes of keys that never reached sled (created and deleted before an apply), dropped instead of written",
+        cs.dropped_deletes,
+    );
     seconds(
         reg,
         "storage_apply_seconds",

@@ -91,6 +91,10 @@ pub struct StorageConfig {
     pub log_segment_kb: u64,
     /// How often the records of the commit log are written to sled behind it.
     pub apply_interval_ms: u64,
+    /// How long the write of a live record (turn, invocation, session meta) waits
+    /// before it is written to sled, so that one rewritten or deleted meanwhile is
+    /// written once or never. 0: at the next round.
+    pub apply_delay_ms: u64,
     /// How often a commit log whose write or sync failed tries to repair itself.
     pub heal_interval_ms: u64,
     /// A new time window of finished turns starts when the newest is this old (ms);
@@ -173,6 +177,7 @@ impl Default for StorageConfig {
             checkpoint_mb: turnd_store::DEFAULT_CHECKPOINT_MB,
             log_segment_kb: turnd_store::logged::DEFAULT_SEGMENT_KB,
             apply_interval_ms: turnd_store::logged::DEFAULT_APPLY_INTERVAL_MS,
+            apply_delay_ms: turnd_store::logged::DEFAULT_APPLY_DELAY_MS,
             heal_interval_ms: turnd_store::logged::DEFAULT_HEAL_INTERVAL_MS,
             window_ms: turnd_store::windows::DEFAULT_WINDOW_MS,
             window_mb: turnd_store::windows::DEFAULT_WINDOW_MB,
@@ -533,6 +538,12 @@ impl Config {
                 self.storage.apply_interval_ms,
                 1,
                 60_000,
+            ),
+            (
+                "storage.apply_delay_ms",
+                self.storage.apply_delay_ms,
+                0,
+                10_000,
             ),
             (
                 "storage.heal_interval_ms",

@@ -117,6 +117,9 @@ pub struct Batch {
     /// The earliest time of a turn that a routed key put by this batch was written
     /// for ([`Batch::routed_from`]).
     routed_from: Option<u64>,
+    /// Indices in `ops` of the puts that create their key: a record under an id
+    /// minted for it, which no store holds yet ([`Batch::is_created`]).
+    created: Vec<usize>,
 }
 
 impl Batch {
@@ -134,6 +137,21 @@ impl Batch {
 
     pub fn delete(&mut self, key: Vec<u8>) {
         self.ops.push(KvOp::Delete(key));
+    }
+
+    /// Whether the op at `index` is a put that creates its key (see
+    /// [`Batch::put_new_turn`]). A store may use it to skip deleting, later, a key
+    /// whose every write it still holds itself; treating every put as not creating
+    /// is always correct.
+    pub fn is_created(&self, index: usize) -> bool {
+        self.created.contains(&index)
+    }
+
+    /// Mark the op just added as creating its key.
+    fn created_last(&mut self) {
+        if let Some(i) = self.ops.len().checked_sub(1) {
+            self.created.push(i);
+        }
     }
 
     /// Drop the time window starting at `start_ms` (see [`windows`]): its finished
@@ -157,6 +175,13 @@ impl Batch {
     /// session meta's [`SessionMeta::active_from`], written with every transition.)
     pub fn put_turn(&mut self, t: &TurnRecord) {
         self.put_json(keys::turn(&t.turn_id), t);
+    }
+
+    /// [`Batch::put_turn`] of a turn being admitted: its id was minted for it, so no
+    /// store holds its key yet.
+    pub fn put_new_turn(&mut self, t: &TurnRecord) {
+        self.put_turn(t);
+        self.created_last();
     }
 
     /// The keys written once, when a turn is admitted: its place in its session's
@@ -213,6 +238,13 @@ impl Batch {
 
     pub fn put_invocation(&mut self, inv: &InvocationRecord) {
         self.put_json(keys::invocation(&inv.invocation_id), inv);
+    }
+
+    /// [`Batch::put_invocation`] of an invocation being dispatched: its id was
+    /// minted for it, so no store holds its key yet.
+    pub fn put_new_invocation(&mut self, inv: &InvocationRecord) {
+        self.put_invocation(inv);
+        self.created_last();
     }
 
     /// Write the events of one transition: consecutive events of one session, stored
@@ -464,6 +496,10 @@ pub struct CommitStats {
     pub applied_keys: u64,
     /// Microseconds those rounds took.
     pub apply_micros: u64,
+    /// Deletes those rounds dropped instead of writing: of keys that no store but
+    /// the overlay ever held (a turn's or invocation's record created and deleted
+    /// before the applier took it).
+    pub dropped_deletes: u64,
     /// Keys committed but not yet in sled (a gauge).
     pub overlay_keys: u64,
     /// Files of the commit log (a gauge).

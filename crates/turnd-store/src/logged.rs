@@ -13,7 +13,9 @@
 //! between (a turn's record, rewritten at each transition, reaches sled once), in
 //! `apply_batch` calls of bounded size, the last of which also records the lsn
 //! applied under [`APPLIED_KEY`]. It then drops from the overlay every entry that
-//! has not been written again since. sled is not synced per apply: when a log
+//! has not been written again since. Live records wait `apply_delay` first, and a
+//! delete of a key sled never got is dropped (see [`Applier::apply`]), so most
+//! turns' live records never reach sled. sled is not synced per apply: when a log
 //! segment is wholly applied, the applier flushes sled, `fdatasync`s its files and
 //! only then deletes the segment (and syncs the log's directory). Checkpoints (see
 //! [`crate::SledKv`]) run here too, so they pause applies and store reads, never
@@ -99,7 +101,11 @@ const APPLY_KEYS: usize = APPLY_CHUNK * 8;
 
 /// Keys the overlay may hold before commits wait for the applier: a burst of
 /// commits faster than sled takes them is held back here rather than in memory.
-const MAX_OVERLAY_KEYS: usize = 32 * 1024;
+const MAX_OVERLAY_KEYS: usize = 64 * 1024;
+
+/// Keys the overlay may hold before the applier takes every entry at once (no
+/// [`LoggedOptions::apply_delay`]) and rounds follow each other without a pause.
+const EAGER_OVERLAY_KEYS: usize = MAX_OVERLAY_KEYS / 4;
 
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;
@@ -107,6 +113,7 @@ const MAX_GROUP: usize = 4096;
 /// Defaults of the `[storage]` settings of the commit path.
 pub const DEFAULT_SEGMENT_KB: u64 = 32 * 1024;
 pub const DEFAULT_APPLY_INTERVAL_MS: u64 = 200;
+pub const DEFAULT_APPLY_DELAY_MS: u64 = 500;
 pub const DEFAULT_HEAL_INTERVAL_MS: u64 = 1_000;
 
 /// How the store is opened.
@@ -119,6 +126,11 @@ pub struct LoggedOptions {
     pub segment_bytes: u64,
     /// How often the applier writes the overlay to sled.
     pub apply_interval: Duration,
+    /// How long a write of a live record (a turn's or an invocation's record, a
+    /// turn's input kept apart, a session's meta) waits in the overlay before the
+    /// applier takes it to sled: one rewritten or deleted meanwhile reaches sled once
+    /// or never (see [`delays`]).
+    pub apply_delay: Duration,
     /// How often a failed log tries to repair itself.
     pub heal_interval: Duration,
     /// When a new time window of finished turns starts.
@@ -139,6 +151,7 @@ impl Default for LoggedOptions {
             sled: SledOptions::default(),
             segment_bytes: DEFAULT_SEGMENT_KB * 1024,
             apply_interval: Duration::from_millis(DEFAULT_APPLY_INTERVAL_MS),
+            apply_delay: Duration::from_millis(DEFAULT_APPLY_DELAY_MS),
             heal_interval: Duration::from_millis(DEFAULT_HEAL_INTERVAL_MS),
             windows: WindowOptions::default(),
             idle_reopen: DEFAULT_IDLE_REOPEN,
@@ -160,6 +173,10 @@ type OKey = smallvec::SmallVec<[u8; 56]>;
 struct Pending {
     lsn: u64,
     value: Value,
+    /// No store holds the key but the overlay: it was created by a put the overlay
+    /// still holds ([`Batch::is_created`]), and the applier has written no value of
+    /// it to sled since. A delete of such a key is dropped instead of written.
+    fresh: bool,
 }
 
 #[derive(Default)]
@@ -167,6 +184,40 @@ struct Overlay {
     map: BTreeMap<OKey, Pending>,
     /// The last lsn whose writes are in `map` (or in sled).
     committed: u64,
+    /// When each group not yet settled was put in `map`, with its last lsn (oldest
+    /// first): see [`Overlay::settle`].
+    groups: std::collections::VecDeque<(Instant, u64)>,
+    /// The last lsn of the newest group put in `map` at least `apply_delay` ago.
+    settled: u64,
+}
+
+impl Overlay {
+    /// The last lsn of the groups put in the overlay at least `delay` before `now`
+    /// (all of them when `delay` is zero).
+    fn settle(&mut self, now: Instant, delay: Duration) -> u64 {
+        while let Some(&(at, lsn)) = self.groups.front() {
+            if delay.is_zero() || now.saturating_duration_since(at) >= delay {
+                self.settled = lsn;
+                self.groups.pop_front();
+            } else {
+                break;
+            }
+        }
+        if delay.is_zero() {
+            self.settled = self.committed;
+        }
+        self.settled
+    }
+}
+
+/// Whether the applier lets a write of `key` wait [`LoggedOptions::apply_delay`]
+/// before it takes it to sled: the records of live turns, invocations and sessions,
+/// rewritten at every transition and (a turn's and an invocation's) deleted when
+/// the turn ends, so that most of them never reach sled at all. The keys written
+/// once (folded records, list entries, events, idempotency keys) and window drops
+/// are taken at the next round.
+fn delays(key: &[u8]) -> bool {
+    matches!(key.first(), Some(b'T' | b'I' | b'N' | b'M'))
 }
 
 enum Ctl {
@@ -196,6 +247,10 @@ struct Inner {
     /// overlay makes the committer wait on it).
     applied_cv: std::sync::Condvar,
     applied_mx: Mutex<()>,
+    /// Run once by the applier right after it wrote its next slice to sled, before
+    /// it drops the slice from the overlay (a test's commit between the two).
+    #[cfg(test)]
+    after_slice: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 /// The store: commit log in front, sled behind. See the module documentation.
@@ -225,7 +280,8 @@ pub struct Replayed {
 /// commit passes through only frames, writes, syncs and publishes.
 struct LogJob {
     record: Vec<u8>,
-    writes: Vec<(OKey, Value)>,
+    /// Each write's key, value and whether it creates the key.
+    writes: Vec<(OKey, Value, bool)>,
     reply: CommitReply,
 }
 
@@ -234,18 +290,20 @@ struct LogJob {
 /// the overlay values the group replaced (every write replaces at most one).
 pub(crate) struct Spent {
     _record: Vec<u8>,
-    _replaced: Vec<(OKey, Value)>,
+    _replaced: Vec<(OKey, Value, bool)>,
 }
 
 impl LogJob {
     fn new(batch: Batch, reply: CommitReply) -> LogJob {
         let record = encode(&batch);
+        let created: Vec<bool> = (0..batch.ops.len()).map(|i| batch.is_created(i)).collect();
         let writes = batch
             .ops
             .into_iter()
-            .map(|op| match op {
-                KvOp::Put(k, v) => (OKey::from_vec(k), Some(Arc::from(v))),
-                KvOp::Delete(k) => (OKey::from_vec(k), None),
+            .zip(created)
+            .map(|(op, created)| match op {
+                KvOp::Put(k, v) => (OKey::from_vec(k), Some(Arc::from(v)), created),
+                KvOp::Delete(k) => (OKey::from_vec(k), None, false),
             })
             .collect();
         LogJob {
@@ -547,6 +605,8 @@ impl LoggedKv {
             overlay: RwLock::new(Overlay {
                 map: BTreeMap::new(),
                 committed,
+                groups: Default::default(),
+                settled: committed,
             }),
             stats: Mutex::new(CommitStats::default()),
             log_dir,
@@ -555,6 +615,8 @@ impl LoggedKv {
             apply_patience: opts.heal_interval.saturating_mul(10),
             applied_cv: std::sync::Condvar::new(),
             applied_mx: Mutex::new(()),
+            #[cfg(test)]
+            after_slice: Mutex::new(None),
         });
         let (tx, rx) = mpsc::channel::<LogJob>();
         let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
@@ -892,17 +954,27 @@ fn committer_loop(
             let mut o = inner.overlay.write().map_err(|_| lock_err("overlay"))?;
             for (i, job) in jobs.iter_mut().enumerate() {
                 let lsn = first_lsn + i as u64;
-                for (k, value) in &mut job.writes {
-                    let pending = Pending {
+                for (k, value, created) in &mut job.writes {
+                    let mut pending = Pending {
                         lsn,
                         value: value.take(),
+                        fresh: *created,
                     };
-                    if let Some(old) = o.map.insert(std::mem::take(k), pending) {
-                        *value = old.value;
+                    match o.map.entry(std::mem::take(k)) {
+                        std::collections::btree_map::Entry::Vacant(e) => {
+                            e.insert(pending);
+                        }
+                        std::collections::btree_map::Entry::Occupied(mut e) => {
+                            // Still only in the overlay if it was before.
+                            pending.fresh |= e.get().fresh;
+                            *value = std::mem::replace(e.get_mut(), pending).value;
+                        }
                     }
                 }
             }
             o.committed = first_lsn + jobs.len() as u64 - 1;
+            let committed = o.committed;
+            o.groups.push_back((Instant::now(), committed));
             Ok(())
         });
         if let Err(e) = &result {
@@ -966,11 +1038,23 @@ impl Applier<'_> {
     /// committed when the round began is then in sled. The walk ends at the last
     /// key the overlay held when the round began, so that a round ends however fast
     /// new keys arrive (new turns and events have ever larger keys).
-    fn apply(&mut self) -> Result<(), StoreError> {
+    ///
+    /// A write of a live record ([`delays`]) is taken only once its group is
+    /// `delay` old (*settled*), and the mark is then the last settled lsn: what a
+    /// start replays past it holds every write left waiting. A round that takes a
+    /// window drop takes everything (a drop's window is deleted after the round, and
+    /// a replay from before the drop would route keys to it). A delete of a key only
+    /// the overlay held ([`Pending::fresh`]) is dropped, not written.
+    fn apply(&mut self, delay: Duration) -> Result<(), StoreError> {
         let started = Instant::now();
-        let (committed, end) = {
-            let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
-            (o.committed, o.map.keys().next_back().cloned())
+        let (committed, settled, end) = {
+            let mut o = self
+                .inner
+                .overlay
+                .write()
+                .map_err(|_| lock_err("overlay"))?;
+            let settled = o.settle(started, delay);
+            (o.committed, settled, o.map.keys().next_back().cloned())
         };
         // A new window is made only when turns were admitted or finished (their list
         // entries or folded records are to be written): an idle daemon makes none.
@@ -1018,6 +1102,11 @@ impl Applier<'_> {
                     .map(|(k, p)| (k.as_slice(), p.lsn, p.value.is_some())),
             )
         };
+        let mark = if pending.is_empty() {
+            settled.max(self.applied)
+        } else {
+            committed
+        };
         let Some(end) = end else {
             apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
             self.applied = committed;
@@ -1028,28 +1117,38 @@ impl Applier<'_> {
         // exclusive start: past `end` the range is empty, never reversed).
         let mut from: Bound<OKey> = Bound::Unbounded;
         let mut keys = 0u64;
+        let mut skipped = 0u64;
         loop {
-            let slice: Vec<(OKey, u64, Value)> = {
+            // A slice of up to APPLY_KEYS entries to take (the waiting ones passed
+            // over), each with whether it is a delete only the overlay knew of.
+            let mut last = None;
+            let slice: Vec<(OKey, u64, Value, bool)> = {
                 let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
-                o.map
-                    .range::<[u8], _>((
-                        from.as_ref().map(|k| k.as_slice()),
-                        Bound::Included(end.as_slice()),
-                    ))
-                    .take(APPLY_KEYS)
-                    .map(|(k, p)| (k.clone(), p.lsn, p.value.clone()))
-                    .collect()
+                let mut walked = 0usize;
+                let mut slice = Vec::new();
+                for (k, p) in o.map.range::<[u8], _>((
+                    from.as_ref().map(|k| k.as_slice()),
+                    Bound::Included(end.as_slice()),
+                )) {
+                    walked += 1;
+                    if p.lsn <= mark || !delays(k) {
+                        let dropped = p.fresh && p.value.is_none();
+                        slice.push((k.clone(), p.lsn, p.value.clone(), dropped));
+                    }
+                    if slice.len() == APPLY_KEYS || walked == 4 * APPLY_KEYS {
+                        last = Some(k.clone());
+                        break;
+                    }
+                }
+                slice
             };
-            let Some((last, _, _)) = slice.last() else {
-                break;
-            };
-            let next = Bound::Excluded(last.clone());
             let (bytes, wins) = apply_routed(
                 &self.inner.sled,
                 &self.inner.windows,
                 slice
                     .iter()
-                    .map(|(k, lsn, v)| (k.as_slice(), *lsn, v.as_deref())),
+                    .filter(|(_, _, _, dropped)| !dropped)
+                    .map(|(k, lsn, v, _)| (k.as_slice(), *lsn, v.as_deref())),
             )?;
             self.checkpoints.wrote(bytes);
             for (w, keys) in wins {
@@ -1058,24 +1157,43 @@ impl Applier<'_> {
                     written.push(w);
                 }
             }
+            #[cfg(test)]
+            if let Some(hook) = self
+                .inner
+                .after_slice
+                .lock()
+                .ok()
+                .and_then(|mut h| h.take())
+            {
+                hook();
+            }
             {
                 let mut o = self
                     .inner
                     .overlay
                     .write()
                     .map_err(|_| lock_err("overlay"))?;
-                for (k, lsn, _) in &slice {
-                    if o.map.get(k.as_slice()).is_some_and(|p| p.lsn == *lsn) {
+                for (k, lsn, v, _) in &slice {
+                    let Some(p) = o.map.get_mut(k.as_slice()) else {
+                        continue;
+                    };
+                    if p.lsn == *lsn {
                         o.map.remove(k.as_slice());
+                    } else if v.is_some() {
+                        // Written again meanwhile: sled has a value of it now.
+                        p.fresh = false;
                     }
                 }
             }
             self.inner.applied_cv.notify_all();
-            keys += slice.len() as u64;
-            if slice.len() < APPLY_KEYS {
+            let dropped = slice.iter().filter(|e| e.3).count() as u64;
+            skipped += dropped;
+            keys += slice.len() as u64 - dropped;
+            // The walk ends at `end`, or when a slice stopped short of it.
+            let Some(last) = last else {
                 break;
-            }
-            from = next;
+            };
+            from = Bound::Excluded(last);
         }
         sync_windows(&self.inner.windows, &written)?;
         let mut leftovers = 0;
@@ -1084,9 +1202,12 @@ impl Applier<'_> {
             self.closing.extend(taken);
             leftovers += held;
         }
-        apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
-        self.applied = committed;
+        if mark != self.applied {
+            apply_to_sled(&self.inner.sled, std::iter::empty(), Some(mark))?;
+            self.applied = mark;
+        }
         if let Ok(mut s) = self.inner.stats.lock() {
+            s.dropped_deletes += skipped;
             s.window_leftovers += leftovers;
             s.applies += 1;
             s.applied_keys += keys;
@@ -1158,8 +1279,9 @@ impl Applier<'_> {
         }
     }
 
-    fn round(&mut self, force_flush: bool) -> Result<(), StoreError> {
-        let r = self.apply().and_then(|()| self.trim(force_flush));
+    /// One round: apply (taking live records once `delay` old), then trim.
+    fn round(&mut self, force_flush: bool, delay: Duration) -> Result<(), StoreError> {
+        let r = self.apply(delay).and_then(|()| self.trim(force_flush));
         let mut err = self
             .inner
             .apply_error
@@ -1245,9 +1367,12 @@ impl Applier<'_> {
                 .map_err(|_| lock_err("overlay"))?;
             for (k, (lsn, value)) in map {
                 // A key in the overlay already holds its newest value.
-                o.map
-                    .entry(OKey::from_vec(k))
-                    .or_insert(Pending { lsn, value });
+                o.map.entry(OKey::from_vec(k)).or_insert(Pending {
+                    lsn,
+                    value,
+                    // sled may hold it: its delete is written.
+                    fresh: false,
+                });
             }
         }
         sled.reopen_after_failure()?;
@@ -1275,25 +1400,31 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         spare_failed: None,
     };
     loop {
-        // Behind (a quarter of the overlay's room used): no pause between rounds.
+        // Behind (a quarter of the overlay's room used): no pause between rounds,
+        // and no write waits for its delay.
         let behind = inner
             .overlay
             .read()
-            .map(|o| o.map.len() > MAX_OVERLAY_KEYS / 4)
+            .map(|o| o.map.len() > EAGER_OVERLAY_KEYS)
             .unwrap_or(false);
-        let pause = if behind {
-            Duration::ZERO
+        let (pause, delay) = if behind {
+            (Duration::ZERO, Duration::ZERO)
         } else {
-            opts.apply_interval
+            (opts.apply_interval, opts.apply_delay)
         };
         match ctl.recv_timeout(pause) {
-            Ok(Ctl::Nudge) | Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Err(e) = a.round(false) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(e) = a.round(false, delay) {
+                    tracing::debug!("apply round failed: {e}");
+                }
+            }
+            Ok(Ctl::Nudge) => {
+                if let Err(e) = a.round(false, Duration::ZERO) {
                     tracing::debug!("apply round failed: {e}");
                 }
             }
             Ok(Ctl::Flush(reply)) => {
-                let r = a.round(true);
+                let r = a.round(true, Duration::ZERO);
                 if reply.send(r).is_err() {
                     tracing::debug!("flush requester went away");
                 }
@@ -1724,6 +1855,7 @@ pub(crate) mod tests {
         LoggedOptions {
             segment_bytes: 4096,
             apply_interval: Duration::from_millis(5),
+            apply_delay: Duration::ZERO,
             ..LoggedOptions::default()
         }
     }
@@ -2232,5 +2364,144 @@ pub(crate) mod tests {
             kv.get(&keys::session_meta("s")).expect("get"),
             Some(format!("{:0>100}", 1999).into_bytes())
         );
+    }
+
+    /// A put that creates its key (a minted id's record), in a batch of its own.
+    fn put_new(k: &[u8], v: &str) -> Batch {
+        let mut b = put(k, v);
+        b.created_last();
+        b
+    }
+
+    fn delete(k: &[u8]) -> Batch {
+        let mut b = Batch::new();
+        b.delete(k.to_vec());
+        b
+    }
+
+    fn dropped_deletes(kv: &LoggedKv) -> u64 {
+        kv.commit_stats().dropped_deletes
+    }
+
+    /// Delete `k`, which sled holds, and see the delete written, not dropped.
+    async fn delete_is_written(kv: &LoggedKv, k: &[u8]) {
+        let before = dropped_deletes(kv);
+        commit(kv, delete(k)).await;
+        kv.sync().expect("sync");
+        assert_eq!(
+            dropped_deletes(kv),
+            before,
+            "sled had {k:?}: its delete is written"
+        );
+        assert!(!in_sled(&kv.inner.sled, k));
+    }
+
+    /// A delete of a key that only the overlay ever held (created and deleted between
+    /// two applies) is dropped, not written; a delete of a key sled got is written,
+    /// also when the key was written again while the applier was writing it to sled
+    /// (the race: the overlay's entry then no longer counts as held only there).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_delete_is_dropped_only_for_a_key_sled_never_got() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (kv, _) = LoggedKv::open(dir.path(), slow()).expect("open");
+        // Created and deleted before any apply.
+        commit(&kv, put_new(b"Tone", "v1")).await;
+        commit(&kv, delete(b"Tone")).await;
+        kv.sync().expect("sync");
+        assert_eq!(dropped_deletes(&kv), 1);
+        assert!(!in_sled(&kv.inner.sled, b"Tone"));
+        assert_eq!(kv.get(b"Tone").expect("get"), None);
+        // Created, applied, then deleted.
+        commit(&kv, put_new(b"Ttwo", "v1")).await;
+        kv.sync().expect("sync");
+        assert!(in_sled(&kv.inner.sled, b"Ttwo"));
+        delete_is_written(&kv, b"Ttwo").await;
+        // Created, then written again while the applier writes the first value.
+        commit(&kv, put_new(b"Tthree", "v1")).await;
+        let tx = kv
+            .tx
+            .lock()
+            .expect("lock")
+            .clone()
+            .expect("committer running");
+        let rt = tokio::runtime::Handle::current();
+        let rewritten = Arc::new(Mutex::new(None));
+        let seen = rewritten.clone();
+        *kv.inner.after_slice.lock().expect("lock") = Some(Box::new(move || {
+            let (reply, ticket) = CommitTicket::new();
+            let sent = tx.send(LogJob::new(put(b"Tthree", "v2"), reply)).is_ok();
+            let answer = rt.block_on(ticket);
+            *seen.lock().expect("lock") = Some(sent && matches!(answer, Ok(Ok(()))));
+        }));
+        kv.sync().expect("sync");
+        assert_eq!(
+            *rewritten.lock().expect("lock"),
+            Some(true),
+            "the rewrite was committed while the applier wrote the first value"
+        );
+        assert!(in_sled(&kv.inner.sled, b"Tthree"));
+        delete_is_written(&kv, b"Tthree").await;
+        kv.close().expect("close");
+        drop(kv);
+        let (kv, _) = LoggedKv::open(dir.path(), opts()).expect("reopen");
+        for k in [&b"Tone"[..], b"Ttwo", b"Tthree"] {
+            assert_eq!(kv.get(k).expect("get"), None, "{k:?} stays deleted");
+        }
+    }
+
+    /// A live record's write waits `apply_delay` in the overlay while a key written
+    /// once (an event) in the same batch goes to sled at the next round, and the
+    /// applied mark stays before the waiting write: a start after a crash meanwhile
+    /// replays it from the log.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_live_record_waits_its_delay_and_a_crash_meanwhile_keeps_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let delayed = LoggedOptions {
+            apply_delay: Duration::from_secs(3600),
+            ..opts()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), delayed).expect("open");
+        let event = keys::event("s", 1);
+        let mut b = put(&event, "e1");
+        b.put_raw(b"Tlive".to_vec(), b"running".to_vec());
+        commit(&kv, b).await;
+        let until = Instant::now() + Duration::from_secs(10);
+        while kv.overlay_len() != 1 {
+            assert!(
+                Instant::now() < until,
+                "the event alone leaves the overlay ({} keys left)",
+                kv.overlay_len()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let sled = &kv.inner.sled;
+        assert!(in_sled(sled, &event));
+        assert!(!in_sled(sled, b"Tlive"));
+        // Further rounds leave it waiting.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(kv.overlay_len(), 1);
+        assert_eq!(kv.get(b"Tlive").expect("get"), Some(b"running".to_vec()));
+        // sled's files as a crash now would leave them, mark included.
+        sled.with(|h| sled.sync_files(h)).expect("sync sled");
+        let copy = tempfile::tempdir().expect("tempdir");
+        copy_dir(dir.path(), copy.path());
+        {
+            let (crashed, replayed) = LoggedKv::open(copy.path(), opts()).expect("open copy");
+            assert_eq!(
+                replayed.records, 1,
+                "the waiting write's record is replayed"
+            );
+            assert_eq!(
+                crashed.get(b"Tlive").expect("get"),
+                Some(b"running".to_vec())
+            );
+            assert_eq!(crashed.get(&event).expect("get"), Some(b"e1".to_vec()));
+        }
+        // A close takes everything, waiting or not.
+        kv.close().expect("close");
+        drop(kv);
+        let (kv, replayed) = LoggedKv::open(dir.path(), opts()).expect("reopen");
+        assert_eq!(replayed.records, 0);
+        assert!(in_sled(&kv.inner.sled, b"Tlive"));
     }
 }

@@ -129,7 +129,7 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
     h.retry_at_ms = None;
     h.settings = Some(r.settings);
     tx.put_turn(st, h);
-    tx.put_invocation(st, inv);
+    tx.put_new_invocation(st, inv);
 }
 
 /// Make the next queued turn the lock holder and want it dispatched.
