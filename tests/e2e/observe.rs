@@ -490,21 +490,8 @@ async fn a_turn_ending_within_the_apply_delay_leaves_no_deletes_to_write() -> an
     })
     .await?;
     let c = td.caller().await?;
-    let (mut w, _) = Raw::hello(
-        &td.url,
-        "worker",
-        json!({"worker_id": "w-d", "instance_id": "i1"}),
-    )
-    .await?;
-    w.ok("function.register", json!({"function_id": "f"}))
-        .await?;
-    let t = c.submit_simple("d", "f", Value::Null).await?;
-    let invoke = w.next_push().await?;
-    w.ok(
-        "invocation.result",
-        json!({"invocation_id": invoke["invocation_id"], "outcome": {"complete": 7}}),
-    )
-    .await?;
+    let _worker = turnd_tests::echo_worker(&td.url, "w-d", 1).await;
+    let t = c.submit_simple("d", "echo", json!(7)).await?;
     wait_done(&c, &t.turn_id, T).await?;
     let admin = td.admin.clone();
     let dropped = eventually(T, "the turn's deletes to be dropped", || {

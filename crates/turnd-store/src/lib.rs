@@ -118,7 +118,7 @@ pub struct Batch {
     /// for ([`Batch::routed_from`]).
     routed_from: Option<u64>,
     /// Indices in `ops` of the puts that create their key: a record under an id
-    /// minted for it, which no store holds yet ([`Batch::is_created`]).
+    /// minted for it, which no store holds yet ([`Batch::put_new_turn`]).
     created: Vec<usize>,
 }
 
@@ -139,15 +139,9 @@ impl Batch {
         self.ops.push(KvOp::Delete(key));
     }
 
-    /// Whether the op at `index` is a put that creates its key (see
-    /// [`Batch::put_new_turn`]). A store may use it to skip deleting, later, a key
-    /// whose every write it still holds itself; treating every put as not creating
-    /// is always correct.
-    pub fn is_created(&self, index: usize) -> bool {
-        self.created.contains(&index)
-    }
-
-    /// Mark the op just added as creating its key.
+    /// Mark the op just added as creating its key. A store may use the marks to
+    /// skip deleting, later, a key whose every write it still holds itself;
+    /// treating every put as not creating is always correct.
     fn created_last(&mut self) {
         if let Some(i) = self.ops.len().checked_sub(1) {
             self.created.push(i);

@@ -14,7 +14,7 @@
 //! `apply_batch` calls of bounded size, the last of which also records the lsn
 //! applied under [`APPLIED_KEY`]. It then drops from the overlay every entry that
 //! has not been written again since. Live records wait `apply_delay` first, and a
-//! delete of a key sled never got is dropped (see [`Applier::apply`]), so most
+//! delete of a key sled never got is dropped (see `Applier::apply`), so most
 //! turns' live records never reach sled. sled is not synced per apply: when a log
 //! segment is wholly applied, the applier flushes sled, `fdatasync`s its files and
 //! only then deletes the segment (and syncs the log's directory). Checkpoints (see
@@ -130,7 +130,7 @@ pub struct LoggedOptions {
     /// How long a write of a live record (a turn's or an invocation's record, a
     /// turn's input kept apart, a session's meta) waits in the overlay before the
     /// applier takes it to sled: one rewritten or deleted meanwhile reaches sled once
-    /// or never (see [`delays`]).
+    /// or never (the keys `delays` names).
     pub apply_delay: Duration,
     /// How often a failed log tries to repair itself.
     pub heal_interval: Duration,
@@ -175,7 +175,7 @@ struct Pending {
     lsn: u64,
     value: Value,
     /// No store holds the key but the overlay: it was created by a put the overlay
-    /// still holds ([`Batch::is_created`]), and the applier has written no value of
+    /// still holds ([`Batch::put_new_turn`]), and the applier has written no value of
     /// it to sled since. A delete of such a key is dropped instead of written.
     fresh: bool,
 }
@@ -194,18 +194,14 @@ struct Overlay {
 
 impl Overlay {
     /// The last lsn of the groups put in the overlay at least `delay` before `now`
-    /// (all of them when `delay` is zero).
+    /// (all of them when `delay` is zero: the newest group's lsn is `committed`).
     fn settle(&mut self, now: Instant, delay: Duration) -> u64 {
         while let Some(&(at, lsn)) = self.groups.front() {
-            if delay.is_zero() || now.saturating_duration_since(at) >= delay {
-                self.settled = lsn;
-                self.groups.pop_front();
-            } else {
+            if now.saturating_duration_since(at) < delay {
                 break;
             }
-        }
-        if delay.is_zero() {
-            self.settled = self.committed;
+            self.settled = lsn;
+            self.groups.pop_front();
         }
         self.settled
     }
@@ -297,13 +293,13 @@ pub(crate) struct Spent {
 impl LogJob {
     fn new(batch: Batch, reply: CommitReply) -> LogJob {
         let record = encode(&batch);
-        let created: Vec<bool> = (0..batch.ops.len()).map(|i| batch.is_created(i)).collect();
+        let created = batch.created;
         let writes = batch
             .ops
             .into_iter()
-            .zip(created)
-            .map(|(op, created)| match op {
-                KvOp::Put(k, v) => (OKey::from_vec(k), Some(Arc::from(v)), created),
+            .enumerate()
+            .map(|(i, op)| match op {
+                KvOp::Put(k, v) => (OKey::from_vec(k), Some(Arc::from(v)), created.contains(&i)),
                 KvOp::Delete(k) => (OKey::from_vec(k), None, false),
             })
             .collect();
