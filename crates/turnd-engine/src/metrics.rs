@@ -29,8 +29,11 @@ pub struct Counters {
     pub windows_dropped: AtomicU64,
     /// Probe answers by state.
     pub probe_answers: Mutex<BTreeMap<&'static str, u64>>,
-    /// Terminal transitions by status and cause (`completed`, `cancelled`,
-    /// `failed:<cause>`).
+    /// Terminal transitions to `completed` and `cancelled` (counted apart from the
+    /// failures: one atomic add per turn instead of a locked map's lookup).
+    pub completed: AtomicU64,
+    pub cancelled: AtomicU64,
+    /// Terminal transitions to `failed`, by cause (`failed:<cause>`).
     pub terminal: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -57,8 +60,20 @@ impl Counters {
         }
     }
 
+    /// Terminal transitions by status and cause (`completed`, `cancelled`,
+    /// `failed:<cause>`); a status none reached yet is left out.
     pub fn terminal_snapshot(&self) -> BTreeMap<String, u64> {
-        self.terminal.lock().clone()
+        let mut m = self.terminal.lock().clone();
+        for (k, c) in [
+            ("completed", &self.completed),
+            ("cancelled", &self.cancelled),
+        ] {
+            let n = Counters::get(c);
+            if n > 0 {
+                m.insert(k.to_owned(), n);
+            }
+        }
+        m
     }
 
     pub fn probe_answers_snapshot(&self) -> BTreeMap<&'static str, u64> {

@@ -79,6 +79,27 @@ impl Engine {
 
     /// Log a durable event with the identity fields every turn log line carries.
     pub(super) fn log_event(&self, e: &Event) {
+        // The fields are looked up only for a line that is written: every transition
+        // passes here, and most of its events log at debug.
+        let enabled = match e.kind {
+            EventKind::Failed
+            | EventKind::OutcomeUnknown
+            | EventKind::LateResult
+            | EventKind::Amended
+            | EventKind::Redispatched => tracing::enabled!(tracing::Level::WARN),
+            EventKind::Completed
+            | EventKind::Cancelled
+            | EventKind::StopRequested
+            | EventKind::ProbeSent
+            | EventKind::CancelSent
+            | EventKind::RetryScheduled => tracing::enabled!(tracing::Level::INFO),
+            EventKind::Admitted | EventKind::Dispatched | EventKind::Result => {
+                tracing::enabled!(tracing::Level::DEBUG)
+            }
+        };
+        if !enabled {
+            return;
+        }
         let d = &e.detail;
         let step = d.get("step").and_then(Value::as_u64);
         let attempt = d.get("attempt").and_then(Value::as_u64);
@@ -129,8 +150,8 @@ impl Engine {
             EventKind::RetryScheduled => Counters::inc(&c.retries_scheduled),
             EventKind::CancelSent => Counters::inc(&c.cancels_sent),
             EventKind::StopRequested => Counters::inc(&c.stops),
-            EventKind::Completed => c.terminal("completed".into()),
-            EventKind::Cancelled => c.terminal("cancelled".into()),
+            EventKind::Completed => Counters::inc(&c.completed),
+            EventKind::Cancelled => Counters::inc(&c.cancelled),
             EventKind::Failed => {
                 let cause = e
                     .detail
