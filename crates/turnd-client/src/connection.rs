@@ -430,7 +430,9 @@ async fn run_io(
 }
 
 /// Write `first` and the requests already queued behind it in one write: one flush
-/// (one send syscall) for the lot.
+/// (one send syscall) for the lot. When the queue runs dry it yields once before the
+/// flush, so that tasks already woken on this thread add their requests to the same
+/// write (with nothing else to run the yield returns at once).
 async fn write_queued(
     ws: &mut Ws,
     first: Message,
@@ -438,8 +440,16 @@ async fn write_queued(
 ) -> Result<(), tokio_tungstenite::tungstenite::Error> {
     let mut written = ws.feed(first).await;
     let mut batched = 1;
+    let mut yielded = false;
     while written.is_ok() && batched < WRITE_BATCH_FRAMES {
-        let Ok(more) = out_rx.try_recv() else { break };
+        let Ok(more) = out_rx.try_recv() else {
+            if yielded {
+                break;
+            }
+            yielded = true;
+            tokio::task::yield_now().await;
+            continue;
+        };
         written = ws.feed(more).await;
         batched += 1;
     }
