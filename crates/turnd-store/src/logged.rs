@@ -592,7 +592,7 @@ impl LoggedKv {
         if let Some(last) = opened.records.last().map(|r| r.lsn) {
             let map = coalesce(&opened.records)?;
             replay_into(&sled, &wins, &map, last)?;
-            wal::trim_before(&log_dir, &closed, last)?;
+            wal::trim_before(&log_dir, &closed, last, opts.segment_bytes)?;
         }
         let committed = opened.log.next_lsn() - 1;
         replayed.millis = started.elapsed().as_millis() as u64;
@@ -1243,7 +1243,12 @@ impl Applier<'_> {
         let sled = &self.inner.sled;
         sled.with(|h| sled.sync_files(h))?;
         self.synced = self.applied;
-        let n = wal::trim_before(&self.inner.log_dir, &self.inner.closed, self.applied)?;
+        let n = wal::trim_before(
+            &self.inner.log_dir,
+            &self.inner.closed,
+            self.applied,
+            self.segment_bytes,
+        )?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.log_trims += n as u64;
         }

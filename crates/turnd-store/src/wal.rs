@@ -13,9 +13,10 @@
 //! long from the start (so an append does not change the file's size, and a full
 //! disk shows up when a segment is made, before anything is written to it) and its
 //! directory entry is synced before the first record in it is acknowledged. The next
-//! segment is made ahead of need, off the commit path ([`prepare_spare`]): written
-//! with zeros and synced under the name `spare`, and renamed when the log rolls over
-//! to it. A segment whose blocks were only reserved (`fallocate`) makes every
+//! segment is made ahead of need, off the commit path: the oldest segment trimmed
+//! while no spare is ready, renamed `spare` ([`trim_before`]), or else a file written
+//! with zeros and synced under that name ([`prepare_spare`]); the log renames the
+//! spare when it rolls over to it. A segment whose blocks were only reserved (`fallocate`) makes every
 //! `fdatasync` write the file's extent map as well, since ext4 marks reserved blocks
 //! as written only as they are (measured here: p50 190 – 207 µs per `fdatasync` of
 //! 4 – 16 KiB, against 128 – 134 µs into written zeros; on ext4 with a journal 575 –
@@ -26,7 +27,9 @@
 //! **Records.** `len: u32 LE | crc32: u32 LE | lsn: u64 LE | payload (len bytes)`,
 //! the CRC over the lsn's bytes and the payload. Sequence numbers (lsn) are
 //! consecutive across segments; a segment is named by the lsn of its first record.
-//! Preallocated space reads as zeros, and a zero length ends a segment's records.
+//! Preallocated space reads as zeros, and a zero length ends a segment's records; a
+//! segment made from a trimmed one ([`trim_before`]) holds older records past the
+//! newest, whose lsns end reading there.
 //!
 //! **Reading at open.** Records are read in order until the first one that is
 //! incomplete, fails its CRC or does not carry the next lsn: that is a torn tail (a
@@ -557,7 +560,19 @@ fn lock_poisoned() -> StoreError {
 /// Delete the closed segments whose every record has an lsn at or before `applied`
 /// (sled holds them, flushed and synced), then sync the directory so that a deleted
 /// segment cannot come back after a power loss. Returns how many were deleted.
-pub fn trim_before(dir: &Path, closed: &Mutex<Closed>, applied: u64) -> Result<usize, StoreError> {
+///
+/// When no spare is ready, the first of them of `segment_bytes` is not deleted but
+/// renamed `spare`: the log's next segment, its blocks already written, with no file
+/// of zeros to make for it ([`prepare_spare`]). Its old records are harmless there:
+/// every one has an lsn below the first of any segment it becomes, and reading a
+/// segment stops at the first record that does not carry the next lsn, as it does at
+/// a torn tail.
+pub fn trim_before(
+    dir: &Path,
+    closed: &Mutex<Closed>,
+    applied: u64,
+    segment_bytes: u64,
+) -> Result<usize, StoreError> {
     let doomed: Vec<Segment> = {
         let mut c = closed.lock().map_err(|_| lock_poisoned())?;
         let mut doomed = Vec::new();
@@ -578,7 +593,15 @@ pub fn trim_before(dir: &Path, closed: &Mutex<Closed>, applied: u64) -> Result<u
         }
         doomed
     };
+    let spare = dir.join(SPARE);
+    let mut recycle = !spare.exists();
     for s in &doomed {
+        if recycle && std::fs::metadata(&s.path).is_ok_and(|m| m.len() == segment_bytes) {
+            recycle = false;
+            std::fs::rename(&s.path, &spare)
+                .map_err(|e| io("keep a trimmed segment as the spare", e))?;
+            continue;
+        }
         std::fs::remove_file(&s.path).map_err(|e| io("remove a trimmed segment", e))?;
     }
     if !doomed.is_empty() {
@@ -703,6 +726,84 @@ mod tests {
         assert_eq!(std::fs::metadata(&spare).expect("spare").len(), seg);
     }
 
+    /// A segment trimmed while no spare is ready becomes the spare (the same file),
+    /// and is the next segment the log rolls over to. Its old records are never read
+    /// again: not after the new ones, not after a torn group written over them, and
+    /// not when a reopen finds it with nothing new in it.
+    #[test]
+    fn a_trimmed_segment_becomes_the_spare_and_its_old_records_are_never_read() {
+        use std::os::unix::fs::MetadataExt;
+        // Records of one size, so that the new records in a segment made from an old
+        // one end exactly where an old record starts, whole and with a valid checksum.
+        fn one(n: u64) -> Vec<Vec<u8>> {
+            vec![format!("rec {n:04}").into_bytes()]
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let seg = 256u64;
+        let spare = dir.path().join(SPARE);
+        let mut log = CommitLog::open(dir.path(), seg, 0).expect("open").log;
+        // The open made its first segment from a spare; the first roll-over reserves
+        // the next with fallocate.
+        let closed = log.closed();
+        while closed_count(&closed) == 0 {
+            log.append_group(&one(log.next_lsn()), true)
+                .expect("append");
+        }
+        assert!(!spare.exists());
+        let oldest = closed.lock().expect("lock").segments[0].path.clone();
+        let ino = std::fs::metadata(&oldest).expect("oldest").ino();
+        let last = log.next_lsn() - 1;
+        assert_eq!(
+            trim_before(dir.path(), &closed, last, seg).expect("trim"),
+            1
+        );
+        assert!(!oldest.exists());
+        assert_eq!(std::fs::metadata(&spare).expect("spare").ino(), ino);
+        assert!(
+            !prepare_spare(dir.path(), seg).expect("spare"),
+            "one is ready"
+        );
+        // The next roll-over takes it: its first record is the one that rolled over.
+        while spare.exists() {
+            log.append_group(&one(log.next_lsn()), true)
+                .expect("append");
+        }
+        assert_eq!(
+            std::fs::metadata(&log.active.path).expect("active").ino(),
+            ino
+        );
+        assert_eq!(log.offset, (HEADER_BYTES + 8) as u64);
+        let first = log.next_lsn() - 1;
+        drop(log);
+        let o = CommitLog::open(dir.path(), seg, first - 1).expect("reopen");
+        assert_eq!(lsns(&o.records), vec![first]);
+        assert_eq!(
+            o.log.next_lsn(),
+            first + 1,
+            "the old records are not counted"
+        );
+        drop(o);
+        // A torn group in it: a header written, its payload still the old bytes.
+        let path = dir.path().join(segment_name(first));
+        let mut torn = Vec::new();
+        frame(&mut torn, first + 1, b"torn rec").expect("frame");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open")
+            .write_all_at(&torn[..HEADER_BYTES], (HEADER_BYTES + 8) as u64)
+            .expect("write");
+        let o = CommitLog::open(dir.path(), seg, first - 1).expect("reopen");
+        assert_eq!(lsns(&o.records), vec![first]);
+        let mut log = o.log;
+        log.append_group(&one(first + 1), true).expect("append");
+        drop(log);
+        let o = CommitLog::open(dir.path(), seg, first - 1).expect("reopen");
+        assert_eq!(lsns(&o.records), vec![first, first + 1]);
+        let got: Vec<Vec<u8>> = o.records.into_iter().map(|r| r.payload).collect();
+        assert_eq!(got, [one(first), one(first + 1)].concat());
+    }
+
     #[test]
     fn records_read_back_in_order_across_segments_and_opens() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -755,7 +856,7 @@ mod tests {
         );
         // Trimmed away: the range is not all there any more.
         let closed = log.closed();
-        trim_before(dir.path(), &closed, 13).expect("trim");
+        trim_before(dir.path(), &closed, 13, 256).expect("trim");
         assert!(read_range(dir.path(), 0, 14).is_err());
         assert_eq!(
             lsns(&read_range(dir.path(), 13, 14).expect("read")),
@@ -851,18 +952,18 @@ mod tests {
         let before = closed_count(&closed);
         assert!(before >= 3, "{before}");
         // Nothing before lsn 1 is applied: nothing goes.
-        assert_eq!(trim_before(dir.path(), &closed, 0).expect("trim"), 0);
+        assert_eq!(trim_before(dir.path(), &closed, 0, 50).expect("trim"), 0);
         let first_seg_end = closed.lock().expect("lock").segments[1].first_lsn - 1;
         assert_eq!(
-            trim_before(dir.path(), &closed, first_seg_end - 1).expect("trim"),
+            trim_before(dir.path(), &closed, first_seg_end - 1, 50).expect("trim"),
             0
         );
         assert_eq!(
-            trim_before(dir.path(), &closed, first_seg_end).expect("trim"),
+            trim_before(dir.path(), &closed, first_seg_end, 50).expect("trim"),
             1
         );
         assert_eq!(
-            trim_before(dir.path(), &closed, 8).expect("trim"),
+            trim_before(dir.path(), &closed, 8, 50).expect("trim"),
             before - 1
         );
         drop(log);
