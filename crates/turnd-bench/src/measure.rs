@@ -217,6 +217,9 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         applied_keys: after.applied_keys.saturating_sub(before.applied_keys),
         apply_micros: after.apply_micros.saturating_sub(before.apply_micros),
         dropped_deletes: after.dropped_deletes.saturating_sub(before.dropped_deletes),
+        merged_event_values: after
+            .merged_event_values
+            .saturating_sub(before.merged_event_values),
         overlay_keys: after.overlay_keys,
         log_segments: after.log_segments,
         log_trims: after.log_trims.saturating_sub(before.log_trims),
@@ -241,10 +244,11 @@ pub fn fmt_commits(c: &CommitStats) -> String {
     );
     if c.applies > 0 {
         s.push_str(&format!(
-            " / {} applies to sled, {} keys ({} deletes dropped), {:.0} ms in all",
+            " / {} applies to sled, {} keys ({} deletes dropped, {} event values merged), {:.0} ms in all",
             c.applies,
             c.applied_keys,
             c.dropped_deletes,
+            c.merged_event_values,
             c.apply_micros as f64 / 1000.0
         ));
     }

@@ -399,6 +399,12 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "Deletes of keys that never reached sled (created and deleted before an apply), dropped instead of written",
         cs.dropped_deletes,
     );
+    counter(
+        reg,
+        "storage_merged_event_values",
+        "Event values written to sled inside a later value of the same session instead of under their own key",
+        cs.merged_event_values,
+    );
     seconds(
         reg,
         "storage_apply_seconds",

@@ -250,7 +250,10 @@ impl Batch {
     /// A value is routed by the newest turn among its events (see [`keys`]), when
     /// every one of them is a minted turn id; otherwise it has no route.
     pub fn put_events(&mut self, events: &[Event]) {
+        let from = self.ops.len();
         self.put_events_in(events, true);
+        // A transition's events have `seq`s the session never had: their keys are new.
+        self.created.extend(from..self.ops.len());
     }
 
     /// [`Batch::put_events`], with no route when `routed` is false: retention writes a
@@ -494,6 +497,9 @@ pub struct CommitStats {
     /// the overlay ever held (a turn's or invocation's record created and deleted
     /// before the applier took it).
     pub dropped_deletes: u64,
+    /// Event values those rounds wrote as part of a later value of the same session
+    /// instead of under their own key.
+    pub merged_event_values: u64,
     /// Keys committed but not yet in sled (a gauge).
     pub overlay_keys: u64,
     /// Files of the commit log (a gauge).

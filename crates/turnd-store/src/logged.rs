@@ -61,6 +61,12 @@ use crate::windows::{self, Route, WindowOptions};
 use crate::winstore::{Switch, Upkeep, Windows};
 use crate::{Batch, CommitReply, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
+mod runs;
+#[cfg(test)]
+mod runs_tests;
+
+use runs::{drop_applied, event_runs, sled_writes, Taken};
+
 /// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
 /// sorts before every key of the layout (`crate::keys`), whose scans never reach it.
 pub const APPLIED_KEY: &[u8] = b"\x00applied";
@@ -210,11 +216,13 @@ impl Overlay {
 /// Whether the applier lets a write of `key` wait [`LoggedOptions::apply_delay`]
 /// before it takes it to sled: the records of live turns, invocations and sessions,
 /// rewritten at every transition and (a turn's and an invocation's) deleted when
-/// the turn ends, so that most of them never reach sled at all. The keys written
-/// once (folded records, list entries, events, idempotency keys) and window drops
-/// are taken at the next round.
+/// the turn ends, so that most of them never reach sled at all; and event values,
+/// so that a round takes a session's values together and writes them as one
+/// ([`runs::event_runs`]), all of them at or before the mark the round records. The
+/// keys written once otherwise (folded records, list entries, idempotency keys) and
+/// window drops are taken at the next round.
 fn delays(key: &[u8]) -> bool {
-    matches!(key.first(), Some(b'T' | b'I' | b'N' | b'M'))
+    matches!(key.first(), Some(b'T' | b'I' | b'N' | b'M' | b'E'))
 }
 
 enum Ctl {
@@ -225,6 +233,9 @@ enum Ctl {
     /// End the applier thread, as a panic in it would (tests only).
     #[cfg(test)]
     Exit,
+    /// Run one round with this delay now, then answer (tests only).
+    #[cfg(test)]
+    Round(Duration, mpsc::Sender<()>),
 }
 
 struct Inner {
@@ -1115,11 +1126,12 @@ impl Applier<'_> {
         let mut from: Bound<OKey> = Bound::Unbounded;
         let mut keys = 0u64;
         let mut skipped = 0u64;
+        let mut merged = 0u64;
         loop {
             // A slice of up to APPLY_KEYS entries to take (the waiting ones passed
             // over), each with whether it is a delete only the overlay knew of.
             let mut last = None;
-            let slice: Vec<(OKey, u64, Value, bool)> = {
+            let slice: Vec<Taken> = {
                 let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
                 let mut walked = 0usize;
                 let mut slice = Vec::new();
@@ -1129,8 +1141,12 @@ impl Applier<'_> {
                 )) {
                     walked += 1;
                     if p.lsn <= mark || !delays(k) {
-                        let dropped = p.fresh && p.value.is_none();
-                        slice.push((k.clone(), p.lsn, p.value.clone(), dropped));
+                        slice.push(Taken {
+                            key: k.clone(),
+                            lsn: p.lsn,
+                            value: p.value.clone(),
+                            fresh: p.fresh,
+                        });
                     }
                     if slice.len() == APPLY_KEYS || walked == 4 * APPLY_KEYS {
                         last = Some(k.clone());
@@ -1139,13 +1155,11 @@ impl Applier<'_> {
                 }
                 slice
             };
+            let runs = event_runs(&slice, self.applied, mark);
             let (bytes, wins) = apply_routed(
                 &self.inner.sled,
                 &self.inner.windows,
-                slice
-                    .iter()
-                    .filter(|(_, _, _, dropped)| !dropped)
-                    .map(|(k, lsn, v, _)| (k.as_slice(), *lsn, v.as_deref())),
+                sled_writes(&slice, &runs),
             )?;
             self.checkpoints.wrote(bytes);
             for (w, keys) in wins {
@@ -1170,22 +1184,14 @@ impl Applier<'_> {
                     .overlay
                     .write()
                     .map_err(|_| lock_err("overlay"))?;
-                for (k, lsn, v, _) in &slice {
-                    let Some(p) = o.map.get_mut(k.as_slice()) else {
-                        continue;
-                    };
-                    if p.lsn == *lsn {
-                        o.map.remove(k.as_slice());
-                    } else if v.is_some() {
-                        // Written again meanwhile: sled has a value of it now.
-                        p.fresh = false;
-                    }
-                }
+                drop_applied(&mut o.map, &slice, &runs);
             }
             self.inner.applied_cv.notify_all();
-            let dropped = slice.iter().filter(|e| e.3).count() as u64;
+            let dropped = slice.iter().filter(|e| e.dropped()).count() as u64;
+            let into_others: u64 = runs.iter().map(|r| (r.last - r.first) as u64).sum();
             skipped += dropped;
-            keys += slice.len() as u64 - dropped;
+            merged += into_others;
+            keys += slice.len() as u64 - dropped - into_others;
             // The walk ends at `end`, or when a slice stopped short of it.
             let Some(last) = last else {
                 break;
@@ -1205,6 +1211,7 @@ impl Applier<'_> {
         }
         if let Ok(mut s) = self.inner.stats.lock() {
             s.dropped_deletes += skipped;
+            s.merged_event_values += merged;
             s.window_leftovers += leftovers;
             s.applies += 1;
             s.applied_keys += keys;
@@ -1433,6 +1440,15 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
             }
             #[cfg(test)]
             Ok(Ctl::Exit) => break,
+            #[cfg(test)]
+            Ok(Ctl::Round(delay, done)) => {
+                if let Err(e) = a.round(false, delay) {
+                    tracing::debug!("apply round failed: {e}");
+                }
+                if done.send(()).is_err() {
+                    tracing::debug!("round requester went away");
+                }
+            }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
@@ -1553,6 +1569,25 @@ impl LoggedKv {
                 r => return r,
             }
         }
+    }
+
+    /// Run one round of the applier now, with `delay` (tests only).
+    #[cfg(test)]
+    pub(crate) fn round_with(&self, delay: Duration) {
+        let (done, wait) = mpsc::channel();
+        let sent = self
+            .ctl
+            .lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(|c| c.send(Ctl::Round(delay, done)).is_ok()));
+        assert_eq!(sent, Some(true), "applier running");
+        wait.recv().expect("round done");
+    }
+
+    /// The sled database of the open window starting at `start` (tests only).
+    #[cfg(test)]
+    pub(crate) fn inner_window(&self, start: u64) -> Option<Arc<Shared>> {
+        self.inner.windows.get(start)
     }
 
     /// Have the next read run `hook` right after it took its sources.
@@ -2452,7 +2487,7 @@ pub(crate) mod tests {
     }
 
     /// A live record's write waits `apply_delay` in the overlay while a key written
-    /// once (an event) in the same batch goes to sled at the next round, and the
+    /// once (a turn list entry) in the same batch goes to sled at the next round, and the
     /// applied mark stays before the waiting write: a start after a crash meanwhile
     /// replays it from the log.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2463,21 +2498,22 @@ pub(crate) mod tests {
             ..opts()
         };
         let (kv, _) = LoggedKv::open(dir.path(), delayed).expect("open");
-        let event = keys::event("s", 1);
-        let mut b = put(&event, "e1");
+        // A key written once: a session's turn list entry.
+        let entry = keys::session_turn("s", 1);
+        let mut b = put(&entry, "t1");
         b.put_raw(b"Tlive".to_vec(), b"running".to_vec());
         commit(&kv, b).await;
         let until = Instant::now() + Duration::from_secs(10);
         while kv.overlay_len() != 1 {
             assert!(
                 Instant::now() < until,
-                "the event alone leaves the overlay ({} keys left)",
+                "the list entry alone leaves the overlay ({} keys left)",
                 kv.overlay_len()
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let sled = &kv.inner.sled;
-        assert!(in_sled(sled, &event));
+        assert!(in_sled(sled, &entry));
         assert!(!in_sled(sled, b"Tlive"));
         // Further rounds leave it waiting.
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -2497,7 +2533,7 @@ pub(crate) mod tests {
                 crashed.get(b"Tlive").expect("get"),
                 Some(b"running".to_vec())
             );
-            assert_eq!(crashed.get(&event).expect("get"), Some(b"e1".to_vec()));
+            assert_eq!(crashed.get(&entry).expect("get"), Some(b"t1".to_vec()));
         }
         // A close takes everything, waiting or not.
         kv.close().expect("close");

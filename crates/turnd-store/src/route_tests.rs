@@ -134,6 +134,9 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     let mut meta = SessionMeta::new("s");
     for (seq, id) in [(1, &old), (2, &early), (3, &late)] {
         commit(&store, admission(&mut meta, seq, id)).await;
+        // Applied one by one: values of one round would be written as one, routed
+        // by the newest turn among them (`logged::runs`).
+        kv.sync().expect("apply");
     }
     // One transition's events about two turns: routed by the newer one.
     let mut both = Batch::new();
@@ -234,6 +237,45 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     del.delete(crate::keys::session_turn_of("s", 3, &late));
     commit(&store, del).await;
     assert_eq!(store.list_entry(meta.keys(), 3).expect("read"), None);
+}
+
+/// Event values of turns of two windows taken in one round are written as one value,
+/// routed by the newest turn: in the newer window, where a read of the session finds
+/// every event, and where `store.check` finds it routed as a value must be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_of_event_values_goes_to_its_newest_turns_window() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, store, list) = with_windows(dir.path(), 2).await;
+    let (a, b) = (list[0].start_ms, list[1].start_ms);
+    let (early, late) = (turn_at(a, 1), turn_at(b, 2));
+    let mut meta = SessionMeta::new("s");
+    commit(&store, admission(&mut meta, 1, &early)).await;
+    commit(&store, admission(&mut meta, 2, &late)).await;
+    kv.sync().expect("apply");
+    let event_keys = |start: u64| -> Vec<u64> {
+        let w = kv.inner_window(start).expect("window open");
+        w.with(|h| {
+            Ok(h.db
+                .range(crate::keys::event("s", 0)..crate::keys::event_end("s"))
+                .keys()
+                .map(|k| crate::keys::seq_suffix(&k.expect("key")).expect("seq"))
+                .collect())
+        })
+        .expect("read")
+    };
+    assert_eq!(event_keys(a), Vec::<u64>::new());
+    assert_eq!(event_keys(b), vec![2]);
+    assert_eq!(
+        event_turns(&store, meta.keys()),
+        [early.clone(), late.clone()]
+    );
+    let violations = crate::check::check_store(&store).expect("check");
+    assert!(
+        !violations
+            .iter()
+            .any(|v| v.invariant == "event_value_misrouted"),
+        "{violations:?}"
+    );
 }
 
 /// A read that took its sources (the overlay's range and the windows to read) just
