@@ -65,12 +65,20 @@ impl Engine {
             let mut w = self.inner.waiters.lock();
             w.entry(turn_id.to_string()).or_default().push(tx);
         }
-        let t = self.get_turn(turn_id).await;
-        let t = match t {
-            Ok(t) if !t.status.is_terminal() => t,
-            other => {
-                self.prune_waiters(turn_id);
-                return other;
+        // A turn in the index of unfinished turns is waited for without building its
+        // view: the notice brings the terminal turn. The waiter is registered first,
+        // and a turn leaves the index before its waiters are notified, so a turn found
+        // here is notified to this waiter when it ends.
+        let live = turn_id_bits(turn_id).is_some_and(|k| self.live_turns().contains_key(&k));
+        let seen = if live {
+            None
+        } else {
+            match self.get_turn(turn_id).await {
+                Ok(t) if !t.status.is_terminal() => Some(t),
+                other => {
+                    self.prune_waiters(turn_id);
+                    return other;
+                }
             }
         };
         let done = tokio::select! {
@@ -84,10 +92,10 @@ impl Engine {
         if let Some(done) = done {
             return Ok(done);
         }
-        match self.get_turn(turn_id).await {
-            Ok(t) => Ok(t),
-            Err(EngineError::NoTurn(_)) => Ok(t),
-            Err(e) => Err(e),
+        match (self.get_turn(turn_id).await, seen) {
+            (Ok(t), _) => Ok(t),
+            (Err(EngineError::NoTurn(_)), Some(t)) => Ok(t),
+            (Err(e), _) => Err(e),
         }
     }
 
