@@ -2480,7 +2480,8 @@ pub(crate) mod tests {
         delete_is_written(&kv, b"Tthree").await;
         kv.close().expect("close");
         drop(kv);
-        let (kv, _) = LoggedKv::open(dir.path(), opts()).expect("reopen");
+        let (kv, _) = crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), opts()))
+            .expect("reopen");
         for k in [&b"Tone"[..], b"Ttwo", b"Tthree"] {
             assert_eq!(kv.get(k).expect("get"), None, "{k:?} stays deleted");
         }
@@ -2538,7 +2539,9 @@ pub(crate) mod tests {
         // A close takes everything, waiting or not.
         kv.close().expect("close");
         drop(kv);
-        let (kv, replayed) = LoggedKv::open(dir.path(), opts()).expect("reopen");
+        let (kv, replayed) =
+            crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), opts()))
+                .expect("reopen");
         assert_eq!(replayed.records, 0);
         assert!(in_sled(&kv.inner.sled, b"Tlive"));
     }

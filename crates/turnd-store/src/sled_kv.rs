@@ -409,7 +409,9 @@ const REOPEN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 /// `REOPEN_PATIENCE`. The lock goes with the last reference to sled's file, which a
 /// thread of sled's may hold for a moment after a handle on the same directory is
 /// dropped (a checkpoint's close, or a store closed and opened again in one process).
-fn open_when_unlocked<T>(mut open: impl FnMut() -> Result<T, StoreError>) -> Result<T, StoreError> {
+pub(crate) fn open_when_unlocked<T>(
+    mut open: impl FnMut() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
     let give_up = std::time::Instant::now() + REOPEN_PATIENCE;
     loop {
         match open() {

@@ -227,7 +227,8 @@ async fn a_sessions_event_values_of_one_round_reach_sled_as_one() {
     drop(store);
     kv.close().expect("close");
     drop(kv);
-    let (kv, _) = LoggedKv::open(dir.path(), manual()).expect("reopen");
+    let (kv, _) = crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), manual()))
+        .expect("reopen");
     let store = Store::new(Arc::new(kv));
     assert_eq!(seqs(&store, "s"), vec![1, 2, 3, 4, 5]);
     assert_eq!(seqs(&store, "other"), vec![1, 2]);
@@ -284,7 +285,8 @@ async fn a_run_committed_again_while_it_is_written_stays_in_the_overlay() {
     drop(store);
     kv.close().expect("close");
     drop(kv);
-    let (kv, _) = LoggedKv::open(dir.path(), manual()).expect("reopen");
+    let (kv, _) = crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), manual()))
+        .expect("reopen");
     let store = Store::new(Arc::new(kv));
     assert_eq!(seqs(&store, "s"), vec![1, 3]);
 }
