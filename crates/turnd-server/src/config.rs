@@ -91,9 +91,10 @@ pub struct StorageConfig {
     pub log_segment_kb: u64,
     /// How often the records of the commit log are written to sled behind it.
     pub apply_interval_ms: u64,
-    /// How long the write of a live record (turn, invocation, session meta) waits
-    /// before it is written to sled, so that one rewritten or deleted meanwhile is
-    /// written once or never. 0: at the next round.
+    /// How long the write of a live record (turn, invocation, session meta) or of an
+    /// event value waits before it is written to sled, so that one rewritten or
+    /// deleted meanwhile is written once or never, and a session's event values of a
+    /// round go as one. 0: at the next round.
     pub apply_delay_ms: u64,
     /// How often a commit log whose write or sync failed tries to repair itself.
     pub heal_interval_ms: u64,
