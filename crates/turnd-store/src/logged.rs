@@ -2498,6 +2498,31 @@ pub(crate) mod tests {
     }
 
     /// A put that creates its key (a minted id's record), in a batch of its own.
+    /// Commit `batch` from the applier's next round, right after it wrote its next
+    /// slice to sled and before it drops the slice from the overlay. The answer says
+    /// whether the commit was made there (once the round ran).
+    pub(crate) fn commit_during_next_slice(
+        kv: &LoggedKv,
+        batch: Batch,
+    ) -> Arc<Mutex<Option<bool>>> {
+        let tx = kv
+            .tx
+            .lock()
+            .expect("lock")
+            .clone()
+            .expect("committer running");
+        let rt = tokio::runtime::Handle::current();
+        let committed = Arc::new(Mutex::new(None));
+        let seen = committed.clone();
+        *kv.inner.after_slice.lock().expect("lock") = Some(Box::new(move || {
+            let (reply, ticket) = CommitTicket::new();
+            let sent = tx.send(LogJob::new(batch, reply)).is_ok();
+            let answer = rt.block_on(ticket);
+            *seen.lock().expect("lock") = Some(sent && matches!(answer, Ok(Ok(()))));
+        }));
+        committed
+    }
+
     fn put_new(k: &[u8], v: &str) -> Batch {
         let mut b = put(k, v);
         b.created_last();
@@ -2549,21 +2574,7 @@ pub(crate) mod tests {
         delete_is_written(&kv, b"Ttwo").await;
         // Created, then written again while the applier writes the first value.
         commit(&kv, put_new(b"Tthree", "v1")).await;
-        let tx = kv
-            .tx
-            .lock()
-            .expect("lock")
-            .clone()
-            .expect("committer running");
-        let rt = tokio::runtime::Handle::current();
-        let rewritten = Arc::new(Mutex::new(None));
-        let seen = rewritten.clone();
-        *kv.inner.after_slice.lock().expect("lock") = Some(Box::new(move || {
-            let (reply, ticket) = CommitTicket::new();
-            let sent = tx.send(LogJob::new(put(b"Tthree", "v2"), reply)).is_ok();
-            let answer = rt.block_on(ticket);
-            *seen.lock().expect("lock") = Some(sent && matches!(answer, Ok(Ok(()))));
-        }));
+        let rewritten = commit_during_next_slice(&kv, put(b"Tthree", "v2"));
         kv.sync().expect("sync");
         assert_eq!(
             *rewritten.lock().expect("lock"),

@@ -2,14 +2,14 @@
 //! a run, and that reads never meet an event twice or miss one, whatever is committed
 //! while a run is written.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde_json::json;
 use turnd_proto::{Event, EventKind};
 
 use super::runs::{event_runs, Taken, MERGE_BYTES};
-use super::{LogJob, LoggedKv, LoggedOptions, OKey};
-use crate::{keys, Batch, CommitTicket, Kv, SessionKeys, Store};
+use super::{LoggedKv, LoggedOptions, OKey};
+use crate::{keys, Batch, Kv, SessionKeys, Store};
 
 fn turn_at(ms: u64, n: u8) -> String {
     format!("t_{ms:012x}7000800000000000{n:04x}")
@@ -74,6 +74,24 @@ fn manual() -> LoggedOptions {
         apply_delay: std::time::Duration::ZERO,
         ..LoggedOptions::default()
     }
+}
+
+/// A store in `dir` ([`manual`]), and the typed store over it.
+fn open(dir: &std::path::Path) -> (Arc<LoggedKv>, Store) {
+    let (kv, _) = LoggedKv::open(dir, manual()).expect("open");
+    let kv = Arc::new(kv);
+    let store = Store::new(kv.clone());
+    (kv, store)
+}
+
+/// Close the store in `dir` and open it again.
+fn reopen(dir: &std::path::Path, kv: Arc<LoggedKv>, store: Store) -> Store {
+    drop(store);
+    kv.close().expect("close");
+    drop(kv);
+    let (kv, _) =
+        crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir, manual())).expect("reopen");
+    Store::new(Arc::new(kv))
 }
 
 fn taken(key: Vec<u8>, value: Option<&str>, fresh: bool) -> Taken {
@@ -198,9 +216,7 @@ fn which_event_values_make_a_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sessions_event_values_of_one_round_reach_sled_as_one() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (kv, _) = LoggedKv::open(dir.path(), manual()).expect("open");
-    let kv = Arc::new(kv);
-    let store = Store::new(kv.clone());
+    let (kv, store) = open(dir.path());
     let (t1, t2) = (turn_at(1000, 1), turn_at(1001, 2));
     store.commit(events("s", 1..=1, &t1)).await.expect("commit");
     store
@@ -224,12 +240,7 @@ async fn a_sessions_event_values_of_one_round_reach_sled_as_one() {
         .map(|e| e.seq)
         .collect();
     assert_eq!(after, vec![3, 4]);
-    drop(store);
-    kv.close().expect("close");
-    drop(kv);
-    let (kv, _) = crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), manual()))
-        .expect("reopen");
-    let store = Store::new(Arc::new(kv));
+    let store = reopen(dir.path(), kv, store);
     assert_eq!(seqs(&store, "s"), vec![1, 2, 3, 4, 5]);
     assert_eq!(seqs(&store, "other"), vec![1, 2]);
 }
@@ -241,32 +252,15 @@ async fn a_sessions_event_values_of_one_round_reach_sled_as_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_committed_again_while_it_is_written_stays_in_the_overlay() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (kv, _) = LoggedKv::open(dir.path(), manual()).expect("open");
-    let kv = Arc::new(kv);
-    let store = Store::new(kv.clone());
+    let (kv, store) = open(dir.path());
     let (t1, t2, t3) = (turn_at(1000, 1), turn_at(1001, 2), turn_at(1002, 3));
     store.commit(events("s", 1..=1, &t1)).await.expect("commit");
     store.commit(events("s", 2..=2, &t2)).await.expect("commit");
     store.commit(events("s", 3..=3, &t3)).await.expect("commit");
-    let tx = kv
-        .tx
-        .lock()
-        .expect("lock")
-        .clone()
-        .expect("committer running");
-    let rt = tokio::runtime::Handle::current();
-    let committed = Arc::new(Mutex::new(None));
-    let seen = committed.clone();
     // The second value's turn deleted: its value goes (it held no other event).
-    let gone = keys::event_routed("s", 2, keys::route_of(&t2));
-    *kv.inner.after_slice.lock().expect("lock") = Some(Box::new(move || {
-        let mut b = Batch::new();
-        b.delete(gone);
-        let (reply, ticket) = CommitTicket::new();
-        let sent = tx.send(LogJob::new(b, reply)).is_ok();
-        let answer = rt.block_on(ticket);
-        *seen.lock().expect("lock") = Some(sent && matches!(answer, Ok(Ok(()))));
-    }));
+    let mut gone = Batch::new();
+    gone.delete(keys::event_routed("s", 2, keys::route_of(&t2)));
+    let committed = super::tests::commit_during_next_slice(&kv, gone);
     kv.sync().expect("sync");
     assert_eq!(
         *committed.lock().expect("lock"),
@@ -282,12 +276,7 @@ async fn a_run_committed_again_while_it_is_written_stays_in_the_overlay() {
     kv.sync().expect("sync");
     assert_eq!(kv.overlay_len(), 0);
     assert_eq!(seqs(&store, "s"), vec![1, 3]);
-    drop(store);
-    kv.close().expect("close");
-    drop(kv);
-    let (kv, _) = crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), manual()))
-        .expect("reopen");
-    let store = Store::new(Arc::new(kv));
+    let store = reopen(dir.path(), kv, store);
     assert_eq!(seqs(&store, "s"), vec![1, 3]);
 }
 
@@ -299,9 +288,7 @@ async fn a_run_committed_again_while_it_is_written_stays_in_the_overlay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_a_mark_between_two_event_values_loses_no_event() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (kv, _) = LoggedKv::open(dir.path(), manual()).expect("open");
-    let kv = Arc::new(kv);
-    let store = Store::new(kv.clone());
+    let (kv, store) = open(dir.path());
     let t = turn_at(1000, 1);
     store.commit(events("s", 1..=1, &t)).await.expect("commit");
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
