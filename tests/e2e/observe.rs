@@ -7,11 +7,12 @@
     reason = "a test reads as one scenario from its setup to its last assertion"
 )]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 use turnd_client::Caller;
-use turnd_proto::{OnDeadline, Turn, TurnStatus, Wait, WaitState, WatchArgs};
+use turnd_proto::{Event, OnDeadline, Turn, TurnStatus, Wait, WaitState, WatchArgs};
 use turnd_tests::{eventually, http_get, metric, wait_done, Raw, TestDaemon};
 
 const T: u64 = 15;
@@ -506,6 +507,48 @@ async fn a_turn_ending_within_the_apply_delay_leaves_no_deletes_to_write() -> an
     let read = c.get(&t.turn_id).await?;
     assert_eq!(read.status, TurnStatus::Completed);
     assert_eq!(read.output, Some(json!(7)));
+    td.shutdown().await
+}
+
+/// A session's event values committed within one round of the applier reach sled
+/// as one value (`turnd_storage_merged_event_values_total` counts the others), and
+/// `session.events` reads every event once and in order: before, after the values
+/// went to sled, and after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_event_values_of_a_round_read_back_whole_and_in_order() -> anyhow::Result<()> {
+    let dir = Arc::new(tempfile::tempdir()?);
+    let config = |cfg: &mut turnd_server::config::Config| {
+        cfg.storage.apply_interval_ms = 10;
+        cfg.storage.apply_delay_ms = 2_000;
+    };
+    let td = TestDaemon::start_in(dir.clone(), config, false).await?;
+    let c = td.caller().await?;
+    let worker = turnd_tests::echo_worker(&td.url, "w-m", 4).await;
+    turnd_tests::echo_turns(&c, "merged", 0, 6).await?;
+    let seqs = |events: &[Event]| events.iter().map(|e| e.seq).collect::<Vec<_>>();
+    let before = turnd_tests::all_events(&c, "merged").await?;
+    let want: Vec<u64> = (1..=before.len() as u64).collect();
+    assert_eq!(seqs(&before), want);
+    let admin = td.admin.clone();
+    let merged = eventually(T, "the session's event values to be merged", || {
+        let admin = admin.clone();
+        async move {
+            let (_, body) = http_get(&admin, "/metrics").await.ok()?;
+            metric(&body, "turnd_storage_merged_event_values_total").filter(|n| *n >= 1.0)
+        }
+    })
+    .await?;
+    // Six turns write twelve values (admitted; result and completed): all but the
+    // last of each run go inside another.
+    assert!(merged >= 5.0, "{merged} values merged");
+    let after = turnd_tests::all_events(&c, "merged").await?;
+    assert_eq!(after, before);
+    drop(c);
+    drop(worker);
+    td.shutdown().await?;
+    let td = TestDaemon::start_in(dir, config, false).await?;
+    let c = td.caller().await?;
+    assert_eq!(turnd_tests::all_events(&c, "merged").await?, before);
     td.shutdown().await
 }
 
