@@ -126,6 +126,14 @@ impl Kv for CountingKv {
         self.inner.commit_stats()
     }
 
+    fn hold_event_merges(&self, session_id: &str) {
+        self.inner.hold_event_merges(session_id);
+    }
+
+    fn release_event_merges(&self, session_id: &str) {
+        self.inner.release_event_merges(session_id);
+    }
+
     fn health(&self) -> Result<(), String> {
         self.inner.health()
     }

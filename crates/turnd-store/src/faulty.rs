@@ -186,4 +186,12 @@ impl Kv for FaultyKv {
     fn windows(&self) -> Result<Vec<crate::WindowInfo>, StoreError> {
         self.inner.windows()
     }
+
+    fn hold_event_merges(&self, session_id: &str) {
+        self.inner.hold_event_merges(session_id);
+    }
+
+    fn release_event_merges(&self, session_id: &str) {
+        self.inner.release_event_merges(session_id);
+    }
 }

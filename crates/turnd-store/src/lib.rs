@@ -462,6 +462,14 @@ pub trait Kv: Send + Sync + 'static {
     fn windows(&self) -> Result<Vec<WindowInfo>, StoreError> {
         Ok(Vec::new())
     }
+    /// Until the matching [`Kv::release_event_merges`], keep the session's event
+    /// values each under the key it was written with: retention reads them and writes
+    /// them again under those keys, and a store that writes several values as one
+    /// (`LoggedKv`, see `logged/runs.rs`) would move events to another key meanwhile.
+    /// Holds of one session add up. A wrapper must pass both calls on.
+    fn hold_event_merges(&self, _session_id: &str) {}
+    /// End a [`Kv::hold_event_merges`].
+    fn release_event_merges(&self, _session_id: &str) {}
 }
 
 /// Counters of the group-commit writer.
@@ -708,11 +716,20 @@ impl Store {
         let mut from = keys::event(session_id, after.saturating_add(1));
         let end = keys::event_end(session_id);
         let mut out = Vec::new();
+        // Events are read in `seq` order, and each once: a page may meet events of an
+        // earlier page again, when the store wrote several values as one between the
+        // two (see `logged/runs.rs`).
+        let mut last = after;
         while out.len() < limit {
             let n = PAGE.min(limit - out.len());
             let page = self.kv.scan_session(&from, &end, false, n, s.from_ms)?;
             for (_, v) in &page {
-                out.extend(event_value(v)?.into_iter().filter(|e| e.seq > after));
+                for e in event_value(v)? {
+                    if e.seq > last {
+                        last = e.seq;
+                        out.push(e);
+                    }
+                }
             }
             match next_page(&page, n) {
                 Some(next) => from = next,

@@ -48,7 +48,7 @@
 //! Both threads run outside any tokio runtime and time real disk work with
 //! `std::time`; no tokio timer depends on them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -65,7 +65,7 @@ mod runs;
 #[cfg(test)]
 mod runs_tests;
 
-use runs::{drop_applied, event_runs, sled_writes, Taken};
+use runs::{drop_applied, event_runs, forget_fresh, sled_writes, Taken};
 
 /// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
 /// sorts before every key of the layout (`crate::keys`), whose scans never reach it.
@@ -184,6 +184,9 @@ struct Pending {
     /// still holds ([`Batch::put_new_turn`]), and the applier has written no value of
     /// it to sled since. A delete of such a key is dropped instead of written.
     fresh: bool,
+    /// The value is the one the put that created the key wrote, and nothing wrote
+    /// the key since (see [`runs`]).
+    pristine: bool,
 }
 
 #[derive(Default)]
@@ -255,6 +258,9 @@ struct Inner {
     /// overlay makes the committer wait on it).
     applied_cv: std::sync::Condvar,
     applied_mx: Mutex<()>,
+    /// Sessions whose event values are not written as one by the applier for now,
+    /// with how many holds each has ([`Kv::hold_event_merges`]).
+    held: Mutex<HashMap<String, u32>>,
     /// Run once by the applier right after it wrote its next slice to sled, before
     /// it drops the slice from the overlay (a test's commit between the two).
     #[cfg(test)]
@@ -569,6 +575,16 @@ fn replay_into(
     Ok(())
 }
 
+impl Inner {
+    /// The sessions held now ([`Kv::hold_event_merges`]).
+    fn held_sessions(&self) -> HashSet<String> {
+        self.held
+            .lock()
+            .map(|h| h.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
 impl LoggedKv {
     /// Open (or create) the store in `dir`: sled in `dir`, the commit log in
     /// `dir/log`. Writes what the log holds past sled's applied mark to sled first.
@@ -623,6 +639,7 @@ impl LoggedKv {
             apply_patience: opts.heal_interval.saturating_mul(10),
             applied_cv: std::sync::Condvar::new(),
             applied_mx: Mutex::new(()),
+            held: Mutex::new(HashMap::new()),
             #[cfg(test)]
             after_slice: Mutex::new(None),
         });
@@ -1030,14 +1047,18 @@ fn committer_loop(
                         lsn,
                         value: value.take(),
                         fresh: *created,
+                        pristine: *created,
                     };
                     match o.map.entry(std::mem::take(k)) {
                         std::collections::btree_map::Entry::Vacant(e) => {
                             e.insert(pending);
                         }
                         std::collections::btree_map::Entry::Occupied(mut e) => {
-                            // Still only in the overlay if it was before.
-                            pending.fresh |= e.get().fresh;
+                            // Still only in the overlay if it was before (a put
+                            // that says it creates the key cannot, when the overlay
+                            // holds a write of it already).
+                            pending.fresh = e.get().fresh;
+                            pending.pristine = false;
                             *value = std::mem::replace(e.get_mut(), pending).value;
                         }
                     }
@@ -1190,6 +1211,9 @@ impl Applier<'_> {
         let mut keys = 0u64;
         let mut skipped = 0u64;
         let mut merged = 0u64;
+        // The lowest lsn of the runs that stayed in the overlay: the mark stays
+        // before it (see `runs`).
+        let mut kept: Option<u64> = None;
         loop {
             // A slice of up to APPLY_KEYS entries to take (the waiting ones passed
             // over), each with whether it is a delete only the overlay knew of.
@@ -1198,6 +1222,7 @@ impl Applier<'_> {
                 let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
                 let mut walked = 0usize;
                 let mut slice = Vec::new();
+                let mut gap = false;
                 for (k, p) in o.map.range::<[u8], _>((
                     from.as_ref().map(|k| k.as_slice()),
                     Bound::Included(end.as_slice()),
@@ -1209,7 +1234,11 @@ impl Applier<'_> {
                             lsn: p.lsn,
                             value: p.value.clone(),
                             fresh: p.fresh,
+                            pristine: p.pristine,
+                            gap_before: std::mem::take(&mut gap),
                         });
+                    } else {
+                        gap = true;
                     }
                     if slice.len() == APPLY_KEYS || walked == 4 * APPLY_KEYS {
                         last = Some(k.clone());
@@ -1218,12 +1247,30 @@ impl Applier<'_> {
                 }
                 slice
             };
-            let runs = event_runs(&slice, self.applied, mark);
-            let (bytes, wins) = apply_routed(
+            // No runs in a round that takes a window drop: its mark must be
+            // everything committed, and a run that had to stay would hold it back.
+            let runs = if pending.is_empty() {
+                event_runs(&slice, self.applied, mark, &self.inner.held_sessions())
+            } else {
+                Vec::new()
+            };
+            let applied = apply_routed(
                 &self.inner.sled,
                 &self.inner.windows,
                 sled_writes(&slice, &runs),
-            )?;
+            );
+            let (bytes, wins) = match applied {
+                Ok(done) => done,
+                Err(e) => {
+                    let mut o = self
+                        .inner
+                        .overlay
+                        .write()
+                        .map_err(|_| lock_err("overlay"))?;
+                    forget_fresh(&mut o.map, &slice);
+                    return Err(e);
+                }
+            };
             self.checkpoints.wrote(bytes);
             for (w, keys) in wins {
                 self.inner.windows.written(&mut self.upkeep, w, keys);
@@ -1247,7 +1294,10 @@ impl Applier<'_> {
                     .overlay
                     .write()
                     .map_err(|_| lock_err("overlay"))?;
-                drop_applied(&mut o.map, &slice, &runs);
+                let held = self.inner.held_sessions();
+                if let Some(lsn) = drop_applied(&mut o.map, &slice, &runs, &held) {
+                    kept = Some(kept.map_or(lsn, |k: u64| k.min(lsn)));
+                }
             }
             self.inner.applied_cv.notify_all();
             let dropped = slice.iter().filter(|e| e.dropped()).count() as u64;
@@ -1268,6 +1318,10 @@ impl Applier<'_> {
             self.closing.extend(taken);
             leftovers += held;
         }
+        // A run that stayed has every value after `applied` (see `event_runs`).
+        let mark = kept.map_or(mark, |lsn| {
+            mark.min(lsn.saturating_sub(1)).max(self.applied)
+        });
         if mark != self.applied {
             apply_to_sled(&self.inner.sled, std::iter::empty(), Some(mark))?;
             self.applied = mark;
@@ -1442,8 +1496,9 @@ impl Applier<'_> {
                 o.map.entry(OKey::from_vec(k)).or_insert(Pending {
                     lsn,
                     value,
-                    // sled may hold it: its delete is written.
+                    // sled may hold it: its delete is written, and it is in no run.
                     fresh: false,
+                    pristine: false,
                 });
             }
         }
@@ -1841,6 +1896,23 @@ impl Kv for LoggedKv {
             }
         }
         Ok(list)
+    }
+
+    fn hold_event_merges(&self, session_id: &str) {
+        if let Ok(mut h) = self.inner.held.lock() {
+            *h.entry(session_id.to_string()).or_insert(0) += 1;
+        }
+    }
+
+    fn release_event_merges(&self, session_id: &str) {
+        if let Ok(mut h) = self.inner.held.lock() {
+            if let Some(n) = h.get_mut(session_id) {
+                *n -= 1;
+                if *n == 0 {
+                    h.remove(session_id);
+                }
+            }
+        }
     }
 
     fn health(&self) -> Result<(), String> {

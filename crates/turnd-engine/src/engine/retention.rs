@@ -204,6 +204,26 @@ fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, StoreError> {
     Ok(out)
 }
 
+/// A hold on merging a session's event values in the store, released when dropped
+/// (on every way out of a sweep of the session).
+struct MergeHold<'a> {
+    kv: &'a Arc<dyn turnd_store::Kv>,
+    session_id: &'a str,
+}
+
+impl<'a> MergeHold<'a> {
+    fn new(kv: &'a Arc<dyn turnd_store::Kv>, session_id: &'a str) -> MergeHold<'a> {
+        kv.hold_event_merges(session_id);
+        MergeHold { kv, session_id }
+    }
+}
+
+impl Drop for MergeHold<'_> {
+    fn drop(&mut self) {
+        self.kv.release_event_merges(self.session_id);
+    }
+}
+
 fn total(c: &TurnCounts) -> u64 {
     c.queued + c.running + c.completed + c.failed + c.cancelled
 }
@@ -547,13 +567,17 @@ impl Engine {
         }
     }
 
-    /// Delete the expired turns of one session (see the module doc).
+    /// Delete the expired turns of one session (see the module doc). The store keeps
+    /// the session's event values under their keys meanwhile
+    /// ([`turnd_store::Kv::hold_event_merges`]): the plan reads them and writes them
+    /// again under those keys.
     async fn expire(
         &self,
         sid: &str,
         expired: Vec<Expired>,
         cutoff: u64,
     ) -> Result<u64, StoreError> {
+        let _hold = MergeHold::new(self.inner.store.kv(), sid);
         let cell = self.cell(sid);
         let (planned_at, counts, from_ms) = {
             let st = self.lock(&cell).await?;

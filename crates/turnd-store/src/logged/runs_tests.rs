@@ -2,12 +2,13 @@
 //! a run, and that reads never meet an event twice or miss one, whatever is committed
 //! while a run is written.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use serde_json::json;
 use turnd_proto::{Event, EventKind};
 
-use super::runs::{event_runs, Taken, MERGE_BYTES};
+use super::runs::{drop_applied, event_runs, forget_fresh, Taken, MERGE_BYTES};
 use super::{LoggedKv, LoggedOptions, OKey};
 use crate::{keys, Batch, Kv, SessionKeys, Store};
 
@@ -104,7 +105,14 @@ fn taken_at(key: Vec<u8>, value: Option<&str>, fresh: bool, lsn: u64) -> Taken {
         lsn,
         value: value.map(|v| Arc::from(v.as_bytes())),
         fresh,
+        pristine: true,
+        gap_before: false,
     }
+}
+
+/// No session held.
+fn none_held() -> HashSet<String> {
+    HashSet::new()
 }
 
 fn routed(session: &str, seq: u64, ms: u64) -> Vec<u8> {
@@ -113,10 +121,12 @@ fn routed(session: &str, seq: u64, ms: u64) -> Vec<u8> {
 
 /// Consecutive fresh puts of one session's routed event values make a run, ending
 /// at a value that need not be fresh and is routed by the newest turn of the run; a
-/// run stops at another session, a delete, an unrouted value, a value that is not fresh, `seq`s that
-/// span [`crate::EVENTS_PER_VALUE`], [`MERGE_BYTES`], and values committed at or
-/// before the mark sled holds or after the one the round records. Its value is the
-/// arrays and single events joined into one array.
+/// run stops at another session, a delete, an unrouted value, a value that is not
+/// fresh, `seq`s that span [`crate::EVENTS_PER_VALUE`], [`MERGE_BYTES`], values
+/// committed at or before the mark sled holds or after the one the round records, a
+/// value written again since its key was created, an entry the round passed over,
+/// and a session held by retention. Its value is the arrays and single events joined
+/// into one array.
 #[test]
 fn which_event_values_make_a_run() {
     let one = r#"{"seq":1}"#;
@@ -144,7 +154,7 @@ fn which_event_values_make_a_run() {
         ),
         taken(keys::session_turn("b", 70), Some("t"), true),
     ];
-    let runs = event_runs(&slice, 0, 1);
+    let runs = event_runs(&slice, 0, 1, &none_held());
     let found: Vec<(usize, usize, String)> = runs
         .iter()
         .map(|r| {
@@ -173,7 +183,7 @@ fn which_event_values_make_a_run() {
         taken(routed("a", 2, 10), Some(&big), true),
         taken(routed("a", 3, 10), Some(one), true),
     ];
-    let runs = event_runs(&slice, 0, 1);
+    let runs = event_runs(&slice, 0, 1, &none_held());
     assert_eq!(runs.len(), 1);
     assert_eq!((runs[0].first, runs[0].last), (1, 2), "the bytes bound it");
 
@@ -189,7 +199,7 @@ fn which_event_values_make_a_run() {
         taken(routed("a", 9, 11), Some(one), true),
         taken(routed("a", 10, 10), Some(one), true),
     ];
-    let bounds: Vec<(usize, usize)> = event_runs(&slice, 0, 1)
+    let bounds: Vec<(usize, usize)> = event_runs(&slice, 0, 1, &none_held())
         .iter()
         .map(|r| (r.first, r.last))
         .collect();
@@ -203,11 +213,89 @@ fn which_event_values_make_a_run() {
         taken_at(routed("a", 3, 10), Some(one), true, 7),
         taken_at(routed("a", 4, 10), Some(one), true, 8),
     ];
-    let bounds: Vec<(usize, usize)> = event_runs(&slice, 5, 7)
+    let bounds: Vec<(usize, usize)> = event_runs(&slice, 5, 7, &none_held())
         .iter()
         .map(|r| (r.first, r.last))
         .collect();
     assert_eq!(bounds, vec![(1, 2)]);
+
+    // Written again since created (not pristine), and an entry passed over between
+    // two values: neither is crossed.
+    let mut slice = vec![
+        taken(routed("a", 1, 10), Some(one), true),
+        taken(routed("a", 2, 10), Some(one), true),
+        taken(routed("a", 3, 10), Some(one), true),
+        taken(routed("a", 4, 10), Some(one), true),
+        taken(routed("a", 5, 10), Some(one), true),
+        taken(routed("a", 6, 10), Some(one), true),
+    ];
+    slice[2].pristine = false;
+    slice[5].gap_before = true;
+    let bounds: Vec<(usize, usize)> = event_runs(&slice, 0, 1, &none_held())
+        .iter()
+        .map(|r| (r.first, r.last))
+        .collect();
+    assert_eq!(bounds, vec![(0, 1), (3, 4)]);
+    // A session held by retention: none of its values.
+    let held: HashSet<String> = ["a".to_string()].into();
+    assert!(event_runs(&slice, 0, 1, &held).is_empty());
+}
+
+/// A run leaves the overlay whole, unless one of its values was committed again or
+/// its session is held now: then all of it stays, its last value no longer fresh,
+/// and the lowest lsn among them is returned (the round's mark stays before it). A
+/// failed write leaves nothing fresh or pristine.
+#[test]
+fn a_run_leaves_the_overlay_whole_or_not_at_all() {
+    use super::{OKey, Pending};
+    use std::collections::BTreeMap;
+    let one = r#"{"seq":1}"#;
+    let slice = vec![
+        taken_at(routed("a", 1, 10), Some(one), true, 4),
+        taken_at(routed("a", 2, 10), Some(one), true, 5),
+        taken_at(keys::session_turn("a", 3), Some("t"), true, 6),
+    ];
+    let overlay = |changed: Option<usize>| -> BTreeMap<OKey, Pending> {
+        slice
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let p = Pending {
+                    lsn: if changed == Some(i) { 99 } else { t.lsn },
+                    value: t.value.clone(),
+                    fresh: true,
+                    pristine: true,
+                };
+                (t.key.clone(), p)
+            })
+            .collect()
+    };
+    let runs = event_runs(&slice, 0, 10, &none_held());
+    assert_eq!(runs.len(), 1);
+    let mut map = overlay(None);
+    assert_eq!(drop_applied(&mut map, &slice, &runs, &none_held()), None);
+    assert!(map.is_empty());
+    // The first value committed again: the run stays, the other entry goes.
+    let mut map = overlay(Some(0));
+    assert_eq!(drop_applied(&mut map, &slice, &runs, &none_held()), Some(4));
+    assert_eq!(map.len(), 2);
+    assert!(
+        map[slice[0].key.as_slice()].fresh,
+        "its own key was never written"
+    );
+    assert!(
+        !map[slice[1].key.as_slice()].fresh,
+        "sled has the run under it"
+    );
+    // The session held since the run was formed.
+    let held: HashSet<String> = ["a".to_string()].into();
+    let mut map = overlay(None);
+    assert_eq!(drop_applied(&mut map, &slice, &runs, &held), Some(4));
+    assert_eq!(map.len(), 2);
+    // A failed write.
+    let mut map = overlay(None);
+    forget_fresh(&mut map, &slice);
+    assert!(map.values().all(|p| !p.fresh && !p.pristine));
 }
 
 /// A session's event values committed between two rounds reach sled as one value
@@ -307,4 +395,144 @@ async fn a_crash_after_a_mark_between_two_event_values_loses_no_event() {
     let crashed = Store::new(Arc::new(crashed));
     assert_eq!(seqs(&crashed, "s"), vec![1, 2]);
     assert_eq!(seqs(&store, "s"), vec![1, 2]);
+}
+
+/// A crash after a round that kept a run in the overlay (one of its values was
+/// committed again while the run was written): the round's mark stays before the
+/// run, so the replay writes every value of it again under its own key, with the
+/// write that came after. Once with the run's last value deleted, once its first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_run_that_stayed_in_the_overlay_loses_and_revives_nothing() {
+    for (gone_seq, want) in [(3u64, vec![1u64, 2]), (1, vec![2, 3])] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (kv, store) = open(dir.path());
+        let turns = [turn_at(1000, 1), turn_at(1001, 2), turn_at(1002, 3)];
+        for (i, t) in turns.iter().enumerate() {
+            let seq = i as u64 + 1;
+            store
+                .commit(events("s", seq..=seq, t))
+                .await
+                .expect("commit");
+        }
+        let mut gone = Batch::new();
+        let turn = &turns[gone_seq as usize - 1];
+        gone.delete(keys::event_routed("s", gone_seq, keys::route_of(turn)));
+        let committed = super::tests::commit_during_next_slice(&kv, gone);
+        kv.sync().expect("sync");
+        assert_eq!(*committed.lock().expect("lock"), Some(true));
+        assert_eq!(seqs(&store, "s"), want);
+        let sled = &kv.inner.sled;
+        assert!(
+            super::applied_mark(sled).expect("mark") < 1,
+            "the mark stays before the run"
+        );
+        sled.with(|h| sled.sync_files(h)).expect("sync sled");
+        let copy = tempfile::tempdir().expect("tempdir");
+        super::tests::copy_dir(dir.path(), copy.path());
+        let (crashed, _) = LoggedKv::open(copy.path(), manual()).expect("open copy");
+        let crashed = Store::new(Arc::new(crashed));
+        assert_eq!(
+            seqs(&crashed, "s"),
+            want,
+            "after a crash, {gone_seq} deleted"
+        );
+        kv.sync().expect("sync");
+        assert_eq!(seqs(&store, "s"), want);
+    }
+}
+
+/// A read of a session's events in several pages, with a round between two pages
+/// that writes values read in the first as one with later ones: each event is
+/// returned once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_read_in_pages_across_a_round_are_each_read_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, store) = open(dir.path());
+    let t = turn_at(1000, 1);
+    for seq in 1..=40u64 {
+        store
+            .commit(events("s", seq..=seq, &t))
+            .await
+            .expect("commit");
+    }
+    // The first page takes its sources (the overlay's values one by one), then the
+    // round writes them to sled as one value under a later key.
+    let applier = kv.clone();
+    kv.after_sources(move || applier.sync().expect("apply"));
+    assert_eq!(seqs(&store, "s"), (1..=40).collect::<Vec<u64>>());
+    assert!(kv.commit_stats().merged_event_values > 0);
+}
+
+/// While retention holds a session, its event values are written each under its own
+/// key; once it lets go, a later round writes them as one again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_sessions_event_values_are_not_written_as_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, store) = open(dir.path());
+    let t = turn_at(1000, 1);
+    kv.hold_event_merges("s");
+    kv.hold_event_merges("s");
+    for seq in 1..=3u64 {
+        store
+            .commit(events("s", seq..=seq, &t))
+            .await
+            .expect("commit");
+    }
+    kv.sync().expect("sync");
+    assert_eq!(sled_event_keys(&kv, "s"), vec![1, 2, 3]);
+    kv.release_event_merges("s");
+    for seq in 4..=6u64 {
+        store
+            .commit(events("s", seq..=seq, &t))
+            .await
+            .expect("commit");
+    }
+    kv.sync().expect("sync");
+    assert_eq!(
+        sled_event_keys(&kv, "s"),
+        vec![1, 2, 3, 4, 5, 6],
+        "still held once"
+    );
+    kv.release_event_merges("s");
+    for seq in 7..=9u64 {
+        store
+            .commit(events("s", seq..=seq, &t))
+            .await
+            .expect("commit");
+    }
+    kv.sync().expect("sync");
+    assert_eq!(sled_event_keys(&kv, "s"), vec![1, 2, 3, 4, 5, 6, 9]);
+    assert_eq!(seqs(&store, "s"), (1..=9).collect::<Vec<u64>>());
+}
+
+/// A put that says it creates its key, of a key the overlay holds a write of
+/// already, is neither fresh nor pristine: sled may hold the key (its delete waits in
+/// the overlay), so a later delete of it is written, and it is in no run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_creating_put_over_a_pending_write_is_not_fresh() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, store) = open(dir.path());
+    let t = turn_at(1000, 1);
+    store.commit(events("s", 1..=1, &t)).await.expect("commit");
+    kv.sync().expect("sync");
+    assert_eq!(sled_event_keys(&kv, "s"), vec![1]);
+    let key = keys::event_routed("s", 1, keys::route_of(&t));
+    let mut b = Batch::new();
+    b.delete(key.clone());
+    store.commit(b).await.expect("commit");
+    store.commit(events("s", 1..=1, &t)).await.expect("commit");
+    {
+        let o = kv.inner.overlay.read().expect("overlay");
+        let p = &o.map[key.as_slice()];
+        assert!(!p.fresh && !p.pristine);
+    }
+    let mut b = Batch::new();
+    b.delete(key);
+    store.commit(b).await.expect("commit");
+    kv.sync().expect("sync");
+    assert_eq!(
+        sled_event_keys(&kv, "s"),
+        Vec::<u64>::new(),
+        "the delete was written"
+    );
 }

@@ -397,3 +397,115 @@ async fn a_window_drop_takes_only_what_belongs_to_its_deleted_turns() {
     assert!(e.inspect("s").await.is_err(), "forgotten");
     checked().await;
 }
+
+/// Passes everything to a [`turnd_store::mem::MemKv`] and counts the reads of a
+/// session's event values and the deletes of them, by whether the session was held
+/// ([`Kv::hold_event_merges`]) then.
+#[derive(Default)]
+struct HoldWatch {
+    inner: turnd_store::mem::MemKv,
+    held: std::sync::Mutex<HashMap<String, u32>>,
+    /// (held, not held) event reads and event deletes.
+    reads: std::sync::Mutex<(u32, u32)>,
+    deletes: std::sync::Mutex<(u32, u32)>,
+}
+
+impl HoldWatch {
+    fn is_held(&self, key: &[u8]) -> bool {
+        let sid = keys::session_of(key).unwrap_or_default();
+        self.held
+            .lock()
+            .expect("lock")
+            .get(&sid)
+            .is_some_and(|n| *n > 0)
+    }
+
+    fn count(&self, which: &std::sync::Mutex<(u32, u32)>, key: &[u8]) {
+        let held = self.is_held(key);
+        let mut c = which.lock().expect("lock");
+        if held {
+            c.0 += 1;
+        } else {
+            c.1 += 1;
+        }
+    }
+}
+
+impl Kv for HoldWatch {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.get(key)
+    }
+    fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+    ) -> Result<Vec<turnd_store::Entry>, StoreError> {
+        if start.first() == Some(&b'E') {
+            self.count(&self.reads, start);
+        }
+        self.inner.scan(start, end, reverse, limit)
+    }
+    fn commit(&self, batch: Batch) -> turnd_store::CommitTicket {
+        for op in &batch.ops {
+            if let turnd_store::KvOp::Delete(k) = op {
+                if k.first() == Some(&b'E') {
+                    self.count(&self.deletes, k);
+                }
+            }
+        }
+        self.inner.commit(batch)
+    }
+    fn sync(&self) -> Result<(), StoreError> {
+        self.inner.sync()
+    }
+    fn hold_event_merges(&self, session_id: &str) {
+        *self
+            .held
+            .lock()
+            .expect("lock")
+            .entry(session_id.to_string())
+            .or_insert(0) += 1;
+    }
+    fn release_event_merges(&self, session_id: &str) {
+        if let Some(n) = self.held.lock().expect("lock").get_mut(session_id) {
+            *n -= 1;
+        }
+    }
+}
+
+/// A sweep reads and writes a session's event values only while it holds the
+/// store from writing several of them as one (which would move events to another
+/// key between the sweep's reads and its writes), and lets go when it is done.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_reads_and_rewrites_event_values_only_while_it_holds_the_session() {
+    let kv = Arc::new(HoldWatch::default());
+    let cfg = EngineConfig {
+        retention_terminal_ms: 10_000,
+        retention_sweep_interval_ms: 3_600_000,
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(Store::new(kv.clone()), cfg)
+        .await
+        .expect("open");
+    let old = e.submit(submit("s", None)).await.expect("submit");
+    e.stop_turn(&old.turn.turn_id, None).await.expect("stop");
+    let _kept = e.submit(submit("s", None)).await.expect("submit");
+    let gone = e.submit(submit("gone", None)).await.expect("submit");
+    e.stop_turn(&gone.turn.turn_id, None).await.expect("stop");
+    *kv.reads.lock().expect("lock") = (0, 0);
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    assert_eq!(e.sweep().await.expect("sweep"), 2);
+    let (held_reads, free_reads) = *kv.reads.lock().expect("lock");
+    let (held_deletes, free_deletes) = *kv.deletes.lock().expect("lock");
+    assert!(
+        held_reads > 0 && held_deletes > 0,
+        "{held_reads} {held_deletes}"
+    );
+    assert_eq!((free_reads, free_deletes), (0, 0));
+    assert!(
+        kv.held.lock().expect("lock").values().all(|n| *n == 0),
+        "every hold let go"
+    );
+}
