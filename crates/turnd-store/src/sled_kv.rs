@@ -127,6 +127,7 @@ pub(crate) struct Handle {
 
 impl Handle {
     fn open(dir: &Path, cache_mb: u64) -> Result<Handle, StoreError> {
+        remove_unfinished_snapshots(dir)?;
         let db = sled::Config::new()
             .path(dir)
             .cache_capacity(cache_mb.saturating_mul(1024 * 1024))
@@ -400,6 +401,48 @@ pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
     } else {
         f()
     }
+}
+
+/// Remove the snapshot files sled left unfinished in `dir` (`snap.<lsn>.generating`).
+///
+/// sled 0.34 writes its snapshot while it opens a store: into `snap.<lsn>.generating`,
+/// synced, then renamed to `snap.<lsn>`, and only then does it remove the older
+/// snapshots. A process killed before the rename leaves the `.generating` file behind,
+/// and sled's next open takes it for the newest snapshot (its file filter skips only
+/// `.in___motion`): a partly written one fails the open with "Read corrupted data at
+/// file offset None". Nothing was written to sled's log between the snapshot it
+/// started from and the one it was generating (both are taken at open, before any
+/// write), so without the file sled opens from the previous snapshot, still on disk,
+/// or from its log alone, and finds the same data; it then writes the snapshot again.
+fn remove_unfinished_snapshots(dir: &Path) -> Result<(), StoreError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(StoreError::io(
+                IoOp::Read,
+                format_args!("list store dir {dir:?}"),
+                &e,
+            ))
+        }
+    };
+    for entry in entries {
+        let entry = entry
+            .map_err(|e| StoreError::io(IoOp::Read, format_args!("list store dir {dir:?}"), &e))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            tracing::warn!("removing {name} in {dir:?}: a snapshot sled did not finish writing");
+            std::fs::remove_file(entry.path()).map_err(|e| {
+                StoreError::io(
+                    IoOp::Write,
+                    format_args!("remove unfinished snapshot {:?}", entry.path()),
+                    &e,
+                )
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// How long an open waits for sled's file lock to be released.
@@ -1096,6 +1139,34 @@ mod tests {
             .expect("answered")
             .expect("committed");
         assert_eq!(kv.commit_stats().checkpoints, 1);
+    }
+
+    /// A snapshot sled did not finish writing (the process was killed between
+    /// creating `snap.<lsn>.generating` and renaming it) does not stop the store from
+    /// opening, and every committed key is still there.
+    #[tokio::test]
+    async fn an_unfinished_snapshot_left_by_a_kill_does_not_stop_the_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let kv = SledKv::open(dir.path(), SyncMode::Always).expect("open");
+            for i in 0..20u64 {
+                let mut b = Batch::new();
+                b.put_raw(keys::event("s", i + 1), format!("{i}").into_bytes());
+                kv.commit(b).await.expect("answered").expect("committed");
+            }
+        }
+        // The newest name sorts last, as the snapshot of a later open would; its
+        // content stops part-way, without the length and checksum sled ends it with.
+        let unfinished = dir.path().join("snap.7FFFFFFFFFFFFFFF.generating");
+        std::fs::write(&unfinished, [0x5au8; 40]).expect("write");
+        let kv = reopen_when_unlocked(dir.path(), SyncMode::Always);
+        assert!(!unfinished.exists());
+        for i in 0..20u64 {
+            assert_eq!(
+                kv.get(&keys::event("s", i + 1)).expect("get"),
+                Some(format!("{i}").into_bytes())
+            );
+        }
     }
 
     /// Blob files are synced when new or grown since their last sync, not again.
