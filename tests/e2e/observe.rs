@@ -504,6 +504,16 @@ async fn a_turn_ending_within_the_apply_delay_leaves_no_deletes_to_write() -> an
     })
     .await?;
     assert_eq!(dropped, 2.0, "the turn's record and its invocation's");
+    // sled kept up: no group commit waited for it.
+    let (_, body) = http_get(&td.admin, "/metrics").await?;
+    assert_eq!(
+        metric(&body, "turnd_storage_full_overlay_waits_total"),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&body, "turnd_storage_full_overlay_wait_seconds_total"),
+        Some(0.0)
+    );
     let read = c.get(&t.turn_id).await?;
     assert_eq!(read.status, TurnStatus::Completed);
     assert_eq!(read.output, Some(json!(7)));

@@ -220,6 +220,10 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         merged_event_values: after
             .merged_event_values
             .saturating_sub(before.merged_event_values),
+        room_waits: after.room_waits.saturating_sub(before.room_waits),
+        room_wait_micros: after
+            .room_wait_micros
+            .saturating_sub(before.room_wait_micros),
         overlay_keys: after.overlay_keys,
         log_segments: after.log_segments,
         log_trims: after.log_trims.saturating_sub(before.log_trims),
@@ -250,6 +254,13 @@ pub fn fmt_commits(c: &CommitStats) -> String {
             c.dropped_deletes,
             c.merged_event_values,
             c.apply_micros as f64 / 1000.0
+        ));
+    }
+    if c.room_waits > 0 {
+        s.push_str(&format!(
+            " / {} groups waited {:.0} ms in all for sled to take keys (full overlay)",
+            c.room_waits,
+            c.room_wait_micros as f64 / 1000.0
         ));
     }
     if c.checkpoints > 0 {

@@ -117,6 +117,8 @@ async fn store_metrics(admin: &str) -> String {
         "turnd_storage_window_leftover_keys_total",
         "turnd_storage_apply_seconds_total",
         "turnd_storage_applied_keys_total",
+        "turnd_storage_full_overlay_waits_total",
+        "turnd_storage_full_overlay_wait_seconds_total",
     ];
     body.lines()
         .filter(|l| pick.iter().any(|p| l.starts_with(p)))

@@ -411,6 +411,18 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "Time spent writing the commit log's records to sled",
         cs.apply_micros,
     );
+    counter(
+        reg,
+        "storage_full_overlay_waits",
+        "Group commits that waited because too many committed keys were not yet in sled",
+        cs.room_waits,
+    );
+    seconds(
+        reg,
+        "storage_full_overlay_wait_seconds",
+        "Time group commits waited for sled to take committed keys",
+        cs.room_wait_micros,
+    );
     gauge(
         reg,
         "storage_unapplied_keys",

@@ -508,6 +508,11 @@ pub struct CommitStats {
     /// Event values those rounds wrote as part of a later value of the same session
     /// instead of under their own key.
     pub merged_event_values: u64,
+    /// Group commits that waited before their write because the overlay was full
+    /// (more keys committed but not yet in sled than it may hold): sled was behind.
+    pub room_waits: u64,
+    /// Microseconds those groups waited.
+    pub room_wait_micros: u64,
     /// Keys committed but not yet in sled (a gauge).
     pub overlay_keys: u64,
     /// Files of the commit log (a gauge).

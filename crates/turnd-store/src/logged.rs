@@ -813,14 +813,16 @@ fn apply_to_sled<'a>(
 }
 
 /// Wait while the overlay holds more than [`MAX_OVERLAY_KEYS`], asking the applier
-/// to run now. Err when no room came within `patience`: the applier is stuck or
-/// failing, and the group is refused rather than left waiting for good.
+/// to run now; returns how long it waited (zero: there was room). Err when no room
+/// came within `patience`: the applier is stuck or failing, and the group is refused
+/// rather than left waiting for good.
 fn wait_for_room(
     inner: &Inner,
     nudge: &mpsc::Sender<Ctl>,
     patience: Duration,
-) -> Result<(), StoreError> {
-    let give_up = Instant::now() + patience;
+) -> Result<Duration, StoreError> {
+    let start = Instant::now();
+    let give_up = start + patience;
     let full = || {
         inner
             .overlay
@@ -828,7 +830,9 @@ fn wait_for_room(
             .map(|o| o.map.len() > MAX_OVERLAY_KEYS)
             .unwrap_or(false)
     };
+    let mut waited = false;
     while full() {
+        waited = true;
         if Instant::now() >= give_up {
             return Err(StoreError::Write(format!(
                 "sled behind the commit log has taken nothing for {} ms; {MAX_OVERLAY_KEYS} keys wait for it",
@@ -843,7 +847,7 @@ fn wait_for_room(
             )));
         }
         let Ok(g) = inner.applied_mx.lock() else {
-            return Ok(());
+            return Ok(start.elapsed());
         };
         // A timeout, so that a notification between the check and the wait is not
         // missed for long.
@@ -852,10 +856,14 @@ fn wait_for_room(
             .wait_timeout(g, Duration::from_millis(10))
             .is_err()
         {
-            return Ok(());
+            return Ok(start.elapsed());
         }
     }
-    Ok(())
+    Ok(if waited {
+        start.elapsed()
+    } else {
+        Duration::ZERO
+    })
 }
 
 /// Groups of at least this many batches make the next group wait for more.
@@ -1010,6 +1018,14 @@ fn committer_loop(
     let mut gathered = Gather::new();
     while let Ok(first) = rx.recv() {
         let room = wait_for_room(inner, nudge, opts.heal_interval.saturating_mul(5));
+        if let Ok(waited) = room {
+            if !waited.is_zero() {
+                if let Ok(mut s) = inner.stats.lock() {
+                    s.room_waits += 1;
+                    s.room_wait_micros += waited.as_micros() as u64;
+                }
+            }
+        }
         let mut jobs = vec![first];
         take_queued(&rx, &mut jobs);
         gathered.sample_cpu(Instant::now());
@@ -2318,6 +2334,9 @@ pub(crate) mod tests {
             most <= MAX_OVERLAY_KEYS + 2 * per_batch as usize,
             "the overlay held {most} keys"
         );
+        let s = kv.commit_stats();
+        assert!(s.room_waits > 0, "no group waited for room: {s:?}");
+        assert!(s.room_wait_micros > 0, "{s:?}");
         let n = kv
             .scan(
                 &keys::event("s", 0),
