@@ -396,6 +396,45 @@ async fn reads_of_unknown_ids_leave_nothing_behind() -> anyhow::Result<()> {
     td.shutdown().await
 }
 
+/// A `turn.wait` holds a place in the daemon only while it waits: one of a turn
+/// that already ended, or of an unknown turn id, answers at once and leaves nothing
+/// behind; one of an unfinished turn is counted until the turn ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_waits_leave_nothing_behind_once_answered() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let c = td.caller().await?;
+    let ended = c.submit_simple("w", "no-such-fn", json!(1)).await?;
+    c.stop(&ended.turn_id, "done").await?;
+    for i in 0..20 {
+        let t = c.wait(&ended.turn_id, Some(5_000)).await?;
+        assert_eq!(t.status, turnd_proto::TurnStatus::Cancelled);
+        let unknown = format!("t_{i:032}");
+        assert!(c.wait(&unknown, Some(5_000)).await.is_err());
+    }
+    let m = metrics(&td).await?;
+    assert_eq!(metric(&m, "turnd_turn_waits"), Some(0.0));
+    // A wait of an unfinished turn is counted while it waits.
+    let open = c.submit_simple("w", "no-such-fn", json!(2)).await?;
+    let waiter = td.caller().await?;
+    let open_id = open.turn_id.clone();
+    let waiting = tokio::spawn(async move { waiter.wait(&open_id, Some(30_000)).await });
+    let admin = td.admin.clone();
+    eventually(T, "the wait to be counted", || {
+        let admin = admin.clone();
+        async move {
+            let (_, m) = http_get(&admin, "/metrics").await.ok()?;
+            (metric(&m, "turnd_turn_waits") == Some(1.0)).then_some(())
+        }
+    })
+    .await?;
+    c.stop(&open.turn_id, "done").await?;
+    let t = waiting.await??;
+    assert_eq!(t.status, turnd_proto::TurnStatus::Cancelled);
+    let m = metrics(&td).await?;
+    assert_eq!(metric(&m, "turnd_turn_waits"), Some(0.0));
+    td.shutdown().await
+}
+
 /// A worker's functions stay listed while it is connected and `worker_linger_ms`
 /// after; then the worker and its functions are forgotten.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -201,6 +201,12 @@ fn register_connections(reg: &mut Registry, s: &Shared) {
     );
     gauge(
         reg,
+        "turn_waits",
+        "turn.wait requests waiting for a turn to end",
+        e.turn_wait_count() as i64,
+    );
+    gauge(
+        reg,
         "requests_inflight",
         "Requests being run, over every connection",
         load(&s.connections.requests_inflight) as i64,

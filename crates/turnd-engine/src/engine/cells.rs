@@ -122,6 +122,11 @@ impl Engine {
     pub fn watch_count(&self) -> usize {
         self.inner.watches.lock().values().map(Vec::len).sum()
     }
+
+    /// `turn.wait` requests registered for a turn's end (for `/metrics`).
+    pub fn turn_wait_count(&self) -> usize {
+        self.inner.waiters.lock().values().map(Vec::len).sum()
+    }
 }
 
 #[cfg(test)]

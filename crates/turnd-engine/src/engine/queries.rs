@@ -76,6 +76,10 @@ impl Engine {
             match self.get_turn(turn_id).await {
                 Ok(t) if !t.status.is_terminal() => Some(t),
                 other => {
+                    // The waiter is pruned once its receiver is gone: the turn ended
+                    // before the waiter was registered (or is unknown), and no notice
+                    // will take it out of the map.
+                    drop(rx);
                     self.prune_waiters(turn_id);
                     return other;
                 }
