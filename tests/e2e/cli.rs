@@ -288,19 +288,28 @@ async fn check_online_and_offline_on_a_stopped_daemon() -> anyhow::Result<()> {
     assert!(stdout(&o).contains("no violations"), "{}", stdout(&o));
 
     // sled locks its directory: on a running daemon's store the offline form says to
-    // use the online one.
+    // use the online one, and leaves the directory alone: a snapshot sled is writing
+    // (`snap.<lsn>.generating`, removed by an open only when a kill left it) stays.
+    let generating = data.join("snap.7FFFFFFFFFFFFFFF.generating");
+    std::fs::write(&generating, [0x5au8; 40])?;
     let o = turnd(&["check", "--data-dir", &data_arg]).await?;
     expect_code(&o, 2, "check --data-dir on a running daemon")?;
     assert!(stderr(&o).contains("check it online"), "{}", stderr(&o));
+    assert!(
+        generating.exists(),
+        "the check touched a running daemon's files"
+    );
 
     w.shutdown();
     drop(c);
     let dir = d.dir.clone();
     d.shutdown().await?;
+    // Stopped, the leftover is what a kill leaves: the open removes it and goes on.
     let o = turnd(&["check", "--data-dir", &data_arg, "--json"]).await?;
     expect_code(&o, 0, "check --data-dir on a stopped daemon")?;
     let v = json_out(&o)?;
     assert_eq!(v, json!({"violations": []}));
+    assert!(!generating.exists());
 
     // A directory that holds no store is an error, not a clean store.
     let empty = dir.path().join("nothing-here");

@@ -414,7 +414,42 @@ pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
 /// started from and the one it was generating (both are taken at open, before any
 /// write), so without the file sled opens from the previous snapshot, still on disk,
 /// or from its log alone, and finds the same data; it then writes the snapshot again.
+///
+/// Only while sled's lock on its `db` file can be taken: a process that holds it (a
+/// running daemon, while `turnd check --data-dir` looks at its directory) may be
+/// writing its snapshot right now, and sled writes one only while it holds the lock.
+/// A held lock refuses the open as sled would. The lock is let go before sled opens
+/// the store (sled takes it again then).
 fn remove_unfinished_snapshots(dir: &Path) -> Result<(), StoreError> {
+    let db = match File::open(dir.join("db")) {
+        Ok(f) => f,
+        // A new store: sled has written no snapshot in it.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(StoreError::io(
+                IoOp::Read,
+                format_args!("open sled's file in {dir:?}"),
+                &e,
+            ))
+        }
+    };
+    match db.try_lock() {
+        Ok(()) => {}
+        // In use: refused in the words of sled's own refusal, which the callers know
+        // (`open_when_unlocked` tries again; `turnd check --data-dir` names the holder).
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(StoreError::Write(format!(
+            "open sled at {dir:?}: could not acquire lock on its db file: held by another handle"
+        )))
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(StoreError::io(
+                IoOp::Read,
+                format_args!("lock sled's file in {dir:?}"),
+                &e,
+            ))
+        }
+    }
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -1158,7 +1193,18 @@ mod tests {
         // The newest name sorts last, as the snapshot of a later open would; its
         // content stops part-way, without the length and checksum sled ends it with.
         let unfinished = dir.path().join("snap.7FFFFFFFFFFFFFFF.generating");
-        std::fs::write(&unfinished, [0x5au8; 40]).expect("write");
+        // Not while another handle holds the store: it may be writing that file.
+        {
+            let held = reopen_when_unlocked(dir.path(), SyncMode::Always);
+            std::fs::write(&unfinished, [0x5au8; 40]).expect("write");
+            let refused = remove_unfinished_snapshots(dir.path()).expect_err("in use");
+            assert!(
+                refused.to_string().contains("could not acquire lock"),
+                "{refused}"
+            );
+            assert!(unfinished.exists());
+            drop(held);
+        }
         let kv = reopen_when_unlocked(dir.path(), SyncMode::Always);
         assert!(!unfinished.exists());
         for i in 0..20u64 {
