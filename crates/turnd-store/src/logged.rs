@@ -813,16 +813,14 @@ fn apply_to_sled<'a>(
 }
 
 /// Wait while the overlay holds more than [`MAX_OVERLAY_KEYS`], asking the applier
-/// to run now; returns how long it waited (zero: there was room). Err when no room
-/// came within `patience`: the applier is stuck or failing, and the group is refused
-/// rather than left waiting for good.
+/// to run now, and count the wait in the commit stats. Err when no room came within
+/// `patience`: the applier is stuck or failing, and the group is refused rather than
+/// left waiting for good.
 fn wait_for_room(
     inner: &Inner,
     nudge: &mpsc::Sender<Ctl>,
     patience: Duration,
-) -> Result<Duration, StoreError> {
-    let start = Instant::now();
-    let give_up = start + patience;
+) -> Result<(), StoreError> {
     let full = || {
         inner
             .overlay
@@ -830,9 +828,12 @@ fn wait_for_room(
             .map(|o| o.map.len() > MAX_OVERLAY_KEYS)
             .unwrap_or(false)
     };
-    let mut waited = false;
+    if !full() {
+        return Ok(());
+    }
+    let start = Instant::now();
+    let give_up = start + patience;
     while full() {
-        waited = true;
         if Instant::now() >= give_up {
             return Err(StoreError::Write(format!(
                 "sled behind the commit log has taken nothing for {} ms; {MAX_OVERLAY_KEYS} keys wait for it",
@@ -847,7 +848,7 @@ fn wait_for_room(
             )));
         }
         let Ok(g) = inner.applied_mx.lock() else {
-            return Ok(start.elapsed());
+            break;
         };
         // A timeout, so that a notification between the check and the wait is not
         // missed for long.
@@ -856,14 +857,14 @@ fn wait_for_room(
             .wait_timeout(g, Duration::from_millis(10))
             .is_err()
         {
-            return Ok(start.elapsed());
+            break;
         }
     }
-    Ok(if waited {
-        start.elapsed()
-    } else {
-        Duration::ZERO
-    })
+    if let Ok(mut s) = inner.stats.lock() {
+        s.room_waits += 1;
+        s.room_wait_micros += start.elapsed().as_micros() as u64;
+    }
+    Ok(())
 }
 
 /// Groups of at least this many batches make the next group wait for more.
@@ -1018,14 +1019,6 @@ fn committer_loop(
     let mut gathered = Gather::new();
     while let Ok(first) = rx.recv() {
         let room = wait_for_room(inner, nudge, opts.heal_interval.saturating_mul(5));
-        if let Ok(waited) = room {
-            if !waited.is_zero() {
-                if let Ok(mut s) = inner.stats.lock() {
-                    s.room_waits += 1;
-                    s.room_wait_micros += waited.as_micros() as u64;
-                }
-            }
-        }
         let mut jobs = vec![first];
         take_queued(&rx, &mut jobs);
         gathered.sample_cpu(Instant::now());

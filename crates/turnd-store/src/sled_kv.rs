@@ -450,20 +450,10 @@ fn remove_unfinished_snapshots(dir: &Path) -> Result<(), StoreError> {
             ))
         }
     }
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => {
-            return Err(StoreError::io(
-                IoOp::Read,
-                format_args!("list store dir {dir:?}"),
-                &e,
-            ))
-        }
-    };
-    for entry in entries {
-        let entry = entry
-            .map_err(|e| StoreError::io(IoOp::Read, format_args!("list store dir {dir:?}"), &e))?;
+    let listing_failed =
+        |e: std::io::Error| StoreError::io(IoOp::Read, format_args!("list store dir {dir:?}"), &e);
+    for entry in std::fs::read_dir(dir).map_err(listing_failed)? {
+        let entry = entry.map_err(listing_failed)?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if name.starts_with("snap.") && name.ends_with(".generating") {
