@@ -438,6 +438,40 @@ pub trait Kv: Send + Sync + 'static {
             .into_iter()
             .next())
     }
+    /// Up to `limit` entries with keys in `[start, end)` that are stored in the open
+    /// time window starting at `window_start` (the keys routed to it: see
+    /// [`windows`]), ascending. Retention reads a window's event values with it before
+    /// it drops the window. This default scans the range and keeps the keys routed
+    /// there; a store with windows reads only the window.
+    fn scan_window(
+        &self,
+        window_start: u64,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        let wins = self.windows()?;
+        let Some(w) = wins.iter().find(|w| w.start_ms == window_start) else {
+            return Ok(Vec::new());
+        };
+        let inside = |k: &[u8]| {
+            windows::routed_ms(k)
+                .is_some_and(|ms| ms >= w.start_ms && w.end_ms.is_none_or(|e| ms < e))
+        };
+        let mut out = Vec::new();
+        let mut from = start.to_vec();
+        while out.len() < limit {
+            let page = self.scan(&from, end, false, limit.max(64))?;
+            let Some(next) = next_page(&page, limit.max(64)) else {
+                out.extend(page.into_iter().filter(|(k, _)| inside(k)));
+                break;
+            };
+            out.extend(page.into_iter().filter(|(k, _)| inside(k)));
+            from = next;
+        }
+        out.truncate(limit);
+        Ok(out)
+    }
     /// Queue an atomic batch for the next group commit.
     fn commit(&self, batch: Batch) -> CommitTicket;
     /// Make everything committed so far durable (used at shutdown).
@@ -565,7 +599,7 @@ fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T,
 }
 
 /// The events of a stored event value: one event, or an array of them.
-pub(crate) fn event_value(v: &[u8]) -> Result<Vec<Event>, StoreError> {
+pub fn event_value(v: &[u8]) -> Result<Vec<Event>, StoreError> {
     if v.first() == Some(&b'[') {
         decode("events", v)
     } else {
@@ -705,8 +739,51 @@ impl Store {
             .transpose()
     }
 
-    /// Events of a session with `seq > after`, ascending, at most `limit`.
+    /// Events of a session with `seq > after`, ascending, at most `limit`: those of
+    /// its stored turns (and of no turn). Retention deletes an expired turn's record
+    /// and leaves the event values in time windows to the window's drop
+    /// (`engine/retention.rs`), so the events of a turn that is gone are passed over
+    /// here.
     pub fn events(
+        &self,
+        s: SessionKeys<'_>,
+        mut after: u64,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        let mut out = Vec::new();
+        let mut stored: HashMap<String, bool> = HashMap::new();
+        while out.len() < limit {
+            let want = limit - out.len();
+            let page = self.stored_events(s, after, want)?;
+            let Some(last) = page.last().map(|e| e.seq) else {
+                break;
+            };
+            let full = page.len() == want;
+            for e in page {
+                let keep = match stored.get(&e.turn_id) {
+                    Some(k) => *k,
+                    None => {
+                        let k = e.turn_id.is_empty() || self.turn_exists(&e.turn_id)?;
+                        stored.insert(e.turn_id.clone(), k);
+                        k
+                    }
+                };
+                if keep {
+                    out.push(e);
+                }
+            }
+            if !full {
+                break;
+            }
+            after = last;
+        }
+        Ok(out)
+    }
+
+    /// Events of a session with `seq > after` as stored, ascending, at most `limit`:
+    /// with those of turns retention deleted whose values are still stored
+    /// ([`Store::events`] passes over them).
+    pub fn stored_events(
         &self,
         s: SessionKeys<'_>,
         after: u64,
@@ -1042,7 +1119,7 @@ mod tests {
         };
         let seqs = |after, limit| -> Vec<u64> {
             store
-                .events(at, after, limit)
+                .stored_events(at, after, limit)
                 .expect("events")
                 .iter()
                 .map(|e| e.seq)
@@ -1056,7 +1133,7 @@ mod tests {
             }
         }
         assert!(seqs(3, 0).is_empty());
-        let all = store.events(at, 0, usize::MAX).expect("events");
+        let all = store.stored_events(at, 0, usize::MAX).expect("events");
         assert_eq!(all[2], ev(3), "an event inside a group reads back whole");
     }
 

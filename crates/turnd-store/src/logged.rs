@@ -501,9 +501,9 @@ fn sync_windows(wins: &Windows, written: &[u64]) -> Result<(), StoreError> {
 }
 
 /// Take a committed drop of the window starting at `start` (by the record `lsn`):
-/// copy what it still holds to the main database, as stored, then route its keys
-/// there. Returns the window's database, to close and delete once the drop is durable,
-/// and how many keys it still held.
+/// copy what it still holds of stored turns ([`windows::leftovers`]) to the main
+/// database, as stored, then route its keys there. Returns the window's database, to
+/// close and delete once the drop is durable, and how many keys it passed on.
 #[allow(clippy::type_complexity)]
 fn take_drop(
     sled: &Shared,
@@ -513,23 +513,31 @@ fn take_drop(
 ) -> Result<(Option<(u64, Arc<Shared>)>, u64), StoreError> {
     let mut leftovers = 0;
     if let Some(w) = wins.get(start) {
-        let held: Vec<(sled::IVec, sled::IVec)> = w.with(|h| {
-            h.db.iter()
-                .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.as_ref() != APPLIED_KEY))
-                .collect::<sled::Result<_>>()
-                .map_err(|e| StoreError::Read(e.to_string()))
+        // Only what belongs to turns still stored (see `windows::leftovers`): the
+        // rest is of turns retention deleted, left for this drop to take.
+        let held = w.with(|h| {
+            let mut read = |s: &[u8], e: &[u8]| -> Result<Vec<Entry>, StoreError> {
+                h.db.range(s.to_vec()..e.to_vec())
+                    .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.as_ref() != APPLIED_KEY))
+                    .map(|kv| {
+                        kv.map(|(k, v)| (k.to_vec(), v.to_vec()))
+                            .map_err(|e| StoreError::Read(e.to_string()))
+                    })
+                    .collect()
+            };
+            windows::leftovers(&mut read, &unpack)
         })?;
         leftovers = held.len() as u64;
         if !held.is_empty() {
             tracing::warn!(
-                "the time window {start} still held {} keys when it was dropped (turns that ended, or events written, while retention judged it empty): moved to the main database",
+                "the time window {start} still held {} keys of stored turns when it was dropped (turns that ended while retention judged it empty): moved to the main database",
                 held.len()
             );
             sled.with(|h| {
                 for chunk in held.chunks(APPLY_KEYS) {
                     let mut b = sled::Batch::default();
                     for (k, v) in chunk {
-                        b.insert(k.clone(), v.clone());
+                        b.insert(k.as_slice(), v.as_slice());
                     }
                     h.db.apply_batch(b)
                         .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))?;
@@ -1717,6 +1725,23 @@ impl LoggedKv {
         self.inner.windows.get(start)
     }
 
+    /// Every key of the main database's sled (tests only).
+    #[cfg(test)]
+    pub(crate) fn main_keys(&self) -> Vec<Vec<u8>> {
+        self.inner
+            .sled
+            .with(|h| {
+                h.db.iter()
+                    .keys()
+                    .map(|k| {
+                        k.map(|k| k.to_vec())
+                            .map_err(|e| StoreError::Read(e.to_string()))
+                    })
+                    .collect()
+            })
+            .expect("main database")
+    }
+
     /// Have the next read run `hook` right after it took its sources.
     #[cfg(test)]
     pub(crate) fn after_sources(&self, hook: impl FnOnce() + Send + 'static) {
@@ -1847,6 +1872,44 @@ impl Kv for LoggedKv {
                 }
             }
             Ok(None)
+        })
+    }
+
+    fn scan_window(
+        &self,
+        window_start: u64,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        if start >= end {
+            return Ok(Vec::new());
+        }
+        // The overlay's keys routed to the window, and the window's sled, taken under
+        // the overlay's lock (as `session_sources`).
+        let (pending, win) = {
+            let o = self
+                .inner
+                .overlay
+                .read()
+                .map_err(|_| StoreError::Read("overlay lock poisoned".into()))?;
+            let wins = &self.inner.windows;
+            let pending: Pendings = o
+                .map
+                .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)))
+                .filter(|(k, _)| wins.route(k) == Route::Window(window_start))
+                .map(|(k, p)| (k.to_vec(), p.value.clone()))
+                .collect();
+            (pending, wins.get(window_start))
+        };
+        let Some(win) = win else {
+            return merge(pending, std::iter::empty(), false, limit);
+        };
+        win.with(|h| {
+            let range =
+                h.db.range(start.to_vec()..end.to_vec())
+                    .map(|r| r.map_err(|e| StoreError::Read(e.to_string())));
+            merge(pending, range, false, limit)
         })
     }
 

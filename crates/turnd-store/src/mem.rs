@@ -81,19 +81,39 @@ impl State {
         }
     }
 
-    /// A committed drop: the window is gone; records it still held stay readable
-    /// (the sled store moves them to its main database) and are counted.
+    /// A committed drop: the window is gone with what it holds, but for what belongs
+    /// to turns still stored ([`windows::leftovers`]), which stays readable (the sled
+    /// store moves it to its main database) and is counted.
     fn drop_window(&mut self, start: u64) {
         if !matches!(self.table.slots.get(&start), Some(Slot::Open)) {
             return;
         }
         let table = &self.table;
-        let held = self
+        let held: Vec<Vec<u8>> = self
             .map
             .keys()
             .filter(|k| table.route(k) == Route::Window(start))
-            .count();
-        self.leftovers += held as u64;
+            .cloned()
+            .collect();
+        let map = &self.map;
+        let mut read = |s: &[u8], e: &[u8]| -> Result<Vec<crate::Entry>, StoreError> {
+            Ok(map
+                .range(s.to_vec()..e.to_vec())
+                .filter(|(k, _)| table.route(k) == Route::Window(start))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect())
+        };
+        let decode = |v: &[u8]| Ok(v.to_vec());
+        // The in-memory store decodes nothing, so this cannot fail.
+        let kept: std::collections::HashSet<Vec<u8>> = windows::leftovers(&mut read, &decode)
+            .map(|l| l.into_iter().map(|(k, _)| k).collect())
+            .unwrap_or_default();
+        for k in held {
+            if !kept.contains(&k) {
+                self.map.remove(&k);
+            }
+        }
+        self.leftovers += kept.len() as u64;
         self.table.slots.insert(start, Slot::Dropped(0));
         self.bytes.remove(&start);
     }

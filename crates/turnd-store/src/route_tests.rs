@@ -33,14 +33,20 @@ async fn commit(store: &Store, b: Batch) {
     store.commit(b).await.expect("committed");
 }
 
-/// Admit `turn_id` at `seq` into the meta's session: its list entry, an event, an
-/// idempotency key named after it, and the meta recording where its keys are.
+/// Admit `turn_id` at `seq` into the meta's session and store it as finished: its
+/// list entry, an event, an idempotency key named after it, its folded record, and
+/// the meta recording where its keys are.
 fn admission(meta: &mut SessionMeta, seq: u64, turn_id: &str) -> Batch {
     let input = RawJson::from_value(&json!(null));
-    let t = TurnRecord::admitted(turn_id.into(), &meta.session_id, seq, "f", input, 0);
+    let mut t = TurnRecord::admitted(turn_id.into(), &meta.session_id, seq, "f", input, 0);
+    t.idempotency_key = Some(format!("k{seq}"));
     let mut b = Batch::new();
+    b.put_finished(&crate::FoldedTurn::new(&t, Vec::new()), false);
     b.put_list_entry(&t);
-    b.put_events(&[event(seq, turn_id)]);
+    b.put_events(&[Event {
+        session_id: meta.session_id.clone(),
+        ..event(seq, turn_id)
+    }]);
     b.put_idempotency(
         &meta.session_id,
         &format!("k{seq}"),
@@ -107,7 +113,7 @@ fn listed(store: &Store, s: SessionKeys<'_>) -> Vec<String> {
 
 fn event_turns(store: &Store, s: SessionKeys<'_>) -> Vec<String> {
     store
-        .events(s, 0, usize::MAX)
+        .stored_events(s, 0, usize::MAX)
         .expect("events")
         .into_iter()
         .map(|e| e.turn_id)
@@ -317,4 +323,54 @@ async fn a_read_that_meets_a_window_dropped_meanwhile_is_made_again() {
     );
     assert!(gone(b), "the read applied the drop");
     assert!(kv.commit_stats().window_leftovers > 0, "moved, not deleted");
+}
+
+/// A window's drop passes on to the main database only what belongs to turns still
+/// stored: a folded record left in it (a turn that ended after retention judged it
+/// empty) with its list entry, its idempotency key and its session's event values.
+/// The list entries, event values and idempotency keys of turns whose records are
+/// gone (retention leaves them to the drop) go with the window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_passes_on_only_what_belongs_to_stored_turns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, store, list) = with_windows(dir.path(), 2).await;
+    let a = list[0].start_ms;
+    let (gone, late) = (turn_at(a, 1), turn_at(a, 2));
+    let mut g = SessionMeta::new("g");
+    commit(&store, admission(&mut g, 1, &gone)).await;
+    let mut del = Batch::new();
+    del.delete(crate::keys::finished(&gone));
+    commit(&store, del).await;
+    let mut s = SessionMeta::new("s");
+    commit(&store, admission(&mut s, 1, &late)).await;
+    kv.sync().expect("apply");
+    let mut d = Batch::new();
+    d.drop_window(a);
+    commit(&store, d).await;
+    kv.sync().expect("apply the drop");
+    assert!(!dir.path().join("windows").join(a.to_string()).exists());
+
+    let main = kv.main_keys();
+    let of = |sid: &str| {
+        main.iter()
+            .filter(|k| {
+                matches!(k.first(), Some(b'L' | b'E' | b'K'))
+                    && k.get(1..=sid.len()) == Some(sid.as_bytes())
+                    && k.get(sid.len() + 1) == Some(&0)
+            })
+            .count()
+    };
+    assert!(
+        main.contains(&crate::keys::finished(&late)),
+        "the stored turn's record"
+    );
+    assert_eq!(
+        of("s"),
+        3,
+        "its list entry, event value and idempotency key"
+    );
+    assert_eq!(of("g"), 0, "nothing of the deleted turn");
+    assert_eq!(kv.commit_stats().window_leftovers, 4);
+    assert_eq!(listed(&store, s.keys()), std::slice::from_ref(&late));
+    assert_eq!(event_turns(&store, s.keys()), std::slice::from_ref(&late));
 }

@@ -10,11 +10,14 @@
 //! by deleting its directory whole, which sled's files never do for deleted keys.
 //!
 //! **What a window holds belongs to its turns.** A turn's list entry and idempotency
-//! key are routed by the turn itself, an event value by its newest turn, and
-//! retention, when it deletes a turn, deletes its entry and key and writes every event
-//! value that held its events again without them (routed by the newest turn left, in
-//! an older or the same window). So once every turn minted in a window is deleted,
-//! and none is unfinished, nothing of a remaining turn is left in it.
+//! key are routed by the turn itself, an event value by its newest turn. Retention
+//! deletes a turn's record and idempotency key and leaves its list entry and event
+//! values to the window's drop (reads pass over those of turns that are gone); before
+//! the drop it writes every event value of the window that holds events of an older
+//! turn still stored again with those events only (routed by the newest of them, in
+//! an older window). So once every turn minted in a window is deleted, and none is
+//! unfinished, nothing of a remaining turn is left in it ([`leftovers`] covers a turn
+//! that ended meanwhile).
 //!
 //! **Routing never changes after the fact.** A new window starts when the newest is
 //! older than `window_ms` or larger than `window_bytes`, at a start later than the
@@ -26,21 +29,23 @@
 //! **Dropping a window** is an ordinary commit of the key [`dropped_key`] (prefix `W`
 //! and the window's start), so it is in the commit log in order with every other
 //! write. Retention commits it once the window holds no record and no unfinished turn
-//! was minted in it. The applier, when it takes the drop, first copies whatever
-//! records the window still holds to the main database (none, unless a turn finished
-//! between retention's check and the drop), then routes the window's keys to the main
+//! was minted in it. The applier, when it takes the drop, first copies what the window
+//! still holds of stored turns to the main database ([`leftovers`]: nothing, unless a
+//! turn finished between retention's check and the drop), then routes the window's keys to the main
 //! database from then on, records the drop in the main database (with the lsn of the
 //! record that dropped it), makes that durable, and only then deletes the directory.
 //! A start after a crash reads the drops from the main database and the log: a
 //! dropped window is never re-created (its records in the log go to the main
-//! database, where later records of the log delete them again as they did before),
+//! database, where later records of the log delete them again as they did before; a
+//! list entry or event value retention left to the drop is not deleted again, and
+//! stays there, passed over by reads, until its session is forgotten),
 //! and a directory of a dropped window still present is deleted. So a drop never
 //! throws away anything committed.
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::keys;
+use crate::{keys, Entry, FoldedTurn, StoreError};
 
 /// Defaults of `storage.window_ms` and `storage.window_mb`.
 pub const DEFAULT_WINDOW_MS: u64 = 3_600_000;
@@ -103,6 +108,58 @@ pub fn routed_ms(key: &[u8]) -> Option<u64> {
         b'F' => turn_ms(keys::finished_turn_id(key)?),
         _ => keys::session_route(key),
     }
+}
+
+/// Reads a range of a window's keys ([`leftovers`]).
+pub type ReadRange<'a> = dyn FnMut(&[u8], &[u8]) -> Result<Vec<Entry>, StoreError> + 'a;
+/// Turns a stored value into its bytes ([`leftovers`]).
+pub type Decode<'a> = dyn Fn(&[u8]) -> Result<Vec<u8>, StoreError> + 'a;
+
+/// What a window being dropped passes on to the main database: the folded records it
+/// still holds (turns that ended between retention's judging it empty and the drop)
+/// and, for each, its turn list entry, its idempotency key and every event value of
+/// its session the window holds. Everything else in it belongs to turns retention
+/// deleted (their list entries and event values are left for the drop to take, see
+/// the module doc) and goes with it.
+///
+/// `read(start, end)` reads the window's keys in `[start, end)`, values as stored;
+/// `decode` turns a stored value into its bytes. A folded record that cannot be
+/// decoded keeps everything the window holds, as a drop did before it could tell.
+pub fn leftovers(read: &mut ReadRange<'_>, decode: &Decode<'_>) -> Result<Vec<Entry>, StoreError> {
+    let (fs, fe) = keys::finished_range();
+    let records = read(&fs, &fe)?;
+    if records.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut kept: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+    let mut sessions = std::collections::BTreeSet::new();
+    for (k, v) in records {
+        let turn = match decode(&v).and_then(|b| {
+            serde_json::from_slice::<FoldedTurn>(&b).map_err(|e| StoreError::Corrupt(e.to_string()))
+        }) {
+            Ok(f) => f.turn,
+            Err(e) => {
+                tracing::warn!("a folded record of a window being dropped cannot be read ({e}): everything the window holds is kept");
+                return read(&[], &[u8::MAX]);
+            }
+        };
+        kept.insert(k, v);
+        let sid = turn.session_id.as_str();
+        let mut ranges = vec![(
+            keys::session_turn(sid, turn.seq),
+            keys::session_turn(sid, turn.seq.saturating_add(1)),
+        )];
+        if let Some(key) = &turn.idempotency_key {
+            ranges.push(keys::idempotency_range(sid, key));
+        }
+        if sessions.insert(turn.session_id.clone()) {
+            ranges.push((keys::event(sid, 0), keys::event_end(sid)));
+        }
+        for (s, e) in ranges {
+            kept.extend(read(&s, &e)?);
+        }
+    }
+    Ok(kept.into_iter().collect())
 }
 
 /// The key whose commit drops the window starting at `start_ms`.

@@ -44,7 +44,7 @@ fn keys_s(session: &str) -> SessionKeys<'_> {
 
 fn seqs(store: &Store, session: &str) -> Vec<u64> {
     store
-        .events(keys_s(session), 0, usize::MAX)
+        .stored_events(keys_s(session), 0, usize::MAX)
         .expect("events")
         .into_iter()
         .map(|e| e.seq)
@@ -322,7 +322,7 @@ async fn a_sessions_event_values_of_one_round_reach_sled_as_one() {
     assert_eq!(seqs(&store, "s"), vec![1, 2, 3, 4, 5]);
     // A read from the middle of the value drops its earlier events.
     let after: Vec<u64> = store
-        .events(keys_s("s"), 2, 2)
+        .stored_events(keys_s("s"), 2, 2)
         .expect("events")
         .into_iter()
         .map(|e| e.seq)
