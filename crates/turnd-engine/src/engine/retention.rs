@@ -10,21 +10,34 @@
 //! commits), with everything that belongs to them alone:
 //!
 //! - its folded record (or, for a turn of the earlier layout, its record and its
-//!   input stored apart), its place in the session's turn list;
+//!   input stored apart);
 //! - its idempotency key (when it still names this turn), so the key can be used
 //!   again;
 //! - its invocations (the last one from the record, the others from the `dispatched`
 //!   events being deleted);
-//! - its events: the session's stored event values are read from the first up to the
-//!   first value written after the cutoff; a value whose events all belong to turns
-//!   that are gone is deleted, one that mixes them with events of turns that remain
-//!   is written again with the remaining events only.
+//! - its place in the session's turn list and its events, unless they are left to
+//!   the drop of its time window ([`left_to_window`]: its keys are in an open window
+//!   and it comes before the session's first unfinished turn). Reads pass over the
+//!   entries and events of turns that are no longer stored (`turn.list`,
+//!   `Store::events`), and a window's drop deletes its directory whole, so deleting
+//!   them key by key would only load the applier (it about doubled its sled writes
+//!   under retention at full load). Otherwise, the session's stored event values are
+//!   read from the first up to the first value written after the cutoff; a value
+//!   whose events all belong to turns that are gone is deleted, one that mixes them
+//!   with events of turns that remain is written again with the remaining events
+//!   only.
 //!
 //! The session meta's counts drop by the deleted turns. A session left with no turn at
-//! all, no unfinished work, no watcher and no timer is forgotten: its meta and every
-//! remaining event value are deleted and its cell leaves memory, so `session.inspect`
-//! answers `not_found`, and a later submit starts it again from `seq` 1. Unfinished
+//! all, no unfinished work, no watcher and no timer is forgotten: its meta, every
+//! entry of its turn list and every remaining event value are deleted and its cell
+//! leaves memory, so `session.inspect` answers `not_found`, and a later submit starts
+//! it again from `seq` 1 with nothing of the old session left to read. Unfinished
 //! turns are never deleted, however old.
+//!
+//! **Windows.** After the deletions, a window that holds no stored turn any more
+//! ([`empty_windows`]) is dropped, with, in the same batch, its event values that
+//! also hold events of an older turn still stored written again without the others
+//! ([`rescue`]).
 //!
 //! **No stalls.** Everything a sweep reads (turn records, idempotency keys, event
 //! values) is read *without* the session's lock, on a blocking thread: a read that
@@ -45,7 +58,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::runtime::RuntimeFlavor;
 use turnd_proto::{Event, EventKind, TurnCounts, TurnStatus};
-use turnd_store::{keys, windows, Batch, SessionKeys, SessionMeta, Store, StoreError};
+use turnd_store::{keys, windows, Batch, SessionKeys, SessionMeta, Store, StoreError, WindowInfo};
 
 use super::{Engine, SessionCell};
 
@@ -94,6 +107,15 @@ struct Plan {
     /// Keys of every event value of the session (read only when the session was
     /// expected to be left with no turn, to forget it).
     all_values: Option<Vec<Vec<u8>>>,
+    /// Keys of every entry of its turn list (read with `all_values`).
+    all_entries: Option<Vec<Vec<u8>>>,
+}
+
+/// What a sweep read of a session under its lock before planning its deletes.
+struct Planned {
+    counts: TurnCounts,
+    active_from: Option<u64>,
+    open: Arc<Open>,
 }
 
 /// Run a function that reads the store: on the blocking pool of a multi-threaded
@@ -204,6 +226,54 @@ fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, StoreError> {
     Ok(out)
 }
 
+/// Event values read per page of a window's rescue.
+const RESCUE_PAGE: usize = 512;
+
+/// The writes that keep, before the window starting at `start` is dropped, the events
+/// it holds of turns still stored. An event value is stored in the window of the
+/// newest turn among its events, and retention leaves a deleted turn's values to its
+/// window's drop; so a value of a turn the window is dropped for can also hold events
+/// of an older turn, of an older window, that is still stored (one that was running
+/// while the newer one was queued, and ended after it). Such a value is written again
+/// with those events only, routed by the newest of their turns, out of this window.
+/// The window holds no stored turn of its own by now ([`empty_windows`]), so every
+/// value in it holds events of turns that are gone.
+fn rescue(store: &Store, start: u64) -> Result<Batch, StoreError> {
+    let mut b = Batch::new();
+    let mut stored: HashMap<String, bool> = HashMap::new();
+    let (mut from, end) = (vec![b'E'], vec![b'E' + 1]);
+    loop {
+        let page = store.kv().scan_window(start, &from, &end, RESCUE_PAGE)?;
+        for (_, v) in &page {
+            let mut kept = Vec::new();
+            for e in turnd_store::event_value(v)? {
+                let keep = match stored.get(&e.turn_id) {
+                    Some(k) => *k,
+                    None => {
+                        let k = store.turn_exists(&e.turn_id)?;
+                        stored.insert(e.turn_id.clone(), k);
+                        k
+                    }
+                };
+                if keep {
+                    kept.push(e);
+                }
+            }
+            b.put_events_in(&kept, true);
+        }
+        if page.len() < RESCUE_PAGE {
+            return Ok(b);
+        }
+        match page.last() {
+            Some((k, _)) => {
+                from = k.clone();
+                from.push(0);
+            }
+            None => return Ok(b),
+        }
+    }
+}
+
 /// A hold on merging a session's event values in the store, released when dropped
 /// (on every way out of a sweep of the session).
 struct MergeHold<'a> {
@@ -234,6 +304,8 @@ struct Deleted {
     gone: HashSet<String>,
     statuses: Vec<TurnStatus>,
     folded: HashSet<String>,
+    /// Every one's list entry and event values are left to its window's drop.
+    all_left: bool,
 }
 
 /// The keys of the expired turns' places in the session's turn list, as stored (with
@@ -261,20 +333,64 @@ fn list_keys(
         .collect())
 }
 
-/// The deletes of the expired turns' own keys: their records, their places in the
-/// session's turn list, their idempotency keys (while these still name them) and
-/// their last invocations (unless folded into their records).
+/// The open time windows: what a window's drop will take.
+struct Open(Vec<WindowInfo>);
+
+impl Open {
+    fn read(store: &Store) -> Result<Open, StoreError> {
+        Ok(Open(
+            store
+                .kv()
+                .windows()?
+                .into_iter()
+                .filter(|w| !w.dropped)
+                .collect(),
+        ))
+    }
+
+    /// Whether the keys routed at `ms` are in an open window (a turn's folded record,
+    /// list entry and idempotency key by its id's time).
+    fn holds(&self, ms: Option<u64>) -> bool {
+        ms.is_some_and(|ms| {
+            self.0
+                .iter()
+                .any(|w| w.start_ms <= ms && w.end_ms.is_none_or(|e| ms < e))
+        })
+    }
+}
+
+/// Whether an expired turn's list entry and event values are left for its window's
+/// drop: its record is folded (the current layout), its keys are in an open window,
+/// and it comes before the session's first unfinished turn (`active_from`), where
+/// recovery reads the turn list from (an entry of a deleted turn there would name no
+/// turn).
+fn left_to_window(t: &Expired, open: &Open, active_from: Option<u64>) -> bool {
+    t.folded.is_some()
+        && open.holds(keys::route_of(&t.turn_id))
+        && active_from.is_none_or(|a| t.seq < a)
+}
+
+/// The deletes of the expired turns' own keys: their records, their idempotency keys
+/// (while these still name them), their last invocations (unless folded into their
+/// records) and their places in the session's turn list, unless left to their
+/// window's drop ([`left_to_window`]).
 fn delete_turns(
     store: &Store,
     s: SessionKeys<'_>,
     expired: Vec<Expired>,
+    open: &Open,
+    active_from: Option<u64>,
     b: &mut Batch,
 ) -> Result<Deleted, StoreError> {
     let mut gone: HashSet<String> = HashSet::new();
     let mut statuses = Vec::new();
     let mut folded_invs: HashSet<String> = HashSet::new();
-    let mut listed = list_keys(store, s, &expired)?;
-    for t in expired {
+    let (left, deleted): (Vec<Expired>, Vec<Expired>) = expired
+        .into_iter()
+        .partition(|t| left_to_window(t, open, active_from));
+    let mut listed = list_keys(store, s, &deleted)?;
+    let all_left = deleted.is_empty();
+    for t in deleted.into_iter().chain(left) {
         b.delete(keys::finished(&t.turn_id));
         if t.folded.is_none() {
             b.delete(keys::turn(&t.turn_id));
@@ -303,6 +419,7 @@ fn delete_turns(
         gone,
         statuses,
         folded: folded_invs,
+        all_left,
     })
 }
 
@@ -314,17 +431,70 @@ fn plan(
     s: SessionKeys<'_>,
     expired: Vec<Expired>,
     cutoff: u64,
-    counts: &TurnCounts,
+    at: &Planned,
 ) -> Result<Plan, StoreError> {
     let mut b = Batch::new();
     let Deleted {
         gone,
         statuses,
         folded,
-    } = delete_turns(store, s, expired, &mut b)?;
-    let read_all = total(counts) <= gone.len() as u64;
+        all_left,
+    } = delete_turns(store, s, expired, &at.open, at.active_from, &mut b)?;
+    let read_all = total(&at.counts) <= gone.len() as u64;
     let mut all_values = read_all.then(Vec::new);
+    // The turns' events are read out of stored values only when one of them is not
+    // left to its window (or to forget the session); a turn that is has its events
+    // passed over by reads once its record is gone (`Store::events`).
+    let mut pruned = all_left;
+    if all_left && !read_all {
+        return Ok(Plan {
+            batch: b,
+            gone,
+            statuses,
+            pruned,
+            all_values: None,
+            all_entries: None,
+        });
+    }
 
+    pruned |= prune_events(
+        store,
+        s,
+        cutoff,
+        &gone,
+        &folded,
+        all_values.as_mut(),
+        &mut b,
+    )?;
+    let all_entries = if read_all {
+        Some(all_list_keys(store, s)?)
+    } else {
+        None
+    };
+    Ok(Plan {
+        batch: b,
+        gone,
+        statuses,
+        pruned,
+        all_values,
+        all_entries,
+    })
+}
+
+/// The writes that take the events of the turns in `gone` out of the session's stored
+/// event values, up to the first value written after the cutoff (every value when
+/// `all_values` is given, whose keys it collects: the session is expected to be
+/// forgotten), with the invocations their `dispatched` events name (unless folded
+/// into their records). Whether it took any event out.
+fn prune_events(
+    store: &Store,
+    s: SessionKeys<'_>,
+    cutoff: u64,
+    gone: &HashSet<String>,
+    folded: &HashSet<String>,
+    mut all_values: Option<&mut Vec<Vec<u8>>>,
+    b: &mut Batch,
+) -> Result<bool, StoreError> {
     // Events: up to the first value written after the cutoff (all of them when the
     // session is expected to be forgotten).
     let mut exists: HashMap<String, bool> = HashMap::new();
@@ -347,7 +517,7 @@ fn plan(
         let (values, next) = store.event_values_page(s, from.as_deref(), EVENT_PAGE)?;
         for (key, events) in values {
             if events.first().is_some_and(|e| e.at_ms > cutoff) {
-                match all_values.as_mut() {
+                match all_values.as_deref_mut() {
                     Some(all) => {
                         all.push(key);
                         continue;
@@ -355,7 +525,7 @@ fn plan(
                     None => break 'scan,
                 }
             }
-            if let Some(all) = all_values.as_mut() {
+            if let Some(all) = all_values.as_deref_mut() {
                 all.push(key.clone());
             }
             let mut dead = Vec::new();
@@ -392,13 +562,17 @@ fn plan(
             None => break,
         }
     }
-    Ok(Plan {
-        batch: b,
-        gone,
-        statuses,
-        pruned,
-        all_values,
-    })
+    Ok(pruned)
+}
+
+/// Keys of every entry of a session's turn list (a session being forgotten: entries
+/// of turns deleted earlier may be left to their windows' drops).
+fn all_list_keys(store: &Store, s: SessionKeys<'_>) -> Result<Vec<Vec<u8>>, StoreError> {
+    Ok(store
+        .list_entries(s, 0, u64::MAX, false, usize::MAX)?
+        .into_iter()
+        .map(|(k, _, _)| k)
+        .collect())
 }
 
 /// Counts less the deleted turns of `statuses`.
@@ -466,6 +640,10 @@ impl Engine {
         let cutoff = self.now_ms().saturating_sub(keep);
         let mut from = Store::FIRST.to_vec();
         let mut deleted = 0;
+        // Only this task drops windows, after the deletions: the open ones stay open
+        // while it deletes.
+        let store = self.inner.store.clone();
+        let open = Arc::new(off_runtime(move || Open::read(&store)).await?);
         loop {
             let store = self.inner.store.clone();
             let (by_session, next) = off_runtime(move || gather(&store, from, cutoff)).await?;
@@ -490,7 +668,8 @@ impl Engine {
                 }
                 self.hold_back().await;
                 let engine = self.clone();
-                running.spawn(async move { engine.expire(&sid, turns, cutoff).await });
+                let open = open.clone();
+                running.spawn(async move { engine.expire(&sid, turns, cutoff, open).await });
             }
             while let Some(r) = running.join_next().await {
                 join(r);
@@ -505,7 +684,8 @@ impl Engine {
         }
         let store = self.inner.store.clone();
         for start in off_runtime(move || empty_windows(&store, windows::now_ms())).await? {
-            let mut b = Batch::new();
+            let store = self.inner.store.clone();
+            let mut b = off_runtime(move || rescue(&store, start)).await?;
             b.drop_window(start);
             self.inner.store.commit(b).await?;
             self.inner
@@ -576,13 +756,19 @@ impl Engine {
         sid: &str,
         expired: Vec<Expired>,
         cutoff: u64,
+        open: Arc<Open>,
     ) -> Result<u64, StoreError> {
         let _hold = MergeHold::new(self.inner.store.kv(), sid);
         let cell = self.cell(sid);
-        let (planned_at, counts, from_ms) = {
+        let (planned_at, at, from_ms) = {
             let st = self.lock(&cell).await?;
             let m = &st.meta;
-            (m.last_event_seq, m.counts.clone(), m.routed_from_ms)
+            let at = Planned {
+                counts: m.counts.clone(),
+                active_from: m.active_from,
+                open,
+            };
+            (m.last_event_seq, at, m.routed_from_ms)
         };
         let store = self.inner.store.clone();
         let owned_sid = sid.to_string();
@@ -591,7 +777,7 @@ impl Engine {
                 id: &owned_sid,
                 from_ms,
             };
-            plan(&store, s, expired, cutoff, &counts)
+            plan(&store, s, expired, cutoff, &at)
         })
         .await?;
         if plan.gone.is_empty() {
@@ -613,15 +799,20 @@ impl Engine {
             && st.timer.is_none()
             && !self.watched(sid);
         if forget {
-            match plan.all_values {
+            match (plan.all_values, plan.all_entries) {
                 // Read when the counts were what they are now (the last event seq
                 // did not move since), so these are all of them.
-                Some(all) if planned_at == st.meta.last_event_seq => {
-                    for k in all {
+                (Some(values), Some(entries)) if planned_at == st.meta.last_event_seq => {
+                    for k in values.into_iter().chain(entries) {
                         b.delete(k);
                     }
                 }
-                _ => delete_all_events(&self.inner.store, st.meta.keys(), &mut b)?,
+                _ => {
+                    delete_all_events(&self.inner.store, st.meta.keys(), &mut b)?;
+                    for k in all_list_keys(&self.inner.store, st.meta.keys())? {
+                        b.delete(k);
+                    }
+                }
             }
             b.delete(keys::session_meta(sid));
         } else {

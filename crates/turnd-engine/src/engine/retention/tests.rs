@@ -32,9 +32,14 @@ const WINDOW_MS: u64 = 100;
 
 /// An engine keeping turns 10 s on an in-memory store with [`WINDOW_MS`] windows.
 async fn windowed() -> (Arc<turnd_store::mem::MemKv>, Engine) {
+    windowed_by(WINDOW_MS).await
+}
+
+/// [`windowed`] with windows of `window_ms`.
+async fn windowed_by(window_ms: u64) -> (Arc<turnd_store::mem::MemKv>, Engine) {
     let kv = Arc::new(turnd_store::mem::MemKv::with_windows(
         turnd_store::WindowOptions {
-            window_ms: WINDOW_MS,
+            window_ms,
             window_bytes: u64::MAX,
         },
     ));
@@ -49,13 +54,33 @@ async fn windowed() -> (Arc<turnd_store::mem::MemKv>, Engine) {
     (kv, e)
 }
 
+/// Sleep by the wall clock (which switches the windows).
+fn wall(ms: u64) {
+    std::thread::sleep(Duration::from_millis(ms));
+}
+
+/// The store's invariants hold.
+fn checked(e: &Engine) {
+    let found = turnd_store::check_store(&e.inner.store).expect("check");
+    assert!(found.is_empty(), "{found:?}");
+}
+
+/// The start of the window a turn id falls in (None: minted before the first).
+fn window_of(windows: &[turnd_store::WindowInfo], turn_id: &str) -> Option<u64> {
+    let ms = turnd_store::windows::turn_ms(turn_id).expect("minted");
+    windows
+        .iter()
+        .rev()
+        .find(|w| w.start_ms <= ms)
+        .map(|w| w.start_ms)
+}
+
 /// Time windows of finished turns: a window is dropped whole once every turn
 /// minted in it is gone, never while one of its turns is unfinished, and never
 /// the newest one.
 #[tokio::test(start_paused = true)]
 async fn a_window_is_dropped_once_all_its_turns_are_gone() {
     let (kv, e) = windowed().await;
-    let wall = |ms| std::thread::sleep(Duration::from_millis(ms));
     // A window is made when a turn is admitted or finished and the newest is older
     // than WINDOW_MS, starting after every turn id minted so far: the first turn
     // admitted after each sleep is the last of the older window.
@@ -277,7 +302,12 @@ async fn a_sweep_deletes_only_keys_that_are_there() {
         .expect("the session's turns");
     assert_eq!(expired.len(), 4, "three completed and one cancelled");
     let meta = store.session_meta("s").expect("meta").expect("meta");
-    let planned = plan(store, meta.keys(), expired, cutoff, &meta.counts).expect("plan");
+    let at = Planned {
+        counts: meta.counts.clone(),
+        active_from: meta.active_from,
+        open: Arc::new(Open::read(store).expect("windows")),
+    };
+    let planned = plan(store, meta.keys(), expired, cutoff, &at).expect("plan");
     let kv = store.kv();
     let mut deletes = 0;
     for op in &planned.batch.ops {
@@ -308,11 +338,6 @@ async fn a_sweep_deletes_only_keys_that_are_there() {
 #[tokio::test(start_paused = true)]
 async fn a_window_drop_takes_only_what_belongs_to_its_deleted_turns() {
     let (kv, e) = windowed().await;
-    let wall = |ms| std::thread::sleep(Duration::from_millis(ms));
-    let checked = || async {
-        let found = turnd_store::check_store(&e.inner.store).expect("check");
-        assert!(found.is_empty(), "{found:?}");
-    };
     // The first window, made by a turn that ends at once (stopped while queued, before
     // there is a worker).
     let first = e.submit(submit("p", None)).await.expect("submit").turn;
@@ -335,20 +360,13 @@ async fn a_window_drop_takes_only_what_belongs_to_its_deleted_turns() {
     // Made by this admission: a window after both.
     e.submit(submit("q", None)).await.expect("submit");
     let windows = kv.windows().expect("windows");
-    let window_of = |id: &str| {
-        let ms = turnd_store::windows::turn_ms(id).expect("minted");
-        windows
-            .iter()
-            .rev()
-            .find(|w| w.start_ms <= ms)
-            .map(|w| w.start_ms)
-    };
+    let window_of = |id: &str| window_of(&windows, id);
     let (w_x, w_y) = (window_of(&x.turn_id), window_of(&y.turn_id));
     assert!(w_x.is_some() && w_x < w_y, "{windows:?}");
     // X completes and Y is dispatched in the same transition.
     complete(&e, &worker, x_inv, 1).await;
     let y_inv = next_invocation(&mut rx).await;
-    checked().await;
+    checked(&e);
 
     tokio::time::advance(Duration::from_millis(10_001)).await;
     wall(MINT_MARGIN_MS + 50);
@@ -362,7 +380,7 @@ async fn a_window_drop_takes_only_what_belongs_to_its_deleted_turns() {
     assert!(dropped(w_x), "X's window goes with X");
     assert!(!dropped(w_y), "Y is unfinished");
     assert_eq!(kv.commit_stats().window_leftovers, 0);
-    checked().await;
+    checked(&e);
     let events = |after| {
         e.events(turnd_proto::EventsArgs {
             session_id: "s".into(),
@@ -395,7 +413,7 @@ async fn a_window_drop_takes_only_what_belongs_to_its_deleted_turns() {
     assert!(dropped(w_y));
     assert_eq!(kv.commit_stats().window_leftovers, 0);
     assert!(e.inspect("s").await.is_err(), "forgotten");
-    checked().await;
+    checked(&e);
 }
 
 /// Passes everything to a [`turnd_store::mem::MemKv`] and counts the reads of a
@@ -508,4 +526,195 @@ async fn a_sweep_reads_and_rewrites_event_values_only_while_it_holds_the_session
         kv.held.lock().expect("lock").values().all(|n| *n == 0),
         "every hold let go"
     );
+}
+
+/// The turn ids `turn.list` shows for a session, oldest first.
+async fn listed(e: &Engine, session: &str) -> Vec<String> {
+    let page = e
+        .list_turns(ListArgs {
+            session_id: session.into(),
+            status: None,
+            limit: None,
+            before_seq: None,
+        })
+        .await
+        .expect("list");
+    page.turns.into_iter().rev().map(|t| t.turn_id).collect()
+}
+
+/// The turn ids of the events `session.events` shows for a session.
+async fn event_turns(e: &Engine, session: &str) -> Vec<String> {
+    let page = e
+        .events(turnd_proto::EventsArgs {
+            session_id: session.into(),
+            after: None,
+            limit: None,
+        })
+        .await
+        .expect("events");
+    page.events.into_iter().map(|ev| ev.turn_id).collect()
+}
+
+/// The turn list entries of a session as stored (whatever the turns).
+fn stored_entries(kv: &turnd_store::mem::MemKv, session: &str) -> Vec<String> {
+    let (s, e) = (
+        keys::session_turn(session, 0),
+        keys::session_turn(session, u64::MAX),
+    );
+    kv.scan(&s, &e, false, usize::MAX)
+        .expect("scan")
+        .into_iter()
+        .map(|(_, v)| String::from_utf8(v).expect("id"))
+        .collect()
+}
+
+/// An expired turn whose keys are in an open time window loses its record at the
+/// sweep; its turn list entry and event values are left to the window's drop, and
+/// reads pass over them from the sweep on (`turn.list`, `session.events`, the store's
+/// invariants). The drop takes them; a session forgotten before deletes them all.
+#[tokio::test(start_paused = true)]
+async fn an_expired_turns_entry_and_events_are_left_to_its_window_and_hidden() {
+    // Windows long enough for A and B to be minted in one on a loaded machine.
+    const LONG_MS: u64 = 1_000;
+    let (kv, e) = windowed_by(LONG_MS).await;
+    // The first window, made by a turn minted before it; A and B are minted in it
+    // (a window is made when a turn is admitted and the newest is older than
+    // WINDOW_MS).
+    let first = e.submit(submit("p", None)).await.expect("submit").turn;
+    e.stop_turn(&first.turn_id, None).await.expect("stop");
+    let (mut rx, worker) = worker(&e).await;
+    // The window starts a millisecond after the admission that made it.
+    wall(5);
+    // A ends; B, after it in the same window, is still running at the sweep.
+    let a = e.submit(submit("s", None)).await.expect("submit").turn;
+    let a_inv = next_invocation(&mut rx).await;
+    complete(&e, &worker, a_inv, 1).await;
+    let b = e.submit(submit("s", None)).await.expect("submit").turn;
+    let b_inv = next_invocation(&mut rx).await;
+    wall(LONG_MS + LONG_MS / 2);
+    // Makes the next window (Q is minted in the first, and stays unfinished).
+    e.submit(submit("q", None)).await.expect("submit");
+    let windows = kv.windows().expect("windows");
+    let window_of = |id: &str| window_of(&windows, id);
+    assert!(window_of(&a.turn_id).is_some(), "{windows:?}");
+    assert_eq!(window_of(&a.turn_id), window_of(&b.turn_id), "{windows:?}");
+    assert!(windows.len() >= 2, "{windows:?}");
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    wall(MINT_MARGIN_MS + 50);
+    let a_events = event_turns(&e, "s").await;
+    assert!(a_events.contains(&a.turn_id), "{a_events:?}");
+
+    assert_eq!(e.sweep().await.expect("sweep"), 2, "A and the first turn");
+    assert!(e.inner.store.turn(&a.turn_id).expect("read").is_none());
+    assert_eq!(
+        stored_entries(&kv, "s"),
+        [a.turn_id.clone(), b.turn_id.clone()],
+        "A's entry is left to its window"
+    );
+    assert_eq!(listed(&e, "s").await, std::slice::from_ref(&b.turn_id));
+    let shown = event_turns(&e, "s").await;
+    assert!(
+        !shown.is_empty() && shown.iter().all(|t| *t == b.turn_id),
+        "{shown:?}"
+    );
+    let windows = kv.windows().expect("windows");
+    assert!(
+        windows.iter().all(|w| !w.dropped),
+        "B holds the window: {windows:?}"
+    );
+    checked(&e);
+
+    // B ends and expires: the session is forgotten, with every entry of its list,
+    // while Q still holds the window.
+    complete(&e, &worker, b_inv, 2).await;
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    assert_eq!(e.sweep().await.expect("sweep"), 1);
+    assert!(e.inspect("s").await.is_err(), "forgotten");
+    assert_eq!(stored_entries(&kv, "s"), Vec::<String>::new());
+    assert!(kv.windows().expect("windows").iter().all(|w| !w.dropped));
+    checked(&e);
+}
+
+/// An event value is stored in the window of the newest turn among its events, and
+/// the store's applier writes consecutive values of a session as one (`runs.rs`); so
+/// a value in the window of a turn that is gone can hold events of an older turn that
+/// is still stored (it ran while the newer one was queued and cancelled, and ended
+/// after it). Before the window is dropped, such a value is written again with the
+/// older turn's events only: none of them is lost with the window.
+#[tokio::test(start_paused = true)]
+async fn a_window_drop_keeps_the_events_of_an_older_turn_still_stored() {
+    let (kv, e) = windowed().await;
+    let first = e.submit(submit("p", None)).await.expect("submit").turn;
+    e.stop_turn(&first.turn_id, None).await.expect("stop");
+    let (mut rx, worker) = worker(&e).await;
+    wall(WINDOW_MS + WINDOW_MS / 2);
+    // X runs in the first window; Y, queued behind it in the next, is cancelled.
+    let x = e.submit(submit("s", None)).await.expect("submit").turn;
+    let x_inv = next_invocation(&mut rx).await;
+    wall(WINDOW_MS + WINDOW_MS / 2);
+    let y = e.submit(submit("s", None)).await.expect("submit").turn;
+    e.stop_turn(&y.turn_id, None).await.expect("stop");
+    wall(WINDOW_MS + WINDOW_MS / 2);
+    e.submit(submit("q", None)).await.expect("submit");
+    let windows = kv.windows().expect("windows");
+    let window_of = |id: &str| window_of(&windows, id);
+    let (w_x, w_y) = (window_of(&x.turn_id), window_of(&y.turn_id));
+    assert!(w_x.is_some() && w_x < w_y, "{windows:?}");
+
+    // X's last value and Y's admission written as one value, as a round of the
+    // applier merges them: routed by Y, in Y's window.
+    let store = &e.inner.store;
+    let meta = store.session_meta("s").expect("read").expect("meta");
+    let (values, _) = store
+        .event_values_page(meta.keys(), None, 64)
+        .expect("values");
+    let j = values
+        .iter()
+        .position(|(_, evs)| {
+            evs.iter()
+                .any(|ev| ev.turn_id == y.turn_id && ev.kind == EventKind::Admitted)
+        })
+        .expect("Y's admission");
+    let (k1, v1) = values[j - 1].clone();
+    let (k2, v2) = values[j].clone();
+    assert!(v1.iter().all(|ev| ev.turn_id == x.turn_id), "{v1:?}");
+    let x_events: Vec<u64> = store
+        .events(meta.keys(), 0, usize::MAX)
+        .expect("events")
+        .into_iter()
+        .filter(|ev| ev.turn_id == x.turn_id)
+        .map(|ev| ev.seq)
+        .collect();
+    let mut b = Batch::new();
+    b.delete(k1);
+    b.delete(k2);
+    b.put_events(&[v1, v2].concat());
+    store.commit(b).await.expect("commit");
+    checked(&e);
+
+    // X ends after Y; Y expires first, and its window with it.
+    tokio::time::advance(Duration::from_millis(5_000)).await;
+    complete(&e, &worker, x_inv, 1).await;
+    tokio::time::advance(Duration::from_millis(5_500)).await;
+    wall(MINT_MARGIN_MS + 50);
+    assert_eq!(e.sweep().await.expect("sweep"), 2, "Y and the first turn");
+    let dropped = kv
+        .windows()
+        .expect("windows")
+        .into_iter()
+        .any(|w| Some(w.start_ms) == w_y && w.dropped);
+    assert!(dropped, "Y's window goes with Y");
+    let kept: Vec<u64> = store
+        .events(meta.keys(), 0, usize::MAX)
+        .expect("events")
+        .into_iter()
+        .filter(|ev| ev.turn_id == x.turn_id)
+        .map(|ev| ev.seq)
+        .collect();
+    assert!(
+        x_events.iter().all(|s| kept.contains(s)),
+        "X's events before the drop {x_events:?}, after {kept:?}"
+    );
+    assert_eq!(listed(&e, "s").await, std::slice::from_ref(&x.turn_id));
+    checked(&e);
 }
