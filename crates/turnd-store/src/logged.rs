@@ -513,6 +513,18 @@ fn take_drop(
 ) -> Result<(Option<(u64, Arc<Shared>)>, u64), StoreError> {
     let mut leftovers = 0;
     if let Some(w) = wins.get(start) {
+        // Unfinished turns minted in the window: their records are in the main
+        // database, written by now (this round wrote everything up to the drop).
+        let (ts, te) = windows::turn_key_range(start, wins.end_of(start));
+        let unfinished: Vec<crate::TurnRecord> = sled.with(|h| {
+            h.db.range(ts..te)
+                .map(|kv| {
+                    let (_, v) = kv.map_err(|e| StoreError::Read(e.to_string()))?;
+                    serde_json::from_slice(&unpack(&v)?)
+                        .map_err(|e| StoreError::Corrupt(format!("turn: {e}")))
+                })
+                .collect()
+        })?;
         // Only what belongs to turns still stored (see `windows::leftovers`): the
         // rest is of turns retention deleted, left for this drop to take.
         let held = w.with(|h| {
@@ -525,7 +537,7 @@ fn take_drop(
                     })
                     .collect()
             };
-            windows::leftovers(&mut read, &unpack)
+            windows::leftovers(&mut read, &unpack, &unfinished)
         })?;
         leftovers = held.len() as u64;
         if !held.is_empty() {

@@ -104,10 +104,21 @@ impl State {
                 .collect())
         };
         let decode = |v: &[u8]| Ok(v.to_vec());
+        let end = table
+            .slots
+            .range(start.saturating_add(1)..)
+            .next()
+            .map(|(k, _)| *k);
+        let (ts, te) = windows::turn_key_range(start, end);
+        let unfinished: Vec<crate::TurnRecord> = map
+            .range(ts..te)
+            .filter_map(|(_, v)| serde_json::from_slice(v).ok())
+            .collect();
         // The in-memory store decodes nothing, so this cannot fail.
-        let kept: std::collections::HashSet<Vec<u8>> = windows::leftovers(&mut read, &decode)
-            .map(|l| l.into_iter().map(|(k, _)| k).collect())
-            .unwrap_or_default();
+        let kept: std::collections::HashSet<Vec<u8>> =
+            windows::leftovers(&mut read, &decode, &unfinished)
+                .map(|l| l.into_iter().map(|(k, _)| k).collect())
+                .unwrap_or_default();
         for k in held {
             if !kept.contains(&k) {
                 self.map.remove(&k);

@@ -327,7 +327,8 @@ async fn a_read_that_meets_a_window_dropped_meanwhile_is_made_again() {
 
 /// A window's drop passes on to the main database only what belongs to turns still
 /// stored: a folded record left in it (a turn that ended after retention judged it
-/// empty) with its list entry, its idempotency key and its session's event values.
+/// empty) with its list entry, its idempotency key and its session's event values,
+/// and likewise the keys of an unfinished turn minted in it (admitted late).
 /// The list entries, event values and idempotency keys of turns whose records are
 /// gone (retention leaves them to the drop) go with the window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,6 +344,18 @@ async fn a_drop_passes_on_only_what_belongs_to_stored_turns() {
     commit(&store, del).await;
     let mut s = SessionMeta::new("s");
     commit(&store, admission(&mut s, 1, &late)).await;
+    // An unfinished turn minted in the window, admitted after retention found none
+    // there: its record is in the main database, its other keys in the window.
+    let open = turn_at(a, 3);
+    let mut u = SessionMeta::new("u");
+    let mut b = admission(&mut u, 1, &open);
+    b.ops
+        .retain(|op| !matches!(op, crate::KvOp::Put(k, _) if k[0] == b'F'));
+    let input = RawJson::from_value(&json!(null));
+    let mut rec = TurnRecord::admitted(open.clone(), "u", 1, "f", input, 0);
+    rec.idempotency_key = Some("k1".into());
+    b.put_turn(&rec);
+    commit(&store, b).await;
     kv.sync().expect("apply");
     let mut d = Batch::new();
     d.drop_window(a);
@@ -370,7 +383,13 @@ async fn a_drop_passes_on_only_what_belongs_to_stored_turns() {
         "its list entry, event value and idempotency key"
     );
     assert_eq!(of("g"), 0, "nothing of the deleted turn");
-    assert_eq!(kv.commit_stats().window_leftovers, 4);
+    assert_eq!(
+        of("u"),
+        3,
+        "the unfinished turn's list entry, event value and key"
+    );
+    assert_eq!(kv.commit_stats().window_leftovers, 7);
+    assert_eq!(listed(&store, u.keys()), std::slice::from_ref(&open));
     assert_eq!(listed(&store, s.keys()), std::slice::from_ref(&late));
     assert_eq!(event_turns(&store, s.keys()), std::slice::from_ref(&late));
 }

@@ -45,7 +45,7 @@
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::{keys, Entry, FoldedTurn, StoreError};
+use crate::{keys, Entry, FoldedTurn, StoreError, TurnRecord};
 
 /// Defaults of `storage.window_ms` and `storage.window_mb`.
 pub const DEFAULT_WINDOW_MS: u64 = 3_600_000;
@@ -117,33 +117,42 @@ pub type Decode<'a> = dyn Fn(&[u8]) -> Result<Vec<u8>, StoreError> + 'a;
 
 /// What a window being dropped passes on to the main database: the folded records it
 /// still holds (turns that ended between retention's judging it empty and the drop)
-/// and, for each, its turn list entry, its idempotency key and every event value of
-/// its session the window holds. Everything else in it belongs to turns retention
-/// deleted (their list entries and event values are left for the drop to take, see
-/// the module doc) and goes with it.
+/// and, for each of them and for each of `unfinished` (turns minted in the window
+/// whose own records, in the main database, were written after retention read that
+/// none was there: an admission committed late), its turn list entry, its
+/// idempotency key and every event value of its session the window holds.
+/// Everything else in it belongs to turns retention deleted (their list entries and
+/// event values are left for the drop to take, see the module doc) and goes with it.
 ///
 /// `read(start, end)` reads the window's keys in `[start, end)`, values as stored;
 /// `decode` turns a stored value into its bytes. A folded record that cannot be
 /// decoded keeps everything the window holds, as a drop did before it could tell.
-pub fn leftovers(read: &mut ReadRange<'_>, decode: &Decode<'_>) -> Result<Vec<Entry>, StoreError> {
+pub fn leftovers(
+    read: &mut ReadRange<'_>,
+    decode: &Decode<'_>,
+    unfinished: &[TurnRecord],
+) -> Result<Vec<Entry>, StoreError> {
     let (fs, fe) = keys::finished_range();
     let records = read(&fs, &fe)?;
-    if records.is_empty() {
+    if records.is_empty() && unfinished.is_empty() {
         return Ok(Vec::new());
     }
     let mut kept: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-    let mut sessions = std::collections::BTreeSet::new();
+    let mut turns = Vec::with_capacity(records.len() + unfinished.len());
     for (k, v) in records {
-        let turn = match decode(&v).and_then(|b| {
+        match decode(&v).and_then(|b| {
             serde_json::from_slice::<FoldedTurn>(&b).map_err(|e| StoreError::Corrupt(e.to_string()))
         }) {
-            Ok(f) => f.turn,
+            Ok(f) => turns.push(f.turn),
             Err(e) => {
                 tracing::warn!("a folded record of a window being dropped cannot be read ({e}): everything the window holds is kept");
                 return read(&[], &[u8::MAX]);
             }
-        };
+        }
         kept.insert(k, v);
+    }
+    let mut sessions = std::collections::BTreeSet::new();
+    for turn in turns.iter().chain(unfinished) {
         let sid = turn.session_id.as_str();
         let mut ranges = vec![(
             keys::session_turn(sid, turn.seq),
@@ -152,7 +161,7 @@ pub fn leftovers(read: &mut ReadRange<'_>, decode: &Decode<'_>) -> Result<Vec<En
         if let Some(key) = &turn.idempotency_key {
             ranges.push(keys::idempotency_range(sid, key));
         }
-        if sessions.insert(turn.session_id.clone()) {
+        if sessions.insert(sid) {
             ranges.push((keys::event(sid, 0), keys::event_end(sid)));
         }
         for (s, e) in ranges {

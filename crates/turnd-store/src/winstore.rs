@@ -423,6 +423,17 @@ impl Windows {
 
     /// The windows, with the bytes of their files (none counted for a dropped window
     /// whose deletion is under way).
+    /// The end of the window starting at `start` (the next one's start; None: the
+    /// newest, or not a window).
+    pub(crate) fn end_of(&self, start: u64) -> Option<u64> {
+        let s = self.state.read().ok()?;
+        s.table
+            .slots
+            .range(start.saturating_add(1)..)
+            .next()
+            .map(|(k, _)| *k)
+    }
+
     pub(crate) fn list(&self) -> Vec<WindowInfo> {
         match self.state.read() {
             Ok(s) => s.table.list(|start| {

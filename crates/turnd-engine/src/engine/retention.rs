@@ -13,8 +13,8 @@
 //!   input stored apart);
 //! - its idempotency key (when it still names this turn), so the key can be used
 //!   again;
-//! - its invocations (the last one from the record, the others from the `dispatched`
-//!   events being deleted);
+//! - its invocations (the last one from the record, the others under their own keys,
+//!   found by the dispatch time their ids begin with: [`early_invocations`]);
 //! - its place in the session's turn list and its events, unless they are left to
 //!   the drop of its time window ([`left_to_window`]: its keys are in an open window
 //!   and it comes before the session's first unfinished turn). Reads pass over the
@@ -116,6 +116,45 @@ struct Planned {
     counts: TurnCounts,
     active_from: Option<u64>,
     open: Arc<Open>,
+    early: Arc<Early>,
+}
+
+/// Keys of invocation records under their own keys dispatched at or before a sweep's
+/// cutoff, by turn ([`early_invocations`]).
+type Early = HashMap<String, Vec<Vec<u8>>>;
+
+/// Invocation records read per page of [`early_invocations`].
+const INVOCATION_PAGE: usize = 1024;
+
+/// The invocation records under their own keys (in the main database) whose ids were
+/// minted at or before `cutoff` (wall clock), by turn. A finished turn's last invocation is folded into its
+/// record; those of its earlier steps and attempts stay under their own keys until
+/// retention deletes them with the turn. A turn's events name them, but a turn left
+/// to its window has none read ([`left_to_window`]), so they are found here: an
+/// invocation id begins with its own UUIDv7 (`inv_` and 32 hex digits), so the keys
+/// are in dispatch order and the read stops at the cutoff. What it reads is what was
+/// dispatched since the last sweep's cutoff, and the invocations of turns that have
+/// run longer than `retention_terminal_ms`. One whose turn is gone by the time it is
+/// read (minted with a wall clock ahead of the engine's) is deleted then.
+fn early_invocations(store: &Store, cutoff: u64) -> Result<Early, StoreError> {
+    let mut from = keys::invocation("inv_");
+    let end = keys::invocation(&format!("inv_{:012x}", cutoff.saturating_add(1)));
+    let mut out: Early = HashMap::new();
+    loop {
+        let page = store.kv().scan(&from, &end, false, INVOCATION_PAGE)?;
+        for (k, v) in &page {
+            let inv: turnd_store::InvocationRecord = serde_json::from_slice(v)
+                .map_err(|e| StoreError::Corrupt(format!("invocation: {e}")))?;
+            out.entry(inv.turn_id).or_default().push(k.clone());
+        }
+        match page.last() {
+            Some((k, _)) if page.len() == INVOCATION_PAGE => {
+                from = k.clone();
+                from.push(0);
+            }
+            _ => return Ok(out),
+        }
+    }
 }
 
 /// Run a function that reads the store: on the blocking pool of a multi-threaded
@@ -226,6 +265,23 @@ fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, StoreError> {
     Ok(out)
 }
 
+/// Deletes of the invocation records of `early` whose turns are gone and that are
+/// still there.
+fn stale_invocations(store: &Store, early: &Early) -> Result<Batch, StoreError> {
+    let mut b = Batch::new();
+    for (turn_id, ks) in early {
+        if store.turn_exists(turn_id)? {
+            continue;
+        }
+        for k in ks {
+            if store.kv().get(k)?.is_some() {
+                b.delete(k.clone());
+            }
+        }
+    }
+    Ok(b)
+}
+
 /// Event values read per page of a window's rescue.
 const RESCUE_PAGE: usize = 512;
 
@@ -306,6 +362,8 @@ struct Deleted {
     folded: HashSet<String>,
     /// Every one's list entry and event values are left to its window's drop.
     all_left: bool,
+    /// Some one's are.
+    any_left: bool,
 }
 
 /// The keys of the expired turns' places in the session's turn list, as stored (with
@@ -378,10 +436,10 @@ fn delete_turns(
     store: &Store,
     s: SessionKeys<'_>,
     expired: Vec<Expired>,
-    open: &Open,
-    active_from: Option<u64>,
+    at: &Planned,
     b: &mut Batch,
 ) -> Result<Deleted, StoreError> {
+    let (open, active_from) = (&*at.open, at.active_from);
     let mut gone: HashSet<String> = HashSet::new();
     let mut statuses = Vec::new();
     let mut folded_invs: HashSet<String> = HashSet::new();
@@ -390,6 +448,7 @@ fn delete_turns(
         .partition(|t| left_to_window(t, open, active_from));
     let mut listed = list_keys(store, s, &deleted)?;
     let all_left = deleted.is_empty();
+    let any_left = !left.is_empty();
     for t in deleted.into_iter().chain(left) {
         b.delete(keys::finished(&t.turn_id));
         if t.folded.is_none() {
@@ -407,6 +466,12 @@ fn delete_turns(
             }
         }
         folded_invs.extend(t.folded.into_iter().flatten());
+        // Its earlier steps' and attempts' invocations (its last one is below).
+        for k in at.early.get(&t.turn_id).into_iter().flatten() {
+            if k.get(1..) != t.invocation_id.as_deref().map(str::as_bytes) {
+                b.delete(k.clone());
+            }
+        }
         if let Some(inv) = &t.invocation_id {
             if !folded_invs.contains(inv) {
                 b.delete(keys::invocation(inv));
@@ -420,6 +485,7 @@ fn delete_turns(
         statuses,
         folded: folded_invs,
         all_left,
+        any_left,
     })
 }
 
@@ -439,13 +505,16 @@ fn plan(
         statuses,
         folded,
         all_left,
-    } = delete_turns(store, s, expired, &at.open, at.active_from, &mut b)?;
+        any_left,
+    } = delete_turns(store, s, expired, at, &mut b)?;
     let read_all = total(&at.counts) <= gone.len() as u64;
     let mut all_values = read_all.then(Vec::new);
     // The turns' events are read out of stored values only when one of them is not
     // left to its window (or to forget the session); a turn that is has its events
     // passed over by reads once its record is gone (`Store::events`).
-    let mut pruned = all_left;
+    // The session's stored entries and events may name turns that are gone from now
+    // on (`store.check` reads it).
+    let mut pruned = any_left;
     if all_left && !read_all {
         return Ok(Plan {
             batch: b,
@@ -644,6 +713,11 @@ impl Engine {
         // while it deletes.
         let store = self.inner.store.clone();
         let open = Arc::new(off_runtime(move || Open::read(&store)).await?);
+        let store = self.inner.store.clone();
+        // Invocation ids carry the wall clock's time of their dispatch, and the
+        // engine's clock may have drifted from it since the start: the later bound.
+        let minted = windows::now_ms().saturating_sub(keep).max(cutoff);
+        let early = Arc::new(off_runtime(move || early_invocations(&store, minted)).await?);
         loop {
             let store = self.inner.store.clone();
             let (by_session, next) = off_runtime(move || gather(&store, from, cutoff)).await?;
@@ -668,8 +742,8 @@ impl Engine {
                 }
                 self.hold_back().await;
                 let engine = self.clone();
-                let open = open.clone();
-                running.spawn(async move { engine.expire(&sid, turns, cutoff, open).await });
+                let (open, early) = (open.clone(), early.clone());
+                running.spawn(async move { engine.expire(&sid, turns, cutoff, open, early).await });
             }
             while let Some(r) = running.join_next().await {
                 join(r);
@@ -681,6 +755,13 @@ impl Engine {
                 Some(n) => from = n,
                 None => break,
             }
+        }
+        // Invocations of turns that are gone by other ways (deleted key by key, whose
+        // events named them) or were left behind: deleted when still there.
+        let store = self.inner.store.clone();
+        let stale = off_runtime(move || stale_invocations(&store, &early)).await?;
+        if !stale.is_empty() {
+            self.inner.store.commit(stale).await?;
         }
         let store = self.inner.store.clone();
         for start in off_runtime(move || empty_windows(&store, windows::now_ms())).await? {
@@ -757,6 +838,7 @@ impl Engine {
         expired: Vec<Expired>,
         cutoff: u64,
         open: Arc<Open>,
+        early: Arc<Early>,
     ) -> Result<u64, StoreError> {
         let _hold = MergeHold::new(self.inner.store.kv(), sid);
         let cell = self.cell(sid);
@@ -767,6 +849,7 @@ impl Engine {
                 counts: m.counts.clone(),
                 active_from: m.active_from,
                 open,
+                early,
             };
             (m.last_event_seq, at, m.routed_from_ms)
         };

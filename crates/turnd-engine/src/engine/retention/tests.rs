@@ -306,6 +306,7 @@ async fn a_sweep_deletes_only_keys_that_are_there() {
         counts: meta.counts.clone(),
         active_from: meta.active_from,
         open: Arc::new(Open::read(store).expect("windows")),
+        early: Arc::new(early_invocations(store, cutoff).expect("invocations")),
     };
     let planned = plan(store, meta.keys(), expired, cutoff, &at).expect("plan");
     let kv = store.kv();
@@ -716,5 +717,81 @@ async fn a_window_drop_keeps_the_events_of_an_older_turn_still_stored() {
         "X's events before the drop {x_events:?}, after {kept:?}"
     );
     assert_eq!(listed(&e, "s").await, std::slice::from_ref(&x.turn_id));
+    checked(&e);
+}
+
+/// A finished turn's last invocation is folded into its record; its earlier steps'
+/// invocations stay under their own keys. A turn whose events are not read (left to
+/// its window) still has them deleted with it, found by their ids' dispatch time.
+#[tokio::test(start_paused = true)]
+async fn an_expired_turns_earlier_invocations_go_with_it() {
+    use turnd_proto::{Outcome, ResultArgs};
+    // Kept 300 ms: the invocation ids' time is the wall clock's, which the test
+    // moves past the cutoff as well as tokio's.
+    const KEEP_MS: u64 = 300;
+    let kv = Arc::new(turnd_store::mem::MemKv::with_windows(
+        turnd_store::WindowOptions {
+            window_ms: WINDOW_MS,
+            window_bytes: u64::MAX,
+        },
+    ));
+    let cfg = EngineConfig {
+        retention_terminal_ms: KEEP_MS,
+        retention_sweep_interval_ms: 3_600_000,
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(Store::new(kv.clone()), cfg)
+        .await
+        .expect("open");
+    let first = e.submit(submit("p", None)).await.expect("submit").turn;
+    e.stop_turn(&first.turn_id, None).await.expect("stop");
+    let (mut rx, worker) = worker(&e).await;
+    wall(WINDOW_MS + WINDOW_MS / 2);
+    // Two steps: the first one's invocation continues the turn.
+    let t = e.submit(submit("s", None)).await.expect("submit").turn;
+    let step1 = next_invocation(&mut rx).await;
+    e.result(
+        &worker,
+        ResultArgs {
+            invocation_id: step1.clone(),
+            outcome: Outcome::Continue(json!({"step": 1})),
+        },
+    )
+    .await
+    .expect("continue");
+    let step2 = next_invocation(&mut rx).await;
+    complete(&e, &worker, step2, 2).await;
+    // The session goes on (a session left with no turn is forgotten, every event of
+    // it read).
+    e.submit(submit("s", None)).await.expect("submit");
+    assert!(
+        kv.get(&keys::invocation(&step1)).expect("read").is_some(),
+        "the first step's invocation is under its own key"
+    );
+    assert!(window_of(&kv.windows().expect("windows"), &t.turn_id).is_some());
+
+    wall(KEEP_MS + 50);
+    tokio::time::advance(Duration::from_millis(KEEP_MS + 50)).await;
+    assert_eq!(
+        e.sweep().await.expect("sweep"),
+        2,
+        "the turn and the first one"
+    );
+    assert!(e.inner.store.turn(&t.turn_id).expect("read").is_none());
+    let (is, ie) = keys::invocation_range();
+    let left: Vec<String> = kv
+        .scan(&is, &ie, false, usize::MAX)
+        .expect("scan")
+        .into_iter()
+        .map(|(_, v)| {
+            let inv: turnd_store::InvocationRecord = serde_json::from_slice(&v).expect("JSON");
+            inv.turn_id
+        })
+        .collect();
+    assert!(
+        !left.contains(&t.turn_id),
+        "an invocation record of the deleted turn is left: {left:?}"
+    );
+    assert_eq!(left.len(), 1, "the next turn's, running");
     checked(&e);
 }
