@@ -463,7 +463,7 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
 /// Whether a key of a session's turn list or events may name a turn that is gone:
 /// retention deleted turns of the session (`events_pruned`) and leaves their list
 /// entries and event values in their time window to the window's drop
-/// (`engine/retention.rs`), which takes them. (A replay after a crash that finds the
+/// (`engine/retention/plan.rs`), which takes them. (A replay after a crash that finds the
 /// drop durable but not the mark after it writes such keys of the log to the main
 /// database, where they stay, passed over by reads: so the key's window may be
 /// dropped.)

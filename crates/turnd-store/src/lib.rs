@@ -742,7 +742,7 @@ impl Store {
     /// Events of a session with `seq > after`, ascending, at most `limit`: those of
     /// its stored turns (and of no turn). Retention deletes an expired turn's record
     /// and leaves the event values in time windows to the window's drop
-    /// (`engine/retention.rs`), so the events of a turn that is gone are passed over
+    /// (`engine/retention/plan.rs`), so the events of a turn that is gone are passed over
     /// here.
     pub fn events(
         &self,

@@ -1,9 +1,13 @@
 //! Retention on the in-memory store: sweeps, forgetting, window drops.
 
+use super::drops::MINT_MARGIN_MS;
 use super::*;
 use crate::config::EngineConfig;
 use serde_json::json;
+use std::collections::HashMap;
+use turnd_proto::EventKind;
 use turnd_proto::{ListArgs, SubmitArgs, TurnStatus};
+use turnd_store::Batch;
 use turnd_store::Kv;
 
 fn submit(session: &str, key: Option<&str>) -> SubmitArgs {

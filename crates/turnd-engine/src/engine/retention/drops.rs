@@ -1,0 +1,110 @@
+//! The windows a sweep drops whole, and the event values it writes out of a window
+//! before that (see the parent module's doc).
+
+use std::collections::HashMap;
+
+use turnd_store::{windows, Batch, Store, StoreError, WindowInfo};
+
+/// How long after a window's end turn ids may still be minted in it and not yet be
+/// stored (an admission in progress); such a turn, should it finish after its
+/// window was dropped, is stored in the main database instead, so this only keeps
+/// that rare case rarer.
+pub(super) const MINT_MARGIN_MS: u64 = 1_000;
+
+/// The windows that can be dropped whole: not the newest (which takes new turns),
+/// ended more than [`MINT_MARGIN_MS`] ago by the wall clock that mints turn ids, with
+/// no folded record left (every turn of it expired and deleted) and no unfinished
+/// turn minted in it.
+pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, StoreError> {
+    let kv = store.kv();
+    let mut out = Vec::new();
+    for w in kv.windows()? {
+        let Some(end) = w.end_ms else { continue };
+        if w.dropped || end.saturating_add(MINT_MARGIN_MS) > wall_ms {
+            continue;
+        }
+        let (fs, fe) = windows::finished_key_range(w.start_ms, Some(end));
+        let (ts, te) = windows::turn_key_range(w.start_ms, Some(end));
+        // Unfinished turns first: a turn that finishes between the two reads moves from
+        // the second range into the first, and is seen there. (One that finishes after
+        // them is moved to the main database when the drop is taken.)
+        if kv.scan(&ts, &te, false, 1)?.is_empty() && kv.scan(&fs, &fe, false, 1)?.is_empty() {
+            out.push(w.start_ms);
+        }
+    }
+    Ok(out)
+}
+
+/// Event values read per page of a window's rescue.
+pub(super) const RESCUE_PAGE: usize = 512;
+
+/// The writes that keep, before the window starting at `start` is dropped, the events
+/// it holds of turns still stored. An event value is stored in the window of the
+/// newest turn among its events, and retention leaves a deleted turn's values to its
+/// window's drop; so a value of a turn the window is dropped for can also hold events
+/// of an older turn, of an older window, that is still stored (one that was running
+/// while the newer one was queued, and ended after it). Such a value is written again
+/// with those events only, routed by the newest of their turns, out of this window.
+/// The window holds no stored turn of its own by now ([`empty_windows`]), so every
+/// value in it holds events of turns that are gone.
+pub(super) fn rescue(store: &Store, start: u64) -> Result<Batch, StoreError> {
+    let mut b = Batch::new();
+    let mut stored: HashMap<String, bool> = HashMap::new();
+    let (mut from, end) = (vec![b'E'], vec![b'E' + 1]);
+    loop {
+        let page = store.kv().scan_window(start, &from, &end, RESCUE_PAGE)?;
+        for (_, v) in &page {
+            let mut kept = Vec::new();
+            for e in turnd_store::event_value(v)? {
+                let keep = match stored.get(&e.turn_id) {
+                    Some(k) => *k,
+                    None => {
+                        let k = store.turn_exists(&e.turn_id)?;
+                        stored.insert(e.turn_id.clone(), k);
+                        k
+                    }
+                };
+                if keep {
+                    kept.push(e);
+                }
+            }
+            b.put_events_in(&kept, true);
+        }
+        if page.len() < RESCUE_PAGE {
+            return Ok(b);
+        }
+        match page.last() {
+            Some((k, _)) => {
+                from = k.clone();
+                from.push(0);
+            }
+            None => return Ok(b),
+        }
+    }
+}
+
+/// The open time windows: what a window's drop will take.
+pub(super) struct Open(pub(super) Vec<WindowInfo>);
+
+impl Open {
+    pub(super) fn read(store: &Store) -> Result<Open, StoreError> {
+        Ok(Open(
+            store
+                .kv()
+                .windows()?
+                .into_iter()
+                .filter(|w| !w.dropped)
+                .collect(),
+        ))
+    }
+
+    /// Whether the keys routed at `ms` are in an open window (a turn's folded record,
+    /// list entry and idempotency key by its id's time).
+    pub(super) fn holds(&self, ms: Option<u64>) -> bool {
+        ms.is_some_and(|ms| {
+            self.0
+                .iter()
+                .any(|w| w.start_ms <= ms && w.end_ms.is_none_or(|e| ms < e))
+        })
+    }
+}
