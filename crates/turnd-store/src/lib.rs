@@ -454,20 +454,20 @@ pub trait Kv: Send + Sync + 'static {
         let Some(w) = wins.iter().find(|w| w.start_ms == window_start) else {
             return Ok(Vec::new());
         };
-        let inside = |k: &[u8]| {
-            windows::routed_ms(k)
-                .is_some_and(|ms| ms >= w.start_ms && w.end_ms.is_none_or(|e| ms < e))
-        };
+        let page_size = limit.max(64);
         let mut out = Vec::new();
         let mut from = start.to_vec();
         while out.len() < limit {
-            let page = self.scan(&from, end, false, limit.max(64))?;
-            let Some(next) = next_page(&page, limit.max(64)) else {
-                out.extend(page.into_iter().filter(|(k, _)| inside(k)));
-                break;
-            };
-            out.extend(page.into_iter().filter(|(k, _)| inside(k)));
-            from = next;
+            let page = self.scan(&from, end, false, page_size)?;
+            let next = next_page(&page, page_size);
+            out.extend(
+                page.into_iter()
+                    .filter(|(k, _)| windows::routed_ms(k).is_some_and(|ms| w.holds(ms))),
+            );
+            match next {
+                Some(n) => from = n,
+                None => break,
+            }
         }
         out.truncate(limit);
         Ok(out)
@@ -667,6 +667,25 @@ impl Store {
             || self.kv.get(&keys::finished(turn_id))?.is_some())
     }
 
+    /// [`Store::turn_exists`], remembered in `known` for the turns already asked
+    /// about (reads that meet a turn's events many times ask once). An empty turn id
+    /// (an event of no turn) counts as stored.
+    pub fn turn_stored(
+        &self,
+        turn_id: &str,
+        known: &mut HashMap<String, bool>,
+    ) -> Result<bool, StoreError> {
+        if turn_id.is_empty() {
+            return Ok(true);
+        }
+        if let Some(k) = known.get(turn_id) {
+            return Ok(*k);
+        }
+        let k = self.turn_exists(turn_id)?;
+        known.insert(turn_id.to_string(), k);
+        Ok(k)
+    }
+
     /// A whole turn, finished (folded) or not. Its own keys are read first, as in
     /// [`Store::turn_record`]; an input stored apart that is gone by the time it is
     /// read means the turn finished meanwhile, and its folded record has it.
@@ -760,15 +779,7 @@ impl Store {
             };
             let full = page.len() == want;
             for e in page {
-                let keep = match stored.get(&e.turn_id) {
-                    Some(k) => *k,
-                    None => {
-                        let k = e.turn_id.is_empty() || self.turn_exists(&e.turn_id)?;
-                        stored.insert(e.turn_id.clone(), k);
-                        k
-                    }
-                };
-                if keep {
+                if self.turn_stored(&e.turn_id, &mut stored)? {
                     out.push(e);
                 }
             }

@@ -104,12 +104,7 @@ impl State {
                 .collect())
         };
         let decode = |v: &[u8]| Ok(v.to_vec());
-        let end = table
-            .slots
-            .range(start.saturating_add(1)..)
-            .next()
-            .map(|(k, _)| *k);
-        let (ts, te) = windows::turn_key_range(start, end);
+        let (ts, te) = windows::turn_key_range(start, table.end_of(start));
         let unfinished: Vec<crate::TurnRecord> = map
             .range(ts..te)
             .filter_map(|(_, v)| serde_json::from_slice(v).ok())

@@ -82,6 +82,14 @@ pub struct WindowInfo {
     pub dropped: bool,
 }
 
+impl WindowInfo {
+    /// Whether the time `ms` falls in this window (keys routed at `ms` are stored in
+    /// it while it is open).
+    pub fn holds(&self, ms: u64) -> bool {
+        self.start_ms <= ms && self.end_ms.is_none_or(|e| ms < e)
+    }
+}
+
 /// Wall clock, Unix milliseconds.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -252,6 +260,15 @@ impl Table {
     pub fn start_of(&self, key: &[u8]) -> Option<u64> {
         let ms = routed_ms(key)?;
         self.slots.range(..=ms).next_back().map(|(s, _)| *s)
+    }
+
+    /// The end of the window starting at `start`: the next one's start (None: the
+    /// newest, or not a window).
+    pub fn end_of(&self, start: u64) -> Option<u64> {
+        self.slots
+            .range(start.saturating_add(1)..)
+            .next()
+            .map(|(k, _)| *k)
     }
 
     /// The newest window's start.

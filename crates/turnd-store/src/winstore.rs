@@ -426,12 +426,7 @@ impl Windows {
     /// The end of the window starting at `start` (the next one's start; None: the
     /// newest, or not a window).
     pub(crate) fn end_of(&self, start: u64) -> Option<u64> {
-        let s = self.state.read().ok()?;
-        s.table
-            .slots
-            .range(start.saturating_add(1)..)
-            .next()
-            .map(|(k, _)| *k)
+        self.state.read().ok()?.table.end_of(start)
     }
 
     pub(crate) fn list(&self) -> Vec<WindowInfo> {

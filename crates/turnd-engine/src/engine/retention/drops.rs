@@ -56,15 +56,7 @@ pub(super) fn rescue(store: &Store, start: u64) -> Result<Batch, StoreError> {
         for (_, v) in &page {
             let mut kept = Vec::new();
             for e in turnd_store::event_value(v)? {
-                let keep = match stored.get(&e.turn_id) {
-                    Some(k) => *k,
-                    None => {
-                        let k = store.turn_exists(&e.turn_id)?;
-                        stored.insert(e.turn_id.clone(), k);
-                        k
-                    }
-                };
-                if keep {
+                if store.turn_stored(&e.turn_id, &mut stored)? {
                     kept.push(e);
                 }
             }
@@ -101,10 +93,6 @@ impl Open {
     /// Whether the keys routed at `ms` are in an open window (a turn's folded record,
     /// list entry and idempotency key by its id's time).
     pub(super) fn holds(&self, ms: Option<u64>) -> bool {
-        ms.is_some_and(|ms| {
-            self.0
-                .iter()
-                .any(|w| w.start_ms <= ms && w.end_ms.is_none_or(|e| ms < e))
-        })
+        ms.is_some_and(|ms| self.0.iter().any(|w| w.holds(ms)))
     }
 }

@@ -316,18 +316,12 @@ pub(super) fn prune_events(
     // Events: up to the first value written after the cutoff (all of them when the
     // session is expected to be forgotten).
     let mut exists: HashMap<String, bool> = HashMap::new();
+    // A turn that still has its record remains (unfinished turns have theirs from
+    // admission on); one without is gone since an earlier sweep.
     let mut is_gone = |e: &Event| -> Result<bool, StoreError> {
-        if gone.contains(&e.turn_id) {
-            return Ok(true);
-        }
-        if let Some(known) = exists.get(&e.turn_id) {
-            return Ok(!known);
-        }
-        // A turn that still has its record remains (unfinished turns have theirs
-        // from admission on); one without is gone since an earlier sweep.
-        let found = store.turn_exists(&e.turn_id)?;
-        exists.insert(e.turn_id.clone(), found);
-        Ok(!found)
+        Ok(gone.contains(&e.turn_id)
+            || e.turn_id.is_empty()
+            || !store.turn_stored(&e.turn_id, &mut exists)?)
     };
     let mut pruned = false;
     let mut from: Option<Vec<u8>> = None;

@@ -58,6 +58,14 @@ async fn windowed_by(window_ms: u64) -> (Arc<turnd_store::mem::MemKv>, Engine) {
     (kv, e)
 }
 
+/// The first window, made by a turn of session `p` that ends at once (stopped while
+/// queued, before there is a worker), and then the worker.
+async fn first_window(e: &Engine) -> (tokio::sync::mpsc::Receiver<String>, crate::Caller) {
+    let first = e.submit(submit("p", None)).await.expect("submit").turn;
+    e.stop_turn(&first.turn_id, None).await.expect("stop");
+    worker(e).await
+}
+
 /// Sleep by the wall clock (which switches the windows).
 fn wall(ms: u64) {
     std::thread::sleep(Duration::from_millis(ms));
@@ -345,9 +353,7 @@ async fn a_window_drop_takes_only_what_belongs_to_its_deleted_turns() {
     let (kv, e) = windowed().await;
     // The first window, made by a turn that ends at once (stopped while queued, before
     // there is a worker).
-    let first = e.submit(submit("p", None)).await.expect("submit").turn;
-    e.stop_turn(&first.turn_id, None).await.expect("stop");
-    let (mut rx, worker) = worker(&e).await;
+    let (mut rx, worker) = first_window(&e).await;
     wall(WINDOW_MS + WINDOW_MS / 2);
     let x = e
         .submit(submit("s", Some("kx")))
@@ -585,9 +591,7 @@ async fn an_expired_turns_entry_and_events_are_left_to_its_window_and_hidden() {
     // The first window, made by a turn minted before it; A and B are minted in it
     // (a window is made when a turn is admitted and the newest is older than
     // WINDOW_MS).
-    let first = e.submit(submit("p", None)).await.expect("submit").turn;
-    e.stop_turn(&first.turn_id, None).await.expect("stop");
-    let (mut rx, worker) = worker(&e).await;
+    let (mut rx, worker) = first_window(&e).await;
     // The window starts a millisecond after the admission that made it.
     wall(5);
     // A ends; B, after it in the same window, is still running at the sweep.
@@ -649,9 +653,7 @@ async fn an_expired_turns_entry_and_events_are_left_to_its_window_and_hidden() {
 #[tokio::test(start_paused = true)]
 async fn a_window_drop_keeps_the_events_of_an_older_turn_still_stored() {
     let (kv, e) = windowed().await;
-    let first = e.submit(submit("p", None)).await.expect("submit").turn;
-    e.stop_turn(&first.turn_id, None).await.expect("stop");
-    let (mut rx, worker) = worker(&e).await;
+    let (mut rx, worker) = first_window(&e).await;
     wall(WINDOW_MS + WINDOW_MS / 2);
     // X runs in the first window; Y, queued behind it in the next, is cancelled.
     let x = e.submit(submit("s", None)).await.expect("submit").turn;
@@ -683,13 +685,16 @@ async fn a_window_drop_keeps_the_events_of_an_older_turn_still_stored() {
     let (k1, v1) = values[j - 1].clone();
     let (k2, v2) = values[j].clone();
     assert!(v1.iter().all(|ev| ev.turn_id == x.turn_id), "{v1:?}");
-    let x_events: Vec<u64> = store
-        .events(meta.keys(), 0, usize::MAX)
-        .expect("events")
-        .into_iter()
-        .filter(|ev| ev.turn_id == x.turn_id)
-        .map(|ev| ev.seq)
-        .collect();
+    let seqs_of = |turn_id: &str| -> Vec<u64> {
+        store
+            .events(meta.keys(), 0, usize::MAX)
+            .expect("events")
+            .into_iter()
+            .filter(|ev| ev.turn_id == turn_id)
+            .map(|ev| ev.seq)
+            .collect()
+    };
+    let x_events = seqs_of(&x.turn_id);
     let mut b = Batch::new();
     b.delete(k1);
     b.delete(k2);
@@ -709,13 +714,7 @@ async fn a_window_drop_keeps_the_events_of_an_older_turn_still_stored() {
         .into_iter()
         .any(|w| Some(w.start_ms) == w_y && w.dropped);
     assert!(dropped, "Y's window goes with Y");
-    let kept: Vec<u64> = store
-        .events(meta.keys(), 0, usize::MAX)
-        .expect("events")
-        .into_iter()
-        .filter(|ev| ev.turn_id == x.turn_id)
-        .map(|ev| ev.seq)
-        .collect();
+    let kept = seqs_of(&x.turn_id);
     assert!(
         x_events.iter().all(|s| kept.contains(s)),
         "X's events before the drop {x_events:?}, after {kept:?}"
@@ -747,9 +746,7 @@ async fn an_expired_turns_earlier_invocations_go_with_it() {
     let e = Engine::open(Store::new(kv.clone()), cfg)
         .await
         .expect("open");
-    let first = e.submit(submit("p", None)).await.expect("submit").turn;
-    e.stop_turn(&first.turn_id, None).await.expect("stop");
-    let (mut rx, worker) = worker(&e).await;
+    let (mut rx, worker) = first_window(&e).await;
     wall(WINDOW_MS + WINDOW_MS / 2);
     // Two steps: the first one's invocation continues the turn.
     let t = e.submit(submit("s", None)).await.expect("submit").turn;
