@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use turnd_client::turnd_proto::TurnStatus;
+use turnd_client::Caller;
 
 use crate::daemon::{callers, close_callers, Workers, ECHO};
 use crate::measure::{command_line, http_get, Latencies};
@@ -56,6 +57,36 @@ pub struct SoakArgs {
     /// More environment for the daemon, KEY=VALUE (e.g. TURND_STORAGE__CHECKPOINT_MB=0).
     #[arg(long = "env", value_parser = key_value)]
     pub env: Vec<(String, String)>,
+    /// From the middle of the run on, read the first 100 events of session `soak-0`
+    /// from `seq` 0 (`session.events`) on a connection of its own every this many
+    /// milliseconds, and print how long the calls took (0: no such reads).
+    #[arg(long, default_value_t = 0)]
+    pub read_events_every_ms: u64,
+}
+
+/// `--read-events-every-ms`: the calls' durations, each timed from send to answer.
+async fn read_events(
+    url: String,
+    every: Duration,
+    from: Instant,
+    end: Instant,
+) -> (Option<f64>, Latencies) {
+    let mut first = None;
+    let mut took = Latencies::default();
+    tokio::time::sleep_until(from.into()).await;
+    let Ok(c) = Caller::connect(&url, None).await else {
+        return (first, took);
+    };
+    while Instant::now() + every < end {
+        let t0 = Instant::now();
+        if c.events("soak-0", Some(0), Some(100)).await.is_err() {
+            break;
+        }
+        first.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
+        took.push(t0.elapsed());
+        tokio::time::sleep(every).await;
+    }
+    (first, took)
 }
 
 /// `KEY=VALUE` of `--env`.
@@ -213,6 +244,14 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             Ok::<(), anyhow::Error>(())
         });
     }
+    let reads = (a.read_events_every_ms > 0).then(|| {
+        tokio::spawn(read_events(
+            d.url.clone(),
+            Duration::from_millis(a.read_events_every_ms),
+            start + Duration::from_secs(a.seconds / 2),
+            end,
+        ))
+    });
     // Marks: disk and RSS every `mark_every` seconds.
     let mut marks = Vec::new();
     let mut next_mark = start + Duration::from_secs(a.mark_every.max(1));
@@ -234,6 +273,10 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         r.context("session task")??;
     }
     let wall = start.elapsed();
+    let reads = match reads {
+        Some(r) => Some(r.await.context("events reads")?),
+        None => None,
+    };
     let disk_end = disk_bytes(&data);
     let rss_end = rss_kb(d.pid);
     close_callers(cs).await;
@@ -293,6 +336,18 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         disk_end as f64 / n.max(1) as f64,
         rss_end.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0))
     );
+    if let Some((first, mut took)) = reads {
+        println!(
+            "session.events of soak-0 from seq 0, limit 100, every {} ms from second {}: {} calls · first {} ms · median {} ms · p90 {} ms · max {} ms",
+            a.read_events_every_ms,
+            a.seconds / 2,
+            took.len(),
+            ms(first),
+            ms(took.pct_ms(0.50)),
+            ms(took.pct_ms(0.90)),
+            ms(took.pct_ms(1.0)),
+        );
+    }
     for (s, done, (main, windows, wal), rss, m) in marks {
         println!(
             "  mark {s:>4} s: {done:>8} turns · disk {:>8.1} MB (main {:.1} · windows {:.1} · log {:.1}) · RSS {} MB · {m}",
