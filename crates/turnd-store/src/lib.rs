@@ -11,6 +11,7 @@
 
 pub mod check;
 pub mod faulty;
+mod hidden;
 pub mod keys;
 pub mod logged;
 pub mod mem;
@@ -592,6 +593,8 @@ impl SessionMeta {
 #[derive(Clone)]
 pub struct Store {
     kv: Arc<dyn Kv>,
+    /// Where reads found each session's visible events to start ([`hidden`]).
+    marks: Arc<hidden::Marks>,
 }
 
 fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, StoreError> {
@@ -609,7 +612,10 @@ pub fn event_value(v: &[u8]) -> Result<Vec<Event>, StoreError> {
 
 impl Store {
     pub fn new(kv: Arc<dyn Kv>) -> Self {
-        Store { kv }
+        Store {
+            kv,
+            marks: Arc::default(),
+        }
     }
 
     pub fn kv(&self) -> &Arc<dyn Kv> {
@@ -766,9 +772,18 @@ impl Store {
     pub fn events(
         &self,
         s: SessionKeys<'_>,
-        mut after: u64,
+        after: u64,
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
+        // Events up to the session's mark are all hidden ([`hidden`]); a read that
+        // starts at or before it goes on the mark from there while it meets only
+        // hidden events.
+        let start = self.marks.start(s.id);
+        let mut after = after;
+        // The end of the run of hidden events from the mark on, while it lasts.
+        let mut hidden_to = start.mark;
+        let mut in_run = after <= start.mark;
+        after = after.max(start.mark);
         let mut out = Vec::new();
         let mut stored: HashMap<String, bool> = HashMap::new();
         while out.len() < limit {
@@ -780,7 +795,10 @@ impl Store {
             let full = page.len() == want;
             for e in page {
                 if self.turn_stored(&e.turn_id, &mut stored)? {
+                    in_run = false;
                     out.push(e);
+                } else if in_run {
+                    hidden_to = e.seq;
                 }
             }
             if !full {
@@ -788,7 +806,16 @@ impl Store {
             }
             after = last;
         }
+        if hidden_to > start.mark {
+            self.marks.record(s.id, start, hidden_to);
+        }
         Ok(out)
+    }
+
+    /// The session was forgotten, and the batch that forgot it is committed: it may
+    /// be used again from `seq` 1, so what reads remembered of its events goes.
+    pub fn forgot_session(&self, session_id: &str) {
+        self.marks.forgot(session_id);
     }
 
     /// Events of a session with `seq > after` as stored, ascending, at most `limit`:
@@ -1146,6 +1173,71 @@ mod tests {
         assert!(seqs(3, 0).is_empty());
         let all = store.stored_events(at, 0, usize::MAX).expect("events");
         assert_eq!(all[2], ev(3), "an event inside a group reads back whole");
+    }
+
+    /// A read that meets only events of turns that are gone before the first visible
+    /// one remembers where they end; later reads start there, and still see every
+    /// visible event. A forgotten session's mark goes with it.
+    #[tokio::test]
+    async fn reads_remember_where_a_sessions_visible_events_start() {
+        let kv = Arc::new(mem::MemKv::new());
+        let store = Store::new(kv.clone());
+        let kept = turn("s", 1, turnd_proto::TurnStatus::Completed);
+        let of = |seq: u64, turn_id: String| Event { turn_id, ..ev(seq) };
+        // Events 1 ..= 40 of turns that are gone, 41 ..= 50 of the kept turn, 51 of a
+        // gone turn again, 52 of the kept one.
+        let mut b = Batch::new();
+        b.put_turn(&kept);
+        let events: Vec<Event> = (1..=52)
+            .map(|seq| match seq {
+                41..=50 | 52 => of(seq, kept.turn_id.clone()),
+                _ => of(seq, format!("gone-{seq}")),
+            })
+            .collect();
+        b.put_events(&events);
+        store.commit(b).await.expect("commit");
+        let at = SessionKeys {
+            id: "s",
+            from_ms: None,
+        };
+        let seqs = |after, limit| -> Vec<u64> {
+            store
+                .events(at, after, limit)
+                .expect("events")
+                .iter()
+                .map(|e| e.seq)
+                .collect()
+        };
+        let visible: Vec<u64> = (41..=50).chain([52]).collect();
+        assert_eq!(store.marks.start("s").mark, 0);
+        assert_eq!(seqs(0, usize::MAX), visible);
+        assert_eq!(store.marks.start("s").mark, 40, "the hidden run before 41");
+        // From the mark on, with every limit and from before, at and after it.
+        for after in [0, 39, 40, 41, 45, 50, 51] {
+            for limit in [1, 2, 10, 11, usize::MAX] {
+                let want: Vec<u64> = visible
+                    .iter()
+                    .copied()
+                    .filter(|s| *s > after)
+                    .take(limit)
+                    .collect();
+                assert_eq!(seqs(after, limit), want, "after {after}, limit {limit}");
+            }
+        }
+        assert_eq!(
+            store.marks.start("s").mark,
+            40,
+            "51 is after a visible event"
+        );
+        // The mark is where reads start: an event at or before it is not read again.
+        let mut b = Batch::new();
+        b.put_turn(&turn("s", 2, turnd_proto::TurnStatus::Completed));
+        b.put_events(&[of(3, "t-s-2".into())]);
+        store.commit(b).await.expect("commit");
+        assert_eq!(seqs(0, 1), [41]);
+        // Forgotten: the session's events may start again from 1.
+        store.forgot_session("s");
+        assert_eq!(seqs(0, 1), [3]);
     }
 
     fn turn(sid: &str, seq: u64, status: turnd_proto::TurnStatus) -> TurnRecord {

@@ -347,6 +347,8 @@ impl Engine {
             .fetch_add(gone.len() as u64, std::sync::atomic::Ordering::Relaxed);
 
         if forget {
+            // Before the lock goes: a new turn of the session starts at `seq` 1.
+            self.inner.store.forgot_session(sid);
             st.meta = SessionMeta::new(sid);
         } else {
             st.meta.counts = counts;

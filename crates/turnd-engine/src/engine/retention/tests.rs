@@ -642,6 +642,16 @@ async fn an_expired_turns_entry_and_events_are_left_to_its_window_and_hidden() {
     assert_eq!(stored_entries(&kv, "s"), Vec::<String>::new());
     assert!(kv.windows().expect("windows").iter().all(|w| !w.dropped));
     checked(&e);
+
+    // Used again, the session starts from `seq` 1: that the reads above passed over
+    // A's events (seq 1 on) does not hide the new turn's.
+    let c = e.submit(submit("s", None)).await.expect("submit").turn;
+    assert_eq!(c.seq, 1);
+    let shown = event_turns(&e, "s").await;
+    assert!(
+        !shown.is_empty() && shown.iter().all(|t| *t == c.turn_id),
+        "{shown:?}"
+    );
 }
 
 /// An event value is stored in the window of the newest turn among its events, and
