@@ -118,6 +118,12 @@ impl Lists {
         self.by_id.remove(id);
     }
 
+    /// A listed session's wait started at another time.
+    fn move_wait(&mut self, from_ms: u64, to_ms: u64, id: &Arc<str>) {
+        self.by_wait.remove(&(from_ms, id.clone()));
+        self.by_wait.insert((to_ms, id.clone()));
+    }
+
     fn len(&self) -> u64 {
         self.by_id.len() as u64
     }
@@ -164,43 +170,33 @@ static EMPTY: Lists = Lists {
 impl WaitIndex {
     /// Record a session's lock holder wait (`None`: no unfinished turn).
     pub(super) fn set(&mut self, session_id: &str, entry: Option<WaitEntry>) {
-        let old = self.entries.get_key_value(session_id);
-        match (&old, &entry) {
-            (None, None) => return,
-            (Some((_, o)), Some(e)) if o.same(e) => return,
-            _ => {}
-        }
-        let id: Arc<str> = match old {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(session_id),
+        let Some((id, old)) = self.entries.get_key_value(session_id) else {
+            if let Some(e) = entry {
+                self.insert(Arc::from(session_id), &e);
+            }
+            return;
         };
-        if let Some(o) = self.entries.remove(session_id) {
-            self.all.remove(o.since_ms, &id);
-            if let Some(l) = self.by_state.get_mut(&o.state) {
-                l.remove(o.since_ms, &id);
-            }
-            if let Some(l) = self.by_function.get_mut(&*o.function_id) {
-                l.remove(o.since_ms, &id);
-                if l.by_id.is_empty() {
-                    self.by_function.remove(&*o.function_id);
-                }
-            }
-            if let Some(c) = self.function_counts.get_mut(&*o.function_id) {
-                if let Some(n) = c.get_mut(&o.state) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        c.remove(&o.state);
-                    }
-                }
-                if c.is_empty() {
-                    self.function_counts.remove(&*o.function_id);
-                }
-            }
-        }
         let Some(e) = entry else {
+            let id = id.clone();
+            self.remove(&id);
             crate::engine::shrink_after_burst(&mut self.entries);
             return;
         };
+        if old.same(&e) {
+            return;
+        }
+        let id = id.clone();
+        if *old.function_id != *e.function_id {
+            // Another function: every list but the overall one changes.
+            self.remove(&id);
+            self.insert(id, &e);
+            return;
+        }
+        self.update(&id, &e);
+    }
+
+    /// Add a session that has no entry.
+    fn insert(&mut self, id: Arc<str>, e: &WaitEntry) {
         let function_id: Arc<str> = match self.by_function.get_key_value(e.function_id) {
             Some((k, _)) => k.clone(),
             None => Arc::from(e.function_id),
@@ -230,6 +226,78 @@ impl WaitIndex {
                 stale_at_ms: e.stale_at_ms,
             },
         );
+    }
+
+    /// Take a session's entry out of every list.
+    fn remove(&mut self, id: &Arc<str>) {
+        let Some(o) = self.entries.remove(id) else {
+            return;
+        };
+        self.all.remove(o.since_ms, id);
+        if let Some(l) = self.by_state.get_mut(&o.state) {
+            l.remove(o.since_ms, id);
+        }
+        if let Some(l) = self.by_function.get_mut(&*o.function_id) {
+            l.remove(o.since_ms, id);
+            if l.by_id.is_empty() {
+                self.by_function.remove(&*o.function_id);
+            }
+        }
+        self.uncount(&o.function_id, o.state);
+    }
+
+    fn uncount(&mut self, function_id: &str, state: WaitState) {
+        if let Some(c) = self.function_counts.get_mut(function_id) {
+            if let Some(n) = c.get_mut(&state) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    c.remove(&state);
+                }
+            }
+            if c.is_empty() {
+                self.function_counts.remove(function_id);
+            }
+        }
+    }
+
+    /// A new wait of the same function: only what changed moves (the lists by id
+    /// of the overall and the function's sets stay as they are).
+    fn update(&mut self, id: &Arc<str>, e: &WaitEntry) {
+        let Some(o) = self.entries.get_mut(id) else {
+            return;
+        };
+        let (old_state, old_since) = (o.state, o.since_ms);
+        o.state = e.state;
+        o.since_ms = e.since_ms;
+        o.deadline_ms = e.deadline_ms;
+        o.stale_at_ms = e.stale_at_ms;
+        let function_id = o.function_id.clone();
+        if old_since != e.since_ms {
+            self.all.move_wait(old_since, e.since_ms, id);
+            if let Some(l) = self.by_function.get_mut(&function_id) {
+                l.move_wait(old_since, e.since_ms, id);
+            }
+        }
+        if old_state != e.state {
+            if let Some(l) = self.by_state.get_mut(&old_state) {
+                l.remove(old_since, id);
+            }
+            self.by_state
+                .entry(e.state)
+                .or_default()
+                .insert(e.since_ms, id);
+            self.uncount(&function_id, old_state);
+            *self
+                .function_counts
+                .entry(function_id)
+                .or_default()
+                .entry(e.state)
+                .or_insert(0) += 1;
+        } else if old_since != e.since_ms {
+            if let Some(l) = self.by_state.get_mut(&e.state) {
+                l.move_wait(old_since, e.since_ms, id);
+            }
+        }
     }
 
     /// Sessions in the index (sessions with an unfinished turn).
@@ -618,6 +686,94 @@ mod tests {
         assert!(!ix.by_function.contains_key("g"));
         assert!(!ix.function_counts.contains_key("g"));
         assert_eq!(ix.len(), 2);
+    }
+
+    /// Every list and count of an index, without the lists left empty.
+    #[allow(clippy::type_complexity)]
+    fn contents(
+        ix: &WaitIndex,
+    ) -> (
+        Vec<(u64, String)>,
+        Vec<(String, Vec<(u64, String)>, Vec<String>)>,
+        Vec<(String, Vec<(WaitState, u64)>)>,
+        Vec<(String, WaitState, u64, String)>,
+    ) {
+        let list = |l: &Lists| -> (Vec<(u64, String)>, Vec<String>) {
+            (
+                l.by_wait.iter().map(|(s, i)| (*s, i.to_string())).collect(),
+                l.by_id.iter().map(|i| i.to_string()).collect(),
+            )
+        };
+        let (all, all_ids) = list(&ix.all);
+        assert_eq!(all.len(), all_ids.len());
+        let mut lists: Vec<(String, Vec<(u64, String)>, Vec<String>)> = Vec::new();
+        for (k, l) in &ix.by_state {
+            let (w, i) = list(l);
+            if !i.is_empty() {
+                lists.push((format!("state {}", k.as_str()), w, i));
+            }
+        }
+        for (k, l) in &ix.by_function {
+            let (w, i) = list(l);
+            lists.push((format!("function {k}"), w, i));
+        }
+        lists.sort();
+        let mut counts: Vec<(String, Vec<(WaitState, u64)>)> = ix
+            .function_counts
+            .iter()
+            .map(|(f, c)| (f.to_string(), c.iter().map(|(s, n)| (*s, *n)).collect()))
+            .collect();
+        counts.sort();
+        let mut entries: Vec<(String, WaitState, u64, String)> = ix
+            .entries
+            .iter()
+            .map(|(i, e)| {
+                (
+                    i.to_string(),
+                    e.state,
+                    e.since_ms,
+                    e.function_id.to_string(),
+                )
+            })
+            .collect();
+        entries.sort();
+        (all, lists, counts, entries)
+    }
+
+    /// Entries set over and over (new waits, other states, other functions, ends)
+    /// leave the index as one made from the last entries alone.
+    #[test]
+    fn an_index_changed_in_place_equals_one_built_afresh() {
+        let functions = ["f", "g", "h"];
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % n
+        };
+        let mut ix = WaitIndex::default();
+        let mut last: HashMap<String, (WaitState, u64, &str)> = HashMap::new();
+        for step in 0..5_000 {
+            let sid = format!("s{}", next(12));
+            if next(6) == 0 {
+                ix.set(&sid, None);
+                last.remove(&sid);
+            } else {
+                let state = WaitState::ALL[next(WaitState::ALL.len() as u64) as usize];
+                // Few distinct times, so that some changes keep the time.
+                let since = next(4);
+                let spread = if next(5) == 0 { 3 } else { 1 };
+                let f = functions[next(spread) as usize];
+                ix.set(&sid, entry(state, since, f));
+                last.insert(sid, (state, since, f));
+            }
+            let mut fresh = WaitIndex::default();
+            for (sid, (state, since, f)) in &last {
+                fresh.set(sid, entry(*state, *since, f));
+            }
+            assert_eq!(contents(&ix), contents(&fresh), "after step {step}");
+        }
     }
 
     #[test]
