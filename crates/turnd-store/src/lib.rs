@@ -481,8 +481,8 @@ pub trait Kv: Send + Sync + 'static {
     fn commit_stats(&self) -> CommitStats {
         CommitStats::default()
     }
-    /// Whether the store is behind: commits would soon wait for it (the commit log's
-    /// keys not yet in sled fill over half their room). Background writers
+    /// Whether the store is behind: commits may come to wait for it (the commit
+    /// log's keys not yet in sled fill over a quarter of their room). Background writers
     /// (retention) hold back while it is, so that they do not push the commits of
     /// live work into that wait.
     fn busy(&self) -> bool {
