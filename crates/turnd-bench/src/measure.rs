@@ -225,6 +225,7 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
             .room_wait_micros
             .saturating_sub(before.room_wait_micros),
         overlay_keys: after.overlay_keys,
+        overlay_bytes: after.overlay_bytes,
         log_segments: after.log_segments,
         log_trims: after.log_trims.saturating_sub(before.log_trims),
         window_leftovers: after

@@ -435,6 +435,12 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "Keys committed to the commit log but not yet written to sled",
         cs.overlay_keys as i64,
     );
+    gauge(
+        reg,
+        "storage_unapplied_bytes",
+        "Bytes of the keys and values committed to the commit log but not yet written to sled",
+        cs.overlay_bytes as i64,
+    );
     counter(
         reg,
         "storage_log_trims",

@@ -98,6 +98,7 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
             window_bytes: cfg.storage.window_mb.saturating_mul(1024 * 1024),
         },
         idle_reopen: turnd_store::DEFAULT_IDLE_REOPEN,
+        overlay_bytes: turnd_store::DEFAULT_OVERLAY_BYTES,
     })
 }
 

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use check::check_store;
-pub use logged::{LoggedKv, LoggedOptions, Replayed, DEFAULT_IDLE_REOPEN};
+pub use logged::{LoggedKv, LoggedOptions, Replayed, DEFAULT_IDLE_REOPEN, DEFAULT_OVERLAY_BYTES};
 pub use records::*;
 pub use sled_kv::{SledKv, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
 pub use windows::{WindowInfo, WindowOptions};
@@ -550,6 +550,8 @@ pub struct CommitStats {
     pub room_wait_micros: u64,
     /// Keys committed but not yet in sled (a gauge).
     pub overlay_keys: u64,
+    /// Bytes of those keys and their values (a gauge).
+    pub overlay_bytes: u64,
     /// Files of the commit log (a gauge).
     pub log_segments: u64,
     /// Commit log segments deleted once sled held their records.

@@ -120,6 +120,9 @@ const MAX_OVERLAY_KEYS: usize = 64 * 1024;
 const EAGER_OVERLAY_KEYS: usize = 16 * 1024;
 const _: () = assert!(EAGER_OVERLAY_KEYS < MAX_OVERLAY_KEYS);
 
+/// Default of [`LoggedOptions::overlay_bytes`].
+pub const DEFAULT_OVERLAY_BYTES: usize = 256 * 1024 * 1024;
+
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;
 
@@ -153,6 +156,11 @@ pub struct LoggedOptions {
     /// again: sled writes its snapshot then (so a later start opens it fast), and the
     /// memory its cache and tables grew to in a burst goes back.
     pub idle_reopen: Duration,
+    /// Bytes of keys and values the overlay may hold before commits wait for the
+    /// applier, whatever the number of keys ([`MAX_OVERLAY_KEYS`]): large values
+    /// (inputs and outputs near the frame limit) would fill memory long before the
+    /// room in keys. A quarter of it counts as behind, as [`EAGER_OVERLAY_KEYS`].
+    pub overlay_bytes: usize,
 }
 
 /// Default of [`LoggedOptions::idle_reopen`].
@@ -168,6 +176,7 @@ impl Default for LoggedOptions {
             heal_interval: Duration::from_millis(DEFAULT_HEAL_INTERVAL_MS),
             windows: WindowOptions::default(),
             idle_reopen: DEFAULT_IDLE_REOPEN,
+            overlay_bytes: DEFAULT_OVERLAY_BYTES,
         }
     }
 }
@@ -195,9 +204,19 @@ struct Pending {
     pristine: bool,
 }
 
+/// What an overlay entry counts toward [`LoggedOptions::overlay_bytes`]: its key
+/// and value.
+fn weight(key: &[u8], value: &Value) -> usize {
+    key.len() + value.as_ref().map_or(0, |v| v.len())
+}
+
 #[derive(Default)]
 struct Overlay {
     map: BTreeMap<OKey, Pending>,
+    /// The [`weight`] of everything in `map`.
+    bytes: usize,
+    /// [`LoggedOptions::overlay_bytes`].
+    max_bytes: usize,
     /// The last lsn whose writes are in `map` (or in sled).
     committed: u64,
     /// When each group not yet settled was put in `map`, with its last lsn (oldest
@@ -208,6 +227,17 @@ struct Overlay {
 }
 
 impl Overlay {
+    /// Past the room: commits wait for the applier.
+    fn full(&self) -> bool {
+        self.map.len() > MAX_OVERLAY_KEYS || self.bytes > self.max_bytes
+    }
+
+    /// Past the eager share of the room: the applier takes everything at once, and
+    /// the store counts as behind.
+    fn behind(&self) -> bool {
+        self.map.len() > EAGER_OVERLAY_KEYS || self.bytes > self.max_bytes / 4
+    }
+
     /// The last lsn of the groups put in the overlay at least `delay` before `now`
     /// (all of them when `delay` is zero: the newest group's lsn is `committed`).
     fn settle(&mut self, now: Instant, delay: Duration) -> u64 {
@@ -654,6 +684,8 @@ impl LoggedKv {
             windows: wins,
             overlay: RwLock::new(Overlay {
                 map: BTreeMap::new(),
+                bytes: 0,
+                max_bytes: opts.overlay_bytes,
                 committed,
                 groups: Default::default(),
                 settled: committed,
@@ -744,6 +776,16 @@ impl LoggedKv {
     /// Keys written but not yet in sled.
     pub fn overlay_len(&self) -> usize {
         self.inner.overlay.read().map(|o| o.map.len()).unwrap_or(0)
+    }
+
+    /// Bytes of keys and values written but not yet in sled, as counted; checked
+    /// against the overlay's entries.
+    #[cfg(test)]
+    fn overlay_bytes(&self) -> usize {
+        let o = self.inner.overlay.read().expect("overlay");
+        let counted: usize = o.map.iter().map(|(k, p)| weight(k, &p.value)).sum();
+        assert_eq!(o.bytes, counted, "the overlay's bytes as counted");
+        o.bytes
     }
 }
 
@@ -847,13 +889,7 @@ fn wait_for_room(
     nudge: &mpsc::Sender<Ctl>,
     patience: Duration,
 ) -> Result<(), StoreError> {
-    let full = || {
-        inner
-            .overlay
-            .read()
-            .map(|o| o.map.len() > MAX_OVERLAY_KEYS)
-            .unwrap_or(false)
-    };
+    let full = || inner.overlay.read().map(|o| o.full()).unwrap_or(false);
     if !full() {
         return Ok(());
     }
@@ -1084,9 +1120,11 @@ fn committer_loop(
                         fresh: *created,
                         pristine: *created,
                     };
-                    match o.map.entry(std::mem::take(k)) {
+                    let added = weight(k, &pending.value);
+                    let removed = match o.map.entry(std::mem::take(k)) {
                         std::collections::btree_map::Entry::Vacant(e) => {
                             e.insert(pending);
+                            0
                         }
                         std::collections::btree_map::Entry::Occupied(mut e) => {
                             // Still only in the overlay if it was before (a put
@@ -1095,8 +1133,10 @@ fn committer_loop(
                             pending.fresh = e.get().fresh;
                             pending.pristine = false;
                             *value = std::mem::replace(e.get_mut(), pending).value;
+                            weight(e.key(), value)
                         }
-                    }
+                    };
+                    o.bytes = (o.bytes + added).saturating_sub(removed);
                 }
             }
             o.committed = first_lsn + jobs.len() as u64 - 1;
@@ -1330,7 +1370,9 @@ impl Applier<'_> {
                     .write()
                     .map_err(|_| lock_err("overlay"))?;
                 let held = self.inner.held_sessions();
-                if let Some(lsn) = drop_applied(&mut o.map, &slice, &runs, &held) {
+                let (stayed, freed) = drop_applied(&mut o.map, &slice, &runs, &held);
+                o.bytes = o.bytes.saturating_sub(freed);
+                if let Some(lsn) = stayed {
                     kept = Some(kept.map_or(lsn, |k: u64| k.min(lsn)));
                 }
             }
@@ -1528,13 +1570,19 @@ impl Applier<'_> {
                 .map_err(|_| lock_err("overlay"))?;
             for (k, (lsn, value)) in map {
                 // A key in the overlay already holds its newest value.
-                o.map.entry(OKey::from_vec(k)).or_insert(Pending {
-                    lsn,
-                    value,
-                    // sled may hold it: its delete is written, and it is in no run.
-                    fresh: false,
-                    pristine: false,
-                });
+                if let std::collections::btree_map::Entry::Vacant(e) =
+                    o.map.entry(OKey::from_vec(k))
+                {
+                    let w = weight(e.key(), &value);
+                    e.insert(Pending {
+                        lsn,
+                        value,
+                        // sled may hold it: its delete is written, and it is in no run.
+                        fresh: false,
+                        pristine: false,
+                    });
+                    o.bytes += w;
+                }
             }
         }
         sled.reopen_after_failure()?;
@@ -1564,11 +1612,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
     loop {
         // Behind (half of the overlay's room used): no pause between rounds,
         // and no write waits for its delay.
-        let behind = inner
-            .overlay
-            .read()
-            .map(|o| o.map.len() > EAGER_OVERLAY_KEYS)
-            .unwrap_or(false);
+        let behind = inner.overlay.read().map(|o| o.behind()).unwrap_or(false);
         let (pause, delay) = if behind {
             (Duration::ZERO, Duration::ZERO)
         } else {
@@ -1956,7 +2000,11 @@ impl Kv for LoggedKv {
     }
 
     fn busy(&self) -> bool {
-        self.overlay_len() > EAGER_OVERLAY_KEYS
+        self.inner
+            .overlay
+            .read()
+            .map(|o| o.behind())
+            .unwrap_or(false)
     }
 
     fn commit_stats(&self) -> CommitStats {
@@ -1966,7 +2014,10 @@ impl Kv for LoggedKv {
             .lock()
             .map(|s| s.clone())
             .unwrap_or_default();
-        s.overlay_keys = self.overlay_len() as u64;
+        if let Ok(o) = self.inner.overlay.read() {
+            s.overlay_keys = o.map.len() as u64;
+            s.overlay_bytes = o.bytes as u64;
+        }
         s.log_segments = wal::closed_count(&self.inner.closed) as u64 + 1;
         s
     }
@@ -2422,6 +2473,45 @@ pub(crate) mod tests {
             .expect("scan")
             .len() as u64;
         assert_eq!(n, batches * per_batch);
+    }
+
+    /// Large values fill the overlay's room in bytes long before its room in keys:
+    /// past `overlay_bytes` commits wait for the applier too. The count follows
+    /// puts, rewrites, deletes and rounds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn large_values_make_commits_wait_for_the_applier() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        const VALUE: usize = 64 * 1024;
+        let slow = LoggedOptions {
+            overlay_bytes: 16 * VALUE,
+            ..slow()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
+        let value = vec![b'x'; VALUE];
+        let mut most = 0;
+        for i in 0..48u64 {
+            let mut b = Batch::new();
+            b.put_raw(keys::event("s", i), value.clone());
+            // A rewrite and a delete of small keys, counted too.
+            b.put_raw(keys::event("t", i % 3), format!("v{i}").into_bytes());
+            if i % 5 == 0 {
+                b.delete(keys::event("t", (i + 1) % 3));
+            }
+            commit(&kv, b).await;
+            most = most.max(kv.overlay_bytes());
+        }
+        assert!(kv.overlay_len() < 100, "far from the room in keys");
+        assert!(most <= 18 * VALUE, "the overlay held {most} bytes");
+        let s = kv.commit_stats();
+        assert!(s.room_waits > 0, "no group waited for room: {s:?}");
+        kv.sync().expect("apply");
+        assert_eq!(kv.overlay_bytes(), 0);
+        for i in 0..48u64 {
+            assert_eq!(
+                kv.get(&keys::event("s", i)).expect("get"),
+                Some(value.clone())
+            );
+        }
     }
 
     /// With the applier thread gone, a full overlay refuses commits instead of

@@ -202,14 +202,20 @@ pub(super) fn sled_writes<'a>(
 /// when the round wrote a value of it. A run goes as a whole or not at all: while any
 /// of its values was committed again, or its session is `held` now, all of them stay
 /// (the last no longer fresh: sled has a value under its key). Returns the lowest lsn
-/// of the runs that stayed: the round's mark must stay before it, so that a start
-/// after a crash replays them.
+/// of the runs that stayed (the round's mark must stay before it, so that a start
+/// after a crash replays them) and the [`super::weight`] of what left the overlay.
 pub(super) fn drop_applied(
     map: &mut BTreeMap<OKey, Pending>,
     slice: &[Taken],
     runs: &[Run],
     held: &HashSet<String>,
-) -> Option<u64> {
+) -> (Option<u64>, usize) {
+    let mut freed = 0;
+    let mut remove = |map: &mut BTreeMap<OKey, Pending>, key: &[u8]| {
+        if let Some((k, p)) = map.remove_entry(key) {
+            freed += super::weight(&k, &p.value);
+        }
+    };
     let mut in_run = vec![false; slice.len()];
     let mut kept: Option<u64> = None;
     for r in runs {
@@ -221,7 +227,7 @@ pub(super) fn drop_applied(
         let released = session(&slice[r.first]).is_some_and(|s| !held.contains(s));
         if unchanged && released {
             for t in members {
-                map.remove(t.key.as_slice());
+                remove(map, t.key.as_slice());
             }
             continue;
         }
@@ -236,13 +242,13 @@ pub(super) fn drop_applied(
             continue;
         };
         if p.lsn == t.lsn {
-            map.remove(t.key.as_slice());
+            remove(map, t.key.as_slice());
         } else if t.value.is_some() {
             // Written again meanwhile: sled has a value of it now.
             p.fresh = false;
         }
     }
-    kept
+    (kept, freed)
 }
 
 /// After a failed write of `slice` to sled: sled may hold any of its writes, whole

@@ -273,11 +273,14 @@ fn a_run_leaves_the_overlay_whole_or_not_at_all() {
     let runs = event_runs(&slice, 0, 10, &none_held());
     assert_eq!(runs.len(), 1);
     let mut map = overlay(None);
-    assert_eq!(drop_applied(&mut map, &slice, &runs, &none_held()), None);
+    assert_eq!(drop_applied(&mut map, &slice, &runs, &none_held()).0, None);
     assert!(map.is_empty());
     // The first value committed again: the run stays, the other entry goes.
     let mut map = overlay(Some(0));
-    assert_eq!(drop_applied(&mut map, &slice, &runs, &none_held()), Some(4));
+    assert_eq!(
+        drop_applied(&mut map, &slice, &runs, &none_held()).0,
+        Some(4)
+    );
     assert_eq!(map.len(), 2);
     assert!(
         map[slice[0].key.as_slice()].fresh,
@@ -290,7 +293,7 @@ fn a_run_leaves_the_overlay_whole_or_not_at_all() {
     // The session held since the run was formed.
     let held: HashSet<String> = ["a".to_string()].into();
     let mut map = overlay(None);
-    assert_eq!(drop_applied(&mut map, &slice, &runs, &held), Some(4));
+    assert_eq!(drop_applied(&mut map, &slice, &runs, &held).0, Some(4));
     assert_eq!(map.len(), 2);
     // A failed write.
     let mut map = overlay(None);
