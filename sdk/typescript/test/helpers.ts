@@ -4,13 +4,18 @@ import WebSocket, { WebSocketServer } from "ws";
 import { type Client, connect, type Event, Worker, type WorkerOptions } from "../src/index.js";
 import { startTurnd, type Turnd } from "../src/testing.js";
 
-/** Timers short enough for each loss case to play out in well under a second or two. */
+/**
+ * Timers short enough for each loss case to play out in a second or two. No test
+ * waits for a probe or a cancel to go unanswered, so those two windows are wide
+ * enough for an answer delayed by a stall of the disk (a commit's `fdatasync` took
+ * over half a second at times on a shared 2-core machine).
+ */
 export const FAST = {
   server: { heartbeat_ms: 500 },
   turns: {
-    probe_timeout_ms: 300,
+    probe_timeout_ms: 1000,
     reconnect_grace_ms: 5000,
-    cancel_grace_ms: 1000,
+    cancel_grace_ms: 3000,
     retry_backoff_ms: 50,
     retry_backoff_max_ms: 200,
   },
