@@ -109,7 +109,7 @@ const APPLY_KEYS: usize = APPLY_CHUNK * 8;
 /// commits faster than sled takes them is held back here rather than in memory.
 /// At full load with retention deleting, an apply round now and then takes 0.2 –
 /// 0.3 s (sled, or a window reopened on the applier's thread); with 32k keys of
-/// room commits waited for such rounds 3 – 23 times in 45 s, with 64k none
+/// room commits waited for such rounds 1 – 23 times in 45 s, with 64k none
 /// (`docs/benchmarks.md`).
 const MAX_OVERLAY_KEYS: usize = 64 * 1024;
 
@@ -210,7 +210,6 @@ fn weight(key: &[u8], value: &Value) -> usize {
     key.len() + value.as_ref().map_or(0, |v| v.len())
 }
 
-#[derive(Default)]
 struct Overlay {
     map: BTreeMap<OKey, Pending>,
     /// The [`weight`] of everything in `map`.
@@ -1610,7 +1609,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         spare_failed: None,
     };
     loop {
-        // Behind (half of the overlay's room used): no pause between rounds,
+        // Behind (a quarter of the overlay's room used): no pause between rounds,
         // and no write waits for its delay.
         let behind = inner.overlay.read().map(|o| o.behind()).unwrap_or(false);
         let (pause, delay) = if behind {
