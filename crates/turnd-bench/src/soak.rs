@@ -82,8 +82,9 @@ async fn read_events(
         if c.events("soak-0", Some(0), Some(100)).await.is_err() {
             break;
         }
-        first.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
-        took.push(t0.elapsed());
+        let d = t0.elapsed();
+        first.get_or_insert(d.as_secs_f64() * 1000.0);
+        took.push(d);
         tokio::time::sleep(every).await;
     }
     (first, took)

@@ -315,7 +315,7 @@ fn turn_index_id(v: Vec<u8>) -> Result<String, StoreError> {
 
 /// The first key after a full page of a scan (the last key with a zero byte appended),
 /// or None when the page was the last.
-fn next_page(page: &[Entry], limit: usize) -> Option<Vec<u8>> {
+pub fn next_page(page: &[Entry], limit: usize) -> Option<Vec<u8>> {
     if page.len() < limit {
         return None;
     }
@@ -781,11 +781,10 @@ impl Store {
         // starts at or before it goes on the mark from there while it meets only
         // hidden events.
         let start = self.marks.start(s.id);
-        let mut after = after;
         // The end of the run of hidden events from the mark on, while it lasts.
         let mut hidden_to = start.mark;
         let mut in_run = after <= start.mark;
-        after = after.max(start.mark);
+        let mut after = after.max(start.mark);
         let mut out = Vec::new();
         let mut stored: HashMap<String, bool> = HashMap::new();
         while out.len() < limit {

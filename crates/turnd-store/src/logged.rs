@@ -55,7 +55,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{Checkpoints, Shared, SledOptions, SyncMode, APPLY_CHUNK};
+use crate::sled_kv::{Checkpoints, Handle, Shared, SledOptions, SyncMode, APPLY_CHUNK};
 use crate::wal::{self, CommitLog};
 use crate::windows::{self, Route, WindowOptions};
 use crate::winstore::{Switch, Upkeep, Windows};
@@ -535,6 +535,20 @@ fn sync_windows(wins: &Windows, written: &[u64]) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Reads a range of a sled database's keys, values as stored, without its applied
+/// mark ([`windows::ReadRange`]).
+fn read_range(h: &Handle) -> impl FnMut(&[u8], &[u8]) -> Result<Vec<Entry>, StoreError> + '_ {
+    move |s: &[u8], e: &[u8]| {
+        h.db.range(s.to_vec()..e.to_vec())
+            .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.as_ref() != APPLIED_KEY))
+            .map(|kv| {
+                kv.map(|(k, v)| (k.to_vec(), v.to_vec()))
+                    .map_err(|e| StoreError::Read(e.to_string()))
+            })
+            .collect()
+    }
+}
+
 /// Take a committed drop of the window starting at `start` (by the record `lsn`):
 /// copy what it still holds of stored turns ([`windows::leftovers`]) to the main
 /// database, as stored, then route its keys there. Returns the window's database, to
@@ -550,30 +564,12 @@ fn take_drop(
     if let Some(w) = wins.get(start) {
         // Unfinished turns minted in the window: their records are in the main
         // database, written by now (this round wrote everything up to the drop).
-        let (ts, te) = windows::turn_key_range(start, wins.end_of(start));
-        let unfinished: Vec<crate::TurnRecord> = sled.with(|h| {
-            h.db.range(ts..te)
-                .map(|kv| {
-                    let (_, v) = kv.map_err(|e| StoreError::Read(e.to_string()))?;
-                    serde_json::from_slice(&unpack(&v)?)
-                        .map_err(|e| StoreError::Corrupt(format!("turn: {e}")))
-                })
-                .collect()
+        let unfinished = sled.with(|h| {
+            windows::unfinished_turns(&mut read_range(h), &unpack, start, wins.end_of(start))
         })?;
         // Only what belongs to turns still stored (see `windows::leftovers`): the
         // rest is of turns retention deleted, left for this drop to take.
-        let held = w.with(|h| {
-            let mut read = |s: &[u8], e: &[u8]| -> Result<Vec<Entry>, StoreError> {
-                h.db.range(s.to_vec()..e.to_vec())
-                    .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.as_ref() != APPLIED_KEY))
-                    .map(|kv| {
-                        kv.map(|(k, v)| (k.to_vec(), v.to_vec()))
-                            .map_err(|e| StoreError::Read(e.to_string()))
-                    })
-                    .collect()
-            };
-            windows::leftovers(&mut read, &unpack, &unfinished)
-        })?;
+        let held = w.with(|h| windows::leftovers(&mut read_range(h), &unpack, &unfinished))?;
         leftovers = held.len() as u64;
         if !held.is_empty() {
             tracing::warn!(
@@ -631,6 +627,11 @@ fn replay_into(
 }
 
 impl Inner {
+    /// Whether the overlay is past the eager share of its room ([`Overlay::behind`]).
+    fn behind(&self) -> bool {
+        self.overlay.read().map(|o| o.behind()).unwrap_or(false)
+    }
+
     /// The sessions held now ([`Kv::hold_event_merges`]).
     fn held_sessions(&self) -> HashSet<String> {
         self.held
@@ -1611,7 +1612,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
     loop {
         // Behind (a quarter of the overlay's room used): no pause between rounds,
         // and no write waits for its delay.
-        let behind = inner.overlay.read().map(|o| o.behind()).unwrap_or(false);
+        let behind = inner.behind();
         let (pause, delay) = if behind {
             (Duration::ZERO, Duration::ZERO)
         } else {
@@ -1999,11 +2000,7 @@ impl Kv for LoggedKv {
     }
 
     fn busy(&self) -> bool {
-        self.inner
-            .overlay
-            .read()
-            .map(|o| o.behind())
-            .unwrap_or(false)
+        self.inner.behind()
     }
 
     fn commit_stats(&self) -> CommitStats {

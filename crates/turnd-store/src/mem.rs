@@ -104,14 +104,17 @@ impl State {
                 .collect())
         };
         let decode = |v: &[u8]| Ok(v.to_vec());
-        let (ts, te) = windows::turn_key_range(start, table.end_of(start));
-        let unfinished: Vec<crate::TurnRecord> = map
-            .range(ts..te)
-            .filter_map(|(_, v)| serde_json::from_slice(v).ok())
-            .collect();
-        // The in-memory store decodes nothing, so this cannot fail.
+        let mut read_main = |s: &[u8], e: &[u8]| -> Result<Vec<crate::Entry>, StoreError> {
+            Ok(map
+                .range(s.to_vec()..e.to_vec())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect())
+        };
+        // The in-memory store holds only records it was given whole, and decodes
+        // nothing, so this cannot fail.
         let kept: std::collections::HashSet<Vec<u8>> =
-            windows::leftovers(&mut read, &decode, &unfinished)
+            windows::unfinished_turns(&mut read_main, &decode, start, table.end_of(start))
+                .and_then(|unfinished| windows::leftovers(&mut read, &decode, &unfinished))
                 .map(|l| l.into_iter().map(|(k, _)| k).collect())
                 .unwrap_or_default();
         for k in held {

@@ -179,6 +179,25 @@ pub fn leftovers(
     Ok(kept.into_iter().collect())
 }
 
+/// The unfinished turns minted in the window `[start_ms, end_ms)` whose records are
+/// stored (in the main database: `read` reads it, values as stored), for
+/// [`leftovers`].
+pub fn unfinished_turns(
+    read: &mut ReadRange<'_>,
+    decode: &Decode<'_>,
+    start_ms: u64,
+    end_ms: Option<u64>,
+) -> Result<Vec<TurnRecord>, StoreError> {
+    let (ts, te) = turn_key_range(start_ms, end_ms);
+    read(&ts, &te)?
+        .into_iter()
+        .map(|(_, v)| {
+            serde_json::from_slice(&decode(&v)?)
+                .map_err(|e| StoreError::Corrupt(format!("turn: {e}")))
+        })
+        .collect()
+}
+
 /// The key whose commit drops the window starting at `start_ms`.
 pub fn dropped_key(start_ms: u64) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);

@@ -421,14 +421,14 @@ impl Windows {
         Ok(())
     }
 
-    /// The windows, with the bytes of their files (none counted for a dropped window
-    /// whose deletion is under way).
     /// The end of the window starting at `start` (the next one's start; None: the
     /// newest, or not a window).
     pub(crate) fn end_of(&self, start: u64) -> Option<u64> {
         self.state.read().ok()?.table.end_of(start)
     }
 
+    /// The windows, with the bytes of their files (none counted for a dropped window
+    /// whose deletion is under way).
     pub(crate) fn list(&self) -> Vec<WindowInfo> {
         match self.state.read() {
             Ok(s) => s.table.list(|start| {

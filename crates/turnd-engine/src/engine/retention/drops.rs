@@ -62,14 +62,8 @@ pub(super) fn rescue(store: &Store, start: u64) -> Result<Batch, StoreError> {
             }
             b.put_events_in(&kept, true);
         }
-        if page.len() < RESCUE_PAGE {
-            return Ok(b);
-        }
-        match page.last() {
-            Some((k, _)) => {
-                from = k.clone();
-                from.push(0);
-            }
+        match turnd_store::next_page(&page, RESCUE_PAGE) {
+            Some(next) => from = next,
             None => return Ok(b),
         }
     }

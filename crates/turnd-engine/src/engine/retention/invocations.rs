@@ -33,12 +33,9 @@ pub(super) fn early_invocations(store: &Store, cutoff: u64) -> Result<Early, Sto
                 .map_err(|e| StoreError::Corrupt(format!("invocation: {e}")))?;
             out.entry(inv.turn_id).or_default().push(k.clone());
         }
-        match page.last() {
-            Some((k, _)) if page.len() == INVOCATION_PAGE => {
-                from = k.clone();
-                from.push(0);
-            }
-            _ => return Ok(out),
+        match turnd_store::next_page(&page, INVOCATION_PAGE) {
+            Some(next) => from = next,
+            None => return Ok(out),
         }
     }
 }
