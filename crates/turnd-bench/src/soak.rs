@@ -5,7 +5,8 @@
 //! sessions each submit one one-step echo turn, wait until it is terminal, and submit
 //! the next, for `--seconds`. Echo workers and callers run in this process. Printed:
 //! completions per second, the longest interval in which no turn completed (a stall of
-//! every commit shows here), submit → terminal p50/p99/p99.9/max, bytes of disk per
+//! every commit shows here) and the five longest with where they began (seconds into
+//! the run, and Unix time to set beside a system trace), submit → terminal p50/p99/p99.9/max, bytes of disk per
 //! turn (blocks allocated in the data directory at each mark and at the end), and the
 //! daemon's RSS. `--retention-ms` sets `retention.terminal_ms` (with a sweep every
 //! `--sweep-ms`), for a run whose rounds of equal work should leave the data
@@ -213,6 +214,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     let log = Arc::new(Mutex::new(Log::default()));
     let pad: Arc<str> = "x".repeat(a.input_bytes).into();
     let start = Instant::now();
+    let start_wall = std::time::SystemTime::now();
     let end = start + Duration::from_secs(a.seconds);
     let mut tasks = tokio::task::JoinSet::new();
     for s in 0..a.sessions {
@@ -290,12 +292,15 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     };
     l.completions.sort();
     let n = l.completions.len();
-    let mut longest = Duration::ZERO;
+    // Every interval with no completion, as (length, where it began after the start).
+    let mut gaps: Vec<(Duration, Duration)> = Vec::with_capacity(n);
     let mut prev = start;
     for c in &l.completions {
-        longest = longest.max(c.saturating_duration_since(prev));
+        gaps.push((c.saturating_duration_since(prev), prev - start));
         prev = *c;
     }
+    gaps.sort_unstable_by(|x, y| y.cmp(x));
+    let longest = gaps.first().map_or(Duration::ZERO, |g| g.0);
     let mut per_sec = vec![0u64; a.seconds as usize + 2];
     for c in &l.completions {
         let s = c.saturating_duration_since(start).as_secs() as usize;
@@ -336,6 +341,25 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         disk_end as f64 / 1e6,
         disk_end as f64 / n.max(1) as f64,
         rss_end.map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0))
+    );
+    // Where the longest intervals were, also as Unix time (to set beside a system trace).
+    let unix_secs = |at: Duration| {
+        (start_wall + at)
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    };
+    println!(
+        "  longest intervals with no completion: {}",
+        gaps.iter()
+            .take(5)
+            .map(|(len, at)| format!(
+                "{:.0} ms at {:.3} s (unix {:.3})",
+                len.as_secs_f64() * 1000.0,
+                at.as_secs_f64(),
+                unix_secs(*at)
+            ))
+            .collect::<Vec<_>>()
+            .join(" · ")
     );
     if let Some((first, mut took)) = reads {
         println!(
