@@ -228,6 +228,9 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         overlay_bytes: after.overlay_bytes,
         log_segments: after.log_segments,
         log_trims: after.log_trims.saturating_sub(before.log_trims),
+        log_recycled: after.log_recycled.saturating_sub(before.log_recycled),
+        log_zeroed: after.log_zeroed.saturating_sub(before.log_zeroed),
+        log_reserved: after.log_reserved.saturating_sub(before.log_reserved),
         window_leftovers: after
             .window_leftovers
             .saturating_sub(before.window_leftovers),

@@ -152,6 +152,10 @@ async fn store_metrics(admin: &str) -> String {
         "turnd_storage_applied_keys_total",
         "turnd_storage_full_overlay_waits_total",
         "turnd_storage_full_overlay_wait_seconds_total",
+        "turnd_storage_log_trims_total",
+        "turnd_storage_log_recycled_segments_total",
+        "turnd_storage_log_zeroed_segments_total",
+        "turnd_storage_log_reserved_segments_total",
     ];
     body.lines()
         .filter(|l| pick.iter().any(|p| l.starts_with(p)))

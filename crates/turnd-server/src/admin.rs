@@ -90,6 +90,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let cs = s.engine.store().kv().commit_stats();
     register_storage(&mut reg, &cs);
     register_commit_log(&mut reg, &cs);
+    register_log_segments(&mut reg, &cs);
     let wins = s.engine.store().kv().windows().unwrap_or_default();
     gauge(
         &mut reg,
@@ -441,12 +442,6 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "Bytes of the keys and values committed to the commit log but not yet written to sled",
         cs.overlay_bytes as i64,
     );
-    counter(
-        reg,
-        "storage_log_trims",
-        "Commit log segments deleted once sled held their records, flushed and synced",
-        cs.log_trims,
-    );
     gauge(
         reg,
         "storage_log_segments",
@@ -458,5 +453,33 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "storage_window_leftover_keys",
         "Keys a dropped time window still held, moved to the main database instead of going with the window",
         cs.window_leftovers,
+    );
+}
+
+/// The commit log's segments as they are trimmed, kept for reuse, zeroed and reserved.
+fn register_log_segments(reg: &mut Registry, cs: &CommitStats) {
+    counter(
+        reg,
+        "storage_log_trims",
+        "Commit log segments deleted once sled held their records, flushed and synced",
+        cs.log_trims,
+    );
+    counter(
+        reg,
+        "storage_log_recycled_segments",
+        "Trimmed commit log segments kept as the log's next segment instead of deleted",
+        cs.log_recycled,
+    );
+    counter(
+        reg,
+        "storage_log_zeroed_segments",
+        "Commit log segments written with zeros ahead of need because no trimmed one was at hand",
+        cs.log_zeroed,
+    );
+    counter(
+        reg,
+        "storage_log_reserved_segments",
+        "Commit log segments begun with blocks only reserved because no spare was ready",
+        cs.log_reserved,
     );
 }

@@ -556,6 +556,13 @@ pub struct CommitStats {
     pub log_segments: u64,
     /// Commit log segments deleted once sled held their records.
     pub log_trims: u64,
+    /// Of those, the ones kept as the log's next segment instead of deleted.
+    pub log_recycled: u64,
+    /// Spare segments written with zeros because no trimmed one was at hand.
+    pub log_zeroed: u64,
+    /// Segments begun with blocks only reserved because no spare was ready at the
+    /// roll (each `fdatasync` into one also writes the file's extent map).
+    pub log_reserved: u64,
     /// Keys a time window still held when its drop was taken, moved to the main
     /// database (turns that ended, or events written, between retention's judging
     /// the window empty and the drop; see [`windows`]).

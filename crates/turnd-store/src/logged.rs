@@ -1466,10 +1466,23 @@ impl Applier<'_> {
         {
             return;
         }
+        // A closed segment becomes the spare when it is trimmed ([`wal::trim_before`]),
+        // with no zeros to write and no file to delete. At full load a segment is
+        // trimmed well before the active one fills, so a spare of zeros made now
+        // would only be written (a segment's worth of zeros, synced chunk by chunk)
+        // to have the trimmed segment deleted instead: writes that made the disk's
+        // flushes, the log's `fdatasync` among them, stall for hundreds of
+        // milliseconds at a time here (`docs/benchmarks.md`).
+        if wal::closed_count(&self.inner.closed) > 0 {
+            return;
+        }
         match wal::prepare_spare(&self.inner.log_dir, self.segment_bytes) {
             Ok(made) => {
                 if made {
                     tracing::debug!("made the commit log's next segment ahead of need");
+                    if let Ok(mut s) = self.inner.stats.lock() {
+                        s.log_zeroed += 1;
+                    }
                 }
                 self.spare_failed = None;
             }
@@ -2014,7 +2027,10 @@ impl Kv for LoggedKv {
             s.overlay_keys = o.map.len() as u64;
             s.overlay_bytes = o.bytes as u64;
         }
-        s.log_segments = wal::closed_count(&self.inner.closed) as u64 + 1;
+        let seg = wal::segment_counts(&self.inner.closed);
+        s.log_segments = seg.closed as u64 + 1;
+        s.log_recycled = seg.recycled;
+        s.log_reserved = seg.reserved;
         s
     }
 
@@ -2746,6 +2762,50 @@ pub(crate) mod tests {
         assert_eq!(
             kv.get(&keys::session_meta("s")).expect("get"),
             Some(format!("{:0>100}", 1999).into_bytes())
+        );
+    }
+
+    /// A round that cannot trim the closed segment yet (its records wait their
+    /// delay) writes no spare of zeros: the closed segment becomes the spare when it is
+    /// trimmed, and the log rolls over into it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_trimmed_segment_is_the_next_spare_and_no_zeros_are_written_meanwhile() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let held = LoggedOptions {
+            apply_delay: Duration::from_secs(3600),
+            ..slow()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), held).expect("open");
+        let meta = keys::session_meta("s");
+        let mut i = 0u64;
+        async fn fill_until(kv: &LoggedKv, key: &[u8], i: &mut u64, segments: u64) {
+            while kv.commit_stats().log_segments < segments {
+                commit(kv, put(key, &format!("{i:0>200}"))).await;
+                *i += 1;
+                assert!(*i < 10_000, "the log never rolled over");
+            }
+        }
+        fill_until(&kv, &meta, &mut i, 2).await;
+        // The session's meta is a live record: nothing is applied, nothing trimmed.
+        kv.round_with(Duration::from_secs(3600));
+        let s = kv.commit_stats();
+        assert_eq!((s.log_trims, s.log_zeroed), (0, 0), "{s:?}");
+        // Everything applied: the closed segment is trimmed into the spare.
+        kv.round_with(Duration::ZERO);
+        let s = kv.commit_stats();
+        assert_eq!(
+            (s.log_trims, s.log_recycled, s.log_zeroed),
+            (1, 1, 0),
+            "{s:?}"
+        );
+        assert!(dir.path().join("log").join("spare").exists());
+        // The next roll takes it: no segment is reserved for it.
+        let reserved = s.log_reserved;
+        fill_until(&kv, &meta, &mut i, 2).await;
+        assert_eq!(kv.commit_stats().log_reserved, reserved);
+        assert_eq!(
+            kv.get(&meta).expect("get"),
+            Some(format!("{:0>200}", i - 1).into_bytes())
         );
     }
 
