@@ -99,6 +99,7 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
         },
         idle_reopen: turnd_store::DEFAULT_IDLE_REOPEN,
         overlay_bytes: turnd_store::DEFAULT_OVERLAY_BYTES,
+        mark_interval: turnd_store::DEFAULT_MARK_INTERVAL,
     })
 }
 

@@ -28,7 +28,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use check::check_store;
-pub use logged::{LoggedKv, LoggedOptions, Replayed, DEFAULT_IDLE_REOPEN, DEFAULT_OVERLAY_BYTES};
+pub use logged::{
+    LoggedKv, LoggedOptions, Replayed, DEFAULT_IDLE_REOPEN, DEFAULT_MARK_INTERVAL,
+    DEFAULT_OVERLAY_BYTES,
+};
 pub use records::*;
 pub use sled_kv::{SledKv, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
 pub use windows::{WindowInfo, WindowOptions};

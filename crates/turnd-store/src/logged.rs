@@ -102,6 +102,14 @@ fn unpack(v: &[u8]) -> Result<Vec<u8>, StoreError> {
     }
 }
 
+/// Longest time between two applied marks written to the main database while
+/// rounds apply: a start after a crash replays the log from the last one on disk.
+/// Each mark first syncs the windows written since the one before; a sync per round
+/// (every few milliseconds at full load) made the disk's flushes, the commit log's
+/// `fdatasync` among them, stall for tens to hundreds of milliseconds at a time
+/// (`docs/benchmarks.md`).
+pub const DEFAULT_MARK_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Most keys in one sled `apply_batch` of the applier.
 const APPLY_KEYS: usize = APPLY_CHUNK * 8;
 
@@ -161,6 +169,9 @@ pub struct LoggedOptions {
     /// (inputs and outputs near the frame limit) would fill memory long before the
     /// room in keys. A quarter of it counts as behind, as [`EAGER_OVERLAY_KEYS`].
     pub overlay_bytes: usize,
+    /// Longest time between two applied marks written to the main database while
+    /// rounds apply ([`DEFAULT_MARK_INTERVAL`]).
+    pub mark_interval: Duration,
 }
 
 /// Default of [`LoggedOptions::idle_reopen`].
@@ -177,6 +188,7 @@ impl Default for LoggedOptions {
             windows: WindowOptions::default(),
             idle_reopen: DEFAULT_IDLE_REOPEN,
             overlay_bytes: DEFAULT_OVERLAY_BYTES,
+            mark_interval: DEFAULT_MARK_INTERVAL,
         }
     }
 }
@@ -1175,7 +1187,16 @@ fn committer_loop(
 struct Applier<'a> {
     inner: &'a Inner,
     checkpoints: Checkpoints,
+    /// Everything up to this lsn is in sled (not necessarily on disk).
     applied: u64,
+    /// The applied mark last written to the main database ([`Applier::write_mark`]).
+    marked: u64,
+    /// When it was written.
+    marked_at: Instant,
+    /// Windows written since they were last synced: synced before the next mark.
+    unsynced: Vec<u64>,
+    /// [`LoggedOptions::mark_interval`].
+    mark_interval: Duration,
     /// The applied mark when sled's files were last synced: sled holds at least
     /// this much whatever happens to its handle.
     synced: u64,
@@ -1255,7 +1276,7 @@ impl Applier<'_> {
             }
         }
         if committed == self.applied {
-            return Ok(());
+            return self.mark_if_due(false);
         }
         // Drops committed since the last round, taken once this round's writes are in
         // the windows (retention's deletes of their records among them): what they
@@ -1275,9 +1296,8 @@ impl Applier<'_> {
             committed
         };
         let Some(end) = end else {
-            apply_to_sled(&self.inner.sled, std::iter::empty(), Some(committed))?;
             self.applied = committed;
-            return Ok(());
+            return self.mark_if_due(false);
         };
         let mut written: Vec<u64> = Vec::new();
         // After the first slice, the walk goes on past the last key taken (an
@@ -1388,7 +1408,17 @@ impl Applier<'_> {
             };
             from = Bound::Excluded(last);
         }
-        sync_windows(&self.inner.windows, &written)?;
+        for w in written {
+            if !self.unsynced.contains(&w) {
+                self.unsynced.push(w);
+            }
+        }
+        let dropping = !pending.is_empty();
+        if dropping {
+            // A drop reads what its window still holds: from sled, synced first.
+            sync_windows(&self.inner.windows, &self.unsynced)?;
+            self.unsynced.clear();
+        }
         let mut leftovers = 0;
         for (start, lsn) in pending {
             let (taken, held) = take_drop(&self.inner.sled, &self.inner.windows, start, lsn)?;
@@ -1399,10 +1429,8 @@ impl Applier<'_> {
         let mark = kept.map_or(mark, |lsn| {
             mark.min(lsn.saturating_sub(1)).max(self.applied)
         });
-        if mark != self.applied {
-            apply_to_sled(&self.inner.sled, std::iter::empty(), Some(mark))?;
-            self.applied = mark;
-        }
+        self.applied = mark;
+        self.mark_if_due(dropping)?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.dropped_deletes += skipped;
             s.merged_event_values += merged;
@@ -1414,6 +1442,34 @@ impl Applier<'_> {
         Ok(())
     }
 
+    /// Record the applied mark in the main database when it is `forced` (a round
+    /// that took a window drop) or [`LoggedOptions::mark_interval`] has passed since
+    /// the last one.
+    fn mark_if_due(&mut self, forced: bool) -> Result<(), StoreError> {
+        if forced || self.marked_at.elapsed() >= self.mark_interval {
+            self.write_mark()?;
+        }
+        Ok(())
+    }
+
+    /// Flush and `fdatasync` the windows written since their last sync, then record
+    /// the applied mark in the main database, so that a mark never claims what a
+    /// window may not have on disk. Between marks, rounds write to sled without
+    /// syncing anything: a start after a crash replays the log from the last mark
+    /// that reached the disk, and its records are absolute values, so writing again
+    /// what sled already held leaves the same state.
+    fn write_mark(&mut self) -> Result<(), StoreError> {
+        self.marked_at = Instant::now();
+        if self.marked == self.applied {
+            return Ok(());
+        }
+        sync_windows(&self.inner.windows, &self.unsynced)?;
+        self.unsynced.clear();
+        apply_to_sled(&self.inner.sled, std::iter::empty(), Some(self.applied))?;
+        self.marked = self.applied;
+        Ok(())
+    }
+
     /// Once a log segment is wholly applied: make sled durable, then delete it.
     fn trim(&mut self, force_flush: bool) -> Result<(), StoreError> {
         if !self.closing.is_empty() {
@@ -1421,7 +1477,7 @@ impl Applier<'_> {
             // durable, then delete the windows' directories.
             let sled = &self.inner.sled;
             sled.with(|h| sled.sync_files(h))?;
-            self.synced = self.applied;
+            self.synced = self.marked;
             // A deletion that fails is tried again after the next round.
             let mut failed = None;
             for (start, w) in std::mem::take(&mut self.closing) {
@@ -1441,13 +1497,14 @@ impl Applier<'_> {
         if !force_flush && wal::closed_count(&self.inner.closed) == 0 {
             return Ok(());
         }
+        self.write_mark()?;
         let sled = &self.inner.sled;
         sled.with(|h| sled.sync_files(h))?;
-        self.synced = self.applied;
+        self.synced = self.marked;
         let n = wal::trim_before(
             &self.inner.log_dir,
             &self.inner.closed,
-            self.applied,
+            self.marked,
             self.segment_bytes,
         )?;
         if let Ok(mut s) = self.inner.stats.lock() {
@@ -1604,6 +1661,8 @@ impl Applier<'_> {
         }
         // The next round writes the overlay, and the mark after it.
         self.applied = self.synced.min(applied_mark(sled)?);
+        self.marked = self.applied;
+        self.unsynced.clear();
         Ok(Some(records.len()))
     }
 }
@@ -1613,6 +1672,10 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         inner,
         checkpoints: Checkpoints::new(&opts.sled),
         applied,
+        marked: applied,
+        marked_at: Instant::now(),
+        unsynced: Vec::new(),
+        mark_interval: opts.mark_interval,
         synced: applied,
         last_repair: None,
         heal_interval: opts.heal_interval,
@@ -2763,6 +2826,39 @@ pub(crate) mod tests {
             kv.get(&keys::session_meta("s")).expect("get"),
             Some(format!("{:0>100}", 1999).into_bytes())
         );
+    }
+
+    /// Rounds between two marks write to sled but record no mark, so they sync no
+    /// window: a crash then replays the log from the last mark and loses nothing. A
+    /// flush (as before a trim) records the mark.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rounds_between_marks_record_none_and_a_crash_replays_from_the_last() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let o = LoggedOptions {
+            mark_interval: Duration::from_secs(3600),
+            ..slow()
+        };
+        let (kv, _) = LoggedKv::open(dir.path(), o).expect("open");
+        let entries: Vec<Vec<u8>> = (1..=5).map(|i| keys::session_turn("s", i)).collect();
+        for k in &entries {
+            commit(&kv, put(k, "t")).await;
+        }
+        kv.round_with(Duration::ZERO);
+        assert_eq!(kv.overlay_len(), 0, "the round applied everything");
+        let sled = &kv.inner.sled;
+        assert_eq!(applied_mark(sled).expect("mark"), 0, "and recorded no mark");
+        // sled's files as a crash now would leave them (synced, to be sure the
+        // missing mark is not a matter of what reached the disk).
+        sled.with(|h| sled.sync_files(h)).expect("sync sled");
+        let copy = tempfile::tempdir().expect("tempdir");
+        copy_dir(dir.path(), copy.path());
+        let (crashed, replayed) = LoggedKv::open(copy.path(), opts()).expect("open copy");
+        assert_eq!(replayed.records, 5);
+        for k in &entries {
+            assert_eq!(crashed.get(k).expect("get"), Some(b"t".to_vec()));
+        }
+        kv.sync().expect("flush");
+        assert_eq!(applied_mark(sled).expect("mark"), 5);
     }
 
     /// A round that cannot trim the closed segment yet (its records wait their
