@@ -146,6 +146,8 @@ struct Inner {
     shutdown: CancellationToken,
     /// Every session's next deadline.
     timers: Arc<timers::TimerQueue>,
+    /// Retention's store reads running at a time (`retention.rs`).
+    retention_reads: tokio::sync::Semaphore,
 }
 
 /// The engine: owns every session, the worker registry and the timers.
@@ -186,6 +188,7 @@ impl Engine {
                 recovered: AtomicBool::new(false),
                 shutdown: CancellationToken::new(),
                 timers: Arc::default(),
+                retention_reads: tokio::sync::Semaphore::new(retention::READS_AT_ONCE),
             }),
         };
         engine.spawn_timers();

@@ -40,9 +40,10 @@
 //! ([`rescue`]).
 //!
 //! **No stalls.** Everything a sweep reads (turn records, idempotency keys, event
-//! values) is read *without* the session's lock, on a blocking thread: a read that
-//! waits for sled (an apply round or a checkpoint holding it) delays the sweep, never
-//! the session. The lock is taken only to check that nothing changed what was read
+//! values) is read *without* the session's lock, on a blocking thread, at most
+//! [`READS_AT_ONCE`] reads at a time: a read that waits for sled (an apply round or a
+//! checkpoint holding it) delays the sweep, never the session, and the sweep's
+//! decoding takes no more than that many threads' share of the cores from live work. The lock is taken only to check that nothing changed what was read
 //! and to commit. A terminal turn changes only with a transition of its session, and
 //! every transition appends an event, so the check is the session's last event
 //! `seq`: when it moved since the reads, the events written since are read (again
@@ -80,21 +81,14 @@ const RECHECKS: usize = 4;
 /// still moves on.
 const HOLD_BACK_MAX: Duration = Duration::from_millis(20);
 
-/// Run a function that reads the store: on the blocking pool of a multi-threaded
-/// runtime (a sled read may wait for an apply round or a checkpoint), inline
-/// elsewhere (tests on a current-thread runtime).
-async fn off_runtime<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
-) -> Result<T, StoreError> {
-    let multi = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
-    if !multi {
-        return f();
-    }
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| StoreError::Read(format!("retention read task: {e}")))?
-}
+/// Store reads of retention running at the same time. The [`SESSIONS_AT_ONCE`]
+/// sessions' reads (turn records, event values: JSON and LZ4 to decode) once each ran
+/// on a blocking thread of its own: at the first sweep under full load, dozens of
+/// threads busy decoding took the two cores from the runtime's workers and the log
+/// writer, and no turn completed for 50 – 175 ms at a time (`docs/benchmarks.md`).
+/// With two at a time that is gone and the sweeps still keep up with 10k turns/s;
+/// with one they fell behind it. The sessions' locks and commits still overlap.
+pub(super) const READS_AT_ONCE: usize = 2;
 
 /// A hold on merging a session's event values in the store, released when dropped
 /// (on every way out of a sweep of the session).
@@ -135,6 +129,30 @@ impl Engine {
         });
     }
 
+    /// Run a function that reads the store: on the blocking pool of a multi-threaded
+    /// runtime (a sled read may wait for an apply round or a checkpoint), at most
+    /// [`READS_AT_ONCE`] at a time; inline elsewhere (tests on a current-thread
+    /// runtime).
+    async fn off_runtime<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let multi = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+        if !multi {
+            return f();
+        }
+        let _turn = self
+            .inner
+            .retention_reads
+            .acquire()
+            .await
+            .map_err(|e| StoreError::Read(format!("retention read turn: {e}")))?;
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| StoreError::Read(format!("retention read task: {e}")))?
+    }
+
     /// One sweep: delete every terminal turn that finished `retention_terminal_ms` or
     /// more ago. Returns how many turns it deleted.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
@@ -148,15 +166,20 @@ impl Engine {
         // Only this task drops windows, after the deletions: the open ones stay open
         // while it deletes.
         let store = self.inner.store.clone();
-        let open = Arc::new(off_runtime(move || Open::read(&store)).await?);
+        let open = Arc::new(self.off_runtime(move || Open::read(&store)).await?);
         let store = self.inner.store.clone();
         // Invocation ids carry the wall clock's time of their dispatch, and the
         // engine's clock may have drifted from it since the start: the later bound.
         let minted = windows::now_ms().saturating_sub(keep).max(cutoff);
-        let early = Arc::new(off_runtime(move || early_invocations(&store, minted)).await?);
+        let early = Arc::new(
+            self.off_runtime(move || early_invocations(&store, minted))
+                .await?,
+        );
         loop {
             let store = self.inner.store.clone();
-            let (by_session, next) = off_runtime(move || gather(&store, from, cutoff)).await?;
+            let (by_session, next) = self
+                .off_runtime(move || gather(&store, from, cutoff))
+                .await?;
             // Sessions at once: each waits for its lock (behind the session's own
             // transitions) and for a durable commit, which many share.
             let mut running = tokio::task::JoinSet::new();
@@ -195,14 +218,19 @@ impl Engine {
         // Invocations of turns that are gone by other ways (deleted key by key, whose
         // events named them) or were left behind: deleted when still there.
         let store = self.inner.store.clone();
-        let stale = off_runtime(move || stale_invocations(&store, &early)).await?;
+        let stale = self
+            .off_runtime(move || stale_invocations(&store, &early))
+            .await?;
         if !stale.is_empty() {
             self.inner.store.commit(stale).await?;
         }
         let store = self.inner.store.clone();
-        for start in off_runtime(move || empty_windows(&store, windows::now_ms())).await? {
+        for start in self
+            .off_runtime(move || empty_windows(&store, windows::now_ms()))
+            .await?
+        {
             let store = self.inner.store.clone();
-            let mut b = off_runtime(move || rescue(&store, start)).await?;
+            let mut b = self.off_runtime(move || rescue(&store, start)).await?;
             b.drop_window(start);
             self.inner.store.commit(b).await?;
             self.inner
@@ -257,7 +285,7 @@ impl Engine {
                 };
                 touched(&store, keys, seen, &g)
             };
-            if off_runtime(s).await? {
+            if self.off_runtime(s).await? {
                 return Ok(None);
             }
             seen = now;
@@ -291,14 +319,15 @@ impl Engine {
         };
         let store = self.inner.store.clone();
         let owned_sid = sid.to_string();
-        let plan = off_runtime(move || {
-            let s = SessionKeys {
-                id: &owned_sid,
-                from_ms,
-            };
-            plan(&store, s, expired, cutoff, &at)
-        })
-        .await?;
+        let plan = self
+            .off_runtime(move || {
+                let s = SessionKeys {
+                    id: &owned_sid,
+                    from_ms,
+                };
+                plan(&store, s, expired, cutoff, &at)
+            })
+            .await?;
         if plan.gone.is_empty() {
             return Ok(0);
         }

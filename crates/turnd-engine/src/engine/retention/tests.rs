@@ -806,3 +806,83 @@ async fn an_expired_turns_earlier_invocations_go_with_it() {
     assert_eq!(left.len(), 1, "the next turn's, running");
     checked(&e);
 }
+
+/// Passes everything to a [`turnd_store::mem::MemKv`]; while `watching`, holds each
+/// read 2 ms and records the most reads in flight at once.
+#[derive(Default)]
+struct ReadGauge {
+    inner: turnd_store::mem::MemKv,
+    watching: std::sync::atomic::AtomicBool,
+    now: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+impl ReadGauge {
+    fn read<T>(&self, f: impl FnOnce() -> T) -> T {
+        use std::sync::atomic::Ordering::SeqCst;
+        if !self.watching.load(SeqCst) {
+            return f();
+        }
+        let n = self.now.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(n, SeqCst);
+        std::thread::sleep(Duration::from_millis(2));
+        let r = f();
+        self.now.fetch_sub(1, SeqCst);
+        r
+    }
+}
+
+impl Kv for ReadGauge {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.read(|| self.inner.get(key))
+    }
+    fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+    ) -> Result<Vec<turnd_store::Entry>, StoreError> {
+        self.read(|| self.inner.scan(start, end, reverse, limit))
+    }
+    fn commit(&self, batch: Batch) -> turnd_store::CommitTicket {
+        self.inner.commit(batch)
+    }
+    fn sync(&self) -> Result<(), StoreError> {
+        self.inner.sync()
+    }
+}
+
+/// A sweep reads the store at most [`READS_AT_ONCE`] reads at a time, however many
+/// sessions it deletes from at once: a blocking thread per session's read once took
+/// the cores from live work at full load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweeps_store_reads_run_a_few_at_a_time() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let kv = Arc::new(ReadGauge::default());
+    let cfg = EngineConfig {
+        retention_terminal_ms: 50,
+        retention_sweep_interval_ms: 3_600_000,
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(Store::new(kv.clone()), cfg)
+        .await
+        .expect("open");
+    // Each session keeps a queued turn, so that none is forgotten (a forget reads
+    // under the session's lock, on the runtime's own threads).
+    for i in 0..16 {
+        let sid = format!("s{i}");
+        let t = e.submit(submit(&sid, None)).await.expect("submit");
+        e.stop_turn(&t.turn.turn_id, None).await.expect("stop");
+        e.submit(submit(&sid, None)).await.expect("submit");
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    kv.watching.store(true, SeqCst);
+    assert_eq!(e.sweep().await.expect("sweep"), 16);
+    kv.watching.store(false, SeqCst);
+    let most = kv.most.load(SeqCst);
+    assert!(
+        (1..=READS_AT_ONCE).contains(&most),
+        "{most} reads in flight at once"
+    );
+}
