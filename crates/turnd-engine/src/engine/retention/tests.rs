@@ -21,7 +21,12 @@ fn submit(session: &str, key: Option<&str>) -> SubmitArgs {
 }
 
 async fn engine(terminal_ms: u64) -> Engine {
-    let kv = Arc::new(turnd_store::mem::MemKv::new());
+    engine_on(Arc::new(turnd_store::mem::MemKv::new()), terminal_ms).await
+}
+
+/// An engine on `kv` keeping terminal turns `terminal_ms`, whose sweeps run only when
+/// a test calls them.
+async fn engine_on(kv: Arc<dyn Kv>, terminal_ms: u64) -> Engine {
     let cfg = EngineConfig {
         retention_terminal_ms: terminal_ms,
         retention_sweep_interval_ms: 3_600_000,
@@ -47,14 +52,7 @@ async fn windowed_by(window_ms: u64) -> (Arc<turnd_store::mem::MemKv>, Engine) {
             window_bytes: u64::MAX,
         },
     ));
-    let cfg = EngineConfig {
-        retention_terminal_ms: 10_000,
-        retention_sweep_interval_ms: 3_600_000,
-        ..EngineConfig::default()
-    };
-    let e = Engine::open(Store::new(kv.clone()), cfg)
-        .await
-        .expect("open");
+    let e = engine_on(kv.clone(), 10_000).await;
     (kv, e)
 }
 
@@ -510,14 +508,7 @@ impl Kv for HoldWatch {
 #[tokio::test(start_paused = true)]
 async fn a_sweep_reads_and_rewrites_event_values_only_while_it_holds_the_session() {
     let kv = Arc::new(HoldWatch::default());
-    let cfg = EngineConfig {
-        retention_terminal_ms: 10_000,
-        retention_sweep_interval_ms: 3_600_000,
-        ..EngineConfig::default()
-    };
-    let e = Engine::open(Store::new(kv.clone()), cfg)
-        .await
-        .expect("open");
+    let e = engine_on(kv.clone(), 10_000).await;
     let old = e.submit(submit("s", None)).await.expect("submit");
     e.stop_turn(&old.turn.turn_id, None).await.expect("stop");
     let _kept = e.submit(submit("s", None)).await.expect("submit");
@@ -748,14 +739,7 @@ async fn an_expired_turns_earlier_invocations_go_with_it() {
             window_bytes: u64::MAX,
         },
     ));
-    let cfg = EngineConfig {
-        retention_terminal_ms: KEEP_MS,
-        retention_sweep_interval_ms: 3_600_000,
-        ..EngineConfig::default()
-    };
-    let e = Engine::open(Store::new(kv.clone()), cfg)
-        .await
-        .expect("open");
+    let e = engine_on(kv.clone(), KEEP_MS).await;
     let (mut rx, worker) = first_window(&e).await;
     wall(WINDOW_MS + WINDOW_MS / 2);
     // Two steps: the first one's invocation continues the turn.
@@ -860,14 +844,7 @@ impl Kv for ReadGauge {
 async fn a_sweeps_store_reads_run_a_few_at_a_time() {
     use std::sync::atomic::Ordering::SeqCst;
     let kv = Arc::new(ReadGauge::default());
-    let cfg = EngineConfig {
-        retention_terminal_ms: 50,
-        retention_sweep_interval_ms: 3_600_000,
-        ..EngineConfig::default()
-    };
-    let e = Engine::open(Store::new(kv.clone()), cfg)
-        .await
-        .expect("open");
+    let e = engine_on(kv.clone(), 50).await;
     // Each session keeps a queued turn, so that none is forgotten (a forget reads
     // under the session's lock, on the runtime's own threads).
     for i in 0..16 {
