@@ -210,12 +210,7 @@ impl WaitIndex {
             .entry(function_id.clone())
             .or_default()
             .insert(e.since_ms, &id);
-        *self
-            .function_counts
-            .entry(function_id.clone())
-            .or_default()
-            .entry(e.state)
-            .or_insert(0) += 1;
+        self.count(function_id.clone(), e.state);
         self.entries.insert(
             id,
             Indexed {
@@ -244,6 +239,15 @@ impl WaitIndex {
             }
         }
         self.uncount(&o.function_id, o.state);
+    }
+
+    fn count(&mut self, function_id: Arc<str>, state: WaitState) {
+        *self
+            .function_counts
+            .entry(function_id)
+            .or_default()
+            .entry(state)
+            .or_insert(0) += 1;
     }
 
     fn uncount(&mut self, function_id: &str, state: WaitState) {
@@ -287,12 +291,7 @@ impl WaitIndex {
                 .or_default()
                 .insert(e.since_ms, id);
             self.uncount(&function_id, old_state);
-            *self
-                .function_counts
-                .entry(function_id)
-                .or_default()
-                .entry(e.state)
-                .or_insert(0) += 1;
+            self.count(function_id, e.state);
         } else if old_since != e.since_ms {
             if let Some(l) = self.by_state.get_mut(&e.state) {
                 l.move_wait(old_since, e.since_ms, id);

@@ -1299,7 +1299,6 @@ impl Applier<'_> {
             self.applied = committed;
             return self.mark_if_due(false);
         };
-        let mut written: Vec<u64> = Vec::new();
         // After the first slice, the walk goes on past the last key taken (an
         // exclusive start: past `end` the range is empty, never reversed).
         let mut from: Bound<OKey> = Bound::Unbounded;
@@ -1369,8 +1368,8 @@ impl Applier<'_> {
             self.checkpoints.wrote(bytes);
             for (w, keys) in wins {
                 self.inner.windows.written(&mut self.upkeep, w, keys);
-                if !written.contains(&w) {
-                    written.push(w);
+                if !self.unsynced.contains(&w) {
+                    self.unsynced.push(w);
                 }
             }
             #[cfg(test)]
@@ -1407,11 +1406,6 @@ impl Applier<'_> {
                 break;
             };
             from = Bound::Excluded(last);
-        }
-        for w in written {
-            if !self.unsynced.contains(&w) {
-                self.unsynced.push(w);
-            }
         }
         let dropping = !pending.is_empty();
         if dropping {

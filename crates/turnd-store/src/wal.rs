@@ -685,7 +685,7 @@ pub fn read_range(dir: &Path, after: u64, upto: u64) -> Result<Vec<Record>, Stor
 
 /// The number of closed segments.
 pub fn closed_count(closed: &Mutex<Closed>) -> usize {
-    closed.lock().map(|c| c.segments.len()).unwrap_or(0)
+    segment_counts(closed).closed
 }
 
 /// The closed segments and how segments were begun and trimmed.

@@ -43,10 +43,11 @@
 //! values) is read *without* the session's lock, on a blocking thread, at most
 //! [`READS_AT_ONCE`] reads at a time: a read that waits for sled (an apply round or a
 //! checkpoint holding it) delays the sweep, never the session, and the sweep's
-//! decoding takes no more than that many threads' share of the cores from live work. The lock is taken only to check that nothing changed what was read
-//! and to commit. A terminal turn changes only with a transition of its session, and
-//! every transition appends an event, so the check is the session's last event
-//! `seq`: when it moved since the reads, the events written since are read (again
+//! decoding takes no more than that many threads' share of the cores from live work.
+//! The lock is taken only to check that nothing changed what was read and to commit.
+//! A terminal turn changes only with a transition of its session, and every
+//! transition appends an event, so the check is the session's last event `seq`: when
+//! it moved since the reads, the events written since are read (again
 //! without the lock) and the sweep leaves the session for the next sweep if any of
 //! them is about a turn it meant to delete (a late result amending it); otherwise it
 //! checks again. After a few rounds of a very busy session, that last read is done
