@@ -206,6 +206,9 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         batches: after.batches.saturating_sub(before.batches),
         commit_micros: after.commit_micros.saturating_sub(before.commit_micros),
         sync_micros: after.sync_micros.saturating_sub(before.sync_micros),
+        sync_buckets: std::array::from_fn(|i| {
+            after.sync_buckets[i].saturating_sub(before.sync_buckets[i])
+        }),
         max_group: after.max_group,
         checkpoints: after.checkpoints.saturating_sub(before.checkpoints),
         checkpoint_micros: after

@@ -164,6 +164,52 @@ async fn store_metrics(admin: &str) -> String {
         .join(" · ")
 }
 
+/// The commit log's group commits by how long their write and `fdatasync` took,
+/// from the daemon's histogram (empty: not exported by this build).
+fn sync_summary(body: &str) -> String {
+    let name = "turnd_storage_sync_duration_seconds";
+    // (upper bound, cumulative count) of each bucket.
+    let buckets: Vec<(f64, f64)> = body
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix("_bucket{le=\"")?;
+            let (bound, rest) = rest.split_once("\"}")?;
+            let bound = if bound == "+Inf" {
+                f64::INFINITY
+            } else {
+                bound.parse().ok()?
+            };
+            Some((bound, rest.trim().parse().ok()?))
+        })
+        .collect();
+    let value = |suffix: &str| {
+        body.lines().find_map(|l| {
+            l.strip_prefix(name)?
+                .strip_prefix(suffix)?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    let (Some(count), Some(sum)) = (value("_count"), value("_sum")) else {
+        return String::new();
+    };
+    let over = |ms: f64| {
+        buckets
+            .iter()
+            .find(|(b, _)| (*b - ms / 1000.0).abs() < 1e-9)
+            .map_or("n/a".into(), |(_, below)| format!("{:.0}", count - below))
+    };
+    format!(
+        "commit log syncs {count:.0} · mean {:.3} ms · over 10 ms {} · over 20 ms {} · over 50 ms {} · over 100 ms {}",
+        sum * 1000.0 / count.max(1.0),
+        over(10.0),
+        over(20.0),
+        over(50.0),
+        over(100.0)
+    )
+}
+
 async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
     let ready = data.with_extension("ready.json");
     let mut cmd = serve_command(&a.turnd, data, &ready);
@@ -286,6 +332,10 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     };
     let disk_end = disk_bytes(&data);
     let rss_end = rss_kb(d.pid);
+    let syncs = match http_get(&d.admin, "/metrics").await {
+        Ok((_, body)) => sync_summary(&body),
+        Err(_) => String::new(),
+    };
     close_callers(cs).await;
     workers.stop().await?;
     d.child.kill().await.context("stop the daemon")?;
@@ -365,6 +415,9 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" · ")
     );
+    if !syncs.is_empty() {
+        println!("  {syncs}");
+    }
     if let Some((first, mut took)) = reads {
         println!(
             "session.events of soak-0 from seq 0, limit 100, every {} ms from second {}: {} calls · first {} ms · median {} ms · p90 {} ms · max {} ms",

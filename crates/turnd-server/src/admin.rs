@@ -10,13 +10,15 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use turnd_engine::metrics::Counters;
 use turnd_proto::{TurnStatus, WaitState};
-use turnd_store::CommitStats;
+use turnd_store::{CommitStats, SYNC_BUCKET_BOUNDS};
 
 use crate::ws::Shared;
 
@@ -69,6 +71,26 @@ fn seconds(reg: &mut Registry, name: &str, help: &str, micros: u64) {
     let c: Counter<f64, AtomicU64> = Counter::default();
     c.inc_by(micros as f64 / 1e6);
     reg.register(name, help, c);
+}
+
+/// A histogram whose buckets were counted elsewhere (the store's [`CommitStats`]),
+/// encoded as it stands at the scrape.
+#[derive(Debug)]
+struct CountedHistogram {
+    sum: f64,
+    count: u64,
+    /// Upper bound and count of each bucket, not cumulative (the encoder adds up).
+    buckets: Vec<(f64, u64)>,
+}
+
+impl EncodeMetric for CountedHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<NoLabelSet>(self.sum, self.count, &self.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
 }
 
 fn gauge(reg: &mut Registry, name: &str, help: &str, v: i64) {
@@ -359,6 +381,16 @@ fn register_storage(reg: &mut Registry, cs: &CommitStats) {
         "storage_sync_seconds",
         "Of storage_commit_seconds, the time spent writing the commit log and its fdatasync",
         cs.sync_micros,
+    );
+    let bounds = SYNC_BUCKET_BOUNDS.iter().copied().chain([f64::INFINITY]);
+    reg.register(
+        "storage_sync_duration_seconds",
+        "Group commits by the time the write and fdatasync of the commit log took (the time storage_sync_seconds adds up)",
+        CountedHistogram {
+            sum: cs.sync_micros as f64 / 1e6,
+            count: cs.sync_buckets.iter().sum(),
+            buckets: bounds.zip(cs.sync_buckets).collect(),
+        },
     );
     gauge(
         reg,

@@ -510,6 +510,24 @@ pub trait Kv: Send + Sync + 'static {
     fn release_event_merges(&self, _session_id: &str) {}
 }
 
+/// Upper bounds, in seconds, of the buckets of [`CommitStats::sync_buckets`]: from
+/// the quarter millisecond a sync of a few pages takes on an idle SSD to the half
+/// second of a disk that stalls every writer.
+pub const SYNC_BUCKET_BOUNDS: [f64; 11] = [
+    0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5,
+];
+/// Buckets of [`CommitStats::sync_buckets`]: one per bound and one past the last.
+pub const SYNC_BUCKETS: usize = SYNC_BUCKET_BOUNDS.len() + 1;
+
+/// The bucket of [`CommitStats::sync_buckets`] a sync of `took` belongs to.
+pub fn sync_bucket(took: std::time::Duration) -> usize {
+    let secs = took.as_secs_f64();
+    SYNC_BUCKET_BOUNDS
+        .iter()
+        .position(|bound| secs <= *bound)
+        .unwrap_or(SYNC_BUCKET_BOUNDS.len())
+}
+
 /// Counters of the group-commit writer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CommitStats {
@@ -524,6 +542,11 @@ pub struct CommitStats {
     pub sync_micros: u64,
     /// Largest number of batches that shared one sync.
     pub max_group: u64,
+    /// Group commits by the time their write and `fdatasync` of the commit log took
+    /// (the time `sync_micros` adds up):
+    /// `sync_buckets[i]` counts those that took at most [`SYNC_BUCKET_BOUNDS`]`[i]`
+    /// seconds and more than the bound before; the last counts the longer ones.
+    pub sync_buckets: [u64; SYNC_BUCKETS],
     /// Checkpoints performed (sled closed and opened again to bound the log a
     /// restart replays; see `SledKv`).
     pub checkpoints: u64,
@@ -1104,6 +1127,18 @@ mod tests {
     use super::*;
     use serde_json::json;
     use turnd_proto::EventKind;
+
+    #[test]
+    fn a_sync_falls_in_the_first_bucket_whose_bound_it_does_not_pass() {
+        let ms = |m: f64| std::time::Duration::from_secs_f64(m / 1000.0);
+        assert_eq!(sync_bucket(ms(0.1)), 0);
+        assert_eq!(sync_bucket(ms(0.25)), 0);
+        assert_eq!(sync_bucket(ms(0.3)), 1);
+        assert_eq!(sync_bucket(ms(40.0)), 7);
+        assert_eq!(sync_bucket(ms(100.0)), 8);
+        assert_eq!(sync_bucket(ms(500.0)), 10);
+        assert_eq!(sync_bucket(ms(900.0)), SYNC_BUCKETS - 1);
+    }
 
     #[tokio::test]
     async fn paged_scans_visit_every_meta_once_in_key_order() {

@@ -131,6 +131,11 @@ const _: () = assert!(EAGER_OVERLAY_KEYS < MAX_OVERLAY_KEYS);
 /// Default of [`LoggedOptions::overlay_bytes`].
 pub const DEFAULT_OVERLAY_BYTES: usize = 256 * 1024 * 1024;
 
+/// A group commit whose write and `fdatasync` of the commit log take this long is
+/// logged: no commit completes meanwhile (each is one `sync_duration` histogram
+/// sample as well).
+const SLOW_SYNC: Duration = Duration::from_millis(50);
+
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;
 
@@ -1119,6 +1124,15 @@ fn committer_loop(
         let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
         let synced = started.elapsed();
         last_sync = synced;
+        if synced >= SLOW_SYNC {
+            tracing::warn!(
+                took_ms = synced.as_millis() as u64,
+                batches = jobs.len(),
+                bytes,
+                "the commit log's write and fdatasync took {} ms; every commit waited for the disk",
+                synced.as_millis()
+            );
+        }
         // Each write's slot takes the value it replaces in the overlay, so that the
         // committing task frees it with the rest of its batch.
         let result = result.and_then(|first_lsn| {
@@ -1165,6 +1179,7 @@ fn committer_loop(
             s.batches += jobs.len() as u64;
             s.commit_micros += micros;
             s.sync_micros += synced.as_micros() as u64;
+            s.sync_buckets[crate::sync_bucket(synced)] += 1;
             s.max_group = s.max_group.max(jobs.len() as u64);
             s.log_bytes += bytes;
         }

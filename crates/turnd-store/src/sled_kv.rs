@@ -815,12 +815,14 @@ fn writer_loop(shared: &Shared, rx: mpsc::Receiver<Job>, stats: &Mutex<CommitSta
                 Ok(())
             })
         });
-        let micros = started.elapsed().as_micros() as u64;
+        let took = started.elapsed();
         if let Ok(mut s) = stats.lock() {
             s.syncs += 1;
             s.batches += replies.len() as u64;
-            s.commit_micros += micros;
-            s.sync_micros += micros.saturating_sub(applied.as_micros() as u64);
+            s.commit_micros += took.as_micros() as u64;
+            let synced = took.saturating_sub(applied);
+            s.sync_micros += synced.as_micros() as u64;
+            s.sync_buckets[crate::sync_bucket(synced)] += 1;
             s.max_group = s.max_group.max(replies.len() as u64);
         }
         for reply in replies {
