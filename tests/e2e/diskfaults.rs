@@ -191,6 +191,57 @@ async fn the_fault_library_without_flags_changes_nothing() -> anyhow::Result<()>
     stop(d).await
 }
 
+/// Group commits whose commit log sync took longer than 100 ms, from `/metrics`.
+async fn syncs_over_100ms(admin: &str) -> anyhow::Result<f64> {
+    let (_, body) = http_get(admin, "/metrics").await?;
+    let h = "turnd_storage_sync_duration_seconds";
+    let count = metric(&body, &format!("{h}_count")).ok_or_else(|| anyhow::anyhow!("{body}"))?;
+    let within = metric(&body, &format!("{h}_bucket{{le=\"0.1\"}}"))
+        .ok_or_else(|| anyhow::anyhow!("{body}"))?;
+    Ok(count - within)
+}
+
+/// A disk whose syncs stall: commits wait for the commit log's `fdatasync`, nothing
+/// is refused, and the commit log's sync histogram on `/metrics`
+/// (`turnd_storage_sync_duration_seconds`) shows the slow syncs, which is how an
+/// operator tells a stalling disk from a stalled daemon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_whose_syncs_stall_slows_commits_and_the_sync_histogram_shows_it(
+) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let flags = dir.path().join("faultfs");
+    std::fs::create_dir(&flags)?;
+    let lib = faultfs_lib()?;
+    let (lib, flags_s) = (lib.to_string_lossy(), flags.to_string_lossy());
+    let d = BinDaemon::start(
+        &data,
+        &[("LD_PRELOAD", &lib), ("TURND_FAULTFS_DIR", &flags_s)],
+    )
+    .await?;
+    let w = echo_worker(&d.url, "w-slow", 8).await;
+    let c = Caller::connect(&d.url, None).await?;
+    echo_turns(&c, "slow", 0, 3).await?;
+    let before = syncs_over_100ms(&d.admin).await?;
+
+    std::fs::write(flags.join("slow-syncs"), b"150")?;
+    let started = std::time::Instant::now();
+    echo_turns(&c, "slow", 10, 2).await?;
+    // Each turn's admission is one commit at least, and each waited for its sync.
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "two turns on a disk whose syncs take 150 ms took {:?}",
+        started.elapsed()
+    );
+    std::fs::remove_file(flags.join("slow-syncs"))?;
+    let slow = syncs_over_100ms(&d.admin).await? - before;
+    assert!(slow >= 2.0, "{slow} group commits counted over 100 ms");
+
+    echo_turns(&c, "slow", 20, 3).await?;
+    w.shutdown();
+    stop(d).await
+}
+
 /// A full disk under load: four sessions keep submitting turns while every
 /// write of the commit log (and of sled) fails with `ENOSPC` for a while. Submits
 /// are refused with `unavailable` and `/readyz` answers 503 meanwhile; once space is

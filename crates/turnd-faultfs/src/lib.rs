@@ -13,6 +13,9 @@
 //!   (`DATA_DIR/log/…`), the disk probe (`DATA_DIR/write-probe`) and every other file
 //!   are written as usual, so sled fails while the disk takes writes. The file's name
 //!   is read (`/proc/self/fd/N`) only while the flag exists.
+//! - `slow-syncs`: every `fdatasync` and `fsync` waits the number of milliseconds the
+//!   file holds before it goes to the C library, as on a disk whose cache flushes
+//!   stall.
 //!
 //! Otherwise each call goes to the C library unchanged. The flags are looked up on
 //! every call (one `access` each), so a test switches the disk between working and
@@ -33,6 +36,7 @@
 
 use std::ffi::{c_int, c_void, CString};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use libc::{off64_t, off_t, size_t, ssize_t};
 
@@ -42,6 +46,7 @@ struct Flags {
     full: CString,
     syncs: CString,
     db_writes: CString,
+    slow_syncs: CString,
 }
 
 fn flags() -> Option<&'static Flags> {
@@ -54,6 +59,7 @@ fn flags() -> Option<&'static Flags> {
                 full: CString::new(format!("{dir}/disk-full")).ok()?,
                 syncs: CString::new(format!("{dir}/fail-syncs")).ok()?,
                 db_writes: CString::new(format!("{dir}/fail-db-writes")).ok()?,
+                slow_syncs: CString::new(format!("{dir}/slow-syncs")).ok()?,
             })
         })
         .as_ref()
@@ -197,22 +203,49 @@ pub unsafe extern "C" fn pwrite(
     })
 }
 
-/// Interposed `fdatasync`: fails with `EIO` while `fail-syncs` exists.
+/// While `slow-syncs` exists, wait the milliseconds it holds (none if it holds no
+/// number). `errno` is left as it was.
+fn stall_sync() {
+    let Some(f) = flags() else { return };
+    if !exists(&f.slow_syncs) {
+        return;
+    }
+    // SAFETY: `__errno_location` returns the calling thread's errno slot, restored
+    // so that reading the flag does not leak into the interposed call.
+    let saved = unsafe { *libc::__errno_location() };
+    let ms = f
+        .slow_syncs
+        .to_str()
+        .ok()
+        .and_then(|path| std::fs::read_to_string(path).ok())
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    if let Some(ms) = ms {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = saved };
+}
+
+/// Interposed `fdatasync`: waits while `slow-syncs` exists, fails with `EIO` while
+/// `fail-syncs` exists.
 ///
 /// # Safety
 ///
 /// None beyond the C library's: any `fd` may be passed.
 #[no_mangle]
 pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
+    stall_sync();
     guarded(|f| &f.syncs, || real!("fdatasync", SyncFn).map(|f| f(fd)))
 }
 
-/// Interposed `fsync`: fails with `EIO` while `fail-syncs` exists.
+/// Interposed `fsync`: waits while `slow-syncs` exists, fails with `EIO` while
+/// `fail-syncs` exists.
 ///
 /// # Safety
 ///
 /// None beyond the C library's: any `fd` may be passed.
 #[no_mangle]
 pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
+    stall_sync();
     guarded(|f| &f.syncs, || real!("fsync", SyncFn).map(|f| f(fd)))
 }
