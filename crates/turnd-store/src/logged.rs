@@ -132,9 +132,12 @@ const _: () = assert!(EAGER_OVERLAY_KEYS < MAX_OVERLAY_KEYS);
 pub const DEFAULT_OVERLAY_BYTES: usize = 256 * 1024 * 1024;
 
 /// A group commit whose write and `fdatasync` of the commit log take this long is
-/// logged: no commit completes meanwhile (each is one `sync_duration` histogram
-/// sample as well).
-const SLOW_SYNC: Duration = Duration::from_millis(50);
+/// logged as a warning: no commit completes meanwhile (each is one `sync_duration`
+/// histogram sample as well). Syncs from [`NOTED_SYNC`] on are logged at debug
+/// level, so that a trace can set each beside an interval with no completed turn.
+const SLOW_SYNC: Duration = Duration::from_millis(100);
+/// See [`SLOW_SYNC`].
+const NOTED_SYNC: Duration = Duration::from_millis(10);
 
 /// Largest number of batches one group commit takes.
 const MAX_GROUP: usize = 4096;
@@ -1124,14 +1127,13 @@ fn committer_loop(
         let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
         let synced = started.elapsed();
         last_sync = synced;
-        if synced >= SLOW_SYNC {
-            tracing::warn!(
-                took_ms = synced.as_millis() as u64,
-                batches = jobs.len(),
-                bytes,
-                "the commit log's write and fdatasync took {} ms; every commit waited for the disk",
-                synced.as_millis()
-            );
+        if synced >= NOTED_SYNC {
+            let (took_ms, batches) = (synced.as_millis() as u64, jobs.len());
+            if synced >= SLOW_SYNC {
+                tracing::warn!(took_ms, batches, bytes, "the commit log's write and fdatasync took {took_ms} ms; every commit waited for the disk");
+            } else {
+                tracing::debug!(took_ms, batches, bytes, "the commit log's write and fdatasync took {took_ms} ms; every commit waited for the disk");
+            }
         }
         // Each write's slot takes the value it replaces in the overlay, so that the
         // committing task frees it with the rest of its batch.
