@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""How long `fdatasync` of small appends takes on a disk, with and without other writes.
+
+Usage: disk-sync-probe.py DIR MB_PER_S SECONDS
+
+One thread does what turnd's commit log does: writes 12,000 bytes into a file whose
+blocks are already written (64 MiB of zeros, synced first), `fdatasync`s it, and
+measures the sync, over and over. Another thread, when MB_PER_S is above 0, writes
+512 KiB chunks of random bytes into a second file at that rate and `fdatasync`s it
+every 4 MiB, as a background writer (sled's IO threads write 512 KiB segments). Both
+files are made in DIR (on the disk under test) and removed at the end.
+
+Prints the syncs' count, p50 / p99 / p99.9 / max, and how many took over 20 and 50 ms.
+"""
+
+import os
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    where, mbps, secs = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    log_path, bg_path = os.path.join(where, "probe-log.dat"), os.path.join(where, "probe-bg.dat")
+    stop = time.time() + secs
+
+    def background() -> None:
+        fd = os.open(bg_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        chunk = os.urandom(512 * 1024)
+        off, sent, t0 = 0, 0, time.time()
+        while time.time() < stop:
+            os.pwrite(fd, chunk, off)
+            off = (off + len(chunk)) % (256 << 20)
+            sent += len(chunk)
+            if sent % (4 << 20) == 0:
+                os.fdatasync(fd)
+            ahead = sent / (mbps * 1e6) - (time.time() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        os.close(fd)
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.pwrite(fd, b"\0" * (64 << 20), 0)
+    os.fsync(fd)
+    bg = threading.Thread(target=background) if mbps > 0 else None
+    if bg:
+        bg.start()
+    took, off, record = [], 0, os.urandom(12000)
+    while time.time() < stop:
+        os.pwrite(fd, record, off)
+        off = (off + len(record)) % (60 << 20)
+        t = time.perf_counter()
+        os.fdatasync(fd)
+        took.append(time.perf_counter() - t)
+    if bg:
+        bg.join()
+    os.close(fd)
+    for p in (log_path, bg_path):
+        if os.path.exists(p):
+            os.remove(p)
+    took.sort()
+    n = len(took)
+
+    def q(p: float) -> float:
+        return took[min(n - 1, int(p * n))] * 1000
+
+    print(
+        f"background {mbps:.0f} MB/s, {secs:.0f} s: {n} syncs ({n / secs:.0f}/s) · "
+        f"p50 {q(0.5):.2f} · p99 {q(0.99):.2f} · p99.9 {q(0.999):.2f} · max {took[-1] * 1000:.1f} ms · "
+        f"over 20 ms {sum(t > 0.02 for t in took)} · over 50 ms {sum(t > 0.05 for t in took)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
