@@ -24,7 +24,6 @@ def main() -> None:
         sys.exit(__doc__)
     where, mbps, secs = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
     log_path, bg_path = os.path.join(where, "probe-log.dat"), os.path.join(where, "probe-bg.dat")
-    stop = time.time() + secs
 
     def background() -> None:
         fd = os.open(bg_path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -44,6 +43,7 @@ def main() -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT, 0o644)
     os.pwrite(fd, b"\0" * (64 << 20), 0)
     os.fsync(fd)
+    stop = time.time() + secs
     bg = threading.Thread(target=background) if mbps > 0 else None
     if bg:
         bg.start()
@@ -62,6 +62,8 @@ def main() -> None:
             os.remove(p)
     took.sort()
     n = len(took)
+    if n == 0:
+        sys.exit("no sync finished in the time given")
 
     def q(p: float) -> float:
         return took[min(n - 1, int(p * n))] * 1000

@@ -18,8 +18,8 @@
 //!   stall.
 //!
 //! Otherwise each call goes to the C library unchanged. The flags are looked up on
-//! every call (one `access` each), so a test switches the disk between working and
-//! failing while the daemon runs. Nothing else is changed, and without
+//! every call (one `access` each; a sync also reads `slow-syncs` while it exists),
+//! so a test switches the disk between working and failing while the daemon runs. Nothing else is changed, and without
 //! `TURND_FAULTFS_DIR` the library does nothing at all.
 //!
 //! This is the layer below sled: a test with it sees what sled and the store writer
@@ -204,7 +204,9 @@ pub unsafe extern "C" fn pwrite(
 }
 
 /// While `slow-syncs` exists, wait the milliseconds it holds (none if it holds no
-/// number). `errno` is left as it was.
+/// number). `errno` is left as it was. Reading the file allocates and makes system
+/// calls this library does not interpose, so it is not async-signal-safe: fine for
+/// the daemon, which syncs only from its own threads.
 fn stall_sync() {
     let Some(f) = flags() else { return };
     if !exists(&f.slow_syncs) {
