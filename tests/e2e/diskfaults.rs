@@ -15,7 +15,7 @@
     reason = "a test reads as one scenario from its setup to its last assertion"
 )]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::json;
@@ -35,37 +35,56 @@ fn refused(r: Result<impl std::fmt::Debug, ClientError>, what: &str) {
 /// How often the test daemon's commit log tries to repair itself.
 const HEAL_MS: &str = "100";
 
+/// A data directory on a disk that `turnd-faultfs` fails on demand: the flag files
+/// go in `flags`.
+struct FaultyDisk {
+    _dir: tempfile::TempDir,
+    data: PathBuf,
+    flags: PathBuf,
+}
+
+impl FaultyDisk {
+    fn new() -> anyhow::Result<FaultyDisk> {
+        let dir = tempfile::tempdir()?;
+        let (data, flags) = (dir.path().join("data"), dir.path().join("faultfs"));
+        std::fs::create_dir(&flags)?;
+        Ok(FaultyDisk {
+            _dir: dir,
+            data,
+            flags,
+        })
+    }
+
+    /// The real binary on this disk, with the library preloaded and `env` besides.
+    async fn start(&self, env: &[(&str, &str)]) -> anyhow::Result<BinDaemon> {
+        let lib = faultfs_lib()?;
+        let (lib, flags) = (lib.to_string_lossy(), self.flags.to_string_lossy());
+        let mut all = vec![("LD_PRELOAD", &*lib), ("TURND_FAULTFS_DIR", &*flags)];
+        all.extend_from_slice(env);
+        BinDaemon::start(&self.data, &all).await
+    }
+}
+
 /// Run turns, make the disk fail with `flag`, check the refusals, let the disk work
 /// again and check that the daemon heals by itself; kill, restart on a working disk and
 /// check that everything acknowledged is there and the refused submit is not.
 async fn acknowledged_turns_survive(flag: &str) -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let flags = dir.path().join("faultfs");
-    std::fs::create_dir(&flags)?;
-    let lib = faultfs_lib()?;
-    let (lib, flags_s) = (lib.to_string_lossy(), flags.to_string_lossy());
-    let d = BinDaemon::start(
-        &data,
-        &[
-            ("LD_PRELOAD", &lib),
-            ("TURND_FAULTFS_DIR", &flags_s),
-            ("TURND_STORAGE__HEAL_INTERVAL_MS", HEAL_MS),
-        ],
-    )
-    .await?;
+    let disk = FaultyDisk::new()?;
+    let d = disk
+        .start(&[("TURND_STORAGE__HEAL_INTERVAL_MS", HEAL_MS)])
+        .await?;
     let w = echo_worker(&d.url, "w-disk", 8).await;
     let c = Caller::connect(&d.url, None).await?;
     let mut acked = echo_turns(&c, "disk", 0, 5).await?;
     assert_eq!(http_get(&d.admin, "/readyz").await?.0, 200);
 
-    std::fs::write(flags.join(flag), b"")?;
+    std::fs::write(disk.flags.join(flag), b"")?;
     refused(
         c.submit_simple("disk", "echo", json!("during")).await,
         "submit while the disk fails",
     );
     assert_eq!(http_get(&d.admin, "/readyz").await?.0, 503);
-    std::fs::remove_file(flags.join(flag))?;
+    std::fs::remove_file(disk.flags.join(flag))?;
 
     // The log repairs itself within its heal interval: a submit is taken again.
     let healed_at = tokio::time::Instant::now();
@@ -94,7 +113,7 @@ async fn acknowledged_turns_survive(flag: &str) -> anyhow::Result<()> {
     w.shutdown();
     d.kill().await?;
 
-    let d = BinDaemon::start(&data, &[]).await?;
+    let d = BinDaemon::start(&disk.data, &[]).await?;
     let c = Caller::connect(&d.url, None).await?;
     all_completed(&c, &acked).await?;
     // The refused submit left no turn: the repair wrote over whatever it had left.
@@ -208,23 +227,14 @@ async fn syncs_over_100ms(admin: &str) -> anyhow::Result<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_whose_syncs_stall_slows_commits_and_the_sync_histogram_shows_it(
 ) -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let flags = dir.path().join("faultfs");
-    std::fs::create_dir(&flags)?;
-    let lib = faultfs_lib()?;
-    let (lib, flags_s) = (lib.to_string_lossy(), flags.to_string_lossy());
-    let d = BinDaemon::start(
-        &data,
-        &[("LD_PRELOAD", &lib), ("TURND_FAULTFS_DIR", &flags_s)],
-    )
-    .await?;
+    let disk = FaultyDisk::new()?;
+    let d = disk.start(&[]).await?;
     let w = echo_worker(&d.url, "w-slow", 8).await;
     let c = Caller::connect(&d.url, None).await?;
     echo_turns(&c, "slow", 0, 3).await?;
     let before = syncs_over_100ms(&d.admin).await?;
 
-    std::fs::write(flags.join("slow-syncs"), b"150")?;
+    std::fs::write(disk.flags.join("slow-syncs"), b"150")?;
     let started = std::time::Instant::now();
     echo_turns(&c, "slow", 10, 2).await?;
     // Each turn's admission is one commit at least, and each waited for its sync.
@@ -233,7 +243,7 @@ async fn a_disk_whose_syncs_stall_slows_commits_and_the_sync_histogram_shows_it(
         "two turns on a disk whose syncs take 150 ms took {:?}",
         started.elapsed()
     );
-    std::fs::remove_file(flags.join("slow-syncs"))?;
+    std::fs::remove_file(disk.flags.join("slow-syncs"))?;
     let slow = syncs_over_100ms(&d.admin).await? - before;
     assert!(slow >= 2.0, "{slow} group commits counted over 100 ms");
 
@@ -252,22 +262,13 @@ async fn a_disk_whose_syncs_stall_slows_commits_and_the_sync_histogram_shows_it(
 async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> anyhow::Result<()> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let flags = dir.path().join("faultfs");
-    std::fs::create_dir(&flags)?;
-    let lib = faultfs_lib()?;
-    let (lib, flags_s) = (lib.to_string_lossy(), flags.to_string_lossy());
-    let d = BinDaemon::start(
-        &data,
-        &[
-            ("LD_PRELOAD", &lib),
-            ("TURND_FAULTFS_DIR", &flags_s),
+    let disk = FaultyDisk::new()?;
+    let d = disk
+        .start(&[
             ("TURND_STORAGE__HEAL_INTERVAL_MS", HEAL_MS),
             ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
-        ],
-    )
-    .await?;
+        ])
+        .await?;
     let w = echo_worker(&d.url, "w-full", 8).await;
     let c = Arc::new(Caller::connect(&d.url, None).await?);
     let acked: Arc<Mutex<Vec<(String, String, u64)>>> = Arc::default();
@@ -300,7 +301,7 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
         });
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    std::fs::write(flags.join("disk-full"), b"")?;
+    std::fs::write(disk.flags.join("disk-full"), b"")?;
     turnd_tests::eventually(5, "/readyz 503 while the disk is full", || async {
         matches!(http_get(&d.admin, "/readyz").await, Ok((503, _))).then_some(())
     })
@@ -308,7 +309,7 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
     tokio::time::sleep(Duration::from_millis(500)).await;
     let during = *refusals.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
     assert!(during > 0, "no submit was refused while the disk was full");
-    std::fs::remove_file(flags.join("disk-full"))?;
+    std::fs::remove_file(disk.flags.join("disk-full"))?;
     let acked_before_room = acked.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
     turnd_tests::eventually(5, "/readyz 200 once space is back", || async {
         matches!(http_get(&d.admin, "/readyz").await, Ok((200, _))).then_some(())
@@ -351,7 +352,7 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
     w.shutdown();
     d.kill().await?;
 
-    let d = BinDaemon::start(&data, &[]).await?;
+    let d = BinDaemon::start(&disk.data, &[]).await?;
     let c = Caller::connect(&d.url, None).await?;
     let mut by_session: std::collections::BTreeMap<String, Vec<String>> = Default::default();
     for (session, id, i) in &acked {
@@ -395,28 +396,19 @@ async fn a_full_disk_refuses_writes_until_space_is_back_and_loses_nothing() -> a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_started_while_sled_fails_loses_nothing() -> anyhow::Result<()> {
     const WINDOW_MS: u64 = 150;
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let flags = dir.path().join("faultfs");
-    std::fs::create_dir(&flags)?;
-    let lib = faultfs_lib()?;
-    let (lib, flags_s) = (lib.to_string_lossy(), flags.to_string_lossy());
+    let disk = FaultyDisk::new()?;
     let window = WINDOW_MS.to_string();
-    let d = BinDaemon::start(
-        &data,
-        &[
-            ("LD_PRELOAD", &lib),
-            ("TURND_FAULTFS_DIR", &flags_s),
+    let d = disk
+        .start(&[
             ("TURND_STORAGE__HEAL_INTERVAL_MS", HEAL_MS),
             ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
             ("TURND_STORAGE__WINDOW_MS", &window),
-        ],
-    )
-    .await?;
+        ])
+        .await?;
     let w = echo_worker(&d.url, "w-win", 8).await;
     let c = Caller::connect(&d.url, None).await?;
     let windows =
-        || -> anyhow::Result<usize> { Ok(std::fs::read_dir(data.join("windows"))?.count()) };
+        || -> anyhow::Result<usize> { Ok(std::fs::read_dir(disk.data.join("windows"))?.count()) };
     let mut acked = echo_turns(&c, "win", 0, 3).await?;
     turnd_tests::eventually(5, "the first window", || async {
         (windows().ok()? >= 1).then_some(())
@@ -425,21 +417,21 @@ async fn a_window_started_while_sled_fails_loses_nothing() -> anyhow::Result<()>
     tokio::time::sleep(Duration::from_millis(WINDOW_MS + 50)).await;
 
     // The next window is due; sled's files refuse writes for three of its lengths.
-    std::fs::write(flags.join("fail-db-writes"), b"")?;
+    std::fs::write(disk.flags.join("fail-db-writes"), b"")?;
     let failing = tokio::time::Instant::now();
     let mut i = 100;
     while failing.elapsed() < Duration::from_millis(3 * WINDOW_MS) {
         acked.extend(echo_turns(&c, "win", i, 1).await?);
         i += 1;
     }
-    std::fs::remove_file(flags.join("fail-db-writes"))?;
+    std::fs::remove_file(disk.flags.join("fail-db-writes"))?;
     all_applied(&d.admin, 10).await?;
     acked.extend(echo_turns(&c, "win", 1000, 3).await?);
     drop(c);
     w.shutdown();
     d.kill().await?;
 
-    let d = BinDaemon::start(&data, &[]).await?;
+    let d = BinDaemon::start(&disk.data, &[]).await?;
     let c = Caller::connect(&d.url, None).await?;
     all_completed(&c, &acked).await?;
     store_is_clean(&d.url).await?;
