@@ -30,7 +30,7 @@ def main() -> None:
             took = int(m.group(2))
             syncs.append((end - took / 1000, end, took))
         gaps = [
-            (float(at), int(ms)) for ms, at in re.findall(r"(\d+) ms at [\d.]+ s \(unix ([\d.]+)\)", text)
+            (float(at), int(ms)) for ms, at in re.findall(r"(\d+) ms at [\d.]+ s \(unix ([\d.]+)[;)]", text)
         ]
         print(f"{path}: {len(syncs)} syncs of 10 ms or more: {[s[2] for s in syncs]}")
         for start, ms in gaps:

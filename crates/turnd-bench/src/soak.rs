@@ -133,6 +133,69 @@ struct Daemon {
     url: String,
     admin: String,
     pid: u32,
+    /// The commit log syncs of 10 ms or more the daemon logged (see [`slow_sync`]).
+    slow_syncs: Arc<Mutex<Vec<SlowSync>>>,
+    /// The task passing the daemon's log on; it ends when the daemon does.
+    log_reader: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// A commit log sync the daemon logged as slow: when it began and ended (Unix
+/// seconds) and how long it took.
+#[derive(Debug, Clone, Copy)]
+struct SlowSync {
+    start: f64,
+    end: f64,
+    took_ms: u64,
+}
+
+/// The slow sync a line of the daemon's log reports, if it is one: the committer logs
+/// every group commit whose write and `fdatasync` took 10 ms or more (debug; warn from
+/// 100 ms) with `took_ms`, after the sync, under the line's time.
+fn slow_sync(line: &str) -> Option<SlowSync> {
+    if !line.contains("turnd_store::logged:") {
+        return None;
+    }
+    let at = line.split_whitespace().next()?;
+    let at =
+        time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339).ok()?;
+    let end = at.unix_timestamp_nanos() as f64 / 1e9;
+    let took_ms: u64 = line
+        .split("took_ms=")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(SlowSync {
+        start: end - took_ms as f64 / 1000.0,
+        end,
+        took_ms,
+    })
+}
+
+/// The slow syncs that overlap `[start, start + len)` (Unix seconds), in words: which,
+/// and how much of the interval they cover.
+fn syncs_in(syncs: &[SlowSync], start: f64, len: Duration) -> String {
+    let end = start + len.as_secs_f64();
+    let over: Vec<&SlowSync> = syncs
+        .iter()
+        .filter(|s| s.start < end && s.end > start)
+        .collect();
+    if over.is_empty() {
+        return "no commit log sync of 10 ms or more in it".into();
+    }
+    let covered: f64 = over
+        .iter()
+        .map(|s| s.end.min(end) - s.start.max(start))
+        .sum();
+    format!(
+        "commit log syncs of {} ms in it, covering {:.0} %",
+        over.iter()
+            .map(|s| s.took_ms.to_string())
+            .collect::<Vec<_>>()
+            .join(" + "),
+        100.0 * covered / len.as_secs_f64().max(1e-9)
+    )
 }
 
 /// A few store gauges and counters from the daemon's `/metrics` (None: not exported
@@ -217,12 +280,31 @@ async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
         cmd.env("TURND_RETENTION__TERMINAL_MS", ms.to_string())
             .env("TURND_RETENTION__SWEEP_INTERVAL_MS", a.sweep_ms.to_string());
     }
+    // The committer's lines about slow syncs, so that the longest intervals can be
+    // set beside them; `--env TURND_LOG=...` replaces this.
+    cmd.env("TURND_LOG", "warn,turnd_store::logged=debug");
     for (k, v) in &a.env {
         cmd.env(k, v);
     }
-    let child = cmd
+    cmd.stderr(std::process::Stdio::piped());
+    let mut child = cmd
         .spawn()
         .with_context(|| format!("spawn {}", a.turnd.display()))?;
+    // The daemon's log goes on to ours, line by line, and its slow syncs are kept.
+    let slow_syncs: Arc<Mutex<Vec<SlowSync>>> = Arc::default();
+    let log_reader = child.stderr.take().map(|stderr| {
+        let kept = slow_syncs.clone();
+        tokio::spawn(async move {
+            use tokio::io::AsyncBufReadExt;
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                if let (Some(s), Ok(mut kept)) = (slow_sync(&line), kept.lock()) {
+                    kept.push(s);
+                }
+            }
+        })
+    });
     let started = Instant::now();
     let body = loop {
         if let Ok(b) = std::fs::read_to_string(&ready) {
@@ -239,6 +321,8 @@ async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
         admin: v["admin"].as_str().unwrap_or_default().to_string(),
         pid: child.id().context("daemon pid")?,
         child,
+        slow_syncs,
+        log_reader,
     })
 }
 
@@ -339,6 +423,15 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     close_callers(cs).await;
     workers.stop().await?;
     d.child.kill().await.context("stop the daemon")?;
+    // Every line the daemon wrote before it stopped, read (its log ends with it).
+    if let Some(reader) = d.log_reader.take() {
+        if tokio::time::timeout(Duration::from_secs(5), reader)
+            .await
+            .is_err()
+        {
+            eprintln!("the daemon's log was still open 5 s after it was stopped");
+        }
+    }
 
     let mut l = match Arc::try_unwrap(log) {
         Ok(m) => m.into_inner().unwrap_or_default(),
@@ -402,15 +495,17 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64())
     };
+    let slow_syncs = d.slow_syncs.lock().map(|s| s.clone()).unwrap_or_default();
     println!(
         "  longest intervals with no completion: {}",
         gaps.iter()
             .take(5)
             .map(|(len, at)| format!(
-                "{:.0} ms at {:.3} s (unix {:.3})",
+                "{:.0} ms at {:.3} s (unix {:.3}; {})",
                 len.as_secs_f64() * 1000.0,
                 at.as_secs_f64(),
-                unix_secs(*at)
+                unix_secs(*at),
+                syncs_in(&slow_syncs, unix_secs(*at), *len)
             ))
             .collect::<Vec<_>>()
             .join(" · ")
@@ -448,4 +543,39 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             .join(" ")
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slow_sync_line_gives_its_span_and_other_lines_nothing() {
+        let line = "2026-12-04T20:52:53.952907Z  WARN turnd_store::logged: the commit log's write and fdatasync took 120 ms; every commit waited for the disk took_ms=120 batches=93 bytes=184517";
+        let s = slow_sync(line).expect("a slow sync");
+        assert_eq!(s.took_ms, 120);
+        assert!((s.end - 1_796_417_573.952_907).abs() < 1e-3, "{s:?}");
+        assert!((s.end - s.start - 0.120).abs() < 1e-6, "{s:?}");
+        let other = "2026-12-04T20:52:21.221972Z DEBUG turnd_store::logged: made the commit log's next segment ahead of need";
+        assert!(slow_sync(other).is_none());
+        assert!(slow_sync("no time turnd_store::logged: took_ms=5").is_none());
+    }
+
+    #[test]
+    fn an_interval_lists_the_syncs_that_overlap_it_and_their_share() {
+        let sync = |start: f64, took_ms: u64| SlowSync {
+            start,
+            end: start + took_ms as f64 / 1000.0,
+            took_ms,
+        };
+        let syncs = [sync(10.000, 95), sync(10.095, 35), sync(20.0, 50)];
+        assert_eq!(
+            syncs_in(&syncs, 10.0, Duration::from_millis(135)),
+            "commit log syncs of 95 + 35 ms in it, covering 96 %"
+        );
+        assert_eq!(
+            syncs_in(&syncs, 15.0, Duration::from_millis(40)),
+            "no commit log sync of 10 ms or more in it"
+        );
+    }
 }
