@@ -416,7 +416,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     };
     let disk_end = disk_bytes(&data);
     let rss_end = rss_kb(d.pid);
-    let syncs = match http_get(&d.admin, "/metrics").await {
+    let sync_histogram = match http_get(&d.admin, "/metrics").await {
         Ok((_, body)) => sync_summary(&body),
         Err(_) => String::new(),
     };
@@ -510,8 +510,8 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" · ")
     );
-    if !syncs.is_empty() {
-        println!("  {syncs}");
+    if !sync_histogram.is_empty() {
+        println!("  {sync_histogram}");
     }
     if let Some((first, mut took)) = reads {
         println!(

@@ -520,7 +520,7 @@ pub const SYNC_BUCKET_BOUNDS: [f64; 11] = [
 pub const SYNC_BUCKETS: usize = SYNC_BUCKET_BOUNDS.len() + 1;
 
 /// The bucket of [`CommitStats::sync_buckets`] a sync of `took` belongs to.
-pub fn sync_bucket(took: std::time::Duration) -> usize {
+fn sync_bucket(took: std::time::Duration) -> usize {
     let secs = took.as_secs_f64();
     SYNC_BUCKET_BOUNDS
         .iter()
@@ -593,6 +593,15 @@ pub struct CommitStats {
     /// database (turns that ended, or events written, between retention's judging
     /// the window empty and the drop; see [`windows`]).
     pub window_leftovers: u64,
+}
+
+impl CommitStats {
+    /// Count a group commit's write and sync of `took` (its time in `sync_micros`,
+    /// and its bucket in `sync_buckets`).
+    pub fn record_sync(&mut self, took: std::time::Duration) {
+        self.sync_micros += took.as_micros() as u64;
+        self.sync_buckets[sync_bucket(took)] += 1;
+    }
 }
 
 /// The index of unfinished turns of the earlier store layout.

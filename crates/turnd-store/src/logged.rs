@@ -1182,8 +1182,7 @@ fn committer_loop(
             s.syncs += 1;
             s.batches += jobs.len() as u64;
             s.commit_micros += micros;
-            s.sync_micros += synced.as_micros() as u64;
-            s.sync_buckets[crate::sync_bucket(synced)] += 1;
+            s.record_sync(synced);
             s.max_group = s.max_group.max(jobs.len() as u64);
             s.log_bytes += bytes;
         }

@@ -162,7 +162,7 @@ impl Kv for MemKv {
                 if let Ok(mut s) = self.stats.lock() {
                     s.syncs += 1;
                     s.batches += 1;
-                    s.sync_buckets[crate::sync_bucket(std::time::Duration::ZERO)] += 1;
+                    s.record_sync(std::time::Duration::ZERO);
                     s.max_group = s.max_group.max(1);
                 }
                 Ok(())

@@ -820,9 +820,7 @@ fn writer_loop(shared: &Shared, rx: mpsc::Receiver<Job>, stats: &Mutex<CommitSta
             s.syncs += 1;
             s.batches += replies.len() as u64;
             s.commit_micros += took.as_micros() as u64;
-            let synced = took.saturating_sub(applied);
-            s.sync_micros += synced.as_micros() as u64;
-            s.sync_buckets[crate::sync_bucket(synced)] += 1;
+            s.record_sync(took.saturating_sub(applied));
             s.max_group = s.max_group.max(replies.len() as u64);
         }
         for reply in replies {
