@@ -33,6 +33,7 @@ static MALLOC_CONF: &[u8; 60] = b"background_thread:true,dirty_decay_ms:1000,muz
 
 mod daemon;
 mod drive;
+mod machine;
 mod measure;
 mod scenarios;
 mod sled_probe;

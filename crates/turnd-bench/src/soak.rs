@@ -6,7 +6,9 @@
 //! the next, for `--seconds`. Echo workers and callers run in this process. Printed:
 //! completions per second, the longest interval in which no turn completed (a stall of
 //! every commit shows here) and the five longest with where they began (seconds into
-//! the run, and Unix time to set beside a system trace), submit → terminal p50/p99/p99.9/max, bytes of disk per
+//! the run, and Unix time to set beside a system trace) with what held each up (the
+//! commit log syncs of 10 ms or more the daemon logged in it, and the machine's own
+//! stalls, see [`crate::machine`]), submit → terminal p50/p99/p99.9/max, bytes of disk per
 //! turn (blocks allocated in the data directory at each mark and at the end), and the
 //! daemon's RSS. `--retention-ms` sets `retention.terminal_ms` (with a sweep every
 //! `--sweep-ms`), for a run whose rounds of equal work should leave the data
@@ -23,6 +25,7 @@ use turnd_client::turnd_proto::TurnStatus;
 use turnd_client::Caller;
 
 use crate::daemon::{callers, close_callers, Workers, ECHO};
+use crate::machine::{overlapping, MachineWatch, Seen, Span};
 use crate::measure::{command_line, http_get, Latencies};
 use crate::scenarios::serve_command;
 
@@ -134,24 +137,15 @@ struct Daemon {
     admin: String,
     pid: u32,
     /// The commit log syncs of 10 ms or more the daemon logged (see [`slow_sync`]).
-    slow_syncs: Arc<Mutex<Vec<SlowSync>>>,
+    slow_syncs: Arc<Mutex<Vec<Span>>>,
     /// The task passing the daemon's log on; it ends when the daemon does.
     log_reader: Option<tokio::task::JoinHandle<()>>,
 }
 
-/// A commit log sync the daemon logged as slow: when it began and ended (Unix
-/// seconds) and how long it took.
-#[derive(Debug, Clone, Copy)]
-struct SlowSync {
-    start: f64,
-    end: f64,
-    took_ms: u64,
-}
-
-/// The slow sync a line of the daemon's log reports, if it is one: the committer logs
-/// every group commit whose write and `fdatasync` took 10 ms or more (debug; warn from
-/// 100 ms) with `took_ms`, after the sync, under the line's time.
-fn slow_sync(line: &str) -> Option<SlowSync> {
+/// The slow sync a line of the daemon's log reports, if it is one (Unix seconds): the
+/// committer logs every group commit whose write and `fdatasync` took 10 ms or more
+/// (debug; warn from 100 ms) with `took_ms`, after the sync, under the line's time.
+fn slow_sync(line: &str) -> Option<Span> {
     if !line.contains("turnd_store::logged:") {
         return None;
     }
@@ -166,40 +160,75 @@ fn slow_sync(line: &str) -> Option<SlowSync> {
         .next()?
         .parse()
         .ok()?;
-    Some(SlowSync {
+    Some(Span {
         start: end - took_ms as f64 / 1000.0,
         end,
-        took_ms,
+        ms: took_ms as f64,
     })
 }
 
-/// The slow syncs that overlap `[start, start + len)` (Unix seconds), in words: which,
-/// and how much of the interval they cover.
-fn syncs_in(syncs: &[SlowSync], start: f64, len: Duration) -> String {
+/// What held up `[start, start + len)` (Unix seconds), in words: the slow syncs that
+/// overlap it and how much of it they cover, then the machine's late wake-ups and
+/// steal in it (see [`crate::machine`]).
+fn held_in(syncs: &[Span], machine: &Seen, start: f64, len: Duration) -> String {
     let end = start + len.as_secs_f64();
-    let over: Vec<&SlowSync> = syncs
-        .iter()
-        .filter(|s| s.start < end && s.end > start)
-        .collect();
-    if over.is_empty() {
-        return "no commit log sync of 10 ms or more in it".into();
-    }
-    let covered: f64 = over
-        .iter()
-        .map(|s| s.end.min(end) - s.start.max(start))
-        .sum();
-    format!(
-        "commit log syncs of {} ms in it, covering {:.0} %",
+    let list = |over: &[Span]| {
         over.iter()
-            .map(|s| s.took_ms.to_string())
+            .map(|s| format!("{:.0}", s.ms))
             .collect::<Vec<_>>()
-            .join(" + "),
-        100.0 * covered / len.as_secs_f64().max(1e-9)
-    )
+            .join(" + ")
+    };
+    let mut words = Vec::new();
+    match overlapping(syncs, start, end) {
+        (over, _) if over.is_empty() => {
+            words.push("no commit log sync of 10 ms or more in it".to_string());
+        }
+        (over, share) => words.push(format!(
+            "commit log syncs of {} ms in it, covering {:.0} %",
+            list(&over),
+            100.0 * share
+        )),
+    }
+    let (late, share) = overlapping(&machine.late_wakeups, start, end);
+    if !late.is_empty() {
+        words.push(format!(
+            "a sleeping thread woke {} ms late, covering {:.0} %",
+            list(&late),
+            100.0 * share
+        ));
+    }
+    // The threads that waited longest for a core in it, summed per thread.
+    let mut waited: Vec<(String, f64)> = Vec::new();
+    for w in &machine.waits {
+        if w.span.start < end && w.span.end > start {
+            match waited.iter_mut().find(|(who, _)| *who == w.who) {
+                Some((_, ms)) => *ms += w.span.ms,
+                None => waited.push((w.who.clone(), w.span.ms)),
+            }
+        }
+    }
+    if !waited.is_empty() {
+        waited.sort_by(|a, b| b.1.total_cmp(&a.1));
+        words.push(format!(
+            "waited for a core in the samples over it: {}",
+            waited
+                .iter()
+                .take(3)
+                .map(|(who, ms)| format!("{who} {ms:.0} ms"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    let (steal, _) = overlapping(&machine.steal, start, end);
+    if !steal.is_empty() {
+        words.push(format!(
+            "steal of {:.0} ms in the samples over it",
+            steal.iter().map(|s| s.ms).sum::<f64>()
+        ));
+    }
+    words.join("; ")
 }
 
-/// A few store gauges and counters from the daemon's `/metrics` (None: not exported
-/// by this build, or not reachable).
 async fn store_metrics(admin: &str) -> String {
     let Ok((_, body)) = http_get(admin, "/metrics").await else {
         return String::new();
@@ -291,7 +320,7 @@ async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
         .spawn()
         .with_context(|| format!("spawn {}", a.turnd.display()))?;
     // The daemon's log goes on to ours, line by line, and its slow syncs are kept.
-    let slow_syncs: Arc<Mutex<Vec<SlowSync>>> = Arc::default();
+    let slow_syncs: Arc<Mutex<Vec<Span>>> = Arc::default();
     let log_reader = child.stderr.take().map(|stderr| {
         let kept = slow_syncs.clone();
         tokio::spawn(async move {
@@ -347,6 +376,10 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     let cs = callers(&d.url, a.callers).await?;
     let log = Arc::new(Mutex::new(Log::default()));
     let pad: Arc<str> = "x".repeat(a.input_bytes).into();
+    let machine = MachineWatch::start(vec![
+        ("turnd".into(), d.pid),
+        ("bench".into(), std::process::id()),
+    ]);
     let start = Instant::now();
     let start_wall = std::time::SystemTime::now();
     let end = start + Duration::from_secs(a.seconds);
@@ -410,6 +443,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         r.context("session task")??;
     }
     let wall = start.elapsed();
+    let machine = machine.stop();
     let reads = match reads {
         Some(r) => Some(r.await.context("events reads")?),
         None => None,
@@ -505,7 +539,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
                 len.as_secs_f64() * 1000.0,
                 at.as_secs_f64(),
                 unix_secs(*at),
-                syncs_in(&slow_syncs, unix_secs(*at), *len)
+                held_in(&slow_syncs, &machine, unix_secs(*at), *len)
             ))
             .collect::<Vec<_>>()
             .join(" · ")
@@ -553,7 +587,7 @@ mod tests {
     fn a_slow_sync_line_gives_its_span_and_other_lines_nothing() {
         let line = "2026-12-04T20:52:53.952907Z  WARN turnd_store::logged: the commit log's write and fdatasync took 120 ms; every commit waited for the disk took_ms=120 batches=93 bytes=184517";
         let s = slow_sync(line).expect("a slow sync");
-        assert_eq!(s.took_ms, 120);
+        assert!((s.ms - 120.0).abs() < 1e-9, "{s:?}");
         assert!((s.end - 1_796_417_573.952_907).abs() < 1e-3, "{s:?}");
         assert!((s.end - s.start - 0.120).abs() < 1e-6, "{s:?}");
         let other = "2026-12-04T20:52:21.221972Z DEBUG turnd_store::logged: made the commit log's next segment ahead of need";
@@ -563,19 +597,50 @@ mod tests {
 
     #[test]
     fn an_interval_lists_the_syncs_that_overlap_it_and_their_share() {
-        let sync = |start: f64, took_ms: u64| SlowSync {
+        let span = |start: f64, ms: f64| Span {
             start,
-            end: start + took_ms as f64 / 1000.0,
-            took_ms,
+            end: start + ms / 1000.0,
+            ms,
         };
-        let syncs = [sync(10.000, 95), sync(10.095, 35), sync(20.0, 50)];
+        let syncs = [span(10.000, 95.0), span(10.095, 35.0), span(20.0, 50.0)];
+        let quiet = Seen {
+            late_wakeups: vec![],
+            steal: vec![],
+            waits: vec![],
+        };
         assert_eq!(
-            syncs_in(&syncs, 10.0, Duration::from_millis(135)),
+            held_in(&syncs, &quiet, 10.0, Duration::from_millis(135)),
             "commit log syncs of 95 + 35 ms in it, covering 96 %"
         );
         assert_eq!(
-            syncs_in(&syncs, 15.0, Duration::from_millis(40)),
+            held_in(&syncs, &quiet, 15.0, Duration::from_millis(40)),
             "no commit log sync of 10 ms or more in it"
+        );
+        let held = Seen {
+            late_wakeups: vec![span(15.005, 30.0)],
+            steal: vec![span(14.99, 20.0), span(15.01, 10.0), span(16.0, 10.0)],
+            waits: [
+                ("turnd/turnd-log", 15.0, 4.0),
+                ("bench/tokio-runtime-w", 15.01, 9.0),
+                ("turnd/turnd-log", 15.02, 8.0),
+                ("turnd/turnd-apply", 15.2, 30.0),
+            ]
+            .iter()
+            .map(|&(who, start, ms)| crate::machine::Waited {
+                span: Span {
+                    start,
+                    end: start + 0.01,
+                    ms,
+                },
+                who: who.into(),
+            })
+            .collect(),
+        };
+        assert_eq!(
+            held_in(&syncs, &held, 15.0, Duration::from_millis(40)),
+            "no commit log sync of 10 ms or more in it; a sleeping thread woke 30 ms late, \
+             covering 75 %; waited for a core in the samples over it: turnd/turnd-log 12 ms, \
+             bench/tokio-runtime-w 9 ms; steal of 30 ms in the samples over it"
         );
     }
 }

@@ -1,0 +1,301 @@
+//! What the machine itself did during a soak, to set beside its longest intervals with
+//! no completion: the late wake-ups of a thread that only sleeps, the CPU time the
+//! hypervisor took from this machine (`steal` in `/proc/stat`), and the time each
+//! thread of the daemon and of the bench was runnable but waited for a core
+//! (`run_delay` in `/proc/PID/task/TID/schedstat`).
+//!
+//! A thread that asks to sleep 1 ms and wakes 20 ms later was runnable for 19 ms and
+//! ran nothing: on a machine whose cores were free to take it, no lock, queue or disk
+//! of the daemon's can cause that; a host that did not run this machine, or a kernel
+//! busy elsewhere, can. Steal is counted by the kernel in ticks of `1 / _SC_CLK_TCK`
+//! (10 ms here), summed over the cores, so it says "some time in this sample", never
+//! where in it. A thread's `run_delay` is read every [`WAITS_EVERY`], so a wait is
+//! placed in the sample it grew in.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+/// A stretch of Unix time (seconds) in which something held up, and for how long.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Span {
+    pub start: f64,
+    pub end: f64,
+    /// How long it held up, in milliseconds (for steal: over all cores, so it may
+    /// exceed the span).
+    pub ms: f64,
+}
+
+/// How late a 1 ms sleep must wake to be kept.
+const LATE: Duration = Duration::from_millis(5);
+/// How often `/proc/stat` is read for steal.
+const STEAL_EVERY: Duration = Duration::from_millis(20);
+
+/// How often the threads' `run_delay` is read.
+const WAITS_EVERY: Duration = Duration::from_millis(10);
+/// How much a thread's `run_delay` must grow in one sample to be kept.
+const WAITED: Duration = Duration::from_millis(3);
+
+/// A sample in which a thread waited for a core.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Waited {
+    pub span: Span,
+    /// `process/thread` (the process as named to [`MachineWatch::start`], the
+    /// thread's `comm`).
+    pub who: String,
+}
+
+/// The watchers, each on a thread of its own, until [`MachineWatch::stop`].
+pub struct MachineWatch {
+    stop: Arc<AtomicBool>,
+    late: JoinHandle<Vec<Span>>,
+    steal: JoinHandle<Vec<Span>>,
+    waits: JoinHandle<Vec<Waited>>,
+}
+
+/// What [`MachineWatch`] saw.
+pub struct Seen {
+    /// Wake-ups of the sleeping thread [`LATE`] or more after they were due.
+    pub late_wakeups: Vec<Span>,
+    /// Samples of `/proc/stat` in which steal grew (empty where it cannot be read).
+    pub steal: Vec<Span>,
+    /// Samples in which a thread of a watched process waited [`WAITED`] or more for a
+    /// core.
+    pub waits: Vec<Waited>,
+}
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The `steal` ticks of the first line of `/proc/stat` (all cores).
+fn steal_ticks(stat: &str) -> Option<u64> {
+    let cpu = stat.lines().next()?;
+    let mut fields = cpu.split_whitespace();
+    if fields.next()? != "cpu" {
+        return None;
+    }
+    // user nice system idle iowait irq softirq steal
+    fields.nth(7)?.parse().ok()
+}
+
+/// The `run_delay` of a `schedstat` file's text, in nanoseconds.
+fn run_delay_ns(schedstat: &str) -> Option<u64> {
+    schedstat.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Each thread of `pid` as (thread id, `comm`, `run_delay` in ns); none once the
+/// process is gone.
+fn thread_delays(pid: u32) -> Vec<(u32, String, u64)> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| {
+            let t = t.ok()?;
+            let tid: u32 = t.file_name().to_str()?.parse().ok()?;
+            let path = t.path();
+            let delay = run_delay_ns(&std::fs::read_to_string(path.join("schedstat")).ok()?)?;
+            let comm = std::fs::read_to_string(path.join("comm")).ok()?;
+            Some((tid, comm.trim().to_string(), delay))
+        })
+        .collect()
+}
+
+/// Sleep 1 ms at a time until `stop`; the wake-ups [`LATE`] or more after they were due.
+fn late_wakeups(stop: &AtomicBool) -> Vec<Span> {
+    let mut seen = Vec::new();
+    let ask = Duration::from_millis(1);
+    while !stop.load(Ordering::Relaxed) {
+        let wall = SystemTime::now();
+        let t0 = Instant::now();
+        std::thread::sleep(ask);
+        let slept = t0.elapsed();
+        if slept >= ask + LATE {
+            seen.push(Span {
+                start: unix(wall) + ask.as_secs_f64(),
+                end: unix(wall) + slept.as_secs_f64(),
+                ms: (slept - ask).as_secs_f64() * 1000.0,
+            });
+        }
+    }
+    seen
+}
+
+/// Read steal every [`STEAL_EVERY`] until `stop`; the samples in which it grew.
+fn steal(stop: &AtomicBool) -> Vec<Span> {
+    let mut seen = Vec::new();
+    // SAFETY: sysconf reads a constant of the system and has no preconditions.
+    let tick_ms = match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+        t if t > 0 => 1000.0 / t as f64,
+        _ => return seen,
+    };
+    let read = || {
+        std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| steal_ticks(&s))
+    };
+    let Some(mut prev) = read() else {
+        return seen;
+    };
+    let mut prev_at = unix(SystemTime::now());
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(STEAL_EVERY);
+        let Some(now) = read() else { break };
+        let at = unix(SystemTime::now());
+        if now > prev {
+            seen.push(Span {
+                start: prev_at,
+                end: at,
+                ms: (now - prev) as f64 * tick_ms,
+            });
+        }
+        prev = now;
+        prev_at = at;
+    }
+    seen
+}
+
+/// Read the `run_delay` of every thread of `processes` every [`WAITS_EVERY`] until
+/// `stop`; the samples in which one grew [`WAITED`] or more.
+fn waits(stop: &AtomicBool, processes: &[(String, u32)]) -> Vec<Waited> {
+    let mut seen = Vec::new();
+    let mut last: std::collections::HashMap<(u32, u32), u64> = Default::default();
+    let mut prev_at = unix(SystemTime::now());
+    while !stop.load(Ordering::Relaxed) {
+        let at = unix(SystemTime::now());
+        for (name, pid) in processes {
+            for (tid, comm, delay) in thread_delays(*pid) {
+                let before = last.insert((*pid, tid), delay);
+                let grew = before.map_or(0, |b| delay.saturating_sub(b));
+                if grew >= WAITED.as_nanos() as u64 {
+                    seen.push(Waited {
+                        span: Span {
+                            start: prev_at,
+                            end: at,
+                            ms: grew as f64 / 1e6,
+                        },
+                        who: format!("{name}/{comm}"),
+                    });
+                }
+            }
+        }
+        prev_at = at;
+        std::thread::sleep(WAITS_EVERY);
+    }
+    seen
+}
+
+impl MachineWatch {
+    /// Watch the machine, and the threads of each `(name, pid)` of `processes`.
+    pub fn start(processes: Vec<(String, u32)>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s1, s2, s3) = (stop.clone(), stop.clone(), stop.clone());
+        Self {
+            late: std::thread::spawn(move || late_wakeups(&s1)),
+            steal: std::thread::spawn(move || steal(&s2)),
+            waits: std::thread::spawn(move || waits(&s3, &processes)),
+            stop,
+        }
+    }
+
+    pub fn stop(self) -> Seen {
+        self.stop.store(true, Ordering::Relaxed);
+        Seen {
+            late_wakeups: self.late.join().unwrap_or_default(),
+            steal: self.steal.join().unwrap_or_default(),
+            waits: self.waits.join().unwrap_or_default(),
+        }
+    }
+}
+
+/// The spans that overlap `[start, end)`, and the share of it they cover (overlaps
+/// between the spans themselves are counted once per span).
+pub fn overlapping(spans: &[Span], start: f64, end: f64) -> (Vec<Span>, f64) {
+    let over: Vec<Span> = spans
+        .iter()
+        .filter(|s| s.start < end && s.end > start)
+        .copied()
+        .collect();
+    let covered: f64 = over
+        .iter()
+        .map(|s| s.end.min(end) - s.start.max(start))
+        .sum();
+    (over, covered / (end - start).max(1e-9))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steal_is_the_eighth_number_of_the_cpu_line() {
+        let stat = "cpu  4416884 2338 1032592 4687099 192783 0 127529 26571 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n";
+        assert_eq!(steal_ticks(stat), Some(26571));
+        assert_eq!(steal_ticks("cpu0 1 2 3 4 5 6 7 8\n"), None);
+        assert_eq!(steal_ticks("cpu 1 2 3\n"), None);
+    }
+
+    #[test]
+    fn run_delay_is_the_second_number_of_schedstat() {
+        assert_eq!(run_delay_ns("86263600 13545011 237\n"), Some(13_545_011));
+        assert_eq!(run_delay_ns("86263600"), None);
+    }
+
+    #[test]
+    fn a_thread_kept_off_its_core_is_seen_waiting() {
+        // Three threads that spin on one core for 300 ms: on it, each waits for the
+        // others about two thirds of the time.
+        let pid = std::process::id();
+        let w = MachineWatch::start(vec![("self".into(), pid)]);
+        let spin: Vec<_> = (0..3)
+            .map(|_| {
+                std::thread::Builder::new()
+                    .name("spinner".into())
+                    .spawn(move || {
+                        // SAFETY: a zeroed cpu_set_t is an empty set, CPU_SET writes
+                        // within it, and sched_setaffinity only reads it.
+                        let pinned = unsafe {
+                            let mut set: libc::cpu_set_t = std::mem::zeroed();
+                            libc::CPU_SET(0, &mut set);
+                            libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set)
+                        };
+                        assert_eq!(pinned, 0, "pin a spinner to core 0");
+                        let t = Instant::now();
+                        while t.elapsed() < Duration::from_millis(300) {
+                            std::hint::spin_loop();
+                        }
+                    })
+            })
+            .collect();
+        for t in spin {
+            t.expect("spawn").join().expect("spinner");
+        }
+        let seen = w.stop();
+        let waited: f64 = seen
+            .waits
+            .iter()
+            .filter(|w| w.who == "self/spinner")
+            .map(|w| w.span.ms)
+            .sum();
+        assert!(waited > 100.0, "the spinners waited {waited} ms in all");
+    }
+
+    #[test]
+    fn overlapping_spans_and_their_share() {
+        let span = |start: f64, end: f64| Span {
+            start,
+            end,
+            ms: (end - start) * 1000.0,
+        };
+        let spans = [span(10.0, 10.02), span(10.05, 10.2), span(11.0, 11.1)];
+        let (over, share) = overlapping(&spans, 10.0, 10.1);
+        assert_eq!(over.len(), 2);
+        assert!((share - 0.7).abs() < 1e-9, "{share}");
+        let (none, share) = overlapping(&spans, 10.3, 10.4);
+        assert!(none.is_empty());
+        assert!(share.abs() < 1e-12);
+    }
+}
