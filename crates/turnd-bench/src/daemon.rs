@@ -192,19 +192,29 @@ impl BenchDaemon {
 }
 
 /// The echo handler: `continue` until the last step, then `complete`, both with the
-/// input unchanged.
+/// input unchanged, except that an input with `"reverse_pad": true` has its `pad`
+/// string returned reversed (an output that repeats no run of the input, as a real
+/// function's would not).
 pub async fn echo(ctx: InvocationCtx) -> Outcome {
-    let steps = ctx
-        .invoke
-        .input
-        .get("steps")
-        .and_then(Value::as_u64)
-        .unwrap_or(1);
+    let input = &ctx.invoke.input;
+    let steps = input.get("steps").and_then(Value::as_u64).unwrap_or(1);
+    let out = echoed(input);
     if u64::from(ctx.invoke.step) + 1 < steps {
-        Outcome::Continue(ctx.invoke.input.clone())
+        Outcome::Continue(out)
     } else {
-        Outcome::Complete(ctx.invoke.input.clone())
+        Outcome::Complete(out)
     }
+}
+
+/// What [`echo`] returns for `input`.
+fn echoed(input: &Value) -> Value {
+    let mut out = input.clone();
+    if input.get("reverse_pad").and_then(Value::as_bool) == Some(true) {
+        if let Some(pad) = input.get("pad").and_then(Value::as_str) {
+            out["pad"] = Value::String(pad.chars().rev().collect());
+        }
+    }
+    out
 }
 
 /// Echo workers: `n` connections serving [`ECHO`] with `concurrency` each; returns
@@ -262,5 +272,21 @@ pub async fn callers(url: &str, n: usize) -> anyhow::Result<Vec<Arc<Caller>>> {
 pub async fn close_callers(callers: Vec<Arc<Caller>>) {
     for c in callers {
         c.connection().close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn echo_returns_the_input_and_a_pad_reversed_only_when_asked() {
+        let plain = json!({"i": 1, "pad": "abc"});
+        assert_eq!(echoed(&plain), plain);
+        assert_eq!(
+            echoed(&json!({"i": 1, "pad": "abc", "reverse_pad": true})),
+            json!({"i": 1, "pad": "cba", "reverse_pad": true})
+        );
     }
 }

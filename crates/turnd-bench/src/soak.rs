@@ -42,6 +42,12 @@ pub struct SoakArgs {
     /// Filler in every input (returned as the output), in bytes.
     #[arg(long, default_value_t = 0)]
     pub input_bytes: usize,
+    /// Make each turn's filler random letters and digits, drawn afresh for every turn,
+    /// and have the worker return it reversed: neither compresses, and the output
+    /// repeats no run of the input (without it the filler is `x` repeated, returned
+    /// unchanged, which compresses to almost nothing).
+    #[arg(long)]
+    pub random_filler: bool,
     /// retention.terminal_ms of the daemon (default: the daemon's own).
     #[arg(long)]
     pub retention_ms: Option<u64>,
@@ -355,6 +361,20 @@ async fn spawn(a: &SoakArgs, data: &Path) -> anyhow::Result<Daemon> {
     })
 }
 
+/// The input of the `i`th turn of a session: `pad` as its filler, or with
+/// `random`, `bytes` random letters and digits that the echo worker returns reversed
+/// (see [`crate::daemon::echo`]).
+fn filled(i: u64, pad: &str, random: bool, bytes: usize) -> Value {
+    if random {
+        let fresh: String = std::iter::repeat_with(fastrand::alphanumeric)
+            .take(bytes)
+            .collect();
+        json!({"i": i, "pad": fresh, "reverse_pad": true})
+    } else {
+        json!({"i": i, "pad": pad})
+    }
+}
+
 #[derive(Default)]
 struct Log {
     completions: Vec<Instant>,
@@ -376,6 +396,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     let cs = callers(&d.url, a.callers).await?;
     let log = Arc::new(Mutex::new(Log::default()));
     let pad: Arc<str> = "x".repeat(a.input_bytes).into();
+    let (random_filler, input_bytes) = (a.random_filler, a.input_bytes);
     let machine = MachineWatch::start(vec![
         ("turnd".into(), d.pid),
         ("bench".into(), std::process::id()),
@@ -394,7 +415,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             while Instant::now() < end {
                 let t0 = Instant::now();
                 let t = c
-                    .submit_simple(&sid, ECHO, json!({"i": i, "pad": &*pad}))
+                    .submit_simple(&sid, ECHO, filled(i, &pad, random_filler, input_bytes))
                     .await
                     .context("submit")?;
                 let done = c
@@ -493,11 +514,16 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     let ms = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{v:.2}"));
     println!("## soak: {}", command_line());
     println!(
-        "binary {} · {} sessions closed loop · {} s · input filler {} B · retention {}",
+        "binary {} · {} sessions closed loop · {} s · input filler {} B{} · retention {}",
         a.turnd.display(),
         a.sessions,
         a.seconds,
         a.input_bytes,
+        if a.random_filler {
+            " (random, returned reversed)"
+        } else {
+            ""
+        },
         a.retention_ms.map_or("off".to_string(), |m| format!(
             "{m} ms, sweep {} ms",
             a.sweep_ms
@@ -582,6 +608,18 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_random_filler_is_fresh_letters_and_digits_of_the_size_asked() {
+        let a = filled(3, "xx", true, 64);
+        let b = filled(3, "xx", true, 64);
+        let pad = a["pad"].as_str().expect("pad");
+        assert_eq!(pad.len(), 64);
+        assert!(pad.bytes().all(|c| c.is_ascii_alphanumeric()), "{pad}");
+        assert_ne!(a["pad"], b["pad"]);
+        assert_eq!(a["reverse_pad"], true);
+        assert_eq!(filled(3, "xx", false, 64), json!({"i": 3, "pad": "xx"}));
+    }
 
     #[test]
     fn a_slow_sync_line_gives_its_span_and_other_lines_nothing() {
