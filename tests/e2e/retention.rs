@@ -11,6 +11,8 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use serde_json::json;
 use turnd_client::turnd_proto::{ErrorCode, ListArgs, SubmitArgs, TurnStatus};
 use turnd_client::Caller;
@@ -545,6 +547,86 @@ async fn equal_rounds_of_work_leave_the_windows_flat() -> anyhow::Result<()> {
         );
     }
     w.shutdown();
+    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
+    let v = op.store_check().await?;
+    assert!(v.is_empty(), "store.check: {v:?}");
+    let status = d.terminate().await?;
+    assert!(status.success(), "turnd exited with {status}");
+    Ok(())
+}
+
+/// The threads of process `pid` named `name`.
+fn threads_named(pid: u32, name: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|comm| comm.trim() == name)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A time window that no longer takes writes runs no sled flusher thread (with
+/// retention of days and windows of an hour or of 256 MiB, hundreds are open), and
+/// its turns still read back, across a restart too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_past_their_writes_run_no_flusher_thread() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let env = [
+        ("TURND_STORAGE__WINDOW_MS", "100"),
+        ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
+        ("TURND_LOG", "warn"),
+    ];
+    let mut d = BinDaemon::start(&data, &env).await?;
+    let w = echo_worker(&d.url, "w-windows", 16).await;
+    let c = Caller::connect(&d.url, None).await?;
+    // Turns over about 1.2 s: a dozen windows.
+    let mut ids = Vec::new();
+    let began = Instant::now();
+    let mut n = 0;
+    while began.elapsed() < Duration::from_millis(1200) {
+        let t = c.submit(submit("win", "echo", None, n)).await?;
+        c.wait_terminal(&t.turn.turn_id, Duration::from_secs(10))
+            .await?;
+        ids.push(t.turn.turn_id);
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let windows = std::fs::read_dir(data.join("windows"))?.count();
+    assert!(windows >= 6, "only {windows} windows were made");
+    let pid = d.child.id().context("daemon pid")?;
+    // Once writes pause for 5 s the store reopens each idle window without one: then
+    // the main database's flusher and the newest window's are left.
+    let flushers = turnd_tests::eventually(30, "idle windows lose their flushers", || async {
+        let n = threads_named(pid, "log flusher");
+        (n <= 2).then_some(n)
+    })
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "{e}: {} sled flusher threads with {windows} windows",
+            threads_named(pid, "log flusher")
+        )
+    })?;
+    println!("{flushers} sled flusher threads with {windows} windows");
+    for id in [&ids[0], &ids[ids.len() / 2], &ids[ids.len() - 1]] {
+        let t = c.get(id).await?;
+        assert_eq!(t.status, TurnStatus::Completed, "{id}");
+    }
+    let listed = c.list(list("win")).await?;
+    assert_eq!(listed.turns.len(), ids.len().min(100));
+    w.shutdown();
+    let status = d.terminate().await?;
+    assert!(status.success(), "turnd exited with {status}");
+    // Read back after a restart, and the store checks out.
+    d = BinDaemon::start(&data, &env).await?;
+    let c = Caller::connect(&d.url, None).await?;
+    for id in &ids {
+        let t = c.get(id).await?;
+        assert_eq!(t.status, TurnStatus::Completed, "{id}");
+    }
     let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
     let v = op.store_check().await?;
     assert!(v.is_empty(), "store.check: {v:?}");

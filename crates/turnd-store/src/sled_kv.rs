@@ -88,7 +88,18 @@ pub struct SledOptions {
     /// How long a due checkpoint gives way to reads in progress (it is tried again
     /// after each later group) before it waits for them, new reads queueing behind it.
     pub checkpoint_patience: std::time::Duration,
+    /// Whether sled runs its own flusher thread: every [`FLUSH_EVERY_MS`] it writes
+    /// sled's buffer out, cleans segments (sled's only reclaiming of the space of
+    /// rewritten pages) and `fsync`s sled's file. A database that takes writes needs
+    /// the cleaning; one that takes almost none (a time window past its turns) does
+    /// without the thread, its wake-ups and its `fsync`s, which with hundreds of
+    /// windows open add up. Its rare writes are flushed and synced by whoever needs
+    /// them durable ([`Shared::sync_files`]), as every database's are.
+    pub background: bool,
 }
+
+/// sled's own default period of its flusher thread.
+pub const FLUSH_EVERY_MS: u64 = 500;
 
 impl Default for SledOptions {
     fn default() -> Self {
@@ -97,6 +108,7 @@ impl Default for SledOptions {
             cache_mb: DEFAULT_CACHE_MB,
             checkpoint_mb: DEFAULT_CHECKPOINT_MB,
             checkpoint_patience: std::time::Duration::from_secs(1),
+            background: true,
         }
     }
 }
@@ -119,6 +131,22 @@ pub struct SledKv {
     stats: Arc<Mutex<CommitStats>>,
 }
 
+/// What of [`SledOptions`] an open of sled takes.
+#[derive(Debug, Clone, Copy)]
+struct Next {
+    cache_mb: u64,
+    background: bool,
+}
+
+impl Next {
+    fn of(opts: &SledOptions) -> Next {
+        Next {
+            cache_mb: opts.cache_mb,
+            background: opts.background,
+        }
+    }
+}
+
 /// sled's handle and the log file the syncer fdatasyncs; a checkpoint replaces both.
 pub(crate) struct Handle {
     pub(crate) db: sled::Db,
@@ -126,11 +154,12 @@ pub(crate) struct Handle {
 }
 
 impl Handle {
-    fn open(dir: &Path, cache_mb: u64) -> Result<Handle, StoreError> {
+    fn open(dir: &Path, next: Next) -> Result<Handle, StoreError> {
         remove_unfinished_snapshots(dir)?;
         let db = sled::Config::new()
             .path(dir)
-            .cache_capacity(cache_mb.saturating_mul(1024 * 1024))
+            .cache_capacity(next.cache_mb.saturating_mul(1024 * 1024))
+            .flush_every_ms(next.background.then_some(FLUSH_EVERY_MS))
             .open()
             .map_err(|e| StoreError::Write(format!("open sled at {dir:?}: {e}")))?;
         let log = File::open(dir.join("db"))
@@ -145,8 +174,8 @@ pub(crate) struct Shared {
     handle: RwLock<Option<Handle>>,
     dir: PathBuf,
     opts: SledOptions,
-    /// MiB of cache the next open of sled takes ([`Shared::set_cache_mb`]).
-    cache_mb: std::sync::atomic::AtomicU64,
+    /// How the next open of sled opens it ([`Shared::open_next_as`]).
+    next: Mutex<Next>,
     /// Set after a failed sync, apply or checkpoint. Linux may drop dirty pages whose
     /// write-back failed, so after an fsync error nothing tells what reached the disk;
     /// a failed `apply_batch` may leave part of its group in sled's memory. Every later
@@ -186,7 +215,7 @@ impl Shared {
         std::fs::create_dir_all(dir).map_err(|e| {
             StoreError::io(IoOp::Write, format_args!("create data dir {dir:?}"), &e)
         })?;
-        let handle = Handle::open(dir, opts.cache_mb)?;
+        let handle = Handle::open(dir, Next::of(&opts))?;
         sync_dir(dir)?;
         Ok(Shared::opened(dir, opts, handle))
     }
@@ -196,7 +225,7 @@ impl Shared {
             handle: RwLock::new(Some(handle)),
             dir: dir.to_path_buf(),
             opts,
-            cache_mb: std::sync::atomic::AtomicU64::new(opts.cache_mb),
+            next: Mutex::new(Next::of(&opts)),
             poisoned: Mutex::new(None),
             synced_blobs: Mutex::new(HashMap::new()),
         }
@@ -214,7 +243,13 @@ impl Shared {
         let making = making_path(dir);
         std::fs::create_dir(&making)
             .map_err(|e| StoreError::io(IoOp::Write, format_args!("create {making:?}"), &e))?;
-        let handle = Handle::open(&making, 1)?;
+        let handle = Handle::open(
+            &making,
+            Next {
+                cache_mb: 1,
+                background: false,
+            },
+        )?;
         handle
             .db
             .flush()
@@ -231,14 +266,16 @@ impl Shared {
         if let Some(parent) = dir.parent() {
             sync_dir(parent)?;
         }
-        let handle = open_when_unlocked(|| Handle::open(dir, opts.cache_mb))?;
+        let handle = open_when_unlocked(|| Handle::open(dir, Next::of(&opts)))?;
         Ok(Shared::opened(dir, opts, handle))
     }
 
-    /// The cache sled gets when it is next opened again (a checkpoint, a repair).
-    pub(crate) fn set_cache_mb(&self, mb: u64) {
-        self.cache_mb
-            .store(mb, std::sync::atomic::Ordering::Relaxed);
+    /// The cache and flusher sled gets when it is next opened again (a checkpoint, a
+    /// repair): those of `opts`.
+    pub(crate) fn open_next_as(&self, opts: &SledOptions) {
+        if let Ok(mut next) = self.next.lock() {
+            *next = Next::of(opts);
+        }
     }
 
     /// The directory sled lives in.
@@ -385,8 +422,11 @@ impl Shared {
 
     /// Open the store after a checkpoint closed it.
     fn reopen(&self) -> Result<Handle, StoreError> {
-        let cache_mb = self.cache_mb.load(std::sync::atomic::Ordering::Relaxed);
-        open_when_unlocked(|| Handle::open(&self.dir, cache_mb))
+        let next = self
+            .next
+            .lock()
+            .map_or_else(|_| Next::of(&self.opts), |n| *n);
+        open_when_unlocked(|| Handle::open(&self.dir, next))
     }
 }
 
@@ -970,6 +1010,7 @@ mod tests {
             cache_mb: 8,
             checkpoint_mb: 1,
             checkpoint_patience: patience,
+            background: true,
         }
     }
 

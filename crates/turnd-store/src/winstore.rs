@@ -238,7 +238,8 @@ impl Windows {
     }
 
     /// A window's sled options: the newest (which takes writes) with the main
-    /// database's cache, any other with [`WINDOW_CACHE_MB`].
+    /// database's cache and sled's flusher thread, any other with [`WINDOW_CACHE_MB`]
+    /// and no flusher ([`SledOptions::background`]).
     fn opened(&self, newest: bool) -> SledOptions {
         SledOptions {
             cache_mb: if newest {
@@ -246,6 +247,7 @@ impl Windows {
             } else {
                 WINDOW_CACHE_MB
             },
+            background: newest,
             ..self.sled
         }
     }
@@ -475,7 +477,7 @@ impl Windows {
     /// Close and open a window's sled again, with the large cache (`hot`) or the small
     /// one. Returns whether it was (false: it could not be closed now, or failed).
     fn reopen(&self, upkeep: &mut Upkeep, start: u64, shared: &Shared, hot: bool) -> bool {
-        shared.set_cache_mb(self.opened(hot).cache_mb);
+        shared.open_next_as(&self.opened(hot));
         match shared.checkpoint(false) {
             Ok(true) => {
                 upkeep.small_writes.remove(&start);
