@@ -254,6 +254,7 @@ async fn store_metrics(admin: &str) -> String {
         "turnd_storage_log_recycled_segments_total",
         "turnd_storage_log_zeroed_segments_total",
         "turnd_storage_log_reserved_segments_total",
+        "turnd_storage_log_bytes_total",
     ];
     body.lines()
         .filter(|l| pick.iter().any(|p| l.starts_with(p)))
