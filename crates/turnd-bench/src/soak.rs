@@ -72,6 +72,10 @@ pub struct SoakArgs {
     /// milliseconds, and print how long the calls took (0: no such reads).
     #[arg(long, default_value_t = 0)]
     pub read_events_every_ms: u64,
+    /// After the load, leave the daemon idle (connections open) this many seconds and
+    /// print its RSS, threads and open files then: what it keeps once work stops.
+    #[arg(long, default_value_t = 0)]
+    pub idle_after: u64,
 }
 
 /// `--read-events-every-ms`: the calls' durations, each timed from send to answer.
@@ -472,6 +476,22 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     };
     let disk_end = disk_bytes(&data);
     let rss_end = rss_kb(d.pid);
+    let idle = if a.idle_after > 0 {
+        tokio::time::sleep(Duration::from_secs(a.idle_after)).await;
+        let count = |what: &str| {
+            std::fs::read_dir(format!("/proc/{}/{what}", d.pid)).map_or(0, Iterator::count)
+        };
+        Some(format!(
+            "after {} s idle: daemon RSS {} MB · {} threads · {} open files · {} windows",
+            a.idle_after,
+            rss_kb(d.pid).map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
+            count("task"),
+            count("fd"),
+            std::fs::read_dir(data.join("windows")).map_or(0, Iterator::count),
+        ))
+    } else {
+        None
+    };
     let sync_histogram = match http_get(&d.admin, "/metrics").await {
         Ok((_, body)) => sync_summary(&body),
         Err(_) => String::new(),
@@ -573,6 +593,9 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     );
     if !sync_histogram.is_empty() {
         println!("  {sync_histogram}");
+    }
+    if let Some(idle) = &idle {
+        println!("  {idle}");
     }
     if let Some((first, mut took)) = reads {
         println!(
