@@ -211,12 +211,19 @@ impl MachineWatch {
     }
 }
 
+impl Span {
+    /// Whether it overlaps `[start, end)`.
+    pub fn overlaps(&self, start: f64, end: f64) -> bool {
+        self.start < end && self.end > start
+    }
+}
+
 /// The spans that overlap `[start, end)`, and the share of it they cover (overlaps
 /// between the spans themselves are counted once per span).
 pub fn overlapping(spans: &[Span], start: f64, end: f64) -> (Vec<Span>, f64) {
     let over: Vec<Span> = spans
         .iter()
-        .filter(|s| s.start < end && s.end > start)
+        .filter(|s| s.overlaps(start, end))
         .copied()
         .collect();
     let covered: f64 = over

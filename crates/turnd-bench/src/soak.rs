@@ -210,7 +210,7 @@ fn held_in(syncs: &[Span], machine: &Seen, start: f64, len: Duration) -> String 
     // The threads that waited longest for a core in it, summed per thread.
     let mut waited: Vec<(String, f64)> = Vec::new();
     for w in &machine.waits {
-        if w.span.start < end && w.span.end > start {
+        if w.span.overlaps(start, end) {
             match waited.iter_mut().find(|(who, _)| *who == w.who) {
                 Some((_, ms)) => *ms += w.span.ms,
                 None => waited.push((w.who.clone(), w.span.ms)),
@@ -239,6 +239,8 @@ fn held_in(syncs: &[Span], machine: &Seen, start: f64, len: Duration) -> String 
     words.join("; ")
 }
 
+/// A few store gauges and counters from the daemon's `/metrics` (empty: not exported
+/// by this build, or not reachable).
 async fn store_metrics(admin: &str) -> String {
     let Ok((_, body)) = http_get(admin, "/metrics").await else {
         return String::new();

@@ -131,22 +131,6 @@ pub struct SledKv {
     stats: Arc<Mutex<CommitStats>>,
 }
 
-/// What of [`SledOptions`] an open of sled takes.
-#[derive(Debug, Clone, Copy)]
-struct Next {
-    cache_mb: u64,
-    background: bool,
-}
-
-impl Next {
-    fn of(opts: &SledOptions) -> Next {
-        Next {
-            cache_mb: opts.cache_mb,
-            background: opts.background,
-        }
-    }
-}
-
 /// sled's handle and the log file the syncer fdatasyncs; a checkpoint replaces both.
 pub(crate) struct Handle {
     pub(crate) db: sled::Db,
@@ -154,12 +138,12 @@ pub(crate) struct Handle {
 }
 
 impl Handle {
-    fn open(dir: &Path, next: Next) -> Result<Handle, StoreError> {
+    fn open(dir: &Path, opts: &SledOptions) -> Result<Handle, StoreError> {
         remove_unfinished_snapshots(dir)?;
         let db = sled::Config::new()
             .path(dir)
-            .cache_capacity(next.cache_mb.saturating_mul(1024 * 1024))
-            .flush_every_ms(next.background.then_some(FLUSH_EVERY_MS))
+            .cache_capacity(opts.cache_mb.saturating_mul(1024 * 1024))
+            .flush_every_ms(opts.background.then_some(FLUSH_EVERY_MS))
             .open()
             .map_err(|e| StoreError::Write(format!("open sled at {dir:?}: {e}")))?;
         let log = File::open(dir.join("db"))
@@ -174,8 +158,8 @@ pub(crate) struct Shared {
     handle: RwLock<Option<Handle>>,
     dir: PathBuf,
     opts: SledOptions,
-    /// How the next open of sled opens it ([`Shared::open_next_as`]).
-    next: Mutex<Next>,
+    /// The cache and flusher the next open of sled takes ([`Shared::open_next_as`]).
+    next: Mutex<SledOptions>,
     /// Set after a failed sync, apply or checkpoint. Linux may drop dirty pages whose
     /// write-back failed, so after an fsync error nothing tells what reached the disk;
     /// a failed `apply_batch` may leave part of its group in sled's memory. Every later
@@ -215,7 +199,7 @@ impl Shared {
         std::fs::create_dir_all(dir).map_err(|e| {
             StoreError::io(IoOp::Write, format_args!("create data dir {dir:?}"), &e)
         })?;
-        let handle = Handle::open(dir, Next::of(&opts))?;
+        let handle = Handle::open(dir, &opts)?;
         sync_dir(dir)?;
         Ok(Shared::opened(dir, opts, handle))
     }
@@ -225,7 +209,7 @@ impl Shared {
             handle: RwLock::new(Some(handle)),
             dir: dir.to_path_buf(),
             opts,
-            next: Mutex::new(Next::of(&opts)),
+            next: Mutex::new(opts),
             poisoned: Mutex::new(None),
             synced_blobs: Mutex::new(HashMap::new()),
         }
@@ -245,9 +229,10 @@ impl Shared {
             .map_err(|e| StoreError::io(IoOp::Write, format_args!("create {making:?}"), &e))?;
         let handle = Handle::open(
             &making,
-            Next {
+            &SledOptions {
                 cache_mb: 1,
                 background: false,
+                ..opts
             },
         )?;
         handle
@@ -266,7 +251,7 @@ impl Shared {
         if let Some(parent) = dir.parent() {
             sync_dir(parent)?;
         }
-        let handle = open_when_unlocked(|| Handle::open(dir, Next::of(&opts)))?;
+        let handle = open_when_unlocked(|| Handle::open(dir, &opts))?;
         Ok(Shared::opened(dir, opts, handle))
     }
 
@@ -274,7 +259,7 @@ impl Shared {
     /// repair): those of `opts`.
     pub(crate) fn open_next_as(&self, opts: &SledOptions) {
         if let Ok(mut next) = self.next.lock() {
-            *next = Next::of(opts);
+            *next = *opts;
         }
     }
 
@@ -422,11 +407,8 @@ impl Shared {
 
     /// Open the store after a checkpoint closed it.
     fn reopen(&self) -> Result<Handle, StoreError> {
-        let next = self
-            .next
-            .lock()
-            .map_or_else(|_| Next::of(&self.opts), |n| *n);
-        open_when_unlocked(|| Handle::open(&self.dir, next))
+        let next = self.next.lock().map_or(self.opts, |n| *n);
+        open_when_unlocked(|| Handle::open(&self.dir, &next))
     }
 }
 
