@@ -20,6 +20,7 @@ pub mod records;
 #[cfg(test)]
 mod route_tests;
 pub mod sled_kv;
+mod values;
 pub mod wal;
 pub mod windows;
 mod winstore;

@@ -56,6 +56,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::sled_kv::{Checkpoints, Handle, Shared, SledOptions, SyncMode, APPLY_CHUNK};
+use crate::values;
 use crate::wal::{self, CommitLog};
 use crate::windows::{self, Route, WindowOptions};
 use crate::winstore::{Switch, Upkeep, Windows};
@@ -93,8 +94,14 @@ fn pack(v: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Borrowed(v)
 }
 
-/// A value read from sled, decompressed when [`pack`] compressed it.
+/// A value read from sled (with a value file pointer resolved:
+/// [`Shared::stored`]), decompressed when [`pack`] compressed it.
 fn unpack(v: &[u8]) -> Result<Vec<u8>, StoreError> {
+    if values::is_pointer(v) {
+        return Err(StoreError::Corrupt(
+            "a value file pointer read as a value".into(),
+        ));
+    }
     match v.strip_prefix(&PACKED[..]) {
         Some(c) => lz4_flex::block::decompress_size_prepended(c)
             .map_err(|e| StoreError::Corrupt(format!("compressed value: {e}"))),
@@ -555,15 +562,18 @@ fn sync_windows(wins: &Windows, written: &[u64]) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Reads a range of a sled database's keys, values as stored, without its applied
-/// mark ([`windows::ReadRange`]).
-fn read_range(h: &Handle) -> impl FnMut(&[u8], &[u8]) -> Result<Vec<Entry>, StoreError> + '_ {
+/// Reads a range of a sled database's keys, values as stored (a value file pointer
+/// resolved: [`Shared::stored`]), without its applied mark ([`windows::ReadRange`]).
+fn read_range<'h>(
+    src: &'h Shared,
+    h: &'h Handle,
+) -> impl FnMut(&[u8], &[u8]) -> Result<Vec<Entry>, StoreError> + 'h {
     move |s: &[u8], e: &[u8]| {
         h.db.range(s.to_vec()..e.to_vec())
             .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.as_ref() != APPLIED_KEY))
             .map(|kv| {
-                kv.map(|(k, v)| (k.to_vec(), v.to_vec()))
-                    .map_err(|e| StoreError::Read(e.to_string()))
+                let (k, v) = kv.map_err(|e| StoreError::Read(e.to_string()))?;
+                Ok((k.to_vec(), src.stored(&v)?.into_owned()))
             })
             .collect()
     }
@@ -585,11 +595,11 @@ fn take_drop(
         // Unfinished turns minted in the window: their records are in the main
         // database, written by now (this round wrote everything up to the drop).
         let unfinished = sled.with(|h| {
-            windows::unfinished_turns(&mut read_range(h), &unpack, start, wins.end_of(start))
+            windows::unfinished_turns(&mut read_range(sled, h), &unpack, start, wins.end_of(start))
         })?;
         // Only what belongs to turns still stored (see `windows::leftovers`): the
         // rest is of turns retention deleted, left for this drop to take.
-        let held = w.with(|h| windows::leftovers(&mut read_range(h), &unpack, &unfinished))?;
+        let held = w.with(|h| windows::leftovers(&mut read_range(&w, h), &unpack, &unfinished))?;
         leftovers = held.len() as u64;
         if !held.is_empty() {
             tracing::warn!(
@@ -859,43 +869,77 @@ fn applied_mark(sled: &Shared) -> Result<u64, StoreError> {
     }
 }
 
+/// A key with its value packed for sled ([`pack`]), or None for a delete.
+type Packed<'a> = (&'a [u8], Option<std::borrow::Cow<'a, [u8]>>);
+
 /// Write `entries` (key order) to sled in bounded batches, the last recording
-/// `lsn`, when given, under [`APPLIED_KEY`]. Returns the bytes written.
+/// `lsn`, when given, under [`APPLIED_KEY`]. A database with a value file (a time
+/// window) has the large values of each batch appended to it in one write first,
+/// and holds pointers to them ([`crate::values`]). Returns the bytes written.
 fn apply_to_sled<'a>(
     sled: &Shared,
     entries: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
     lsn: Option<u64>,
 ) -> Result<u64, StoreError> {
     let mut bytes = 0u64;
-    sled.with(|h| {
+    let mut entries = entries.peekable();
+    sled.with(|h| loop {
+        let chunk: Vec<Packed<'_>> = entries
+            .by_ref()
+            .take(APPLY_KEYS)
+            .map(|(k, v)| (k, v.map(pack)))
+            .collect();
+        let last = entries.peek().is_none();
+        if chunk.is_empty() && !(last && lsn.is_some()) {
+            return Ok(());
+        }
+        let (outside, pointers) = match sled.values() {
+            Some(f) => {
+                let outside: Vec<&[u8]> = chunk
+                    .iter()
+                    .filter_map(|(_, v)| v.as_deref())
+                    .filter(|v| v.len() >= values::OUT_FROM)
+                    .collect();
+                let pointers = if outside.is_empty() {
+                    Vec::new()
+                } else {
+                    f.append(&outside)?
+                };
+                (outside.len(), pointers)
+            }
+            None => (0, Vec::new()),
+        };
+        let mut pointers = pointers.iter();
         let mut batch = sled::Batch::default();
-        let mut n = 0;
-        for (k, v) in entries {
+        for (k, v) in &chunk {
             match v {
+                Some(v) if outside > 0 && v.len() >= values::OUT_FROM => {
+                    let p = pointers.next().ok_or_else(|| {
+                        StoreError::Write("a value file append returned too few pointers".into())
+                    })?;
+                    bytes += (k.len() + v.len() + p.len()) as u64;
+                    batch.insert(*k, &p[..]);
+                }
                 Some(v) => {
-                    let v = pack(v);
                     bytes += (k.len() + v.len()) as u64;
-                    batch.insert(k, &*v);
+                    batch.insert(*k, &**v);
                 }
                 None => {
                     bytes += k.len() as u64;
-                    batch.remove(k);
+                    batch.remove(*k);
                 }
             }
-            n += 1;
-            if n == APPLY_KEYS {
-                h.db.apply_batch(std::mem::take(&mut batch))
-                    .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))?;
-                n = 0;
+        }
+        if last {
+            if let Some(lsn) = lsn {
+                batch.insert(APPLIED_KEY, &lsn.to_be_bytes());
             }
         }
-        if let Some(lsn) = lsn {
-            batch.insert(APPLIED_KEY, &lsn.to_be_bytes());
-        } else if n == 0 {
+        h.db.apply_batch(batch)
+            .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))?;
+        if last {
             return Ok(());
         }
-        h.db.apply_batch(batch)
-            .map_err(|e| StoreError::Write(format!("apply to sled: {e}")))
     })?;
     Ok(bytes)
 }
@@ -1790,6 +1834,14 @@ fn merge(
     Ok(out)
 }
 
+/// `v` as sled holds it, with a value file pointer resolved ([`Shared::stored`]).
+pub(crate) fn resolved(src: &Shared, v: sled::IVec) -> Result<sled::IVec, StoreError> {
+    if values::is_pointer(&v) {
+        return src.stored(&v).map(|s| sled::IVec::from(s.as_ref()));
+    }
+    Ok(v)
+}
+
 /// What the overlay holds of a range, in scan order.
 type Pendings = Vec<(Vec<u8>, Value)>;
 
@@ -1921,7 +1973,7 @@ impl Kv for LoggedKv {
         let read = |sled: &Shared| {
             sled.with(
                 |h| match h.db.get(key).map_err(|e| StoreError::Read(e.to_string()))? {
-                    Some(v) => unpack(&v).map(Some),
+                    Some(v) => unpack(&sled.stored(&v)?).map(Some),
                     None => Ok(None),
                 },
             )
@@ -2012,7 +2064,7 @@ impl Kv for LoggedKv {
                     for r in h.db.range(start.to_vec()..end.to_vec()) {
                         let (k, v) = r.map_err(|e| StoreError::Read(e.to_string()))?;
                         if !deleted(&k) {
-                            return Ok(Some((k.to_vec(), v.to_vec())));
+                            return Ok(Some((k.to_vec(), unpack(&src.stored(&v)?)?)));
                         }
                     }
                     Ok(None)
@@ -2056,9 +2108,10 @@ impl Kv for LoggedKv {
             return merge(pending, std::iter::empty(), false, limit);
         };
         win.with(|h| {
-            let range =
-                h.db.range(start.to_vec()..end.to_vec())
-                    .map(|r| r.map_err(|e| StoreError::Read(e.to_string())));
+            let range = h.db.range(start.to_vec()..end.to_vec()).map(|r| {
+                let (k, v) = r.map_err(|e| StoreError::Read(e.to_string()))?;
+                Ok((k, resolved(&win, v)?))
+            });
             merge(pending, range, false, limit)
         })
     }

@@ -45,7 +45,11 @@ impl Cursor<'_> {
             } else {
                 range.take(n).collect()
             };
-            taken.map_err(|e| StoreError::Read(e.to_string()))
+            taken
+                .map_err(|e| StoreError::Read(e.to_string()))?
+                .into_iter()
+                .map(|(k, v)| Ok((k, crate::logged::resolved(self.src, v)?)))
+                .collect()
         })?;
         if got.len() < n {
             self.done = true;

@@ -393,3 +393,115 @@ async fn a_drop_passes_on_only_what_belongs_to_stored_turns() {
     assert_eq!(listed(&store, s.keys()), std::slice::from_ref(&late));
     assert_eq!(event_turns(&store, s.keys()), std::slice::from_ref(&late));
 }
+
+/// A finished turn's record in a window is kept in the window's value file, and sled
+/// holds a pointer to it: read back whole, also after a restart; moved to the main
+/// database as the value itself when its window is dropped while it is stored
+/// (also by a replay of the drop after a crash); and a changed byte of the file
+/// is a `Corrupt` read, never a wrong turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, store, list) = with_windows(dir.path(), 2).await;
+    let a = list[0].start_ms;
+    let big = turn_at(a, 1);
+    // Text LZ4 cannot shrink below the value file's threshold.
+    let text: String = (0..3000u32)
+        .map(|i| char::from(b'a' + (i.wrapping_mul(2_654_435_761) >> 27) as u8 % 26))
+        .collect();
+    let mut meta = SessionMeta::new("s");
+    let mut t = TurnRecord::admitted(
+        big.clone(),
+        "s",
+        1,
+        "f",
+        RawJson::from_value(&json!(text)),
+        0,
+    );
+    t.idempotency_key = Some("k1".into());
+    let mut b = admission(&mut meta, 1, &big);
+    b.put_finished(&crate::FoldedTurn::new(&t, Vec::new()), false);
+    commit(&store, b).await;
+    kv.sync().expect("apply");
+
+    let raw = |kv: &LoggedKv, start: u64| {
+        kv.inner_window(start)
+            .expect("window open")
+            .with(|h| {
+                Ok(h.db
+                    .get(crate::keys::finished(&big))
+                    .expect("get")
+                    .map(|v| v.to_vec()))
+            })
+            .expect("read")
+    };
+    let stored = raw(&kv, a).expect("the record is in its window");
+    assert!(crate::values::is_pointer(&stored), "{} bytes", stored.len());
+    let values_file = dir
+        .path()
+        .join("windows")
+        .join(a.to_string())
+        .join(crate::values::FILE_NAME);
+    let file_len = std::fs::metadata(&values_file).expect("value file").len();
+    assert!(
+        file_len >= crate::values::OUT_FROM as u64,
+        "{file_len} bytes"
+    );
+    let input_of = |store: &Store| {
+        store
+            .finished(&big)
+            .expect("read")
+            .expect("stored")
+            .turn
+            .input
+    };
+    assert_eq!(input_of(&store), t.input);
+    let (fs, fe) = crate::keys::finished_range();
+    let scanned = kv.scan(&fs, &fe, false, usize::MAX).expect("scan");
+    let hit = scanned
+        .iter()
+        .find(|(k, _)| k.as_slice() == crate::keys::finished(&big).as_slice())
+        .expect("scanned");
+    assert!(
+        String::from_utf8_lossy(&hit.1).contains(&text),
+        "a scan reads the value"
+    );
+
+    // The window dropped: the record goes to the main database whole.
+    let mut d = Batch::new();
+    d.drop_window(a);
+    commit(&store, d).await;
+    let crashed = tempfile::tempdir().expect("tempdir");
+    crate::logged::tests::copy_dir(dir.path(), crashed.path());
+    let corrupt = tempfile::tempdir().expect("tempdir");
+    crate::logged::tests::copy_dir(dir.path(), corrupt.path());
+    kv.sync().expect("apply the drop");
+    assert!(!values_file.exists());
+    assert_eq!(input_of(&store), t.input);
+    drop(store);
+    kv.close().expect("close");
+    drop(kv);
+
+    let (kv, replayed) = LoggedKv::open(crashed.path(), manual()).expect("reopen");
+    assert_eq!(replayed.records, 1, "the drop");
+    let store = Store::new(Arc::new(kv));
+    assert_eq!(input_of(&store), t.input);
+    drop(store);
+
+    // A copy taken before the drop, with one byte of the value file changed: the
+    // drop's replay reads the record to move it and fails; nothing is made up.
+    let bad = corrupt
+        .path()
+        .join("windows")
+        .join(a.to_string())
+        .join(crate::values::FILE_NAME);
+    let mut bytes = std::fs::read(&bad).expect("read");
+    bytes[10] ^= 0x20;
+    std::fs::write(&bad, &bytes).expect("write");
+    let opened = LoggedKv::open(corrupt.path(), manual());
+    assert!(
+        matches!(opened, Err(crate::StoreError::Corrupt(_))),
+        "{:?}",
+        opened.err()
+    );
+}

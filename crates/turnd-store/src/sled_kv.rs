@@ -12,6 +12,7 @@
 //! real disk work (group commits, checkpoints, waiting for sled's file lock), so it
 //! uses `std::time`; no tokio timer depends on it.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::File;
@@ -21,6 +22,7 @@ use std::sync::{Arc, Mutex, RwLock, TryLockError};
 
 use tokio::runtime::RuntimeFlavor;
 
+use crate::values::ValueFile;
 use crate::{Batch, CommitReply, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 /// Whether commits are made durable with an fsync before they are acknowledged.
@@ -96,6 +98,9 @@ pub struct SledOptions {
     /// windows open add up. Its rare writes are flushed and synced by whoever needs
     /// them durable ([`Shared::sync_files`]), as every database's are.
     pub background: bool,
+    /// Whether large values go to a value file beside sled's
+    /// ([`crate::values`]): a time window's database.
+    pub values: bool,
 }
 
 /// sled's own default period of its flusher thread.
@@ -109,6 +114,7 @@ impl Default for SledOptions {
             checkpoint_mb: DEFAULT_CHECKPOINT_MB,
             checkpoint_patience: std::time::Duration::from_secs(1),
             background: true,
+            values: false,
         }
     }
 }
@@ -167,6 +173,8 @@ pub(crate) struct Shared {
     poisoned: Mutex<Option<String>>,
     /// Blob files synced so far, with their length then (see `sync_blobs`).
     synced_blobs: Mutex<HashMap<OsString, u64>>,
+    /// The value file of a time window's database ([`SledOptions::values`]).
+    values: Option<ValueFile>,
 }
 
 impl Shared {
@@ -201,18 +209,44 @@ impl Shared {
         })?;
         let handle = Handle::open(dir, &opts)?;
         sync_dir(dir)?;
-        Ok(Shared::opened(dir, opts, handle))
+        Shared::opened(dir, opts, handle)
     }
 
-    fn opened(dir: &Path, opts: SledOptions, handle: Handle) -> Shared {
-        Shared {
+    fn opened(dir: &Path, opts: SledOptions, handle: Handle) -> Result<Shared, StoreError> {
+        let values = if opts.values {
+            Some(ValueFile::open(dir)?)
+        } else {
+            None
+        };
+        Ok(Shared {
             handle: RwLock::new(Some(handle)),
             dir: dir.to_path_buf(),
             opts,
             next: Mutex::new(opts),
             poisoned: Mutex::new(None),
             synced_blobs: Mutex::new(HashMap::new()),
+            values,
+        })
+    }
+
+    /// A value as sled holds it, with a pointer into the value file replaced by
+    /// the value it names: the form [`crate::logged`] unpacks.
+    pub(crate) fn stored<'v>(&self, v: &'v [u8]) -> Result<Cow<'v, [u8]>, StoreError> {
+        if !crate::values::is_pointer(v) {
+            return Ok(Cow::Borrowed(v));
         }
+        match &self.values {
+            Some(f) => f.read(v).map(Cow::Owned),
+            None => Err(StoreError::Corrupt(format!(
+                "sled at {:?} holds a pointer to a value file, and has none",
+                self.dir
+            ))),
+        }
+    }
+
+    /// The value file, for a database that has one.
+    pub(crate) fn values(&self) -> Option<&ValueFile> {
+        self.values.as_ref()
     }
 
     /// Make a new database at `dir`, which must not exist, so that a crash at any
@@ -252,7 +286,7 @@ impl Shared {
             sync_dir(parent)?;
         }
         let handle = open_when_unlocked(|| Handle::open(dir, &opts))?;
-        Ok(Shared::opened(dir, opts, handle))
+        Shared::opened(dir, opts, handle)
     }
 
     /// The cache and flusher sled gets when it is next opened again (a checkpoint, a
@@ -291,8 +325,12 @@ impl Shared {
         r
     }
 
-    /// Make sled's files durable: flush, then fdatasync of the log and blob files.
+    /// Make sled's files durable: flush, then fdatasync of the log and blob files,
+    /// and of the value file.
     pub(crate) fn sync_files(&self, h: &Handle) -> Result<(), StoreError> {
+        if let Some(v) = &self.values {
+            v.sync()?;
+        }
         h.db.flush()
             .map_err(|e| StoreError::Sync(format!("flush: {e}")))?;
         h.log
@@ -993,6 +1031,7 @@ mod tests {
             checkpoint_mb: 1,
             checkpoint_patience: patience,
             background: true,
+            values: false,
         }
     }
 

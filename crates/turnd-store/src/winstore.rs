@@ -180,6 +180,7 @@ impl Windows {
             sled: SledOptions {
                 cache_mb: WINDOW_CACHE_MB,
                 checkpoint_mb: 0,
+                values: true,
                 ..sled
             },
             hot_cache_mb: sled.cache_mb.max(WINDOW_CACHE_MB),
