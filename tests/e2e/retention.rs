@@ -161,12 +161,7 @@ async fn terminal_turns_expire_and_unfinished_ones_stay() -> anyhow::Result<()> 
         async move { is_not_found(c.get(&id).await).then_some(()) }
     })
     .await?;
-    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
-    let v = op.store_check().await?;
-    assert!(v.is_empty(), "store.check: {v:?}");
-    let status = d.terminate().await?;
-    assert!(status.success(), "turnd exited with {status}");
-    Ok(())
+    checks_out_and_stops(d).await
 }
 
 /// What the test saw of one acknowledged turn.
@@ -547,12 +542,7 @@ async fn equal_rounds_of_work_leave_the_windows_flat() -> anyhow::Result<()> {
         );
     }
     w.shutdown();
-    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
-    let v = op.store_check().await?;
-    assert!(v.is_empty(), "store.check: {v:?}");
-    let status = d.terminate().await?;
-    assert!(status.success(), "turnd exited with {status}");
-    Ok(())
+    checks_out_and_stops(d).await
 }
 
 /// The threads of process `pid` named `name`.
@@ -567,22 +557,49 @@ fn threads_named(pid: u32, name: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// A time window that no longer takes writes runs no sled flusher thread (with
-/// retention of days and windows of an hour or of 256 MiB, hundreds are open), and
-/// its turns still read back, across a restart too.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn windows_past_their_writes_run_no_flusher_thread() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let env = [
+/// The daemon's environment for [`turns_for_a_dozen_windows`]: windows of 100 ms,
+/// applied every 20 ms, and `more`.
+fn windows_env<'a>(more: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut env = vec![
         ("TURND_STORAGE__WINDOW_MS", "100"),
         ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
         ("TURND_LOG", "warn"),
     ];
-    let mut d = BinDaemon::start(&data, &env).await?;
-    let w = echo_worker(&d.url, "w-windows", 16).await;
+    env.extend_from_slice(more);
+    env
+}
+
+/// Stop `d`, start it again on the same data directory and environment: every turn
+/// of `ids` reads back completed, and `store.check` finds nothing.
+async fn restart_and_read_back(
+    mut d: BinDaemon,
+    env: &[(&str, &str)],
+    ids: &[String],
+) -> anyhow::Result<()> {
+    let data = d.data_dir.clone();
+    let status = d.terminate().await?;
+    assert!(status.success(), "turnd exited with {status}");
+    d = BinDaemon::start(&data, env).await?;
     let c = Caller::connect(&d.url, None).await?;
-    // Turns over about 1.2 s: a dozen windows.
+    for id in ids {
+        assert_eq!(c.get(id).await?.status, TurnStatus::Completed, "{id}");
+    }
+    checks_out_and_stops(d).await
+}
+
+/// `store.check` of `d` finds nothing, and `d` stops cleanly.
+async fn checks_out_and_stops(d: BinDaemon) -> anyhow::Result<()> {
+    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
+    let v = op.store_check().await?;
+    assert!(v.is_empty(), "store.check: {v:?}");
+    let status = d.terminate().await?;
+    assert!(status.success(), "turnd exited with {status}");
+    Ok(())
+}
+
+/// One-step turns of session `win`, one after another over about 1.2 s: a dozen
+/// windows of 100 ms. Their ids, in order.
+async fn turns_for_a_dozen_windows(c: &Caller) -> anyhow::Result<Vec<String>> {
     let mut ids = Vec::new();
     let began = Instant::now();
     let mut n = 0;
@@ -594,6 +611,21 @@ async fn windows_past_their_writes_run_no_flusher_thread() -> anyhow::Result<()>
         n += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    Ok(ids)
+}
+
+/// A time window that no longer takes writes runs no sled flusher thread (with
+/// retention of days and windows of an hour or of 256 MiB, hundreds are open), and
+/// its turns still read back, across a restart too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_past_their_writes_run_no_flusher_thread() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let env = windows_env(&[]);
+    let d = BinDaemon::start(&data, &env).await?;
+    let w = echo_worker(&d.url, "w-windows", 16).await;
+    let c = Caller::connect(&d.url, None).await?;
+    let ids = turns_for_a_dozen_windows(&c).await?;
     let windows = std::fs::read_dir(data.join("windows"))?.count();
     assert!(windows >= 6, "only {windows} windows were made");
     let pid = d.child.id().context("daemon pid")?;
@@ -618,19 +650,67 @@ async fn windows_past_their_writes_run_no_flusher_thread() -> anyhow::Result<()>
     let listed = c.list(list("win")).await?;
     assert_eq!(listed.turns.len(), ids.len().min(100));
     w.shutdown();
-    let status = d.terminate().await?;
-    assert!(status.success(), "turnd exited with {status}");
-    // Read back after a restart, and the store checks out.
-    d = BinDaemon::start(&data, &env).await?;
+    restart_and_read_back(d, &env, &ids).await
+}
+
+/// Open file descriptors of a process.
+fn open_files(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// A window no read or write used for `storage.window_close_ms` is closed (its sled
+/// files too) and opened again by the reads that need it: a session's list spread
+/// over many closed windows reads back whole, and every turn after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unused_windows_are_closed_and_opened_again_by_a_read() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let env = windows_env(&[("TURND_STORAGE__WINDOW_CLOSE_MS", "300")]);
+    let d = BinDaemon::start(&data, &env).await?;
+    let w = echo_worker(&d.url, "w-close", 16).await;
     let c = Caller::connect(&d.url, None).await?;
-    for id in &ids {
-        let t = c.get(id).await?;
-        assert_eq!(t.status, TurnStatus::Completed, "{id}");
+    let ids = turns_for_a_dozen_windows(&c).await?;
+    let pid = d.child.id().context("daemon pid")?;
+    let files_before = open_files(pid);
+    let closed_gauge = || async {
+        let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
+        Some((
+            metric(&m, "turnd_storage_windows")?,
+            metric(&m, "turnd_storage_windows_closed")?,
+            metric(&m, "turnd_storage_window_reopens_total")?,
+        ))
+    };
+    // A window is closed once it was opened again after its last write (5 s after
+    // writes pause) and then not used for 300 ms: every one but the newest.
+    let got = turnd_tests::eventually(30, "unused windows are closed", || async {
+        closed_gauge()
+            .await
+            .filter(|(n, closed, _)| *n >= 6.0 && *closed >= *n - 1.0)
+    })
+    .await;
+    let (windows, closed, reopens) = match got {
+        Ok(v) => v,
+        Err(e) => anyhow::bail!("{e}: windows, closed, reopens = {:?}", closed_gauge().await),
+    };
+    assert_eq!(reopens, 0.0, "nothing read them yet");
+    let files_after = open_files(pid);
+    println!("{closed} of {windows} windows closed; open files {files_before} -> {files_after}");
+    assert!(
+        files_after + 2 * (closed as usize - 1) <= files_before,
+        "closing {closed} windows closed their sled files: {files_before} -> {files_after}"
+    );
+    // The session's list reads the windows its turns are in, each opened again as
+    // it is read.
+    let listed = c.list(list("win")).await?;
+    assert_eq!(listed.turns.len(), ids.len().min(100));
+    let (_, still_closed, reopens) = closed_gauge().await.context("metrics")?;
+    assert!(
+        reopens >= 1.0 && still_closed < closed,
+        "{reopens} reopens, {still_closed} of {windows} still closed"
+    );
+    for id in [&ids[ids.len() / 2], &ids[ids.len() - 1]] {
+        assert_eq!(c.get(id).await?.status, TurnStatus::Completed, "{id}");
     }
-    let op = Caller::connect_as(&d.url, turnd_client::turnd_proto::Role::Operator, None).await?;
-    let v = op.store_check().await?;
-    assert!(v.is_empty(), "store.check: {v:?}");
-    let status = d.terminate().await?;
-    assert!(status.success(), "turnd exited with {status}");
-    Ok(())
+    w.shutdown();
+    restart_and_read_back(d, &env, &ids).await
 }

@@ -237,6 +237,8 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         window_leftovers: after
             .window_leftovers
             .saturating_sub(before.window_leftovers),
+        windows_closed: after.windows_closed,
+        window_reopens: after.window_reopens.saturating_sub(before.window_reopens),
     }
 }
 

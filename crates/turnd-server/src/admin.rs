@@ -113,6 +113,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     register_storage(&mut reg, &cs);
     register_commit_log(&mut reg, &cs);
     register_log_segments(&mut reg, &cs);
+    register_windows(&mut reg, &cs);
     let wins = s.engine.store().kv().windows().unwrap_or_default();
     gauge(
         &mut reg,
@@ -479,6 +480,22 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "storage_log_segments",
         "Files of the commit log",
         cs.log_segments as i64,
+    );
+}
+
+/// The time windows closed until needed, and what dropped windows left behind.
+fn register_windows(reg: &mut Registry, cs: &CommitStats) {
+    gauge(
+        reg,
+        "storage_windows_closed",
+        "Of storage_windows, those closed because no read or write used them for storage.window_close_ms",
+        cs.windows_closed as i64,
+    );
+    counter(
+        reg,
+        "storage_window_reopens",
+        "Closed time windows opened again by a read or write that needed them",
+        cs.window_reopens,
     );
     counter(
         reg,

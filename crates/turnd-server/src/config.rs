@@ -103,6 +103,10 @@ pub struct StorageConfig {
     pub window_ms: u64,
     /// ... or this large on disk (MiB).
     pub window_mb: u64,
+    /// A time window no read or write used for this long (ms) is closed until it is
+    /// needed again, which gives back the memory sled keeps for every page of an
+    /// open database; 0: windows stay open.
+    pub window_close_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -182,6 +186,7 @@ impl Default for StorageConfig {
             heal_interval_ms: turnd_store::logged::DEFAULT_HEAL_INTERVAL_MS,
             window_ms: turnd_store::windows::DEFAULT_WINDOW_MS,
             window_mb: turnd_store::windows::DEFAULT_WINDOW_MB,
+            window_close_ms: turnd_store::logged::DEFAULT_WINDOW_CLOSE_MS,
         }
     }
 }
@@ -559,6 +564,12 @@ impl Config {
                 30 * 86_400_000,
             ),
             ("storage.window_mb", self.storage.window_mb, 1, 1 << 20),
+            (
+                "storage.window_close_ms",
+                self.storage.window_close_ms,
+                0,
+                30 * 86_400_000,
+            ),
         ] {
             if !(lo..=hi).contains(&v) {
                 p.push(format!("{key} must be between {lo} and {hi}, not {v}"));

@@ -98,6 +98,8 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
             window_bytes: cfg.storage.window_mb.saturating_mul(1024 * 1024),
         },
         idle_reopen: turnd_store::DEFAULT_IDLE_REOPEN,
+        window_close_after: (cfg.storage.window_close_ms > 0)
+            .then(|| Duration::from_millis(cfg.storage.window_close_ms)),
         overlay_bytes: turnd_store::DEFAULT_OVERLAY_BYTES,
         mark_interval: turnd_store::DEFAULT_MARK_INTERVAL,
     })

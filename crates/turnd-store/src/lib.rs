@@ -594,6 +594,11 @@ pub struct CommitStats {
     /// database (turns that ended, or events written, between retention's judging
     /// the window empty and the drop; see [`windows`]).
     pub window_leftovers: u64,
+    /// Time windows closed until needed (a gauge; see
+    /// [`LoggedOptions::window_close_after`]).
+    pub windows_closed: u64,
+    /// Closed windows opened again by a read or write that needed them.
+    pub window_reopens: u64,
 }
 
 impl CommitStats {

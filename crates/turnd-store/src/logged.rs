@@ -179,6 +179,11 @@ pub struct LoggedOptions {
     /// again: sled writes its snapshot then (so a later start opens it fast), and the
     /// memory its cache and tables grew to in a burst goes back.
     pub idle_reopen: Duration,
+    /// A time window no read or write used for this long is closed until it is
+    /// needed again ([`crate::sled_kv::Shared::park`]): sled keeps a record of every
+    /// page of an open database in memory, about 60 bytes per finished turn kept.
+    /// `None`: windows stay open.
+    pub window_close_after: Option<Duration>,
     /// Bytes of keys and values the overlay may hold before commits wait for the
     /// applier, whatever the number of keys ([`MAX_OVERLAY_KEYS`]): large values
     /// (inputs and outputs near the frame limit) would fill memory long before the
@@ -192,6 +197,9 @@ pub struct LoggedOptions {
 /// Default of [`LoggedOptions::idle_reopen`].
 pub const DEFAULT_IDLE_REOPEN: Duration = Duration::from_secs(5);
 
+/// Default of `storage.window_close_ms` ([`LoggedOptions::window_close_after`]).
+pub const DEFAULT_WINDOW_CLOSE_MS: u64 = 60_000;
+
 impl Default for LoggedOptions {
     fn default() -> Self {
         LoggedOptions {
@@ -202,6 +210,7 @@ impl Default for LoggedOptions {
             heal_interval: Duration::from_millis(DEFAULT_HEAL_INTERVAL_MS),
             windows: WindowOptions::default(),
             idle_reopen: DEFAULT_IDLE_REOPEN,
+            window_close_after: Some(Duration::from_millis(DEFAULT_WINDOW_CLOSE_MS)),
             overlay_bytes: DEFAULT_OVERLAY_BYTES,
             mark_interval: DEFAULT_MARK_INTERVAL,
         }
@@ -1271,6 +1280,8 @@ struct Applier<'a> {
     upkeep: Upkeep,
     /// [`LoggedOptions::idle_reopen`].
     idle_reopen: Duration,
+    /// [`LoggedOptions::window_close_after`].
+    window_close_after: Option<Duration>,
     /// Size of a commit log segment, for the spare made ahead of need.
     segment_bytes: u64,
     /// When making the spare segment last failed (tried again after `heal_interval`).
@@ -1550,6 +1561,9 @@ impl Applier<'_> {
         self.inner
             .windows
             .snapshot_idle(&mut self.upkeep, self.idle_reopen);
+        if let Some(after) = self.window_close_after {
+            self.inner.windows.park_unused(&self.upkeep, after);
+        }
         if !force_flush && wal::closed_count(&self.inner.closed) == 0 {
             return Ok(());
         }
@@ -1738,6 +1752,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         closing: Vec::new(),
         upkeep: Upkeep::default(),
         idle_reopen: opts.idle_reopen,
+        window_close_after: opts.window_close_after,
         segment_bytes: opts.segment_bytes,
         spare_failed: None,
     };
@@ -2159,6 +2174,9 @@ impl Kv for LoggedKv {
         s.log_segments = seg.closed as u64 + 1;
         s.log_recycled = seg.recycled;
         s.log_reserved = seg.reserved;
+        let (parked, reopens) = self.inner.windows.counts();
+        s.windows_closed = parked;
+        s.window_reopens = reopens;
         s
     }
 

@@ -82,7 +82,16 @@ async fn with_windows(
     dir: &std::path::Path,
     n: usize,
 ) -> (Arc<LoggedKv>, Store, Vec<crate::WindowInfo>) {
-    let (kv, _) = LoggedKv::open(dir, manual()).expect("open");
+    with_windows_as(dir, n, manual()).await
+}
+
+/// [`with_windows`] with the store opened with `opts`.
+async fn with_windows_as(
+    dir: &std::path::Path,
+    n: usize,
+    opts: LoggedOptions,
+) -> (Arc<LoggedKv>, Store, Vec<crate::WindowInfo>) {
+    let (kv, _) = LoggedKv::open(dir, opts).expect("open");
     let kv = Arc::new(kv);
     let store = Store::new(kv.clone());
     let far = turn_at(u64::from(u32::MAX) << 8, 9);
@@ -504,4 +513,73 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
         "{:?}",
         opened.err()
     );
+}
+
+/// A window no read or write used for `window_close_after` is parked (its sled
+/// closed) once it was opened again after its last write; never the newest. A read
+/// of one of its turns opens it again, and so does a write to it (a turn that ends
+/// late in it); its turns read back after a restart, and its drop, while parked,
+/// moves its records to the main database as any drop does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_unused_for_a_while_are_parked_and_opened_again_by_use() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = LoggedOptions {
+        idle_reopen: Duration::from_millis(1),
+        window_close_after: Some(Duration::from_millis(30)),
+        ..manual()
+    };
+    let (kv, store, list) = with_windows_as(dir.path(), 2, opts).await;
+    let a = list[0].start_ms;
+    let (x, y) = (turn_at(a, 1), turn_at(a, 2));
+    let mut meta = SessionMeta::new("s");
+    commit(&store, admission(&mut meta, 1, &x)).await;
+    kv.sync().expect("apply");
+    let parked = |kv: &LoggedKv, start: u64| kv.inner_window(start).expect("open").is_parked();
+    let unused_then_round = |kv: &LoggedKv| {
+        std::thread::sleep(Duration::from_millis(40));
+        kv.sync().expect("round");
+    };
+    unused_then_round(&kv);
+    assert!(parked(&kv, a), "unused for 40 ms");
+    let newest = kv.windows().expect("windows").last().expect("one").start_ms;
+    assert!(!parked(&kv, newest), "the newest window takes writes");
+    let stats = kv.commit_stats();
+    assert!(stats.windows_closed >= 1, "{stats:?}");
+    assert_eq!(stats.window_reopens, 0);
+
+    // A read opens it again.
+    assert!(store.finished(&x).expect("read").is_some());
+    assert!(!parked(&kv, a));
+    assert_eq!(kv.commit_stats().window_reopens, 1);
+    assert_eq!(listed(&store, meta.keys()), std::slice::from_ref(&x));
+
+    // Parked again (a read leaves its snapshot as it is), then a write to it.
+    unused_then_round(&kv);
+    assert!(parked(&kv, a));
+    commit(&store, admission(&mut meta, 2, &y)).await;
+    kv.sync().expect("apply to the parked window");
+    assert!(!parked(&kv, a), "opened again by the write");
+    assert!(kv.commit_stats().window_reopens >= 2);
+    assert_eq!(listed(&store, meta.keys()), [x.clone(), y.clone()]);
+    drop(store);
+    kv.close().expect("close");
+    drop(kv);
+
+    let (kv, _) = LoggedKv::open(dir.path(), opts).expect("reopen");
+    let kv = Arc::new(kv);
+    let store = Store::new(kv.clone());
+    assert_eq!(listed(&store, meta.keys()), [x.clone(), y.clone()]);
+    // A start opens every window; unused, each is snapshotted and parked.
+    unused_then_round(&kv);
+    unused_then_round(&kv);
+    assert!(parked(&kv, a));
+    let mut d = Batch::new();
+    d.drop_window(a);
+    commit(&store, d).await;
+    kv.sync().expect("apply the drop");
+    assert!(!dir.path().join("windows").join(a.to_string()).exists());
+    for id in [&x, &y] {
+        assert!(store.finished(id).expect("read").is_some(), "{id}");
+    }
+    assert_eq!(listed(&store, meta.keys()), [x.clone(), y.clone()]);
 }

@@ -17,8 +17,10 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock, TryLockError};
+use std::time::{Duration, Instant};
 
 use tokio::runtime::RuntimeFlavor;
 
@@ -175,6 +177,14 @@ pub(crate) struct Shared {
     synced_blobs: Mutex<HashMap<OsString, u64>>,
     /// The value file of a time window's database ([`SledOptions::values`]).
     values: Option<ValueFile>,
+    /// Set while sled is closed by [`Shared::park`]: the next [`Shared::with`]
+    /// opens it again.
+    parked: AtomicBool,
+    /// When [`Shared::with`] last ran: ms since `born`.
+    used_ms: AtomicU64,
+    born: Instant,
+    /// Times [`Shared::with`] opened sled again after a park.
+    unparks: AtomicU64,
 }
 
 impl Shared {
@@ -183,10 +193,21 @@ impl Shared {
     /// so that the runtime's other tasks (heartbeats, timers, requests that read
     /// nothing) move to other threads and go on. (`block_in_place` panics inside a
     /// `LocalSet`; the daemon runs none.)
+    ///
+    /// A database [`Shared::park`] closed is opened again first.
     pub(crate) fn with<T>(
         &self,
         f: impl FnOnce(&Handle) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        // A plain store, once per millisecond at most: callers on every core read
+        // the main database, and a write to this line on each would bounce it.
+        if self.used_ms.load(Ordering::Relaxed) < now {
+            self.used_ms.store(now, Ordering::Relaxed);
+        }
+        if self.is_parked() {
+            self.unpark()?;
+        }
         let guard = match self.handle.try_read() {
             Ok(g) => Ok(g),
             Err(TryLockError::WouldBlock) => blocking(|| self.handle.read()),
@@ -195,6 +216,13 @@ impl Shared {
         .map_err(|_| StoreError::Read("store lock poisoned".into()))?;
         match guard.as_ref() {
             Some(h) => f(h),
+            // Parked between the check above and the lock (it was unused for long
+            // before this call began): a reader's wait is not worth a retry loop.
+            None if self.is_parked() => {
+                drop(guard);
+                self.unpark()?;
+                self.with(f)
+            }
             None => Err(StoreError::Read(format!(
                 "the store is closed: {}",
                 self.poison_reason().unwrap_or_else(|| "shut down".into())
@@ -226,7 +254,72 @@ impl Shared {
             poisoned: Mutex::new(None),
             synced_blobs: Mutex::new(HashMap::new()),
             values,
+            parked: AtomicBool::new(false),
+            used_ms: AtomicU64::new(0),
+            born: Instant::now(),
+            unparks: AtomicU64::new(0),
         })
+    }
+
+    /// How long since [`Shared::with`] last ran on this database.
+    pub(crate) fn unused_for(&self) -> Duration {
+        let used = Duration::from_millis(self.used_ms.load(Ordering::Relaxed));
+        self.born.elapsed().saturating_sub(used)
+    }
+
+    /// Times a use opened sled again after [`Shared::park`].
+    pub(crate) fn unparks(&self) -> u64 {
+        self.unparks.load(Ordering::Relaxed)
+    }
+
+    /// Whether sled is closed by [`Shared::park`] now.
+    pub(crate) fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::Acquire)
+    }
+
+    /// Close sled until it is needed again (a time window no read or write touched
+    /// for a while): what its page table and cache hold goes back, and the next
+    /// [`Shared::with`] opens it again. Its writes are synced first, so nothing is
+    /// left for the close to do. Gives way (`Ok(false)`) to a read or write in
+    /// progress.
+    pub(crate) fn park(&self) -> Result<bool, StoreError> {
+        self.check()?;
+        let mut slot = match self.handle.try_write() {
+            Ok(slot) => slot,
+            Err(TryLockError::WouldBlock) => return Ok(false),
+            Err(TryLockError::Poisoned(_)) => {
+                return Err(StoreError::Write("store lock poisoned".into()))
+            }
+        };
+        let Some(h) = slot.as_ref() else {
+            return Ok(false);
+        };
+        self.sync_files(h)?;
+        let old = slot.take();
+        self.parked.store(true, Ordering::Release);
+        // sled's drop flushes and syncs once more and panics if that fails; the next
+        // use opens it again, and meets the failure there if the disk still fails.
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(old))).is_err() {
+            tracing::warn!("closing sled at {:?} to park it panicked", self.dir);
+        }
+        Ok(true)
+    }
+
+    /// Open sled again after [`Shared::park`] (if no other caller did meanwhile).
+    fn unpark(&self) -> Result<(), StoreError> {
+        let mut slot = blocking(|| self.handle.write())
+            .map_err(|_| StoreError::Read("store lock poisoned".into()))?;
+        if slot.is_none() && self.is_parked() {
+            let h = self.reopen()?;
+            *slot = Some(h);
+            self.parked.store(false, Ordering::Release);
+            self.unparks.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut synced) = self.synced_blobs.lock() {
+                synced.clear();
+            }
+            tracing::debug!("opened the parked sled at {:?} again", self.dir);
+        }
+        Ok(())
     }
 
     /// A value as sled holds it, with a pointer into the value file replaced by
@@ -388,6 +481,8 @@ impl Shared {
                 }
                 Ok(h)
             }),
+            // Parked: its next open takes the options `open_next_as` set.
+            None if self.is_parked() => return Ok(true),
             None => Err(StoreError::Closed),
         };
         match r {
@@ -412,6 +507,10 @@ impl Shared {
             .handle
             .write()
             .map_err(|_| StoreError::Write("store lock poisoned".into()))?;
+        if slot.is_none() && self.is_parked() {
+            // Closed after a sync: nothing of it is lost, and the next use opens it.
+            return Ok(());
+        }
         let old = slot.take();
         // sled's drop flushes once more and may panic when the disk still fails.
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(old))).is_err() {
@@ -428,7 +527,7 @@ impl Shared {
     /// Whether the handle is gone: closed for good ([`Shared::close`]), or not opened
     /// again after a checkpoint.
     pub(crate) fn is_closed(&self) -> bool {
-        self.handle.read().is_ok_and(|h| h.is_none())
+        !self.is_parked() && self.handle.read().is_ok_and(|h| h.is_none())
     }
 
     /// Close sled for good (a dropped time window, whose directory is deleted next).
@@ -437,6 +536,7 @@ impl Shared {
         let Ok(mut slot) = self.handle.write() else {
             return;
         };
+        self.parked.store(false, Ordering::Release);
         let old = slot.take();
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(old))).is_err() {
             tracing::warn!("closing sled at {:?} panicked", self.dir);

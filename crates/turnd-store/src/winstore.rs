@@ -51,6 +51,8 @@ pub(crate) struct Windows {
     /// MiB of cache of a window that takes writes ([`split_cache`]).
     hot_cache_mb: u64,
     state: RwLock<State>,
+    /// Reopens of parked windows since deleted ([`Windows::counts`]).
+    unparked_before: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -185,6 +187,7 @@ impl Windows {
             },
             hot_cache_mb: sled.cache_mb.max(WINDOW_CACHE_MB),
             state: RwLock::new(State::default()),
+            unparked_before: std::sync::atomic::AtomicU64::new(0),
         };
         if w.dir.exists() {
             let entries = std::fs::read_dir(&w.dir)
@@ -409,7 +412,12 @@ impl Windows {
         s.table.slots.insert(start, Slot::Dropped(lsn));
         s.deleting.insert(start);
         tracing::debug!("took the drop of the time window {start} (record {lsn})");
-        Ok(s.open.remove(&start))
+        let w = s.open.remove(&start);
+        if let Some(w) = &w {
+            self.unparked_before
+                .fetch_add(w.unparks(), std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(w)
     }
 
     /// Close a dropped window's database and delete its directory (after its drop is
@@ -497,6 +505,45 @@ impl Windows {
                 false
             }
         }
+    }
+
+    /// Park ([`Shared::park`]) each window that no read or write used for `after`,
+    /// once it was opened again since its last write (so that it has its snapshot and
+    /// opens fast when next needed), but for the newest, which takes the writes of
+    /// live sessions. Returns how many it parked.
+    pub(crate) fn park_unused(&self, upkeep: &Upkeep, after: Duration) -> usize {
+        let newest = self.state.read().ok().and_then(|s| s.table.newest());
+        let mut parked = 0;
+        for (start, shared) in self.all_open() {
+            if Some(start) == newest
+                || !upkeep.snapshotted.contains(&start)
+                || shared.is_parked()
+                || shared.unused_for() < after
+            {
+                continue;
+            }
+            match shared.park() {
+                Ok(true) => {
+                    parked += 1;
+                    tracing::debug!("parked the time window {start}");
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!("parking the time window {start} failed: {e}"),
+            }
+        }
+        parked
+    }
+
+    /// How many windows are parked now, and how many times a parked window was
+    /// opened again by a read or write.
+    pub(crate) fn counts(&self) -> (u64, u64) {
+        let open = self.all_open();
+        let parked = open.iter().filter(|(_, w)| w.is_parked()).count() as u64;
+        let reopens = self
+            .unparked_before
+            .load(std::sync::atomic::Ordering::Relaxed)
+            + open.iter().map(|(_, w)| w.unparks()).sum::<u64>();
+        (parked, reopens)
     }
 
     /// Reopen each window that took no write for `idle` since it was last written
