@@ -104,6 +104,14 @@ async fn read_events(
     (first, took)
 }
 
+/// The value of the sample `name` (a line `name value`) of a `/metrics` body, or
+/// "n/a".
+fn sample(body: &str, name: &str) -> String {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .map_or("n/a".into(), str::to_string)
+}
+
 /// `KEY=VALUE` of `--env`.
 fn key_value(kv: &str) -> Result<(String, String), String> {
     kv.split_once('=')
@@ -261,6 +269,8 @@ async fn store_metrics(admin: &str) -> String {
         "turnd_storage_log_zeroed_segments_total",
         "turnd_storage_log_reserved_segments_total",
         "turnd_storage_log_bytes_total",
+        "turnd_storage_windows_closed",
+        "turnd_storage_window_reopens_total",
     ];
     body.lines()
         .filter(|l| pick.iter().any(|p| l.starts_with(p)))
@@ -483,13 +493,36 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         let count = |what: &str| {
             std::fs::read_dir(format!("/proc/{}/{what}", d.pid)).map_or(0, Iterator::count)
         };
-        Some(format!(
-            "after {} s idle: daemon RSS {} MB · {} threads · {} open files · {} windows",
+        let at_rest = format!(
+            "after {} s idle: daemon RSS {} MB · {} threads · {} open files · {} windows ({} closed)",
             a.idle_after,
             rss_kb(d.pid).map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0)),
             count("task"),
             count("fd"),
             std::fs::read_dir(data.join("windows")).map_or(0, Iterator::count),
+            match http_get(&d.admin, "/metrics").await {
+                Ok((_, body)) => sample(&body, "turnd_storage_windows_closed"),
+                Err(_) => "n/a".into(),
+            },
+        );
+        // Then a read that reaches the oldest window (soak-0's first events), twice:
+        // the first opens the windows it needs if they were closed.
+        let mut reads = Vec::new();
+        for _ in 0..2 {
+            let t0 = Instant::now();
+            match cs.first() {
+                Some(c) => {
+                    c.events("soak-0", Some(0), Some(100))
+                        .await
+                        .context("read soak-0's first events after the idle wait")?;
+                }
+                None => break,
+            }
+            reads.push(format!("{:.1}", t0.elapsed().as_secs_f64() * 1000.0));
+        }
+        Some(format!(
+            "{at_rest} · then soak-0's first 100 events read in {} ms",
+            reads.join(" and ")
         ))
     } else {
         None
