@@ -305,21 +305,27 @@ impl Shared {
         Ok(true)
     }
 
-    /// Open sled again after [`Shared::park`] (if no other caller did meanwhile).
+    /// Open sled again after [`Shared::park`] (if no other caller did meanwhile):
+    /// the wait for the lock and sled's open both in [`blocking`], so that a tokio
+    /// worker hands its other tasks on meanwhile.
     fn unpark(&self) -> Result<(), StoreError> {
-        let mut slot = blocking(|| self.handle.write())
-            .map_err(|_| StoreError::Read("store lock poisoned".into()))?;
-        if slot.is_none() && self.is_parked() {
-            let h = self.reopen()?;
-            *slot = Some(h);
-            self.parked.store(false, Ordering::Release);
-            self.unparks.fetch_add(1, Ordering::Relaxed);
-            if let Ok(mut synced) = self.synced_blobs.lock() {
-                synced.clear();
+        blocking(|| {
+            let mut slot = self
+                .handle
+                .write()
+                .map_err(|_| StoreError::Read("store lock poisoned".into()))?;
+            if slot.is_none() && self.is_parked() {
+                let h = self.reopen()?;
+                *slot = Some(h);
+                self.parked.store(false, Ordering::Release);
+                self.unparks.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mut synced) = self.synced_blobs.lock() {
+                    synced.clear();
+                }
+                tracing::debug!("opened the parked sled at {:?} again", self.dir);
             }
-            tracing::debug!("opened the parked sled at {:?} again", self.dir);
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// A value as sled holds it, with a pointer into the value file replaced by
