@@ -575,6 +575,12 @@ impl Config {
                 p.push(format!("{key} must be between {lo} and {hi}, not {v}"));
             }
         }
+        if (1..100).contains(&self.storage.window_close_ms) {
+            p.push(format!(
+                "storage.window_close_ms must be 0 (windows stay open) or at least 100, not {}",
+                self.storage.window_close_ms
+            ));
+        }
         if self.storage.checkpoint_mb > 1 << 20 {
             p.push(format!(
                 "storage.checkpoint_mb must be between 0 and 1048576, not {}",
@@ -786,6 +792,25 @@ mod tests {
         assert_eq!(l.config.turns.reconnect_grace_ms, 10_000);
         assert_eq!(l.warnings.len(), 2, "{:?}", l.warnings);
         l.config.validate().expect("valid");
+    }
+
+    /// `storage.window_close_ms` is 0 (windows stay open) or at least 100 ms: a
+    /// shorter time would close and open old windows all the time.
+    #[test]
+    fn window_close_ms_is_zero_or_at_least_100() {
+        let validated = |ms: &str| {
+            let env = vec![("TURND_STORAGE__WINDOW_CLOSE_MS".to_string(), ms.to_string())];
+            Config::load(None, env).and_then(|l| l.config.validate().map(|()| l.config))
+        };
+        for ok in ["0", "100", "60000"] {
+            assert!(validated(ok).is_ok(), "{ok}");
+        }
+        for bad in ["1", "99"] {
+            match validated(bad) {
+                Err(e) => assert!(e.to_string().contains("storage.window_close_ms"), "{e}"),
+                Ok(_) => panic!("window_close_ms = {bad} accepted"),
+            }
+        }
     }
 
     /// The hours key of earlier versions is refused, naming the key that replaced it

@@ -564,8 +564,12 @@ fn apply_routed<'a>(
 /// window may not have.
 fn sync_windows(wins: &Windows, written: &[u64]) -> Result<(), StoreError> {
     for start in written {
-        if let Some(w) = wins.get(*start) {
-            w.with(|h| w.sync_files(h))?;
+        match wins.get(*start) {
+            // Parked after its writes: `park` synced them, and a write since would
+            // have opened it again.
+            Some(w) if w.is_parked() => {}
+            Some(w) => w.with(|h| w.sync_files(h))?,
+            None => {}
         }
     }
     Ok(())
@@ -912,7 +916,7 @@ fn apply_to_sled<'a>(
                 let pointers = if outside.is_empty() {
                     Vec::new()
                 } else {
-                    f.append(&outside)?
+                    f.append(&outside).inspect_err(|_| sled.note_failure())?
                 };
                 (outside.len(), pointers)
             }

@@ -545,12 +545,14 @@ async fn windows_unused_for_a_while_are_parked_and_opened_again_by_use() {
     assert!(!parked(&kv, newest), "the newest window takes writes");
     let stats = kv.commit_stats();
     assert!(stats.windows_closed >= 1, "{stats:?}");
-    assert_eq!(stats.window_reopens, 0);
+    // (A slow machine may have parked it already while the windows were made, and
+    // the write of `x` opened it again.)
+    let reopens = stats.window_reopens;
 
     // A read opens it again.
     assert!(store.finished(&x).expect("read").is_some());
     assert!(!parked(&kv, a));
-    assert_eq!(kv.commit_stats().window_reopens, 1);
+    assert_eq!(kv.commit_stats().window_reopens, reopens + 1);
     assert_eq!(listed(&store, meta.keys()), std::slice::from_ref(&x));
 
     // Parked again (a read leaves its snapshot as it is), then a write to it.
@@ -559,7 +561,7 @@ async fn windows_unused_for_a_while_are_parked_and_opened_again_by_use() {
     commit(&store, admission(&mut meta, 2, &y)).await;
     kv.sync().expect("apply to the parked window");
     assert!(!parked(&kv, a), "opened again by the write");
-    assert!(kv.commit_stats().window_reopens >= 2);
+    assert!(kv.commit_stats().window_reopens >= reopens + 2);
     assert_eq!(listed(&store, meta.keys()), [x.clone(), y.clone()]);
     drop(store);
     kv.close().expect("close");

@@ -185,6 +185,8 @@ pub(crate) struct Shared {
     born: Instant,
     /// Times [`Shared::with`] opened sled again after a park.
     unparks: AtomicU64,
+    /// Set by a failed sync or value file append ([`Shared::sync_files`]).
+    failed: AtomicBool,
 }
 
 impl Shared {
@@ -258,6 +260,7 @@ impl Shared {
             used_ms: AtomicU64::new(0),
             born: Instant::now(),
             unparks: AtomicU64::new(0),
+            failed: AtomicBool::new(false),
         })
     }
 
@@ -426,7 +429,33 @@ impl Shared {
 
     /// Make sled's files durable: flush, then fdatasync of the log and blob files,
     /// and of the value file.
+    ///
+    /// A failure is sticky until [`Shared::reopen_after_failure`]: Linux reports a
+    /// failed write-back once, on one `fsync`, and may drop the pages, so a later
+    /// `fsync` that succeeds does not make them durable; only writing them again does
+    /// (the commit log's owner refills what it applied since its last durable mark
+    /// before it reopens). Likewise after a failed append to the value file
+    /// ([`Shared::note_failure`]).
     pub(crate) fn sync_files(&self, h: &Handle) -> Result<(), StoreError> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(StoreError::Sync(format!(
+                "an earlier write or sync of {:?} failed; its writes since the last durable mark are made again first",
+                self.dir
+            )));
+        }
+        let r = self.sync_files_once(h);
+        if r.is_err() {
+            self.note_failure();
+        }
+        r
+    }
+
+    /// Make [`Shared::sync_files`] fail until [`Shared::reopen_after_failure`].
+    pub(crate) fn note_failure(&self) {
+        self.failed.store(true, Ordering::Release);
+    }
+
+    fn sync_files_once(&self, h: &Handle) -> Result<(), StoreError> {
         if let Some(v) = &self.values {
             v.sync()?;
         }
@@ -513,6 +542,8 @@ impl Shared {
             .handle
             .write()
             .map_err(|_| StoreError::Write("store lock poisoned".into()))?;
+        // Its owner writes again what it wrote since its last durable mark.
+        self.failed.store(false, Ordering::Release);
         if slot.is_none() && self.is_parked() {
             // Closed after a sync: nothing of it is lost, and the next use opens it.
             return Ok(());
@@ -533,7 +564,10 @@ impl Shared {
     /// Whether the handle is gone: closed for good ([`Shared::close`]), or not opened
     /// again after a checkpoint.
     pub(crate) fn is_closed(&self) -> bool {
-        !self.is_parked() && self.handle.read().is_ok_and(|h| h.is_none())
+        // Under the lock: `park` sets `parked` while it holds it for writing.
+        self.handle
+            .read()
+            .is_ok_and(|h| h.is_none() && !self.is_parked())
     }
 
     /// Close sled for good (a dropped time window, whose directory is deleted next).
@@ -1401,5 +1435,37 @@ mod tests {
         assert_eq!(sync_blobs(&blobs, &mut synced).expect("sync"), 0);
         assert_eq!(synced.len(), 2, "{synced:?}");
         assert_eq!(synced.get(std::ffi::OsStr::new("200")), Some(&8));
+    }
+
+    /// A failed sync or value file append makes every later sync of the database
+    /// fail, also one that would succeed (Linux reports a failed write-back once
+    /// and may have dropped the pages), until its owner has written its writes
+    /// again and reopened it; a parked database is reopened by a later use after
+    /// that, and syncs again.
+    #[test]
+    fn a_failed_sync_fails_every_sync_until_the_database_is_reopened() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = Shared::open(
+            dir.path(),
+            SledOptions {
+                values: true,
+                background: false,
+                ..SledOptions::default()
+            },
+        )
+        .expect("open");
+        let sync = |s: &Shared| s.with(|h| s.sync_files(h));
+        sync(&s).expect("a sync");
+        s.note_failure();
+        assert!(sync(&s).is_err(), "the failure is reported");
+        assert!(sync(&s).is_err(), "and again, though the disk works");
+        assert!(s.park().is_err(), "not parked while failed");
+        s.reopen_after_failure().expect("reopen");
+        sync(&s).expect("a sync after the reopen");
+        assert!(s.park().expect("park"));
+        s.note_failure();
+        s.reopen_after_failure().expect("a parked database");
+        sync(&s).expect("opened by its use, and syncs");
+        assert_eq!(s.unparks(), 1);
     }
 }

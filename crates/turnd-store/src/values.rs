@@ -127,6 +127,12 @@ impl ValueFile {
     pub(crate) fn read(&self, ptr: &[u8]) -> Result<Vec<u8>, StoreError> {
         let (off, len, crc) =
             parse(ptr).ok_or_else(|| StoreError::Corrupt("not a value file pointer".into()))?;
+        let end = self.end.lock().map_or(u64::MAX, |e| *e);
+        if off.saturating_add(u64::from(len)) > end {
+            return Err(StoreError::Corrupt(format!(
+                "a pointer to {len} bytes at {off} of a window's value file of {end} bytes"
+            )));
+        }
         let mut buf = vec![0u8; len as usize];
         self.file.read_exact_at(&mut buf, off).map_err(|e| {
             StoreError::Corrupt(format!(
@@ -195,5 +201,12 @@ mod tests {
             f.read(b"not a pointer"),
             Err(StoreError::Corrupt(_))
         ));
+        // A length past the file's end is refused before anything is allocated.
+        let mut huge = ps[0];
+        huge[10..14].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(
+            matches!(f.read(&huge), Err(StoreError::Corrupt(m)) if m.contains("pointer to")),
+            "refused by the length check"
+        );
     }
 }

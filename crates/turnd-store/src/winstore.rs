@@ -43,6 +43,11 @@ pub(crate) fn split_cache(cache_mb: u64, opts: &WindowOptions) -> (u64, u64) {
 /// `window_ms`, and a turn that ends late in it writes a handful of keys.
 const WARM_KEYS: u64 = 4096;
 
+/// Windows [`Windows::park_unused`] parks in one round at most: each syncs and
+/// closes a sled database on the applier's thread, and a minute after a start every
+/// window but the newest is due at once.
+const PARKS_PER_ROUND: usize = 8;
+
 pub(crate) struct Windows {
     dir: PathBuf,
     pub(crate) opts: WindowOptions,
@@ -515,6 +520,9 @@ impl Windows {
         let newest = self.state.read().ok().and_then(|s| s.table.newest());
         let mut parked = 0;
         for (start, shared) in self.all_open() {
+            if parked == PARKS_PER_ROUND {
+                break;
+            }
             if Some(start) == newest
                 || !upkeep.snapshotted.contains(&start)
                 || shared.is_parked()
@@ -537,12 +545,16 @@ impl Windows {
     /// How many windows are parked now, and how many times a parked window was
     /// opened again by a read or write.
     pub(crate) fn counts(&self) -> (u64, u64) {
-        let open = self.all_open();
-        let parked = open.iter().filter(|(_, w)| w.is_parked()).count() as u64;
+        // Under the lock [`Windows::mark_dropped`] moves a window's count with, so
+        // that no window is counted twice or not at all.
+        let Ok(s) = self.state.read() else {
+            return (0, 0);
+        };
+        let parked = s.open.values().filter(|w| w.is_parked()).count() as u64;
         let reopens = self
             .unparked_before
             .load(std::sync::atomic::Ordering::Relaxed)
-            + open.iter().map(|(_, w)| w.unparks()).sum::<u64>();
+            + s.open.values().map(|w| w.unparks()).sum::<u64>();
         (parked, reopens)
     }
 
