@@ -142,8 +142,8 @@ bench: ## Benchmarks (release build; see docs/benchmarks.md for each scenario's 
 	target/release/turnd-bench sessions
 	target/release/turnd-bench multistep
 
-check-fsync: ## Prove from strace that an fdatasync precedes every acknowledgement
-	scripts/check-fsync.sh
+check-fsync: venv ## Prove from strace that an fdatasync precedes every acknowledgement
+	CHECK_PY=$(VPY) scripts/check-fsync.sh
 
 fuzz: ## Run the cargo-fuzz targets (FUZZ_SECONDS each, default 60; see docs/fuzzing.md)
 	scripts/fuzz.sh

@@ -19,6 +19,9 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PROFILE="${PROFILE:-release}"
+# The checker reads the commit log's LZ4-compressed records with the `lz4` module:
+# `make check-fsync` passes the project's virtual environment (target/venv).
+CHECK_PY="${CHECK_PY:-python3}"
 CARGO="${CARGO:-cargo}"
 
 if ! command -v strace >/dev/null 2>&1; then
@@ -75,7 +78,7 @@ run() {
     "$BIN/turnd-bench" drive --url "$url" --sessions 3 --turns 4 --steps 2
     kill -TERM "$pid"
     wait "$strace_pid"
-    python3 scripts/check_fsync.py "$dir/trace"
+    "$CHECK_PY" scripts/check_fsync.py "$dir/trace"
 }
 
 echo "== storage.sync = always (the default): every acknowledgement must follow an fsync"

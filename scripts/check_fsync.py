@@ -26,7 +26,8 @@ How it works:
    `unknown`, a session stop with no turn to stop.
 4. For each one, the key of the change (the new turn's id, the stopped turn's id,
    the session id, the invocation id) must appear in a write to a commit log segment
-   (`<data dir>/log/<lsn>.seg`) that began after the request was read, and an
+   (`<data dir>/log/<lsn>.seg`) that began after the request was read (in a
+   record's payload, decompressed when the daemon wrote it LZ4-compressed), and an
    `fdatasync`/`fsync` of that same segment file must have begun after that write
    returned and returned before the response was written to the socket.
 
@@ -40,6 +41,11 @@ import os
 import re
 import sys
 from collections import defaultdict
+
+try:
+    import lz4.block
+except ImportError:
+    sys.exit("check_fsync: the lz4 module is missing: run it with target/venv/bin/python (make venv), as make check-fsync does")
 
 LINE = re.compile(r"^(\d+)\s+(.*)$")
 CALL = re.compile(r"^([a-z_0-9]+)\((.*)$")
@@ -58,6 +64,32 @@ DURABLE_OPS = {"turn.submit", "turn.stop", "session.stop", "invocation.result"}
 
 def unhex(s):
     return bytes.fromhex(s.replace("\\x", ""))
+
+
+# A commit log record: `len: u32 LE | crc32: u32 LE | lsn: u64 LE | payload`; a
+# payload starting with these two bytes is LZ4 block data with its size prepended.
+RECORD_HEADER = 16
+PACKED = b"\xff4"
+
+
+def record_payloads(data):
+    """The payloads of the commit log records a segment write holds, decompressed,
+    and the written bytes themselves (a write that does not start at a record reads
+    as its bytes only)."""
+    out = [data]
+    i = 0
+    while i + RECORD_HEADER <= len(data):
+        n = int.from_bytes(data[i : i + 4], "little")
+        payload = data[i + RECORD_HEADER : i + RECORD_HEADER + n]
+        if n == 0 or len(payload) < n:
+            break
+        if payload.startswith(PACKED):
+            try:
+                out.append(lz4.block.decompress(payload[len(PACKED) :]))
+            except lz4.block.LZ4BlockError:
+                break
+        i += RECORD_HEADER + n
+    return b"".join(out)
 
 
 class Event:
@@ -219,7 +251,7 @@ def main():
             if ev.name in WRITES:
                 data, cut = ev.buffers()
                 truncated += cut
-                db_writes.append((ev.start, ev.end, data, what))
+                db_writes.append((ev.start, ev.end, record_payloads(data), what))
             elif ev.name in SYNCS and ev.ret == 0:
                 db_syncs.append((ev.start, ev.end, ev.name, what))
     if truncated:
