@@ -756,6 +756,7 @@ impl LoggedKv {
                 ..opts.sled
             },
             &recorded_drops(&sled)?,
+            opts.window_close_after.is_some(),
         )?;
         let log_dir = dir.join("log");
         let opened = CommitLog::open(&log_dir, opts.segment_bytes, applied)?;

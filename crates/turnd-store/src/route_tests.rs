@@ -518,8 +518,9 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
 /// A window no read or write used for `window_close_after` is parked (its sled
 /// closed) once it was opened again after its last write; never the newest. A read
 /// of one of its turns opens it again, and so does a write to it (a turn that ends
-/// late in it); its turns read back after a restart, and its drop, while parked,
-/// moves its records to the main database as any drop does.
+/// late in it); a start leaves it parked, its turns read back after the restart,
+/// and its drop, while parked, moves its records to the main database as any drop
+/// does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn windows_unused_for_a_while_are_parked_and_opened_again_by_use() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -570,8 +571,12 @@ async fn windows_unused_for_a_while_are_parked_and_opened_again_by_use() {
     let (kv, _) = LoggedKv::open(dir.path(), opts).expect("reopen");
     let kv = Arc::new(kv);
     let store = Store::new(kv.clone());
+    // A start leaves every window but the newest parked, for its first use to open.
+    assert!(parked(&kv, a), "left parked by the start");
+    let newest = kv.windows().expect("windows").last().expect("one").start_ms;
+    assert!(!parked(&kv, newest), "the newest is opened at start");
     assert_eq!(listed(&store, meta.keys()), [x.clone(), y.clone()]);
-    // A start opens every window; unused, each is snapshotted and parked.
+    assert!(!parked(&kv, a), "opened by the read");
     unused_then_round(&kv);
     unused_then_round(&kv);
     assert!(parked(&kv, a));

@@ -239,24 +239,39 @@ impl Shared {
         })?;
         let handle = Handle::open(dir, &opts)?;
         sync_dir(dir)?;
-        Shared::opened(dir, opts, handle)
+        Shared::opened(dir, opts, Some(handle))
     }
 
-    fn opened(dir: &Path, opts: SledOptions, handle: Handle) -> Result<Shared, StoreError> {
+    /// The sled database in `dir` (which must hold one), parked ([`Shared::park`])
+    /// without being opened: its first use opens it. A start leaves the windows no
+    /// one uses yet this way.
+    pub(crate) fn open_parked(dir: &Path, opts: SledOptions) -> Result<Shared, StoreError> {
+        for file in ["conf", "db"] {
+            if !dir.join(file).is_file() {
+                return Err(StoreError::Corrupt(format!(
+                    "{dir:?} holds no sled database: its {file} file is missing"
+                )));
+            }
+        }
+        Shared::opened(dir, opts, None)
+    }
+
+    /// A handle on `dir` with `handle` open, or parked when None.
+    fn opened(dir: &Path, opts: SledOptions, handle: Option<Handle>) -> Result<Shared, StoreError> {
         let values = if opts.values {
             Some(ValueFile::open(dir)?)
         } else {
             None
         };
         Ok(Shared {
-            handle: RwLock::new(Some(handle)),
+            parked: AtomicBool::new(handle.is_none()),
+            handle: RwLock::new(handle),
             dir: dir.to_path_buf(),
             opts,
             next: Mutex::new(opts),
             poisoned: Mutex::new(None),
             synced_blobs: Mutex::new(HashMap::new()),
             values,
-            parked: AtomicBool::new(false),
             used_ms: AtomicU64::new(0),
             born: Instant::now(),
             unparks: AtomicU64::new(0),
@@ -388,7 +403,7 @@ impl Shared {
             sync_dir(parent)?;
         }
         let handle = open_when_unlocked(|| Handle::open(dir, &opts))?;
-        Shared::opened(dir, opts, handle)
+        Shared::opened(dir, opts, Some(handle))
     }
 
     /// The cache and flusher sled gets when it is next opened again (a checkpoint, a

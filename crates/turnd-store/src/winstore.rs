@@ -169,12 +169,14 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
 impl Windows {
     /// Open every window directory under `data/windows`: those the main database
     /// records as dropped (`dropped`: start → lsn of the drop) are deleted, the others
-    /// opened.
+    /// opened; when `lazy`, all but the newest are left parked ([`Shared::park`]),
+    /// to be opened by their first use.
     pub(crate) fn open(
         data: &Path,
         opts: WindowOptions,
         sled: SledOptions,
         dropped: &BTreeMap<u64, u64>,
+        lazy: bool,
     ) -> Result<Windows, StoreError> {
         let dir = data.join("windows");
         let mut state = State::default();
@@ -225,10 +227,16 @@ impl Windows {
                     kept.push(start);
                 }
             }
-            let opened = open_all(&kept, |start| {
+            let (now, later): (Vec<u64>, Vec<u64>) =
+                kept.iter().partition(|s| !lazy || Some(**s) == newest);
+            let mut opened = open_all(&now, |start| {
                 let hot = Some(start) == newest;
                 Shared::open(&w.dir.join(start.to_string()), w.opened(hot))
             })?;
+            for start in later {
+                let dir = w.dir.join(start.to_string());
+                opened.push((start, Shared::open_parked(&dir, w.opened(false))?));
+            }
             for (start, shared) in opened {
                 if Some(start) != newest {
                     state.small.insert(start);
@@ -631,8 +639,14 @@ mod tests {
             window_ms: 1,
             ..WindowOptions::default()
         };
-        let w = Windows::open(data.path(), opts, SledOptions::default(), &BTreeMap::new())
-            .expect("open");
+        let w = Windows::open(
+            data.path(),
+            opts,
+            SledOptions::default(),
+            &BTreeMap::new(),
+            false,
+        )
+        .expect("open");
         let Switch::Made(start) = w.switch_if_due().expect("switch") else {
             panic!("no window made");
         };
@@ -661,8 +675,14 @@ mod tests {
         std::fs::remove_dir_all(&named).expect("rm");
         half_made(&making_path(&dir.join(cut.to_string())));
 
-        let w = Windows::open(data.path(), opts, SledOptions::default(), &BTreeMap::new())
-            .expect("a start after a cut make");
+        let w = Windows::open(
+            data.path(),
+            opts,
+            SledOptions::default(),
+            &BTreeMap::new(),
+            false,
+        )
+        .expect("a start after a cut make");
         let starts: Vec<u64> = w.list().iter().map(|i| i.start_ms).collect();
         assert_eq!(starts, vec![start]);
         let left: Vec<String> = std::fs::read_dir(&dir)
