@@ -639,14 +639,16 @@ mod tests {
             window_ms: 1,
             ..WindowOptions::default()
         };
-        let w = Windows::open(
-            data.path(),
-            opts,
-            SledOptions::default(),
-            &BTreeMap::new(),
-            false,
-        )
-        .expect("open");
+        let open = || {
+            Windows::open(
+                data.path(),
+                opts,
+                SledOptions::default(),
+                &BTreeMap::new(),
+                false,
+            )
+        };
+        let w = open().expect("open");
         let Switch::Made(start) = w.switch_if_due().expect("switch") else {
             panic!("no window made");
         };
@@ -675,14 +677,7 @@ mod tests {
         std::fs::remove_dir_all(&named).expect("rm");
         half_made(&making_path(&dir.join(cut.to_string())));
 
-        let w = Windows::open(
-            data.path(),
-            opts,
-            SledOptions::default(),
-            &BTreeMap::new(),
-            false,
-        )
-        .expect("a start after a cut make");
+        let w = open().expect("a start after a cut make");
         let starts: Vec<u64> = w.list().iter().map(|i| i.start_ms).collect();
         assert_eq!(starts, vec![start]);
         let left: Vec<String> = std::fs::read_dir(&dir)
