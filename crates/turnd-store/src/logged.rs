@@ -957,27 +957,24 @@ fn apply_to_sled<'a>(
         if chunk.is_empty() && !(last && lsn.is_some()) {
             return Ok(());
         }
-        let (outside, pointers) = match sled.values() {
-            Some(f) => {
-                let outside: Vec<&[u8]> = chunk
-                    .iter()
-                    .filter_map(|(_, v)| v.as_deref())
-                    .filter(|v| v.len() >= values::OUT_FROM)
-                    .collect();
-                let pointers = if outside.is_empty() {
-                    Vec::new()
-                } else {
-                    f.append(&outside).inspect_err(|_| sled.note_failure())?
-                };
-                (outside.len(), pointers)
+        let file = sled.values();
+        let outside = |v: &[u8]| file.is_some() && v.len() >= values::OUT_FROM;
+        let large: Vec<&[u8]> = chunk
+            .iter()
+            .filter_map(|(_, v)| v.as_deref())
+            .filter(|v| outside(v))
+            .collect();
+        let pointers = match file {
+            Some(f) if !large.is_empty() => {
+                f.append(&large).inspect_err(|_| sled.note_failure())?
             }
-            None => (0, Vec::new()),
+            _ => Vec::new(),
         };
         let mut pointers = pointers.iter();
         let mut batch = sled::Batch::default();
         for (k, v) in &chunk {
             match v {
-                Some(v) if outside > 0 && v.len() >= values::OUT_FROM => {
+                Some(v) if outside(v) => {
                     let p = pointers.next().ok_or_else(|| {
                         StoreError::Write("a value file append returned too few pointers".into())
                     })?;
@@ -1904,14 +1901,6 @@ fn merge(
     Ok(out)
 }
 
-/// `v` as sled holds it, with a value file pointer resolved ([`Shared::stored`]).
-pub(crate) fn resolved(src: &Shared, v: sled::IVec) -> Result<sled::IVec, StoreError> {
-    if values::is_pointer(&v) {
-        return src.stored(&v).map(|s| sled::IVec::from(s.as_ref()));
-    }
-    Ok(v)
-}
-
 /// What the overlay holds of a range, in scan order.
 type Pendings = Vec<(Vec<u8>, Value)>;
 
@@ -2180,7 +2169,7 @@ impl Kv for LoggedKv {
         win.with(|h| {
             let range = h.db.range(start.to_vec()..end.to_vec()).map(|r| {
                 let (k, v) = r.map_err(|e| StoreError::Read(e.to_string()))?;
-                Ok((k, resolved(&win, v)?))
+                Ok((k, win.resolved(v)?))
             });
             merge(pending, range, false, limit)
         })

@@ -48,7 +48,7 @@ impl Cursor<'_> {
             taken
                 .map_err(|e| StoreError::Read(e.to_string()))?
                 .into_iter()
-                .map(|(k, v)| Ok((k, crate::logged::resolved(self.src, v)?)))
+                .map(|(k, v)| Ok((k, self.src.resolved(v)?)))
                 .collect()
         })?;
         if got.len() < n {

@@ -201,14 +201,16 @@ impl Shared {
         &self,
         f: impl FnOnce(&Handle) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
-        // A plain store, once per millisecond at most: callers on every core read
-        // the main database, and a write to this line on each would bounce it.
-        if self.used_ms.load(Ordering::Relaxed) < now {
-            self.used_ms.store(now, Ordering::Relaxed);
-        }
-        if self.is_parked() {
-            self.unpark()?;
+        if self.parkable() {
+            let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+            // A plain store, once per millisecond at most: a window read by callers
+            // on every core would bounce this line on each.
+            if self.used_ms.load(Ordering::Relaxed) < now {
+                self.used_ms.store(now, Ordering::Relaxed);
+            }
+            if self.is_parked() {
+                self.unpark()?;
+            }
         }
         let guard = match self.handle.try_read() {
             Ok(g) => Ok(g),
@@ -279,6 +281,13 @@ impl Shared {
         })
     }
 
+    /// Whether [`Shared::park`] may close this database: only a time window's (the
+    /// databases with a value file). The main database is never parked, so its
+    /// reads, on every core, keep no clock of their use.
+    fn parkable(&self) -> bool {
+        self.values.is_some()
+    }
+
     /// How long since [`Shared::with`] last ran on this database.
     pub(crate) fn unused_for(&self) -> Duration {
         let used = Duration::from_millis(self.used_ms.load(Ordering::Relaxed));
@@ -301,6 +310,9 @@ impl Shared {
     /// left for the close to do. Gives way (`Ok(false)`) to a read or write in
     /// progress.
     pub(crate) fn park(&self) -> Result<bool, StoreError> {
+        if !self.parkable() {
+            return Ok(false);
+        }
         self.check()?;
         let mut slot = match self.handle.try_write() {
             Ok(slot) => slot,
@@ -358,6 +370,14 @@ impl Shared {
                 "sled at {:?} holds a pointer to a value file, and has none",
                 self.dir
             ))),
+        }
+    }
+
+    /// [`Shared::stored`] of a value sled returned.
+    pub(crate) fn resolved(&self, v: sled::IVec) -> Result<sled::IVec, StoreError> {
+        match self.stored(&v)? {
+            Cow::Borrowed(_) => Ok(v),
+            Cow::Owned(read) => Ok(sled::IVec::from(read)),
         }
     }
 

@@ -523,8 +523,8 @@ impl Windows {
     /// Park ([`Shared::park`]) each window that no read or write used for `after`,
     /// once it was opened again since its last write (so that it has its snapshot and
     /// opens fast when next needed), but for the newest, which takes the writes of
-    /// live sessions. Returns how many it parked.
-    pub(crate) fn park_unused(&self, upkeep: &Upkeep, after: Duration) -> usize {
+    /// live sessions.
+    pub(crate) fn park_unused(&self, upkeep: &Upkeep, after: Duration) {
         let newest = self.state.read().ok().and_then(|s| s.table.newest());
         let mut parked = 0;
         for (start, shared) in self.all_open() {
@@ -547,7 +547,6 @@ impl Windows {
                 Err(e) => tracing::warn!("parking the time window {start} failed: {e}"),
             }
         }
-        parked
     }
 
     /// How many windows are parked now, and how many times a parked window was
