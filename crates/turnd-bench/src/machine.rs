@@ -2,7 +2,10 @@
 //! no completion: the late wake-ups of a thread that only sleeps, the CPU time the
 //! hypervisor took from this machine (`steal` in `/proc/stat`), and the time each
 //! thread of the daemon and of the bench was runnable but waited for a core
-//! (`run_delay` in `/proc/PID/task/TID/schedstat`).
+//! (`run_delay` in `/proc/PID/task/TID/schedstat`), the time each ran on a core
+//! (`run_time`, the same file's first number), and the samples in which one was in
+//! uninterruptible sleep (state `D` in `/proc/PID/task/TID/stat`: waiting in the
+//! kernel, for a disk or a kernel lock) with where it waited (`wchan`).
 //!
 //! A thread that asks to sleep 1 ms and wakes 20 ms later was runnable for 19 ms and
 //! ran nothing: on a machine whose cores were free to take it, no lock, queue or disk
@@ -36,14 +39,33 @@ const STEAL_EVERY: Duration = Duration::from_millis(20);
 const WAITS_EVERY: Duration = Duration::from_millis(10);
 /// How much a thread's `run_delay` must grow in one sample to be kept.
 const WAITED: Duration = Duration::from_millis(3);
+/// How much a thread's `run_time` must grow in one sample to be kept.
+const RAN: Duration = Duration::from_millis(3);
 
-/// A sample in which a thread waited for a core.
+/// A sample in which a thread waited for a core, or ran on one (`span.ms`: how long).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Waited {
+pub struct ThreadSpan {
     pub span: Span,
     /// `process/thread` (the process as named to [`MachineWatch::start`], the
     /// thread's `comm`).
     pub who: String,
+}
+
+/// A sample in which a thread was in uninterruptible sleep (`span.ms`: the sample's
+/// length, as the state was seen once in it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Blocked {
+    pub at: ThreadSpan,
+    /// The kernel function it waited in (`wchan`; `?` when not readable).
+    pub wchan: String,
+}
+
+/// What the threads did in one sample of [`waits`].
+#[derive(Default)]
+struct Threads {
+    waited: Vec<ThreadSpan>,
+    ran: Vec<ThreadSpan>,
+    blocked: Vec<Blocked>,
 }
 
 /// The watchers, each on a thread of its own, until [`MachineWatch::stop`].
@@ -51,7 +73,7 @@ pub struct MachineWatch {
     stop: Arc<AtomicBool>,
     late: JoinHandle<Vec<Span>>,
     steal: JoinHandle<Vec<Span>>,
-    waits: JoinHandle<Vec<Waited>>,
+    threads: JoinHandle<Threads>,
 }
 
 /// What [`MachineWatch`] saw.
@@ -62,7 +84,11 @@ pub struct Seen {
     pub steal: Vec<Span>,
     /// Samples in which a thread of a watched process waited [`WAITED`] or more for a
     /// core.
-    pub waits: Vec<Waited>,
+    pub waits: Vec<ThreadSpan>,
+    /// Samples in which a thread of a watched process ran [`RAN`] or more.
+    pub ran: Vec<ThreadSpan>,
+    /// Samples in which a thread of a watched process was in uninterruptible sleep.
+    pub blocked: Vec<Blocked>,
 }
 
 fn unix(t: SystemTime) -> f64 {
@@ -81,14 +107,33 @@ fn steal_ticks(stat: &str) -> Option<u64> {
     fields.nth(7)?.parse().ok()
 }
 
-/// The `run_delay` of a `schedstat` file's text, in nanoseconds.
-fn run_delay_ns(schedstat: &str) -> Option<u64> {
-    schedstat.split_whitespace().nth(1)?.parse().ok()
+/// The `run_time` and `run_delay` of a `schedstat` file's text, in nanoseconds.
+fn schedstat_ns(schedstat: &str) -> Option<(u64, u64)> {
+    let mut f = schedstat.split_whitespace();
+    Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
 }
 
-/// Each thread of `pid` as (thread id, `comm`, `run_delay` in ns); none once the
-/// process is gone.
-fn thread_delays(pid: u32) -> Vec<(u32, String, u64)> {
+/// The state letter of a `/proc/PID/task/TID/stat` line: the first field after the
+/// `comm`, which is in parentheses and may hold any byte, `)` included.
+fn stat_state(stat: &str) -> Option<char> {
+    stat.get(stat.rfind(')')? + 1..)?
+        .trim_start()
+        .chars()
+        .next()
+}
+
+/// A thread of a watched process at one sample.
+struct ThreadNow {
+    tid: u32,
+    comm: String,
+    run_ns: u64,
+    delay_ns: u64,
+    /// Where it waits, when in uninterruptible sleep.
+    blocked_in: Option<String>,
+}
+
+/// Each thread of `pid`; none once the process is gone.
+fn threads_of(pid: u32) -> Vec<ThreadNow> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
     };
@@ -97,9 +142,25 @@ fn thread_delays(pid: u32) -> Vec<(u32, String, u64)> {
             let t = t.ok()?;
             let tid: u32 = t.file_name().to_str()?.parse().ok()?;
             let path = t.path();
-            let delay = run_delay_ns(&std::fs::read_to_string(path.join("schedstat")).ok()?)?;
+            let (run_ns, delay_ns) =
+                schedstat_ns(&std::fs::read_to_string(path.join("schedstat")).ok()?)?;
             let comm = std::fs::read_to_string(path.join("comm")).ok()?;
-            Some((tid, comm.trim().to_string(), delay))
+            let state = std::fs::read_to_string(path.join("stat"))
+                .ok()
+                .and_then(|s| stat_state(&s));
+            let blocked_in = (state == Some('D')).then(|| {
+                std::fs::read_to_string(path.join("wchan"))
+                    .ok()
+                    .filter(|w| !w.is_empty() && w != "0")
+                    .unwrap_or_else(|| "?".into())
+            });
+            Some(ThreadNow {
+                tid,
+                comm: comm.trim().to_string(),
+                run_ns,
+                delay_ns,
+                blocked_in,
+            })
         })
         .collect()
 }
@@ -158,26 +219,49 @@ fn steal(stop: &AtomicBool) -> Vec<Span> {
     seen
 }
 
-/// Read the `run_delay` of every thread of `processes` every [`WAITS_EVERY`] until
-/// `stop`; the samples in which one grew [`WAITED`] or more.
-fn waits(stop: &AtomicBool, processes: &[(String, u32)]) -> Vec<Waited> {
-    let mut seen = Vec::new();
-    let mut last: std::collections::HashMap<(u32, u32), u64> = Default::default();
+/// Read every thread of `processes` every [`WAITS_EVERY`] until `stop`: the samples
+/// in which one's `run_delay` grew [`WAITED`] or more, its `run_time` [`RAN`] or
+/// more, or it was in uninterruptible sleep.
+fn waits(stop: &AtomicBool, processes: &[(String, u32)]) -> Threads {
+    let mut seen = Threads::default();
+    let mut last: std::collections::HashMap<(u32, u32), (u64, u64)> = Default::default();
     let mut prev_at = unix(SystemTime::now());
     while !stop.load(Ordering::Relaxed) {
         let at = unix(SystemTime::now());
         for (name, pid) in processes {
-            for (tid, comm, delay) in thread_delays(*pid) {
-                let before = last.insert((*pid, tid), delay);
-                let grew = before.map_or(0, |b| delay.saturating_sub(b));
-                if grew >= WAITED.as_nanos() as u64 {
-                    seen.push(Waited {
-                        span: Span {
-                            start: prev_at,
-                            end: at,
-                            ms: grew as f64 / 1e6,
+            for t in threads_of(*pid) {
+                let before = last.insert((*pid, t.tid), (t.run_ns, t.delay_ns));
+                let who = format!("{name}/{}", t.comm);
+                let at_ms = |ms: f64| Span {
+                    start: prev_at,
+                    end: at,
+                    ms,
+                };
+                if let Some((run, delay)) = before {
+                    let (ran, waited) = (
+                        t.run_ns.saturating_sub(run),
+                        t.delay_ns.saturating_sub(delay),
+                    );
+                    if waited >= WAITED.as_nanos() as u64 {
+                        seen.waited.push(ThreadSpan {
+                            span: at_ms(waited as f64 / 1e6),
+                            who: who.clone(),
+                        });
+                    }
+                    if ran >= RAN.as_nanos() as u64 {
+                        seen.ran.push(ThreadSpan {
+                            span: at_ms(ran as f64 / 1e6),
+                            who: who.clone(),
+                        });
+                    }
+                }
+                if let Some(wchan) = t.blocked_in {
+                    seen.blocked.push(Blocked {
+                        at: ThreadSpan {
+                            span: at_ms((at - prev_at) * 1000.0),
+                            who,
                         },
-                        who: format!("{name}/{comm}"),
+                        wchan,
                     });
                 }
             }
@@ -196,17 +280,20 @@ impl MachineWatch {
         Self {
             late: std::thread::spawn(move || late_wakeups(&s1)),
             steal: std::thread::spawn(move || steal(&s2)),
-            waits: std::thread::spawn(move || waits(&s3, &processes)),
+            threads: std::thread::spawn(move || waits(&s3, &processes)),
             stop,
         }
     }
 
     pub fn stop(self) -> Seen {
         self.stop.store(true, Ordering::Relaxed);
+        let threads = self.threads.join().unwrap_or_default();
         Seen {
             late_wakeups: self.late.join().unwrap_or_default(),
             steal: self.steal.join().unwrap_or_default(),
-            waits: self.waits.join().unwrap_or_default(),
+            waits: threads.waited,
+            ran: threads.ran,
+            blocked: threads.blocked,
         }
     }
 }
@@ -246,9 +333,20 @@ mod tests {
     }
 
     #[test]
-    fn run_delay_is_the_second_number_of_schedstat() {
-        assert_eq!(run_delay_ns("86263600 13545011 237\n"), Some(13_545_011));
-        assert_eq!(run_delay_ns("86263600"), None);
+    fn run_time_and_run_delay_are_the_first_two_numbers_of_schedstat() {
+        assert_eq!(
+            schedstat_ns("86263600 13545011 237\n"),
+            Some((86_263_600, 13_545_011))
+        );
+        assert_eq!(schedstat_ns("86263600"), None);
+    }
+
+    #[test]
+    fn the_state_follows_the_last_parenthesis_of_stat() {
+        assert_eq!(stat_state("4242 (turnd-log-write) D 1 4242 0"), Some('D'));
+        // A comm may hold spaces and parentheses.
+        assert_eq!(stat_state("7 (a) b (c)) S 1 7 0"), Some('S'));
+        assert_eq!(stat_state("7 (cut"), None);
     }
 
     #[test]
@@ -281,13 +379,18 @@ mod tests {
             t.expect("spawn").join().expect("spinner");
         }
         let seen = w.stop();
-        let waited: f64 = seen
-            .waits
-            .iter()
-            .filter(|w| w.who == "self/spinner")
-            .map(|w| w.span.ms)
-            .sum();
+        let spinners = |spans: &[ThreadSpan]| -> f64 {
+            spans
+                .iter()
+                .filter(|w| w.who == "self/spinner")
+                .map(|w| w.span.ms)
+                .sum()
+        };
+        let waited = spinners(&seen.waits);
         assert!(waited > 100.0, "the spinners waited {waited} ms in all");
+        // Between them they had the core most of the time.
+        let ran = spinners(&seen.ran);
+        assert!(ran > 100.0, "the spinners ran {ran} ms in all");
     }
 
     #[test]

@@ -21,11 +21,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
-use turnd_client::turnd_proto::TurnStatus;
+use turnd_client::turnd_proto::{ErrorCode, TurnStatus};
 use turnd_client::Caller;
 
 use crate::daemon::{callers, close_callers, Workers, ECHO};
-use crate::machine::{overlapping, MachineWatch, Seen, Span};
+use crate::machine::{overlapping, MachineWatch, Seen, Span, ThreadSpan};
 use crate::measure::{command_line, http_get, Latencies};
 use crate::scenarios::serve_command;
 
@@ -185,8 +185,38 @@ fn slow_sync(line: &str) -> Option<Span> {
     })
 }
 
+/// Per-thread sums of the samples of `spans` that overlap `[start, end)`, the largest
+/// first, at most three: `who ms, who ms`.
+fn top_threads<'a>(
+    spans: impl Iterator<Item = (&'a ThreadSpan, &'a str)>,
+    start: f64,
+    end: f64,
+) -> Option<String> {
+    let mut sums: Vec<(String, f64)> = Vec::new();
+    for (t, what) in spans.filter(|(t, _)| t.span.overlaps(start, end)) {
+        let who = if what.is_empty() {
+            t.who.clone()
+        } else {
+            format!("{} in {what}", t.who)
+        };
+        match sums.iter_mut().find(|(w, _)| *w == who) {
+            Some((_, ms)) => *ms += t.span.ms,
+            None => sums.push((who, t.span.ms)),
+        }
+    }
+    sums.sort_by(|a, b| b.1.total_cmp(&a.1));
+    (!sums.is_empty()).then(|| {
+        sums.iter()
+            .take(3)
+            .map(|(who, ms)| format!("{who} {ms:.0} ms"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    })
+}
+
 /// What held up `[start, start + len)` (Unix seconds), in words: the slow syncs that
-/// overlap it and how much of it they cover, then the machine's late wake-ups and
+/// overlap it and how much of it they cover, then the machine's late wake-ups, the
+/// threads' waits for a core, their time on one and in uninterruptible sleep, and
 /// steal in it (see [`crate::machine`]).
 fn held_in(syncs: &[Span], machine: &Seen, start: f64, len: Duration) -> String {
     let end = start + len.as_secs_f64();
@@ -215,26 +245,18 @@ fn held_in(syncs: &[Span], machine: &Seen, start: f64, len: Duration) -> String 
             100.0 * share
         ));
     }
-    // The threads that waited longest for a core in it, summed per thread.
-    let mut waited: Vec<(String, f64)> = Vec::new();
-    for w in &machine.waits {
-        if w.span.overlaps(start, end) {
-            match waited.iter_mut().find(|(who, _)| *who == w.who) {
-                Some((_, ms)) => *ms += w.span.ms,
-                None => waited.push((w.who.clone(), w.span.ms)),
-            }
-        }
+    // Per thread: its waits for a core, its time on one, and the samples in which it
+    // waited in the kernel (with where), each summed over the samples that overlap.
+    if let Some(top) = top_threads(machine.waits.iter().map(|t| (t, "")), start, end) {
+        words.push(format!("waited for a core in the samples over it: {top}"));
     }
-    if !waited.is_empty() {
-        waited.sort_by(|a, b| b.1.total_cmp(&a.1));
+    if let Some(top) = top_threads(machine.ran.iter().map(|t| (t, "")), start, end) {
+        words.push(format!("ran in the samples over it: {top}"));
+    }
+    let blocked = machine.blocked.iter().map(|b| (&b.at, b.wchan.as_str()));
+    if let Some(top) = top_threads(blocked, start, end) {
         words.push(format!(
-            "waited for a core in the samples over it: {}",
-            waited
-                .iter()
-                .take(3)
-                .map(|(who, ms)| format!("{who} {ms:.0} ms"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            "in uninterruptible sleep in the samples over it: {top}"
         ));
     }
     let (steal, _) = overlapping(&machine.steal, start, end);
@@ -506,24 +528,30 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
             },
         );
         // Then a read that reaches the oldest window (soak-0's first events), twice:
-        // the first opens the windows it needs if they were closed.
+        // the first opens the windows it needs if they were closed. Under a retention
+        // shorter than the wait, the session may be gone (`not_found`): said so.
         let mut reads = Vec::new();
+        let mut gone = false;
         for _ in 0..2 {
             let t0 = Instant::now();
-            match cs.first() {
-                Some(c) => {
-                    c.events("soak-0", Some(0), Some(100))
-                        .await
-                        .context("read soak-0's first events after the idle wait")?;
+            let Some(c) = cs.first() else { break };
+            match c.events("soak-0", Some(0), Some(100)).await {
+                Ok(_) => reads.push(format!("{:.1}", t0.elapsed().as_secs_f64() * 1000.0)),
+                Err(e) if e.code() == Some(ErrorCode::NotFound) => {
+                    gone = true;
+                    break;
                 }
-                None => break,
+                Err(e) => return Err(e).context("read soak-0's first events after the idle wait"),
             }
-            reads.push(format!("{:.1}", t0.elapsed().as_secs_f64() * 1000.0));
         }
-        Some(format!(
-            "{at_rest} · then soak-0's first 100 events read in {} ms",
-            reads.join(" and ")
-        ))
+        Some(if gone {
+            format!("{at_rest} · soak-0 is gone (its turns expired under retention)")
+        } else {
+            format!(
+                "{at_rest} · then soak-0's first 100 events read in {} ms",
+                reads.join(" and ")
+            )
+        })
     } else {
         None
     };
@@ -704,6 +732,8 @@ mod tests {
             late_wakeups: vec![],
             steal: vec![],
             waits: vec![],
+            ran: vec![],
+            blocked: vec![],
         };
         assert_eq!(
             held_in(&syncs, &quiet, 10.0, Duration::from_millis(135)),
@@ -713,23 +743,48 @@ mod tests {
             held_in(&syncs, &quiet, 15.0, Duration::from_millis(40)),
             "no commit log sync of 10 ms or more in it"
         );
+        let threads = |samples: &[(&str, f64, f64)]| -> Vec<ThreadSpan> {
+            samples
+                .iter()
+                .map(|&(who, start, ms)| ThreadSpan {
+                    span: Span {
+                        start,
+                        end: start + 0.01,
+                        ms,
+                    },
+                    who: who.into(),
+                })
+                .collect()
+        };
         let held = Seen {
             late_wakeups: vec![span(15.005, 30.0)],
             steal: vec![span(14.99, 20.0), span(15.01, 10.0), span(16.0, 10.0)],
-            waits: [
+            waits: threads(&[
                 ("turnd/turnd-log", 15.0, 4.0),
                 ("bench/tokio-runtime-w", 15.01, 9.0),
                 ("turnd/turnd-log", 15.02, 8.0),
                 ("turnd/turnd-apply", 15.2, 30.0),
-            ]
-            .iter()
-            .map(|&(who, start, ms)| crate::machine::Waited {
-                span: Span {
-                    start,
-                    end: start + 0.01,
-                    ms,
-                },
-                who: who.into(),
+            ]),
+            ran: threads(&[
+                ("turnd/tokio-rt-worker", 15.0, 10.0),
+                ("turnd/tokio-rt-worker", 15.01, 10.0),
+                ("turnd/turnd-store-app", 15.02, 4.0),
+                ("turnd/tokio-rt-worker", 15.3, 10.0),
+            ]),
+            blocked: threads(&[
+                ("turnd/turnd-log-write", 15.0, 10.0),
+                ("turnd/turnd-log-write", 15.01, 10.0),
+                ("turnd/turnd-store-app", 15.02, 10.0),
+            ])
+            .into_iter()
+            .zip([
+                "jbd2_log_wait_commit",
+                "jbd2_log_wait_commit",
+                "folio_wait_bit",
+            ])
+            .map(|(at, wchan)| crate::machine::Blocked {
+                at,
+                wchan: wchan.into(),
             })
             .collect(),
         };
@@ -737,7 +792,10 @@ mod tests {
             held_in(&syncs, &held, 15.0, Duration::from_millis(40)),
             "no commit log sync of 10 ms or more in it; a sleeping thread woke 30 ms late, \
              covering 75 %; waited for a core in the samples over it: turnd/turnd-log 12 ms, \
-             bench/tokio-runtime-w 9 ms; steal of 30 ms in the samples over it"
+             bench/tokio-runtime-w 9 ms; ran in the samples over it: turnd/tokio-rt-worker \
+             20 ms, turnd/turnd-store-app 4 ms; in uninterruptible sleep in the samples over \
+             it: turnd/turnd-log-write in jbd2_log_wait_commit 20 ms, turnd/turnd-store-app \
+             in folio_wait_bit 10 ms; steal of 30 ms in the samples over it"
         );
     }
 }
