@@ -19,6 +19,7 @@ import sys
 # (thread name prefix, part, frame substring); first match wins.
 PARTS = [
     ("tokio-rt-worker", "engine: records' JSON (Tx::batch)", "session::Tx::batch"),
+    ("tokio-rt-worker", "engine: store commit: LZ4 of the log record", "lz4_flex::block::compress"),
     ("tokio-rt-worker", "engine: store commit (log record, overlay writes)", "turnd_store::Store::commit"),
     ("tokio-rt-worker", "engine: wait index and timers (after_change)", "Engine>::after_change"),
     ("tokio-rt-worker", "engine: applying the change in memory (Tx::apply)", "session::Tx::apply"),
@@ -29,6 +30,7 @@ PARTS = [
     ("tokio-rt-worker", "bench's own tasks", "turnd_bench::"),
     ("turnd-store-app", "applier: sled's apply_batch", "sled::tree::Tree::apply_batch"),
     ("turnd-store-app", "applier: LZ4 of values (pack)", "turnd_store::logged::pack"),
+    ("turnd-store-app", "applier: value file appends", "turnd_store::values::ValueFile::append"),
     ("turnd-log-write", "log writer: write and fdatasync", "CommitLog::append_group"),
     ("turnd-log-write", "log writer: overlay insert", "btree::map"),
     ("sled-io", "sled's IO threads", ""),
