@@ -382,6 +382,15 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
     let measured = probe.finish(&d);
     let stats = cs[0].stats().await.context("stats")?;
     let rss_loaded = proc_status_kb("VmRSS");
+    // What the store still held in memory for sled then, and the resident size once
+    // sled has taken it (connections still open), up to 2 s later.
+    let overlay_loaded = d.kv.overlay_len();
+    let drained_by = Instant::now() + Duration::from_secs(2);
+    while d.kv.overlay_len() > 0 && Instant::now() < drained_by {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let overlay_after = d.kv.overlay_len();
+    let rss_applied = proc_status_kb("VmRSS");
     close_callers(cs).await;
     // Let the closed connections' tasks and buffers go.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -411,11 +420,14 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
         rss_peak_kb: hwm,
         commits: Some(measured.commits),
         notes: format!(
-            "latency columns = submit→ack; RSS: {} before the daemon started, {} after start, {} with all {} turns queued (connections open), {} after the callers closed; daemon reports {} queued turns; {}",
+            "latency columns = submit→ack; RSS: {} before the daemon started, {} after start, {} with all {} turns queued (connections open; {} keys not yet in sled), {} once sled had them ({} keys left), {} after the callers closed; daemon reports {} queued turns; {}",
             kb(rss_before_start),
             kb(rss_base),
             kb(rss_loaded),
             n,
+            overlay_loaded,
+            kb(rss_applied),
+            overlay_after,
             kb(rss_settled),
             stats.turns.queued,
             measured.notes
