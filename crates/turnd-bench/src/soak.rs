@@ -7,8 +7,9 @@
 //! completions per second, the longest interval in which no turn completed (a stall of
 //! every commit shows here) and the five longest with where they began (seconds into
 //! the run, and Unix time to set beside a system trace) with what held each up (the
-//! commit log syncs of 10 ms or more the daemon logged in it, and the machine's own
-//! stalls, see [`crate::machine`]), submit → terminal p50/p99/p99.9/max, bytes of disk per
+//! commit log syncs of 10 ms or more the daemon logged in it, the machine's own
+//! stalls, and each thread's waits for a core, time on one and waits in the kernel,
+//! see [`crate::machine`]), submit → terminal p50/p99/p99.9/max, bytes of disk per
 //! turn (blocks allocated in the data directory at each mark and at the end), and the
 //! daemon's RSS. `--retention-ms` sets `retention.terminal_ms` (with a sweep every
 //! `--sweep-ms`), for a run whose rounds of equal work should leave the data
