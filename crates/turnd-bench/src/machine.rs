@@ -63,7 +63,7 @@ pub struct Blocked {
 /// What the threads did in one sample of [`waits`].
 #[derive(Default)]
 struct Threads {
-    waited: Vec<ThreadSpan>,
+    waits: Vec<ThreadSpan>,
     ran: Vec<ThreadSpan>,
     blocked: Vec<Blocked>,
 }
@@ -243,7 +243,7 @@ fn waits(stop: &AtomicBool, processes: &[(String, u32)]) -> Threads {
                         t.delay_ns.saturating_sub(delay),
                     );
                     if waited >= WAITED.as_nanos() as u64 {
-                        seen.waited.push(ThreadSpan {
+                        seen.waits.push(ThreadSpan {
                             span: at_ms(waited as f64 / 1e6),
                             who: who.clone(),
                         });
@@ -291,7 +291,7 @@ impl MachineWatch {
         Seen {
             late_wakeups: self.late.join().unwrap_or_default(),
             steal: self.steal.join().unwrap_or_default(),
-            waits: threads.waited,
+            waits: threads.waits,
             ran: threads.ran,
             blocked: threads.blocked,
         }

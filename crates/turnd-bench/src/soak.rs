@@ -417,10 +417,10 @@ fn filled(i: u64, pad: &str, random: bool, bytes: usize) -> Value {
 }
 
 /// What one session's task saw. Each task keeps its own, merged at the end: one log
-/// behind a lock held every session's completions in one growing `Vec`, and each
-/// doubling of it (at 2^21, 2^22, 2^23 turns: 32 – 128 MB copied under the lock)
-/// held every session up for 40 – 193 ms, which the soak then counted as the
-/// daemon's intervals with no completion.
+/// behind a lock shared by every session would copy all completions at each doubling
+/// of its `Vec` (32 – 128 MB past 2^21 turns) with the lock held, and every session
+/// would wait, which the soak would count as the daemon's intervals with no
+/// completion.
 #[derive(Default)]
 struct Log {
     completions: Vec<Instant>,

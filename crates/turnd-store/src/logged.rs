@@ -429,16 +429,25 @@ const LOG_UNPACKED_MAX: usize = 1 << 30;
 /// thread, not the log writer's.
 pub fn encode(batch: &Batch) -> Vec<u8> {
     let plain = encode_plain(batch);
-    if plain.len() >= LOG_PACK_FROM {
-        let c = lz4_flex::block::compress_prepend_size(&plain);
-        if c.len() + LOG_PACKED.len() < plain.len() {
-            let mut out = Vec::with_capacity(c.len() + LOG_PACKED.len());
-            out.extend_from_slice(&LOG_PACKED);
-            out.extend_from_slice(&c);
-            return out;
-        }
+    let Ok(size) = u32::try_from(plain.len()) else {
+        return plain;
+    };
+    if plain.len() < LOG_PACK_FROM {
+        return plain;
     }
-    plain
+    // The marker, the plain size (u32 LE) and the block, compressed in place: the
+    // layout `compress_prepend_size` gives after the marker, without its copy.
+    let head = LOG_PACKED.len() + 4;
+    let mut out = vec![0u8; head + lz4_flex::block::get_maximum_output_size(plain.len())];
+    out[..LOG_PACKED.len()].copy_from_slice(&LOG_PACKED);
+    out[LOG_PACKED.len()..head].copy_from_slice(&size.to_le_bytes());
+    match lz4_flex::block::compress_into(&plain, &mut out[head..]) {
+        Ok(n) if head + n < plain.len() => {
+            out.truncate(head + n);
+            out
+        }
+        _ => plain,
+    }
 }
 
 /// [`encode`] without compression.
