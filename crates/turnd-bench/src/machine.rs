@@ -5,7 +5,9 @@
 //! (`run_delay` in `/proc/PID/task/TID/schedstat`), the time each ran on a core
 //! (`run_time`, the same file's first number), and the samples in which one was in
 //! uninterruptible sleep (state `D` in `/proc/PID/task/TID/stat`: waiting in the
-//! kernel, for a disk or a kernel lock) with where it waited (`wchan`).
+//! kernel, for a disk or a kernel lock) with where it waited (`wchan`); and, with
+//! steal, the machine's file pages not yet on the disk (`Dirty` and `Writeback` in
+//! `/proc/meminfo`).
 //!
 //! A thread that asks to sleep 1 ms and wakes 20 ms later was runnable for 19 ms and
 //! ran nothing: on a machine whose cores were free to take it, no lock, queue or disk
@@ -72,7 +74,7 @@ struct Threads {
 pub struct MachineWatch {
     stop: Arc<AtomicBool>,
     late: JoinHandle<Vec<Span>>,
-    steal: JoinHandle<Vec<Span>>,
+    steal: JoinHandle<(Vec<Span>, Vec<u64>)>,
     threads: JoinHandle<Threads>,
 }
 
@@ -82,6 +84,10 @@ pub struct Seen {
     pub late_wakeups: Vec<Span>,
     /// Samples of `/proc/stat` in which steal grew (empty where it cannot be read).
     pub steal: Vec<Span>,
+    /// The machine's file pages written but not yet on the disk (`Dirty` plus
+    /// `Writeback` of `/proc/meminfo`, kB), read with steal: what the kernel's
+    /// write-back, or the next `fdatasync` of their files, has yet to send.
+    pub dirty_kb: Vec<u64>,
     /// Samples in which a thread of a watched process waited [`WAITED`] or more for a
     /// core.
     pub waits: Vec<ThreadSpan>,
@@ -185,13 +191,30 @@ fn late_wakeups(stop: &AtomicBool) -> Vec<Span> {
     seen
 }
 
-/// Read steal every [`STEAL_EVERY`] until `stop`; the samples in which it grew.
-fn steal(stop: &AtomicBool) -> Vec<Span> {
+/// `Dirty` plus `Writeback` of `/proc/meminfo`, in kB.
+fn dirty_kb(meminfo: &str) -> Option<u64> {
+    let field = |name: &str| {
+        meminfo.lines().find_map(|l| {
+            l.strip_prefix(name)?
+                .strip_prefix(':')?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+    };
+    Some(field("Dirty")? + field("Writeback")?)
+}
+
+/// Read steal and the dirty pages every [`STEAL_EVERY`] until `stop`: the samples in
+/// which steal grew, and every reading of [`dirty_kb`].
+fn steal(stop: &AtomicBool) -> (Vec<Span>, Vec<u64>) {
     let mut seen = Vec::new();
+    let mut dirty = Vec::new();
     // SAFETY: sysconf reads a constant of the system and has no preconditions.
     let tick_ms = match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
         t if t > 0 => 1000.0 / t as f64,
-        _ => return seen,
+        _ => return (seen, dirty),
     };
     let read = || {
         std::fs::read_to_string("/proc/stat")
@@ -199,11 +222,17 @@ fn steal(stop: &AtomicBool) -> Vec<Span> {
             .and_then(|s| steal_ticks(&s))
     };
     let Some(mut prev) = read() else {
-        return seen;
+        return (seen, dirty);
     };
     let mut prev_at = unix(SystemTime::now());
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(STEAL_EVERY);
+        if let Some(kb) = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|s| dirty_kb(&s))
+        {
+            dirty.push(kb);
+        }
         let Some(now) = read() else { break };
         let at = unix(SystemTime::now());
         if now > prev {
@@ -216,7 +245,7 @@ fn steal(stop: &AtomicBool) -> Vec<Span> {
         prev = now;
         prev_at = at;
     }
-    seen
+    (seen, dirty)
 }
 
 /// Read every thread of `processes` every [`WAITS_EVERY`] until `stop`: the samples
@@ -288,9 +317,11 @@ impl MachineWatch {
     pub fn stop(self) -> Seen {
         self.stop.store(true, Ordering::Relaxed);
         let threads = self.threads.join().unwrap_or_default();
+        let (steal, dirty_kb) = self.steal.join().unwrap_or_default();
         Seen {
             late_wakeups: self.late.join().unwrap_or_default(),
-            steal: self.steal.join().unwrap_or_default(),
+            steal,
+            dirty_kb,
             waits: threads.waits,
             ran: threads.ran,
             blocked: threads.blocked,
@@ -323,6 +354,13 @@ pub fn overlapping(spans: &[Span], start: f64, end: f64) -> (Vec<Span>, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dirty_is_dirty_plus_writeback_of_meminfo() {
+        let meminfo = "MemTotal:       24554948 kB\nDirty:             11428 kB\nWriteback:           512 kB\nWritebackTmp:        7 kB\n";
+        assert_eq!(dirty_kb(meminfo), Some(11940));
+        assert_eq!(dirty_kb("Dirty: 3 kB\n"), None);
+    }
 
     #[test]
     fn steal_is_the_eighth_number_of_the_cpu_line() {

@@ -10,8 +10,9 @@
 //! commit log syncs of 10 ms or more the daemon logged in it, the machine's own
 //! stalls, and each thread's waits for a core, time on one and waits in the kernel,
 //! see [`crate::machine`]), submit → terminal p50/p99/p99.9/max, bytes of disk per
-//! turn (blocks allocated in the data directory at each mark and at the end), and the
-//! daemon's RSS. `--retention-ms` sets `retention.terminal_ms` (with a sweep every
+//! turn (blocks allocated in the data directory at each mark and at the end), the
+//! daemon's RSS, and the machine's file pages written but not yet on the disk (what
+//! a sync or the kernel's write-back will send at once). `--retention-ms` sets `retention.terminal_ms` (with a sweep every
 //! `--sweep-ms`), for a run whose rounds of equal work should leave the data
 //! directory flat.
 
@@ -663,6 +664,17 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     if !sync_histogram.is_empty() {
         println!("  {sync_histogram}");
     }
+    if !machine.dirty_kb.is_empty() {
+        let mut dirty = machine.dirty_kb.clone();
+        dirty.sort_unstable();
+        let at = |q: f64| dirty[((dirty.len() - 1) as f64 * q).round() as usize] as f64 / 1024.0;
+        println!(
+            "  file pages not yet on disk, machine-wide (Dirty + Writeback), every 20 ms: median {:.1} MB · p99 {:.1} MB · max {:.1} MB",
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        );
+    }
     if let Some(idle) = &idle {
         println!("  {idle}");
     }
@@ -737,6 +749,7 @@ mod tests {
         let quiet = Seen {
             late_wakeups: vec![],
             steal: vec![],
+            dirty_kb: vec![],
             waits: vec![],
             ran: vec![],
             blocked: vec![],
@@ -765,6 +778,7 @@ mod tests {
         let held = Seen {
             late_wakeups: vec![span(15.005, 30.0)],
             steal: vec![span(14.99, 20.0), span(15.01, 10.0), span(16.0, 10.0)],
+            dirty_kb: vec![],
             waits: threads(&[
                 ("turnd/turnd-log", 15.0, 4.0),
                 ("bench/tokio-runtime-w", 15.01, 9.0),
