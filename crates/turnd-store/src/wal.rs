@@ -485,9 +485,9 @@ const SPARE_TMP: &str = "spare.tmp";
 /// a second one that only a trim fills ([`trim_before`]). A trim deletes several
 /// segments at once when the applier's mark passes several (once a second): with
 /// 2 KiB of input and output the log filled a 32 MiB segment about every 0.6 s, and
-/// with one spare kept 22 – 30 % of the roll-overs found none and began a segment
-/// with reserved blocks, whose every `fdatasync` commits ext4's journal
-/// ([`ZEROS_CHUNK`]).
+/// with one spare kept 17 – 26 % of the roll-overs found none and began a segment
+/// with reserved blocks, whose every `fdatasync` also writes the file's extent map
+/// (and on ext4 with a journal commits it, [`ZEROS_CHUNK`]).
 const SPARES: [&str; 2] = [SPARE, "spare.1"];
 
 /// Bytes of zeros written, and synced, at a time while a spare is made: on ext4 with
@@ -603,7 +603,8 @@ fn lock_poisoned() -> StoreError {
 ///
 /// While a spare name is free ([`SPARES`]), the first of them of `segment_bytes` are
 /// not deleted but renamed to it: the log's next segments, their blocks already
-/// written, with no file of zeros to make for them ([`prepare_spare`]). Its old records are harmless there:
+/// written, with no file of zeros to make for them ([`prepare_spare`]). Their old
+/// records are harmless there:
 /// every one has an lsn below the first of any segment it becomes, and reading a
 /// segment stops at the first record that does not carry the next lsn, as it does at
 /// a torn tail.
