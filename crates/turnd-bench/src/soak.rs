@@ -284,6 +284,8 @@ async fn store_metrics(admin: &str) -> String {
         "turnd_storage_unapplied_keys",
         "turnd_storage_log_segments",
         "turnd_retention_deleted_turns_total",
+        "turnd_retention_sweep_seconds_total",
+        "turnd_retention_held_back_seconds_total",
         "turnd_storage_window_leftover_keys_total",
         "turnd_storage_apply_seconds_total",
         "turnd_storage_applied_keys_total",

@@ -27,6 +27,12 @@ pub struct Counters {
     pub turns_expired: AtomicU64,
     /// Time windows of finished turns dropped whole by retention.
     pub windows_dropped: AtomicU64,
+    /// Time retention's sweeps took, start to end, in microseconds: near the sweep
+    /// interval, the sweeps run back to back and may fall behind.
+    pub retention_sweep_micros: AtomicU64,
+    /// Of that, the time a sweep waited because the store was behind (its deletes
+    /// give way to live commits), in microseconds.
+    pub retention_held_back_micros: AtomicU64,
     /// Probe answers by state.
     pub probe_answers: Mutex<BTreeMap<&'static str, u64>>,
     /// Terminal transitions to `completed` and `cancelled` (counted apart from the

@@ -360,6 +360,18 @@ fn register_recovery(reg: &mut Registry, c: &Counters) {
         "Time windows of finished turns deleted whole by retention",
         Counters::get(&c.windows_dropped),
     );
+    seconds(
+        reg,
+        "retention_sweep_seconds",
+        "Time retention's sweeps took, start to end",
+        Counters::get(&c.retention_sweep_micros),
+    );
+    seconds(
+        reg,
+        "retention_held_back_seconds",
+        "Of the sweeps' time, the time they waited because the store was behind",
+        Counters::get(&c.retention_held_back_micros),
+    );
 }
 
 /// The store's commit log, group commits, checkpoints and applies.

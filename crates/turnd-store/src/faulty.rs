@@ -14,6 +14,8 @@ pub struct Faults {
     pub fail_writes: AtomicBool,
     /// Fail every read while set.
     pub fail_reads: AtomicBool,
+    /// Report the store as behind ([`Kv::busy`]) while set.
+    pub busy: AtomicBool,
     /// Fail the commit numbered this (1-based, counted from the last `fail_nth`), once.
     fail_at: AtomicU64,
     commits: AtomicU64,
@@ -173,6 +175,10 @@ impl Kv for FaultyKv {
             return Err(StoreError::Sync("injected sync fault".into()));
         }
         self.inner.sync()
+    }
+
+    fn busy(&self) -> bool {
+        self.faults.busy.load(Ordering::SeqCst) || self.inner.busy()
     }
 
     fn commit_stats(&self) -> CommitStats {

@@ -111,6 +111,11 @@ impl Drop for MergeHold<'_> {
     }
 }
 
+/// A duration in whole microseconds, for the counters.
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 impl Engine {
     /// Start the sweep task (nothing when retention is off).
     pub(super) fn spawn_retention(&self) {
@@ -155,8 +160,19 @@ impl Engine {
     }
 
     /// One sweep: delete every terminal turn that finished `retention_terminal_ms` or
-    /// more ago. Returns how many turns it deleted.
+    /// more ago. Returns how many turns it deleted. Its time is counted
+    /// (`Counters::retention_sweep_micros`).
     pub async fn sweep(&self) -> Result<u64, StoreError> {
+        let started = tokio::time::Instant::now();
+        let r = self.sweep_once().await;
+        self.inner.counters.retention_sweep_micros.fetch_add(
+            micros(started.elapsed()),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        r
+    }
+
+    async fn sweep_once(&self) -> Result<u64, StoreError> {
         let keep = self.inner.cfg.retention_terminal_ms;
         if keep == 0 {
             return Ok(0);
@@ -246,9 +262,17 @@ impl Engine {
     /// Wait while the store is behind, at most [`HOLD_BACK_MAX`]: retention's deletes
     /// then wait rather than fill the room that live commits need.
     async fn hold_back(&self) {
-        let until = tokio::time::Instant::now() + HOLD_BACK_MAX;
+        let started = tokio::time::Instant::now();
+        let until = started + HOLD_BACK_MAX;
         while self.inner.store.kv().busy() && tokio::time::Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let held = micros(started.elapsed());
+        if held > 0 {
+            self.inner
+                .counters
+                .retention_held_back_micros
+                .fetch_add(held, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

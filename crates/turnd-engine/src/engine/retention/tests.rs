@@ -161,6 +161,41 @@ async fn a_window_is_dropped_once_all_its_turns_are_gone() {
     );
 }
 
+/// A sweep's time is counted, and so is the time it held back while the store was
+/// behind: up to [`HOLD_BACK_MAX`] for each session it deletes from, after which it
+/// deletes anyway. A store that is not behind holds nothing back.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_counts_its_time_and_the_time_it_held_back_for_a_busy_store() {
+    use std::sync::atomic::Ordering;
+    let (kv, faults) = turnd_store::faulty::FaultyKv::new(Arc::new(turnd_store::mem::MemKv::new()));
+    let e = engine_on(Arc::new(kv), 10_000).await;
+    for s in ["a", "b"] {
+        let t = e.submit(submit(s, None)).await.expect("submit");
+        e.stop_turn(&t.turn.turn_id, None).await.expect("stop");
+    }
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    let counted = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    faults.busy.store(true, Ordering::SeqCst);
+    assert_eq!(e.sweep().await.expect("sweep"), 2, "it deletes anyway");
+    let held = counted(&e.inner.counters.retention_held_back_micros);
+    let swept = counted(&e.inner.counters.retention_sweep_micros);
+    let most = micros(HOLD_BACK_MAX);
+    assert!(
+        (2 * most..2 * most + 10_000).contains(&held),
+        "held back {held} µs for two sessions"
+    );
+    assert!(swept >= held, "the sweep's time {swept} µs holds its waits");
+
+    faults.busy.store(false, Ordering::SeqCst);
+    for s in ["c", "d"] {
+        let t = e.submit(submit(s, None)).await.expect("submit");
+        e.stop_turn(&t.turn.turn_id, None).await.expect("stop");
+    }
+    tokio::time::advance(Duration::from_millis(10_001)).await;
+    assert_eq!(e.sweep().await.expect("sweep"), 2);
+    assert_eq!(counted(&e.inner.counters.retention_held_back_micros), held);
+}
+
 /// Turns stopped while queued end at once, with no worker: terminal turns to
 /// expire. Everything of an expired turn goes, the unfinished one stays, and a
 /// session with no turns left is forgotten.
