@@ -52,6 +52,11 @@ impl Counters {
         c.load(Ordering::Relaxed)
     }
 
+    /// Add `d` to a counter of microseconds.
+    pub fn add_time(c: &AtomicU64, d: std::time::Duration) {
+        c.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
     pub fn terminal(&self, key: String) {
         {
             let mut m = self.terminal.lock();

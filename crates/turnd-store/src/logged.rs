@@ -429,12 +429,12 @@ const LOG_UNPACKED_MAX: usize = 1 << 30;
 /// thread, not the log writer's.
 pub fn encode(batch: &Batch) -> Vec<u8> {
     let plain = encode_plain(batch);
-    let Ok(size) = u32::try_from(plain.len()) else {
-        return plain;
-    };
     if plain.len() < LOG_PACK_FROM {
         return plain;
     }
+    let Ok(size) = u32::try_from(plain.len()) else {
+        return plain;
+    };
     // The marker, the plain size (u32 LE) and the block, compressed in place: the
     // layout `compress_prepend_size` gives after the marker, without its copy.
     let head = LOG_PACKED.len() + 4;

@@ -490,6 +490,11 @@ const SPARE_TMP: &str = "spare.tmp";
 /// (and on ext4 with a journal commits it, [`ZEROS_CHUNK`]).
 const SPARES: [&str; 2] = [SPARE, "spare.1"];
 
+/// The paths of [`SPARES`] in `dir`, in their order.
+fn spare_paths(dir: &Path) -> impl Iterator<Item = PathBuf> + '_ {
+    SPARES.iter().map(move |name| dir.join(name))
+}
+
 /// Bytes of zeros written, and synced, at a time while a spare is made: on ext4 with
 /// a journal an `fdatasync` of the log commits the journal, which first writes back
 /// the dirty data of files whose blocks it allocates, so a spare written whole and
@@ -505,11 +510,11 @@ const ZEROS_CHUNK: usize = 256 << 10;
 /// leaves nothing behind, and the log then reserves its next segment itself.
 pub fn prepare_spare(dir: &Path, bytes: u64) -> Result<bool, StoreError> {
     let mut ready = false;
-    for name in SPARES {
-        match std::fs::metadata(dir.join(name)) {
+    for path in spare_paths(dir) {
+        match std::fs::metadata(&path) {
             Ok(m) if m.len() == bytes => ready = true,
             // Made for another segment size: replaced.
-            Ok(_) => std::fs::remove_file(dir.join(name)).map_err(|e| io("remove a spare", e))?,
+            Ok(_) => std::fs::remove_file(&path).map_err(|e| io("remove a spare", e))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io("look for a spare", e)),
         }
@@ -571,10 +576,7 @@ fn reserve(path: &Path, bytes: u64) -> Result<(File, u64), StoreError> {
 
 /// A spare renamed to `path` and opened, when one of `bytes` is ready.
 fn take_spare(dir: &Path, path: &Path, bytes: u64) -> Option<File> {
-    let spare = SPARES
-        .iter()
-        .map(|name| dir.join(name))
-        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.len() == bytes))?;
+    let spare = spare_paths(dir).find(|p| std::fs::metadata(p).is_ok_and(|m| m.len() == bytes))?;
     if let Err(e) = std::fs::rename(&spare, path) {
         tracing::debug!("the spare segment could not be taken: {e}");
         return None;
@@ -634,10 +636,7 @@ pub fn trim_before(
         }
         doomed
     };
-    let mut free = SPARES
-        .iter()
-        .map(|name| dir.join(name))
-        .filter(|p| !p.exists());
+    let mut free = spare_paths(dir).filter(|p| !p.exists());
     for s in &doomed {
         if std::fs::metadata(&s.path).is_ok_and(|m| m.len() == segment_bytes) {
             if let Some(spare) = free.next() {

@@ -61,6 +61,7 @@ use tokio::runtime::RuntimeFlavor;
 use turnd_store::{keys, windows, SessionKeys, SessionMeta, Store, StoreError};
 
 use super::{Engine, SessionCell};
+use crate::metrics::Counters;
 
 mod drops;
 mod invocations;
@@ -109,11 +110,6 @@ impl Drop for MergeHold<'_> {
     fn drop(&mut self) {
         self.kv.release_event_merges(self.session_id);
     }
-}
-
-/// A duration in whole microseconds, for the counters.
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Engine {
@@ -165,9 +161,9 @@ impl Engine {
     pub async fn sweep(&self) -> Result<u64, StoreError> {
         let started = tokio::time::Instant::now();
         let r = self.sweep_once().await;
-        self.inner.counters.retention_sweep_micros.fetch_add(
-            micros(started.elapsed()),
-            std::sync::atomic::Ordering::Relaxed,
+        Counters::add_time(
+            &self.inner.counters.retention_sweep_micros,
+            started.elapsed(),
         );
         r
     }
@@ -267,13 +263,10 @@ impl Engine {
         while self.inner.store.kv().busy() && tokio::time::Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        let held = micros(started.elapsed());
-        if held > 0 {
-            self.inner
-                .counters
-                .retention_held_back_micros
-                .fetch_add(held, std::sync::atomic::Ordering::Relaxed);
-        }
+        Counters::add_time(
+            &self.inner.counters.retention_held_back_micros,
+            started.elapsed(),
+        );
     }
 
     /// Lock the session once no event after `seen` is about a turn of `gone` (checked

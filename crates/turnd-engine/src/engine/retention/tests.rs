@@ -174,12 +174,12 @@ async fn a_sweep_counts_its_time_and_the_time_it_held_back_for_a_busy_store() {
         e.stop_turn(&t.turn.turn_id, None).await.expect("stop");
     }
     tokio::time::advance(Duration::from_millis(10_001)).await;
-    let counted = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let counted = crate::metrics::Counters::get;
     faults.busy.store(true, Ordering::SeqCst);
     assert_eq!(e.sweep().await.expect("sweep"), 2, "it deletes anyway");
     let held = counted(&e.inner.counters.retention_held_back_micros);
     let swept = counted(&e.inner.counters.retention_sweep_micros);
-    let most = micros(HOLD_BACK_MAX);
+    let most = HOLD_BACK_MAX.as_micros() as u64;
     assert!(
         (2 * most..2 * most + 10_000).contains(&held),
         "held back {held} µs for two sessions"
