@@ -10,6 +10,17 @@ use std::time::Duration;
 
 use turnd_store::CommitStats;
 
+/// The `p`-quantile (nearest rank) of `sorted`, which is in ascending order; `None`
+/// when it is empty.
+pub fn nearest_rank(sorted: &[u64], p: f64) -> Option<u64> {
+    let n = sorted.len();
+    if n == 0 {
+        return None;
+    }
+    let rank = ((p * n as f64).ceil() as usize).clamp(1, n);
+    Some(sorted[rank - 1])
+}
+
 /// Latencies in microseconds.
 #[derive(Debug, Default, Clone)]
 pub struct Latencies {
@@ -32,13 +43,8 @@ impl Latencies {
 
     /// The `p`-quantile (nearest rank) in milliseconds; `None` when empty.
     pub fn pct_ms(&mut self, p: f64) -> Option<f64> {
-        if self.micros.is_empty() {
-            return None;
-        }
         self.micros.sort_unstable();
-        let n = self.micros.len();
-        let rank = ((p * n as f64).ceil() as usize).clamp(1, n);
-        Some(self.micros[rank - 1] as f64 / 1000.0)
+        nearest_rank(&self.micros, p).map(|us| us as f64 / 1000.0)
     }
 
     /// p50 / p90 / p99 / max in milliseconds.

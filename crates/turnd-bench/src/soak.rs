@@ -669,7 +669,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     if !machine.dirty_kb.is_empty() {
         let mut dirty = machine.dirty_kb.clone();
         dirty.sort_unstable();
-        let at = |q: f64| dirty[((dirty.len() - 1) as f64 * q).round() as usize] as f64 / 1024.0;
+        let at = |q: f64| crate::measure::nearest_rank(&dirty, q).unwrap_or(0) as f64 / 1024.0;
         println!(
             "  file pages not yet on disk, machine-wide (Dirty + Writeback), every 20 ms: median {:.1} MB · p99 {:.1} MB · max {:.1} MB",
             at(0.5),
