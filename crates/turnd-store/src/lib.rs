@@ -653,11 +653,31 @@ fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T,
 
 /// The events of a stored event value: one event, or an array of them.
 pub fn event_value(v: &[u8]) -> Result<Vec<Event>, StoreError> {
-    if v.first() == Some(&b'[') {
-        decode("events", v)
+    value_items(v)
+}
+
+/// The items of a stored event value as `T`: one, or an array of them.
+fn value_items<'a, T: serde::Deserialize<'a>>(v: &'a [u8]) -> Result<Vec<T>, StoreError> {
+    let r = if v.first() == Some(&b'[') {
+        serde_json::from_slice(v)
     } else {
-        Ok(vec![decode("event", v)?])
-    }
+        serde_json::from_slice(v).map(|e| vec![e])
+    };
+    r.map_err(|e| StoreError::Corrupt(format!("events: {e}")))
+}
+
+/// What retention reads of a stored event: its `seq` and its turn. The rest of the
+/// event (its kind and detail) is passed over without being built.
+#[derive(Debug, serde::Deserialize)]
+pub struct EventHead<'a> {
+    pub seq: u64,
+    #[serde(borrow)]
+    pub turn_id: std::borrow::Cow<'a, str>,
+}
+
+/// The [`EventHead`]s of a stored event value.
+pub fn event_heads(v: &[u8]) -> Result<Vec<EventHead<'_>>, StoreError> {
+    value_items(v)
 }
 
 impl Store {
@@ -876,6 +896,40 @@ impl Store {
         after: u64,
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
+        self.stored_items(s, after, limit, |v, out| {
+            out.extend(event_value(v)?.into_iter().map(|e| (e.seq, e)));
+            Ok(())
+        })
+    }
+
+    /// The `seq` and turn id of every event of a session with `seq > after` as
+    /// stored, ascending: [`Store::stored_events`] without building the rest of each
+    /// event.
+    pub fn stored_event_turns(
+        &self,
+        s: SessionKeys<'_>,
+        after: u64,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        self.stored_items(s, after, usize::MAX, |v, out| {
+            let heads = event_heads(v)?;
+            out.extend(
+                heads
+                    .into_iter()
+                    .map(|h| (h.seq, (h.seq, h.turn_id.into_owned()))),
+            );
+            Ok(())
+        })
+    }
+
+    /// The items `decode` makes of the stored events of a session with `seq > after`,
+    /// ascending by the `seq` each is paired with, at most `limit`.
+    fn stored_items<T>(
+        &self,
+        s: SessionKeys<'_>,
+        after: u64,
+        limit: usize,
+        decode: impl Fn(&[u8], &mut Vec<(u64, T)>) -> Result<(), StoreError>,
+    ) -> Result<Vec<T>, StoreError> {
         let session_id = s.id;
         // A stored value holds one or more events and is keyed by its last one, so
         // the scan starts at the first value that may hold `after + 1`. Values are
@@ -885,6 +939,7 @@ impl Store {
         let mut from = keys::event(session_id, after.saturating_add(1));
         let end = keys::event_end(session_id);
         let mut out = Vec::new();
+        let mut items = Vec::new();
         // Events are read in `seq` order, and each once: a page may meet events of an
         // earlier page again, when the store wrote several values as one between the
         // two (see `logged/runs.rs`).
@@ -893,10 +948,11 @@ impl Store {
             let n = PAGE.min(limit - out.len());
             let page = self.kv.scan_session(&from, &end, false, n, s.from_ms)?;
             for (_, v) in &page {
-                for e in event_value(v)? {
-                    if e.seq > last {
-                        last = e.seq;
-                        out.push(e);
+                decode(v, &mut items)?;
+                for (seq, item) in items.drain(..) {
+                    if seq > last {
+                        last = seq;
+                        out.push(item);
                     }
                 }
             }
@@ -910,25 +966,25 @@ impl Store {
     }
 
     /// Up to `limit` finished turns' folded records in key order (turn ids are
-    /// UUIDv7, so oldest first) from `from` on ([`Store::FIRST`]: the first), and
-    /// where the next page starts.
+    /// UUIDv7, so oldest first) from `from` on ([`Store::FIRST`]: the first), as
+    /// [`FoldedHead`]s, and where the next page starts.
     pub fn finished_page(
         &self,
         from: &[u8],
         limit: usize,
-    ) -> Result<(Vec<FoldedTurn>, Option<Vec<u8>>), StoreError> {
+    ) -> Result<(Vec<FoldedHead>, Option<Vec<u8>>), StoreError> {
         self.decoded_page("finished turn", keys::finished_range(), from, limit)
     }
 
     /// Up to `limit` turn records under their own keys in key order (turn ids are
-    /// UUIDv7, so oldest first) from `from` on ([`Store::FIRST`]: the first), and
-    /// where the next page starts: unfinished turns, and finished ones of the earlier
-    /// layout. An input stored apart is not read back (`input` is empty then).
+    /// UUIDv7, so oldest first) from `from` on ([`Store::FIRST`]: the first), as
+    /// [`TurnHead`]s, and where the next page starts: unfinished turns, and finished
+    /// ones of the earlier layout.
     pub fn turns_page(
         &self,
         from: &[u8],
         limit: usize,
-    ) -> Result<(Vec<TurnRecord>, Option<Vec<u8>>), StoreError> {
+    ) -> Result<(Vec<TurnHead>, Option<Vec<u8>>), StoreError> {
         self.decoded_page("turn", keys::turn_range(), from, limit)
     }
 

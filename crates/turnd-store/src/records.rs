@@ -272,6 +272,40 @@ impl TurnRecord {
     }
 }
 
+/// What retention reads of a stored turn ([`TurnRecord`] or the `turn` of a
+/// [`FoldedTurn`]): whether and when it ended, and what of it is stored under other
+/// keys. The rest of the record (its input, output, settings, …) is passed over
+/// without being built.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct TurnHead {
+    pub turn_id: String,
+    pub session_id: String,
+    pub seq: u64,
+    pub status: TurnStatus,
+    pub created_at_ms: u64,
+    #[serde(default)]
+    pub finished_at_ms: Option<u64>,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    #[serde(default)]
+    pub invocation_id: Option<String>,
+}
+
+/// What retention reads of a [`FoldedTurn`]: its turn's [`TurnHead`] and the ids of
+/// the invocations folded into it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct FoldedHead {
+    pub turn: TurnHead,
+    #[serde(default)]
+    pub invocations: Vec<InvocationId>,
+}
+
+/// An invocation record's id, the rest passed over.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct InvocationId {
+    pub invocation_id: String,
+}
+
 /// A finished turn as stored: written once when the turn becomes terminal (and again
 /// when a late result amends it), in place of its record, its input stored apart and
 /// the invocation records it had in memory. Its record holds the input inline.
@@ -508,6 +542,56 @@ mod tests {
         legacy["state"] = legacy["input"].clone();
         let back: TurnRecord = serde_json::from_value(legacy).expect("deserialize");
         assert_eq!(back.state(), &input);
+    }
+
+    /// Retention reads stored records as heads: the fields it needs, the same as
+    /// the whole record's, with the rest passed over.
+    #[test]
+    fn heads_read_what_retention_needs_of_stored_records() {
+        let input = RawJson::from_value(&json!({"prompt": "p".repeat(50)}));
+        let mut t = TurnRecord::admitted("t_1".into(), "s", 3, "f", input, 5);
+        t.status = TurnStatus::Completed;
+        t.finished_at_ms = Some(9);
+        t.idempotency_key = Some("k".into());
+        t.invocation_id = Some("i_2".into());
+        t.output = Some(RawJson::from_value(&json!({"out": [1, {"x": "y"}]})));
+        let mut folded = serde_json::to_value(FoldedTurn::new(&t, vec![])).expect("serialize");
+        folded["invocations"] = json!([
+            {"invocation_id": "i_1", "state": "ended", "settings": {"timeout_ms": 1}},
+            {"invocation_id": "i_2"}
+        ]);
+        let head: FoldedHead = serde_json::from_value(folded).expect("head");
+        let want = TurnHead {
+            turn_id: "t_1".into(),
+            session_id: "s".into(),
+            seq: 3,
+            status: TurnStatus::Completed,
+            created_at_ms: 5,
+            finished_at_ms: Some(9),
+            idempotency_key: Some("k".into()),
+            invocation_id: Some("i_2".into()),
+        };
+        assert_eq!(head.turn, want);
+        let ids: Vec<&str> = head
+            .invocations
+            .iter()
+            .map(|i| i.invocation_id.as_str())
+            .collect();
+        assert_eq!(ids, ["i_1", "i_2"]);
+
+        // A queued turn under its own key: none of the optional fields.
+        let q = TurnRecord::admitted("t_2".into(), "s", 4, "f", RawJson::from_value(&json!(1)), 6);
+        let head: TurnHead =
+            serde_json::from_str(&serde_json::to_string(&q).expect("serialize")).expect("head");
+        assert_eq!(
+            (
+                head.status,
+                head.finished_at_ms,
+                head.idempotency_key,
+                head.invocation_id
+            ),
+            (TurnStatus::Queued, None, None, None)
+        );
     }
 
     #[derive(Serialize, Deserialize)]

@@ -238,12 +238,12 @@ impl Engine {
             self.inner.store.commit(stale).await?;
         }
         let store = self.inner.store.clone();
-        for start in self
+        for (start, end) in self
             .off_runtime(move || empty_windows(&store, windows::now_ms()))
             .await?
         {
             let store = self.inner.store.clone();
-            let mut b = self.off_runtime(move || rescue(&store, start)).await?;
+            let mut b = self.off_runtime(move || rescue(&store, start, end)).await?;
             b.drop_window(start);
             self.inner.store.commit(b).await?;
             self.inner

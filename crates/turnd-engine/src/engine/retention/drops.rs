@@ -14,8 +14,8 @@ pub(super) const MINT_MARGIN_MS: u64 = 1_000;
 /// The windows that can be dropped whole: not the newest (which takes new turns),
 /// ended more than [`MINT_MARGIN_MS`] ago by the wall clock that mints turn ids, with
 /// no folded record left (every turn of it expired and deleted) and no unfinished
-/// turn minted in it.
-pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, StoreError> {
+/// turn minted in it: their starts and ends.
+pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<(u64, u64)>, StoreError> {
     let kv = store.kv();
     let mut out = Vec::new();
     for w in kv.windows()? {
@@ -29,7 +29,7 @@ pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, Sto
         // the second range into the first, and is seen there. (One that finishes after
         // them is moved to the main database when the drop is taken.)
         if kv.scan(&ts, &te, false, 1)?.is_empty() && kv.scan(&fs, &fe, false, 1)?.is_empty() {
-            out.push(w.start_ms);
+            out.push((w.start_ms, end));
         }
     }
     Ok(out)
@@ -38,8 +38,8 @@ pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<u64>, Sto
 /// Event values read per page of a window's rescue.
 pub(super) const RESCUE_PAGE: usize = 512;
 
-/// The writes that keep, before the window starting at `start` is dropped, the events
-/// it holds of turns still stored. An event value is stored in the window of the
+/// The writes that keep, before the window `[start, end)` is dropped, the events it
+/// holds of turns still stored. An event value is stored in the window of the
 /// newest turn among its events, and retention leaves a deleted turn's values to its
 /// window's drop; so a value of a turn the window is dropped for can also hold events
 /// of an older turn, of an older window, that is still stored (one that was running
@@ -47,13 +47,24 @@ pub(super) const RESCUE_PAGE: usize = 512;
 /// with those events only, routed by the newest of their turns, out of this window.
 /// The window holds no stored turn of its own by now ([`empty_windows`]), so every
 /// value in it holds events of turns that are gone.
-pub(super) fn rescue(store: &Store, start: u64) -> Result<Batch, StoreError> {
+///
+/// So a value whose events are all of turns minted in the window has nothing to keep,
+/// and only its events' turn ids are read: those turns are deleted, and one stored
+/// since (an admission committed late) is passed on whole by the drop, with every
+/// value of its session the window holds (`turnd_store::windows::leftovers`). Only a
+/// value with an event of another turn is read whole and each of its turns looked up.
+pub(super) fn rescue(store: &Store, start: u64, end_ms: u64) -> Result<Batch, StoreError> {
     let mut b = Batch::new();
     let mut stored: HashMap<String, bool> = HashMap::new();
+    let own =
+        |turn_id: &str| windows::turn_ms(turn_id).is_some_and(|ms| start <= ms && ms < end_ms);
     let (mut from, end) = (vec![b'E'], vec![b'E' + 1]);
     loop {
         let page = store.kv().scan_window(start, &from, &end, RESCUE_PAGE)?;
         for (_, v) in &page {
+            if turnd_store::event_heads(v)?.iter().all(|h| own(&h.turn_id)) {
+                continue;
+            }
             let mut kept = Vec::new();
             for e in turnd_store::event_value(v)? {
                 if store.turn_stored(&e.turn_id, &mut stored)? {

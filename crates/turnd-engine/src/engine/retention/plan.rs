@@ -421,8 +421,10 @@ pub(super) fn touched(
     after: u64,
     gone: &HashSet<String>,
 ) -> Result<bool, StoreError> {
+    // The events as stored: the turns in `gone` are still stored, and only they
+    // matter here.
     Ok(store
-        .events(s, after, usize::MAX)?
+        .stored_event_turns(s, after)?
         .iter()
-        .any(|e| gone.contains(&e.turn_id)))
+        .any(|(_, turn_id)| gone.contains(turn_id)))
 }

@@ -898,3 +898,47 @@ async fn a_sweeps_store_reads_run_a_few_at_a_time() {
         "{most} reads in flight at once"
     );
 }
+
+/// What a sweep checks before it deletes a session's expired turns: an event written
+/// after the reads it planned from that is about one of those turns (a late result
+/// amending it) makes it leave the session to the next sweep; events of other turns,
+/// or written before, do not. The check reads the events' turn ids only, as stored.
+#[tokio::test(start_paused = true)]
+async fn a_sweep_leaves_a_session_whose_expired_turn_has_a_new_event() {
+    let e = engine(10_000).await;
+    let a = e.submit(submit("s", None)).await.expect("submit").turn;
+    e.stop_turn(&a.turn_id, None).await.expect("stop");
+    let store = &e.inner.store;
+    let planned_at = store
+        .session_meta("s")
+        .expect("read")
+        .expect("meta")
+        .last_event_seq;
+    let gone = HashSet::from([a.turn_id.clone()]);
+    e.submit(submit("s", None)).await.expect("submit");
+    let meta = store.session_meta("s").expect("read").expect("meta");
+    assert!(meta.last_event_seq > planned_at);
+    assert!(
+        !touched(store, meta.keys(), planned_at, &gone).expect("read"),
+        "only another turn's events since"
+    );
+
+    let amended = turnd_proto::Event {
+        seq: meta.last_event_seq + 1,
+        session_id: "s".into(),
+        turn_id: a.turn_id.clone(),
+        at_ms: 1,
+        kind: EventKind::Amended,
+        detail: json!({"output": {"late": true}}),
+    };
+    let mut b = Batch::new();
+    b.put_events(std::slice::from_ref(&amended));
+    store.commit(b).await.expect("commit");
+    assert!(touched(store, meta.keys(), planned_at, &gone).expect("read"));
+    assert!(
+        !touched(store, meta.keys(), amended.seq, &gone).expect("read"),
+        "nothing after the amendment"
+    );
+    let others = HashSet::from(["t_other".to_string()]);
+    assert!(!touched(store, meta.keys(), planned_at, &others).expect("read"));
+}
