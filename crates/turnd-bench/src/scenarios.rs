@@ -391,10 +391,12 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
     }
     let overlay_after = d.kv.overlay_len();
     let rss_applied = proc_status_kb("VmRSS");
+    let alloc_applied = crate::measure::alloc_stats();
     close_callers(cs).await;
     // Let the closed connections' tasks and buffers go.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_settled = proc_status_kb("VmRSS");
+    let alloc_settled = crate::measure::alloc_stats();
     let hwm = proc_status_kb("VmHWM");
     d.shutdown().await?;
     let kb = |v: Option<u64>| crate::measure::mb(v);
@@ -420,7 +422,7 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
         rss_peak_kb: hwm,
         commits: Some(measured.commits),
         notes: format!(
-            "latency columns = submit→ack; RSS: {} before the daemon started, {} after start, {} with all {} turns queued (connections open; {} keys not yet in sled), {} once sled had them ({} keys left), {} after the callers closed; daemon reports {} queued turns; {}",
+            "latency columns = submit→ack; RSS: {} before the daemon started, {} after start, {} with all {} turns queued (connections open; {} keys not yet in sled), {} once sled had them ({} keys left; {alloc_applied}), {} after the callers closed ({alloc_settled}); daemon reports {} queued turns; {}",
             kb(rss_before_start),
             kb(rss_base),
             kb(rss_loaded),
