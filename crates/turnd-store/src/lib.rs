@@ -647,7 +647,7 @@ pub struct Store {
     marks: Arc<hidden::Marks>,
 }
 
-fn decode<T: serde::de::DeserializeOwned>(what: &str, bytes: &[u8]) -> Result<T, StoreError> {
+fn decode<'a, T: serde::Deserialize<'a>>(what: &str, bytes: &'a [u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
 }
 
@@ -658,12 +658,11 @@ pub fn event_value(v: &[u8]) -> Result<Vec<Event>, StoreError> {
 
 /// The items of a stored event value as `T`: one, or an array of them.
 fn value_items<'a, T: serde::Deserialize<'a>>(v: &'a [u8]) -> Result<Vec<T>, StoreError> {
-    let r = if v.first() == Some(&b'[') {
-        serde_json::from_slice(v)
+    if v.first() == Some(&b'[') {
+        decode("events", v)
     } else {
-        serde_json::from_slice(v).map(|e| vec![e])
-    };
-    r.map_err(|e| StoreError::Corrupt(format!("events: {e}")))
+        Ok(vec![decode("event", v)?])
+    }
 }
 
 /// What retention reads of a stored event: its `seq` and its turn. The rest of the
@@ -902,21 +901,16 @@ impl Store {
         })
     }
 
-    /// The `seq` and turn id of every event of a session with `seq > after` as
-    /// stored, ascending: [`Store::stored_events`] without building the rest of each
-    /// event.
+    /// The turn id of every event of a session with `seq > after` as stored, in
+    /// `seq` order: [`Store::stored_events`] without building the rest of each event.
     pub fn stored_event_turns(
         &self,
         s: SessionKeys<'_>,
         after: u64,
-    ) -> Result<Vec<(u64, String)>, StoreError> {
+    ) -> Result<Vec<String>, StoreError> {
         self.stored_items(s, after, usize::MAX, |v, out| {
             let heads = event_heads(v)?;
-            out.extend(
-                heads
-                    .into_iter()
-                    .map(|h| (h.seq, (h.seq, h.turn_id.into_owned()))),
-            );
+            out.extend(heads.into_iter().map(|h| (h.seq, h.turn_id.into_owned())));
             Ok(())
         })
     }

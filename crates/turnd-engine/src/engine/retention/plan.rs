@@ -426,5 +426,5 @@ pub(super) fn touched(
     Ok(store
         .stored_event_turns(s, after)?
         .iter()
-        .any(|(_, turn_id)| gone.contains(turn_id)))
+        .any(|turn_id| gone.contains(turn_id)))
 }
