@@ -119,7 +119,7 @@ struct Inner {
     /// The sessions in use: a cell leaves when its last user lets it go and the
     /// session has no unfinished turn, no timer and no pending write (`cells.rs`), or
     /// when retention forgets its session. Its next use reads its meta back.
-    sessions: Mutex<HashMap<String, Arc<SessionCell>>>,
+    sessions: Mutex<HashMap<Arc<str>, Arc<SessionCell>>>,
     /// The session of every unfinished turn, by the 128 bits of its id, so
     /// `turn.get` and `turn.wait` find a live turn without a store read (a sled read
     /// waits for any group commit being applied). A hint only: a turn missing here,
@@ -277,15 +277,18 @@ impl Engine {
     /// session is idle (`cells.rs`).
     fn cell(&self, session_id: &str) -> cells::CellRef {
         let mut m = self.inner.sessions.lock();
-        let cell = m
-            .entry(session_id.to_string())
-            .or_insert_with(|| {
-                Arc::new(SessionCell {
-                    state: tokio::sync::Mutex::new(SessionState::new(session_id)),
+        let cell = match m.get(session_id) {
+            Some(cell) => cell.clone(),
+            None => {
+                let id: Arc<str> = Arc::from(session_id);
+                let cell = Arc::new(SessionCell {
+                    state: tokio::sync::Mutex::new(SessionState::new(id.clone())),
                     summary: Mutex::new(None),
-                })
-            })
-            .clone();
+                });
+                m.insert(id, cell.clone());
+                cell
+            }
+        };
         cells::CellRef::new(self, cell)
     }
 

@@ -6,6 +6,7 @@
 //! or a reconnect finds every invocation it must reconcile.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 
 use turnd_store::FunctionSettings;
 
@@ -54,7 +55,7 @@ struct FunctionEntry {
     concurrency: u32,
     /// Sessions whose lock holder waits for a worker of this function, oldest first.
     /// May hold stale entries (`waiting_for` is the truth); compacted by [`Registry::gc`].
-    waiting: VecDeque<String>,
+    waiting: VecDeque<Arc<str>>,
     /// Sessions in `waiting_for` that wait for this function.
     waiters: usize,
     /// When a connected worker last served it (or it was registered); the entry is
@@ -112,12 +113,13 @@ impl Default for WorkerCaps {
 #[derive(Debug, Default)]
 pub struct Registry {
     workers: HashMap<String, WorkerEntry>,
-    functions: BTreeMap<String, FunctionEntry>,
+    functions: BTreeMap<Arc<str>, FunctionEntry>,
     /// Round-robin cursor for picking among workers.
     cursor: usize,
     /// The function each waiting session's lock holder waits for. The per-function
-    /// queues may hold stale entries; this map is the truth.
-    waiting_for: HashMap<String, String>,
+    /// queues may hold stale entries; this map is the truth. Keys are the sessions'
+    /// shared ids, values the keys of `functions`: no copy per waiting session.
+    waiting_for: HashMap<Arc<str>, Arc<str>>,
     /// The latest time the registry was told (attach, detach, gc), for marking when
     /// a function was last served without a clock of its own.
     now_hint: u64,
@@ -199,7 +201,7 @@ impl Registry {
                 entry.outbox = None;
                 // What it served lingers from now (see `gc`).
                 for f in entry.functions.keys() {
-                    if let Some(fe) = self.functions.get_mut(f) {
+                    if let Some(fe) = self.functions.get_mut(f.as_str()) {
                         fe.served_ms = fe.served_ms.max(now_ms);
                     }
                 }
@@ -252,7 +254,7 @@ impl Registry {
         }
         let f = self
             .functions
-            .entry(function_id.to_string())
+            .entry(Arc::from(function_id))
             .or_insert_with(|| FunctionEntry {
                 registered: true,
                 settings,
@@ -297,7 +299,7 @@ impl Registry {
         &mut self,
         function_id: &str,
         invocation_id: &str,
-        session_id: &str,
+        session_id: &Arc<str>,
     ) -> Option<Reservation> {
         let Some(settings) = self.functions.get(function_id).map(|f| f.settings) else {
             self.wait_for(function_id, session_id);
@@ -381,7 +383,7 @@ impl Registry {
         }
         let mut gone = Vec::new();
         for (id, f) in self.functions.iter_mut() {
-            if served.contains_key(id.as_str()) {
+            if served.contains_key(&**id) {
                 f.served_ms = f.served_ms.max(now_ms);
             } else if f.waiters == 0 && expired(f.served_ms) {
                 gone.push(id.clone());

@@ -168,11 +168,12 @@ static EMPTY: Lists = Lists {
 };
 
 impl WaitIndex {
-    /// Record a session's lock holder wait (`None`: no unfinished turn).
-    pub(super) fn set(&mut self, session_id: &str, entry: Option<WaitEntry>) {
+    /// Record a session's lock holder wait (`None`: no unfinished turn). The index
+    /// keeps `session_id` itself (the session's one shared id), not a copy.
+    pub(super) fn set(&mut self, session_id: &Arc<str>, entry: Option<WaitEntry>) {
         let Some((id, old)) = self.entries.get_key_value(session_id) else {
             if let Some(e) = entry {
-                self.insert(Arc::from(session_id), &e);
+                self.insert(session_id.clone(), &e);
             }
             return;
         };
@@ -558,7 +559,7 @@ impl Engine {
             return None;
         }
         Some(SessionRow {
-            session_id: st.id.clone(),
+            session_id: st.id.to_string(),
             turn_id: h.turn_id.clone(),
             function_id: h.function_id.clone(),
             step: h.step,
@@ -665,16 +666,16 @@ mod tests {
     fn entries_move_between_lists_and_leave() {
         let served = HashSet::new();
         let mut ix = WaitIndex::default();
-        ix.set("s1", entry(WaitState::AwaitingWorker, 30, "f"));
-        ix.set("s2", entry(WaitState::AwaitingResult, 10, "g"));
-        ix.set("s3", entry(WaitState::AwaitingWorker, 20, "f"));
+        ix.set(&Arc::from("s1"), entry(WaitState::AwaitingWorker, 30, "f"));
+        ix.set(&Arc::from("s2"), entry(WaitState::AwaitingResult, 10, "g"));
+        ix.set(&Arc::from("s3"), entry(WaitState::AwaitingWorker, 20, "f"));
         let p = ix.page(&query(&served, SessionOrder::Wait, 10));
         let ids: Vec<&str> = p.ids.iter().map(|i| &**i).collect();
         assert_eq!(ids, ["s2", "s3", "s1"]);
         assert_eq!(p.total, 3);
         // s2 moves to another state and function; s1 finishes.
-        ix.set("s2", entry(WaitState::BackingOff, 40, "f"));
-        ix.set("s1", None);
+        ix.set(&Arc::from("s2"), entry(WaitState::BackingOff, 40, "f"));
+        ix.set(&Arc::from("s1"), None);
         let mut q = query(&served, SessionOrder::Wait, 10);
         q.function_id = Some("f");
         let p = ix.page(&q);
@@ -754,10 +755,10 @@ mod tests {
         let mut ix = WaitIndex::default();
         let mut last: HashMap<String, (WaitState, u64, &str)> = HashMap::new();
         for step in 0..5_000 {
-            let sid = format!("s{}", next(12));
+            let sid: Arc<str> = Arc::from(format!("s{}", next(12)));
             if next(6) == 0 {
                 ix.set(&sid, None);
-                last.remove(&sid);
+                last.remove(&*sid);
             } else {
                 let state = WaitState::ALL[next(WaitState::ALL.len() as u64) as usize];
                 // Few distinct times, so that some changes keep the time.
@@ -765,11 +766,11 @@ mod tests {
                 let spread = if next(5) == 0 { 3 } else { 1 };
                 let f = functions[next(spread) as usize];
                 ix.set(&sid, entry(state, since, f));
-                last.insert(sid, (state, since, f));
+                last.insert(sid.to_string(), (state, since, f));
             }
             let mut fresh = WaitIndex::default();
             for (sid, (state, since, f)) in &last {
-                fresh.set(sid, entry(*state, *since, f));
+                fresh.set(&Arc::from(sid.as_str()), entry(*state, *since, f));
             }
             assert_eq!(contents(&ix), contents(&fresh), "after step {step}");
         }
@@ -781,7 +782,7 @@ mod tests {
         let mut ix = WaitIndex::default();
         for i in 0..25u64 {
             ix.set(
-                &format!("s{i:02}"),
+                &Arc::from(format!("s{i:02}")),
                 entry(WaitState::AwaitingWorker, 100 - i % 5, "f"),
             );
         }

@@ -187,9 +187,9 @@ pub struct TurnRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<RawJson>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<TurnError>,
+    pub error: Option<Box<TurnError>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop: Option<StopInfo>,
+    pub stop: Option<Box<StopInfo>>,
     #[serde(default)]
     pub recovered: bool,
     pub created_at_ms: u64,

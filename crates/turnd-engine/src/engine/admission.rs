@@ -51,7 +51,7 @@ impl Engine {
         }
         if st.active.len() as u64 >= self.inner.cfg.turns.max_queued_per_session {
             return Err(EngineError::QueueFull {
-                session_id: st.id.clone(),
+                session_id: st.id.to_string(),
                 held: st.active.len(),
             });
         }

@@ -113,7 +113,13 @@ impl Engine {
     /// The ids of the sessions whose state is in memory, sorted: which ones
     /// [`Engine::sessions_in_memory`] counts (for tests and diagnostics; read-only).
     pub fn session_ids_in_memory(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self.inner.sessions.lock().keys().cloned().collect();
+        let mut ids: Vec<String> = self
+            .inner
+            .sessions
+            .lock()
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
         ids.sort();
         ids
     }

@@ -61,7 +61,7 @@ impl Engine {
                         &slot.instance_id,
                         &slot.invocation_id,
                         Assignment {
-                            session_id: st.id.clone(),
+                            session_id: st.id.to_string(),
                             function_id: slot.function_id.clone(),
                         },
                         tx.now,
@@ -223,7 +223,7 @@ impl Engine {
     }
 
     /// Spawn a drive of a session (used where the caller must not wait for it).
-    pub(super) fn spawn_drive(&self, session_id: String) {
+    pub(super) fn spawn_drive(&self, session_id: Arc<str>) {
         let engine = self.clone();
         tokio::spawn(async move { engine.drive(&session_id).await });
     }
@@ -292,12 +292,12 @@ impl Engine {
                     disk_full = e.is_disk_full(),
                     "failed to write a state change, retrying: {e}"
                 );
-                st.pending = Some(Pending {
+                st.pending = Some(Box::new(Pending {
                     error: e.to_string(),
                     since_ms: since,
                     retry_at_ms: now + delay,
                     delay_ms: delay,
-                });
+                }));
                 self.after_change(&cell, &mut st, Vec::new());
                 break;
             }

@@ -81,7 +81,7 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
     let inv = InvocationRecord {
         invocation_id: inv_id.clone(),
         turn_id: h.turn_id.clone(),
-        session_id: st.id.clone(),
+        session_id: st.id.to_string(),
         function_id: h.function_id.clone(),
         step: h.step,
         attempt,
@@ -113,7 +113,7 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
         invoke: Invoke {
             invocation_id: inv_id.clone(),
             function_id: h.function_id.clone(),
-            session_id: st.id.clone(),
+            session_id: st.id.to_string(),
             turn_id: h.turn_id.clone(),
             step: h.step,
             attempt,

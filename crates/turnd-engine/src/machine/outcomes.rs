@@ -44,7 +44,7 @@ pub(super) fn fail(
         invocation_id,
     };
     let detail = json!({ "error": error, "step": h.step });
-    h.error = Some(error);
+    h.error = Some(Box::new(error));
     terminal(cx, tx, h, TurnStatus::Failed, detail);
 }
 
@@ -58,7 +58,7 @@ fn complete(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, output: RawJson) {
 /// gets one that says so: every cancelled turn says why.
 pub(super) fn cancel_turn(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, worker_message: Option<&str>) {
     if h.stop.is_none() {
-        h.stop = Some(StopInfo {
+        h.stop = Some(Box::new(StopInfo {
             requested_at_ms: tx.now,
             reason: format!(
                 "cancelled by the worker: {}",
@@ -66,7 +66,7 @@ pub(super) fn cancel_turn(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, worker_messa
                     .filter(|m| !m.is_empty())
                     .unwrap_or("no message")
             ),
-        });
+        }));
     }
     let detail = json!({ "stop": h.stop, "step": h.step });
     terminal(cx, tx, h, TurnStatus::Cancelled, detail);

@@ -17,10 +17,10 @@ pub fn stop_turn(cx: &Ctx, tx: &mut Tx, seq: u64, reason: String) {
     } else {
         reason
     };
-    t.stop = Some(StopInfo {
+    t.stop = Some(Box::new(StopInfo {
         requested_at_ms: tx.now,
         reason: reason.clone(),
-    });
+    }));
     tx.event(
         &st.id,
         &t.turn_id,

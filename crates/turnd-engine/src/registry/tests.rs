@@ -12,7 +12,7 @@ fn settings() -> FunctionSettings {
 #[test]
 fn a_function_known_only_from_a_waiting_session_is_listed_as_unregistered() {
     let mut r = Registry::default();
-    assert!(r.reserve("ghost", "i_1", "s-1").is_none());
+    assert!(r.reserve("ghost", "i_1", &Arc::from("s-1")).is_none());
     let fs = r.functions();
     assert_eq!(fs.len(), 1);
     assert_eq!(fs[0].function_id, "ghost");
@@ -37,7 +37,7 @@ fn what_nothing_refers_to_is_forgotten_after_the_linger() {
     r.attach("w-1", "w", "i-1", outbox, 1_000);
     r.register("w-1", "f", 1, settings());
     // A session waits for a function nobody registered, then stops waiting.
-    r.wait_for("ghost", "s-1");
+    r.wait_for("ghost", &Arc::from("s-1"));
     assert_eq!(r.sizes(), (1, 2));
     r.not_waiting("s-1");
     assert_eq!(r.sizes(), (1, 1), "an unregistered function goes at once");
@@ -49,7 +49,7 @@ fn what_nothing_refers_to_is_forgotten_after_the_linger() {
     let (outbox, _rx2) = Outbox::new("c_2".into(), 4);
     r.attach("w-1", "w", "i-1", outbox, 1_000_500);
     r.register("w-1", "f", 1, settings());
-    assert!(r.reserve("f", "inv-1", "s-2").is_some());
+    assert!(r.reserve("f", "inv-1", &Arc::from("s-2")).is_some());
     assert!(r.detach("w-1", "c_2", 1_002_000));
     r.gc(1_002_400, 500);
     assert_eq!(r.sizes(), (1, 1));

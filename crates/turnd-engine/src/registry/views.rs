@@ -45,7 +45,7 @@ impl Registry {
             .iter()
             .filter(|(id, f)| f.concurrency > 0 || self.waiting_count(id) > 0)
             .map(|(id, f)| Function {
-                function_id: id.clone(),
+                function_id: id.to_string(),
                 concurrency: f.concurrency,
                 timeout_ms: f.settings.timeout_ms,
                 delivery: f.settings.delivery,

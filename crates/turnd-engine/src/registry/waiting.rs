@@ -2,6 +2,7 @@
 //! free slot, taken oldest first when capacity appears.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use turnd_proto::Delivery;
 use turnd_store::FunctionSettings;
@@ -10,14 +11,18 @@ use super::{FunctionEntry, Registry};
 
 impl Registry {
     /// Note that a session waits for a worker of `function_id`.
-    pub fn wait_for(&mut self, function_id: &str, session_id: &str) {
-        if self.waiting_for.get(session_id).map(String::as_str) == Some(function_id) {
+    pub fn wait_for(&mut self, function_id: &str, session_id: &Arc<str>) {
+        if self.waiting_for.get(&**session_id).map(|f| &**f) == Some(function_id) {
             return;
         }
         self.unwait(session_id);
+        let name = match self.functions.get_key_value(function_id) {
+            Some((name, _)) => name.clone(),
+            None => Arc::from(function_id),
+        };
         let f = self
             .functions
-            .entry(function_id.to_string())
+            .entry(name.clone())
             .or_insert_with(|| FunctionEntry {
                 registered: false,
                 settings: FunctionSettings {
@@ -31,9 +36,8 @@ impl Registry {
                 served_ms: 0,
             });
         f.waiters += 1;
-        f.waiting.push_back(session_id.to_string());
-        self.waiting_for
-            .insert(session_id.to_string(), function_id.to_string());
+        f.waiting.push_back(session_id.clone());
+        self.waiting_for.insert(session_id.clone(), name);
     }
 
     /// The session no longer waits for a worker.
@@ -56,7 +60,7 @@ impl Registry {
     }
 
     /// Take up to `n` sessions waiting for `function_id`, oldest first.
-    pub fn take_waiting(&mut self, function_id: &str, n: usize) -> Vec<String> {
+    pub fn take_waiting(&mut self, function_id: &str, n: usize) -> Vec<Arc<str>> {
         let mut out = Vec::new();
         let Some(f) = self.functions.get_mut(function_id) else {
             return out;
@@ -65,7 +69,11 @@ impl Registry {
             let Some(s) = f.waiting.pop_front() else {
                 break;
             };
-            if self.waiting_for.get(&s).map(|x| x == function_id) == Some(true) {
+            if self
+                .waiting_for
+                .get(&s)
+                .is_some_and(|x| **x == *function_id)
+            {
                 self.waiting_for.remove(&s);
                 f.waiters = f.waiters.saturating_sub(1);
                 out.push(s);
