@@ -184,7 +184,11 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
         cs[0].stats().await?;
         lat.push(t0.elapsed());
     }
-    line("stats (for comparison: reads every session)", &mut lat, "");
+    line(
+        "stats (counts and the oldest wait, from the wait index)",
+        &mut lat,
+        "",
+    );
     close_callers(cs).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     d.shutdown().await

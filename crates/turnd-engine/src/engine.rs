@@ -47,7 +47,7 @@ use crate::error::{EngineError, EngineResult};
 use crate::machine::{self, Effect};
 use crate::metrics::Counters;
 use crate::registry::{Assignment, CloseReason, Outbox, Registry};
-use crate::session::{to_turn, wait_of, Pending, SessionState, Summary, Tx};
+use crate::session::{to_turn, wait_of, Pending, SessionState, Tx};
 
 #[path = "sessions_list.rs"]
 mod sessions_list;
@@ -95,7 +95,6 @@ const RETRY_MAX_MS: u64 = 2_000;
 
 struct SessionCell {
     state: tokio::sync::Mutex<SessionState>,
-    summary: Mutex<Option<Summary>>,
 }
 
 struct Watch {
@@ -283,7 +282,6 @@ impl Engine {
                 let id: Arc<str> = Arc::from(session_id);
                 let cell = Arc::new(SessionCell {
                     state: tokio::sync::Mutex::new(SessionState::new(id.clone())),
-                    summary: Mutex::new(None),
                 });
                 m.insert(id, cell.clone());
                 cell

@@ -19,15 +19,6 @@ use turnd_store::{
 use crate::machine::{Effect, Slot, Want};
 use crate::registry::Supply;
 
-/// What a session's lock holder currently waits for, kept outside the session lock
-/// so `stats` can read every session cheaply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Summary {
-    pub state: WaitState,
-    pub since_ms: u64,
-    pub inflight: bool,
-}
-
 /// A session's non-terminal turns in `seq` order; the first is the lock holder.
 ///
 /// A sorted vector of boxed records: most sessions hold one or two live turns, and

@@ -35,6 +35,8 @@ pub(super) struct WaitEntry<'a> {
     /// For an invocation awaiting its result: when its last sign of life (dispatch or
     /// heartbeat) becomes older than half its `timeout_ms`.
     pub stale_at_ms: Option<u64>,
+    /// The lock holder has a live invocation (for `stats`).
+    pub inflight: bool,
 }
 
 impl<'a> WaitEntry<'a> {
@@ -63,6 +65,7 @@ impl<'a> WaitEntry<'a> {
             function_id: &h.function_id,
             deadline_ms: w.deadline_ms,
             stale_at_ms,
+            inflight: st.inv.is_some(),
         })
     }
 }
@@ -88,6 +91,7 @@ struct Indexed {
     function_id: Arc<str>,
     deadline_ms: Option<u64>,
     stale_at_ms: Option<u64>,
+    inflight: bool,
 }
 
 impl Indexed {
@@ -97,7 +101,22 @@ impl Indexed {
             && *self.function_id == *e.function_id
             && self.deadline_ms == e.deadline_ms
             && self.stale_at_ms == e.stale_at_ms
+            && self.inflight == e.inflight
     }
+}
+
+/// What `stats` reports of the sessions with unfinished work, read from the index's
+/// counts and its oldest wait instead of a walk over every session.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct Overview {
+    /// Sessions with an unfinished turn.
+    pub active: u64,
+    /// Of those, the ones whose lock holder has a live invocation.
+    pub inflight: u64,
+    /// Sessions by what their lock holder waits for (states with none left out).
+    pub by_state: BTreeMap<WaitState, u64>,
+    /// The earliest time a current wait began.
+    pub oldest_since_ms: Option<u64>,
 }
 
 /// One ordered list of sessions: by wait age and by id.
@@ -160,6 +179,8 @@ pub(super) struct WaitIndex {
     by_function: HashMap<Arc<str>, Lists>,
     /// Per function: sessions by wait state.
     function_counts: HashMap<Arc<str>, BTreeMap<WaitState, u64>>,
+    /// Entries whose lock holder has a live invocation.
+    inflight: u64,
 }
 
 static EMPTY: Lists = Lists {
@@ -212,6 +233,7 @@ impl WaitIndex {
             .or_default()
             .insert(e.since_ms, &id);
         self.count(function_id.clone(), e.state);
+        self.inflight += u64::from(e.inflight);
         self.entries.insert(
             id,
             Indexed {
@@ -220,6 +242,7 @@ impl WaitIndex {
                 function_id,
                 deadline_ms: e.deadline_ms,
                 stale_at_ms: e.stale_at_ms,
+                inflight: e.inflight,
             },
         );
     }
@@ -240,6 +263,7 @@ impl WaitIndex {
             }
         }
         self.uncount(&o.function_id, o.state);
+        self.inflight -= u64::from(o.inflight);
     }
 
     fn count(&mut self, function_id: Arc<str>, state: WaitState) {
@@ -272,10 +296,12 @@ impl WaitIndex {
             return;
         };
         let (old_state, old_since) = (o.state, o.since_ms);
+        self.inflight = self.inflight - u64::from(o.inflight) + u64::from(e.inflight);
         o.state = e.state;
         o.since_ms = e.since_ms;
         o.deadline_ms = e.deadline_ms;
         o.stale_at_ms = e.stale_at_ms;
+        o.inflight = e.inflight;
         let function_id = o.function_id.clone();
         if old_since != e.since_ms {
             self.all.move_wait(old_since, e.since_ms, id);
@@ -304,6 +330,20 @@ impl WaitIndex {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    pub(super) fn overview(&self) -> Overview {
+        Overview {
+            active: self.all.len(),
+            inflight: self.inflight,
+            by_state: self
+                .by_state
+                .iter()
+                .map(|(s, l)| (*s, l.len()))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
+            oldest_since_ms: self.all.by_wait.first().map(|(since, _)| *since),
+        }
     }
 
     fn page(&self, q: &Query<'_>) -> Page {
@@ -646,6 +686,7 @@ mod tests {
             function_id: f,
             deadline_ms: None,
             stale_at_ms: None,
+            inflight: state == WaitState::AwaitingResult,
         })
     }
 
@@ -673,6 +714,19 @@ mod tests {
         let ids: Vec<&str> = p.ids.iter().map(|i| &**i).collect();
         assert_eq!(ids, ["s2", "s3", "s1"]);
         assert_eq!(p.total, 3);
+        assert_eq!(
+            ix.overview(),
+            Overview {
+                active: 3,
+                inflight: 1,
+                by_state: [
+                    (WaitState::AwaitingWorker, 2),
+                    (WaitState::AwaitingResult, 1)
+                ]
+                .into(),
+                oldest_since_ms: Some(10),
+            }
+        );
         // s2 moves to another state and function; s1 finishes.
         ix.set(&Arc::from("s2"), entry(WaitState::BackingOff, 40, "f"));
         ix.set(&Arc::from("s1"), None);
@@ -686,6 +740,15 @@ mod tests {
         assert!(!ix.by_function.contains_key("g"));
         assert!(!ix.function_counts.contains_key("g"));
         assert_eq!(ix.len(), 2);
+        assert_eq!(
+            ix.overview(),
+            Overview {
+                active: 2,
+                inflight: 0,
+                by_state: [(WaitState::AwaitingWorker, 1), (WaitState::BackingOff, 1)].into(),
+                oldest_since_ms: Some(20),
+            }
+        );
     }
 
     /// Every list and count of an index, without the lists left empty.
@@ -773,6 +836,7 @@ mod tests {
                 fresh.set(&Arc::from(sid.as_str()), entry(*state, *since, f));
             }
             assert_eq!(contents(&ix), contents(&fresh), "after step {step}");
+            assert_eq!(ix.overview(), fresh.overview(), "after step {step}");
         }
     }
 

@@ -14,7 +14,7 @@ impl Engine {
         mut tx: Tx,
     ) -> Result<(), StoreError> {
         if tx.is_empty() && tx.idempotency.is_none() {
-            self.after_change(cell, st, Vec::new());
+            self.after_change(st, Vec::new());
             return Ok(());
         }
         let batch = tx.batch(st);
@@ -42,7 +42,7 @@ impl Engine {
                 self.publish(&st.id, &applied.events);
                 self.track_live(cell, &applied.admitted, &applied.terminal);
                 self.notify_terminal(&applied.terminal);
-                self.after_change(cell, st, released);
+                self.after_change(st, released);
                 Ok(())
             }
             Err(e) => {
@@ -166,26 +166,13 @@ impl Engine {
     }
 
     /// After any change: wake sessions waiting for freed capacity, update the
-    /// session's summary and re-arm its timer.
-    pub(super) fn after_change(
-        &self,
-        cell: &SessionCell,
-        st: &mut SessionState,
-        freed: Vec<String>,
-    ) {
+    /// session's entry in the wait index (which `sessions.list` and `stats` read) and
+    /// in the registry's waiting lists, and re-arm its timer.
+    pub(super) fn after_change(&self, st: &mut SessionState, freed: Vec<String>) {
         for f in freed {
             self.wake(&f);
         }
         let entry = sessions_list::WaitEntry::of(st, self.inner.cfg.turns.dispatch_timeout_ms);
-        let summary = entry.as_ref().map(|e| Summary {
-            state: e.state,
-            since_ms: e.since_ms,
-            inflight: st.inv.is_some(),
-        });
-        {
-            let mut s = cell.summary.lock();
-            *s = summary;
-        }
         self.wait_index().set(&st.id, entry);
         note_waiting(&mut self.registry(), st);
         self.arm(st);
@@ -276,7 +263,7 @@ impl Engine {
             self.settle(&st, &mut tx);
             if tx.is_empty() {
                 st.pending = None;
-                self.after_change(&cell, &mut st, Vec::new());
+                self.after_change(&mut st, Vec::new());
                 break;
             }
             if let Err(e) = self.commit(&cell, &mut st, tx).await {
@@ -298,7 +285,7 @@ impl Engine {
                     retry_at_ms: now + delay,
                     delay_ms: delay,
                 }));
-                self.after_change(&cell, &mut st, Vec::new());
+                self.after_change(&mut st, Vec::new());
                 break;
             }
         }

@@ -241,37 +241,22 @@ impl Engine {
     /// `stats`.
     pub fn stats(&self) -> Stats {
         let now = self.now_ms();
-        let mut blocked = std::collections::BTreeMap::new();
-        let mut active = 0;
-        let mut inflight = 0;
-        let mut oldest: Option<u64> = None;
-        // Read under the map's lock rather than from clones of the cells, so that a
-        // session let go meanwhile still leaves memory (`cells.rs`).
-        let summaries: Vec<Summary> = self
-            .inner
-            .sessions
-            .lock()
-            .values()
-            .filter_map(|c| *c.summary.lock())
+        let o = self.wait_index().overview();
+        let blocked = o
+            .by_state
+            .iter()
+            .map(|(s, n)| (s.as_str().to_string(), *n))
             .collect();
-        for s in summaries {
-            {
-                active += 1;
-                if s.inflight {
-                    inflight += 1;
-                }
-                *blocked.entry(s.state.as_str().to_string()).or_insert(0u64) += 1;
-                let age = now.saturating_sub(s.since_ms);
-                oldest = Some(oldest.map_or(age, |o| o.max(age)));
-            }
-        }
         let reg = self.registry();
         Stats {
-            sessions: SessionStats { active, blocked },
+            sessions: SessionStats {
+                active: o.active,
+                blocked,
+            },
             turns: self.inner.counts.lock().clone(),
-            invocations_inflight: inflight,
+            invocations_inflight: o.inflight,
             workers_connected: reg.connected_count(),
-            oldest_wait_ms: oldest,
+            oldest_wait_ms: o.oldest_since_ms.map(|since| now.saturating_sub(since)),
             storage: self.storage_health(),
         }
     }

@@ -121,7 +121,7 @@ impl Engine {
         }
         for c in self.cells() {
             let mut st = c.state.lock().await;
-            self.after_change(&c, &mut st, Vec::new());
+            self.after_change(&mut st, Vec::new());
             let sid = st.id.clone();
             let has_holder = st.holder().is_some();
             drop(st);
