@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
@@ -198,18 +199,51 @@ async fn frame_depth_and_value_limits() -> anyhow::Result<()> {
         "y".repeat(8000)
     ))
     .await?;
-    let mut code = None;
+    assert_eq!(close_after_too_large(&mut r).await?, Some(1009));
+    td.shutdown().await
+}
+
+/// The frames up to the close, after a frame over `max_frame_bytes`: its close code
+/// (None when the connection ended without a close frame), with every text frame
+/// before it a `too_large` error.
+async fn close_after_too_large(r: &mut Raw) -> anyhow::Result<Option<u16>> {
     loop {
         match tokio::time::timeout(Duration::from_secs(5), r.ws.next()).await? {
-            Some(Ok(Message::Close(Some(c)))) => {
-                code = Some(u16::from(c.code));
-                break;
+            Some(Ok(Message::Close(Some(c)))) => return Ok(Some(u16::from(c.code))),
+            Some(Ok(Message::Text(t))) => {
+                let f: Value = serde_json::from_str(t.as_str())?;
+                anyhow::ensure!(f["error"]["code"] == "too_large", "{f}");
             }
             Some(Ok(_)) => continue,
-            _ => break,
+            Some(Err(e)) => anyhow::bail!("socket error instead of a close frame: {e}"),
+            None => return Ok(None),
         }
     }
-    assert_eq!(code, Some(1009));
+}
+
+/// A frame far over `max_frame_bytes` (megabytes more than the socket buffers hold
+/// while the daemon has read only its header) ends in close code 1009 and the peer's
+/// write of it completes, with no reset: the daemon reads and drops the rest of the
+/// frame after its close frame instead of closing the socket with it unread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_far_over_the_limit_ends_in_close_1009_not_a_reset() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| c.server.max_frame_bytes = 4096).await?;
+    for round in 0..3 {
+        let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
+        let big = format!(
+            "{{\"id\":9,\"op\":\"ping\",\"args\":{{\"pad\":\"{}\"}}}}",
+            "z".repeat(32 * 1024 * 1024)
+        );
+        let sent = r.send_text(&big).await;
+        let code = close_after_too_large(&mut r)
+            .await
+            .with_context(|| format!("round {round} (send: {sent:?})"))?;
+        assert_eq!(code, Some(1009), "round {round} (send: {sent:?})");
+        // The peer's write of the frame was not cut off by a reset either: a client
+        // that fails its connection on a failed write (Python's `websockets` does)
+        // would otherwise lose the close frame it had not read yet.
+        assert!(sent.is_ok(), "round {round}: send failed: {sent:?}");
+    }
     td.shutdown().await
 }
 

@@ -263,6 +263,10 @@ const READ_BUFFER_BYTES: usize = 8 * 1024;
 /// Most frames a connection's writer takes from its queue before it flushes them.
 const WRITE_BATCH_FRAMES: usize = 64;
 
+/// How long a connection closed for a frame over `max_frame_bytes` goes on reading
+/// (and dropping) what the peer still sends of it; see [`linger`].
+const LINGER: Duration = Duration::from_secs(1);
+
 /// Serve one accepted TCP connection until it ends.
 #[allow(
     clippy::too_many_lines,
@@ -525,6 +529,7 @@ where
     // Tag the outbox first, then say which close frame: the writer sends the frame
     // of whichever cause tagged it first, this one or the engine's.
     outbox.close_with(CloseReason::ReaderEnded);
+    let too_big = matches!(close, Some((CLOSE_TOO_BIG, _)));
     if close_tx.send(close).is_err() {
         tracing::trace!("writer already gone");
     }
@@ -537,13 +542,48 @@ where
         shared.engine.worker_disconnected(w, &conn_id).await;
     }
     shared.connections.of(role).fetch_sub(1, Ordering::Relaxed);
-    if tokio::time::timeout(Duration::from_secs(2), writer)
-        .await
-        .is_err()
-    {
-        tracing::debug!(conn_id, "writer did not finish in time");
+    match tokio::time::timeout(Duration::from_secs(2), writer).await {
+        Ok(Ok(sink)) if too_big => match sink.reunite(stream) {
+            Ok(ws) => linger(ws).await,
+            Err(e) => tracing::debug!(conn_id, "no socket to linger on: {e}"),
+        },
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::debug!(conn_id, "writer failed: {e}"),
+        Err(_) => tracing::debug!(conn_id, "writer did not finish in time"),
     }
     tracing::debug!(%peer, conn_id, "connection closed");
+}
+
+/// After the close for a frame over `max_frame_bytes`, whose rest is still arriving
+/// unread: a socket closed with unread data makes the kernel answer with a reset,
+/// which can reach the peer before the close frame does and make its system drop that
+/// frame unread, so the peer would see a reset instead of close code 1009. The write
+/// side is shut instead (the peer reads the close frame, then the end of the stream),
+/// and what still arrives is read and dropped until the peer closes, for at most
+/// [`LINGER`].
+async fn linger<S>(mut ws: tokio_tungstenite::WebSocketStream<S>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let raw = ws.get_mut();
+    let drain = async {
+        if let Err(e) = raw.shutdown().await {
+            tracing::trace!("shutdown of the write side: {e}");
+        }
+        let mut buf = vec![0u8; READ_BUFFER_BYTES];
+        while let Ok(n) = raw.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    };
+    if tokio::time::timeout(LINGER, drain).await.is_err() {
+        tracing::debug!(
+            "peer still sending {} ms after the close",
+            LINGER.as_millis()
+        );
+    }
 }
 
 /// The close frame (code, reason) for why the engine closed a connection; `None`:
@@ -599,7 +639,8 @@ async fn write_loop<S>(
     mut from_reader: tokio::sync::oneshot::Receiver<Option<(u16, String)>>,
     heartbeat: Duration,
     stall: Duration,
-) where
+) -> S
+where
     S: futures_util::Sink<Message, Error = WsError> + Unpin,
 {
     let mut ping = tokio::time::interval(heartbeat);
@@ -684,6 +725,7 @@ async fn write_loop<S>(
     if tokio::time::timeout(stall, finish).await.is_err() {
         tracing::debug!("connection closed without its last frames: the peer does not read");
     }
+    sink
 }
 
 impl Conn {
@@ -1063,7 +1105,7 @@ mod tests {
                 _ => {}
             }
         }
-        writer.await.expect("the writer ends");
+        drop(writer.await.expect("the writer ends"));
         assert_eq!(texts, 1, "the queued frame goes out before the close");
         code
     }
