@@ -99,8 +99,10 @@ pub struct StorageConfig {
     /// How often a commit log whose write or sync failed tries to repair itself.
     pub heal_interval_ms: u64,
     /// A new time window of finished turns starts when the newest is this old (ms);
-    /// 0: no windows (finished turns stay in the main database).
-    pub window_ms: u64,
+    /// 0: no windows (finished turns stay in the main database). Unset: follows
+    /// `retention.terminal_ms` ([`Config::window_ms`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_ms: Option<u64>,
     /// ... or this large on disk (MiB).
     pub window_mb: u64,
     /// A time window no read or write used for this long (ms) is closed until it is
@@ -184,7 +186,7 @@ impl Default for StorageConfig {
             apply_interval_ms: turnd_store::logged::DEFAULT_APPLY_INTERVAL_MS,
             apply_delay_ms: turnd_store::logged::DEFAULT_APPLY_DELAY_MS,
             heal_interval_ms: turnd_store::logged::DEFAULT_HEAL_INTERVAL_MS,
-            window_ms: turnd_store::windows::DEFAULT_WINDOW_MS,
+            window_ms: None,
             window_mb: turnd_store::windows::DEFAULT_WINDOW_MB,
             window_close_ms: turnd_store::logged::DEFAULT_WINDOW_CLOSE_MS,
         }
@@ -305,6 +307,7 @@ const OPTIONAL_KEYS: &[&str] = &[
     "server.tls_key",
     "retention.terminal_hours",
     "turns.result_ack_timeout_ms",
+    "storage.window_ms",
     "iii.listen",
     "iii.timeout_ms",
     "iii.max_attempts",
@@ -557,12 +560,7 @@ impl Config {
                 1,
                 3_600_000,
             ),
-            (
-                "storage.window_ms",
-                self.storage.window_ms,
-                0,
-                30 * 86_400_000,
-            ),
+            ("storage.window_ms", self.window_ms(), 0, 30 * 86_400_000),
             ("storage.window_mb", self.storage.window_mb, 1, 1 << 20),
             (
                 "storage.window_close_ms",
@@ -657,9 +655,19 @@ impl Config {
         }
     }
 
-    /// The effective config as TOML (tokens redacted).
+    /// `storage.window_ms` as set, or the length that follows the retention when it
+    /// is not ([`turnd_store::windows::window_ms_for_retention`]).
+    pub fn window_ms(&self) -> u64 {
+        self.storage.window_ms.unwrap_or_else(|| {
+            turnd_store::windows::window_ms_for_retention(self.retention.terminal_ms)
+        })
+    }
+
+    /// The effective config as TOML (tokens redacted; `storage.window_ms` as it is
+    /// used, set or not).
     pub fn to_toml_redacted(&self) -> String {
         let mut c = self.clone();
+        c.storage.window_ms = Some(self.window_ms());
         // Tokens read from the token file stay in the file.
         if c.auth.token_file.is_some() {
             c.auth.tokens.clear();
@@ -792,6 +800,43 @@ mod tests {
         assert_eq!(l.config.turns.reconnect_grace_ms, 10_000);
         assert_eq!(l.warnings.len(), 2, "{:?}", l.warnings);
         l.config.validate().expect("valid");
+    }
+
+    /// `storage.window_ms` left unset follows `retention.terminal_ms` (a 24th of it,
+    /// 10 s to 1 h); set, in a file or the environment, it is taken as it is, without
+    /// an unknown-key warning. The store is opened with the length in effect, and the
+    /// printed config shows it.
+    #[test]
+    fn window_ms_follows_the_retention_unless_set() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let window = |file: &str, env: &[(&str, &str)]| {
+            let f = dir.path().join("w.toml");
+            std::fs::write(&f, file).expect("write");
+            let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+            let l = Config::load(Some(&f), env).expect("loads");
+            assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+            l.config.validate().expect("valid");
+            let opened = crate::store_options(&l.config).expect("options");
+            assert_eq!(opened.windows.window_ms, l.config.window_ms());
+            l.config
+        };
+        let retention = |ms: &str| format!("[retention]\nterminal_ms = {ms}\n");
+        // The defaults: 72 h of retention, so the 1 h cap.
+        assert_eq!(window("", &[]).window_ms(), 3_600_000);
+        assert_eq!(window(&retention("3600000"), &[]).window_ms(), 150_000);
+        assert_eq!(window(&retention("60000"), &[]).window_ms(), 10_000);
+        // Turns kept for good.
+        assert_eq!(window(&retention("0"), &[]).window_ms(), 3_600_000);
+        // Set: as it is, 0 (no windows) included.
+        let set = format!("{}[storage]\nwindow_ms = 0\n", retention("3600000"));
+        assert_eq!(window(&set, &[]).window_ms(), 0);
+        let env = [("TURND_STORAGE__WINDOW_MS", "5000")];
+        let c = window(&retention("3600000"), &env);
+        assert_eq!(c.window_ms(), 5_000);
+        assert!(window(&retention("3600000"), &[])
+            .to_toml_redacted()
+            .contains("window_ms = 150000"));
+        assert!(c.to_toml_redacted().contains("window_ms = 5000"));
     }
 
     /// `storage.window_close_ms` is 0 (windows stay open) or at least 100 ms: a

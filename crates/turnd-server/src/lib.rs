@@ -94,7 +94,7 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
         apply_delay: Duration::from_millis(cfg.storage.apply_delay_ms),
         heal_interval: Duration::from_millis(cfg.storage.heal_interval_ms),
         windows: turnd_store::WindowOptions {
-            window_ms: cfg.storage.window_ms,
+            window_ms: cfg.window_ms(),
             window_bytes: cfg.storage.window_mb.saturating_mul(1024 * 1024),
         },
         idle_reopen: turnd_store::DEFAULT_IDLE_REOPEN,

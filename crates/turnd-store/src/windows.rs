@@ -47,9 +47,29 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::{keys, Entry, FoldedTurn, StoreError, TurnRecord};
 
-/// Defaults of `storage.window_ms` and `storage.window_mb`.
+/// Defaults of `storage.window_ms` and `storage.window_mb`. `window_ms` left unset
+/// follows the retention instead ([`window_ms_for_retention`]); this is its longest.
 pub const DEFAULT_WINDOW_MS: u64 = 3_600_000;
 pub const DEFAULT_WINDOW_MB: u64 = 256;
+
+/// The shortest window [`window_ms_for_retention`] chooses.
+pub const MIN_DERIVED_WINDOW_MS: u64 = 10_000;
+
+/// How many windows a retention period spans when the window length follows it.
+pub const WINDOWS_PER_RETENTION: u64 = 24;
+
+/// The window length used when `storage.window_ms` is not set: a 24th of the time
+/// finished turns are kept (`retention.terminal_ms`), at least 10 s and at most 1 h
+/// (1 h when turns are kept for good). The windows on disk hold up to
+/// `terminal_ms + window_ms + sweep_interval_ms` of finished turns (a window is
+/// dropped once its last turn expired), so a window as long as the retention could
+/// double the disk a retention period needs; a 24th of it adds about 4 %.
+pub fn window_ms_for_retention(terminal_ms: u64) -> u64 {
+    if terminal_ms == 0 {
+        return DEFAULT_WINDOW_MS;
+    }
+    (terminal_ms / WINDOWS_PER_RETENTION).clamp(MIN_DERIVED_WINDOW_MS, DEFAULT_WINDOW_MS)
+}
 
 /// When a new window starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
