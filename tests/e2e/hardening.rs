@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use futures_util::StreamExt;
+use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 use turnd_client::{Caller, FunctionSpec, Worker};
@@ -199,16 +199,21 @@ async fn frame_depth_and_value_limits() -> anyhow::Result<()> {
         "y".repeat(8000)
     ))
     .await?;
-    assert_eq!(close_after_too_large(&mut r).await?, Some(1009));
+    assert_eq!(close_after_too_large(&mut r.ws).await?, Some(1009));
     td.shutdown().await
 }
 
 /// The frames up to the close, after a frame over `max_frame_bytes`: its close code
 /// (None when the connection ended without a close frame), with every text frame
 /// before it a `too_large` error.
-async fn close_after_too_large(r: &mut Raw) -> anyhow::Result<Option<u16>> {
+async fn close_after_too_large<S>(
+    ws: &mut tokio_tungstenite::WebSocketStream<S>,
+) -> anyhow::Result<Option<u16>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     loop {
-        match tokio::time::timeout(Duration::from_secs(5), r.ws.next()).await? {
+        match tokio::time::timeout(Duration::from_secs(5), ws.next()).await? {
             Some(Ok(Message::Close(Some(c)))) => return Ok(Some(u16::from(c.code))),
             Some(Ok(Message::Text(t))) => {
                 let f: Value = serde_json::from_str(t.as_str())?;
@@ -230,21 +235,68 @@ async fn a_frame_far_over_the_limit_ends_in_close_1009_not_a_reset() -> anyhow::
     let td = TestDaemon::start(|c| c.server.max_frame_bytes = 4096).await?;
     for round in 0..3 {
         let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
-        let big = format!(
-            "{{\"id\":9,\"op\":\"ping\",\"args\":{{\"pad\":\"{}\"}}}}",
-            "z".repeat(32 * 1024 * 1024)
-        );
-        let sent = r.send_text(&big).await;
-        let code = close_after_too_large(&mut r)
+        far_over_the_limit(&mut r.ws)
             .await
-            .with_context(|| format!("round {round} (send: {sent:?})"))?;
-        assert_eq!(code, Some(1009), "round {round} (send: {sent:?})");
-        // The peer's write of the frame was not cut off by a reset either: a client
-        // that fails its connection on a failed write (Python's `websockets` does)
-        // would otherwise lose the close frame it had not read yet.
-        assert!(sent.is_ok(), "round {round}: send failed: {sent:?}");
+            .with_context(|| format!("round {round}"))?;
     }
     td.shutdown().await
+}
+
+/// The same over TLS, where the daemon's shut of its write side is TLS's
+/// `close_notify` first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_a_frame_far_over_the_limit_ends_in_close_1009_not_a_reset() -> anyhow::Result<()>
+{
+    let certs = tempfile::tempdir()?;
+    let (cert, key, client) = self_signed(certs.path())?;
+    let td = TestDaemon::start(|c| {
+        c.server.max_frame_bytes = 4096;
+        c.server.tls_cert = Some(cert.clone());
+        c.server.tls_key = Some(key.clone());
+    })
+    .await?;
+    let addr = td
+        .url
+        .trim_start_matches("wss://")
+        .split('/')
+        .next()
+        .context("address in the url")?
+        .to_string();
+    for round in 0..3 {
+        let tcp = tokio::net::TcpStream::connect(&addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?.to_owned();
+        let tls = tokio_rustls::TlsConnector::from(client.clone())
+            .connect(name, tcp)
+            .await?;
+        let (mut ws, _) = tokio_tungstenite::client_async(td.url.as_str(), tls).await?;
+        far_over_the_limit(&mut ws)
+            .await
+            .with_context(|| format!("round {round}"))?;
+    }
+    td.shutdown().await
+}
+
+/// Send a 16 MiB frame (the daemon's limit being 4 KiB) and read up to the close:
+/// it must be 1009, and the write must have completed (not been cut off by a reset:
+/// a client that fails its connection on a failed write, as Python's `websockets`
+/// does, would otherwise lose the close frame it had not read yet).
+async fn far_over_the_limit<S>(ws: &mut tokio_tungstenite::WebSocketStream<S>) -> anyhow::Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let big = format!(
+        "{{\"id\":9,\"op\":\"ping\",\"args\":{{\"pad\":\"{}\"}}}}",
+        "z".repeat(16 * 1024 * 1024)
+    );
+    let sent = tokio::time::timeout(Duration::from_secs(10), ws.send(Message::text(big)))
+        .await
+        .context("the write of the frame did not end in 10 s")?;
+    let code = close_after_too_large(ws)
+        .await
+        .with_context(|| format!("send: {sent:?}"))?;
+    anyhow::ensure!(code == Some(1009), "close code {code:?} (send: {sent:?})");
+    anyhow::ensure!(sent.is_ok(), "send failed: {sent:?}");
+    Ok(())
 }
 
 /// A worker's first `invocation.result` for a live invocation dispatched to it is not

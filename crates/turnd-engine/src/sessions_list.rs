@@ -816,7 +816,11 @@ mod tests {
             (seed >> 33) % n
         };
         let mut ix = WaitIndex::default();
-        let mut last: HashMap<String, (WaitState, u64, &str)> = HashMap::new();
+        let mut last: HashMap<String, (WaitState, u64, &str, bool)> = HashMap::new();
+        // Whether the holder has a live invocation, apart from its state, so that
+        // a change of that alone is a change too.
+        let with =
+            |e: Option<WaitEntry<'static>>, inflight: bool| e.map(|e| WaitEntry { inflight, ..e });
         for step in 0..5_000 {
             let sid: Arc<str> = Arc::from(format!("s{}", next(12)));
             if next(6) == 0 {
@@ -828,12 +832,16 @@ mod tests {
                 let since = next(4);
                 let spread = if next(5) == 0 { 3 } else { 1 };
                 let f = functions[next(spread) as usize];
-                ix.set(&sid, entry(state, since, f));
-                last.insert(sid.to_string(), (state, since, f));
+                let inflight = next(2) == 0;
+                ix.set(&sid, with(entry(state, since, f), inflight));
+                last.insert(sid.to_string(), (state, since, f, inflight));
             }
             let mut fresh = WaitIndex::default();
-            for (sid, (state, since, f)) in &last {
-                fresh.set(&Arc::from(sid.as_str()), entry(*state, *since, f));
+            for (sid, (state, since, f, inflight)) in &last {
+                fresh.set(
+                    &Arc::from(sid.as_str()),
+                    with(entry(*state, *since, f), *inflight),
+                );
             }
             assert_eq!(contents(&ix), contents(&fresh), "after step {step}");
             assert_eq!(ix.overview(), fresh.overview(), "after step {step}");

@@ -544,7 +544,7 @@ where
     shared.connections.of(role).fetch_sub(1, Ordering::Relaxed);
     match tokio::time::timeout(Duration::from_secs(2), writer).await {
         Ok(Ok(sink)) if too_big => match sink.reunite(stream) {
-            Ok(ws) => linger(ws).await,
+            Ok(ws) => linger(ws, &shared.closing).await,
             Err(e) => tracing::debug!(conn_id, "no socket to linger on: {e}"),
         },
         Ok(Ok(_)) => {}
@@ -560,8 +560,10 @@ where
 /// frame unread, so the peer would see a reset instead of close code 1009. The write
 /// side is shut instead (the peer reads the close frame, then the end of the stream),
 /// and what still arrives is read and dropped until the peer closes, for at most
-/// [`LINGER`].
-async fn linger<S>(mut ws: tokio_tungstenite::WebSocketStream<S>)
+/// [`LINGER`], and no longer once the daemon closes its connections. (A writer that
+/// took longer than its 2 s to send the close frame has dropped its socket already:
+/// there is nothing to linger on.)
+async fn linger<S>(mut ws: tokio_tungstenite::WebSocketStream<S>, closing: &CancellationToken)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -578,11 +580,11 @@ where
             }
         }
     };
-    if tokio::time::timeout(LINGER, drain).await.is_err() {
-        tracing::debug!(
-            "peer still sending {} ms after the close",
-            LINGER.as_millis()
-        );
+    tokio::select! {
+        drained = tokio::time::timeout(LINGER, drain) => if drained.is_err() {
+            tracing::debug!("peer still sending {} ms after the close", LINGER.as_millis());
+        },
+        _ = closing.cancelled() => {}
     }
 }
 
