@@ -915,14 +915,14 @@ impl Store {
         })
     }
 
-    /// The items `decode` makes of the stored events of a session with `seq > after`,
-    /// ascending by the `seq` each is paired with, at most `limit`.
+    /// The items `items_of` makes of the stored events of a session with
+    /// `seq > after`, ascending by the `seq` each is paired with, at most `limit`.
     fn stored_items<T>(
         &self,
         s: SessionKeys<'_>,
         after: u64,
         limit: usize,
-        decode: impl Fn(&[u8], &mut Vec<(u64, T)>) -> Result<(), StoreError>,
+        items_of: impl Fn(&[u8], &mut Vec<(u64, T)>) -> Result<(), StoreError>,
     ) -> Result<Vec<T>, StoreError> {
         let session_id = s.id;
         // A stored value holds one or more events and is keyed by its last one, so
@@ -942,7 +942,7 @@ impl Store {
             let n = PAGE.min(limit - out.len());
             let page = self.kv.scan_session(&from, &end, false, n, s.from_ms)?;
             for (_, v) in &page {
-                decode(v, &mut items)?;
+                items_of(v, &mut items)?;
                 for (seq, item) in items.drain(..) {
                     if seq > last {
                         last = seq;

@@ -238,12 +238,13 @@ impl Engine {
             self.inner.store.commit(stale).await?;
         }
         let store = self.inner.store.clone();
-        for (start, end) in self
+        for w in self
             .off_runtime(move || empty_windows(&store, windows::now_ms()))
             .await?
         {
             let store = self.inner.store.clone();
-            let mut b = self.off_runtime(move || rescue(&store, start, end)).await?;
+            let start = w.start_ms;
+            let mut b = self.off_runtime(move || rescue(&store, &w)).await?;
             b.drop_window(start);
             self.inner.store.commit(b).await?;
             self.inner

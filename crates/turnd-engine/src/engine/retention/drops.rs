@@ -14,8 +14,8 @@ pub(super) const MINT_MARGIN_MS: u64 = 1_000;
 /// The windows that can be dropped whole: not the newest (which takes new turns),
 /// ended more than [`MINT_MARGIN_MS`] ago by the wall clock that mints turn ids, with
 /// no folded record left (every turn of it expired and deleted) and no unfinished
-/// turn minted in it: their starts and ends.
-pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<(u64, u64)>, StoreError> {
+/// turn minted in it.
+pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<WindowInfo>, StoreError> {
     let kv = store.kv();
     let mut out = Vec::new();
     for w in kv.windows()? {
@@ -29,7 +29,7 @@ pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<(u64, u64
         // the second range into the first, and is seen there. (One that finishes after
         // them is moved to the main database when the drop is taken.)
         if kv.scan(&ts, &te, false, 1)?.is_empty() && kv.scan(&fs, &fe, false, 1)?.is_empty() {
-            out.push((w.start_ms, end));
+            out.push(w);
         }
     }
     Ok(out)
@@ -38,7 +38,7 @@ pub(super) fn empty_windows(store: &Store, wall_ms: u64) -> Result<Vec<(u64, u64
 /// Event values read per page of a window's rescue.
 pub(super) const RESCUE_PAGE: usize = 512;
 
-/// The writes that keep, before the window `[start, end)` is dropped, the events it
+/// The writes that keep, before the window `w` is dropped, the events it
 /// holds of turns still stored. An event value is stored in the window of the
 /// newest turn among its events, and retention leaves a deleted turn's values to its
 /// window's drop; so a value of a turn the window is dropped for can also hold events
@@ -53,14 +53,15 @@ pub(super) const RESCUE_PAGE: usize = 512;
 /// since (an admission committed late) is passed on whole by the drop, with every
 /// value of its session the window holds (`turnd_store::windows::leftovers`). Only a
 /// value with an event of another turn is read whole and each of its turns looked up.
-pub(super) fn rescue(store: &Store, start: u64, end_ms: u64) -> Result<Batch, StoreError> {
+pub(super) fn rescue(store: &Store, w: &WindowInfo) -> Result<Batch, StoreError> {
     let mut b = Batch::new();
     let mut stored: HashMap<String, bool> = HashMap::new();
-    let own =
-        |turn_id: &str| windows::turn_ms(turn_id).is_some_and(|ms| start <= ms && ms < end_ms);
+    let own = |turn_id: &str| windows::turn_ms(turn_id).is_some_and(|ms| w.holds(ms));
     let (mut from, end) = (vec![b'E'], vec![b'E' + 1]);
     loop {
-        let page = store.kv().scan_window(start, &from, &end, RESCUE_PAGE)?;
+        let page = store
+            .kv()
+            .scan_window(w.start_ms, &from, &end, RESCUE_PAGE)?;
         for (_, v) in &page {
             if turnd_store::event_heads(v)?.iter().all(|h| own(&h.turn_id)) {
                 continue;
