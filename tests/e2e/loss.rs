@@ -464,6 +464,93 @@ async fn hung_handler_ignoring_cancel_is_retried_at_least_once() -> anyhow::Resu
     rig.assert_store_clean().await
 }
 
+/// c (the cancel honoured). A handler runs past its deadline and honours the
+/// `cancel` that follows the probe's `running`: the deadline ended the attempt, so
+/// the turn fails `timed_out` naming the invocation, with no stop record, never
+/// "cancelled by the worker" (nobody asked it to stop). Under `at_least_once` with
+/// attempts left, the next attempt runs instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_cancel_honoured_by_the_handler_fails_timed_out_not_cancelled(
+) -> anyhow::Result<()> {
+    let rig = Rig::start(|_| {}).await?;
+    let timeout_ms = 300;
+    let w = rig
+        .worker(
+            "w-c3",
+            FunctionSpec::new("fc3").timeout_ms(timeout_ms),
+            Script::new(Act::Echo).then(Act::HangUntilCancelled),
+        )
+        .await;
+    let runs = w.runs("fc3");
+    let t = rig.submit("s-c3", "fc3", json!({"case": "c3"})).await?;
+    let done = rig.done(&t.turn_id).await?;
+    ensure!(done.status == TurnStatus::Failed, "{done:?}");
+    ensure!(done.stop.is_none(), "{done:?}");
+    let error = done.error.clone().context("failed without error")?;
+    ensure!(error.cause == ErrorCause::TimedOut, "{error:?}");
+    ensure!(error.code == "timed_out", "{error:?}");
+    ensure!(error.message.contains("ran past its deadline"), "{error:?}");
+    let ev = rig.events("s-c3").await?;
+    let inv = inv_of(first(&ev, &t.turn_id, EventKind::Dispatched)?).to_string();
+    ensure!(
+        error.invocation_id.as_deref() == Some(inv.as_str()),
+        "{error:?}"
+    );
+    ensure!(
+        event_kinds(&ev, &t.turn_id)
+            == vec![
+                EventKind::Admitted,
+                EventKind::Dispatched,
+                EventKind::ProbeSent,
+                EventKind::CancelSent,
+                EventKind::Result,
+                EventKind::Failed
+            ],
+        "{:?}",
+        event_kinds(&ev, &t.turn_id)
+    );
+    ensure!(runs.for_turn(&t.turn_id) == 1);
+
+    // at_least_once, two attempts: the honoured cancel schedules attempt 2.
+    let w2 = rig
+        .worker(
+            "w-c4",
+            FunctionSpec::new("fc4")
+                .timeout_ms(timeout_ms)
+                .delivery(Delivery::AtLeastOnce)
+                .max_attempts(2),
+            Script::new(Act::Echo).then(Act::HangUntilCancelled),
+        )
+        .await;
+    let runs2 = w2.runs("fc4");
+    let input = json!({"case": "c4"});
+    let t2 = rig.submit("s-c4", "fc4", input.clone()).await?;
+    let done = rig.done(&t2.turn_id).await?;
+    ensure!(
+        done.status == TurnStatus::Completed && done.output == Some(input) && done.attempt == 2,
+        "{done:?}"
+    );
+    ensure!(runs2.for_turn(&t2.turn_id) == 2);
+    let ev = rig.events("s-c4").await?;
+    ensure!(
+        event_kinds(&ev, &t2.turn_id)
+            == vec![
+                EventKind::Admitted,
+                EventKind::Dispatched,
+                EventKind::ProbeSent,
+                EventKind::CancelSent,
+                EventKind::Result,
+                EventKind::RetryScheduled,
+                EventKind::Dispatched,
+                EventKind::Result,
+                EventKind::Completed
+            ],
+        "{:?}",
+        event_kinds(&ev, &t2.turn_id)
+    );
+    rig.assert_store_clean().await
+}
+
 // ---------------------------------------------------------------------------- d
 
 /// d (at_most_once). The worker dies mid-step and never returns: after

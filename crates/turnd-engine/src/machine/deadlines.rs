@@ -238,12 +238,29 @@ pub(super) fn outcome_unknown(
 }
 
 /// The attempt ran past its deadline and did not answer the cancel in time.
-fn timed_out(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, inv: InvocationRecord) {
+fn timed_out(cx: &Ctx, tx: &mut Tx, h: TurnRecord, inv: InvocationRecord) {
     let settings = inv.settings;
     let inv_id = inv.invocation_id.clone();
     let attempt = inv.attempt;
     give_up(cx, tx, inv, InvState::TimedOut);
     let message = format!("{inv_id} was still running past its deadline and did not answer the cancel within cancel_grace_ms");
+    attempt_timed_out(cx, tx, h, &inv_id, attempt, settings, message);
+}
+
+/// The attempt `inv_id` of `h` ran past its deadline and was cancelled for it (its
+/// invocation already ended): the deadline is the cause, whether the worker
+/// answered the cancel or not. Under `at_least_once` with attempts left the step is
+/// retried; otherwise the turn fails `timed_out`.
+pub(super) fn attempt_timed_out(
+    cx: &Ctx,
+    tx: &mut Tx,
+    mut h: TurnRecord,
+    inv_id: &str,
+    attempt: u32,
+    settings: FunctionSettings,
+    message: String,
+) {
+    let inv_id = inv_id.to_string();
     if settings.delivery == Delivery::AtLeastOnce && attempt < settings.max_attempts {
         h.last_error = Some(message.clone());
         schedule_retry(cx, tx, h, &inv_id, message);

@@ -59,7 +59,7 @@ pub use reconcile::{reconcile, Verdict};
 pub use results::{heartbeat, late_result, probe_answer, result, Heartbeat, LateVerdict};
 pub use stop::{stop_session, stop_turn};
 
-use deadlines::{give_up, outcome_unknown};
+use deadlines::{attempt_timed_out, give_up, outcome_unknown};
 use dispatch::{dispatch, promote, send_cancel, send_cancel_recorded};
 use outcomes::{apply_outcome, cancel_turn, fail, schedule_retry};
 use reconcile::lost;

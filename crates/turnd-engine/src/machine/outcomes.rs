@@ -90,6 +90,10 @@ pub(super) fn apply_outcome(
     let settings = inv.settings;
     let inv_id = inv.invocation_id.clone();
     let attempt = inv.attempt;
+    // Cancelled by the daemon because the attempt ran past its deadline (a stop
+    // sets `stop` as well): a `cancelled` answer then ends the attempt for that
+    // reason, not the worker's own.
+    let deadline_cancel = inv.wait == InvWait::Cancelling && h.stop.is_none();
     let mut done = inv;
     done.outcome = Some(outcome.kind().to_string());
     give_up(cx, tx, done, InvState::Finished);
@@ -148,8 +152,22 @@ pub(super) fn apply_outcome(
             let retry = f.retryable && !stopped && attempt < settings.max_attempts;
             failed_attempt(cx, tx, h, &inv_id, attempt, f, retry, stopped);
         }
+        Outcome::Cancelled(c) if deadline_cancel => {
+            let message = deadline_cancel_message(&inv_id, &c.message);
+            attempt_timed_out(cx, tx, h, &inv_id, attempt, settings, message);
+        }
         Outcome::Cancelled(c) => cancel_turn(cx, tx, h, Some(&c.message)),
     }
+}
+
+/// Why an attempt that answered the deadline's `cancel` with `cancelled` ended.
+fn deadline_cancel_message(inv_id: &str, worker_message: &str) -> String {
+    let said = if worker_message.is_empty() {
+        String::new()
+    } else {
+        format!(": {worker_message}")
+    };
+    format!("{inv_id} ran past its deadline and was cancelled for it (the worker honoured the cancel{said})")
 }
 
 /// The worker reported the attempt failed: retry it (`retry`) or fail the turn.
