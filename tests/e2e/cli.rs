@@ -516,7 +516,8 @@ async fn check_config_says_plainly_that_keys_are_unknown_and_strict_refuses_them
     assert!(out.contains("1 unknown key(s) are ignored"), "{out}");
     assert!(out.contains("--strict"), "{out}");
     assert!(
-        stderr(&o).contains("unknown config key server.listen_addr ignored"),
+        stderr(&o)
+            .contains("unknown config key server.listen_addr ignored; did you mean server.listen?"),
         "{}",
         stderr(&o)
     );
@@ -535,11 +536,116 @@ async fn check_config_says_plainly_that_keys_are_unknown_and_strict_refuses_them
         .await?;
     expect_code(&o, 2, "check-config --strict with an unknown variable")?;
     assert!(
-        stderr(&o).contains("TURND_SERVER__LISTEN_ADDR"),
+        stderr(&o)
+            .contains("TURND_SERVER__LISTEN_ADDR) ignored; did you mean TURND_SERVER__LISTEN?"),
         "{}",
         stderr(&o)
     );
     Ok(())
+}
+
+/// `check-config` refuses what `serve` would fail on at start, in words that say what
+/// to write: a data directory that is a file, or that cannot be created or written by
+/// the user it runs as, and a listen address with a host name instead of an IP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_refuses_an_unusable_data_dir_and_says_to_write_an_ip() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir()?;
+    // World-enterable, so that another user can reach what is inside.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let check = |data_dir: PathBuf| async move {
+        let o = command(&["check-config"])
+            .await?
+            .env("TURND_STORAGE__DATA_DIR", &data_dir)
+            .output()
+            .await?;
+        anyhow::Ok(o)
+    };
+    // Usable: missing (created by serve) or an empty directory.
+    for ok in [dir.path().join("a/b/data"), dir.path().to_path_buf()] {
+        let o = check(ok.clone()).await?;
+        expect_code(
+            &o,
+            0,
+            &format!("check-config with data_dir {}", ok.display()),
+        )?;
+        assert_eq!(stdout(&o), "configuration ok\n");
+    }
+    // A file where the directory should be, and a file where a parent should be.
+    let file = dir.path().join("file");
+    std::fs::write(&file, "x")?;
+    let o = check(file.clone()).await?;
+    expect_code(&o, 2, "check-config with data_dir a file")?;
+    assert!(stderr(&o).contains("is not a directory"), "{}", stderr(&o));
+    assert!(stdout(&o).is_empty(), "{}", stdout(&o));
+    let o = check(file.join("data")).await?;
+    expect_code(&o, 2, "check-config with data_dir under a file")?;
+    assert!(stderr(&o).contains("cannot be created"), "{}", stderr(&o));
+    // Not writable by the user it runs as. root may write anywhere, so as root the
+    // check runs as `nobody` (setpriv), as systemd runs the unit's ExecStartPre.
+    let locked = dir.path().join("locked");
+    std::fs::create_dir(&locked)?;
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o555))?;
+    let as_user = |data_dir: PathBuf| async move {
+        let mut cmd = if is_root() {
+            let mut c = tokio::process::Command::new("setpriv");
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(bin().await?);
+            c
+        } else {
+            tokio::process::Command::new(bin().await?)
+        };
+        let o = cmd
+            .arg("check-config")
+            .env("TURND_STORAGE__DATA_DIR", &data_dir)
+            .env_remove("TURND_LOG")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await?;
+        anyhow::Ok(o)
+    };
+    let o = as_user(locked.clone()).await?;
+    expect_code(&o, 2, "check-config with a data_dir it cannot write")?;
+    assert!(
+        stderr(&o).contains("is not writable by this user"),
+        "{}",
+        stderr(&o)
+    );
+    let o = as_user(locked.join("data")).await?;
+    expect_code(&o, 2, "check-config with a data_dir it cannot create")?;
+    assert!(
+        stderr(&o).contains("does not exist and cannot be created"),
+        "{}",
+        stderr(&o)
+    );
+    // A host name for a listen address: the hint says to write an IP.
+    let o = command(&["check-config"])
+        .await?
+        .env("TURND_STORAGE__DATA_DIR", dir.path())
+        .env("TURND_SERVER__LISTEN", "localhost:7420")
+        .output()
+        .await?;
+    expect_code(&o, 2, "check-config with listen = localhost:7420")?;
+    assert!(
+        stderr(&o).contains("host names such as \"localhost\" are not resolved")
+            && stderr(&o).contains("127.0.0.1:7420"),
+        "{}",
+        stderr(&o)
+    );
+    Ok(())
+}
+
+/// Whether this process runs as root (who may write anywhere).
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(1).map(|u| u == "0"))
+        })
+        .unwrap_or(false)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

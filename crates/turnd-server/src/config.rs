@@ -355,7 +355,7 @@ impl Config {
                 .map_err(|e| ConfigError::one(format!("read {}: {e}", path.display())))?;
             let file_value: toml::Value = toml::from_str(&text)
                 .map_err(|e| ConfigError::one(format!("parse {}: {e}", path.display())))?;
-            unknown_keys(&defaults, &file_value, "", &mut warnings);
+            unknown_keys(&defaults, &defaults, &file_value, "", &mut warnings);
             merge(&mut merged, file_value);
         }
         let mut problems = Vec::new();
@@ -371,7 +371,13 @@ impl Config {
             let known = defaults.get(&section).and_then(|s| s.get(&key)).is_some()
                 || OPTIONAL_KEYS.contains(&path.as_str());
             if !known {
-                warnings.push(format!("unknown config key {path} (from {k}) ignored"));
+                warnings.push(format!(
+                    "unknown config key {path} (from {k}) ignored{}",
+                    did_you_mean(&defaults, &path, |p| format!(
+                        "TURND_{}",
+                        p.to_ascii_uppercase().replacen('.', "__", 1)
+                    ))
+                ));
                 continue;
             }
             let value = parse_env_value(&v);
@@ -459,14 +465,13 @@ impl Config {
 
     /// Problems of `[server]`.
     fn server_problems(&self, p: &mut Vec<String>) {
-        if let Err(e) = self.server.listen.parse::<SocketAddr>() {
-            p.push(format!("server.listen {:?}: {e}", self.server.listen));
-        }
-        if let Err(e) = self.server.admin_listen.parse::<SocketAddr>() {
-            p.push(format!(
-                "server.admin_listen {:?}: {e}",
-                self.server.admin_listen
-            ));
+        for (key, value) in [
+            ("server.listen", &self.server.listen),
+            ("server.admin_listen", &self.server.admin_listen),
+        ] {
+            if let Some(problem) = address_problem(key, value) {
+                p.push(problem);
+            }
         }
         if self.server.max_frame_bytes < 1024 {
             p.push("server.max_frame_bytes must be at least 1024".into());
@@ -679,6 +684,26 @@ impl Config {
     }
 }
 
+/// What is wrong with `value` as the listen address `key`, if anything. Listen
+/// addresses are an IP address and a port: a host name such as `localhost` is not
+/// resolved, which the parser's own words ("invalid socket address syntax") do not say.
+pub fn address_problem(key: &str, value: &str) -> Option<String> {
+    let e = value.parse::<SocketAddr>().err()?;
+    let hint = match value.rsplit_once(':') {
+        Some((host, port))
+            if port.parse::<u16>().is_ok() && host.parse::<std::net::IpAddr>().is_err() =>
+        {
+            format!(
+                "host names such as {host:?} are not resolved: write an IP address and the \
+                 port, 127.0.0.1:{port} for loopback, 0.0.0.0:{port} for every interface, \
+                 [::1]:{port} for IPv6 loopback"
+            )
+        }
+        _ => "write an IP address and a port, such as 127.0.0.1:7420".to_string(),
+    };
+    Some(format!("{key} {value:?}: {e}; {hint}"))
+}
+
 /// Read `ROLE TOKEN` lines.
 fn read_token_file(path: &Path) -> Result<Vec<TokenConfig>, ConfigError> {
     let text = std::fs::read_to_string(path)
@@ -751,22 +776,81 @@ fn merge(base: &mut toml::Value, over: toml::Value) {
     }
 }
 
-fn unknown_keys(defaults: &toml::Value, given: &toml::Value, prefix: &str, out: &mut Vec<String>) {
+fn unknown_keys(
+    all: &toml::Value,
+    defaults: &toml::Value,
+    given: &toml::Value,
+    prefix: &str,
+    out: &mut Vec<String>,
+) {
     let (Some(d), Some(g)) = (defaults.as_table(), given.as_table()) else {
         return;
     };
     for (k, v) in g {
-        let path = if prefix.is_empty() {
-            k.clone()
-        } else {
-            format!("{prefix}.{k}")
-        };
+        let path = key_path(prefix, k);
         match d.get(k) {
-            Some(dv) if dv.is_table() => unknown_keys(dv, v, &path, out),
+            Some(dv) if dv.is_table() => unknown_keys(all, dv, v, &path, out),
             Some(_) => {}
             None if OPTIONAL_KEYS.contains(&path.as_str()) => {}
-            None => out.push(format!("unknown config key {path} ignored")),
+            None => out.push(format!(
+                "unknown config key {path} ignored{}",
+                did_you_mean(all, &path, str::to_string)
+            )),
         }
+    }
+}
+
+/// `"; did you mean X?"` for an unknown key `path`, naming (through `spell`, as the
+/// file or the environment writes it) the known key it most likely meant: the most
+/// alike key of the same table, or a key of that name in another table (a key put in
+/// the wrong section); `""` when none is close.
+fn did_you_mean(defaults: &toml::Value, path: &str, spell: impl Fn(&str) -> String) -> String {
+    /// How alike (Jaro-Winkler, 0 to 1) two names must be to be offered:
+    /// `listen_addr` ~ `listen` is 0.91, `data_dri` ~ `data_dir` 0.97, while
+    /// unrelated keys of one table stay below 0.75.
+    const ALIKE: f64 = 0.8;
+    let (table, name) = path.rsplit_once('.').unwrap_or(("", path));
+    let mut known: Vec<String> = Vec::new();
+    collect_keys(defaults, "", &mut known);
+    known.extend(OPTIONAL_KEYS.iter().map(|k| k.to_string()));
+    let split = |k: &str| -> (String, String) {
+        match k.rsplit_once('.') {
+            Some((t, n)) => (t.to_string(), n.to_string()),
+            None => (String::new(), k.to_string()),
+        }
+    };
+    let best = known
+        .iter()
+        .filter(|k| split(k).0 == table)
+        .map(|k| (strsim::jaro_winkler(name, &split(k).1), k))
+        .filter(|(score, _)| *score >= ALIKE)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k.clone())
+        .or_else(|| known.iter().find(|k| split(k).1 == name).cloned());
+    match best {
+        Some(k) => format!("; did you mean {}?", spell(&k)),
+        None => String::new(),
+    }
+}
+
+/// `prefix.key`, or `key` at the top.
+fn key_path(prefix: &str, key: &str) -> String {
+    if prefix.is_empty() {
+        key.to_string()
+    } else {
+        format!("{prefix}.{key}")
+    }
+}
+
+/// Every key of `v` (tables included), as dotted paths under `prefix`.
+fn collect_keys(v: &toml::Value, prefix: &str, out: &mut Vec<String>) {
+    let Some(t) = v.as_table() else {
+        return;
+    };
+    for (k, v) in t {
+        let path = key_path(prefix, k);
+        collect_keys(v, &path, out);
+        out.push(path);
     }
 }
 

@@ -78,6 +78,10 @@ pub fn check_config(args: CheckConfigArgs) -> i32 {
         eprintln!("turnd: {e}");
         return 2;
     }
+    if let Some(problem) = data_dir_problem(&cfg.storage.data_dir) {
+        eprintln!("turnd: {problem}");
+        return 2;
+    }
     if unknown > 0 && args.strict {
         eprintln!(
             "turnd: the configuration has {unknown} unknown key(s), listed above; \
@@ -226,6 +230,68 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Why `serve`, run as this user, could not use `dir` as its data directory, if it
+/// could not: `serve` creates the directory when it is missing and writes in it, so
+/// it must be a directory this user may write in and enter, or be missing under a
+/// nearest existing ancestor that is one. `check-config` runs as the service's user
+/// (the unit's `ExecStartPre`), so this is the service's view.
+fn data_dir_problem(dir: &Path) -> Option<String> {
+    use rustix::fs::{access, Access};
+    let shown = dir.display();
+    let writable = |p: &Path| access(p, Access::WRITE_OK | Access::EXEC_OK).is_ok();
+    match std::fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => Some(format!(
+            "storage.data_dir {shown} is not a directory; point it at a directory (it is \
+             created when missing)"
+        )),
+        Ok(_) if !writable(dir) => Some(format!(
+            "storage.data_dir {shown} is not writable by this user ({}); give it to the \
+             user the daemon runs as",
+            user_name()
+        )),
+        Ok(_) => None,
+        Err(e)
+            if !matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            Some(format!("storage.data_dir {shown}: {e}"))
+        }
+        Err(_) => {
+            // Missing: `serve` creates it and any missing parents, under the nearest
+            // ancestor that exists.
+            let absolute = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+            let parent = absolute.ancestors().skip(1).find(|a| a.exists())?;
+            if !parent.is_dir() {
+                Some(format!(
+                    "storage.data_dir {shown} cannot be created: {} is not a directory",
+                    parent.display()
+                ))
+            } else if !writable(parent) {
+                Some(format!(
+                    "storage.data_dir {shown} does not exist and cannot be created: {} is not \
+                     writable by this user ({}); create it for the user the daemon runs as",
+                    parent.display(),
+                    user_name()
+                ))
+            } else {
+                None
+            }
+        }
+    }
+}
+
+/// This process's user, for messages: the name when the environment says it, else
+/// the numeric uid.
+fn user_name() -> String {
+    let uid = rustix::process::getuid().as_raw();
+    match std::env::var("USER") {
+        Ok(name) if !name.is_empty() => format!("{name}, uid {uid}"),
+        _ => format!("uid {uid}"),
+    }
 }
 
 /// The file in the data directory that a running daemon holds an exclusive advisory
