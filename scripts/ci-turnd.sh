@@ -7,7 +7,10 @@
 # COMMAND runs, TURND_URL (ws://127.0.0.1:PORT/v1) and TURND_ADMIN
 # (http://127.0.0.1:PORT) are exported and the turnd binary is on PATH, so COMMAND
 # can run `turnd …` client commands. The script exits with COMMAND's status; the
-# daemon is stopped (SIGTERM) and its data removed however COMMAND ends.
+# daemon is stopped (SIGTERM) and its data removed however COMMAND ends. The
+# daemon's configuration warnings (an unknown TURND_… variable, say) are repeated on
+# stderr once it is ready; when COMMAND fails, the daemon's log is kept (at
+# $TURND_CI_LOG if set, else in a new file under $TMPDIR) and its end is printed.
 #
 # The binary is $TURND if set, else `turnd` on PATH, else target/release/turnd or
 # target/debug/turnd under the current directory. Extra `turnd serve` arguments can
@@ -89,6 +92,10 @@ if [ -z "$TURND_URL" ] || [ -z "$TURND_ADMIN" ]; then
 fi
 export TURND_URL TURND_ADMIN
 
+# What the daemon warned about at start (unknown keys, with what they most likely
+# meant) would otherwise be seen only in a log that is removed with the data.
+grep -E '^turnd: warning: ' "$work/turnd.log" >&2 || true
+
 # Run COMMAND; keep its status.
 status=0
 "$@" || status=$?
@@ -102,5 +109,12 @@ if [ "$daemon" -ne 0 ]; then
     echo "${0##*/}: turnd exited with status $daemon on SIGTERM; its log:" >&2
     cat "$work/turnd.log" >&2
     [ "$status" -ne 0 ] || status=1
+elif [ "$status" -ne 0 ]; then
+    # The log goes with the data directory: keep a copy for whoever looks into the
+    # failure.
+    keep=${TURND_CI_LOG:-$(mktemp "${TMPDIR:-/tmp}/turnd-ci.XXXXXX.log")}
+    cp "$work/turnd.log" "$keep"
+    echo "${0##*/}: COMMAND exited with status $status; the daemon's log is kept at $keep; its last 40 lines:" >&2
+    tail -n 40 "$keep" >&2
 fi
 exit "$status"

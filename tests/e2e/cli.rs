@@ -962,8 +962,11 @@ async fn a_second_daemon_on_a_data_dir_is_told_which_process_holds_it() -> anyho
 async fn ci_script_runs_a_command_with_turnd_on_path_and_stops_the_daemon() -> anyhow::Result<()> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let script = root.join("scripts/ci-turnd.sh");
+    let logs = tempfile::tempdir()?;
+    let kept = logs.path().join("turnd-ci.log");
     let run = |cmd: &'static str| {
         let script = script.clone();
+        let kept = kept.clone();
         async move {
             let bin = bin().await?;
             // A PATH without turnd: the script must put it there itself.
@@ -975,6 +978,8 @@ async fn ci_script_runs_a_command_with_turnd_on_path_and_stops_the_daemon() -> a
                     .env("TURND", &bin)
                     .env("PATH", "/usr/local/bin:/usr/bin:/bin")
                     .env("TURND_STORAGE__SYNC", "never")
+                    .env("TURND_SERVER__LISTEN_ADR", "127.0.0.1:7500")
+                    .env("TURND_CI_LOG", &kept)
                     .env_remove("TURND_URL")
                     .env_remove("TURND_TOKEN")
                     .stdin(Stdio::null())
@@ -989,6 +994,16 @@ async fn ci_script_runs_a_command_with_turnd_on_path_and_stops_the_daemon() -> a
     expect_code(&o, 0, "ci-turnd.sh turnd ping")?;
     let out = stdout(&o);
     assert!(out.contains("pong from turnd"), "{out}");
+    // The daemon's warning about an unknown variable reaches the job's own log.
+    assert!(
+        stderr(&o).contains(
+            "unknown config key server.listen_adr (from TURND_SERVER__LISTEN_ADR) ignored; \
+             did you mean TURND_SERVER__LISTEN?"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!kept.exists(), "a log kept after a command that passed");
     let url = out
         .lines()
         .find_map(|l| l.strip_prefix("url="))
@@ -1000,6 +1015,20 @@ async fn ci_script_runs_a_command_with_turnd_on_path_and_stops_the_daemon() -> a
     // COMMAND's status is the script's.
     let o = run("exit 7").await?;
     expect_code(&o, 7, "ci-turnd.sh exit 7")?;
+    // When COMMAND fails, the daemon's log is kept and its end shown.
+    let err = stderr(&o);
+    assert!(err.contains("the daemon's log is kept at"), "{err}");
+    let log = std::fs::read_to_string(&kept).context("the kept log")?;
+    assert!(log.contains("turnd listening on"), "{log}");
+    // The ready line leads to the operator page.
+    assert!(
+        log.lines().any(|l| l.contains("turnd listening on")
+            && l.contains("admin http://127.0.0.1:")
+            && l.contains("(operator page http://127.0.0.1:")
+            && l.contains("/ui)")),
+        "{log}"
+    );
+    assert!(err.contains("turnd listening on"), "{err}");
     Ok(())
 }
 

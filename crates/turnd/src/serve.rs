@@ -194,8 +194,9 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     let kv = open_store(&cfg)?;
     let daemon = Daemon::start(cfg, listeners, kv).await?;
     let line = format!(
-        "turnd listening on {} admin {}",
+        "turnd listening on {} admin {} (operator page {}/ui)",
         daemon.ws_url(),
+        daemon.admin_url(),
         daemon.admin_url()
     );
     println!("{line}");
