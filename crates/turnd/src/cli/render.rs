@@ -227,7 +227,7 @@ pub fn session(s: &Session, extras: &SessionExtras, now: u64) -> String {
         ),
         (None, seq) => f.add("last event", format!("#{seq}")),
     }
-    f.add("queued", format!("{} turn(s)", s.queued.len()));
+    f.add("queue", queue_line(s.queued.len()));
     let mut out = f.render();
     if !s.queued.is_empty() {
         let mut t = Table::new(&["SEQ", "TURN", "FUNCTION", "CREATED"]).right(0);
@@ -243,6 +243,17 @@ pub fn session(s: &Session, extras: &SessionExtras, now: u64) -> String {
         out.push_str(&t.render());
     }
     out
+}
+
+/// The `queue` row of `turnd inspect`: the turns waiting behind the lock holder,
+/// which is itself counted in `turns` under its status (`queued` until its first
+/// dispatch), so the two rows never read as one number said twice.
+fn queue_line(behind: usize) -> String {
+    match behind {
+        0 => "empty (no turn waits behind the lock holder)".into(),
+        1 => "1 turn waits behind the lock holder".into(),
+        n => format!("{n} turns wait behind the lock holder"),
+    }
 }
 
 /// Whether [`EventColumns::event`] cuts this event's detail to fit.
@@ -548,6 +559,24 @@ mod tests {
         assert!(out.contains("in 18s"), "{out}");
         assert!(out.contains("then fail"), "{out}");
         assert!(out.contains("#1 admitted of t_1 12s ago"), "{out}");
+        // The holder is the one `queued` turn; the queue behind it is empty, and the
+        // two rows say so in different words.
+        let row = |key: &str| {
+            out.lines()
+                .find(|l| l.split_whitespace().next() == Some(key))
+                .map(|l| l[key.len()..].trim().to_string())
+        };
+        assert_eq!(
+            row("turns").as_deref(),
+            Some("queued 1  running 0  completed 0  failed 0  cancelled 0"),
+            "{out}"
+        );
+        assert_eq!(
+            row("queue").as_deref(),
+            Some("empty (no turn waits behind the lock holder)"),
+            "{out}"
+        );
+        assert_eq!(row("queued"), None, "{out}");
     }
 
     #[test]
