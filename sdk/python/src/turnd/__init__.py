@@ -7,6 +7,7 @@ Workers serve functions (:class:`Worker`), callers submit and follow turns
 from ._connection import PROTOCOL_VERSION
 from .client import Client, Watch
 from .errors import (
+    BadEndpoint,
     BadFrame,
     BadRequest,
     Conflict,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BadEndpoint",
     "BadFrame",
     "BadRequest",
     "Client",

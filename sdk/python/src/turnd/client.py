@@ -173,9 +173,14 @@ class Client:
                 try:
                     self._link = await self._open()
                     return self._link
-                except (ConnectionLost, ShuttingDown) as e:
+                except TurndError as e:
+                    # A wrong URL or a refused hello fail the same way every time.
+                    if not e.retryable:
+                        raise
                     if time.monotonic() + delay > deadline:
-                        raise ConnectionLost(f"cannot connect to {self.url}: {e}") from e
+                        if isinstance(e, ConnectionLost):
+                            raise
+                        raise ConnectionLost(str(e)) from e  # names the URL already
                     log.debug("connect failed (%s); retrying in %.2fs", e, delay)
                     await asyncio.sleep(delay / 2 + random.uniform(0, delay / 2))
                     delay = min(delay * 2, 2.0)

@@ -42,15 +42,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._connection import CLOSE_SUPERSEDED, PROTOCOL_VERSION, Connection
-from .errors import ConnectionLost, NotFound, ProtocolError, TurndError, WorkerSuperseded
+from .errors import (
+    BadEndpoint,
+    ConnectionLost,
+    NotFound,
+    ProtocolError,
+    TooLarge,
+    TurndError,
+    WorkerSuperseded,
+)
 from .types import JSON, Reconciled
 
 log = logging.getLogger("turnd.worker")
 
 Delivery = Literal["at_most_once", "at_least_once"]
-
-# Bytes of an `invocation.result` request around its args: {"id":N,"op":"…","args":…}.
-_ENVELOPE_BYTES = 64
 
 
 class Continue:
@@ -307,7 +312,7 @@ class Worker:
         self._link_changed: asyncio.Condition | None = None
         self._stopping: asyncio.Event | None = None
         self._draining = False
-        self._fatal: ProtocolError | None = None
+        self._fatal: TurndError | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -394,9 +399,16 @@ class Worker:
                 self._state_waiters.append((wanted, fut))
 
     async def wait_state(self, state: WorkerState, timeout: float | None = None) -> None:
-        """Wait until the worker is in ``state`` (e.g. ``WorkerState.CONNECTED``)."""
+        """Wait until the worker is in ``state`` (e.g. ``WorkerState.CONNECTED``).
+
+        Raises the error that ended :meth:`serve` (:class:`BadEndpoint`,
+        :class:`NotAuthenticated`, :class:`WorkerSuperseded`, ...) when the worker
+        stopped for good before reaching ``state``.
+        """
         if self._state == state:
             return
+        if self._state == WorkerState.STOPPED and self._fatal is not None:
+            raise self._fatal
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._state_waiters.append((state, fut))
         await asyncio.wait_for(fut, timeout)
@@ -482,9 +494,12 @@ class Worker:
         """Connect, register and serve until :meth:`stop` (or a finished drain).
 
         Raises :class:`WorkerSuperseded` when another connection takes this
-        ``worker_id``, and the daemon's error when it refuses a registration for good
-        (e.g. ``BadRequest``); connection failures, refused ``hello`` included, are
-        retried for good.
+        ``worker_id``, :class:`BadEndpoint` when the URL can never work (malformed,
+        or answered with plain HTTP such as a 404 for a wrong path), and the daemon's
+        error when it refuses the ``hello`` (e.g. :class:`NotAuthenticated`) or a
+        registration (e.g. ``BadRequest``) for good. A daemon that cannot be reached,
+        or that refuses with a retryable error (``shutting_down``), is tried again
+        for good.
         """
         if not self._functions:
             raise ValueError("no function registered; use @worker.function(...)")
@@ -500,20 +515,39 @@ class Worker:
         )
         try:
             await self._supervise()
+        except TurndError as e:
+            self._fatal = e
+            raise
         finally:
             await self._shutdown()
+            if self._fatal is not None:
+                self._fail_waiters(self._fatal)
         if self._fatal is not None:
             raise self._fatal
 
+    def _fail_waiters(self, error: TurndError) -> None:
+        waiters, self._state_waiters = self._state_waiters, []
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_exception(error)
+
     async def __aenter__(self) -> Worker:
         """Serve in a background task for the duration of an ``async with`` block."""
+        self._fatal = None  # an error of an earlier serve() is no answer to wait_state()
         self._serve_task = asyncio.get_running_loop().create_task(self.serve())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Stop, and raise the error that ended :meth:`serve` early, if the block
+        itself raised nothing."""
         self.stop()
-        with contextlib.suppress(asyncio.CancelledError, TurndError):
+        try:
             await self._serve_task
+        except asyncio.CancelledError:
+            pass
+        except TurndError:
+            if exc[0] is None:
+                raise
 
     async def _supervise(self) -> None:
         assert self._stopping is not None
@@ -579,11 +613,14 @@ class Worker:
             hello["token"] = self.token
         try:
             conn = await Connection.open(self.url, hello, self._on_push)
-        except ProtocolError as e:
-            if e.code in ("not_authenticated", "unsupported_protocol", "forbidden"):
-                log.error("worker %s refused by the daemon: %s", self.worker_id, e)
-            else:
+        except (BadEndpoint, ProtocolError) as e:
+            if e.retryable:
                 log.warning("worker %s: hello failed: %s", self.worker_id, e)
+                return None
+            # A wrong URL or a refused token fails the same way on every attempt.
+            log.error("worker %s cannot serve: %s", self.worker_id, e)
+            self._fatal = e
+            self.stop()
             return None
         except (ConnectionLost, OSError, asyncio.TimeoutError) as e:
             log.warning("worker %s: cannot connect: %s", self.worker_id, e)
@@ -877,22 +914,10 @@ class Worker:
     async def _pump(self, invocation_id: str, held: _Held) -> None:
         """Deliver one result until the daemon acknowledges it (or refuses it for good)."""
         args = {"invocation_id": invocation_id, "outcome": held.outcome}
-        size = len(json.dumps(args, separators=(",", ":")).encode()) + _ENVELOPE_BYTES
         dead: int | None = None
         first = True
         while True:
             link = await self._wait_link(dead)
-            max_frame = link.conn.hello.get("max_frame_bytes")
-            if isinstance(max_frame, int) and size > max_frame:
-                # The daemon would close the connection on this frame, and again on
-                # every resend: report the step as failed instead.
-                log.error("result %s is %d bytes, over max_frame_bytes", invocation_id, size)
-                message = (
-                    f"the result is {size} bytes, over the daemon's max_frame_bytes {max_frame}"
-                )
-                held.outcome = {"fail": {"code": "too_large", "message": message}}
-                args["outcome"] = held.outcome
-                size = 0
             if first:
                 self.stats.results_sent += 1
                 first = False
@@ -920,6 +945,20 @@ class Worker:
                 ok = call.result()
             except ConnectionLost:
                 dead = link.generation
+                continue
+            except TooLarge as e:
+                if "fail" in held.outcome and held.outcome["fail"].get("code") == "too_large":
+                    log.error("result %s refused (%s); dropping it", invocation_id, e)
+                    self.stats.results_dropped += 1
+                    self._release(invocation_id, held)
+                    return
+                # Refused before it was sent (over the hello's max_frame_bytes) or by
+                # the daemon: the same frame would be refused on every resend, so the
+                # step is reported as failed instead.
+                log.error("result %s is too large: %s", invocation_id, e.message)
+                message = f"the result is too large: {e.message}"
+                held.outcome = {"fail": {"code": "too_large", "message": message}}
+                args["outcome"] = held.outcome
                 continue
             except ProtocolError as e:
                 if e.retryable:
