@@ -25,23 +25,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
-import dataclasses
 import enum
-import functools
-import inspect
-import json
 import logging
 import random
 import signal
 import time
-import typing
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ._connection import CLOSE_SUPERSEDED, PROTOCOL_VERSION, Connection
+from ._handler import (
+    Continue,
+    Delivery,
+    Fail,
+    FunctionSpec,
+    Handler,
+    InvocationLog,
+    TurnContext,
+    run_handler,
+)
 from .errors import (
     BadEndpoint,
     ConnectionLost,
@@ -54,35 +58,6 @@ from .errors import (
 from .types import JSON, Reconciled
 
 log = logging.getLogger("turnd.worker")
-
-Delivery = Literal["at_most_once", "at_least_once"]
-
-
-class Continue:
-    """Return ``Continue(state)`` from a handler to run another step with ``state`` as input."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: Any = None) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"Continue({self.state!r})"
-
-
-class Fail(Exception):
-    """Raise ``Fail(code, message, retryable=...)`` from a handler to fail the step.
-
-    With ``retryable=True`` and attempts left the daemon backs off and runs the step
-    again; otherwise the turn fails with cause ``handler_failed`` (or
-    ``attempts_exhausted``) and this ``code``.
-    """
-
-    def __init__(self, code: str, message: str = "", *, retryable: bool = False) -> None:
-        super().__init__(f"{code}: {message}" if message else code)
-        self.code = code
-        self.message = message
-        self.retryable = retryable
 
 
 class WorkerState(str, enum.Enum):
@@ -111,99 +86,6 @@ class WorkerStats:
     connections: int = 0
 
 
-if typing.TYPE_CHECKING:
-    _LoggerAdapter = logging.LoggerAdapter[logging.Logger]
-else:  # LoggerAdapter is subscriptable at run time from Python 3.11 on
-    _LoggerAdapter = logging.LoggerAdapter
-
-
-class _InvocationLog(_LoggerAdapter):
-    """Prefixes each message with the invocation id (also in ``extra``)."""
-
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        extra = self.extra or {}
-        kwargs.setdefault("extra", {}).update(extra)
-        return f"[{extra.get('invocation_id', '')}] {msg}", kwargs
-
-
-@dataclass
-class TurnContext:
-    """What a handler gets besides its input, for one invocation."""
-
-    session_id: str
-    turn_id: str
-    function_id: str
-    step: int
-    attempt: int
-    invocation_id: str
-    deadline_ms: int
-    cancelled: asyncio.Event
-    """Set when the daemon sends ``cancel`` (a stop, or a deadline passed), or when
-    a heartbeat learns the invocation is no longer current. Raise
-    ``asyncio.CancelledError`` (or return) once it is set."""
-    log: logging.LoggerAdapter[logging.Logger]
-    _worker: Worker = field(repr=False)
-    _loop: asyncio.AbstractEventLoop = field(repr=False)
-
-    @property
-    def idempotency_key(self) -> str:
-        """Stable across redispatches and retries of this step of this turn.
-
-        Use it for side effects that must happen once per step (a payment, an
-        e-mail): attempts and redispatches of the same step share it.
-        """
-        return f"{self.turn_id}:{self.step}"
-
-    @property
-    def is_cancelled(self) -> bool:
-        """``cancelled.is_set()``, safe to read from a thread-pool handler."""
-        return self.cancelled.is_set()
-
-    async def heartbeat(self) -> int:
-        """Move this invocation's deadline now; returns the new deadline (Unix ms).
-
-        The worker already heartbeats on its own while the handler runs; call this to
-        renew at a moment of your choosing. Raises :class:`NotFound` (and sets
-        ``cancelled``) when the invocation is no longer current, and
-        :class:`ConnectionLost` while the worker is disconnected.
-        """
-        return await self._worker._heartbeat(self)
-
-    def heartbeat_threadsafe(self, timeout: float = 10.0) -> int:
-        """:meth:`heartbeat` for a plain ``def`` handler running on the thread pool."""
-        future = asyncio.run_coroutine_threadsafe(self.heartbeat(), self._loop)
-        return future.result(timeout)
-
-
-Handler = Callable[..., Any]
-
-
-@dataclass
-class FunctionSpec:
-    """A function this worker serves and the settings it registers it with."""
-
-    function_id: str
-    handler: Handler
-    concurrency: int = 1
-    timeout_ms: int | None = None
-    delivery: Delivery = "at_most_once"
-    max_attempts: int | None = None
-    is_async: bool = True
-    input_model: Any = None
-
-    def register_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {
-            "function_id": self.function_id,
-            "concurrency": self.concurrency,
-            "delivery": self.delivery,
-        }
-        if self.timeout_ms is not None:
-            args["timeout_ms"] = self.timeout_ms
-        if self.max_attempts is not None:
-            args["max_attempts"] = self.max_attempts
-        return args
-
-
 @dataclass
 class _Running:
     ctx: TurnContext
@@ -221,33 +103,6 @@ class _Held:
 class _Link:
     generation: int
     conn: Connection
-
-
-def _pydantic_model(annotation: Any) -> Any:
-    """The annotation when it is a pydantic model class (pydantic being installed)."""
-    if not isinstance(annotation, type):
-        return None
-    try:
-        from pydantic import BaseModel
-    except ImportError:
-        return None
-    return annotation if issubclass(annotation, BaseModel) else None
-
-
-def _to_json(value: Any) -> Any:
-    """Make a handler's return value JSON: pydantic models and dataclasses included."""
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        return dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
-
-
-def _outcome_of(value: Any) -> dict[str, Any]:
-    if isinstance(value, Continue):
-        return {"continue": _to_json(value.state)}
-    return {"complete": _to_json(value)}
 
 
 class Worker:
@@ -348,23 +203,13 @@ class Worker:
             raise ValueError("max_attempts must be 1 to 1000")
 
         def register(handler: Handler) -> Handler:
-            input_model = None
-            try:
-                hints = typing.get_type_hints(handler)
-            except Exception:
-                hints = {}
-            params = list(inspect.signature(handler).parameters)
-            if len(params) >= 2:
-                input_model = _pydantic_model(hints.get(params[1]))
-            self._functions[function_id] = FunctionSpec(
-                function_id=function_id,
-                handler=handler,
+            self._functions[function_id] = FunctionSpec.of(
+                function_id,
+                handler,
                 concurrency=concurrency,
                 timeout_ms=timeout_ms,
                 delivery=delivery,
                 max_attempts=max_attempts,
-                is_async=inspect.iscoroutinefunction(handler),
-                input_model=input_model,
             )
             return handler
 
@@ -727,7 +572,7 @@ class Worker:
             invocation_id=invocation_id,
             deadline_ms=int(frame.get("deadline_ms", 0)),
             cancelled=asyncio.Event(),
-            log=_InvocationLog(
+            log=InvocationLog(
                 logging.getLogger(f"turnd.handler.{function_id}"),
                 {"invocation_id": invocation_id},
             ),
@@ -745,7 +590,7 @@ class Worker:
         if spec is not None and self.auto_heartbeat:
             heartbeats = self._spawn(self._heartbeat_loop(ctx, spec))
         try:
-            outcome = await self._call_handler(spec, ctx, input)
+            outcome = await run_handler(spec, ctx, input, self._pool, self._stopping)
         finally:
             if heartbeats is not None:
                 heartbeats.cancel()
@@ -753,48 +598,6 @@ class Worker:
             if running is not None and running.hard_cancel is not None:
                 running.hard_cancel.cancel()
         self._hold(ctx.invocation_id, outcome)
-
-    async def _call_handler(
-        self, spec: FunctionSpec | None, ctx: TurnContext, input: JSON
-    ) -> dict[str, Any]:
-        if spec is None:
-            return {
-                "fail": {
-                    "code": "unknown_function",
-                    "message": f"this worker does not serve {ctx.function_id}",
-                    "retryable": False,
-                }
-            }
-        try:
-            if spec.input_model is not None:
-                try:
-                    input = spec.input_model.model_validate(input)
-                except Exception as e:
-                    raise Fail("invalid_input", str(e)) from e
-            if spec.is_async:
-                value = await spec.handler(ctx, input)
-            else:
-                assert self._loop is not None
-                call = functools.partial(contextvars.copy_context().run, spec.handler, ctx, input)
-                value = await self._loop.run_in_executor(self._pool, call)
-            if inspect.isawaitable(value):
-                value = await value
-            outcome = _outcome_of(value)
-            try:
-                json.dumps(outcome, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise Fail("invalid_output", f"the handler's value is not JSON: {e}") from e
-            return outcome
-        except Fail as f:
-            return {"fail": {"code": f.code, "message": f.message, "retryable": f.retryable}}
-        except asyncio.CancelledError:
-            if self._stopping is not None and self._stopping.is_set():
-                raise
-            reason = "cancelled" if ctx.cancelled.is_set() else "handler cancelled itself"
-            return {"cancelled": {"message": reason}}
-        except Exception as e:
-            ctx.log.warning("handler raised %s: %s", type(e).__name__, e)
-            return {"fail": {"code": type(e).__name__, "message": str(e), "retryable": False}}
 
     def _on_cancel(self, invocation_id: str, reason: str) -> None:
         self.stats.cancels_received += 1
@@ -975,3 +778,6 @@ class Worker:
             log.debug("result %s acknowledged: %s", invocation_id, accepted)
             self._release(invocation_id, held)
             return
+
+
+__all__ = ["Continue", "Fail", "TurnContext", "Worker", "WorkerState", "WorkerStats"]
