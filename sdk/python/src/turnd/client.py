@@ -412,8 +412,8 @@ class Client:
         ``async for row in client.iter_sessions(stuck=True): ...``.
 
         Each page is taken live, so a session whose wait changes between two pages
-        can be seen twice or not at all in ``order="wait"``; ``order="id"`` sees each
-        session that stays unfinished once.
+        can be seen twice or not at all in ``order="wait"``; ``order="id"`` yields
+        each session that matches throughout once.
         """
         after: str | None = None
         while True:

@@ -113,7 +113,7 @@ class Worker:
         worker = Worker("ws://127.0.0.1:7420/v1", worker_id="agent-1")
 
         @worker.function("agent.step", concurrency=8, timeout_ms=300_000)
-        async def step(ctx: TurnContext, input: dict) -> dict | Continue:
+        async def step(ctx: TurnContext, input: dict[str, Any]) -> dict[str, Any] | Continue:
             ...
 
         worker.run()            # or: await worker.serve()
