@@ -135,30 +135,27 @@ def serving_worker(url: str, **options: Any) -> Worker:
     return worker
 
 
-@pytest.mark.parametrize("path", ["/v2", "", "/"])
-async def test_wrong_path_fails_at_once_with_the_daemons_words(
-    server: TurndServer, path: str
-) -> None:
-    url = url_without_path(server) + path
-    started = time.monotonic()
-    with pytest.raises(BadEndpoint) as err:
-        async with Client(url) as c:
-            await c.ping()
-    assert time.monotonic() - started < 1
-    message = str(err.value)
-    assert message.startswith(f"cannot connect to {url}: ")
-    assert message.count("no such path; protocol v1 is served at /v1") == 1
-    assert err.value.status == 404 and err.value.url == url and not err.value.retryable
+async def test_wrong_path_fails_at_once_with_the_daemons_words(server: TurndServer) -> None:
+    for path in ("/v2", "", "/"):
+        url = url_without_path(server) + path
+        started = time.monotonic()
+        with pytest.raises(BadEndpoint) as err:
+            async with Client(url) as c:
+                await c.ping()
+        assert time.monotonic() - started < 1
+        message = str(err.value)
+        assert message.startswith(f"cannot connect to {url}: ")
+        assert message.count("no such path; protocol v1 is served at /v1") == 1
+        assert err.value.status == 404 and err.value.url == url and not err.value.retryable
 
-    worker = serving_worker(url)
-    started = time.monotonic()
-    with pytest.raises(BadEndpoint) as werr:
-        await asyncio.wait_for(worker.serve(), 5)
-    assert time.monotonic() - started < 1
-    assert str(werr.value) == message and worker.state == WorkerState.STOPPED
+        worker = serving_worker(url)
+        started = time.monotonic()
+        with pytest.raises(BadEndpoint) as werr:
+            await asyncio.wait_for(worker.serve(), 5)
+        assert time.monotonic() - started < 1
+        assert str(werr.value) == message and worker.state == WorkerState.STOPPED
 
-
-async def test_worker_in_async_with_reports_a_wrong_path(server: TurndServer) -> None:
+    # Served in the background: waiting for it, and leaving the block, say why it ended.
     worker = serving_worker(url_without_path(server) + "/v2")
     with pytest.raises(BadEndpoint):
         async with worker:
