@@ -1,9 +1,10 @@
 """A WebSocket proxy for tests: relays protocol frames and drops or cuts on request.
 
-It sits between an SDK connection and the daemon, relays each text frame as it is,
-and can drop chosen frames (a result lost on its way to the daemon, an ``invoke``
-lost on its way to the worker), cut every connection (cleanly or not), and refuse
-new connections for a while.
+It sits between an SDK connection and the daemon, relays each text frame as it is
+(of any size, so the daemon sees what the SDK sent), and can drop chosen frames (a
+result lost on its way to the daemon, an ``invoke`` lost on its way to the worker),
+rewrite them (a ``hello`` answer announcing other limits), cut every connection
+(cleanly or not), and refuse new connections for a while.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _Rule:
     match: Callable[[dict[str, Any]], bool]
     times: int
     delay: float | None = None  # None: drop; else: pass it on this much later
+    edit: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # pass this on instead
 
 
 @dataclass(eq=False)
@@ -52,7 +54,8 @@ class FrameProxy:
         self._later: set[asyncio.Future[None]] = set()
 
     async def __aenter__(self) -> FrameProxy:
-        self._server = await serve(self._handle, "127.0.0.1", 0, ping_interval=None)
+        # No size limit of its own: frames over the daemon's limit reach the daemon.
+        self._server = await serve(self._handle, "127.0.0.1", 0, ping_interval=None, max_size=None)
         port = next(iter(self._server.sockets)).getsockname()[1]
         self.url = f"ws://127.0.0.1:{port}/v1"
         return self
@@ -80,6 +83,16 @@ class FrameProxy:
         overtake them."""
         self._rules.append(_Rule(direction, match, times, seconds))
 
+    def rewrite(
+        self,
+        direction: Direction,
+        match: Callable[[dict[str, Any]], bool],
+        edit: Callable[[dict[str, Any]], dict[str, Any]],
+        times: int = 1,
+    ) -> None:
+        """Pass ``edit(frame)`` on instead of the next ``times`` matching frames."""
+        self._rules.append(_Rule(direction, match, times, edit=edit))
+
     async def cut(self, *, clean: bool = True) -> None:
         """End every relayed connection: a close handshake, or the TCP stream aborted."""
         for pair in list(self._pairs):
@@ -98,7 +111,7 @@ class FrameProxy:
         for rule in self._rules:
             if rule.direction == direction and rule.times > 0 and rule.match(frame):
                 rule.times -= 1
-                if rule.delay is None:
+                if rule.delay is None and rule.edit is None:
                     self.dropped.append((direction, frame))
                 return rule
         return None
@@ -143,7 +156,9 @@ class FrameProxy:
                 if isinstance(frame, dict):
                     self.seen.append((direction, frame))
                     rule = self._rule_for(direction, frame)
-                    if rule is not None and rule.delay is None:
+                    if rule is not None and rule.edit is not None:
+                        message = json.dumps(rule.edit(frame))
+                    elif rule is not None and rule.delay is None:
                         continue
                     if rule is not None and rule.delay is not None:
                         later = asyncio.ensure_future(_send_later(target, message, rule.delay))
@@ -151,10 +166,10 @@ class FrameProxy:
                         later.add_done_callback(self._later.discard)
                         continue
                 await target.send(message)
-        # Pass a close code on (e.g. 4001) as the daemon sent it.
+        # Pass a close code on (e.g. 4001, 1009) as the daemon sent it.
         code = source.close_code or 1000
         with contextlib.suppress(Exception):
-            await target.close(code if code in (1000, 1001, 4001) else 1000)
+            await target.close(code if code in (1000, 1001, 1009, 4001) else 1000)
 
 
 async def _send_later(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,18 +199,26 @@ async def test_tokens_refused_as_not_authenticated(
     tokens = tmp_path / "tokens"
     tokens.write_text("client client-secret-1\nworker worker-secret-1\n", encoding="utf-8")
     server = await make_server(**{"auth.token_file": str(tokens)})
-    with pytest.raises(turnd.NotAuthenticated) as err:
-        async with Client(server.url, token="wrong-token-0") as c:
-            await c.ping()
-    assert err.value.code == "not_authenticated"
-    async with Client(server.url, token="client-secret-1") as c:
-        await c.ping()
-    worker = Worker(server.url, "w-auth", token="worker-secret-1")
+    worker = Worker(server.url, "w-auth", token="wrong-token-0")
 
     @worker.function("echo")
     async def echo(ctx: TurnContext, input: Any) -> Any:
         return input
 
+    # Refused for good, at once: no retrying a token that cannot change.
+    started = time.monotonic()
+    with pytest.raises(turnd.NotAuthenticated) as err:
+        async with Client(server.url, token="wrong-token-0") as c:
+            await c.ping()
+    with pytest.raises(turnd.NotAuthenticated) as werr:
+        await asyncio.wait_for(worker.serve(), 5)
+    assert time.monotonic() - started < 1
+    for refused in (err.value, werr.value):
+        assert refused.code == "not_authenticated" and not refused.retryable
+        assert server.url in str(refused) and str(refused).count("token not accepted") == 1
+    async with Client(server.url, token="client-secret-1") as c:
+        await c.ping()
+    worker.token = "worker-secret-1"
     await serving(worker)
     try:
         async with Client(server.url, token="client-secret-1") as c:

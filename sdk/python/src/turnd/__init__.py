@@ -7,6 +7,7 @@ Workers serve functions (:class:`Worker`), callers submit and follow turns
 from ._connection import PROTOCOL_VERSION
 from .client import Client, Watch
 from .errors import (
+    BadEndpoint,
     BadFrame,
     BadRequest,
     Conflict,
@@ -31,6 +32,8 @@ from .types import (
     FunctionInfo,
     Reconciled,
     Session,
+    SessionPage,
+    SessionRow,
     Submitted,
     Turn,
     TurnError,
@@ -44,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BadEndpoint",
     "BadFrame",
     "BadRequest",
     "Client",
@@ -62,6 +66,8 @@ __all__ = [
     "RateLimited",
     "Reconciled",
     "Session",
+    "SessionPage",
+    "SessionRow",
     "ShuttingDown",
     "Submitted",
     "TooLarge",

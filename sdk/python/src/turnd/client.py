@@ -19,6 +19,8 @@ from .types import (
     EventPage,
     FunctionInfo,
     Session,
+    SessionPage,
+    SessionRow,
     Submitted,
     Turn,
     TurnPage,
@@ -28,6 +30,7 @@ from .types import (
 log = logging.getLogger("turnd.client")
 
 Role = Literal["client", "operator"]
+SessionOrder = Literal["wait", "id"]
 
 # turn.wait takes at most this per request.
 _WAIT_MAX_MS = 300_000
@@ -173,9 +176,14 @@ class Client:
                 try:
                     self._link = await self._open()
                     return self._link
-                except (ConnectionLost, ShuttingDown) as e:
+                except TurndError as e:
+                    # A wrong URL or a refused hello fail the same way every time.
+                    if not e.retryable:
+                        raise
                     if time.monotonic() + delay > deadline:
-                        raise ConnectionLost(f"cannot connect to {self.url}: {e}") from e
+                        if isinstance(e, ConnectionLost):
+                            raise
+                        raise ConnectionLost(str(e)) from e  # names the URL already
                     log.debug("connect failed (%s); retrying in %.2fs", e, delay)
                     await asyncio.sleep(delay / 2 + random.uniform(0, delay / 2))
                     delay = min(delay * 2, 2.0)
@@ -359,6 +367,69 @@ class Client:
     async def functions(self) -> builtins.list[FunctionInfo]:
         ok = await self._call("functions.list", {})
         return [FunctionInfo.from_wire(f) for f in ok["functions"]]
+
+    async def sessions(
+        self,
+        *,
+        state: str | None = None,
+        function_id: str | None = None,
+        stuck: bool | None = None,
+        order: SessionOrder | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> SessionPage:
+        """One page of the sessions with an unfinished turn (``sessions.list``).
+
+        Filters: ``state`` (the lock holder's wait state, e.g. ``"awaiting_worker"``),
+        ``function_id`` (the holder's function), ``stuck=True`` (sessions that look
+        stuck). ``order`` is ``"wait"`` (oldest wait first, the daemon's default) or
+        ``"id"``; ``after`` is the ``next`` of the previous page, with the same order.
+        """
+        args: dict[str, Any] = {}
+        for key, value in (
+            ("state", state),
+            ("function_id", function_id),
+            ("stuck", stuck),
+            ("order", order),
+            ("limit", limit),
+            ("after", after),
+        ):
+            if value is not None:
+                args[key] = value
+        ok = await self._call("sessions.list", args)
+        return SessionPage.from_wire(ok)
+
+    async def iter_sessions(
+        self,
+        *,
+        state: str | None = None,
+        function_id: str | None = None,
+        stuck: bool | None = None,
+        order: SessionOrder | None = None,
+        page_size: int = 1000,
+    ) -> AsyncIterator[SessionRow]:
+        """Every session :meth:`sessions` lists, page after page:
+        ``async for row in client.iter_sessions(stuck=True): ...``.
+
+        Each page is taken live, so a session whose wait changes between two pages
+        can be seen twice or not at all in ``order="wait"``; ``order="id"`` yields
+        each session that matches throughout once.
+        """
+        after: str | None = None
+        while True:
+            page = await self.sessions(
+                state=state,
+                function_id=function_id,
+                stuck=stuck,
+                order=order,
+                limit=page_size,
+                after=after,
+            )
+            for row in page.sessions:
+                yield row
+            if page.next is None:
+                return
+            after = page.next
 
     async def ping(self) -> None:
         await self._call("ping", {})

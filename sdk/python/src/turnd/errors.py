@@ -30,6 +30,30 @@ class ConnectionLost(TurndError):
         self.close_code = close_code
 
 
+class BadEndpoint(TurndError):
+    """The URL can never reach a turnd daemon, so connecting is not retried.
+
+    Raised at once for a malformed URL (not ``ws://`` or ``wss://``) and for a
+    server that answers the WebSocket upgrade with plain HTTP: a wrong path (turnd
+    answers 404 ``no such path; protocol v1 is served at /v1``), a port that serves
+    something else. The message names the URL and quotes the server's answer;
+    ``status`` is the HTTP status (``None`` for a malformed URL) and ``body`` the
+    answer's text. HTTP 408, 429 and 5xx (a proxy in front of a daemon that is
+    restarting) are not this error: they are retried like a refused connection.
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, url: str, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.body = body
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.url, self.status, self.body))
+
+
 class WorkerSuperseded(TurndError):
     """Another connection said ``hello`` with this worker's ``worker_id`` (close 4001)."""
 

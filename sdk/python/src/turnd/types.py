@@ -284,17 +284,85 @@ class FunctionInfo:
     max_attempts: int
     workers: int
     queued: int
+    registered: bool = True
+    """False for a function no worker registered, listed because turns wait for
+    it; its ``concurrency``, ``timeout_ms``, ``delivery`` and ``max_attempts`` are
+    then placeholders, not settings."""
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> FunctionInfo:
+        concurrency = int(obj.get("concurrency", 0))
+        # A daemon without the field lists a function nobody registered with
+        # concurrency 0, and a registration has at least 1.
+        registered = obj.get("registered", concurrency > 0)
         return cls(
             function_id=str(obj["function_id"]),
-            concurrency=int(obj.get("concurrency", 0)),
+            concurrency=concurrency,
             timeout_ms=int(obj.get("timeout_ms", 0)),
             delivery=str(obj.get("delivery", "")),
             max_attempts=int(obj.get("max_attempts", 0)),
             workers=int(obj.get("workers", 0)),
             queued=int(obj.get("queued", 0)),
+            registered=bool(registered),
+        )
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """A session with an unfinished turn, as ``sessions.list`` shows its lock holder."""
+
+    session_id: str
+    turn_id: str
+    """The lock holder."""
+    function_id: str
+    step: int
+    attempt: int
+    locked_since_ms: int
+    """When the holder took the session's lock."""
+    queued: int
+    """Unfinished turns behind the holder."""
+    stuck: bool
+    """Past its wait's deadline, waiting for a function no connected worker serves,
+    or running an invocation with no heartbeat for over half its ``timeout_ms``."""
+    wait: Wait
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> SessionRow:
+        return cls(
+            session_id=str(obj["session_id"]),
+            turn_id=str(obj["turn_id"]),
+            function_id=str(obj.get("function_id", "")),
+            step=int(obj.get("step", 0)),
+            attempt=int(obj.get("attempt", 0)),
+            locked_since_ms=int(obj.get("locked_since_ms", 0)),
+            queued=int(obj.get("queued", 0)),
+            stuck=bool(obj.get("stuck", False)),
+            wait=Wait.from_wire(obj["wait"]),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class SessionPage:
+    """One page of ``sessions.list``."""
+
+    sessions: list[SessionRow]
+    next: str | None
+    """Pass as ``after`` (with the same ``order``) for the next page; ``None`` on the last."""
+    total: int
+    """Sessions matching every filter when the page was taken."""
+    counts: dict[str, int]
+    """Sessions matching ``function_id`` and ``stuck``, by wait state (non-zero only)."""
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> SessionPage:
+        after = obj.get("next")
+        return cls(
+            sessions=[SessionRow.from_wire(r) for r in obj.get("sessions") or []],
+            next=None if after is None else str(after),
+            total=int(obj.get("total", 0)),
+            counts={str(k): int(v) for k, v in (obj.get("counts") or {}).items()},
         )
 
 

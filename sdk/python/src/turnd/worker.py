@@ -25,59 +25,39 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
-import dataclasses
 import enum
-import functools
-import inspect
-import json
 import logging
 import random
 import signal
 import time
-import typing
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ._connection import CLOSE_SUPERSEDED, PROTOCOL_VERSION, Connection
-from .errors import ConnectionLost, NotFound, ProtocolError, TurndError, WorkerSuperseded
+from ._handler import (
+    Continue,
+    Delivery,
+    Fail,
+    FunctionSpec,
+    Handler,
+    InvocationLog,
+    TurnContext,
+    run_handler,
+)
+from .errors import (
+    BadEndpoint,
+    ConnectionLost,
+    NotFound,
+    ProtocolError,
+    TooLarge,
+    TurndError,
+    WorkerSuperseded,
+)
 from .types import JSON, Reconciled
 
 log = logging.getLogger("turnd.worker")
-
-Delivery = Literal["at_most_once", "at_least_once"]
-
-# Bytes of an `invocation.result` request around its args: {"id":N,"op":"…","args":…}.
-_ENVELOPE_BYTES = 64
-
-
-class Continue:
-    """Return ``Continue(state)`` from a handler to run another step with ``state`` as input."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: Any = None) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"Continue({self.state!r})"
-
-
-class Fail(Exception):
-    """Raise ``Fail(code, message, retryable=...)`` from a handler to fail the step.
-
-    With ``retryable=True`` and attempts left the daemon backs off and runs the step
-    again; otherwise the turn fails with cause ``handler_failed`` (or
-    ``attempts_exhausted``) and this ``code``.
-    """
-
-    def __init__(self, code: str, message: str = "", *, retryable: bool = False) -> None:
-        super().__init__(f"{code}: {message}" if message else code)
-        self.code = code
-        self.message = message
-        self.retryable = retryable
 
 
 class WorkerState(str, enum.Enum):
@@ -106,99 +86,6 @@ class WorkerStats:
     connections: int = 0
 
 
-if typing.TYPE_CHECKING:
-    _LoggerAdapter = logging.LoggerAdapter[logging.Logger]
-else:  # LoggerAdapter is subscriptable at run time from Python 3.11 on
-    _LoggerAdapter = logging.LoggerAdapter
-
-
-class _InvocationLog(_LoggerAdapter):
-    """Prefixes each message with the invocation id (also in ``extra``)."""
-
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        extra = self.extra or {}
-        kwargs.setdefault("extra", {}).update(extra)
-        return f"[{extra.get('invocation_id', '')}] {msg}", kwargs
-
-
-@dataclass
-class TurnContext:
-    """What a handler gets besides its input, for one invocation."""
-
-    session_id: str
-    turn_id: str
-    function_id: str
-    step: int
-    attempt: int
-    invocation_id: str
-    deadline_ms: int
-    cancelled: asyncio.Event
-    """Set when the daemon sends ``cancel`` (a stop, or a deadline passed), or when
-    a heartbeat learns the invocation is no longer current. Raise
-    ``asyncio.CancelledError`` (or return) once it is set."""
-    log: logging.LoggerAdapter[logging.Logger]
-    _worker: Worker = field(repr=False)
-    _loop: asyncio.AbstractEventLoop = field(repr=False)
-
-    @property
-    def idempotency_key(self) -> str:
-        """Stable across redispatches and retries of this step of this turn.
-
-        Use it for side effects that must happen once per step (a payment, an
-        e-mail): attempts and redispatches of the same step share it.
-        """
-        return f"{self.turn_id}:{self.step}"
-
-    @property
-    def is_cancelled(self) -> bool:
-        """``cancelled.is_set()``, safe to read from a thread-pool handler."""
-        return self.cancelled.is_set()
-
-    async def heartbeat(self) -> int:
-        """Move this invocation's deadline now; returns the new deadline (Unix ms).
-
-        The worker already heartbeats on its own while the handler runs; call this to
-        renew at a moment of your choosing. Raises :class:`NotFound` (and sets
-        ``cancelled``) when the invocation is no longer current, and
-        :class:`ConnectionLost` while the worker is disconnected.
-        """
-        return await self._worker._heartbeat(self)
-
-    def heartbeat_threadsafe(self, timeout: float = 10.0) -> int:
-        """:meth:`heartbeat` for a plain ``def`` handler running on the thread pool."""
-        future = asyncio.run_coroutine_threadsafe(self.heartbeat(), self._loop)
-        return future.result(timeout)
-
-
-Handler = Callable[..., Any]
-
-
-@dataclass
-class FunctionSpec:
-    """A function this worker serves and the settings it registers it with."""
-
-    function_id: str
-    handler: Handler
-    concurrency: int = 1
-    timeout_ms: int | None = None
-    delivery: Delivery = "at_most_once"
-    max_attempts: int | None = None
-    is_async: bool = True
-    input_model: Any = None
-
-    def register_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {
-            "function_id": self.function_id,
-            "concurrency": self.concurrency,
-            "delivery": self.delivery,
-        }
-        if self.timeout_ms is not None:
-            args["timeout_ms"] = self.timeout_ms
-        if self.max_attempts is not None:
-            args["max_attempts"] = self.max_attempts
-        return args
-
-
 @dataclass
 class _Running:
     ctx: TurnContext
@@ -218,33 +105,6 @@ class _Link:
     conn: Connection
 
 
-def _pydantic_model(annotation: Any) -> Any:
-    """The annotation when it is a pydantic model class (pydantic being installed)."""
-    if not isinstance(annotation, type):
-        return None
-    try:
-        from pydantic import BaseModel
-    except ImportError:
-        return None
-    return annotation if issubclass(annotation, BaseModel) else None
-
-
-def _to_json(value: Any) -> Any:
-    """Make a handler's return value JSON: pydantic models and dataclasses included."""
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        return dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
-
-
-def _outcome_of(value: Any) -> dict[str, Any]:
-    if isinstance(value, Continue):
-        return {"continue": _to_json(value.state)}
-    return {"complete": _to_json(value)}
-
-
 class Worker:
     """Serves functions to a turnd daemon.
 
@@ -253,7 +113,7 @@ class Worker:
         worker = Worker("ws://127.0.0.1:7420/v1", worker_id="agent-1")
 
         @worker.function("agent.step", concurrency=8, timeout_ms=300_000)
-        async def step(ctx: TurnContext, input: dict) -> dict | Continue:
+        async def step(ctx: TurnContext, input: dict[str, Any]) -> dict[str, Any] | Continue:
             ...
 
         worker.run()            # or: await worker.serve()
@@ -307,7 +167,7 @@ class Worker:
         self._link_changed: asyncio.Condition | None = None
         self._stopping: asyncio.Event | None = None
         self._draining = False
-        self._fatal: ProtocolError | None = None
+        self._fatal: TurndError | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -343,23 +203,13 @@ class Worker:
             raise ValueError("max_attempts must be 1 to 1000")
 
         def register(handler: Handler) -> Handler:
-            input_model = None
-            try:
-                hints = typing.get_type_hints(handler)
-            except Exception:
-                hints = {}
-            params = list(inspect.signature(handler).parameters)
-            if len(params) >= 2:
-                input_model = _pydantic_model(hints.get(params[1]))
-            self._functions[function_id] = FunctionSpec(
-                function_id=function_id,
-                handler=handler,
+            self._functions[function_id] = FunctionSpec.of(
+                function_id,
+                handler,
                 concurrency=concurrency,
                 timeout_ms=timeout_ms,
                 delivery=delivery,
                 max_attempts=max_attempts,
-                is_async=inspect.iscoroutinefunction(handler),
-                input_model=input_model,
             )
             return handler
 
@@ -394,9 +244,16 @@ class Worker:
                 self._state_waiters.append((wanted, fut))
 
     async def wait_state(self, state: WorkerState, timeout: float | None = None) -> None:
-        """Wait until the worker is in ``state`` (e.g. ``WorkerState.CONNECTED``)."""
+        """Wait until the worker is in ``state`` (e.g. ``WorkerState.CONNECTED``).
+
+        Raises the error that ended :meth:`serve` (:class:`BadEndpoint`,
+        :class:`NotAuthenticated`, :class:`WorkerSuperseded`, ...) when the worker
+        stopped for good before reaching ``state``.
+        """
         if self._state == state:
             return
+        if self._state == WorkerState.STOPPED and self._fatal is not None:
+            raise self._fatal
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._state_waiters.append((state, fut))
         await asyncio.wait_for(fut, timeout)
@@ -482,9 +339,12 @@ class Worker:
         """Connect, register and serve until :meth:`stop` (or a finished drain).
 
         Raises :class:`WorkerSuperseded` when another connection takes this
-        ``worker_id``, and the daemon's error when it refuses a registration for good
-        (e.g. ``BadRequest``); connection failures, refused ``hello`` included, are
-        retried for good.
+        ``worker_id``, :class:`BadEndpoint` when the URL can never work (malformed,
+        or answered with plain HTTP such as a 404 for a wrong path), and the daemon's
+        error when it refuses the ``hello`` (e.g. :class:`NotAuthenticated`) or a
+        registration (e.g. ``BadRequest``) for good. A daemon that cannot be reached,
+        or that refuses with a retryable error (``shutting_down``), is tried again
+        for good.
         """
         if not self._functions:
             raise ValueError("no function registered; use @worker.function(...)")
@@ -500,20 +360,39 @@ class Worker:
         )
         try:
             await self._supervise()
+        except TurndError as e:
+            self._fatal = e
+            raise
         finally:
             await self._shutdown()
+            if self._fatal is not None:
+                self._fail_waiters(self._fatal)
         if self._fatal is not None:
             raise self._fatal
 
+    def _fail_waiters(self, error: TurndError) -> None:
+        waiters, self._state_waiters = self._state_waiters, []
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_exception(error)
+
     async def __aenter__(self) -> Worker:
         """Serve in a background task for the duration of an ``async with`` block."""
+        self._fatal = None  # an error of an earlier serve() is no answer to wait_state()
         self._serve_task = asyncio.get_running_loop().create_task(self.serve())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Stop, and raise the error that ended :meth:`serve` early, if the block
+        itself raised nothing."""
         self.stop()
-        with contextlib.suppress(asyncio.CancelledError, TurndError):
+        try:
             await self._serve_task
+        except asyncio.CancelledError:
+            pass
+        except TurndError:
+            if exc[0] is None:
+                raise
 
     async def _supervise(self) -> None:
         assert self._stopping is not None
@@ -579,11 +458,14 @@ class Worker:
             hello["token"] = self.token
         try:
             conn = await Connection.open(self.url, hello, self._on_push)
-        except ProtocolError as e:
-            if e.code in ("not_authenticated", "unsupported_protocol", "forbidden"):
-                log.error("worker %s refused by the daemon: %s", self.worker_id, e)
-            else:
+        except (BadEndpoint, ProtocolError) as e:
+            if e.retryable:
                 log.warning("worker %s: hello failed: %s", self.worker_id, e)
+                return None
+            # A wrong URL or a refused token fails the same way on every attempt.
+            log.error("worker %s cannot serve: %s", self.worker_id, e)
+            self._fatal = e
+            self.stop()
             return None
         except (ConnectionLost, OSError, asyncio.TimeoutError) as e:
             log.warning("worker %s: cannot connect: %s", self.worker_id, e)
@@ -690,7 +572,7 @@ class Worker:
             invocation_id=invocation_id,
             deadline_ms=int(frame.get("deadline_ms", 0)),
             cancelled=asyncio.Event(),
-            log=_InvocationLog(
+            log=InvocationLog(
                 logging.getLogger(f"turnd.handler.{function_id}"),
                 {"invocation_id": invocation_id},
             ),
@@ -708,7 +590,7 @@ class Worker:
         if spec is not None and self.auto_heartbeat:
             heartbeats = self._spawn(self._heartbeat_loop(ctx, spec))
         try:
-            outcome = await self._call_handler(spec, ctx, input)
+            outcome = await run_handler(spec, ctx, input, self._pool, self._stopping)
         finally:
             if heartbeats is not None:
                 heartbeats.cancel()
@@ -716,48 +598,6 @@ class Worker:
             if running is not None and running.hard_cancel is not None:
                 running.hard_cancel.cancel()
         self._hold(ctx.invocation_id, outcome)
-
-    async def _call_handler(
-        self, spec: FunctionSpec | None, ctx: TurnContext, input: JSON
-    ) -> dict[str, Any]:
-        if spec is None:
-            return {
-                "fail": {
-                    "code": "unknown_function",
-                    "message": f"this worker does not serve {ctx.function_id}",
-                    "retryable": False,
-                }
-            }
-        try:
-            if spec.input_model is not None:
-                try:
-                    input = spec.input_model.model_validate(input)
-                except Exception as e:
-                    raise Fail("invalid_input", str(e)) from e
-            if spec.is_async:
-                value = await spec.handler(ctx, input)
-            else:
-                assert self._loop is not None
-                call = functools.partial(contextvars.copy_context().run, spec.handler, ctx, input)
-                value = await self._loop.run_in_executor(self._pool, call)
-            if inspect.isawaitable(value):
-                value = await value
-            outcome = _outcome_of(value)
-            try:
-                json.dumps(outcome, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise Fail("invalid_output", f"the handler's value is not JSON: {e}") from e
-            return outcome
-        except Fail as f:
-            return {"fail": {"code": f.code, "message": f.message, "retryable": f.retryable}}
-        except asyncio.CancelledError:
-            if self._stopping is not None and self._stopping.is_set():
-                raise
-            reason = "cancelled" if ctx.cancelled.is_set() else "handler cancelled itself"
-            return {"cancelled": {"message": reason}}
-        except Exception as e:
-            ctx.log.warning("handler raised %s: %s", type(e).__name__, e)
-            return {"fail": {"code": type(e).__name__, "message": str(e), "retryable": False}}
 
     def _on_cancel(self, invocation_id: str, reason: str) -> None:
         self.stats.cancels_received += 1
@@ -877,22 +717,10 @@ class Worker:
     async def _pump(self, invocation_id: str, held: _Held) -> None:
         """Deliver one result until the daemon acknowledges it (or refuses it for good)."""
         args = {"invocation_id": invocation_id, "outcome": held.outcome}
-        size = len(json.dumps(args, separators=(",", ":")).encode()) + _ENVELOPE_BYTES
         dead: int | None = None
         first = True
         while True:
             link = await self._wait_link(dead)
-            max_frame = link.conn.hello.get("max_frame_bytes")
-            if isinstance(max_frame, int) and size > max_frame:
-                # The daemon would close the connection on this frame, and again on
-                # every resend: report the step as failed instead.
-                log.error("result %s is %d bytes, over max_frame_bytes", invocation_id, size)
-                message = (
-                    f"the result is {size} bytes, over the daemon's max_frame_bytes {max_frame}"
-                )
-                held.outcome = {"fail": {"code": "too_large", "message": message}}
-                args["outcome"] = held.outcome
-                size = 0
             if first:
                 self.stats.results_sent += 1
                 first = False
@@ -921,6 +749,20 @@ class Worker:
             except ConnectionLost:
                 dead = link.generation
                 continue
+            except TooLarge as e:
+                if "fail" in held.outcome and held.outcome["fail"].get("code") == "too_large":
+                    log.error("result %s refused (%s); dropping it", invocation_id, e)
+                    self.stats.results_dropped += 1
+                    self._release(invocation_id, held)
+                    return
+                # Refused before it was sent (over the hello's max_frame_bytes) or by
+                # the daemon: the same frame would be refused on every resend, so the
+                # step is reported as failed instead.
+                log.error("result %s is too large: %s", invocation_id, e.message)
+                message = f"the result is too large: {e.message}"
+                held.outcome = {"fail": {"code": "too_large", "message": message}}
+                args["outcome"] = held.outcome
+                continue
             except ProtocolError as e:
                 if e.retryable:
                     log.warning("result %s not taken yet (%s); resending later", invocation_id, e)
@@ -936,3 +778,6 @@ class Worker:
             log.debug("result %s acknowledged: %s", invocation_id, accepted)
             self._release(invocation_id, held)
             return
+
+
+__all__ = ["Continue", "Fail", "TurnContext", "Worker", "WorkerState", "WorkerStats"]
