@@ -9,7 +9,7 @@
  */
 import { EventEmitter } from "node:events";
 import { Connection, type HelloArgs, type HelloOk, PROTOCOL_VERSION, type PushFrame } from "./connection.js";
-import { ConnectionError, TurndError } from "./errors.js";
+import { ConnectionError, isRetryable, TurndError } from "./errors.js";
 import {
   type Event,
   type EventPage,
@@ -156,7 +156,8 @@ export class Client extends EventEmitter {
         for (const w of this.watches) w.reopen(this.generation);
         return conn;
       } catch (err) {
-        if (err instanceof TurndError && !err.retryable) throw err;
+        // A URL that can never work, a refused `hello`: the same again would fail again.
+        if (!isRetryable(err)) throw err;
         if (this.closedByUser) throw new ConnectionError("client closed");
         if (Date.now() >= giveUp) throw err;
         await sleep(Math.min(delay / 2 + (Math.random() * delay) / 2, Math.max(0, giveUp - Date.now())));

@@ -25,7 +25,7 @@ import {
   PROTOCOL_VERSION,
   type PushFrame,
 } from "./connection.js";
-import { ConnectionError, TurndError } from "./errors.js";
+import { BadUrl, ConnectionError, TurndError } from "./errors.js";
 import { Cancelled, Continue, Fail, type FunctionOptions, type Handler, type TurnContext } from "./handler.js";
 import type { Reconciled } from "./types.js";
 
@@ -52,8 +52,11 @@ export interface WorkerOptions {
   connectTimeoutMs?: number;
   /** How long `stop()` (and SIGTERM under `run()`) waits for handlers and results (default 30000). */
   drainTimeoutMs?: number;
-  /** Diagnostic messages; default: none. */
-  log?: (level: "debug" | "info" | "warn" | "error", message: string) => void;
+  /**
+   * Diagnostic messages; default: warnings and errors written to stderr
+   * (`console.error`). Pass `() => {}` for none.
+   */
+  log?: (level: LogLevel, message: string) => void;
 }
 
 /** Counters of a running worker. */
@@ -96,7 +99,27 @@ interface Link {
 }
 
 /** Refusals of `hello` or `function.register` that no retry can fix. */
-const FATAL: ReadonlySet<string> = new Set(["not_authenticated", "unsupported_protocol", "bad_request", "forbidden"]);
+const FATAL: ReadonlySet<string> = new Set([
+  "not_authenticated",
+  "unsupported_protocol",
+  "bad_request",
+  "forbidden",
+  "too_large",
+]);
+
+/** Whether a failed connect (or registration) would fail the same way every time. */
+function fatal(err: unknown): boolean {
+  return err instanceof BadUrl || (err instanceof TurndError && FATAL.has(err.code));
+}
+
+type LogLevel = "debug" | "info" | "warn" | "error";
+
+/** The default `log`: warnings and errors on stderr, so a worker that cannot work says why. */
+function logToStderr(workerId: string): (level: LogLevel, message: string) => void {
+  return (level, message) => {
+    if (level === "warn" || level === "error") console.error(`turnd worker ${workerId}: ${level}: ${message}`);
+  };
+}
 
 function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   return new Promise((resolve) => {
@@ -175,7 +198,7 @@ export class Worker extends EventEmitter {
       connectTimeoutMs: options.connectTimeoutMs ?? 10_000,
       drainTimeoutMs: options.drainTimeoutMs ?? 30_000,
     };
-    this.logFn = options.log ?? (() => {});
+    this.logFn = options.log ?? logToStderr(options.workerId);
     let resolve!: () => void;
     let reject!: (e: Error) => void;
     const promise = new Promise<void>((res, rej) => {
@@ -229,8 +252,9 @@ export class Worker extends EventEmitter {
 
   /**
    * Start serving in the background. Resolves once the first connection is up and
-   * every function is registered (the worker keeps trying until then); rejects if
-   * the worker stops before that.
+   * every function is registered (the worker keeps trying while the daemon cannot be
+   * reached); rejects if the worker stops before that, at once when it cannot serve
+   * (see `run()`).
    */
   start(): Promise<void> {
     if (!this.supervisor) {
@@ -243,8 +267,9 @@ export class Worker extends EventEmitter {
   /**
    * Serve until SIGTERM or SIGINT (or `stop()`), then drain: resolves once running
    * handlers have finished and their results are acknowledged, or
-   * `drainTimeoutMs` has passed. Rejects when the connection was superseded by
-   * another worker with the same `workerId`.
+   * `drainTimeoutMs` has passed. Rejects when the worker cannot serve: its URL can
+   * never work ({@link BadUrl}), the daemon refused its `hello` or a registration for
+   * good, or its connection was superseded by another worker with the same `workerId`.
    */
   async run(): Promise<void> {
     const onSignal = () => {
@@ -285,7 +310,7 @@ export class Worker extends EventEmitter {
     this.emit("state", state);
   }
 
-  private log(level: "debug" | "info" | "warn" | "error", msg: string): void {
+  private log(level: LogLevel, msg: string): void {
     this.logFn(level, msg);
   }
 
@@ -353,13 +378,14 @@ export class Worker extends EventEmitter {
         }
         conn = first;
       } catch (err) {
-        this.log("warn", `connect failed: ${message(err)}`);
-        if (err instanceof TurndError && FATAL.has(err.code)) {
-          // A hello or registration refused for its arguments will be refused again:
-          // stop instead of retrying forever with the same arguments.
-          failure = err;
+        if (fatal(err)) {
+          // A URL that can never work, a hello or registration refused for its
+          // arguments: the same again fails again, so stop instead of retrying forever.
+          failure = err as Error;
+          this.log("error", `cannot serve: ${message(err)}; this worker stops`);
           break;
         }
+        this.log("warn", `connect failed: ${message(err)}`);
         this.setState("disconnected");
         await sleep(delay / 2 + (Math.random() * delay) / 2, this.halt.signal);
         delay = Math.min(delay * 2, cap);
