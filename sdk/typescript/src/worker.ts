@@ -707,7 +707,7 @@ export class Worker extends EventEmitter {
   /** Deliver one result until the daemon acknowledges it (or refuses it for good). */
   private async pump(invocationId: string, held: Held, wakeup: () => Promise<void>): Promise<void> {
     const ackMs = this.opts.resultAckTimeoutMs;
-    const args = { invocation_id: invocationId, outcome: held.outcome };
+    const args: { invocation_id: string; outcome: Outcome } = { invocation_id: invocationId, outcome: held.outcome };
     let dead = -1;
     let first = true;
     for (;;) {
@@ -745,6 +745,14 @@ export class Worker extends EventEmitter {
           const err = result.err;
           if (err instanceof ConnectionError) {
             dead = link.generation;
+            continue;
+          }
+          if (err instanceof TurndError && err.code === "too_large" && !("fail" in args.outcome)) {
+            // Nested deeper than the daemon's max_json_depth (which `hello` does not
+            // say): the handler's answer can never be delivered, but that fact can.
+            this.log("error", `${invocationId}: result refused (${err.message}); sending it as a fail`);
+            args.outcome = { fail: { code: "too_large", message: `result refused: ${err.message}`, retryable: false } };
+            held.outcome = args.outcome;
             continue;
           }
           if (err instanceof TurndError && !err.retryable) {
