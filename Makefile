@@ -19,7 +19,7 @@ SYSCONFDIR ?= /etc
 UNITDIR ?= $(SYSCONFDIR)/systemd/system
 INSTALL_BIN ?= target/release/turnd
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean ui-screenshots
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean ui-screenshots sdk
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -111,10 +111,19 @@ lint-sdk-python: venv ## mypy --strict and ruff (lint and format) on sdk/python 
 	cd sdk/python && $(VENV)/bin/ruff check --config pyproject.toml . ../../examples/python
 	cd sdk/python && $(VENV)/bin/ruff format --check --config pyproject.toml . ../../examples/python
 
-# npm ci again only when the lock file changed (npm ci also builds dist/ through `prepare`).
+# npm ci again only when the lock file changed.
 $(TS_SDK)/node_modules/.ci-stamp: $(TS_SDK)/package-lock.json $(TS_SDK)/package.json
 	cd $(TS_SDK) && $(NPM) ci --no-audit --no-fund
 	touch $@
+
+SDK_OUT := target/sdk
+
+sdk: venv $(TS_SDK)/node_modules/.ci-stamp ## The installable SDKs in target/sdk/: the npm tarball (built dist/, `ws` its one dependency) and the Python wheel
+	rm -rf $(SDK_OUT) $(TS_SDK)/dist
+	mkdir -p $(SDK_OUT)
+	cd $(TS_SDK) && $(NPM) pack --pack-destination $(CURDIR)/$(SDK_OUT)
+	$(VPY) -m pip wheel --quiet --disable-pip-version-check --no-deps ./sdk/python -w $(SDK_OUT)
+	@ls -l $(SDK_OUT)
 
 test-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## The TypeScript SDK's tests (node --test) against the built binary
 	$(CARGO) build -p turnd --bin turnd

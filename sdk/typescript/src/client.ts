@@ -9,7 +9,7 @@
  */
 import { EventEmitter } from "node:events";
 import { Connection, type HelloArgs, type HelloOk, PROTOCOL_VERSION, type PushFrame } from "./connection.js";
-import { ConnectionError, TurndError } from "./errors.js";
+import { ConnectionError, isRetryable, TurndError } from "./errors.js";
 import {
   type Event,
   type EventPage,
@@ -18,8 +18,13 @@ import {
   functionFromWire,
   isTerminal,
   type Session,
+  type SessionPage,
+  type SessionsListOptions,
+  type Stats,
   type SubmittedTurn,
   sessionFromWire,
+  sessionPageFromWire,
+  statsFromWire,
   type Turn,
   type TurnPage,
   type TurnStatus,
@@ -156,7 +161,8 @@ export class Client extends EventEmitter {
         for (const w of this.watches) w.reopen(this.generation);
         return conn;
       } catch (err) {
-        if (err instanceof TurndError && !err.retryable) throw err;
+        // A URL that can never work, a refused `hello`: the same again would fail again.
+        if (!isRetryable(err)) throw err;
         if (this.closedByUser) throw new ConnectionError("client closed");
         if (Date.now() >= giveUp) throw err;
         await sleep(Math.min(delay / 2 + (Math.random() * delay) / 2, Math.max(0, giveUp - Date.now())));
@@ -348,8 +354,34 @@ export class Client extends EventEmitter {
   }
 
   /** `stats`. */
-  async stats(): Promise<Record<string, unknown>> {
-    return ((await this.request("stats")) as { stats: Record<string, unknown> }).stats;
+  async stats(): Promise<Stats> {
+    return statsFromWire(((await this.request("stats")) as { stats: unknown }).stats);
+  }
+
+  /**
+   * `sessions.list`: the sessions with an unfinished turn, one row per session
+   * describing its lock holder; `stuck: true` finds the ones that need a look.
+   */
+  async sessions(options: SessionsListOptions = {}): Promise<SessionPage> {
+    const args: Record<string, unknown> = {};
+    if (options.state !== undefined) args.state = options.state;
+    if (options.functionId !== undefined) args.function_id = options.functionId;
+    if (options.stuck !== undefined) args.stuck = options.stuck;
+    if (options.order !== undefined) args.order = options.order;
+    if (options.limit !== undefined) args.limit = options.limit;
+    if (options.after !== undefined) args.after = options.after;
+    return sessionPageFromWire(await this.request("sessions.list", args));
+  }
+
+  /** Every page of `sessions.list` from `options.after` on, following `next`. */
+  async *sessionPages(options: SessionsListOptions = {}): AsyncGenerator<SessionPage, void, undefined> {
+    let after = options.after;
+    for (;;) {
+      const page = await this.sessions(after === undefined ? options : { ...options, after });
+      yield page;
+      if (page.next === null) return;
+      after = page.next;
+    }
   }
 
   /** `workers.list`. */

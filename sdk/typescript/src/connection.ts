@@ -2,10 +2,14 @@
  * One WebSocket connection speaking protocol v1: `hello`, requests matched to their
  * answers by id, pushes handed to a callback, and the end of the connection noticed
  * in every way it can end (close frame, socket error, or silence of the server for
- * three of its heartbeat intervals).
+ * three of its heartbeat intervals). It also tells a URL that can never work (not a
+ * URL, an upgrade refused with an HTTP status) from a daemon that is not there yet,
+ * and gives the daemon's refusal of a frame too large or too deep (`id: null`) to
+ * the request that caused it.
  */
+import type { IncomingMessage } from "node:http";
 import WebSocket from "ws";
-import { ConnectionError, TurndError } from "./errors.js";
+import { BadUrl, ConnectionError, TurndError } from "./errors.js";
 import type { Reconciled } from "./types.js";
 
 export const PROTOCOL_VERSION = 1;
@@ -49,6 +53,9 @@ export interface ConnectOptions {
 
 interface Pending {
   op: string;
+  /** The frame as sent: the daemon's `id: null` refusals are matched to it by size or depth. */
+  text: string;
+  size: number;
   resolve: (ok: unknown) => void;
   reject: (err: Error) => void;
   onOk: ((ok: unknown) => void) | undefined;
@@ -59,6 +66,58 @@ export const DEFAULT_MAX_FRAME_BYTES = 1_048_576;
 
 /** How many server heartbeat intervals of silence end the connection. */
 const SILENT_INTERVALS = 3;
+
+/** The daemon's close code after a frame over `max_frame_bytes`. */
+const CLOSE_TOO_BIG = 1009;
+
+/** How much of the body of a refused upgrade is kept for the error message. */
+const REFUSAL_BODY_CHARS = 512;
+
+/**
+ * The error for an HTTP answer to the WebSocket upgrade, with the server's own words
+ * (turnd's 404 says where protocol v1 is served). A server error, a timeout or a rate
+ * limit may pass; any other answer will be the same next time.
+ */
+function refusal(url: string, status: number, body: string): ConnectionError {
+  const words = body.replace(/\s+/g, " ").trim().slice(0, REFUSAL_BODY_CHARS);
+  const msg = `${url}: the server answered the WebSocket upgrade with HTTP ${status}${words ? `: ${words}` : ""}`;
+  return status >= 500 || status === 408 || status === 429 ? new ConnectionError(msg) : new BadUrl(msg, status);
+}
+
+/** Read the start of a refused upgrade's body, then make its error. */
+function readRefusal(url: string, res: IncomingMessage): Promise<ConnectionError> {
+  return new Promise((resolve) => {
+    let body = "";
+    const done = () => resolve(refusal(url, res.statusCode ?? 0, body));
+    res.setEncoding("utf8");
+    res.on("data", (chunk: string) => {
+      body += chunk;
+      if (body.length >= REFUSAL_BODY_CHARS) done();
+    });
+    res.once("end", done);
+    res.once("error", done);
+    res.once("close", done);
+  });
+}
+
+/** How deep a JSON text nests, counted as the daemon counts it (brackets outside strings). */
+function jsonDepth(text: string): number {
+  let depth = 0;
+  let max = 0;
+  let inString = false;
+  let escaped = false;
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (inString) {
+      if (escaped) escaped = false;
+      else if (c === 0x5c) escaped = true;
+      else if (c === 0x22) inString = false;
+    } else if (c === 0x22) inString = true;
+    else if (c === 0x7b || c === 0x5b) max = Math.max(max, ++depth);
+    else if (c === 0x7d || c === 0x5d) depth = Math.max(0, depth - 1);
+  }
+  return max;
+}
 
 export class Connection {
   private readonly ws: WebSocket;
@@ -74,6 +133,8 @@ export class Connection {
   private readonly onClose: ((code: number, reason: string) => void) | undefined;
   /** The daemon's frame limit, from `hello` (the protocol default until then). */
   private frameLimit = DEFAULT_MAX_FRAME_BYTES;
+  /** The message of the daemon's `id: null` `too_large` that precedes its 1009 close. */
+  private refusedFrame: string | undefined;
 
   private constructor(ws: WebSocket, opts: ConnectOptions) {
     this.ws = ws;
@@ -92,9 +153,10 @@ export class Connection {
   }
 
   /**
-   * Open a connection to `url` and say `hello`. Rejects with {@link ConnectionError}
-   * when the daemon cannot be reached, or with {@link TurndError} when it refuses
-   * the `hello` (the socket is closed then).
+   * Open a connection to `url` and say `hello`. Rejects with {@link BadUrl} at once
+   * when the URL can never work, with {@link ConnectionError} when the daemon cannot
+   * be reached, or with {@link TurndError} when it refuses the `hello` (the socket is
+   * closed then).
    */
   static open(
     url: string,
@@ -102,13 +164,20 @@ export class Connection {
     opts: ConnectOptions = {},
   ): Promise<{ conn: Connection; hello: HelloOk }> {
     const timeoutMs = opts.connectTimeoutMs ?? 10_000;
-    return new Promise((resolve, reject) => {
-      let settled = false;
-      const ws = new WebSocket(url, {
+    let ws: WebSocket;
+    try {
+      ws = new WebSocket(url, {
         handshakeTimeout: timeoutMs,
         perMessageDeflate: false,
         maxPayload: 256 * 1024 * 1024,
       });
+    } catch (err) {
+      const why = err instanceof Error ? err.message : String(err);
+      return Promise.reject(new BadUrl(`not a daemon URL: ${JSON.stringify(url)} (${why})`, undefined, { cause: err }));
+    }
+    return new Promise((resolve, reject) => {
+      let settled = false;
+      let opened = false;
       const conn = new Connection(ws, opts);
       const timer = setTimeout(() => {
         fail(new ConnectionError(`no hello answer from ${url} within ${timeoutMs} ms`));
@@ -120,36 +189,26 @@ export class Connection {
         conn.terminate();
         reject(err);
       };
+      ws.once("unexpected-response", (_req, res) => {
+        void readRefusal(url, res).then(fail);
+      });
+      // Once open, the end of the connection rejects the pending `hello` with the
+      // error that fits (a `hello` over the daemon's frame limit is `too_large`).
       ws.once("error", (err) => {
-        fail(new ConnectionError(`cannot connect to ${url}: ${err.message}`, { cause: err }));
+        if (!opened) fail(new ConnectionError(`cannot connect to ${url}: ${err.message}`, { cause: err }));
       });
       ws.once("close", (code) => {
-        fail(new ConnectionError(`connection to ${url} closed during hello (code ${code})`));
+        if (!opened) fail(new ConnectionError(`connection to ${url} closed before the handshake ended (code ${code})`));
       });
       ws.once("open", () => {
+        opened = true;
         conn
           .request("hello", hello)
           .then((ok) => {
             if (settled) return;
             settled = true;
             clearTimeout(timer);
-            const o = ok as Record<string, unknown>;
-            const helloOk: HelloOk = {
-              server: o.server as string,
-              version: o.version as string,
-              bootId: o.boot_id as string,
-              connectionId: o.connection_id as string,
-              heartbeatMs: o.heartbeat_ms as number,
-              maxFrameBytes: o.max_frame_bytes as number,
-            };
-            if (o.reconciled && typeof o.reconciled === "object") {
-              const r = o.reconciled as Record<string, string[] | undefined>;
-              helloOk.reconciled = {
-                kept: r.kept ?? [],
-                redispatched: r.redispatched ?? [],
-                unknown: r.unknown ?? [],
-              };
-            }
+            const helloOk = helloFromWire(ok);
             if (helloOk.maxFrameBytes > 0) conn.frameLimit = helloOk.maxFrameBytes;
             conn.startWatchdog(helloOk.heartbeatMs);
             resolve({ conn, hello: helloOk });
@@ -200,7 +259,7 @@ export class Connection {
       );
     }
     return new Promise((resolve, reject) => {
-      this.pending.set(id, { op, resolve, reject, onOk });
+      this.pending.set(id, { op, text, size, resolve, reject, onOk });
       this.ws.send(text, (err) => {
         if (err && this.pending.delete(id)) {
           reject(new ConnectionError(`send failed (${op}): ${err.message}`, { cause: err }));
@@ -262,7 +321,11 @@ export class Connection {
       this.onPush?.(frame as PushFrame, this);
       return;
     }
-    if (typeof frame.id !== "number") return; // `id: null` errors precede a close.
+    if (frame.id === null && frame.error && typeof frame.error === "object") {
+      this.onRefusedFrame(frame.error as Record<string, unknown>);
+      return;
+    }
+    if (typeof frame.id !== "number") return;
     const p = this.pending.get(frame.id);
     if (!p) return;
     this.pending.delete(frame.id);
@@ -286,15 +349,92 @@ export class Connection {
     }
   }
 
+  /**
+   * An error the daemon could not answer with an id: it did not read the frame. Of
+   * the frames this client sends, only one too deep (answered at once, the
+   * connection kept) or too large (the connection is then closed with 1009) is
+   * refused so. The deepest request in flight, the oldest of equals, is over the
+   * daemon's depth limit as surely as the refused frame is: it gets the refusal,
+   * so that every request refused gets exactly one answer and none waits for good.
+   */
+  private onRefusedFrame(e: Record<string, unknown>): void {
+    if (e.code !== "too_large") return;
+    const message = String(e.message ?? "");
+    const limit = /max_json_depth \((\d+)\)/.exec(message);
+    if (!limit) {
+      this.refusedFrame = message; // for the 1009 close that follows
+      return;
+    }
+    let culprit: [number, Pending] | undefined;
+    let deepest = Number(limit[1]);
+    for (const [id, p] of this.pending) {
+      const depth = jsonDepth(p.text);
+      if (depth > deepest) {
+        deepest = depth;
+        culprit = [id, p];
+      }
+    }
+    if (!culprit) return;
+    this.pending.delete(culprit[0]);
+    culprit[1].reject(new TurndError("too_large", message, false, culprit[1].op));
+  }
+
+  /**
+   * The request a 1009 close refused: the daemon closes at the first frame over its
+   * limit and reads no further, so the largest request in flight is over it too.
+   */
+  private largestPending(): number | undefined {
+    let largest: number | undefined;
+    let size = -1;
+    for (const [id, p] of this.pending) {
+      if (p.size > size) {
+        size = p.size;
+        largest = id;
+      }
+    }
+    return largest;
+  }
+
   private finish(code: number, reason: string): void {
     if (this.ended) return;
     this.ended = true;
     this.endCode = code;
     if (this.watchdog) clearInterval(this.watchdog);
     const err = new ConnectionError(`connection closed (code ${code}${reason ? `: ${reason}` : ""})`);
-    for (const p of this.pending.values()) p.reject(err);
+    const refused = code === CLOSE_TOO_BIG ? this.largestPending() : undefined;
+    for (const [id, p] of this.pending) {
+      if (id !== refused) {
+        p.reject(err);
+        continue;
+      }
+      // Sending it again would be refused again: the request fails, not the connection.
+      const why = this.refusedFrame ?? `the daemon closed the connection with ${code} (a frame over its max_frame_bytes)`;
+      p.reject(new TurndError("too_large", `${why}; this request's frame has ${p.size} bytes`, false, p.op));
+    }
     this.pending.clear();
     this.resolveEnded();
     this.onClose?.(code, reason);
   }
+}
+
+/** The `hello` answer with camelCase names. */
+function helloFromWire(ok: unknown): HelloOk {
+  const o = ok as Record<string, unknown>;
+  const helloOk: HelloOk = {
+    server: o.server as string,
+    version: o.version as string,
+    bootId: o.boot_id as string,
+    connectionId: o.connection_id as string,
+    heartbeatMs: o.heartbeat_ms as number,
+    maxFrameBytes: o.max_frame_bytes as number,
+  };
+  if (o.reconciled && typeof o.reconciled === "object") {
+    const r = o.reconciled as Record<string, string[] | undefined>;
+    helloOk.reconciled = {
+      kept: r.kept ?? [],
+      redispatched: r.redispatched ?? [],
+      unknown: r.unknown ?? [],
+    };
+  }
+  return helloOk;
 }

@@ -4,15 +4,10 @@
  */
 export { Client, type ClientOptions, type ClientState, connect, type SubmitOptions, type WatchOptions, WatchStream, type WatchTarget } from "./client.js";
 export { CLOSE_SUPERSEDED, Connection, type HelloOk, PROTOCOL_VERSION } from "./connection.js";
-export { ConnectionError, type ErrorCode, TurndError } from "./errors.js";
+export { BadUrl, ConnectionError, type ErrorCode, TurndError } from "./errors.js";
+export { Cancelled, Continue, Fail, type FunctionOptions, type Handler, type TurnContext } from "./handler.js";
 export * from "./types.js";
 export {
-  Cancelled,
-  Continue,
-  Fail,
-  type FunctionOptions,
-  type Handler,
-  type TurnContext,
   Worker,
   type WorkerOptions,
   type WorkerState,

@@ -145,8 +145,83 @@ export interface FunctionInfo {
   timeoutMs: number;
   delivery: "at_most_once" | "at_least_once";
   maxAttempts: number;
+  /** Connected workers serving it now. */
   workers: number;
+  /** Sessions waiting for a worker of it (not turns). */
   queued: number;
+  /**
+   * `false` for a function no worker has registered since the daemon started, listed
+   * only because turns wait for it: `concurrency`, `timeoutMs`, `delivery` and
+   * `maxAttempts` are then placeholders (0, 0, `at_most_once`, 1), not settings.
+   */
+  registered: boolean;
+}
+
+/** Counts by wait state; only the states with a non-zero count are present. */
+export type WaitCounts = Partial<Record<WaitState, number>>;
+
+/** `stats`: the daemon's counters at one moment. */
+export interface Stats {
+  sessions: {
+    /** Sessions with an unfinished turn. */
+    active: number;
+    /** Those sessions by the wait state of their lock holder. */
+    blocked: WaitCounts;
+  };
+  turns: Record<TurnStatus, number>;
+  /** Sessions with a live invocation. */
+  invocationsInflight: number;
+  workersConnected: number;
+  /** Age of the oldest lock holder's wait; `null` when no session is active. */
+  oldestWaitMs: number | null;
+  storage: { writable: boolean; lastError: string | null };
+}
+
+/** `sessions.list` filters and paging. */
+export interface SessionsListOptions {
+  /** Only sessions whose lock holder waits in this state (a holder is never `queued_behind`). */
+  state?: WaitState;
+  /** Only sessions whose lock holder runs this function. */
+  functionId?: string;
+  /**
+   * `true`: only sessions that look stuck (the wait's deadline has passed, it waits
+   * for a worker of a function no connected worker serves, or its invocation has had
+   * no dispatch or heartbeat for more than half its `timeout_ms`).
+   */
+  stuck?: boolean;
+  /** `wait` (default): oldest wait first; `id`: by session id. */
+  order?: "wait" | "id";
+  /** Rows per page, 1–1000 (default 100). */
+  limit?: number;
+  /** The `next` of the previous page (taken with the same `order`). */
+  after?: string;
+}
+
+/** One session with an unfinished turn, described by its lock holder. */
+export interface SessionRow {
+  sessionId: string;
+  /** The lock holder. */
+  turnId: string;
+  functionId: string;
+  step: number;
+  attempt: number;
+  /** When the holder took the session's lock. */
+  lockedSinceMs: number;
+  /** Unfinished turns behind the holder. */
+  queued: number;
+  stuck: boolean;
+  wait: Wait;
+}
+
+/** One page of `sessions.list`. */
+export interface SessionPage {
+  sessions: SessionRow[];
+  /** Pass as `after` for the next page; `null` on the last page. */
+  next: string | null;
+  /** Sessions matching every filter, when the page was taken. */
+  total: number;
+  /** Sessions matching `functionId` and `stuck`, by wait state, when the page was taken. */
+  counts: WaitCounts;
 }
 
 /** What the daemon did with a reconnecting worker's invocations (`hello.reconciled`). */
@@ -296,5 +371,46 @@ export function functionFromWire(v: unknown): FunctionInfo {
     maxAttempts: f.max_attempts as number,
     workers: f.workers as number,
     queued: f.queued as number,
+    // Older daemons listed registered functions only, without the field.
+    registered: f.registered !== false,
+  };
+}
+
+export function statsFromWire(v: unknown): Stats {
+  const s = obj(v, "stats");
+  const sessions = obj(s.sessions, "stats.sessions");
+  const storage = obj(s.storage, "stats.storage");
+  return {
+    sessions: { active: sessions.active as number, blocked: sessions.blocked as WaitCounts },
+    turns: s.turns as Record<TurnStatus, number>,
+    invocationsInflight: s.invocations_inflight as number,
+    workersConnected: s.workers_connected as number,
+    oldestWaitMs: (s.oldest_wait_ms ?? null) as number | null,
+    storage: { writable: storage.writable as boolean, lastError: (storage.last_error ?? null) as string | null },
+  };
+}
+
+export function sessionRowFromWire(v: unknown): SessionRow {
+  const r = obj(v, "session row");
+  return {
+    sessionId: r.session_id as string,
+    turnId: r.turn_id as string,
+    functionId: r.function_id as string,
+    step: r.step as number,
+    attempt: r.attempt as number,
+    lockedSinceMs: r.locked_since_ms as number,
+    queued: r.queued as number,
+    stuck: r.stuck === true,
+    wait: waitFromWire(r.wait),
+  };
+}
+
+export function sessionPageFromWire(v: unknown): SessionPage {
+  const p = obj(v, "sessions.list");
+  return {
+    sessions: (p.sessions as unknown[]).map(sessionRowFromWire),
+    next: (p.next ?? null) as string | null,
+    total: p.total as number,
+    counts: p.counts as WaitCounts,
   };
 }

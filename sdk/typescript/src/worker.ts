@@ -25,82 +25,9 @@ import {
   PROTOCOL_VERSION,
   type PushFrame,
 } from "./connection.js";
-import { ConnectionError, TurndError } from "./errors.js";
+import { BadUrl, ConnectionError, TurndError } from "./errors.js";
+import { Cancelled, Continue, Fail, type FunctionOptions, type Handler, type TurnContext } from "./handler.js";
 import type { Reconciled } from "./types.js";
-
-/** Return `new Continue(state)` from a handler to run another step with `state` as its input. */
-export class Continue {
-  constructor(readonly state: unknown) {}
-}
-
-/** Throw from a handler to fail the step with a code of your own. */
-export class Fail extends Error {
-  readonly code: string;
-  readonly retryable: boolean;
-
-  constructor(code: string, message: string, options: { retryable?: boolean } = {}) {
-    super(message);
-    this.name = "Fail";
-    this.code = code;
-    this.retryable = options.retryable ?? false;
-  }
-}
-
-/**
- * Throw from a handler to answer `cancelled`. A handler whose `ctx.signal` was
- * aborted and that throws anything other than {@link Fail} answers `cancelled` too.
- */
-export class Cancelled extends Error {
-  constructor(message = "cancelled") {
-    super(message);
-    this.name = "Cancelled";
-  }
-}
-
-/** What a handler gets for one invocation. */
-export interface TurnContext {
-  readonly sessionId: string;
-  readonly turnId: string;
-  readonly functionId: string;
-  /** Step number, from 0; goes up by one per `Continue`. */
-  readonly step: number;
-  /** Attempt number of this step, from 1. */
-  readonly attempt: number;
-  readonly invocationId: string;
-  /**
-   * `<turnId>/<step>`: the same for every attempt and redispatch of this step, so a
-   * side effect keyed by it happens once even when the step runs again.
-   */
-  readonly idempotencyKey: string;
-  /** The attempt deadline (Unix ms) as dispatched; heartbeats move it. */
-  readonly deadlineMs: number;
-  /**
-   * Aborted when the daemon sends `cancel` (a stop, or an attempt past its deadline),
-   * when a heartbeat learns the invocation is no longer current, or when the worker
-   * stops without finishing its drain. The handler should then end; whatever it
-   * throws is answered as `cancelled`.
-   */
-  readonly signal: AbortSignal;
-  /**
-   * Tell the daemon this invocation is still working (the SDK does this on its own
-   * while the handler runs); resolves with the new deadline (Unix ms).
-   */
-  heartbeat(): Promise<number>;
-}
-
-export type Handler<I = unknown> = (ctx: TurnContext, input: I) => unknown | Promise<unknown>;
-
-export interface FunctionOptions {
-  /** Invocations this worker runs at once for this function (default 1). */
-  concurrency?: number;
-  /** Attempt deadline, renewed by heartbeats; default the daemon's `turns.default_timeout_ms`. */
-  timeoutMs?: number;
-  delivery?: "at_most_once" | "at_least_once";
-  /** Attempts per step; default 1 (`at_most_once`) or 3 (`at_least_once`). */
-  maxAttempts?: number;
-  /** Send heartbeats on their own while a handler runs (default true). */
-  autoHeartbeat?: boolean;
-}
 
 export type WorkerState = "idle" | "connecting" | "connected" | "disconnected" | "draining" | "stopped";
 
@@ -125,8 +52,11 @@ export interface WorkerOptions {
   connectTimeoutMs?: number;
   /** How long `stop()` (and SIGTERM under `run()`) waits for handlers and results (default 30000). */
   drainTimeoutMs?: number;
-  /** Diagnostic messages; default: none. */
-  log?: (level: "debug" | "info" | "warn" | "error", message: string) => void;
+  /**
+   * Diagnostic messages; default: warnings and errors written to stderr
+   * (`console.error`). Pass `() => {}` for none.
+   */
+  log?: (level: LogLevel, message: string) => void;
 }
 
 /** Counters of a running worker. */
@@ -169,7 +99,27 @@ interface Link {
 }
 
 /** Refusals of `hello` or `function.register` that no retry can fix. */
-const FATAL: ReadonlySet<string> = new Set(["not_authenticated", "unsupported_protocol", "bad_request", "forbidden"]);
+const FATAL: ReadonlySet<string> = new Set([
+  "not_authenticated",
+  "unsupported_protocol",
+  "bad_request",
+  "forbidden",
+  "too_large",
+]);
+
+/** Whether a failed connect (or registration) would fail the same way every time. */
+function fatal(err: unknown): boolean {
+  return err instanceof BadUrl || (err instanceof TurndError && FATAL.has(err.code));
+}
+
+type LogLevel = "debug" | "info" | "warn" | "error";
+
+/** The default `log`: warnings and errors on stderr, so a worker that cannot work says why. */
+function logToStderr(workerId: string): (level: LogLevel, message: string) => void {
+  return (level, message) => {
+    if (level === "warn" || level === "error") console.error(`turnd worker ${workerId}: ${level}: ${message}`);
+  };
+}
 
 function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   return new Promise((resolve) => {
@@ -248,7 +198,7 @@ export class Worker extends EventEmitter {
       connectTimeoutMs: options.connectTimeoutMs ?? 10_000,
       drainTimeoutMs: options.drainTimeoutMs ?? 30_000,
     };
-    this.logFn = options.log ?? (() => {});
+    this.logFn = options.log ?? logToStderr(options.workerId);
     let resolve!: () => void;
     let reject!: (e: Error) => void;
     const promise = new Promise<void>((res, rej) => {
@@ -302,8 +252,9 @@ export class Worker extends EventEmitter {
 
   /**
    * Start serving in the background. Resolves once the first connection is up and
-   * every function is registered (the worker keeps trying until then); rejects if
-   * the worker stops before that.
+   * every function is registered (the worker keeps trying while the daemon cannot be
+   * reached); rejects if the worker stops before that, at once when it cannot serve
+   * (see `run()`).
    */
   start(): Promise<void> {
     if (!this.supervisor) {
@@ -316,8 +267,9 @@ export class Worker extends EventEmitter {
   /**
    * Serve until SIGTERM or SIGINT (or `stop()`), then drain: resolves once running
    * handlers have finished and their results are acknowledged, or
-   * `drainTimeoutMs` has passed. Rejects when the connection was superseded by
-   * another worker with the same `workerId`.
+   * `drainTimeoutMs` has passed. Rejects when the worker cannot serve: its URL can
+   * never work ({@link BadUrl}), the daemon refused its `hello` or a registration for
+   * good, or its connection was superseded by another worker with the same `workerId`.
    */
   async run(): Promise<void> {
     const onSignal = () => {
@@ -358,7 +310,7 @@ export class Worker extends EventEmitter {
     this.emit("state", state);
   }
 
-  private log(level: "debug" | "info" | "warn" | "error", msg: string): void {
+  private log(level: LogLevel, msg: string): void {
     this.logFn(level, msg);
   }
 
@@ -426,13 +378,14 @@ export class Worker extends EventEmitter {
         }
         conn = first;
       } catch (err) {
-        this.log("warn", `connect failed: ${message(err)}`);
-        if (err instanceof TurndError && FATAL.has(err.code)) {
-          // A hello or registration refused for its arguments will be refused again:
-          // stop instead of retrying forever with the same arguments.
-          failure = err;
+        if (fatal(err)) {
+          // A URL that can never work, a hello or registration refused for its
+          // arguments: the same again fails again, so stop instead of retrying forever.
+          failure = err as Error;
+          this.log("error", `cannot serve: ${message(err)}; this worker stops`);
           break;
         }
+        this.log("warn", `connect failed: ${message(err)}`);
         this.setState("disconnected");
         await sleep(delay / 2 + (Math.random() * delay) / 2, this.halt.signal);
         delay = Math.min(delay * 2, cap);
@@ -754,7 +707,7 @@ export class Worker extends EventEmitter {
   /** Deliver one result until the daemon acknowledges it (or refuses it for good). */
   private async pump(invocationId: string, held: Held, wakeup: () => Promise<void>): Promise<void> {
     const ackMs = this.opts.resultAckTimeoutMs;
-    const args = { invocation_id: invocationId, outcome: held.outcome };
+    const args: { invocation_id: string; outcome: Outcome } = { invocation_id: invocationId, outcome: held.outcome };
     let dead = -1;
     let first = true;
     for (;;) {
@@ -792,6 +745,14 @@ export class Worker extends EventEmitter {
           const err = result.err;
           if (err instanceof ConnectionError) {
             dead = link.generation;
+            continue;
+          }
+          if (err instanceof TurndError && err.code === "too_large" && !("fail" in args.outcome)) {
+            // Nested deeper than the daemon's max_json_depth (which `hello` does not
+            // say): the handler's answer can never be delivered, but that fact can.
+            this.log("error", `${invocationId}: result refused (${err.message}); sending it as a fail`);
+            args.outcome = { fail: { code: "too_large", message: `result refused: ${err.message}`, retryable: false } };
+            held.outcome = args.outcome;
             continue;
           }
           if (err instanceof TurndError && !err.retryable) {

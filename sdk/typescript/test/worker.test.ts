@@ -92,11 +92,24 @@ describe("worker", () => {
     assert.equal(thrown.error?.message, "index out of range");
   });
 
-  it("a result too large for a frame fails the step instead of breaking the connection", async () => {
+  it("a result too large for a frame, or too deep, fails the step instead of breaking the connection", async () => {
     const w = worker(turnd.url);
     w.function("big.result", async () => "x".repeat(2 * 1024 * 1024));
     w.function("big.bigint", async () => ({ n: 10n }));
+    w.function("big.deep", async () => {
+      let v: unknown = "leaf";
+      for (let i = 0; i < 100; i++) v = [v];
+      return v;
+    });
     await start(w);
+    // Deeper than the daemon's max_json_depth (64): refused with id null, then the
+    // result is sent again as a fail that says so.
+    const deep = await c.wait((await c.submit("big-3", "big.deep", null)).turnId, { timeoutMs: 5000 });
+    assert.equal(deep.status, "failed");
+    assert.equal(deep.error?.cause, "handler_failed");
+    assert.equal(deep.error?.code, "too_large");
+    assert.match(deep.error?.message ?? "", /max_json_depth \(64\)/);
+    assert.equal(deep.attempt, 1);
     const turn = await c.wait((await c.submit("big-1", "big.result", null)).turnId, { timeoutMs: 5000 });
     assert.equal(turn.status, "failed");
     assert.equal(turn.error?.code, "too_large");
