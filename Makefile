@@ -18,6 +18,10 @@ BINDIR ?= $(PREFIX)/bin
 SYSCONFDIR ?= /etc
 UNITDIR ?= $(SYSCONFDIR)/systemd/system
 INSTALL_BIN ?= target/release/turnd
+# The installed binary carries no debug info (a tenth of the size); the debug info is
+# installed apart, where gdb and perf look for it by the binary's debug link.
+DEBUGDIR ?= /usr/lib/debug
+OBJCOPY ?= objcopy
 
 .PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean ui-screenshots sdk
 
@@ -30,9 +34,14 @@ build: ## Build every crate and the turnd binary (debug)
 release: ## Build the release binary target/release/turnd
 	$(CARGO) build --release --locked -p turnd
 
-install: ## Install the release binary to PREFIX/bin (default /usr/local), the systemd unit, and the example config unless one exists; honours DESTDIR
+install: ## Install the release binary to PREFIX/bin (default /usr/local; its debug info apart, under DEBUGDIR), the systemd unit, and the example config unless one exists; honours DESTDIR
 	@test -x $(INSTALL_BIN) || { echo "make install: no $(INSTALL_BIN): run 'make release' first (as your user, then 'sudo make install')" >&2; exit 1; }
-	install -D -m 0755 $(INSTALL_BIN) $(DESTDIR)$(BINDIR)/turnd
+	install -d -m 0755 $(DESTDIR)$(BINDIR) $(DESTDIR)$(DEBUGDIR)$(BINDIR)
+	$(OBJCOPY) --only-keep-debug $(INSTALL_BIN) $(DESTDIR)$(DEBUGDIR)$(BINDIR)/turnd.debug
+	chmod 0644 $(DESTDIR)$(DEBUGDIR)$(BINDIR)/turnd.debug
+	$(OBJCOPY) --strip-debug --add-gnu-debuglink=$(DESTDIR)$(DEBUGDIR)$(BINDIR)/turnd.debug $(INSTALL_BIN) $(DESTDIR)$(BINDIR)/turnd.tmp
+	chmod 0755 $(DESTDIR)$(BINDIR)/turnd.tmp
+	mv $(DESTDIR)$(BINDIR)/turnd.tmp $(DESTDIR)$(BINDIR)/turnd
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
 	sed 's|/usr/local/bin/turnd|$(BINDIR)/turnd|g; s|/etc/turnd/|$(SYSCONFDIR)/turnd/|g; s|/etc/default/turnd|$(SYSCONFDIR)/default/turnd|g' \
 		deploy/systemd/turnd.service > $(DESTDIR)$(UNITDIR)/turnd.service.tmp
@@ -48,6 +57,12 @@ run: ## Run the daemon (release build) on its embedded defaults (ws 127.0.0.1:74
 
 test: check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii ## Run the whole test suite
 
+# The one build of the daemon every test target uses. It builds the Rust SDK's
+# examples with it (the end-to-end tests run them): cargo unifies features over the
+# packages of one build, so a build of the binary alone would be another build of
+# the daemon and much of what it depends on, made again by each test target.
+BUILD_DAEMON := $(CARGO) build -p turnd --bin turnd -p turnd-client --examples
+
 TEST_ENV := TURND_BIN=$(CURDIR)/target/debug/turnd TURND_FAULTFS_LIB=$(CURDIR)/target/debug/libturnd_faultfs.so TURND_EXAMPLES_DIR=$(CURDIR)/target/debug/examples
 
 browser: ## Debian's chromium and chromium-driver for the browser tests of the operator page (apt-get when missing)
@@ -60,7 +75,7 @@ ui-screenshots: browser ## Screenshots of every screen of the operator page into
 	TURND_UI_SCREENSHOTS=$(CURDIR)/docs $(CARGO) test -p turnd-tests --test browser every_screen_loads_in_chromium
 
 test-rust: browser ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd and the SDK's examples, some with the turnd-faultfs library preloaded; the browser tests run headless Chromium)
-	$(CARGO) build -p turnd --bin turnd -p turnd-client --examples
+	$(BUILD_DAEMON)
 	$(CARGO) build -p turnd-faultfs
 ifeq ($(NEXTEST),yes)
 	$(TEST_ENV) $(CARGO) nextest run --workspace --no-fail-fast
@@ -77,11 +92,11 @@ $(VENV)/.ready: tests/python/requirements.txt sdk/python/pyproject.toml
 	touch $@
 
 test-python: venv ## The independent Python protocol client against the built binary
-	$(CARGO) build -p turnd --bin turnd
+	$(BUILD_DAEMON)
 	$(VPY) tests/python/test_protocol.py --turnd target/debug/turnd
 
 test-sdk-python: venv ## The Python SDK's tests (sdk/python/tests) against the built binary
-	$(CARGO) build -p turnd --bin turnd
+	$(BUILD_DAEMON)
 	cd sdk/python && TURND_BIN=$(CURDIR)/target/debug/turnd $(VPY) -m pytest -q tests
 
 # The iii endpoint's tests drive the real iii SDKs, pinned: npm iii-sdk@0.22.1
@@ -92,7 +107,7 @@ $(III_NODE)/node_modules/.ci-stamp: $(III_NODE)/package-lock.json $(III_NODE)/pa
 	touch $@
 
 test-iii: venv $(III_NODE)/node_modules/.ci-stamp ## iii-sdk workers and callers (npm 0.22.1, PyPI 0.25.0) against turnd's iii endpoint
-	$(CARGO) build -p turnd --bin turnd
+	$(BUILD_DAEMON)
 	cd $(III_NODE) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=2 --test-timeout=60000 --test-force-exit *.test.mjs
 	TURND_BIN=$(CURDIR)/target/debug/turnd $(VPY) -m pytest -q tests/iii/python
 
@@ -126,7 +141,7 @@ sdk: venv $(TS_SDK)/node_modules/.ci-stamp ## The installable SDKs in target/sdk
 	@ls -l $(SDK_OUT)
 
 test-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## The TypeScript SDK's tests (node --test) against the built binary
-	$(CARGO) build -p turnd --bin turnd
+	$(BUILD_DAEMON)
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
 	cd $(TS_SDK) && TURND_BIN=$(CURDIR)/target/debug/turnd node --test --test-concurrency=4 --test-timeout=120000 --test-force-exit build/sdk/typescript/test/*.test.js
 

@@ -1066,6 +1066,30 @@ async fn make_install_puts_the_binary_unit_and_config_under_destdir() -> anyhow:
             & 0o777)
     };
     assert_eq!(mode("/opt/turnd/bin/turnd")?, 0o755);
+    assert_eq!(mode("/usr/lib/debug/opt/turnd/bin/turnd.debug")?, 0o644);
+    // The installed binary carries no debug info; it is kept apart, where the
+    // binary's debug link points.
+    let sections = |p: &std::path::Path| -> anyhow::Result<String> {
+        let o = std::process::Command::new("readelf")
+            .args(["-S", "-W"])
+            .arg(p)
+            .output()
+            .context("readelf")?;
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    assert!(
+        sections(&bin)?.contains(".debug_info"),
+        "the built binary has debug info"
+    );
+    let installed = sections(&at("/opt/turnd/bin/turnd"))?;
+    assert!(!installed.contains(".debug_info"), "{installed}");
+    assert!(installed.contains(".gnu_debuglink"), "{installed}");
+    let debug = sections(&at("/usr/lib/debug/opt/turnd/bin/turnd.debug"))?;
+    assert!(debug.contains(".debug_info"), "{debug}");
+    assert!(
+        std::fs::metadata(at("/opt/turnd/bin/turnd"))?.len() * 2 < std::fs::metadata(&bin)?.len(),
+        "the installed binary is not much smaller than the built one"
+    );
     assert_eq!(mode("/etc/systemd/system/turnd.service")?, 0o644);
     assert_eq!(mode("/etc/turnd/turnd.toml")?, 0o644);
     assert_eq!(mode("/etc/default/turnd")?, 0o600);
