@@ -1156,22 +1156,29 @@ async fn the_readme_examples_run_a_multi_step_turn() -> anyhow::Result<()> {
         .stderr(Stdio::null())
         .kill_on_drop(true)
         .spawn()?;
-    let o = tokio::time::timeout(
-        Duration::from_secs(30),
-        tokio::process::Command::new(&caller_bin)
-            .args(["countdown", r#"{"from":3}"#, "s-example"])
+    let caller = |args: &'static [&'static str]| {
+        let mut cmd = tokio::process::Command::new(&caller_bin);
+        cmd.args(args)
             .env("TURND_URL", &d.url)
             .env_remove("TURND_TOKEN")
             .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await??;
+            .kill_on_drop(true);
+        tokio::time::timeout(Duration::from_secs(30), async move { cmd.output().await })
+    };
+    let o = caller(&["countdown", r#"{"from":3}"#, "s-example"]).await??;
     expect_code(&o, 0, "the caller example")?;
     let turn: Turn = serde_json::from_value(json_out(&o)?)?;
     assert_eq!(turn.status, TurnStatus::Completed);
     assert_eq!(turn.output, Some(json!({"done": true})));
     assert_eq!(turn.step, 3, "three continues, then the completing step");
+    // Run as the README runs it, without a session: the turn lands in `s-1`, the
+    // session the README's tour inspects next.
+    let o = caller(&["echo", r#"{"hello":"world"}"#]).await??;
+    expect_code(&o, 0, "the caller example without a session")?;
+    let turn: Turn = serde_json::from_value(json_out(&o)?)?;
+    assert_eq!(turn.session_id, "s-1");
+    let o = turnd(&["inspect", "s-1", "--url", &d.url]).await?;
+    expect_code(&o, 0, "turnd inspect s-1 after the caller example")?;
     worker.start_kill()?;
     worker.wait().await?;
     d.shutdown().await

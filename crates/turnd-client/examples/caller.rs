@@ -3,7 +3,7 @@
 //!     cargo run -p turnd-client --example caller -- [FUNCTION] [INPUT_JSON] [SESSION]
 //!
 //! FUNCTION defaults to `echo`, INPUT_JSON to `{"hello":"world"}`, SESSION to
-//! `example`. The daemon's URL comes from `$TURND_URL` (default
+//! `s-1` (the session the README's tour then inspects). The daemon's URL comes from `$TURND_URL` (default
 //! `ws://127.0.0.1:7420/v1`), the token from `$TURND_TOKEN` (a client token). Run the
 //! `worker` example first, or the turn waits for a worker (up to 30 s here).
 //! Exits 0 when the turn completed, 1 otherwise.
@@ -23,7 +23,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })?,
         None => serde_json::json!({"hello": "world"}),
     };
-    let session = args.next().unwrap_or_else(|| "example".to_string());
+    let session = args.next().unwrap_or_else(|| "s-1".to_string());
     let url = std::env::var("TURND_URL").unwrap_or_else(|_| "ws://127.0.0.1:7420/v1".to_string());
     let token = std::env::var("TURND_TOKEN").ok().filter(|t| !t.is_empty());
 
