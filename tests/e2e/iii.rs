@@ -835,3 +835,47 @@ async fn topic_stats_of_a_queue_named_call_counts_no_calls() -> anyhow::Result<(
     }
     d.shutdown().await
 }
+
+#[tokio::test]
+async fn a_held_session_leaves_freed_capacity_to_sessions_that_can_take_it() -> anyhow::Result<()> {
+    let d = start(|c| {
+        c.turns.cancel_grace_ms = 200;
+        c.iii.concurrency = 1;
+    })
+    .await?;
+    let url = iii_url(&d);
+    let (mut caller, _) =
+        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
+    let (mut w, _) = open_with(&url, json!({"type": "registerfunction", "id": "fifo::f"})).await?;
+    served(&d, "fifo::f", true).await?;
+    builtin(
+        &mut caller,
+        "define",
+        "queue::define",
+        json!({"queue": "orders", "config": {"type": "fifo", "message_group_field": "g", "timeout_ms": 60_000}}),
+    )
+    .await?;
+    let v1 = d.caller().await?;
+    // Group a: its first message stopped while its handler runs on; the second held.
+    let t1 = receipt(&mut caller, "a1", json!({"g": "a", "n": 1})).await?;
+    let t2 = receipt(&mut caller, "a2", json!({"g": "a", "n": 2})).await?;
+    recv_type(&mut w, "invokefunction").await?;
+    v1.stop(&t1, "enough").await?;
+    turnd_tests::wait_done(&v1, &t1, 5).await?;
+    turnd_tests::eventually(5, "the second message held", || async {
+        let t = v1.get(&t2).await.ok()?;
+        (t.wait?.state == turnd_proto::WaitState::Held).then_some(())
+    })
+    .await?;
+    // The worker's one slot: group b takes it, group c waits for it.
+    receipt(&mut caller, "b1", json!({"g": "b"})).await?;
+    let b = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(b["data"]["g"], "b");
+    receipt(&mut caller, "c1", json!({"g": "c"})).await?;
+    quiet(&mut w, "invokefunction", 300).await?;
+    // The slot frees: it goes to group c, not to the held group.
+    reply(&mut w, &b, json!({})).await?;
+    let c = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(c["data"]["g"], "c");
+    d.shutdown().await
+}
