@@ -879,3 +879,60 @@ async fn a_held_session_leaves_freed_capacity_to_sessions_that_can_take_it() -> 
     assert_eq!(c["data"]["g"], "c");
     d.shutdown().await
 }
+
+#[tokio::test]
+async fn a_hold_lasts_across_a_restart_and_the_reattached_workers_result_ends_it(
+) -> anyhow::Result<()> {
+    let dir = Arc::new(tempfile::tempdir()?);
+    let cfg = |c: &mut turnd_server::Config| {
+        c.iii.listen = Some("127.0.0.1:0".into());
+        c.turns.cancel_grace_ms = 200;
+        c.turns.reconnect_grace_ms = 5_000;
+    };
+    let d = TestDaemon::start_in(dir.clone(), cfg, false).await?;
+    let url = iii_url(&d);
+    let (mut caller, _) =
+        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
+    let (mut w, reg) =
+        open_with(&url, json!({"type": "registerfunction", "id": "fifo::f"})).await?;
+    served(&d, "fifo::f", true).await?;
+    builtin(
+        &mut caller,
+        "define",
+        "queue::define",
+        json!({"queue": "orders", "config": {"type": "fifo", "message_group_field": "g", "timeout_ms": 60_000}}),
+    )
+    .await?;
+    let v1 = d.caller().await?;
+    let t1 = receipt(&mut caller, "a1", json!({"g": "a", "n": 1})).await?;
+    let t2 = receipt(&mut caller, "a2", json!({"g": "a", "n": 2})).await?;
+    let first = recv_type(&mut w, "invokefunction").await?;
+    v1.stop(&t1, "enough").await?;
+    turnd_tests::wait_done(&v1, &t1, 5).await?;
+    let before = v1.get(&t2).await?.wait.context("a wait")?;
+    assert_eq!(before.state, turnd_proto::WaitState::Held);
+    drop((caller, w, v1));
+    d.shutdown().await?;
+
+    // After the restart the next message is still held, to the same deadline.
+    let d = TestDaemon::start_in(dir, cfg, false).await?;
+    let url = iii_url(&d);
+    let v1 = d.caller().await?;
+    let after = v1.get(&t2).await?.wait.context("a wait")?;
+    assert_eq!(after.state, turnd_proto::WaitState::Held, "{after:?}");
+    assert_eq!(after.deadline_ms, before.deadline_ms);
+    // The worker reattaches and sends the stopped handler's result: the hold ends.
+    let (mut w, _) = open_with(
+        &url,
+        json!({"type": "reattach", "previous_worker_id": reg["worker_id"], "reattach_token": reg["reattach_token"]}),
+    )
+    .await?;
+    send(&mut w, json!({"type": "registerfunction", "id": "fifo::f"})).await?;
+    served(&d, "fifo::f", true).await?;
+    quiet(&mut w, "invokefunction", 300).await?;
+    reply(&mut w, &first, json!({"n": 1})).await?;
+    let second = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(second["data"]["n"], 2);
+    assert_eq!(v1.get(&t1).await?.status, TurnStatus::Cancelled);
+    d.shutdown().await
+}
