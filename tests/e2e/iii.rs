@@ -424,6 +424,31 @@ async fn served(d: &TestDaemon, function_id: &str, yes: bool) -> anyhow::Result<
     .await
 }
 
+/// A caller's connection and a worker's that serves `function_id`, on `d`.
+async fn with_worker(d: &TestDaemon, function_id: &str) -> anyhow::Result<(Ws, Ws, Value)> {
+    let url = iii_url(d);
+    let (caller, _) = open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
+    let (w, reg) = open_with(&url, json!({"type": "registerfunction", "id": function_id})).await?;
+    served(d, function_id, true).await?;
+    Ok((caller, w, reg))
+}
+
+/// Define the fifo queue `orders` (group field `g`) with `extra` in its config.
+async fn define_orders(caller: &mut Ws, extra: Value) -> anyhow::Result<()> {
+    let mut config = json!({"type": "fifo", "message_group_field": "g"});
+    if let (Some(c), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(extra.clone());
+    }
+    builtin(
+        caller,
+        "define",
+        "queue::define",
+        json!({"queue": "orders", "config": config}),
+    )
+    .await?;
+    Ok(())
+}
+
 /// Every session with unfinished work, as `sessions.list` answers.
 async fn waiting_sessions(d: &TestDaemon) -> anyhow::Result<Vec<turnd_proto::SessionRow>> {
     let c = d.caller().await?;
@@ -500,10 +525,7 @@ async fn a_call_waits_the_grace_for_a_worker_that_may_be_reattaching() -> anyhow
     })
     .await?;
     let url = iii_url(&d);
-    let (mut caller, _) =
-        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    let (w, reg) = open_with(&url, json!({"type": "registerfunction", "id": "back::f"})).await?;
-    served(&d, "back::f", true).await?;
+    let (mut caller, w, reg) = with_worker(&d, "back::f").await?;
     drop(w);
     served(&d, "back::f", false).await?;
     // The worker left a moment ago: the call waits for it instead of failing.
@@ -554,11 +576,7 @@ async fn a_call_is_never_dispatched_after_its_dispatch_bound() -> anyhow::Result
         c.iii.call_dispatch_timeout_ms = 400;
     })
     .await?;
-    let url = iii_url(&d);
-    let (mut caller, _) =
-        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    let (mut w, _) = open_with(&url, json!({"type": "registerfunction", "id": "one::f"})).await?;
-    served(&d, "one::f", true).await?;
+    let (mut caller, mut w, _) = with_worker(&d, "one::f").await?;
     send(&mut caller, call("c1", "one::f", json!({"n": 1}))).await?;
     let first = recv_type(&mut w, "invokefunction").await?;
     // The worker's one slot is taken: the second call waits, then gives up.
@@ -583,11 +601,7 @@ async fn a_call_is_never_dispatched_after_its_dispatch_bound() -> anyhow::Result
 async fn a_call_runs_past_the_turns_default_deadline() -> anyhow::Result<()> {
     // turns.default_timeout_ms scaled down to 200 ms stands for its 30 s default.
     let d = start(|c| c.turns.default_timeout_ms = 200).await?;
-    let url = iii_url(&d);
-    let (mut caller, _) =
-        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    let (mut w, _) = open_with(&url, json!({"type": "registerfunction", "id": "long::f"})).await?;
-    served(&d, "long::f", true).await?;
+    let (mut caller, mut w, _) = with_worker(&d, "long::f").await?;
     send(&mut caller, call("c1", "long::f", json!({}))).await?;
     let inv = recv_type(&mut w, "invokefunction").await?;
     let deadline = inv["metadata"]["turnd"]["deadline_ms"]
@@ -606,30 +620,43 @@ async fn a_call_runs_past_the_turns_default_deadline() -> anyhow::Result<()> {
     d.shutdown().await
 }
 
-/// A daemon with a worker serving `fifo::f`, a caller, and a fifo queue `orders`
-/// (group field `g`) defined with `config` merged in.
+/// A daemon (a short cancel grace, then `f`) with a worker serving `fifo::f`, a
+/// caller, a protocol-v1 client, and the fifo queue `orders` with `extra` in its
+/// config.
 async fn fifo_setup(
-    queue_config: Value,
+    f: impl FnOnce(&mut turnd_server::Config),
+    extra: Value,
 ) -> anyhow::Result<(TestDaemon, Ws, Ws, turnd_client::Caller)> {
-    let d = start(|c| c.turns.cancel_grace_ms = 200).await?;
-    let url = iii_url(&d);
-    let (mut caller, _) =
-        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    let (w, _) = open_with(&url, json!({"type": "registerfunction", "id": "fifo::f"})).await?;
-    served(&d, "fifo::f", true).await?;
-    let mut config = json!({"type": "fifo", "message_group_field": "g"});
-    if let (Some(c), Some(extra)) = (config.as_object_mut(), queue_config.as_object()) {
-        c.extend(extra.clone());
-    }
-    builtin(
-        &mut caller,
-        "define",
-        "queue::define",
-        json!({"queue": "orders", "config": config}),
-    )
+    let d = start(|c| {
+        c.turns.cancel_grace_ms = 200;
+        f(c)
+    })
     .await?;
+    let (mut caller, w, _) = with_worker(&d, "fifo::f").await?;
+    define_orders(&mut caller, extra).await?;
     let v1 = d.caller().await?;
     Ok((d, caller, w, v1))
+}
+
+/// Enqueue two messages of group `a` of `orders`, stop the first once its handler
+/// started, and wait until the second is held: the two turns and the first's
+/// `invokefunction`.
+async fn hold_group_a(
+    caller: &mut Ws,
+    w: &mut Ws,
+    v1: &turnd_client::Caller,
+) -> anyhow::Result<(String, String, Value)> {
+    let t1 = receipt(caller, "a1", json!({"g": "a", "n": 1})).await?;
+    let t2 = receipt(caller, "a2", json!({"g": "a", "n": 2})).await?;
+    let first = recv_type(w, "invokefunction").await?;
+    v1.stop(&t1, "enough").await?;
+    turnd_tests::wait_done(v1, &t1, 5).await?;
+    turnd_tests::eventually(5, "the second message held", || async {
+        let t = v1.get(&t2).await.ok()?;
+        (t.wait?.state == turnd_proto::WaitState::Held).then_some(())
+    })
+    .await?;
+    Ok((t1, t2, first))
 }
 
 async fn receipt(caller: &mut Ws, id: &str, data: Value) -> anyhow::Result<String> {
@@ -643,7 +670,7 @@ async fn receipt(caller: &mut Ws, id: &str, data: Value) -> anyhow::Result<Strin
 
 #[tokio::test]
 async fn a_stopped_fifo_message_holds_its_group_until_its_result() -> anyhow::Result<()> {
-    let (d, mut caller, mut w, v1) = fifo_setup(json!({"timeout_ms": 60_000})).await?;
+    let (d, mut caller, mut w, v1) = fifo_setup(|_| {}, json!({"timeout_ms": 60_000})).await?;
     let t1 = receipt(&mut caller, "m1", json!({"g": "a", "n": 1})).await?;
     let t2 = receipt(&mut caller, "m2", json!({"g": "a", "n": 2})).await?;
     let first = recv_type(&mut w, "invokefunction").await?;
@@ -689,7 +716,7 @@ async fn a_stopped_fifo_message_holds_its_group_until_its_result() -> anyhow::Re
 #[tokio::test]
 async fn a_stopped_fifo_message_without_a_result_holds_its_group_until_its_deadline(
 ) -> anyhow::Result<()> {
-    let (d, mut caller, mut w, v1) = fifo_setup(json!({"timeout_ms": 1_500})).await?;
+    let (d, mut caller, mut w, v1) = fifo_setup(|_| {}, json!({"timeout_ms": 1_500})).await?;
     let t1 = receipt(&mut caller, "m1", json!({"g": "a", "n": 1})).await?;
     receipt(&mut caller, "m2", json!({"g": "a", "n": 2})).await?;
     let first = recv_type(&mut w, "invokefunction").await?;
@@ -719,7 +746,7 @@ async fn a_stopped_fifo_message_without_a_result_holds_its_group_until_its_deadl
 #[tokio::test]
 async fn a_queues_retries_come_from_its_definition_and_the_rest_is_refused() -> anyhow::Result<()> {
     let (d, mut caller, mut w, v1) =
-        fifo_setup(json!({"max_retries": 2, "backoff_ms": 100})).await?;
+        fifo_setup(|_| {}, json!({"max_retries": 2, "backoff_ms": 100})).await?;
     for (n, refused) in [
         (1, json!({"concurrency": 10})),
         (2, json!({"poll_interval_ms": 100})),
@@ -779,11 +806,7 @@ async fn a_queues_retries_come_from_its_definition_and_the_rest_is_refused() -> 
 #[tokio::test]
 async fn topic_stats_of_a_queue_named_call_counts_no_calls() -> anyhow::Result<()> {
     let d = start(|_| {}).await?;
-    let url = iii_url(&d);
-    let (mut caller, _) =
-        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    let (mut w, _) = open_with(&url, json!({"type": "registerfunction", "id": "slow::f"})).await?;
-    served(&d, "slow::f", true).await?;
+    let (mut caller, mut w, _) = with_worker(&d, "slow::f").await?;
     builtin(
         &mut caller,
         "d",
@@ -838,35 +861,10 @@ async fn topic_stats_of_a_queue_named_call_counts_no_calls() -> anyhow::Result<(
 
 #[tokio::test]
 async fn a_held_session_leaves_freed_capacity_to_sessions_that_can_take_it() -> anyhow::Result<()> {
-    let d = start(|c| {
-        c.turns.cancel_grace_ms = 200;
-        c.iii.concurrency = 1;
-    })
-    .await?;
-    let url = iii_url(&d);
-    let (mut caller, _) =
-        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    let (mut w, _) = open_with(&url, json!({"type": "registerfunction", "id": "fifo::f"})).await?;
-    served(&d, "fifo::f", true).await?;
-    builtin(
-        &mut caller,
-        "define",
-        "queue::define",
-        json!({"queue": "orders", "config": {"type": "fifo", "message_group_field": "g", "timeout_ms": 60_000}}),
-    )
-    .await?;
-    let v1 = d.caller().await?;
+    let (d, mut caller, mut w, v1) =
+        fifo_setup(|c| c.iii.concurrency = 1, json!({"timeout_ms": 60_000})).await?;
     // Group a: its first message stopped while its handler runs on; the second held.
-    let t1 = receipt(&mut caller, "a1", json!({"g": "a", "n": 1})).await?;
-    let t2 = receipt(&mut caller, "a2", json!({"g": "a", "n": 2})).await?;
-    recv_type(&mut w, "invokefunction").await?;
-    v1.stop(&t1, "enough").await?;
-    turnd_tests::wait_done(&v1, &t1, 5).await?;
-    turnd_tests::eventually(5, "the second message held", || async {
-        let t = v1.get(&t2).await.ok()?;
-        (t.wait?.state == turnd_proto::WaitState::Held).then_some(())
-    })
-    .await?;
+    hold_group_a(&mut caller, &mut w, &v1).await?;
     // The worker's one slot: group b takes it, group c waits for it.
     receipt(&mut caller, "b1", json!({"g": "b"})).await?;
     let b = recv_type(&mut w, "invokefunction").await?;
@@ -890,27 +888,11 @@ async fn a_hold_lasts_across_a_restart_and_the_reattached_workers_result_ends_it
         c.turns.reconnect_grace_ms = 5_000;
     };
     let d = TestDaemon::start_in(dir.clone(), cfg, false).await?;
-    let url = iii_url(&d);
-    let (mut caller, _) =
-        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    let (mut w, reg) =
-        open_with(&url, json!({"type": "registerfunction", "id": "fifo::f"})).await?;
-    served(&d, "fifo::f", true).await?;
-    builtin(
-        &mut caller,
-        "define",
-        "queue::define",
-        json!({"queue": "orders", "config": {"type": "fifo", "message_group_field": "g", "timeout_ms": 60_000}}),
-    )
-    .await?;
+    let (mut caller, mut w, reg) = with_worker(&d, "fifo::f").await?;
+    define_orders(&mut caller, json!({"timeout_ms": 60_000})).await?;
     let v1 = d.caller().await?;
-    let t1 = receipt(&mut caller, "a1", json!({"g": "a", "n": 1})).await?;
-    let t2 = receipt(&mut caller, "a2", json!({"g": "a", "n": 2})).await?;
-    let first = recv_type(&mut w, "invokefunction").await?;
-    v1.stop(&t1, "enough").await?;
-    turnd_tests::wait_done(&v1, &t1, 5).await?;
+    let (t1, t2, first) = hold_group_a(&mut caller, &mut w, &v1).await?;
     let before = v1.get(&t2).await?.wait.context("a wait")?;
-    assert_eq!(before.state, turnd_proto::WaitState::Held);
     drop((caller, w, v1));
     d.shutdown().await?;
 
