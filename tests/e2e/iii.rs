@@ -1,7 +1,9 @@
 //! The iii endpoint through raw iii frames against the real daemon: who may connect,
 //! reattach tokens (forged, valid, after a restart), tolerance of every other
-//! message, and an iii worker's deadline going straight to outcome unknown. The
-//! real SDKs' tests are in tests/iii (Node and Python).
+//! message, an iii worker's deadline going straight to outcome unknown, calls of
+//! functions nobody serves, the session held while a stopped invocation may still
+//! run, and queues' settings. The real SDKs' tests are in tests/iii (Node and
+//! Python).
 
 #![allow(
     clippy::too_many_lines,
@@ -316,14 +318,21 @@ async fn an_unanswered_invocation_is_an_unknown_outcome_at_its_deadline_without_
 
 #[tokio::test]
 async fn triggers_in_flight_per_connection_are_bounded() -> anyhow::Result<()> {
-    let d = start(|_| {}).await?;
+    let d = start(|c| {
+        c.iii.concurrency = 1;
+        c.iii.call_dispatch_timeout_ms = 60_000;
+    })
+    .await?;
     let url = iii_url(&d);
+    // A worker that takes one call and never answers: every other call waits for it,
+    // holding its place.
+    let (_worker, _) =
+        open_with(&url, json!({"type": "registerfunction", "id": "busy::f"})).await?;
     let (mut ws, _) = open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
-    // No worker serves the function: every sync call stays running, holding its place.
     for n in 1..=1030 {
         send(
             &mut ws,
-            json!({"type": "invokefunction", "invocation_id": format!("c{n}"), "function_id": "nobody::serves", "data": {}}),
+            json!({"type": "invokefunction", "invocation_id": format!("c{n}"), "function_id": "busy::f", "data": {}}),
         )
         .await?;
     }
@@ -356,4 +365,556 @@ async fn a_daemon_shutdown_closes_iii_connections_with_1001() -> anyhow::Result<
     assert_eq!(code, 1001, "server closing");
     stopping.await??;
     Ok(())
+}
+
+/// A sync call's `invokefunction`.
+fn call(id: &str, function_id: &str, data: Value) -> Value {
+    json!({"type": "invokefunction", "invocation_id": id, "function_id": function_id, "data": data})
+}
+
+/// An enqueue's `invokefunction`.
+fn enqueue(id: &str, function_id: &str, queue: &str, data: Value) -> Value {
+    json!({"type": "invokefunction", "invocation_id": id, "function_id": function_id, "data": data, "action": {"type": "enqueue", "queue": queue}})
+}
+
+/// The `invocationresult` answering `id` (other frames skipped).
+async fn answer(ws: &mut Ws, id: &str) -> anyhow::Result<Value> {
+    loop {
+        let f = recv_type(ws, "invocationresult").await?;
+        if f["invocation_id"] == id {
+            return Ok(f);
+        }
+    }
+}
+
+/// Call a function the endpoint serves itself and return its `result`.
+async fn builtin(ws: &mut Ws, id: &str, function_id: &str, data: Value) -> anyhow::Result<Value> {
+    send(ws, call(id, function_id, data)).await?;
+    let r = answer(ws, id).await?;
+    if !r["error"].is_null() {
+        bail!("{function_id}: {}", r["error"]);
+    }
+    Ok(r["result"].clone())
+}
+
+/// Fail when a frame of type `ty` arrives within `ms`.
+async fn quiet(ws: &mut Ws, ty: &str, ms: u64) -> anyhow::Result<()> {
+    match tokio::time::timeout(Duration::from_millis(ms), recv_type(ws, ty)).await {
+        Ok(Ok(f)) => bail!("a {ty} arrived: {f}"),
+        Ok(Err(e)) => bail!("the connection failed: {e}"),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Send the worker's result for an `invokefunction`.
+async fn reply(ws: &mut Ws, inv: &Value, result: Value) -> anyhow::Result<()> {
+    send(
+        ws,
+        json!({"type": "invocationresult", "invocation_id": inv["invocation_id"], "function_id": inv["function_id"], "result": result}),
+    )
+    .await
+}
+
+/// Wait until a connected worker serves `function_id` (or, `false`, none does).
+async fn served(d: &TestDaemon, function_id: &str, yes: bool) -> anyhow::Result<()> {
+    turnd_tests::eventually(5, "the registry to follow the worker", || async {
+        let s = d.engine().supply(function_id);
+        ((s.connected > 0) == yes).then_some(())
+    })
+    .await
+}
+
+/// A caller's connection and a worker's that serves `function_id`, on `d`.
+async fn with_worker(d: &TestDaemon, function_id: &str) -> anyhow::Result<(Ws, Ws, Value)> {
+    let url = iii_url(d);
+    let (caller, _) = open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
+    let (w, reg) = open_with(&url, json!({"type": "registerfunction", "id": function_id})).await?;
+    served(d, function_id, true).await?;
+    Ok((caller, w, reg))
+}
+
+/// Define the fifo queue `orders` (group field `g`) with `extra` in its config.
+async fn define_orders(caller: &mut Ws, extra: Value) -> anyhow::Result<()> {
+    let mut config = json!({"type": "fifo", "message_group_field": "g"});
+    if let (Some(c), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(extra.clone());
+    }
+    builtin(
+        caller,
+        "define",
+        "queue::define",
+        json!({"queue": "orders", "config": config}),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Every session with unfinished work, as `sessions.list` answers.
+async fn waiting_sessions(d: &TestDaemon) -> anyhow::Result<Vec<turnd_proto::SessionRow>> {
+    let c = d.caller().await?;
+    Ok(c.sessions(&turnd_proto::SessionsListArgs::default())
+        .await?
+        .sessions)
+}
+
+#[tokio::test]
+async fn a_call_nobody_serves_is_answered_at_once_and_never_runs_later() -> anyhow::Result<()> {
+    let d = start(|_| {}).await?;
+    let url = iii_url(&d);
+    let (mut caller, _) =
+        open_with(&url, json!({"type": "registertriggertype", "id": "t"})).await?;
+    let t0 = Instant::now();
+    send(&mut caller, call("c1", "nobody::home", json!({"stale": 1}))).await?;
+    let r = answer(&mut caller, "c1").await?;
+    assert_eq!(r["error"]["code"], "function_not_found", "{r}");
+    assert_eq!(r["error"]["message"], "Function nobody::home not found");
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    send(
+        &mut caller,
+        json!({"type": "invokefunction", "function_id": "nobody::home", "data": {"stale": 2}, "action": {"type": "void"}}),
+    )
+    .await?;
+    // iii's own functions and a function registered over HTTP: named in the answer.
+    let (mut web, _) = open_with(
+        &url,
+        json!({"type": "registerfunction", "id": "web::hook", "invocation": {"url": "http://127.0.0.1:9/"}}),
+    )
+    .await?;
+    // Frames of one connection are taken in order: once this is answered, the
+    // registration was read.
+    builtin(&mut web, "w1", "engine::workers::register", json!({})).await?;
+    for (id, f, says) in [
+        ("c2", "state::set", "state functions"),
+        ("c3", "stream::set", "stream functions"),
+        ("c4", "publish", "pub/sub"),
+        ("c5", "web::hook", "HTTP-invoked"),
+    ] {
+        send(&mut caller, call(id, f, json!({}))).await?;
+        let r = answer(&mut caller, id).await?;
+        assert_eq!(r["error"]["code"], "function_not_found", "{r}");
+        let message = r["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains(says), "{message}");
+    }
+    // Nothing was admitted: no session waits for a worker.
+    assert_eq!(waiting_sessions(&d).await?, vec![]);
+    // A worker that registers the function afterwards never gets the abandoned calls.
+    let (mut w, _) = open_with(
+        &url,
+        json!({"type": "registerfunction", "id": "nobody::home"}),
+    )
+    .await?;
+    quiet(&mut w, "invokefunction", 500).await?;
+    // A call now runs, in a session no queue's can be.
+    send(&mut caller, call("c6", "nobody::home", json!({"n": 6}))).await?;
+    let inv = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(inv["data"], json!({"n": 6}));
+    let session = inv["metadata"]["turnd"]["session_id"]
+        .as_str()
+        .unwrap_or("");
+    assert_eq!(session, "call/c6");
+    reply(&mut w, &inv, json!({"ok": 6})).await?;
+    assert_eq!(answer(&mut caller, "c6").await?["result"], json!({"ok": 6}));
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn a_call_waits_the_grace_for_a_worker_that_may_be_reattaching() -> anyhow::Result<()> {
+    let d = start(|c| {
+        c.turns.reconnect_grace_ms = 5_000;
+        c.iii.call_grace_ms = 1_500;
+    })
+    .await?;
+    let url = iii_url(&d);
+    let (mut caller, w, reg) = with_worker(&d, "back::f").await?;
+    drop(w);
+    served(&d, "back::f", false).await?;
+    // The worker left a moment ago: the call waits for it instead of failing.
+    send(&mut caller, call("c1", "back::f", json!({"n": 1}))).await?;
+    quiet(&mut caller, "invocationresult", 300).await?;
+    let (mut w, again) = open_with(
+        &url,
+        json!({"type": "reattach", "previous_worker_id": reg["worker_id"], "reattach_token": reg["reattach_token"]}),
+    )
+    .await?;
+    assert_eq!(again["worker_id"], reg["worker_id"]);
+    send(&mut w, json!({"type": "registerfunction", "id": "back::f"})).await?;
+    let inv = recv_type(&mut w, "invokefunction").await?;
+    reply(&mut w, &inv, json!({"back": true})).await?;
+    assert_eq!(
+        answer(&mut caller, "c1").await?["result"],
+        json!({"back": true})
+    );
+    // It does not come back within the grace: function_not_found, nothing left waiting.
+    drop(w);
+    served(&d, "back::f", false).await?;
+    let t0 = Instant::now();
+    send(&mut caller, call("c2", "back::f", json!({"n": 2}))).await?;
+    let r = answer(&mut caller, "c2").await?;
+    let waited = t0.elapsed();
+    assert_eq!(r["error"]["code"], "function_not_found", "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("call_grace_ms")),
+        "{r}"
+    );
+    assert!(
+        waited >= Duration::from_millis(1_400) && waited < Duration::from_secs(4),
+        "{waited:?}"
+    );
+    assert_eq!(waiting_sessions(&d).await?, vec![]);
+    // A worker that registers it later never gets that call.
+    let (mut w, _) = open_with(&url, json!({"type": "registerfunction", "id": "back::f"})).await?;
+    quiet(&mut w, "invokefunction", 500).await?;
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn a_call_is_never_dispatched_after_its_dispatch_bound() -> anyhow::Result<()> {
+    let d = start(|c| {
+        c.iii.concurrency = 1;
+        c.iii.call_dispatch_timeout_ms = 400;
+    })
+    .await?;
+    let (mut caller, mut w, _) = with_worker(&d, "one::f").await?;
+    send(&mut caller, call("c1", "one::f", json!({"n": 1}))).await?;
+    let first = recv_type(&mut w, "invokefunction").await?;
+    // The worker's one slot is taken: the second call waits, then gives up.
+    let t0 = Instant::now();
+    send(&mut caller, call("c2", "one::f", json!({"n": 2}))).await?;
+    let r = answer(&mut caller, "c2").await?;
+    assert_eq!(r["error"]["code"], "no_worker", "{r}");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(350),
+        "{:?}",
+        t0.elapsed()
+    );
+    // The slot frees up: the second call is not run after its caller was answered.
+    reply(&mut w, &first, json!({"n": 1})).await?;
+    assert_eq!(answer(&mut caller, "c1").await?["result"], json!({"n": 1}));
+    quiet(&mut w, "invokefunction", 500).await?;
+    assert_eq!(waiting_sessions(&d).await?, vec![]);
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn a_call_runs_past_the_turns_default_deadline() -> anyhow::Result<()> {
+    // turns.default_timeout_ms scaled down to 200 ms stands for its 30 s default.
+    let d = start(|c| c.turns.default_timeout_ms = 200).await?;
+    let (mut caller, mut w, _) = with_worker(&d, "long::f").await?;
+    send(&mut caller, call("c1", "long::f", json!({}))).await?;
+    let inv = recv_type(&mut w, "invokefunction").await?;
+    let deadline = inv["metadata"]["turnd"]["deadline_ms"]
+        .as_u64()
+        .unwrap_or(0);
+    let now = d.engine().now_ms();
+    assert!(
+        deadline >= now + 29 * 60_000,
+        "the deadline is iii's 30 minutes, not turns.default_timeout_ms: {}",
+        deadline.saturating_sub(now)
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    reply(&mut w, &inv, json!({"long": true})).await?;
+    let r = answer(&mut caller, "c1").await?;
+    assert_eq!(r["result"], json!({"long": true}), "{r}");
+    d.shutdown().await
+}
+
+/// A daemon (a short cancel grace, then `f`) with a worker serving `fifo::f`, a
+/// caller, a protocol-v1 client, and the fifo queue `orders` with `extra` in its
+/// config.
+async fn fifo_setup(
+    f: impl FnOnce(&mut turnd_server::Config),
+    extra: Value,
+) -> anyhow::Result<(TestDaemon, Ws, Ws, turnd_client::Caller)> {
+    let d = start(|c| {
+        c.turns.cancel_grace_ms = 200;
+        f(c)
+    })
+    .await?;
+    let (mut caller, w, _) = with_worker(&d, "fifo::f").await?;
+    define_orders(&mut caller, extra).await?;
+    let v1 = d.caller().await?;
+    Ok((d, caller, w, v1))
+}
+
+/// Enqueue two messages of group `a` of `orders`, stop the first once its handler
+/// started, and wait until the second is held: the two turns and the first's
+/// `invokefunction`.
+async fn hold_group_a(
+    caller: &mut Ws,
+    w: &mut Ws,
+    v1: &turnd_client::Caller,
+) -> anyhow::Result<(String, String, Value)> {
+    let t1 = receipt(caller, "a1", json!({"g": "a", "n": 1})).await?;
+    let t2 = receipt(caller, "a2", json!({"g": "a", "n": 2})).await?;
+    let first = recv_type(w, "invokefunction").await?;
+    v1.stop(&t1, "enough").await?;
+    turnd_tests::wait_done(v1, &t1, 5).await?;
+    turnd_tests::eventually(5, "the second message held", || async {
+        let t = v1.get(&t2).await.ok()?;
+        (t.wait?.state == turnd_proto::WaitState::Held).then_some(())
+    })
+    .await?;
+    Ok((t1, t2, first))
+}
+
+async fn receipt(caller: &mut Ws, id: &str, data: Value) -> anyhow::Result<String> {
+    send(caller, enqueue(id, "fifo::f", "orders", data)).await?;
+    let r = answer(caller, id).await?;
+    Ok(r["result"]["messageReceiptId"]
+        .as_str()
+        .context("a receipt")?
+        .to_string())
+}
+
+#[tokio::test]
+async fn a_stopped_fifo_message_holds_its_group_until_its_result() -> anyhow::Result<()> {
+    let (d, mut caller, mut w, v1) = fifo_setup(|_| {}, json!({"timeout_ms": 60_000})).await?;
+    let t1 = receipt(&mut caller, "m1", json!({"g": "a", "n": 1})).await?;
+    let t2 = receipt(&mut caller, "m2", json!({"g": "a", "n": 2})).await?;
+    let first = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(first["data"]["n"], 1);
+    // The queue's timeout_ms is the delivery's deadline.
+    let deadline = first["metadata"]["turnd"]["deadline_ms"]
+        .as_u64()
+        .unwrap_or(0);
+    let left = deadline.saturating_sub(d.engine().now_ms());
+    assert!((50_000..=60_000).contains(&left), "{left}");
+    v1.stop(&t1, "enough").await?;
+    let stopped = turnd_tests::wait_done(&v1, &t1, 5).await?;
+    assert_eq!(stopped.status, TurnStatus::Cancelled);
+    assert_eq!(stopped.stop.map(|s| s.reason), Some("enough".into()));
+    // The handler may still run: the next message waits, visibly, for its result.
+    let next = v1.get(&t2).await?;
+    let wait = next.wait.context("a wait")?;
+    assert_eq!(wait.state, turnd_proto::WaitState::Held, "{wait:?}");
+    assert_eq!(
+        wait.invocation_id.as_ref(),
+        first["invocation_id"].as_str().map(String::from).as_ref()
+    );
+    assert_eq!(wait.deadline_ms, Some(deadline));
+    assert_eq!(wait.on_deadline, Some(turnd_proto::OnDeadline::Dispatch));
+    let rows = waiting_sessions(&d).await?;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].session_id, "orders:a");
+    assert_eq!(rows[0].wait.state, turnd_proto::WaitState::Held);
+    quiet(&mut w, "invokefunction", 500).await?;
+    // The stopped handler's result: the group moves on at once.
+    reply(&mut w, &first, json!({"n": 1})).await?;
+    let second = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(second["data"]["n"], 2);
+    assert_eq!(v1.get(&t1).await?.status, TurnStatus::Cancelled);
+    reply(&mut w, &second, json!({"n": 2})).await?;
+    assert_eq!(
+        turnd_tests::wait_done(&v1, &t2, 5).await?.status,
+        TurnStatus::Completed
+    );
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn a_stopped_fifo_message_without_a_result_holds_its_group_until_its_deadline(
+) -> anyhow::Result<()> {
+    let (d, mut caller, mut w, v1) = fifo_setup(|_| {}, json!({"timeout_ms": 1_500})).await?;
+    let t1 = receipt(&mut caller, "m1", json!({"g": "a", "n": 1})).await?;
+    receipt(&mut caller, "m2", json!({"g": "a", "n": 2})).await?;
+    let first = recv_type(&mut w, "invokefunction").await?;
+    let dispatched = Instant::now();
+    v1.stop(&t1, "enough").await?;
+    let second = recv_type(&mut w, "invokefunction").await?;
+    let after = dispatched.elapsed();
+    assert_eq!(second["data"]["n"], 2);
+    assert!(
+        after >= Duration::from_millis(1_400),
+        "the next message started {after:?} after the first, before its deadline"
+    );
+    // The first one's result comes after all: late, it changes nothing.
+    reply(&mut w, &first, json!({"n": 1})).await?;
+    let late = turnd_tests::eventually(5, "the late result", || async {
+        let ev = v1.events("orders:a", None, Some(1000)).await.ok()?.events;
+        ev.iter()
+            .any(|e| e.kind == turnd_proto::EventKind::LateResult)
+            .then_some(())
+    })
+    .await;
+    late?;
+    assert_eq!(v1.get(&t1).await?.status, TurnStatus::Cancelled);
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn a_queues_retries_come_from_its_definition_and_the_rest_is_refused() -> anyhow::Result<()> {
+    let (d, mut caller, mut w, v1) =
+        fifo_setup(|_| {}, json!({"max_retries": 2, "backoff_ms": 100})).await?;
+    for (n, refused) in [
+        (1, json!({"concurrency": 10})),
+        (2, json!({"poll_interval_ms": 100})),
+        (3, json!({"redeliver_on_engine_restart": true})),
+        (4, json!({"max_priority": 3, "priority_field": "p"})),
+    ] {
+        let field = refused
+            .as_object()
+            .and_then(|o| o.keys().next().cloned())
+            .unwrap_or_default();
+        let id = format!("d{n}");
+        send(
+            &mut caller,
+            call(
+                &id,
+                "queue::define",
+                json!({"queue": "other", "config": refused}),
+            ),
+        )
+        .await?;
+        let r = answer(&mut caller, &id).await?;
+        assert_eq!(r["error"]["code"], "invalid_queue_config", "{r}");
+        let message = r["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains(&format!("`{field}`")), "{message}");
+    }
+    // max_retries 2: three attempts of a failing handler, the retries backed off.
+    let t = receipt(&mut caller, "m1", json!({"g": "a"})).await?;
+    let mut at = Vec::new();
+    for attempt in 1..=3 {
+        let inv = recv_type(&mut w, "invokefunction").await?;
+        at.push(Instant::now());
+        assert_eq!(inv["metadata"]["turnd"]["attempt"], attempt);
+        send(
+            &mut w,
+            json!({"type": "invocationresult", "invocation_id": inv["invocation_id"], "function_id": "fifo::f", "error": {"code": "invocation_failed", "message": "boom"}}),
+        )
+        .await?;
+    }
+    quiet(&mut w, "invokefunction", 400).await?;
+    assert!(
+        at[1] - at[0] >= Duration::from_millis(90),
+        "{:?}",
+        at[1] - at[0]
+    );
+    assert!(
+        at[2] - at[1] >= Duration::from_millis(190),
+        "{:?}",
+        at[2] - at[1]
+    );
+    let done = turnd_tests::wait_done(&v1, &t, 5).await?;
+    let err = done.error.context("an error")?;
+    assert_eq!(err.cause, turnd_proto::ErrorCause::AttemptsExhausted);
+    assert_eq!(err.code, "invocation_failed");
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn topic_stats_of_a_queue_named_call_counts_no_calls() -> anyhow::Result<()> {
+    let d = start(|_| {}).await?;
+    let (mut caller, mut w, _) = with_worker(&d, "slow::f").await?;
+    builtin(
+        &mut caller,
+        "d",
+        "queue::define",
+        json!({"queue": "call", "config": {"type": "standard"}}),
+    )
+    .await?;
+    // A sync and a void call in flight.
+    send(&mut caller, call("c1", "slow::f", json!({}))).await?;
+    send(
+        &mut caller,
+        json!({"type": "invokefunction", "function_id": "slow::f", "data": {}, "action": {"type": "void"}}),
+    )
+    .await?;
+    let calls = [
+        recv_type(&mut w, "invokefunction").await?,
+        recv_type(&mut w, "invokefunction").await?,
+    ];
+    let stats = builtin(
+        &mut caller,
+        "s1",
+        "engine::queue::topic_stats",
+        json!({"queue": "call"}),
+    )
+    .await?;
+    assert_eq!(
+        (stats["depth"].as_u64(), stats["in_flight"].as_u64()),
+        (Some(0), Some(0)),
+        "{stats}"
+    );
+    // A message of the queue is counted.
+    send(&mut caller, enqueue("m1", "slow::f", "call", json!({}))).await?;
+    answer(&mut caller, "m1").await?;
+    let message = recv_type(&mut w, "invokefunction").await?;
+    let stats = builtin(
+        &mut caller,
+        "s2",
+        "engine::queue::topic_stats",
+        json!({"queue": "call"}),
+    )
+    .await?;
+    assert_eq!(
+        (stats["depth"].as_u64(), stats["in_flight"].as_u64()),
+        (Some(1), Some(1)),
+        "{stats}"
+    );
+    for inv in calls.iter().chain([&message]) {
+        reply(&mut w, inv, json!({})).await?;
+    }
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn a_held_session_leaves_freed_capacity_to_sessions_that_can_take_it() -> anyhow::Result<()> {
+    let (d, mut caller, mut w, v1) =
+        fifo_setup(|c| c.iii.concurrency = 1, json!({"timeout_ms": 60_000})).await?;
+    // Group a: its first message stopped while its handler runs on; the second held.
+    hold_group_a(&mut caller, &mut w, &v1).await?;
+    // The worker's one slot: group b takes it, group c waits for it.
+    receipt(&mut caller, "b1", json!({"g": "b"})).await?;
+    let b = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(b["data"]["g"], "b");
+    receipt(&mut caller, "c1", json!({"g": "c"})).await?;
+    quiet(&mut w, "invokefunction", 300).await?;
+    // The slot frees: it goes to group c, not to the held group.
+    reply(&mut w, &b, json!({})).await?;
+    let c = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(c["data"]["g"], "c");
+    d.shutdown().await
+}
+
+#[tokio::test]
+async fn a_hold_lasts_across_a_restart_and_the_reattached_workers_result_ends_it(
+) -> anyhow::Result<()> {
+    let dir = Arc::new(tempfile::tempdir()?);
+    let cfg = |c: &mut turnd_server::Config| {
+        c.iii.listen = Some("127.0.0.1:0".into());
+        c.turns.cancel_grace_ms = 200;
+        c.turns.reconnect_grace_ms = 5_000;
+    };
+    let d = TestDaemon::start_in(dir.clone(), cfg, false).await?;
+    let (mut caller, mut w, reg) = with_worker(&d, "fifo::f").await?;
+    define_orders(&mut caller, json!({"timeout_ms": 60_000})).await?;
+    let v1 = d.caller().await?;
+    let (t1, t2, first) = hold_group_a(&mut caller, &mut w, &v1).await?;
+    let before = v1.get(&t2).await?.wait.context("a wait")?;
+    drop((caller, w, v1));
+    d.shutdown().await?;
+
+    // After the restart the next message is still held, to the same deadline.
+    let d = TestDaemon::start_in(dir, cfg, false).await?;
+    let url = iii_url(&d);
+    let v1 = d.caller().await?;
+    let after = v1.get(&t2).await?.wait.context("a wait")?;
+    assert_eq!(after.state, turnd_proto::WaitState::Held, "{after:?}");
+    assert_eq!(after.deadline_ms, before.deadline_ms);
+    // The worker reattaches and sends the stopped handler's result: the hold ends.
+    let (mut w, _) = open_with(
+        &url,
+        json!({"type": "reattach", "previous_worker_id": reg["worker_id"], "reattach_token": reg["reattach_token"]}),
+    )
+    .await?;
+    send(&mut w, json!({"type": "registerfunction", "id": "fifo::f"})).await?;
+    served(&d, "fifo::f", true).await?;
+    quiet(&mut w, "invokefunction", 300).await?;
+    reply(&mut w, &first, json!({"n": 1})).await?;
+    let second = recv_type(&mut w, "invokefunction").await?;
+    assert_eq!(second["data"]["n"], 2);
+    assert_eq!(v1.get(&t1).await?.status, TurnStatus::Cancelled);
+    d.shutdown().await
 }

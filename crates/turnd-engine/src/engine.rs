@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use turnd_proto::*;
 use turnd_store::{
     check_store, FunctionSettings, InvState, InvWait, InvocationRecord, Phase, RawJson,
-    SessionMeta, Store, StoreError, TurnRecord,
+    SessionMeta, Store, StoreError, TurnDispatch, TurnRecord,
 };
 
 mod admission;
@@ -51,6 +51,7 @@ use crate::session::{to_turn, wait_of, Pending, SessionState, Tx};
 
 #[path = "sessions_list.rs"]
 mod sessions_list;
+pub use admission::SubmitOptions;
 pub(crate) use cells::shrink_after_burst;
 pub use sessions_list::{BlockedOn, LiveInvocation};
 

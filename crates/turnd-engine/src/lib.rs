@@ -23,6 +23,6 @@ mod session;
 
 pub use clock::Clock;
 pub use config::{EngineConfig, TurnsConfig};
-pub use engine::{fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation};
+pub use engine::{fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation, SubmitOptions};
 pub use error::{EngineError, EngineResult};
 pub use registry::{CloseReason, Outbox, WorkerCaps};

@@ -68,6 +68,9 @@ struct FunctionEntry {
 pub struct Supply {
     pub registered: bool,
     pub connected: u64,
+    /// When a connected worker last served it (Unix ms; 0: never): with none
+    /// connected, when the last one left.
+    pub served_ms: u64,
 }
 
 /// A reserved dispatch slot.

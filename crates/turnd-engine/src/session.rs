@@ -12,8 +12,8 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 use turnd_proto::{Delivery, Event, EventKind, OnDeadline, Turn, TurnStatus, Wait, WaitState};
 use turnd_store::{
-    Batch, FoldedTurn, IdempotencyRecord, InvWait, InvocationRecord, Phase, RawJson, SessionMeta,
-    TurnRecord,
+    Batch, FoldedTurn, Held, IdempotencyRecord, InvWait, InvocationRecord, Phase, RawJson,
+    SessionMeta, TurnRecord,
 };
 
 use crate::machine::{Effect, Slot, Want};
@@ -474,10 +474,33 @@ fn awaiting_worker(
         format!("{why} (waiting since {})", fmt_ms(t.phase_since_ms)),
         t.phase_since_ms,
     );
-    if let Some(d) = dispatch_timeout_ms {
-        w.deadline_ms = Some(t.phase_since_ms + d);
+    let by = t.dispatch.as_deref().and_then(|d| d.dispatch_by_ms);
+    let timeout = dispatch_timeout_ms.map(|d| t.phase_since_ms + d);
+    if let Some(d) = [by, timeout].into_iter().flatten().min() {
+        w.deadline_ms = Some(d);
         w.on_deadline = Some(OnDeadline::Fail);
     }
+    w
+}
+
+/// The wait of a lock holder the session's hold keeps back: an earlier turn's
+/// invocation, given up on a worker that cannot cancel it, may still be running.
+fn held_wait(t: &TurnRecord, held: &Held, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
+    let mut w = base_wait(
+        WaitState::Held,
+        format!(
+            "invocation {} of turn {} was given up on worker {}, which cannot cancel it, and may still be running; held until its result or its deadline at {}",
+            held.invocation_id,
+            held.turn_id,
+            held.worker_id,
+            fmt_ms(held.until_ms)
+        ),
+        held.since_ms.max(t.phase_since_ms),
+    );
+    w.deadline_ms = Some(held.until_ms);
+    w.on_deadline = Some(OnDeadline::Dispatch);
+    w.invocation_id = Some(held.invocation_id.clone());
+    w.worker_id = Some(held.worker_id.clone());
     w
 }
 
@@ -522,11 +545,17 @@ pub fn wait_of(
         w.last_error = Some(p.error.clone());
         return with_turn_deadline(w, t);
     }
-    let w = match t.phase {
-        Phase::Queued | Phase::AwaitingWorker | Phase::Done => {
+    let held = st
+        .meta
+        .held
+        .as_deref()
+        .filter(|_| crate::machine::held_until(&st.meta, t).is_some());
+    let w = match (held, t.phase) {
+        (Some(held), _) => held_wait(t, held, fmt_ms),
+        (None, Phase::Queued | Phase::AwaitingWorker | Phase::Done) => {
             awaiting_worker(t, dispatch_timeout_ms, fmt_ms, supply)
         }
-        Phase::BackingOff => {
+        (None, Phase::BackingOff) => {
             let mut w = base_wait(
                 WaitState::BackingOff,
                 format!(
@@ -543,7 +572,7 @@ pub fn wait_of(
             w.last_error = t.last_error.clone();
             w
         }
-        Phase::Invoked => match &st.inv {
+        (None, Phase::Invoked) => match &st.inv {
             Some(inv) => inv_wait(t, inv, fmt_ms),
             None => base_wait(
                 WaitState::AwaitingWorker,

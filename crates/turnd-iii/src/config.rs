@@ -1,4 +1,6 @@
-//! The `[iii]` section of turnd's configuration.
+//! The `[iii]` section of turnd's configuration: the endpoint's address and frame
+//! limit, how long a call may wait for a worker, and the dispatch settings of the
+//! functions iii workers register (iii sends none).
 
 use std::net::SocketAddr;
 
@@ -15,9 +17,17 @@ pub struct IiiConfig {
     pub listen: Option<String>,
     /// Largest frame accepted on the iii endpoint, in bytes.
     pub max_frame_bytes: u64,
+    /// A sync or void call still waiting for a worker this long fails (it is never
+    /// dispatched later).
+    pub call_dispatch_timeout_ms: u64,
+    /// How long a call of a function no connected worker serves waits for a worker
+    /// that served it and left less than `turns.reconnect_grace_ms` ago (it may be
+    /// reattaching; at most `call_dispatch_timeout_ms`); any other such call is
+    /// answered `function_not_found` at once.
+    pub call_grace_ms: u64,
     /// Defaults for every function an iii worker registers.
     pub concurrency: u32,
-    /// Attempt deadline; unset: `turns.default_timeout_ms`.
+    /// Attempt deadline; unset: [`DEFAULT_TIMEOUT_MS`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
     pub delivery: Delivery,
@@ -48,11 +58,22 @@ pub struct FunctionRule {
     pub retryable: Option<bool>,
 }
 
+/// The attempt deadline of a function an iii worker registers, unless `[iii]` sets
+/// one: 30 minutes, the longest iii itself lets a handler run by default (a queue
+/// delivery's `timeout_ms`; a call has no deadline at all in iii). An iii worker
+/// sends no heartbeat, so a shorter deadline would cut handlers iii lets finish.
+pub const DEFAULT_TIMEOUT_MS: u64 = 30 * 60 * 1000;
+
 impl Default for IiiConfig {
     fn default() -> Self {
         IiiConfig {
             listen: None,
             max_frame_bytes: 16 * 1024 * 1024,
+            // iii-sdk's default call timeout: a caller with the SDK's defaults has
+            // given up by then.
+            call_dispatch_timeout_ms: 30_000,
+            // About two of the SDK's first reconnect attempts (1 s ± 30 %).
+            call_grace_ms: 2_000,
             concurrency: 10,
             timeout_ms: None,
             delivery: Delivery::AtMostOnce,
@@ -88,7 +109,11 @@ impl IiiConfig {
             register: RegisterArgs {
                 function_id: function_id.to_string(),
                 concurrency: Some(rule.and_then(|r| r.concurrency).unwrap_or(self.concurrency)),
-                timeout_ms: pick(|r| r.timeout_ms).or(self.timeout_ms),
+                timeout_ms: Some(
+                    pick(|r| r.timeout_ms)
+                        .or(self.timeout_ms)
+                        .unwrap_or(DEFAULT_TIMEOUT_MS),
+                ),
                 delivery: Some(rule.and_then(|r| r.delivery).unwrap_or(self.delivery)),
                 max_attempts: rule.and_then(|r| r.max_attempts).or(self.max_attempts),
             },
@@ -106,6 +131,9 @@ impl IiiConfig {
         }
         if self.max_frame_bytes < 1024 {
             p.push("iii.max_frame_bytes must be at least 1024".into());
+        }
+        if self.call_dispatch_timeout_ms == 0 {
+            p.push("iii.call_dispatch_timeout_ms must be positive".into());
         }
         let check =
             |p: &mut Vec<String>, at: &str, c: Option<u32>, t: Option<u64>, a: Option<u32>| {
@@ -182,10 +210,15 @@ mod tests {
         assert!(ship.retryable);
         let other = cfg.settings("mail::send");
         assert_eq!(other.register.concurrency, Some(10));
+        assert_eq!(
+            IiiConfig::default().settings("x").register.timeout_ms,
+            Some(DEFAULT_TIMEOUT_MS)
+        );
         assert_eq!(other.register.max_attempts, None);
         assert!(cfg.problems().is_empty());
         let bad = IiiConfig {
             listen: Some("nope".into()),
+            call_dispatch_timeout_ms: 0,
             concurrency: 0,
             functions: vec![FunctionRule {
                 id: String::new(),
@@ -197,6 +230,6 @@ mod tests {
             }],
             ..IiiConfig::default()
         };
-        assert_eq!(bad.problems().len(), 5, "{:?}", bad.problems());
+        assert_eq!(bad.problems().len(), 6, "{:?}", bad.problems());
     }
 }

@@ -28,6 +28,8 @@ use turnd_proto::{
 use crate::wire::{self, Action, IiiError, Inbound, InvocationResult, InvokeFunction, Outbound};
 use crate::Iii;
 
+mod calls;
+
 /// Frames the engine may queue for one iii connection before it counts as a slow
 /// reader and is disconnected.
 const OUTBOX_FRAMES: usize = 4096;
@@ -377,37 +379,6 @@ fn translate_push(frame: &str) -> Option<String> {
     }
 }
 
-/// The iii answer to a finished turn.
-fn turn_answer(t: &Turn) -> (Option<Value>, Option<IiiError>) {
-    match t.status {
-        TurnStatus::Completed => (t.output.clone(), None),
-        TurnStatus::Cancelled => (
-            None,
-            Some(IiiError::new(
-                "cancelled",
-                t.stop
-                    .as_ref()
-                    .map(|s| s.reason.clone())
-                    .unwrap_or_else(|| "cancelled".into()),
-            )),
-        ),
-        _ => {
-            let (code, message) = match &t.error {
-                Some(e) if !e.code.is_empty() => (e.code.clone(), e.message.clone()),
-                Some(e) => (
-                    serde_json::to_value(e.cause)
-                        .ok()
-                        .and_then(|v| v.as_str().map(String::from))
-                        .unwrap_or_else(|| "failed".into()),
-                    e.message.clone(),
-                ),
-                None => ("failed".into(), "the turn failed".into()),
-            };
-            (None, Some(IiiError::new(&code, message)))
-        }
-    }
-}
-
 impl Conn {
     fn send(&self, f: Outbound) {
         match self.tx.try_send(f.encode()) {
@@ -465,6 +436,9 @@ impl Conn {
             }
             Inbound::RegisterFunction(r) => self.register(r).await,
             Inbound::UnregisterFunction { id } => {
+                if let Ok(mut h) = self.iii.http_functions.lock() {
+                    h.remove(&id);
+                }
                 if let Some(w) = self.worker_id() {
                     if let Err(e) = self.iii.engine.unregister(&w, &id) {
                         tracing::debug!(function_id = id, "iii unregisterfunction: {e}");
@@ -556,7 +530,10 @@ impl Conn {
 
     async fn register(&self, r: wire::RegisterFunction) {
         if r.invocation.is_some() {
-            tracing::warn!(peer = %self.peer, function_id = r.id, "iii function not registered: turnd does not invoke functions over HTTP");
+            tracing::warn!(peer = %self.peer, function_id = r.id, "iii function not registered: turnd does not invoke functions over HTTP; calls of it are answered function_not_found");
+            if let Ok(mut h) = self.iii.http_functions.lock() {
+                h.insert(r.id);
+            }
             return;
         }
         if !self.attach().await {
@@ -618,112 +595,6 @@ impl Conn {
                 "iii invocationresult not taken: {e}"
             ),
         }
-    }
-
-    /// Answer a caller's `invokefunction` (when it carries an `invocation_id`).
-    fn answer(&self, i: &InvokeFunction, r: Result<Option<Value>, IiiError>) {
-        let Some(id) = &i.invocation_id else {
-            if let Err(e) = r {
-                tracing::warn!(
-                    function_id = i.function_id,
-                    "iii void trigger failed: {}: {}",
-                    e.code,
-                    e.message
-                );
-            }
-            return;
-        };
-        let (result, error) = match r {
-            Ok(v) => (v, None),
-            Err(e) => (None, Some(e)),
-        };
-        self.send(Outbound::InvocationResult(InvocationResult {
-            invocation_id: id.clone(),
-            function_id: i.function_id.clone(),
-            result,
-            error,
-        }));
-    }
-
-    /// A caller's `invokefunction`: a built-in function, or a turn.
-    async fn trigger(self: Arc<Self>, i: InvokeFunction) {
-        let iii = &self.iii;
-        let r = match i.function_id.as_str() {
-            "engine::workers::register" => {
-                tracing::debug!(peer = %self.peer, worker_id = ?self.worker_id(), info = %i.data, "iii worker metadata");
-                Ok(Some(json!({})))
-            }
-            "queue::define" => iii.define_queue(i.data.clone()).await.map(Some),
-            "engine::queue::topic_stats" => iii.topic_stats(i.data.clone()).await.map(Some),
-            f if f.starts_with("engine::") => Err(IiiError::new(
-                "function_not_found",
-                format!("Function {f} not found"),
-            )),
-            _ => match &i.action {
-                None if i.invocation_id.is_some() => return self.call(i).await,
-                None | Some(Action::Void) => {
-                    let session = format!("call:{}", uuid::Uuid::new_v4());
-                    self.submit(&i, session).await.map(|_| None)
-                }
-                Some(Action::Enqueue { queue }) => {
-                    let message_id = i
-                        .invocation_id
-                        .clone()
-                        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-                    match iii.queue_session(queue, &i.data, &message_id) {
-                        Ok(session) => self
-                            .submit(&i, session)
-                            .await
-                            .map(|t| Some(json!({"messageReceiptId": t.turn_id}))),
-                        Err(e) => Err(e),
-                    }
-                }
-            },
-        };
-        self.answer(&i, r);
-    }
-
-    /// Admit the trigger as a one-step turn (idempotent on its `invocation_id`).
-    async fn submit(&self, i: &InvokeFunction, session_id: String) -> Result<Turn, IiiError> {
-        self.iii
-            .engine
-            .submit(SubmitArgs {
-                session_id,
-                function_id: i.function_id.clone(),
-                input: i.data.clone(),
-                idempotency_key: i.invocation_id.clone(),
-                turn_timeout_ms: None,
-            })
-            .await
-            .map(|ok| ok.turn)
-            .map_err(IiiError::from)
-    }
-
-    /// A sync trigger: the turn runs in a session of its own; its outcome is the
-    /// answer. Stops waiting (the turn goes on) when the caller's connection ends.
-    async fn call(&self, i: InvokeFunction) {
-        let Some(id) = i.invocation_id.clone() else {
-            return;
-        };
-        let turn = match self.submit(&i, format!("call:{id}")).await {
-            Ok(t) => t,
-            Err(e) => return self.answer(&i, Err(e)),
-        };
-        let mut t = turn;
-        while !t.status.is_terminal() {
-            let waited = tokio::select! {
-                w = self.iii.engine.wait_turn(&t.turn_id, Some(CALL_WAIT_MS)) => w,
-                _ = self.done.cancelled() => return,
-            };
-            match waited {
-                Ok(next) => t = next,
-                Err(e) => {
-                    return self.answer(&i, Err(IiiError::from(e)));
-                }
-            }
-        }
-        let (result, error) = turn_answer(&t);
-        self.answer(&i, error.map_or(Ok(result), Err));
     }
 }
 

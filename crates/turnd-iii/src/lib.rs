@@ -20,7 +20,7 @@ mod conn;
 pub mod queue;
 pub mod wire;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -54,6 +54,9 @@ pub struct Iii {
     key: hmac::Key,
     /// Every queue defined with `queue::define` (the store holds them; this is a copy).
     pub(crate) queues: Mutex<HashMap<String, QueueDef>>,
+    /// Functions workers registered as HTTP-invoked (not run by turnd), for the
+    /// answer to a call of one.
+    pub(crate) http_functions: Mutex<HashSet<String>>,
     /// Interval of the endpoint's WebSocket pings; a peer silent for 3× this is gone.
     pub(crate) heartbeat: Duration,
     /// Cancelled when connections must close.
@@ -92,6 +95,7 @@ impl Iii {
             tokens,
             key: hmac::Key::new(hmac::HMAC_SHA256, &secret),
             queues: Mutex::new(queues),
+            http_functions: Mutex::new(HashSet::new()),
             heartbeat,
             closing,
             conns: TaskTracker::new(),

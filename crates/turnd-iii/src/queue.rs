@@ -1,14 +1,16 @@
 //! iii queues on turnd: `queue::define` keeps a definition in the store; an enqueued
 //! message becomes a turn in a session derived from the queue (and, for a fifo
 //! queue, its message group), so a group runs one message at a time and groups run
-//! in parallel; `engine::queue::topic_stats` answers from the engine's live state.
+//! in parallel, with the queue's deadline and retries as the turn's own dispatch
+//! settings; `engine::queue::topic_stats` answers from the engine's live state.
 
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use turnd_proto::{SessionOrder, SessionsListArgs, PAGE_MAX};
-use turnd_store::{Batch, Store, StoreError};
+use turnd_engine::SubmitOptions;
+use turnd_proto::{Delivery, SessionOrder, SessionsListArgs, PAGE_MAX};
+use turnd_store::{Batch, Store, StoreError, TurnDispatch};
 
 use crate::store_key;
 use crate::wire::IiiError;
@@ -21,9 +23,11 @@ pub enum QueueType {
     Fifo,
 }
 
-/// A queue's `config` as iii's queue worker takes it. Only `type` and
-/// `message_group_field` change what turnd does; the other fields are kept and
-/// shown by `topic_stats` (turnd's own settings govern retries and deadlines).
+/// A queue's `config` as iii's queue worker takes it. `type` and
+/// `message_group_field` choose a message's session; `timeout_ms`, `max_retries`
+/// and `backoff_ms` become its turn's dispatch settings ([`QueueDef::submit_options`]).
+/// `queue::define` refuses the fields turnd has no counterpart for
+/// ([`QueueConfig::refused`]); definitions stored before that are still read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct QueueConfig {
@@ -54,6 +58,62 @@ pub struct QueueConfig {
 pub struct QueueDef {
     pub queue: String,
     pub config: QueueConfig,
+}
+
+impl QueueConfig {
+    /// The fields set that turnd does not honour, each with why; `queue::define`
+    /// refuses a config with any.
+    pub fn refused(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut no = |set: bool, why: &str| {
+            if set {
+                out.push(why.to_string());
+            }
+        };
+        no(self.concurrency.is_some(), "`concurrency`: turnd runs a queue's messages up to their function's concurrency per worker connection ([iii] concurrency, [[iii.functions]])");
+        no(self.poll_interval_ms.is_some(), "`poll_interval_ms`: turnd does not poll, it dispatches a message as soon as its group and a worker are free");
+        no(self.redeliver_on_engine_restart.is_some(), "`redeliver_on_engine_restart`: turnd keeps every message across its restarts and reconciles the delivery in flight itself (a reattaching worker keeps it; otherwise its outcome is unknown and `max_retries` applies)");
+        no(self.max_priority.is_some() || self.priority_field.is_some(), "`max_priority`/`priority_field`: turnd runs a group's messages in the order they were enqueued and has no priorities");
+        if self.timeout_ms == Some(0) {
+            out.push("`timeout_ms` must be positive".into());
+        }
+        if self.max_retries.is_some_and(|r| r > 999) {
+            out.push("`max_retries` must be at most 999 (1000 attempts)".into());
+        }
+        if self.backoff_ms == Some(0) {
+            out.push("`backoff_ms` must be positive".into());
+        }
+        out
+    }
+}
+
+impl QueueDef {
+    /// The dispatch settings of a message of this queue, in place of its function's:
+    /// `timeout_ms` is each delivery's deadline; `max_retries` N > 0 is
+    /// `at_least_once` with N + 1 attempts and every failure retried (as iii's queue
+    /// does), 0 is `at_most_once`, one attempt; `backoff_ms` is the first retry's
+    /// delay (doubled per retry, at most `turns.retry_backoff_max_ms`). A field left
+    /// out takes the function's setting from `[iii]`.
+    pub fn submit_options(&self) -> SubmitOptions {
+        let c = &self.config;
+        let dispatch = TurnDispatch {
+            timeout_ms: c.timeout_ms,
+            delivery: c.max_retries.map(|r| {
+                if r == 0 {
+                    Delivery::AtMostOnce
+                } else {
+                    Delivery::AtLeastOnce
+                }
+            }),
+            max_attempts: c.max_retries.map(|r| r + 1),
+            retryable: c.max_retries.map(|r| r > 0),
+            dispatch_by_ms: None,
+        };
+        SubmitOptions {
+            dispatch: (dispatch != TurnDispatch::default()).then_some(dispatch),
+            retry_backoff_ms: c.backoff_ms,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -106,6 +166,17 @@ impl crate::Iii {
         let args: DefineArgs = serde_json::from_value(data)
             .map_err(|e| IiiError::new("invalid_queue_config", format!("queue::define: {e}")))?;
         check_name(&args.queue)?;
+        let refused = args.config.refused();
+        if !refused.is_empty() {
+            return Err(IiiError::new(
+                "invalid_queue_config",
+                format!(
+                    "queue::define {:?}: not supported by turnd, remove: {}",
+                    args.queue,
+                    refused.join("; ")
+                ),
+            ));
+        }
         if args.config.kind == QueueType::Fifo
             && args
                 .config
@@ -146,13 +217,14 @@ impl crate::Iii {
     }
 
     /// The session an enqueued message runs in: `<queue>:<group>` for a fifo queue,
-    /// `<queue>:~<invocation>` (one session per message) for a standard one.
+    /// `<queue>:~<invocation>` (one session per message) for a standard one; and the
+    /// queue's dispatch settings for it.
     pub(crate) fn queue_session(
         &self,
         queue: &str,
         data: &Value,
         message_id: &str,
-    ) -> Result<String, IiiError> {
+    ) -> Result<(String, SubmitOptions), IiiError> {
         let def = self
             .queues
             .lock()
@@ -164,8 +236,9 @@ impl crate::Iii {
                     format!("queue {queue:?} is not defined: call queue::define before enqueueing"),
                 )
             })?;
+        let opts = def.submit_options();
         match def.config.kind {
-            QueueType::Standard => Ok(format!("{queue}:~{message_id}")),
+            QueueType::Standard => Ok((format!("{queue}:~{message_id}"), opts)),
             QueueType::Fifo => {
                 let field = def.config.message_group_field.unwrap_or_default();
                 let group = match data.get(&field) {
@@ -180,7 +253,7 @@ impl crate::Iii {
                         ))
                     }
                 };
-                Ok(format!("{queue}:{group}"))
+                Ok((format!("{queue}:{group}"), opts))
             }
         }
     }
@@ -258,5 +331,54 @@ mod tests {
         assert!(check_name("").is_err());
         assert!(check_name("a:b").is_err());
         assert!(check_name(&"x".repeat(129)).is_err());
+    }
+
+    fn config(v: Value) -> QueueConfig {
+        serde_json::from_value(v).expect("a queue config")
+    }
+
+    #[test]
+    fn retries_deadline_and_backoff_map_onto_the_turn_and_the_rest_is_refused() {
+        let def = |c: Value| QueueDef {
+            queue: "q".into(),
+            config: config(c),
+        };
+        let o = def(json!({"type": "fifo", "message_group_field": "g", "max_retries": 3, "backoff_ms": 250, "timeout_ms": 9000})).submit_options();
+        let d = o.dispatch.expect("dispatch settings");
+        assert_eq!(d.timeout_ms, Some(9000));
+        assert_eq!(d.delivery, Some(Delivery::AtLeastOnce));
+        assert_eq!(d.max_attempts, Some(4));
+        assert_eq!(d.retryable, Some(true));
+        assert_eq!(o.retry_backoff_ms, Some(250));
+        let d = def(json!({"max_retries": 0}))
+            .submit_options()
+            .dispatch
+            .expect("dispatch settings");
+        assert_eq!(
+            (d.delivery, d.max_attempts, d.retryable),
+            (Some(Delivery::AtMostOnce), Some(1), Some(false))
+        );
+        // Nothing set: the function's settings from [iii].
+        assert_eq!(
+            def(json!({"type": "standard"})).submit_options(),
+            SubmitOptions::default()
+        );
+        assert!(
+            config(json!({"max_retries": 3, "backoff_ms": 1, "timeout_ms": 1}))
+                .refused()
+                .is_empty()
+        );
+        for field in [
+            json!({"concurrency": 10}),
+            json!({"poll_interval_ms": 100}),
+            json!({"redeliver_on_engine_restart": false}),
+            json!({"max_priority": 9}),
+            json!({"priority_field": "p"}),
+            json!({"timeout_ms": 0}),
+            json!({"max_retries": 1000}),
+            json!({"backoff_ms": 0}),
+        ] {
+            assert_eq!(config(field.clone()).refused().len(), 1, "{field}");
+        }
     }
 }

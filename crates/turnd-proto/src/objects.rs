@@ -110,6 +110,9 @@ pub struct StopInfo {
 pub enum WaitState {
     QueuedBehind,
     AwaitingWorker,
+    /// The holder is not dispatched while an invocation of an earlier turn, given up
+    /// on a worker that cannot cancel it, may still be running.
+    Held,
     AwaitingResult,
     AwaitingReconnect,
     BackingOff,
@@ -118,9 +121,10 @@ pub enum WaitState {
 }
 
 impl WaitState {
-    pub const ALL: [WaitState; 7] = [
+    pub const ALL: [WaitState; 8] = [
         WaitState::QueuedBehind,
         WaitState::AwaitingWorker,
+        WaitState::Held,
         WaitState::AwaitingResult,
         WaitState::AwaitingReconnect,
         WaitState::BackingOff,
@@ -132,6 +136,7 @@ impl WaitState {
         match self {
             WaitState::QueuedBehind => "queued_behind",
             WaitState::AwaitingWorker => "awaiting_worker",
+            WaitState::Held => "held",
             WaitState::AwaitingResult => "awaiting_result",
             WaitState::AwaitingReconnect => "awaiting_reconnect",
             WaitState::BackingOff => "backing_off",
@@ -150,6 +155,8 @@ pub enum OnDeadline {
     Fail,
     Cancel,
     Retry,
+    /// The wait ends and the turn is dispatched (or waits for a worker).
+    Dispatch,
 }
 
 /// Why a non-terminal turn is not moving, and what happens next.

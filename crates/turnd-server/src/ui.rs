@@ -382,6 +382,7 @@ fn on_deadline(o: turnd_proto::OnDeadline) -> &'static str {
         Fail => "fail",
         Cancel => "cancel",
         Retry => "retry",
+        Dispatch => "dispatch",
     }
 }
 

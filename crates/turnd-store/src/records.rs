@@ -223,6 +223,42 @@ pub struct TurnRecord {
     /// Backoff of the next retry, doubled per retry.
     #[serde(default)]
     pub backoff_ms: u64,
+    /// Dispatch settings the turn was admitted with, in place of its function's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<Box<TurnDispatch>>,
+}
+
+/// Dispatch settings given to one turn at admission (by the iii endpoint: a queue's
+/// settings for its messages, a bound for a call): each one set replaces the
+/// function's registration for every dispatch of the turn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnDispatch {
+    /// Attempt deadline of each dispatch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Delivery>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
+    /// Whether a handler's failure may be retried, in place of the `retryable` its
+    /// worker reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retryable: Option<bool>,
+    /// While the turn waits for a worker it fails with cause `no_worker` at this
+    /// time (Unix ms): it is never dispatched from that wait later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_by_ms: Option<u64>,
+}
+
+impl TurnDispatch {
+    /// `registered` with the settings given here in place.
+    pub fn apply(&self, registered: FunctionSettings) -> FunctionSettings {
+        FunctionSettings {
+            timeout_ms: self.timeout_ms.unwrap_or(registered.timeout_ms),
+            delivery: self.delivery.unwrap_or(registered.delivery),
+            max_attempts: self.max_attempts.unwrap_or(registered.max_attempts),
+        }
+    }
 }
 
 impl TurnRecord {
@@ -268,6 +304,7 @@ impl TurnRecord {
             last_error: None,
             settings: None,
             backoff_ms: 0,
+            dispatch: None,
         }
     }
 }
@@ -465,6 +502,23 @@ pub struct SessionMeta {
     /// (every key of it is in the main database).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routed_from_ms: Option<u64>,
+    /// An invocation the session waits out before it dispatches anything again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<Box<Held>>,
+}
+
+/// An invocation of an ended turn that may still be running: it was given up
+/// without its result (a stop, the turn's deadline) on a worker that cannot cancel
+/// it (an iii worker). The session dispatches nothing until its result arrives or
+/// its attempt deadline passes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Held {
+    pub invocation_id: String,
+    pub turn_id: String,
+    pub worker_id: String,
+    pub since_ms: u64,
+    /// The invocation's attempt deadline: the hold ends then at the latest.
+    pub until_ms: u64,
 }
 
 impl SessionMeta {
@@ -477,6 +531,7 @@ impl SessionMeta {
             active_from: None,
             events_pruned: false,
             routed_from_ms: None,
+            held: None,
         }
     }
 

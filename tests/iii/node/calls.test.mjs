@@ -1,5 +1,6 @@
 // iii-sdk@0.22.1 callers and workers on turnd, unchanged: sync, failing, void and
-// timed-out triggers, and a fifo queue.
+// timed-out triggers, calls nobody serves, a handler longer than the turns' default
+// deadline, and fifo queues.
 import assert from 'node:assert/strict'
 import { after, before, test } from 'node:test'
 import { TriggerAction, registerWorker } from 'iii-sdk'
@@ -10,12 +11,16 @@ const TOML = `
 concurrency = 4
 `
 
+// turns.default_timeout_ms stands for its 30 s default, scaled down: iii functions
+// must not take it as their deadline.
+const DEFAULT_TIMEOUT_MS = 300
+
 let turnd, worker, caller, v1
 const started = []
 const calls = { slow: 0 }
 
 before(async () => {
-  turnd = await startTurnd({ toml: TOML })
+  turnd = await startTurnd({ toml: TOML, config: { turns: { default_timeout_ms: DEFAULT_TIMEOUT_MS } } })
   // Telemetry stays on (the SDK's default): turnd accepts and drops the /otel socket.
   worker = registerWorker(turnd.iiiUrl, { workerName: 'node-worker', reconnectionConfig: { initialDelayMs: 100, jitterFactor: 0 } })
   worker.registerFunction('demo::echo', async (input, metadata) => ({ echoed: input, metadata }))
@@ -56,7 +61,7 @@ test('a sync trigger answers with the result and turnd ids in the handler metada
   const r = await caller.trigger({ function_id: 'demo::echo', payload: { n: 1 } })
   assert.deepEqual(r.echoed, { n: 1 })
   const ids = r.metadata.turnd
-  assert.match(ids.session_id, /^call:/)
+  assert.match(ids.session_id, /^call\//)
   assert.equal(ids.attempt, 1)
   const t = await v1.turn(ids.turn_id)
   assert.equal(t.status, 'completed')
@@ -96,6 +101,55 @@ test('a caller timeout leaves the turn to complete', async () => {
   const t = await v1.wait(id)
   assert.equal(t.status, 'completed')
   assert.deepEqual(t.output, { slept: 600 })
+})
+
+test('a call nobody serves is answered function_not_found at once and never runs later', async () => {
+  const t0 = Date.now()
+  await assert.rejects(caller.trigger({ function_id: 'nobody::home', payload: { stale: true }, timeoutMs: 3000 }), (e) => {
+    assert.equal(e.code, 'function_not_found')
+    assert.match(e.message, /Function nobody::home not found$/)
+    return true
+  })
+  assert.ok(Date.now() - t0 < 1000, `answered after ${Date.now() - t0} ms`)
+  await caller.trigger({ function_id: 'nobody::home', payload: { stale: 'void' }, action: TriggerAction.Void() })
+  const { sessions } = await v1.call('sessions.list', {})
+  assert.deepEqual(sessions, [], 'no session waits')
+  // A worker that registers it afterwards never runs the abandoned calls.
+  const ran = []
+  worker.registerFunction('nobody::home', async (input) => {
+    ran.push(input)
+    return { fresh: input }
+  })
+  await until('nobody::home registered', async () => (await v1.call('functions.list')).functions.some((f) => f.function_id === 'nobody::home' && f.workers > 0))
+  await sleep(300)
+  assert.deepEqual(ran, [])
+  assert.deepEqual(await caller.trigger({ function_id: 'nobody::home', payload: 1 }), { fresh: 1 })
+})
+
+test("iii's own functions and HTTP-invoked ones are answered at once, naming what turnd does not serve", async () => {
+  worker.registerFunction('web::hook', { url: 'http://127.0.0.1:9/hook' })
+  // The worker's frames are read in order: once this answers, the registration was read.
+  await worker.trigger({ function_id: 'engine::workers::register', payload: {} })
+  for (const [fn, says] of [
+    ['state::set', /state functions/],
+    ['stream::set', /stream functions/],
+    ['publish', /pub\/sub/],
+    ['web::hook', /HTTP-invoked/],
+  ]) {
+    const t0 = Date.now()
+    await assert.rejects(caller.trigger({ function_id: fn, payload: { key: 'k', value: 1 } }), (e) => {
+      assert.equal(e.code, 'function_not_found', fn)
+      assert.match(e.message, says)
+      return true
+    })
+    assert.ok(Date.now() - t0 < 1000, `${fn} answered after ${Date.now() - t0} ms`)
+  }
+})
+
+test('a handler longer than the default turn deadline runs to its end', async () => {
+  const ms = DEFAULT_TIMEOUT_MS * 3
+  const r = await caller.trigger({ function_id: 'demo::slow', payload: { ms }, timeoutMs: 10000 })
+  assert.deepEqual(r, { slept: ms })
 })
 
 test('an unknown engine function answers function_not_found', async () => {
@@ -147,6 +201,27 @@ test('a fifo queue runs serial within a group and parallel across groups', async
   const b1 = seen.find((e) => e.g === 'b' && e.n === 1 && e.at === 'start')
   const a1end = seen.find((e) => e.g === 'a' && e.n === 1 && e.at === 'end')
   assert.ok(b1.t < a1end.t && a1.t < seen.find((e) => e.g === 'b' && e.n === 1 && e.at === 'end').t, 'groups a and b ran in parallel')
+})
+
+test('topic_stats of a queue named call counts no calls', async () => {
+  assert.equal((await caller.trigger({ function_id: 'queue::define', payload: { queue: 'call', config: { type: 'standard' } } })).changed, true)
+  const n = started.length
+  const running = caller.trigger({ function_id: 'demo::slow', payload: { ms: 600 } })
+  await until('the call started', () => started.length > n)
+  const stats = await caller.trigger({ function_id: 'engine::queue::topic_stats', payload: { queue: 'call' } })
+  assert.equal(stats.depth, 0)
+  assert.equal(stats.in_flight, 0)
+  await running
+})
+
+test('queue::define refuses what turnd does not honour, naming it', async () => {
+  for (const field of ['concurrency', 'poll_interval_ms', 'max_priority']) {
+    await assert.rejects(caller.trigger({ function_id: 'queue::define', payload: { queue: 'refused', config: { type: 'standard', [field]: 1 } } }), (e) => {
+      assert.equal(e.code, 'invalid_queue_config')
+      assert.match(e.message, new RegExp(`\`${field}\``))
+      return true
+    })
+  }
 })
 
 test('a queue definition survives a restart of turnd', async () => {

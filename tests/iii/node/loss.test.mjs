@@ -1,6 +1,7 @@
 // The losses turnd exists to reconcile, with unchanged iii-sdk@0.22.1 workers: a
 // dropped `invocationresult` (the seed's case), a worker connection closed
-// mid-handler, a turnd restart mid-handler, a killed worker, and a stop.
+// mid-handler, a turnd restart mid-handler, a killed worker, and stops in a fifo
+// group whose handler runs on.
 import assert from 'node:assert/strict'
 import { spawn } from 'node:child_process'
 import { createInterface } from 'node:readline'
@@ -73,10 +74,13 @@ function record(fn) {
 const starts = (fn, g, n) => log.filter((e) => e.fn === fn && e.g === g && e.n === n && e.at === 'start')
 const kinds = (events) => events.map((e) => e.kind)
 
-async function enqueue(fn, payload) {
-  const r = await caller.trigger({ function_id: fn, payload, action: TriggerAction.Enqueue({ queue: 'seed' }) })
+async function enqueue(fn, payload, queue = 'seed') {
+  const r = await caller.trigger({ function_id: fn, payload, action: TriggerAction.Enqueue({ queue }) })
   return r.messageReceiptId
 }
+
+/** The queue whose deliveries get this deadline (iii's `timeout_ms`). */
+const HELD_TIMEOUT_MS = 2000
 
 before(async () => {
   turnd = await startTurnd({ toml: TOML })
@@ -97,6 +101,7 @@ before(async () => {
   v1 = await V1.connect(turnd.wsUrl)
   await until('the worker registered', async () => (await v1.call('functions.list')).functions.length >= 3)
   await caller.trigger({ function_id: 'queue::define', payload: { queue: 'seed', config: { type: 'fifo', message_group_field: 'g' } } })
+  await caller.trigger({ function_id: 'queue::define', payload: { queue: 'held', config: { type: 'fifo', message_group_field: 'g', timeout_ms: HELD_TIMEOUT_MS } } })
 })
 
 after(async () => {
@@ -171,8 +176,9 @@ test('a worker connection closed mid-handler reattaches and its result is applie
   assert.ok(!kinds(ev).includes('redispatched'))
 })
 
-test('turn.stop on a running iii invocation ends it cancelled after the cancel grace; its result is late', async () => {
+test('turn.stop on a running iii invocation ends it cancelled after the cancel grace; the group waits for its result', async () => {
   const id = await enqueue('amo::slow', { g: 'c', n: 1, ms: 2000 })
+  const next = await enqueue('amo::slow', { g: 'c', n: 2, ms: 10 })
   await until('the handler started', () => starts('amo::slow', 'c', 1).length === 1)
   const t0 = Date.now()
   await v1.call('turn.stop', { turn_id: id, reason: 'test stop' })
@@ -181,8 +187,34 @@ test('turn.stop on a running iii invocation ends it cancelled after the cancel g
   assert.equal(t.stop.reason, 'test stop')
   assert.ok(Date.now() - t0 < CANCEL_GRACE_MS + 1000)
   assert.equal(log.filter((e) => e.fn === 'amo::slow' && e.g === 'c' && e.at === 'end').length, 0, 'cancelled while the handler ran')
+  // The next message waits, visibly, for the stopped handler's result.
+  const waiting = await v1.turn(next)
+  assert.equal(waiting.wait.state, 'held', JSON.stringify(waiting.wait))
+  assert.equal(waiting.wait.invocation_id, starts('amo::slow', 'c', 1)[0].invocation_id)
+  assert.equal(waiting.wait.on_deadline, 'dispatch')
+  const { sessions } = await v1.call('sessions.list', { state: 'held' })
+  assert.deepEqual(sessions.map((s) => s.session_id), ['seed:c'])
+  assert.equal((await v1.wait(next)).status, 'completed')
+  const firstEnd = log.find((e) => e.fn === 'amo::slow' && e.g === 'c' && e.n === 1 && e.at === 'end').t
+  const secondStart = starts('amo::slow', 'c', 2)[0].t
+  assert.ok(secondStart >= firstEnd, `the next message started ${firstEnd - secondStart} ms before the stopped one ended`)
   await until('the late result is recorded', async () => kinds(await v1.events(t.session_id)).includes('late_result'))
   assert.equal((await v1.turn(id)).status, 'cancelled')
+})
+
+test("a stopped handler whose result is lost holds its group until the queue's timeout_ms", async () => {
+  const id = await enqueue('amo::slow', { g: 'h', n: 1, ms: 300, drop: true }, 'held')
+  const next = await enqueue('amo::slow', { g: 'h', n: 2, ms: 10 }, 'held')
+  await until('the handler started', () => starts('amo::slow', 'h', 1).length === 1)
+  const first = starts('amo::slow', 'h', 1)[0]
+  // The queue's timeout_ms, not the function's 5 s, is the delivery's deadline.
+  assert.ok(Math.abs(first.deadline_ms - first.t - HELD_TIMEOUT_MS) < 500, `deadline ${first.deadline_ms - first.t} ms after the start`)
+  await v1.call('turn.stop', { turn_id: id, reason: 'lost' })
+  assert.equal((await v1.wait(id)).status, 'cancelled')
+  assert.equal((await v1.wait(next)).status, 'completed')
+  const secondStart = starts('amo::slow', 'h', 2)[0].t
+  assert.ok(secondStart >= first.deadline_ms - 50, `the next message started ${first.deadline_ms - secondStart} ms before the deadline`)
+  held.clear()
 })
 
 test('a killed worker: its invocation goes to a second worker after the reconnect grace', async () => {

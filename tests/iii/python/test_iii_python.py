@@ -150,7 +150,7 @@ def test_sync_call_carries_turnd_ids_and_completes_the_turn(
     r = env["caller"].trigger({"function_id": "py::echo", "payload": {"n": 1}})
     assert r["echoed"] == {"n": 1}
     ids = r["metadata"]["turnd"]
-    assert ids["session_id"].startswith("call:")
+    assert ids["session_id"].startswith("call/")
     t = env["c"].get(ids["turn_id"])
     assert t["status"] == "completed"
     assert t["output"] == r
@@ -191,6 +191,26 @@ def test_caller_timeout_leaves_the_turn_to_complete(env: dict[str, Any]) -> None
     t = env["c"].wait(start["turn_id"])
     assert t["status"] == "completed"
     assert t["output"] == {"slept": 600}
+
+
+def test_a_call_nobody_serves_is_function_not_found_at_once(
+    env: dict[str, Any],
+) -> None:
+    for fn, says in [
+        ("py::nobody", "Function py::nobody not found"),
+        ("state::set", "state functions"),
+        ("publish", "pub/sub"),
+    ]:
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as e:
+            env["caller"].trigger(
+                {"function_id": fn, "payload": {"stale": True}, "timeout_ms": 3000}
+            )
+        assert time.monotonic() - t0 < 1.0, fn
+        assert getattr(e.value, "code", None) == "function_not_found", e.value
+        assert says in str(e.value)
+    rows = env["c"].request("sessions.list", {})["sessions"]
+    assert rows == [], rows
 
 
 def test_a_self_call_goes_through_turnd(env: dict[str, Any]) -> None:

@@ -2,9 +2,40 @@
 
 use super::*;
 
+/// What an endpoint in process may give a turn beyond `turn.submit`'s arguments.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SubmitOptions {
+    /// Dispatch settings in place of the function's registration.
+    pub dispatch: Option<TurnDispatch>,
+    /// The first retry's backoff in place of `turns.retry_backoff_ms`.
+    pub retry_backoff_ms: Option<u64>,
+}
+
+impl SubmitOptions {
+    fn check(&self) -> ApiResult<()> {
+        let Some(d) = &self.dispatch else {
+            return Ok(());
+        };
+        if d.timeout_ms == Some(0) {
+            return Err(EngineError::out_of_range("timeout_ms", "positive"));
+        }
+        if d.max_attempts.is_some_and(|a| a == 0 || a > 1000) {
+            return Err(EngineError::out_of_range("max_attempts", "1 to 1000"));
+        }
+        Ok(())
+    }
+}
+
 impl Engine {
     /// `turn.submit`.
     pub async fn submit(&self, args: SubmitArgs) -> ApiResult<SubmitOk> {
+        self.submit_with(args, SubmitOptions::default()).await
+    }
+
+    /// `turn.submit` with settings of the turn's own ([`SubmitOptions`]). A resent
+    /// submit that finds its idempotency key returns the turn it admitted.
+    pub async fn submit_with(&self, args: SubmitArgs, opts: SubmitOptions) -> ApiResult<SubmitOk> {
+        opts.check()?;
         check_id("session_id", &args.session_id)?;
         check_id("function_id", &args.function_id)?;
         if let Some(k) = &args.idempotency_key {
@@ -62,6 +93,8 @@ impl Engine {
             input,
             idempotency_key: args.idempotency_key,
             turn_timeout_ms: args.turn_timeout_ms,
+            dispatch: opts.dispatch,
+            retry_backoff_ms: opts.retry_backoff_ms,
         };
         let tx = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::submit(cx, tx, submission)

@@ -294,9 +294,14 @@ impl Engine {
 
 /// Bring the registry's note of what the session waits for in step with its state:
 /// the function of its holder while that is queued or awaits a worker, else nothing.
+/// A holder the session's hold keeps back waits for that, not for a worker: freed
+/// capacity goes to sessions that can take it.
 fn note_waiting(reg: &mut Registry, st: &SessionState) {
     match st.holder() {
-        Some(h) if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) => {
+        Some(h)
+            if matches!(h.phase, Phase::Queued | Phase::AwaitingWorker)
+                && machine::held_until(&st.meta, h).is_none() =>
+        {
             reg.wait_for(&h.function_id, &st.id)
         }
         _ => reg.not_waiting(&st.id),

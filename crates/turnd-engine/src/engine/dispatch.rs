@@ -41,21 +41,27 @@ impl Engine {
             let Some(want) = &tx.dispatch else {
                 return;
             };
-            let inv_id = new_invocation_id_of(&want.turn.turn_id);
-            let grant = reg
-                .reserve(&want.turn.function_id, &inv_id, &st.id)
-                .map(|r| machine::Grant {
-                    invocation_id: inv_id,
-                    worker_id: r.worker_id,
-                    instance_id: r.instance_id,
-                    conn_id: r.outbox.conn_id.clone(),
-                    settings: r.settings,
-                });
-            if let Some(g) = &grant {
-                tx.reserved
-                    .push((g.worker_id.clone(), g.invocation_id.clone()));
+            if machine::holding(tx) {
+                // An invocation the session holds for may still be running: no slot
+                // is looked for, and the session is not noted as waiting for one.
+                None
+            } else {
+                let inv_id = new_invocation_id_of(&want.turn.turn_id);
+                let grant = reg
+                    .reserve(&want.turn.function_id, &inv_id, &st.id)
+                    .map(|r| machine::Grant {
+                        invocation_id: inv_id,
+                        worker_id: r.worker_id,
+                        instance_id: r.instance_id,
+                        conn_id: r.outbox.conn_id.clone(),
+                        settings: r.settings,
+                    });
+                if let Some(g) = &grant {
+                    tx.reserved
+                        .push((g.worker_id.clone(), g.invocation_id.clone()));
+                }
+                grant
             }
-            grant
         };
         let cx = machine::Ctx {
             st,

@@ -269,6 +269,11 @@ impl Engine {
         self.registry().functions()
     }
 
+    /// Who could run `function_id` now, and when a worker last served it.
+    pub fn supply(&self, function_id: &str) -> crate::registry::Supply {
+        self.registry().supply(function_id)
+    }
+
     /// `store.check`.
     /// `store.check` on the live store. Its whole-store reads are not one snapshot, so
     /// a turn that moves on between them (it finishes after the turns were read and

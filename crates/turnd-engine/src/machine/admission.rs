@@ -2,7 +2,7 @@
 //! dispatched.
 
 use super::*;
-use turnd_store::IdempotencyRecord;
+use turnd_store::{IdempotencyRecord, TurnDispatch};
 
 /// A validated `turn.submit` (the shell checked ids, sizes and idempotency).
 #[derive(Debug, Clone)]
@@ -13,6 +13,10 @@ pub struct Submission {
     pub input: RawJson,
     pub idempotency_key: Option<String>,
     pub turn_timeout_ms: Option<u64>,
+    /// Dispatch settings in place of the function's, for every dispatch of the turn.
+    pub dispatch: Option<TurnDispatch>,
+    /// The first retry's backoff in place of `turns.retry_backoff_ms`.
+    pub retry_backoff_ms: Option<u64>,
 }
 
 /// Event "submit": admit a turn at the end of the session's queue.
@@ -24,6 +28,10 @@ pub fn submit(cx: &Ctx, tx: &mut Tx, s: Submission) {
     let mut t = TurnRecord::admitted(s.turn_id.clone(), &st.id, seq, &s.function_id, s.input, now);
     t.idempotency_key = s.idempotency_key.clone();
     t.deadline_ms = s.turn_timeout_ms.map(|d| now + d);
+    t.dispatch = s.dispatch.map(Box::new);
+    if let Some(b) = s.retry_backoff_ms {
+        t.backoff_ms = b;
+    }
     tx.event(
         &st.id,
         &s.turn_id,

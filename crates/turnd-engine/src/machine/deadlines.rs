@@ -16,29 +16,7 @@ pub fn due(cx: &Ctx, tx: &mut Tx) {
         return;
     }
     match h.phase {
-        Phase::Queued | Phase::AwaitingWorker => {
-            let since = if h.phase == Phase::Queued {
-                now
-            } else {
-                h.phase_since_ms
-            };
-            if let Some(d) = cx.cfg.turns.dispatch_timeout_ms {
-                if since + d <= now {
-                    let f = h.function_id.clone();
-                    fail(
-                        cx,
-                        tx,
-                        h,
-                        ErrorCause::NoWorker,
-                        "no_worker",
-                        format!("no worker served {f} within dispatch_timeout_ms ({d} ms)"),
-                        None,
-                    );
-                    return;
-                }
-            }
-            dispatch(tx, h, None);
-        }
+        Phase::Queued | Phase::AwaitingWorker => waiting_due(cx, tx, h),
         Phase::BackingOff => {
             if h.retry_at_ms.map(|r| r <= now).unwrap_or(true) {
                 dispatch(tx, h, None);
@@ -47,6 +25,49 @@ pub fn due(cx: &Ctx, tx: &mut Tx) {
         Phase::Invoked => invoked_due(cx, tx, h),
         Phase::Done => {}
     }
+}
+
+/// What is due for a lock holder that waits to be dispatched: its dispatch bound or
+/// `turns.dispatch_timeout_ms` passed (it fails with `no_worker`), the session's
+/// hold ended, or a worker may take it now.
+fn waiting_due(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord) {
+    let now = tx.now;
+    let f = h.function_id.clone();
+    let no_worker = |tx: &mut Tx, h: TurnRecord, message: String| {
+        fail(cx, tx, h, ErrorCause::NoWorker, "no_worker", message, None);
+    };
+    if let Some(by) = h.dispatch.as_deref().and_then(|d| d.dispatch_by_ms) {
+        if by <= now {
+            let after = by.saturating_sub(h.created_at_ms);
+            let message = format!(
+                "no worker took {f} by the turn's dispatch bound ({after} ms after its admission)"
+            );
+            return no_worker(tx, h, message);
+        }
+    }
+    if let Some(until) = held_until(&tx.meta, &h) {
+        if until <= now {
+            // The invocation held for passed its deadline: the holder waits for a
+            // worker from now on.
+            tx.meta.held = None;
+            h.phase = Phase::AwaitingWorker;
+            h.phase_since_ms = now;
+            dispatch(tx, h, None);
+        }
+        return;
+    }
+    let since = if h.phase == Phase::Queued {
+        now
+    } else {
+        h.phase_since_ms
+    };
+    if let Some(d) = cx.cfg.turns.dispatch_timeout_ms {
+        if since + d <= now {
+            let message = format!("no worker served {f} within dispatch_timeout_ms ({d} ms)");
+            return no_worker(tx, h, message);
+        }
+    }
+    dispatch(tx, h, None);
 }
 
 /// The turn's own deadline passed.
@@ -174,7 +195,24 @@ fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
 /// Mark an invocation given up (or finished) and free its slot before the next
 /// dispatch is looked for, so the same worker can take the session's next step in
 /// this transaction.
+///
+/// An invocation given up without its result (stopped, or past the turn's deadline)
+/// on a worker that cannot cancel it may still be running: the session holds
+/// ([`SessionMeta::held`]) until its result arrives or its attempt deadline passes,
+/// and dispatches nothing meanwhile.
 pub(super) fn give_up(cx: &Ctx, tx: &mut Tx, mut inv: InvocationRecord, state: InvState) {
+    if !cx.worker_probes
+        && matches!(state, InvState::Abandoned | InvState::TimedOut)
+        && inv.attempt_deadline_ms > tx.now
+    {
+        tx.meta.held = Some(Box::new(Held {
+            invocation_id: inv.invocation_id.clone(),
+            turn_id: inv.turn_id.clone(),
+            worker_id: inv.worker_id.clone(),
+            since_ms: tx.now,
+            until_ms: inv.attempt_deadline_ms,
+        }));
+    }
     inv.state = state;
     inv.ended_at_ms = Some(tx.now);
     tx.frees.push(Slot {
@@ -285,13 +323,22 @@ pub fn next_due(st: &SessionState, cfg: &EngineConfig) -> Option<u64> {
     let h = st.holder()?;
     let phase_due = match h.phase {
         Phase::Queued | Phase::AwaitingWorker => {
-            cfg.turns.dispatch_timeout_ms.map(|d| h.phase_since_ms + d)
+            let by = h.dispatch.as_deref().and_then(|d| d.dispatch_by_ms);
+            let wait = match held_until(&st.meta, h) {
+                Some(until) => Some(until),
+                None => cfg.turns.dispatch_timeout_ms.map(|d| h.phase_since_ms + d),
+            };
+            earliest(by, wait)
         }
         Phase::BackingOff => h.retry_at_ms,
         Phase::Invoked => st.inv.as_ref().map(|i| i.deadline_ms),
         Phase::Done => None,
     };
-    match (h.deadline_ms, phase_due) {
+    earliest(h.deadline_ms, phase_due)
+}
+
+fn earliest(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }

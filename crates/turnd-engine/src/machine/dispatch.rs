@@ -57,20 +57,7 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
     };
     let st = cx.st;
     let Some(r) = slot else {
-        if h.phase != Phase::AwaitingWorker {
-            h.phase = Phase::AwaitingWorker;
-            h.phase_since_ms = tx.now;
-        }
-        h.retry_at_ms = None;
-        if let Some(prev) = &previous {
-            // A redispatch that found no worker: the next dispatch (attempt + 1)
-            // uses the attempt number the redispatch would have used.
-            h.attempt = prev.attempt.saturating_sub(1);
-        }
-        if tx.turn(st, h.seq) != Some(&h) {
-            tx.put_turn(st, h);
-        }
-        return;
+        return no_slot(cx, tx, h, previous.as_ref());
     };
     let attempt = match &previous {
         Some(prev) => prev.attempt,
@@ -78,6 +65,10 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
     };
     let now = tx.now;
     let inv_id = r.invocation_id.clone();
+    let settings = h
+        .dispatch
+        .as_deref()
+        .map_or(r.settings, |d| d.apply(r.settings));
     let inv = InvocationRecord {
         invocation_id: inv_id.clone(),
         turn_id: h.turn_id.clone(),
@@ -87,12 +78,12 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
         attempt,
         worker_id: r.worker_id.clone(),
         instance_id: r.instance_id.clone(),
-        settings: r.settings,
+        settings,
         state: InvState::Active,
         wait: InvWait::AwaitingResult,
         wait_since_ms: now,
-        deadline_ms: now + r.settings.timeout_ms,
-        attempt_deadline_ms: now + r.settings.timeout_ms,
+        deadline_ms: now + settings.timeout_ms,
+        attempt_deadline_ms: now + settings.timeout_ms,
         dispatched_at_ms: now,
         ended_at_ms: None,
         outcome: None,
@@ -127,9 +118,27 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
     h.attempt = attempt;
     h.invocation_id = Some(inv_id);
     h.retry_at_ms = None;
-    h.settings = Some(r.settings);
+    h.settings = Some(settings);
     tx.put_turn(st, h);
     tx.put_new_invocation(st, inv);
+}
+
+/// No slot for the dispatch of `h`: it waits for a worker.
+fn no_slot(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, previous: Option<&Previous>) {
+    let st = cx.st;
+    if h.phase != Phase::AwaitingWorker {
+        h.phase = Phase::AwaitingWorker;
+        h.phase_since_ms = tx.now;
+    }
+    h.retry_at_ms = None;
+    if let Some(prev) = previous {
+        // A redispatch that found no worker: the next dispatch (attempt + 1) uses
+        // the attempt number the redispatch would have used.
+        h.attempt = prev.attempt.saturating_sub(1);
+    }
+    if tx.turn(st, h.seq) != Some(&h) {
+        tx.put_turn(st, h);
+    }
 }
 
 /// Make the next queued turn the lock holder and want it dispatched.

@@ -31,7 +31,8 @@ use turnd_proto::{
     Delivery, ErrorCause, EventKind, Invoke, Outcome, StopInfo, TurnError, TurnStatus,
 };
 use turnd_store::{
-    FunctionSettings, InvState, InvWait, InvocationRecord, Phase, RawJson, TurnRecord,
+    FunctionSettings, Held, InvState, InvWait, InvocationRecord, Phase, RawJson, SessionMeta,
+    TurnRecord,
 };
 
 use crate::config::EngineConfig;
@@ -45,6 +46,8 @@ mod reconcile;
 mod results;
 mod stop;
 
+#[cfg(test)]
+mod hold_tests;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
@@ -131,6 +134,22 @@ pub struct Previous {
     /// The attempt number the redispatch uses.
     pub attempt: u32,
     pub reason: String,
+}
+
+/// Until when the session's hold ([`SessionMeta::held`]) keeps the lock holder `h`
+/// from being dispatched: while `h` waits to be dispatched and the hold outlasted
+/// the start of that wait. A hold that ended before `h` began to wait (it is cleared
+/// lazily) keeps nothing.
+pub fn held_until(meta: &SessionMeta, h: &TurnRecord) -> Option<u64> {
+    let held = meta.held.as_deref()?;
+    (matches!(h.phase, Phase::Queued | Phase::AwaitingWorker) && held.until_ms > h.phase_since_ms)
+        .then_some(held.until_ms)
+}
+
+/// Whether the session dispatches nothing at `tx.now`: an invocation it holds for
+/// may still be running.
+pub fn holding(tx: &Tx) -> bool {
+    tx.meta.held.as_deref().is_some_and(|h| h.until_ms > tx.now)
 }
 
 /// A worker slot the registry reserved for a new invocation.

@@ -148,7 +148,10 @@ pub(super) fn apply_outcome(
                 dispatch(tx, h, None);
             }
         }
-        Outcome::Fail(f) => {
+        Outcome::Fail(mut f) => {
+            if let Some(r) = h.dispatch.as_deref().and_then(|d| d.retryable) {
+                f.retryable = r;
+            }
             let retry = f.retryable && !stopped && attempt < settings.max_attempts;
             failed_attempt(cx, tx, h, &inv_id, attempt, f, retry, stopped);
         }

@@ -60,6 +60,7 @@ pub fn late_result(
         EventKind::LateResult,
         json!({"invocation_id": rec.invocation_id, "outcome": outcome.kind(), "invocation_state": rec.state.as_str(), "step": rec.step, "attempt": rec.attempt}),
     );
+    release_hold(cx, tx, &rec.invocation_id);
     let (Outcome::Complete(output), Some(t)) = (outcome, turn) else {
         return LateVerdict::Recorded;
     };
@@ -88,6 +89,27 @@ pub fn late_result(
         tx.put_turn_from(amended, Some(TurnStatus::Failed));
     }
     LateVerdict::Recorded
+}
+
+/// The result of the invocation the session holds for arrived: it no longer runs,
+/// so the hold ends and the lock holder, if it waits, is dispatched.
+fn release_hold(cx: &Ctx, tx: &mut Tx, invocation_id: &str) {
+    if tx
+        .meta
+        .held
+        .as_deref()
+        .is_none_or(|h| h.invocation_id != invocation_id)
+    {
+        return;
+    }
+    let st = cx.st;
+    let holder = tx.holder_seq(st).and_then(|s| tx.take(st, s));
+    if let Some(mut h) = holder.filter(|h| held_until(&tx.meta, h).is_some()) {
+        h.phase = Phase::AwaitingWorker;
+        h.phase_since_ms = tx.now;
+        dispatch(tx, h, None);
+    }
+    tx.meta.held = None;
 }
 
 /// The answer to a heartbeat.

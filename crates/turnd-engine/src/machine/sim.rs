@@ -90,7 +90,7 @@ impl Sim {
             self.slots.remove(&s.invocation_id);
         }
         if tx.dispatch.is_some() {
-            let g = (self.free && self.connected).then(|| {
+            let g = (self.free && self.connected && !holding(&tx)).then(|| {
                 self.minted += 1;
                 Grant {
                     invocation_id: format!("inv_{}", self.minted),
@@ -121,6 +121,14 @@ impl Sim {
     }
 
     pub fn submit_with(&mut self, turn_timeout_ms: Option<u64>) -> String {
+        self.submit_opts(turn_timeout_ms, None)
+    }
+
+    pub fn submit_opts(
+        &mut self,
+        turn_timeout_ms: Option<u64>,
+        dispatch: Option<turnd_store::TurnDispatch>,
+    ) -> String {
         let turn_id = format!("t_{}", self.st.meta.last_turn_seq + 1);
         let s = Submission {
             turn_id: turn_id.clone(),
@@ -128,6 +136,8 @@ impl Sim {
             input: RawJson::from_value(&serde_json::json!({"n": 1})),
             idempotency_key: None,
             turn_timeout_ms,
+            dispatch,
+            retry_backoff_ms: None,
         };
         self.run(|cx, tx| submit(cx, tx, s));
         turn_id

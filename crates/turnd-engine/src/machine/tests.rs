@@ -69,6 +69,8 @@ fn the_invoke_effect_carries_the_step_and_goes_to_the_granted_connection() {
                 input: RawJson::from_value(&json!({"a": 1})),
                 idempotency_key: None,
                 turn_timeout_ms: None,
+                dispatch: None,
+                retry_backoff_ms: None,
             },
         )
     });

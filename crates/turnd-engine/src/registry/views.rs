@@ -37,6 +37,7 @@ impl Registry {
                 .get(function_id)
                 .is_some_and(|f| f.registered),
             connected: self.serving(function_id),
+            served_ms: self.functions.get(function_id).map_or(0, |f| f.served_ms),
         }
     }
 

@@ -28,6 +28,7 @@ pub fn on_deadline(o: OnDeadline) -> &'static str {
         OnDeadline::Fail => "fail",
         OnDeadline::Cancel => "cancel",
         OnDeadline::Retry => "retry",
+        OnDeadline::Dispatch => "dispatch",
     }
 }
 

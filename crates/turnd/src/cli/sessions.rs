@@ -44,6 +44,7 @@ pub struct SessionsCmd {
 #[value(rename_all = "snake_case")]
 pub enum StateArg {
     AwaitingWorker,
+    Held,
     AwaitingResult,
     AwaitingReconnect,
     BackingOff,
@@ -55,6 +56,7 @@ impl StateArg {
     fn wait_state(self) -> WaitState {
         match self {
             StateArg::AwaitingWorker => WaitState::AwaitingWorker,
+            StateArg::Held => WaitState::Held,
             StateArg::AwaitingResult => WaitState::AwaitingResult,
             StateArg::AwaitingReconnect => WaitState::AwaitingReconnect,
             StateArg::BackingOff => WaitState::BackingOff,
