@@ -15,9 +15,10 @@ export type WaitState =
   | "awaiting_reconnect"
   | "backing_off"
   | "cancelling"
-  | "finalizing";
+  | "finalizing"
+  | "held";
 
-export type OnDeadline = "probe" | "redispatch" | "fail" | "cancel" | "retry";
+export type OnDeadline = "probe" | "redispatch" | "fail" | "cancel" | "retry" | "dispatch";
 
 /** Why a turn is not finished yet, and what happens at `deadlineMs`. */
 export interface Wait {
