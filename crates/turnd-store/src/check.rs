@@ -142,10 +142,8 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
     }
 
     // Where recovery starts reading each session's turn list: the meta's
-    // `active_from`, or for a store of the earlier format not yet moved, its index of
-    // unfinished turns.
+    // `active_from`.
     let metas = store.session_metas()?;
-    let legacy = store.legacy_active_index()?.first;
     let mut marks: HashMap<&str, u64> = HashMap::new();
     let last_seqs: HashMap<&str, u64> = metas
         .iter()
@@ -154,8 +152,7 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
     let by_id: HashMap<&str, &SessionMeta> =
         metas.iter().map(|m| (m.session_id.as_str(), m)).collect();
     for m in &metas {
-        let mark = m.active_from.or_else(|| legacy.get(&m.session_id).copied());
-        let Some(seq) = mark else { continue };
+        let Some(seq) = m.active_from else { continue };
         marks.insert(&m.session_id, seq);
         let at = store.list_entry(m.keys(), seq)?;
         match at.as_deref().map(|id| (id, turns.get(id))) {

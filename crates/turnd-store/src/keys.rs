@@ -13,7 +13,6 @@
 //! | `I` | invocation id | `InvocationRecord` (of an unfinished turn, or an earlier attempt not folded) |
 //! | `F` | turn id | `FoldedTurn`: a finished turn's record, input inline, with its invocations |
 //! | `L` | session, 0, seq, route | turn id (every turn of the session) |
-//! | `A` | session, 0, seq | legacy: turn id of a non-terminal turn (stores written before session metas kept `active_from`; moved at start-up) |
 //! | `E` | session, 0, seq, route | `Event`, or an array of the consecutive events of one transition keyed by the last one's `seq` |
 //! | `K` | session, 0, idempotency key, 0, route | `IdempotencyRecord` |
 //! | `M` | session | `SessionMeta` |
@@ -166,16 +165,6 @@ pub fn session_turn_range() -> (Vec<u8>, Vec<u8>) {
 /// The session id of a session-sequenced key (prefix, session, 0, seq, route).
 pub fn session_of(key: &[u8]) -> Option<String> {
     split_session_seq(key).map(|(s, _, _)| s.to_string())
-}
-
-/// The index of non-terminal turns kept by stores of the earlier format (read only to
-/// move such a store to the current one).
-pub fn legacy_active(session_id: &str, seq: u64) -> Vec<u8> {
-    session_seq(b'A', session_id, seq)
-}
-
-pub fn legacy_active_range() -> (Vec<u8>, Vec<u8>) {
-    (vec![b'A'], vec![b'A' + 1])
 }
 
 pub fn turn_range() -> (Vec<u8>, Vec<u8>) {

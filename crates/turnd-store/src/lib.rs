@@ -610,17 +610,6 @@ impl CommitStats {
     }
 }
 
-/// The index of unfinished turns of the earlier store layout.
-#[derive(Debug, Default)]
-pub struct LegacyActiveIndex {
-    /// The first unfinished turn's `seq` of each session in the index.
-    pub first: HashMap<String, u64>,
-    /// The last one's.
-    pub last: HashMap<String, u64>,
-    /// The index's keys.
-    pub keys: Vec<Vec<u8>>,
-}
-
 /// A session's id and where its routed keys can be ([`SessionMeta::routed_from_ms`]):
 /// what a read of its turn list, events or idempotency keys needs.
 #[derive(Debug, Clone, Copy)]
@@ -1094,63 +1083,6 @@ impl Store {
             }
         }
         Ok(out)
-    }
-
-    /// The index of unfinished turns that stores written before
-    /// [`SessionMeta::active_from`] kept (`A` keys). Empty for a store of the current
-    /// format.
-    pub fn legacy_active_index(&self) -> Result<LegacyActiveIndex, StoreError> {
-        let (start, end) = keys::legacy_active_range();
-        let mut index = LegacyActiveIndex::default();
-        for (k, _) in self.kv.scan(&start, &end, false, usize::MAX)? {
-            // 'A', the session id, a zero byte, the big-endian seq.
-            if k.len() < 10 {
-                return Err(StoreError::Corrupt(format!("active index key {k:?}")));
-            }
-            let seq = keys::seq_suffix(&k)?;
-            let sid = std::str::from_utf8(&k[1..k.len() - 9])
-                .map_err(|e| StoreError::Corrupt(format!("active index key {k:?}: {e}")))?;
-            index.first.entry(sid.to_string()).or_insert(seq);
-            let last = index.last.entry(sid.to_string()).or_insert(seq);
-            *last = (*last).max(seq);
-            index.keys.push(k);
-        }
-        Ok(index)
-    }
-
-    /// Move a store written before [`SessionMeta::active_from`] to the current format:
-    /// record each session's first unfinished turn in its meta and delete the old
-    /// index, in one durable batch. Returns how many sessions were moved.
-    pub async fn migrate_legacy_active_index(&self) -> Result<usize, StoreError> {
-        let LegacyActiveIndex { first, last, keys } = self.legacy_active_index()?;
-        if keys.is_empty() {
-            return Ok(0);
-        }
-        let mut b = Batch::new();
-        for (sid, seq) in &first {
-            let mut meta = match self.session_meta(sid)? {
-                Some(m) => m,
-                None => {
-                    // A meta is always written with its turns; should one be missing,
-                    // its counters must still not let a later write reuse a `seq`.
-                    let mut m = SessionMeta::new(sid);
-                    let (s, e) = (keys::event(sid, 0), keys::event_end(sid));
-                    if let Some((k, _)) = self.kv.scan(&s, &e, true, 1)?.first() {
-                        m.last_event_seq = keys::seq_suffix(k)?;
-                    }
-                    m
-                }
-            };
-            let indexed_last = last.get(sid).copied().unwrap_or(*seq);
-            meta.last_turn_seq = meta.last_turn_seq.max(indexed_last);
-            meta.active_from = Some(meta.active_from.map_or(*seq, |m| m.min(*seq)));
-            b.put_session_meta(&meta);
-        }
-        for k in keys {
-            b.delete(k);
-        }
-        self.commit(b).await?;
-        Ok(first.len())
     }
 
     /// Where a paged scan starts.
@@ -1637,36 +1569,5 @@ mod tests {
         meta.active_from = Some(5);
         meta.last_turn_seq = 5;
         assert!(store.unfinished_turns(&meta).expect("read").is_empty());
-    }
-
-    #[tokio::test]
-    async fn a_store_with_the_old_active_index_is_moved_to_marks_in_the_metas() {
-        let kv = Arc::new(mem::MemKv::new());
-        let store = Store::new(kv.clone());
-        let mut b = Batch::new();
-        let mut with_meta = SessionMeta::new("a");
-        with_meta.last_turn_seq = 9;
-        b.put_session_meta(&with_meta);
-        for (sid, seq) in [("a", 7), ("a", 9), ("b", 3)] {
-            b.put_raw(keys::legacy_active(sid, seq), b"t".to_vec());
-        }
-        // "b" has events but (damaged) no meta.
-        let mut e = ev(4);
-        e.session_id = "b".into();
-        b.put_events(&[e]);
-        store.commit(b).await.expect("commit");
-
-        assert_eq!(store.migrate_legacy_active_index().await.expect("move"), 2);
-        let a = store.session_meta("a").expect("read").expect("meta a");
-        assert_eq!((a.active_from, a.last_turn_seq), (Some(7), 9));
-        let b = store.session_meta("b").expect("read").expect("meta b");
-        assert_eq!(
-            (b.active_from, b.last_turn_seq, b.last_event_seq),
-            (Some(3), 3, 4),
-            "a session with no meta gets one that never reuses a stored seq"
-        );
-        let (s, e) = keys::legacy_active_range();
-        assert!(kv.scan(&s, &e, false, usize::MAX).expect("scan").is_empty());
-        assert_eq!(store.migrate_legacy_active_index().await.expect("again"), 0);
     }
 }
