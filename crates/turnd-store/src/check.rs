@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use turnd_proto::{TurnStatus, Violation};
 
 use crate::{
-    keys, windows, FoldedTurn, InvState, InvocationRecord, Phase, SessionKeys, SessionMeta, Store,
+    keys, FoldedTurn, InvState, InvocationRecord, Phase, SessionKeys, SessionMeta, Store,
     StoreError, TurnRecord, WindowInfo,
 };
 
@@ -510,7 +510,7 @@ fn routes_reachable(
             if k.first() == Some(&b'E') {
                 let newest = crate::event_value(&v)?
                     .iter()
-                    .filter_map(|e| windows::turn_ms(&e.turn_id))
+                    .filter_map(|e| keys::turn_ms(&e.turn_id))
                     .max();
                 if newest != Some(route) {
                     out.push(Violation {

@@ -364,26 +364,27 @@ pub struct Replayed {
 /// committing task prepares both (see [`LogJob::new`]), so the one thread every
 /// commit passes through only frames, writes, syncs and publishes.
 struct LogJob {
-    record: Vec<u8>,
-    /// Each write's key, value and whether it creates the key.
-    writes: Vec<(OKey, Value, bool)>,
+    /// Boxed by the committing task, so that the box goes back to be freed there
+    /// with the buffers it holds (see [`Spent`]).
+    spent: Box<Spent>,
     reply: CommitReply,
 }
 
-/// A job's buffers once the committer is done with them, sent back with its answer
-/// (see [`crate::Answer`]): its log record, and its writes' slots, which now hold
-/// the overlay values the group replaced (every write replaces at most one).
-pub(crate) struct Spent {
-    _record: Vec<u8>,
-    _replaced: Vec<(OKey, Value, bool)>,
+/// A job's buffers, sent back with its answer once the committer is done with them
+/// (see [`CommitReply::send_spent`]): its log record, and its writes' slots, which
+/// then hold the overlay values the group replaced (every write replaces at most
+/// one).
+struct Spent {
+    record: Vec<u8>,
+    /// Each write's key, value and whether it creates the key.
+    writes: Vec<(OKey, Value, bool)>,
 }
 
 impl LogJob {
     fn new(batch: Batch, reply: CommitReply) -> LogJob {
         let record = encode(&batch);
-        let created = batch.created;
-        let writes = batch
-            .ops
+        let (ops, created) = batch.into_parts();
+        let writes = ops
             .into_iter()
             .enumerate()
             .map(|(i, op)| match op {
@@ -392,8 +393,7 @@ impl LogJob {
             })
             .collect();
         LogJob {
-            record,
-            writes,
+            spent: Box::new(Spent { record, writes }),
             reply,
         }
     }
@@ -401,7 +401,7 @@ impl LogJob {
 
 impl AsRef<[u8]> for LogJob {
     fn as_ref(&self) -> &[u8] {
-        &self.record
+        &self.spent.record
     }
 }
 
@@ -545,23 +545,23 @@ fn coalesce(records: &[wal::Record]) -> Result<BTreeMap<Vec<u8>, (u64, Value)>, 
     Ok(map)
 }
 
-/// Window drops committed in `entries` (keys of [`windows::dropped_key`] put), with
+/// Window drops committed in `entries` (keys of [`crate::keys::dropped_key`] put), with
 /// the lsn of each.
 fn drops<'a>(entries: impl Iterator<Item = (&'a [u8], u64, bool)>) -> Vec<(u64, u64)> {
     entries
         .filter(|(_, _, put)| *put)
-        .filter_map(|(k, lsn, _)| windows::dropped_start(k).map(|s| (s, lsn)))
+        .filter_map(|(k, lsn, _)| crate::keys::dropped_start(k).map(|s| (s, lsn)))
         .collect()
 }
 
 /// The drops the main database records: window start → lsn of the drop.
 fn recorded_drops(sled: &Shared) -> Result<BTreeMap<u64, u64>, StoreError> {
-    let (s, e) = windows::dropped_range();
+    let (s, e) = crate::keys::dropped_range();
     sled.with(|h| {
         let mut out = BTreeMap::new();
         for kv in h.db.range(s..e) {
             let (k, v) = kv.map_err(|e| StoreError::Read(e.to_string()))?;
-            if let Some(start) = windows::dropped_start(&k) {
+            if let Some(start) = crate::keys::dropped_start(&k) {
                 let lsn = <[u8; 8]>::try_from(v.as_ref()).map_or(0, u64::from_be_bytes);
                 out.insert(start, lsn);
             }
@@ -1237,7 +1237,7 @@ fn committer_loop(
                 Err(e) => tracing::warn!("the commit log is still not writable: {e}"),
             }
         }
-        let bytes: u64 = jobs.iter().map(|j| j.record.len() as u64).sum();
+        let bytes: u64 = jobs.iter().map(|j| j.spent.record.len() as u64).sum();
         // The write and sync alone, without a repair of the log before them.
         let writing = Instant::now();
         let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
@@ -1257,7 +1257,7 @@ fn committer_loop(
             let mut o = inner.overlay.write().map_err(|_| lock_err("overlay"))?;
             for (i, job) in jobs.iter_mut().enumerate() {
                 let lsn = first_lsn + i as u64;
-                for (k, value, created) in &mut job.writes {
+                for (k, value, created) in &mut job.spent.writes {
                     let mut pending = Pending {
                         lsn,
                         value: value.take(),
@@ -1301,11 +1301,11 @@ fn committer_loop(
             s.log_bytes += bytes;
         }
         for job in jobs {
-            let spent = Spent {
-                _record: job.record,
-                _replaced: job.writes,
-            };
-            if job.reply.send_spent(result.clone(), Some(spent)).is_err() {
+            if job
+                .reply
+                .send_spent(result.clone(), Some(job.spent))
+                .is_err()
+            {
                 tracing::debug!("committer went away before its commit finished");
             }
         }
@@ -1417,7 +1417,7 @@ impl Applier<'_> {
         // still hold then moves to the main database, where their keys go from now on.
         let pending: Vec<(u64, u64)> = {
             let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
-            let (s, e) = windows::dropped_range();
+            let (s, e) = crate::keys::dropped_range();
             drops(
                 o.map
                     .range::<[u8], _>((Bound::Included(&s[..]), Bound::Excluded(&e[..])))
@@ -1862,7 +1862,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
 /// Whether the overlay holds a committed drop of the window starting at `start`.
 fn drop_pending(o: &Overlay, start: u64) -> bool {
     o.map
-        .get(windows::dropped_key(start).as_slice())
+        .get(crate::keys::dropped_key(start).as_slice())
         .is_some_and(|p| p.value.is_some())
 }
 
@@ -2032,7 +2032,7 @@ impl Kv for LoggedKv {
             if let Some(p) = o.map.get(key) {
                 return Ok(p.value.as_ref().map(|v| v.to_vec()));
             }
-            if windows::routed_ms(key).is_some() {
+            if crate::keys::routed_ms(key).is_some() {
                 self.inner.windows.reader(key)
             } else {
                 None
