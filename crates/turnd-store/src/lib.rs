@@ -21,17 +21,14 @@ pub mod check;
 pub mod error;
 pub mod kv;
 pub mod logged;
-mod merged;
 pub mod model;
 #[cfg(test)]
 mod route_tests;
-pub mod sled_kv;
+mod sled;
 pub mod stats;
 mod store;
-mod values;
 pub mod wal;
 pub mod windows;
-mod winstore;
 
 pub use check::check_store;
 pub use error::{IoOp, StoreError};
@@ -47,7 +44,7 @@ pub use model::{
     event_heads, event_value, keys, next_page, records, Batch, Entry, EventHead, KvOp,
     EVENTS_PER_VALUE,
 };
-pub use sled_kv::{SledKv, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
+pub use sled::{SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
 pub use stats::{CommitStats, SYNC_BUCKETS, SYNC_BUCKET_BOUNDS};
 pub use store::Store;
 pub use windows::{WindowInfo, WindowOptions};

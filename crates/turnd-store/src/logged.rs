@@ -18,7 +18,7 @@
 //! turns' live records never reach sled. sled is not synced per apply: when a log
 //! segment is wholly applied, the applier flushes sled, `fdatasync`s its files and
 //! only then deletes the segment (and syncs the log's directory). Checkpoints (see
-//! [`crate::SledKv`]) run here too, so they pause applies and store reads, never
+//! [`crate::sled::Checkpoints`]) run here too, so they pause applies and store reads, never
 //! commits.
 //!
 //! **Reads** look in the overlay first and then in sled. An entry leaves the
@@ -55,16 +55,17 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{Checkpoints, Handle, Shared, SledOptions, SyncMode, APPLY_CHUNK};
-use crate::values;
+use crate::sled::{values, Checkpoints, Handle, Shared, SledOptions, SyncMode};
 use crate::wal::{self, CommitLog};
+use crate::windows::store::{Switch, Upkeep, Windows};
 use crate::windows::{self, Route, WindowOptions};
-use crate::winstore::{Switch, Upkeep, Windows};
 use crate::{Batch, CommitReply, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
 
 mod runs;
 #[cfg(test)]
 mod runs_tests;
+#[cfg(test)]
+mod sled_tests;
 
 use runs::{drop_applied, event_runs, forget_fresh, sled_writes, Taken};
 
@@ -118,7 +119,7 @@ fn unpack(v: &[u8]) -> Result<Vec<u8>, StoreError> {
 pub const DEFAULT_MARK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Most keys in one sled `apply_batch` of the applier.
-const APPLY_KEYS: usize = APPLY_CHUNK * 8;
+const APPLY_KEYS: usize = 1024;
 
 /// Keys the overlay may hold before commits wait for the applier: a burst of
 /// commits faster than sled takes them is held back here rather than in memory.
@@ -180,7 +181,7 @@ pub struct LoggedOptions {
     /// memory its cache and tables grew to in a burst goes back.
     pub idle_reopen: Duration,
     /// A time window no read or write used for this long is closed until it is
-    /// needed again ([`crate::sled_kv::Shared::park`]): sled keeps a record of every
+    /// needed again ([`crate::sled::Shared::park`]): sled keeps a record of every
     /// page of an open database in memory, about 60 bytes per finished turn kept.
     /// `None`: windows stay open.
     pub window_close_after: Option<Duration>,
@@ -748,7 +749,8 @@ impl LoggedKv {
     /// `dir/log`. Writes what the log holds past sled's applied mark to sled first.
     pub fn open(dir: &Path, opts: LoggedOptions) -> Result<(LoggedKv, Replayed), StoreError> {
         let started = Instant::now();
-        let (main_mb, hot_mb) = crate::winstore::split_cache(opts.sled.cache_mb, &opts.windows);
+        let (main_mb, hot_mb) =
+            crate::windows::store::split_cache(opts.sled.cache_mb, &opts.windows);
         let sled = Arc::new(Shared::open(
             dir,
             SledOptions {
@@ -873,7 +875,7 @@ impl LoggedKv {
             ctl.send(Ctl::Flush(reply))
                 .map_err(|_| StoreError::Closed)?;
         }
-        crate::sled_kv::blocking(|| rx.recv().map_err(|_| StoreError::Closed)?)
+        crate::sled::blocking(|| rx.recv().map_err(|_| StoreError::Closed)?)
     }
 
     /// Keys written but not yet in sled.
@@ -948,7 +950,7 @@ type Packed<'a> = (&'a [u8], Option<std::borrow::Cow<'a, [u8]>>);
 /// Write `entries` (key order) to sled in bounded batches, the last recording
 /// `lsn`, when given, under [`APPLIED_KEY`]. A database with a value file (a time
 /// window) has the large values of each batch appended to it in one write first,
-/// and holds pointers to them ([`crate::values`]). Returns the bytes written.
+/// and holds pointers to them ([`crate::sled::values`]). Returns the bytes written.
 fn apply_to_sled<'a>(
     sled: &Shared,
     entries: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
@@ -2091,7 +2093,7 @@ impl Kv for LoggedKv {
                 // hide (deletes), at most a chunk.
                 let first = limit.saturating_add(pending.len());
                 let sources = std::iter::once(&*self.inner.sled).chain(wins.iter().map(|w| &**w));
-                let merged = crate::merged::Merged::new(sources, start, end, reverse, first);
+                let merged = crate::sled::merged::Merged::new(sources, start, end, reverse, first);
                 return merge(pending, merged, reverse, limit);
             }
             self.inner.sled.with(|h| {
@@ -2664,7 +2666,7 @@ pub(crate) mod tests {
         drop(kv);
         // A thread of sled's may hold its file lock a moment after the close.
         let (kv, replayed) =
-            crate::sled_kv::open_when_unlocked(|| LoggedKv::open(copy.path(), opts()))
+            crate::sled::open_when_unlocked(|| LoggedKv::open(copy.path(), opts()))
                 .expect("reopen");
         assert_eq!(
             replayed.records, 0,
@@ -2946,7 +2948,7 @@ pub(crate) mod tests {
         kv.close().expect("close");
         drop(kv);
         let (kv, replayed) =
-            crate::sled_kv::open_when_unlocked(|| LoggedKv::open(copy.path(), manual))
+            crate::sled::open_when_unlocked(|| LoggedKv::open(copy.path(), manual))
                 .expect("reopen");
         assert_eq!(replayed.records, 0);
         assert!(!window_a.exists());
@@ -3173,8 +3175,8 @@ pub(crate) mod tests {
         delete_is_written(&kv, b"Tthree").await;
         kv.close().expect("close");
         drop(kv);
-        let (kv, _) = crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), opts()))
-            .expect("reopen");
+        let (kv, _) =
+            crate::sled::open_when_unlocked(|| LoggedKv::open(dir.path(), opts())).expect("reopen");
         for k in [&b"Tone"[..], b"Ttwo", b"Tthree"] {
             assert_eq!(kv.get(k).expect("get"), None, "{k:?} stays deleted");
         }
@@ -3233,8 +3235,7 @@ pub(crate) mod tests {
         kv.close().expect("close");
         drop(kv);
         let (kv, replayed) =
-            crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir.path(), opts()))
-                .expect("reopen");
+            crate::sled::open_when_unlocked(|| LoggedKv::open(dir.path(), opts())).expect("reopen");
         assert_eq!(replayed.records, 0);
         assert!(in_sled(&kv.inner.sled, b"Tlive"));
     }

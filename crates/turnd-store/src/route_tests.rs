@@ -445,15 +445,19 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
             .expect("read")
     };
     let stored = raw(&kv, a).expect("the record is in its window");
-    assert!(crate::values::is_pointer(&stored), "{} bytes", stored.len());
+    assert!(
+        crate::sled::values::is_pointer(&stored),
+        "{} bytes",
+        stored.len()
+    );
     let values_file = dir
         .path()
         .join("windows")
         .join(a.to_string())
-        .join(crate::values::FILE_NAME);
+        .join(crate::sled::values::FILE_NAME);
     let file_len = std::fs::metadata(&values_file).expect("value file").len();
     assert!(
-        file_len >= crate::values::OUT_FROM as u64,
+        file_len >= crate::sled::values::OUT_FROM as u64,
         "{file_len} bytes"
     );
     let input_of = |store: &Store| {
@@ -503,7 +507,7 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
         .path()
         .join("windows")
         .join(a.to_string())
-        .join(crate::values::FILE_NAME);
+        .join(crate::sled::values::FILE_NAME);
     let mut bytes = std::fs::read(&bad).expect("read");
     bytes[10] ^= 0x20;
     std::fs::write(&bad, &bytes).expect("write");

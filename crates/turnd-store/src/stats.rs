@@ -39,10 +39,11 @@ pub struct CommitStats {
     /// `sync_buckets[i]` counts those that took at most [`SYNC_BUCKET_BOUNDS`]`[i]`
     /// seconds and more than the bound before; the last counts the longer ones.
     pub sync_buckets: [u64; SYNC_BUCKETS],
-    /// Checkpoints performed (sled closed and opened again to bound the log a
-    /// restart replays; see `SledKv`).
+    /// Checkpoints performed (sled closed and opened again to bound the log sled
+    /// replays at its next open).
     pub checkpoints: u64,
-    /// Total microseconds spent in checkpoints, during which commits wait.
+    /// Total microseconds spent in checkpoints, during which applies and reads of
+    /// sled wait.
     pub checkpoint_micros: u64,
     /// Longest single checkpoint, in microseconds.
     pub max_checkpoint_micros: u64,

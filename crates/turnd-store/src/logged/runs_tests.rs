@@ -93,7 +93,7 @@ fn reopen(dir: &std::path::Path, kv: Arc<LoggedKv>, store: Store) -> Store {
     kv.close().expect("close");
     drop(kv);
     let (kv, _) =
-        crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir, manual())).expect("reopen");
+        crate::sled::open_when_unlocked(|| LoggedKv::open(dir, manual())).expect("reopen");
     Store::new(Arc::new(kv))
 }
 

@@ -1,15 +1,17 @@
 //! The time windows of [`crate::LoggedKv`]: one sled database per window under
-//! `DATA_DIR/windows/<start_ms>/`, routed by [`crate::windows::Table`]. See
-//! [`crate::windows`] for the rules; this is how the sled store keeps them.
+//! `DATA_DIR/windows/<start_ms>/`, routed by [`super::Table`]. See [`super`] for the
+//! rules; this is how the sled store keeps them: made whole or not at all, opened
+//! at a start (several at once), their caches sized by whether they take writes,
+//! parked while unused, and deleted once their drop is durable.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{making_path, Shared, SledOptions, MAKING_SUFFIX};
-use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
-use crate::StoreError;
+use super::{Route, Slot, Table, WindowInfo, WindowOptions};
+use crate::error::StoreError;
+use crate::sled::{making_path, Shared, SledOptions, MAKING_SUFFIX};
 
 /// MiB of sled cache of a window that takes no writes: with `retention.terminal_ms`
 /// of 72 h and hourly windows about 73 are open at once, so a cache each of 4 MiB
@@ -317,7 +319,7 @@ impl Windows {
         list.iter()
             .filter(|w| !w.dropped)
             .filter(|w| {
-                let (ws, we) = windows::finished_key_range(w.start_ms, w.end_ms);
+                let (ws, we) = super::finished_key_range(w.start_ms, w.end_ms);
                 let ids = folded && ws.as_slice() < end && start < we.as_slice();
                 let session = from.is_some_and(|f| w.end_ms.is_none_or(|e| e > f));
                 ids || session
@@ -350,7 +352,7 @@ impl Windows {
     /// to be written to the windows.
     pub(crate) fn switch_if_due(&self) -> Result<Switch, StoreError> {
         self.remove_unmade()?;
-        let now = windows::now_ms();
+        let now = super::now_ms();
         let newest = {
             let s = self.state.read().map_err(|_| lock_err())?;
             s.table.newest()

@@ -42,6 +42,8 @@
 //! and a directory of a dropped window still present is deleted. So a drop never
 //! throws away anything committed.
 
+pub(crate) mod store;
+
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
