@@ -20,6 +20,7 @@
 pub mod check;
 pub mod error;
 pub mod kv;
+pub mod log;
 pub mod logged;
 pub mod model;
 #[cfg(test)]
@@ -27,7 +28,6 @@ mod route_tests;
 mod sled;
 pub mod stats;
 mod store;
-pub mod wal;
 pub mod windows;
 
 pub use check::check_store;

@@ -1,4 +1,4 @@
-//! The store's commit path: turnd's commit log ([`crate::wal`]) in front of sled.
+//! The store's commit path: a commit log ([`crate::log::CommitLog`]) in front of sled.
 //!
 //! **Commit.** A committing task encodes its batch (its log record and its writes
 //! in the overlay's form) and queues it. The committer thread (`turnd-log-writer`)
@@ -40,7 +40,7 @@
 //! refuses every write after a failed one until it is opened again, so the applier,
 //! at most every `heal_interval` and once a probe write and sync in the data
 //! directory work, closes sled and opens it again and writes to it what the log
-//! holds past the applied mark sled recovered ([`wal::read_range`]); what the old
+//! holds past the applied mark sled recovered ([`CommitLog::read_range`]); what the old
 //! handle held only in memory is written again that way. A committer or applier
 //! thread that ended unexpectedly makes [`Kv::health`] fail, and so does sled
 //! failing for 10 × `heal_interval` while the disk takes writes.
@@ -50,13 +50,13 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Bound;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::log::{CommitLog, LocalLog, Opened, Record};
 use crate::sled::{values, Checkpoints, Handle, Shared, SledOptions, SyncMode};
-use crate::wal::{self, CommitLog};
 use crate::windows::store::{Switch, Upkeep, Windows};
 use crate::windows::{self, Route, WindowOptions};
 use crate::{Batch, CommitReply, CommitStats, CommitTicket, Entry, IoOp, Kv, KvOp, StoreError};
@@ -319,8 +319,8 @@ struct Inner {
     windows: Windows,
     overlay: RwLock<Overlay>,
     stats: Mutex<CommitStats>,
-    log_dir: PathBuf,
-    closed: Arc<Mutex<wal::Closed>>,
+    /// The commit log: appended to by the committer, read and trimmed by the applier.
+    log: Arc<dyn CommitLog>,
     /// The last applier error and since when it has been failing, until an apply
     /// and flush succeed again.
     apply_error: Mutex<Option<(String, Instant)>>,
@@ -397,12 +397,6 @@ impl LogJob {
             spent: Box::new(Spent { record, writes }),
             reply,
         }
-    }
-}
-
-impl AsRef<[u8]> for LogJob {
-    fn as_ref(&self) -> &[u8] {
-        &self.spent.record
     }
 }
 
@@ -533,7 +527,7 @@ fn decode_plain(mut p: &[u8]) -> Result<Vec<KvOp>, StoreError> {
 
 /// The newest value of each key in `records`, with the lsn that wrote it, in key
 /// order.
-fn coalesce(records: &[wal::Record]) -> Result<BTreeMap<Vec<u8>, (u64, Value)>, StoreError> {
+fn coalesce(records: &[Record]) -> Result<BTreeMap<Vec<u8>, (u64, Value)>, StoreError> {
     let mut map = BTreeMap::new();
     for r in records {
         for op in decode(&r.payload)? {
@@ -748,6 +742,19 @@ impl LoggedKv {
     /// Open (or create) the store in `dir`: sled in `dir`, the commit log in
     /// `dir/log`. Writes what the log holds past sled's applied mark to sled first.
     pub fn open(dir: &Path, opts: LoggedOptions) -> Result<(LoggedKv, Replayed), StoreError> {
+        let log_dir = dir.join("log");
+        LoggedKv::open_with_log(dir, opts, |applied| {
+            LocalLog::open(&log_dir, opts.segment_bytes, applied).map(Opened::boxed)
+        })
+    }
+
+    /// [`LoggedKv::open`] with the commit log `open_log` opens at the last lsn sled
+    /// holds (any [`CommitLog`]; `dir` holds sled and the windows).
+    pub fn open_with_log(
+        dir: &Path,
+        opts: LoggedOptions,
+        open_log: impl FnOnce(u64) -> Result<Opened<Box<dyn CommitLog>>, StoreError>,
+    ) -> Result<(LoggedKv, Replayed), StoreError> {
         let started = Instant::now();
         let (main_mb, hot_mb) =
             crate::windows::store::split_cache(opts.sled.cache_mb, &opts.windows);
@@ -769,9 +776,8 @@ impl LoggedKv {
             &recorded_drops(&sled)?,
             opts.window_close_after.is_some(),
         )?;
-        let log_dir = dir.join("log");
-        let opened = CommitLog::open(&log_dir, opts.segment_bytes, applied)?;
-        let closed = opened.log.closed();
+        let opened = open_log(applied)?;
+        let log: Arc<dyn CommitLog> = Arc::from(opened.log);
         let mut replayed = Replayed {
             records: opened.records.len(),
             bytes: opened.bytes,
@@ -780,9 +786,9 @@ impl LoggedKv {
         if let Some(last) = opened.records.last().map(|r| r.lsn) {
             let map = coalesce(&opened.records)?;
             replay_into(&sled, &wins, &map, last)?;
-            wal::trim_before(&log_dir, &closed, last, opts.segment_bytes)?;
+            log.trim(last)?;
         }
-        let committed = opened.log.next_lsn() - 1;
+        let committed = log.next_lsn() - 1;
         replayed.millis = started.elapsed().as_millis() as u64;
         let inner = Arc::new(Inner {
             sled,
@@ -796,8 +802,7 @@ impl LoggedKv {
                 settled: committed,
             }),
             stats: Mutex::new(CommitStats::default()),
-            log_dir,
-            closed,
+            log,
             apply_error: Mutex::new(None),
             apply_patience: opts.heal_interval.saturating_mul(10),
             applied_cv: std::sync::Condvar::new(),
@@ -816,11 +821,10 @@ impl LoggedKv {
         };
         let committer = {
             let inner = inner.clone();
-            let log = opened.log;
             let nudge = ctl_tx.clone();
             spawn(
                 "turnd-log-writer",
-                Box::new(move || committer_loop(&inner, log, rx, &nudge, &opts)),
+                Box::new(move || committer_loop(&inner, rx, &nudge, &opts)),
             )?
         };
         let applier = {
@@ -1205,7 +1209,6 @@ fn take_queued(rx: &mpsc::Receiver<LogJob>, jobs: &mut Vec<LogJob>) {
 
 fn committer_loop(
     inner: &Inner,
-    mut log: CommitLog,
     rx: mpsc::Receiver<LogJob>,
     nudge: &mpsc::Sender<Ctl>,
     opts: &LoggedOptions,
@@ -1232,6 +1235,7 @@ fn committer_loop(
             continue;
         }
         let started = Instant::now();
+        let log = &inner.log;
         if log.is_failed() && last_heal.is_none_or(|t| t.elapsed() >= opts.heal_interval) {
             last_heal = Some(started);
             match log.heal() {
@@ -1242,7 +1246,9 @@ fn committer_loop(
         let bytes: u64 = jobs.iter().map(|j| j.spent.record.len() as u64).sum();
         // The write and sync alone, without a repair of the log before them.
         let writing = Instant::now();
-        let result = log.append_group(&jobs, opts.sled.sync == SyncMode::Always);
+        let records: Vec<&[u8]> = jobs.iter().map(|j| j.spent.record.as_slice()).collect();
+        let result = log.append(&records, opts.sled.sync == SyncMode::Always);
+        drop(records);
         let synced = writing.elapsed();
         last_sync = synced;
         if synced >= NOTED_SYNC {
@@ -1312,7 +1318,7 @@ fn committer_loop(
             }
         }
     }
-    if let Err(e) = log.flush() {
+    if let Err(e) = inner.log.flush() {
         tracing::error!("failed to sync the commit log at close: {e}");
     }
 }
@@ -1345,10 +1351,8 @@ struct Applier<'a> {
     idle_reopen: Duration,
     /// [`LoggedOptions::window_close_after`].
     window_close_after: Option<Duration>,
-    /// Size of a commit log segment, for the spare made ahead of need.
-    segment_bytes: u64,
-    /// When making the spare segment last failed (tried again after `heal_interval`).
-    spare_failed: Option<Instant>,
+    /// When the log's upkeep last failed (tried again after `heal_interval`).
+    upkeep_failed: Option<Instant>,
 }
 
 impl Applier<'_> {
@@ -1627,60 +1631,38 @@ impl Applier<'_> {
         if let Some(after) = self.window_close_after {
             self.inner.windows.park_unused(&self.upkeep, after);
         }
-        if !force_flush && wal::closed_count(&self.inner.closed) == 0 {
+        if !force_flush && !self.inner.log.wants_trim() {
             return Ok(());
         }
         self.write_mark()?;
         let sled = &self.inner.sled;
         sled.with(|h| sled.sync_files(h))?;
         self.synced = self.marked;
-        let n = wal::trim_before(
-            &self.inner.log_dir,
-            &self.inner.closed,
-            self.marked,
-            self.segment_bytes,
-        )?;
+        let n = self.inner.log.trim(self.marked)?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.log_trims += n as u64;
         }
         Ok(())
     }
 
-    /// Make the commit log's next segment ahead of need when none is ready
-    /// ([`wal::prepare_spare`]); after a failure (a full disk), not again for
-    /// `heal_interval`.
-    fn keep_spare(&mut self) {
+    /// The commit log's upkeep ([`CommitLog::upkeep`]); after a failure (a full
+    /// disk), not again for `heal_interval`.
+    fn log_upkeep(&mut self) {
         if self
-            .spare_failed
+            .upkeep_failed
             .is_some_and(|t| t.elapsed() < self.heal_interval)
         {
             return;
         }
-        // A closed segment becomes the spare when it is trimmed ([`wal::trim_before`]),
-        // with no zeros to write and no file to delete. At full load a segment is
-        // trimmed well before the active one fills, so a spare of zeros made now
-        // would only be written (a segment's worth of zeros, synced chunk by chunk)
-        // to have the trimmed segment deleted instead: at full load 25 MB/s of
-        // zeros written and as much deleted, beside which the log's `fdatasync`
-        // stalled for up to 471 ms in a traced soak (`docs/benchmarks.md`).
-        if wal::closed_count(&self.inner.closed) > 0 {
-            return;
-        }
-        match wal::prepare_spare(&self.inner.log_dir, self.segment_bytes) {
-            Ok(made) => {
-                if made {
-                    tracing::debug!("made the commit log's next segment ahead of need");
-                    if let Ok(mut s) = self.inner.stats.lock() {
-                        s.log_zeroed += 1;
-                    }
-                }
-                self.spare_failed = None;
-            }
+        match self.inner.log.upkeep() {
+            Ok(()) => self.upkeep_failed = None,
             Err(e) => {
-                if self.spare_failed.is_none() {
-                    tracing::warn!("the commit log's next segment could not be made ahead of need (it is reserved when needed instead): {e}");
+                if self.upkeep_failed.is_none() {
+                    tracing::warn!(
+                        "the commit log's upkeep failed (tried again after heal_interval): {e}"
+                    );
                 }
-                self.spare_failed = Some(Instant::now());
+                self.upkeep_failed = Some(Instant::now());
             }
         }
     }
@@ -1702,7 +1684,7 @@ impl Applier<'_> {
                     .after_group(&self.inner.sled, &self.inner.stats);
                 self.checkpoints
                     .when_idle(&self.inner.sled, &self.inner.stats, self.idle_reopen);
-                self.keep_spare();
+                self.log_upkeep();
             }
             Err(e) => {
                 let since = match err.as_ref() {
@@ -1763,7 +1745,7 @@ impl Applier<'_> {
             .read()
             .map_err(|_| lock_err("overlay"))?
             .committed;
-        let records = wal::read_range(&self.inner.log_dir, self.synced, upto)?;
+        let records = self.inner.log.read_range(self.synced, upto)?;
         let map = coalesce(&records)?;
         {
             let mut o = self
@@ -1816,8 +1798,7 @@ fn applier_loop(inner: &Inner, ctl: mpsc::Receiver<Ctl>, opts: &LoggedOptions, a
         upkeep: Upkeep::default(),
         idle_reopen: opts.idle_reopen,
         window_close_after: opts.window_close_after,
-        segment_bytes: opts.segment_bytes,
-        spare_failed: None,
+        upkeep_failed: None,
     };
     loop {
         // Behind (a quarter of the overlay's room used): no pause between rounds,
@@ -2225,10 +2206,7 @@ impl Kv for LoggedKv {
             s.overlay_keys = o.map.len() as u64;
             s.overlay_bytes = o.bytes as u64;
         }
-        let seg = wal::segment_counts(&self.inner.closed);
-        s.log_segments = seg.closed as u64 + 1;
-        s.log_recycled = seg.recycled;
-        s.log_reserved = seg.reserved;
+        self.inner.log.report(&mut s);
         let (parked, reopens) = self.inner.windows.counts();
         s.windows_closed = parked;
         s.window_reopens = reopens;
