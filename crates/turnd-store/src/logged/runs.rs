@@ -51,7 +51,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use super::{OKey, Pending, Value};
+use super::overlay::{weight, OKey, Pending, Value};
 
 /// An overlay entry a round of the applier took, as it was when taken.
 pub(super) struct Taken {
@@ -213,7 +213,7 @@ pub(super) fn drop_applied(
     let mut freed = 0;
     let mut remove = |map: &mut BTreeMap<OKey, Pending>, key: &[u8]| {
         if let Some((k, p)) = map.remove_entry(key) {
-            freed += super::weight(&k, &p.value);
+            freed += weight(&k, &p.value);
         }
     };
     let mut in_run = vec![false; slice.len()];

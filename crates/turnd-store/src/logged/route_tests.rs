@@ -221,7 +221,7 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     d.drop_window(a);
     commit(&store, d).await;
     let crashed = tempfile::tempdir().expect("tempdir");
-    crate::logged::tests::copy_dir(dir.path(), crashed.path());
+    super::tests::copy_dir(dir.path(), crashed.path());
 
     kv.sync().expect("apply the drop");
     assert!(!dir.path().join("windows").join(a.to_string()).exists());
@@ -485,9 +485,9 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
     d.drop_window(a);
     commit(&store, d).await;
     let crashed = tempfile::tempdir().expect("tempdir");
-    crate::logged::tests::copy_dir(dir.path(), crashed.path());
+    super::tests::copy_dir(dir.path(), crashed.path());
     let corrupt = tempfile::tempdir().expect("tempdir");
-    crate::logged::tests::copy_dir(dir.path(), corrupt.path());
+    super::tests::copy_dir(dir.path(), corrupt.path());
     kv.sync().expect("apply the drop");
     assert!(!values_file.exists());
     assert_eq!(input_of(&store), t.input);
