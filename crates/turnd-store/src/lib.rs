@@ -12,7 +12,8 @@
 //! - [`windows`]: the time windows of finished turns, and where a key goes;
 //! - [`kv`]: the raw [`Kv`] surface every store offers, with the in-memory
 //!   [`MemKv`] and the fault-injecting [`FaultyKv`];
-//! - `log`, `sled`: the commit log and the sled databases behind it;
+//! - [`log`]: the [`CommitLog`] in front of sled, with [`LocalLog`] and [`MemLog`];
+//! - `sled`: the sled databases behind the log;
 //! - [`logged`]: [`LoggedKv`], the durable store the daemon runs on;
 //! - [`Store`]: the typed store the engine reads and writes through;
 //! - [`check`]: the invariants `store.check` reports.
@@ -41,6 +42,7 @@ pub use error::{IoOp, StoreError};
 pub use kv::faulty::{self, FaultyKv};
 pub use kv::mem::{self, MemKv};
 pub use kv::{CommitReply, CommitTicket, Kv};
+pub use log::{CommitLog, LocalLog, MemLog};
 pub use logged::{
     LoggedKv, LoggedOptions, Replayed, DEFAULT_IDLE_REOPEN, DEFAULT_MARK_INTERVAL,
     DEFAULT_OVERLAY_BYTES,

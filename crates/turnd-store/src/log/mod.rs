@@ -9,7 +9,9 @@
 //! sled's applied mark. Positions are log sequence numbers (lsn, `u64`), the same
 //! numbers the store records as its applied mark.
 //!
-//! [`LocalLog`] keeps segment files on the local disk: the daemon's log.
+//! Two implementations: [`LocalLog`], segment files on the local disk (the daemon's),
+//! and [`MemLog`], in memory, whose crash drops what was never made durable (for
+//! simulators and tests).
 //!
 //! # The contract
 //!
@@ -54,8 +56,12 @@
 //! (a replicated stream) runs its own runtime and waits on it there.
 
 mod local;
+mod mem;
+#[cfg(test)]
+mod tests;
 
 pub use local::LocalLog;
+pub use mem::MemLog;
 
 use crate::error::StoreError;
 use crate::stats::CommitStats;

@@ -52,6 +52,8 @@ mod applier;
 mod apply;
 mod codec;
 mod committer;
+#[cfg(test)]
+mod crash_tests;
 mod options;
 mod overlay;
 mod reads;
