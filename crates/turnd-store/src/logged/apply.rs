@@ -16,7 +16,7 @@ use crate::windows::store::Windows;
 use crate::windows::{self, Route};
 
 /// sled key holding the last lsn the applier wrote to sled (u64, big-endian). It
-/// sorts before every key of the layout ([`crate::keys`]), whose scans never reach it.
+/// sorts before every key of the layout ([`keys`]), whose scans never reach it.
 pub const APPLIED_KEY: &[u8] = b"\x00applied";
 
 /// Most keys in one sled `apply_batch` of the applier.

@@ -343,7 +343,7 @@ impl Windows {
             return Vec::new();
         };
         let folded = start < &b"G"[..] && &b"F"[..] < end;
-        let from = session_from.filter(|_| crate::keys::meets_routed(start, end));
+        let from = session_from.filter(|_| crate::model::keys::meets_routed(start, end));
         let list = s.table.list(|_| 0);
         list.iter()
             .filter(|w| !w.dropped)

@@ -45,6 +45,7 @@
 //! and trimmed and read by another (the applier), which never waits for an append:
 //! they share only the list of closed segments.
 
+mod files;
 mod segments;
 mod spares;
 #[cfg(test)]

@@ -11,7 +11,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use super::spares::{prepare_spare, remove_if_there, reserve, spare_paths, take_spare, SPARE_TMP};
+use super::files::{io, remove_if_there, sync_dir};
+use super::spares::{prepare_spare, reserve, spare_paths, take_spare, SPARE_TMP};
 use crate::error::{IoOp, StoreError};
 use crate::log::{Opened, Record};
 
@@ -74,20 +75,6 @@ pub struct SegmentWriter {
 
 pub(super) fn segment_name(first_lsn: u64) -> String {
     format!("{first_lsn:020}.seg")
-}
-
-pub(super) fn io(what: &str, e: std::io::Error) -> StoreError {
-    StoreError::io(IoOp::Write, format_args!("commit log: {what}"), &e)
-}
-
-pub(super) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| {
-        StoreError::io(
-            IoOp::Sync,
-            format_args!("commit log: fsync dir {dir:?}"),
-            &e,
-        )
-    })
 }
 
 fn crc(lsn: u64, payload: &[u8]) -> u32 {

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::segments::io;
+use super::files::{io, remove_if_there};
 use crate::error::{IoOp, StoreError};
 
 /// The name of the segment file made ahead of need, and of it while it is made.
@@ -78,16 +78,6 @@ pub fn prepare_spare(dir: &Path, bytes: u64) -> Result<bool, StoreError> {
         return Err(io("make a spare segment", e));
     }
     Ok(true)
-}
-
-/// Remove a file a failed step left behind, if it is there (a failure to is logged:
-/// the step's own error is what the caller reports).
-pub(super) fn remove_if_there(path: &Path) {
-    if let Err(e) = std::fs::remove_file(path) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!("failed to remove {path:?}: {e}");
-        }
-    }
 }
 
 /// A new file at `path` of `bytes` reserved with `fallocate`, and synced.
