@@ -83,8 +83,8 @@ impl Store {
         Ok(self.finished(turn_id)?.map(|f| f.turn))
     }
 
-    /// A turn's record under its own key (an unfinished turn's, or a finished one of
-    /// the earlier layout).
+    /// A turn's record under its own key, where an unfinished turn's is (a finished
+    /// turn's is folded: [`Store::finished`]).
     pub fn separate_turn_record(&self, turn_id: &str) -> Result<Option<TurnRecord>, StoreError> {
         self.kv
             .get(&keys::turn(turn_id))?
@@ -169,8 +169,8 @@ impl Store {
         Ok(self.idempotency_entry(s, key)?.map(|(_, r)| r))
     }
 
-    /// A session's idempotency key as stored (with its route, or without one when
-    /// written before routes), and its record.
+    /// A session's idempotency key as stored (with its route, or without one when its
+    /// turn id is not minted), and its record.
     pub fn idempotency_entry(
         &self,
         s: SessionKeys<'_>,
@@ -329,8 +329,8 @@ impl Store {
 
     /// Up to `limit` turn records under their own keys in key order (turn ids are
     /// UUIDv7, so oldest first) from `from` on ([`Store::FIRST`]: the first), as
-    /// [`TurnHead`]s, and where the next page starts: unfinished turns, and finished
-    /// ones of the earlier layout.
+    /// [`TurnHead`]s, and where the next page starts: the turns stored under their own
+    /// keys (unfinished ones; a finished turn is folded).
     pub fn turns_page(
         &self,
         from: &[u8],

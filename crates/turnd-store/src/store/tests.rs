@@ -335,10 +335,10 @@ fn invocation(inv_id: &str, turn_id: &str, state: InvState) -> InvocationRecord 
 
 /// A finished turn is one folded record: the turn (its input inline, even one
 /// stored apart while it ran) and its ended invocations, which are found by their
-/// id alone; its separate keys are gone. A turn of the earlier layout (record,
-/// input apart, invocation under their own keys) reads the same.
+/// id alone; its separate keys are gone. A finished turn whose keys were written
+/// unfolded (record, input apart, invocation under their own keys) reads the same.
 #[tokio::test]
-async fn a_finished_turn_reads_the_same_folded_or_in_the_earlier_layout() {
+async fn a_finished_turn_reads_the_same_folded_or_under_its_own_keys() {
     let kv = Arc::new(mem::MemKv::new());
     let store = Store::new(kv.clone());
     let big = RawJson::from_value(&json!({"prompt": "q".repeat(INPUT_APART_BYTES)}));
@@ -368,7 +368,7 @@ async fn a_finished_turn_reads_the_same_folded_or_in_the_earlier_layout() {
         if n == 0 {
             b.put_finished(&FoldedTurn::new(&t, vec![inv.clone()]), true);
         } else {
-            // The earlier layout: a terminal turn under its own keys.
+            // Unfolded: a terminal turn under its own keys.
             b.put_turn(&t);
             b.put_invocation(&inv);
         }
