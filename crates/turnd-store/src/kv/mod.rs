@@ -61,9 +61,9 @@ pub trait Kv: Send + Sync + 'static {
     }
     /// Up to `limit` entries with keys in `[start, end)` that are stored in the open
     /// time window starting at `window_start` (the keys routed to it: see
-    /// [`crate::windows`]), ascending. Retention reads a window's event values with it before
-    /// it drops the window. This default scans the range and keeps the keys routed
-    /// there; a store with windows reads only the window.
+    /// [`crate::windows`]), ascending. Retention reads a window's event values with it
+    /// before it drops the window. This default scans the range and keeps the keys
+    /// routed there; a store with windows reads only the window.
     fn scan_window(
         &self,
         window_start: u64,

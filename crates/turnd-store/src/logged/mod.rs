@@ -3,47 +3,48 @@
 //! log's contract (`open_with_log`), and on a [`LocalLog`] in `DATA_DIR/log` (`open`).
 //!
 //! **Commit** ([`committer`]). A committing task encodes its batch (its log record,
-//! [`codec`], and its writes in the overlay's form) and queues it. The committer
-//! thread (`turnd-log-writer`) takes every queued batch (after a large group, it
-//! first sleeps briefly so that more arrive), appends each as one record to the
-//! commit log, which makes the group durable, puts the group's writes into the
-//! *overlay* (key → newest value not yet in sled, with the lsn that wrote it) and
-//! only then answers the committers. sled is not on this path.
+//! [`codec`], and its writes in the overlay's form) and queues it. The committer thread
+//! (`turnd-log-writer`) takes every queued batch (after a large group, it first sleeps
+//! briefly so that more arrive), appends each as one record to the commit log, which
+//! makes the group durable, puts the group's writes into the *overlay* (key → newest
+//! value not yet in sled, with the lsn that wrote it) and only then answers the
+//! committers. sled is not on this path.
 //!
 //! **Apply** ([`applier`], [`runs`], [`apply`]). The applier thread
-//! (`turnd-store-applier`) writes the overlay ([`overlay`]) to sled
-//! every `apply_interval`: one value per key, however often the key was written in
-//! between (a turn's record, rewritten at each transition, reaches sled once), in
-//! `apply_batch` calls of bounded size, the last of which also records the lsn
-//! applied under [`APPLIED_KEY`]. It then drops from the overlay every entry that
-//! has not been written again since. Live records wait `apply_delay` first, and a
-//! delete of a key sled never got is dropped, so most turns' live records never
-//! reach sled. sled is not synced per apply: when the log has something to trim,
-//! the applier flushes sled, `fdatasync`s its files and only then lets the log trim
-//! what sled holds. Checkpoints ([`crate::sled::Checkpoints`]) run here too, so they
-//! pause applies and store reads, never commits.
+//! (`turnd-store-applier`) writes the overlay ([`overlay`]) to sled every
+//! `apply_interval`: one value per key, however often the key was written in between (a
+//! turn's record, rewritten at each transition, reaches sled once), in `apply_batch`
+//! calls of bounded size, the last of which also records the lsn applied under
+//! [`APPLIED_KEY`]. It then drops from the overlay every entry that has not been
+//! written again since. Live records wait `apply_delay` first, and a delete of a key
+//! sled never got is dropped, so most turns' live records never reach sled. sled is not
+//! synced per apply: when the log has something to trim, the applier flushes sled,
+//! `fdatasync`s its files and only then lets the log trim what sled holds. Checkpoints
+//! ([`crate::sled::Checkpoints`]) run here too, so they pause applies and store reads,
+//! never commits.
 //!
-//! **Reads** ([`reads`]) look in the overlay first and then in sled. An entry leaves the
-//! overlay only after sled has it, so a read that misses the overlay finds the
+//! **Reads** ([`reads`]) look in the overlay first and then in sled. An entry leaves
+//! the overlay only after sled has it, so a read that misses the overlay finds the
 //! newest value in sled; scans merge the two.
 //!
-//! **Start** ([`replay`]). sled is opened, the commit log is read from the record after the lsn
-//! sled last recorded as applied, and those records are written to sled (coalesced
-//! by key, as the applier does), flushed and synced before the daemon serves. A
-//! clean close applies and flushes everything, so the next start reads nothing.
+//! **Start** ([`replay`]). sled is opened, the commit log is read from the record after
+//! the lsn sled last recorded as applied, and those records are written to sled
+//! (coalesced by key, as the applier does), flushed and synced before the daemon
+//! serves. A clean close applies and flushes everything, so the next start reads
+//! nothing.
 //!
 //! **Failures.** A failed append of the log fails its group (`unavailable` for the
 //! requests, nothing of it in memory); a failed log then refuses groups until it
-//! healed, which the committer asks of it every `heal_interval`, and appends go on
-//! once that worked. A failed apply or flush of sled loses nothing (the log still holds it) and
-//! is tried again at the next interval; the log is not trimmed meanwhile. sled
-//! refuses every write after a failed one until it is opened again, so the applier,
-//! at most every `heal_interval` and once a probe write and sync in the data
-//! directory work, closes sled and opens it again and writes to it what the log
-//! holds past the applied mark sled recovered ([`CommitLog::read_range`]); what the old
-//! handle held only in memory is written again that way. A committer or applier
-//! thread that ended unexpectedly makes [`Kv::health`] fail, and so does sled
-//! failing for 10 × `heal_interval` while the disk takes writes.
+//! healed, which the committer asks of it every `heal_interval`, and appends go on once
+//! that worked. A failed apply or flush of sled loses nothing (the log still holds it)
+//! and is tried again at the next interval; the log is not trimmed meanwhile. sled
+//! refuses every write after a failed one until it is opened again, so the applier, at
+//! most every `heal_interval` and once a probe write and sync in the data directory
+//! work, closes sled and opens it again and writes to it what the log holds past the
+//! applied mark sled recovered ([`CommitLog::read_range`]); what the old handle held
+//! only in memory is written again that way. A committer or applier thread that ended
+//! unexpectedly makes [`Kv::health`] fail, and so does sled failing for 10 ×
+//! `heal_interval` while the disk takes writes.
 //!
 //! Both threads run outside any tokio runtime and time real disk work with
 //! `std::time`; no tokio timer depends on them.

@@ -53,9 +53,10 @@ pub struct LoggedOptions {
     /// `None`: windows stay open.
     pub window_close_after: Option<Duration>,
     /// Bytes of keys and values the overlay may hold before commits wait for the
-    /// applier, whatever the number of keys ([`super::overlay::MAX_OVERLAY_KEYS`]): large values
-    /// (inputs and outputs near the frame limit) would fill memory long before the
-    /// room in keys. A quarter of it counts as behind, as [`super::overlay::EAGER_OVERLAY_KEYS`].
+    /// applier, whatever the number of keys ([`super::overlay::MAX_OVERLAY_KEYS`]):
+    /// large values (inputs and outputs near the frame limit) would fill memory long
+    /// before the room in keys. A quarter of it counts as behind, as
+    /// [`super::overlay::EAGER_OVERLAY_KEYS`].
     pub overlay_bytes: usize,
     /// Longest time between two applied marks written to the main database while
     /// rounds apply ([`DEFAULT_MARK_INTERVAL`]).

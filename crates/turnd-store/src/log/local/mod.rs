@@ -2,22 +2,22 @@
 //! [`CommitLog`] that keeps the contract of [`crate::log`] with one `fdatasync` per
 //! group.
 //!
-//! **Files.** `log/<first lsn, 20 digits>.seg`. Each segment is `segment_bytes`
-//! long from the start (so an append does not change the file's size, and a full
-//! disk shows up when a segment is made, before anything is written to it) and its
-//! directory entry is synced before the first record in it is acknowledged. The next
-//! segment is made ahead of need, off the commit path: the oldest segments trimmed
-//! while a spare name is free, renamed `spare` or `spare.1` ([`trim_before`],
-//! [`spares::SPARES`]), or else (only while no closed segment waits for its trim) a file
-//! written with zeros and synced as `spare` ([`spares::prepare_spare`], the log's
-//! [`CommitLog::upkeep`]); the log renames a
-//! spare when it rolls over to it. A segment whose blocks were only reserved (`fallocate`) makes every
-//! `fdatasync` write the file's extent map as well, since ext4 marks reserved blocks
-//! as written only as they are (measured here: p50 190 – 207 µs per `fdatasync` of
-//! 4 – 16 KiB, against 128 – 134 µs into written zeros; on ext4 with a journal 575 –
-//! 735 against 251 – 261 µs); without a spare ready (a disk too full to make one) a
-//! segment is still reserved with `fallocate`. [`LocalLog::open`] makes the first
-//! segment the same way, unless the last run left a spare.
+//! **Files.** `log/<first lsn, 20 digits>.seg`. Each segment is `segment_bytes` long
+//! from the start (so an append does not change the file's size, and a full disk shows
+//! up when a segment is made, before anything is written to it) and its directory entry
+//! is synced before the first record in it is acknowledged. The next segment is made
+//! ahead of need, off the commit path: the oldest segments trimmed while a spare name
+//! is free, renamed `spare` or `spare.1` ([`trim_before`], [`spares::SPARES`]), or else
+//! (only while no closed segment waits for its trim) a file written with zeros and
+//! synced as `spare` ([`spares::prepare_spare`], the log's [`CommitLog::upkeep`]); the
+//! log renames a spare when it rolls over to it. A segment whose blocks were only
+//! reserved (`fallocate`) makes every `fdatasync` write the file's extent map as well,
+//! since ext4 marks reserved blocks as written only as they are (measured here: p50 190
+//! – 207 µs per `fdatasync` of 4 – 16 KiB, against 128 – 134 µs into written zeros; on
+//! ext4 with a journal 575 – 735 against 251 – 261 µs); without a spare ready (a disk
+//! too full to make one) a segment is still reserved with `fallocate`.
+//! [`LocalLog::open`] makes the first segment the same way, unless the last run left a
+//! spare.
 //!
 //! **Records.** `len: u32 LE | crc32: u32 LE | lsn: u64 LE | payload (len bytes)`,
 //! the CRC over the lsn's bytes and the payload. Sequence numbers (lsn) are

@@ -439,13 +439,12 @@ fn lock_poisoned() -> StoreError {
 /// (sled holds them, flushed and synced), then sync the directory so that a deleted
 /// segment cannot come back after a power loss. Returns how many were deleted.
 ///
-/// While a spare name is free ([`super::spares::SPARES`]), the first of them of `segment_bytes` are
-/// not deleted but renamed to it: the log's next segments, their blocks already
-/// written, with no file of zeros to make for them ([`prepare_spare`]). Their old
-/// records are harmless there:
-/// every one has an lsn below the first of any segment it becomes, and reading a
-/// segment stops at the first record that does not carry the next lsn, as it does at
-/// a torn tail.
+/// While a spare name is free ([`super::spares::SPARES`]), the first of them of
+/// `segment_bytes` are not deleted but renamed to it: the log's next segments, their
+/// blocks already written, with no file of zeros to make for them ([`prepare_spare`]).
+/// Their old records are harmless there: every one has an lsn below the first of any
+/// segment it becomes, and reading a segment stops at the first record that does not
+/// carry the next lsn, as it does at a torn tail.
 pub fn trim_before(
     dir: &Path,
     closed: &Mutex<Closed>,

@@ -13,13 +13,13 @@ use crate::error::{IoOp, StoreError};
 /// The name of the segment file made ahead of need, and of it while it is made.
 pub(super) const SPARE: &str = "spare";
 pub(super) const SPARE_TMP: &str = "spare.tmp";
-/// The names of the segments made ahead of need, taken in this order: [`SPARE`], and
-/// a second one that only a trim fills ([`super::segments::trim_before`]). A trim deletes several
-/// segments at once when the applier's mark passes several (once a second): with
-/// 2 KiB of input and output the log filled a 32 MiB segment about every 0.6 s, and
-/// with one spare kept 17 – 26 % of the roll-overs found none and began a segment
-/// with reserved blocks, whose every `fdatasync` also writes the file's extent map
-/// (and on ext4 with a journal commits it, [`ZEROS_CHUNK`]).
+/// The names of the segments made ahead of need, taken in this order: [`SPARE`], and a
+/// second one that only a trim fills ([`super::segments::trim_before`]). A trim deletes
+/// several segments at once when the applier's mark passes several (once a second):
+/// with 2 KiB of input and output the log filled a 32 MiB segment about every 0.6 s,
+/// and with one spare kept 17 – 26 % of the roll-overs found none and began a segment
+/// with reserved blocks, whose every `fdatasync` also writes the file's extent map (and
+/// on ext4 with a journal commits it, [`ZEROS_CHUNK`]).
 pub(super) const SPARES: [&str; 2] = [SPARE, "spare.1"];
 
 /// The paths of [`SPARES`] in `dir`, in their order.
@@ -37,9 +37,10 @@ const ZEROS_CHUNK: usize = 256 << 10;
 
 /// Make the next segment ahead of need, unless a spare of `bytes` is ready: a file of
 /// `bytes` zeros, written and synced as `spare.tmp` and then renamed `spare`, which
-/// [`super::SegmentWriter`] renames to its next segment when it rolls over. Returns whether it
-/// made one. Runs off the commit path (the store's applier); a failure (a full disk)
-/// leaves nothing behind, and the log then reserves its next segment itself.
+/// [`super::segments::SegmentWriter`] renames to its next segment when it rolls over.
+/// Returns whether it made one. Runs off the commit path (the store's applier); a
+/// failure (a full disk) leaves nothing behind, and the log then reserves its next
+/// segment itself.
 pub fn prepare_spare(dir: &Path, bytes: u64) -> Result<bool, StoreError> {
     let mut ready = false;
     for path in spare_paths(dir) {
