@@ -20,7 +20,7 @@ import sys
 PARTS = [
     ("tokio-rt-worker", "engine: records' JSON (Tx::batch)", "session::Tx::batch"),
     ("tokio-rt-worker", "engine: store commit: LZ4 of the log record", "lz4_flex::block::compress"),
-    ("tokio-rt-worker", "engine: store commit (log record, overlay writes)", "turnd_store::Store::commit"),
+    ("tokio-rt-worker", "engine: store commit (log record, overlay writes)", "turnd_store::store::Store::commit"),
     ("tokio-rt-worker", "engine: wait index and timers (after_change)", "Engine>::after_change"),
     ("tokio-rt-worker", "engine: applying the change in memory (Tx::apply)", "session::Tx::apply"),
     ("tokio-rt-worker", "engine: the rest of a commit", "Engine>::commit::{{closure}}"),
@@ -29,9 +29,9 @@ PARTS = [
     ("tokio-rt-worker", "bench's SDK callers and workers", "turnd_client::"),
     ("tokio-rt-worker", "bench's own tasks", "turnd_bench::"),
     ("turnd-store-app", "applier: sled's apply_batch", "sled::tree::Tree::apply_batch"),
-    ("turnd-store-app", "applier: LZ4 of values (pack)", "turnd_store::logged::pack"),
-    ("turnd-store-app", "applier: value file appends", "turnd_store::values::ValueFile::append"),
-    ("turnd-log-write", "log writer: write and fdatasync", "CommitLog::append_group"),
+    ("turnd-store-app", "applier: LZ4 of values (pack)", "turnd_store::logged::codec::pack"),
+    ("turnd-store-app", "applier: value file appends", "turnd_store::sled::values::ValueFile::append"),
+    ("turnd-log-write", "log writer: write and fdatasync", "SegmentWriter::append_group"),
     ("turnd-log-write", "log writer: overlay insert", "btree::map"),
     ("sled-io", "sled's IO threads", ""),
 ]

@@ -357,50 +357,6 @@ async fn corrupt(dir: &std::path::Path, f: impl FnOnce(&Store) -> Batch) -> anyh
     Ok(())
 }
 
-/// A store written before session metas recorded their first unfinished turn kept an
-/// index of unfinished turns (`A` keys). Such a store is moved at start-up, and its
-/// queued turns are recovered and run.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_store_of_the_earlier_layout_is_moved_and_its_queued_turns_run() -> anyhow::Result<()> {
-    let td = TestDaemon::start(|_| {}).await?;
-    let dir = td.dir.clone();
-    let c = td.caller().await?;
-    let t1 = c.submit_simple("old", "echo", json!(1)).await?;
-    let t2 = c.submit_simple("old", "echo", json!(2)).await?;
-    drop(c);
-    td.shutdown().await?;
-    let data = dir.path().join("data");
-    let (seq1, seq2) = (t1.seq, t2.seq);
-    corrupt(&data, move |store| {
-        let mut meta = store
-            .session_meta("old")
-            .ok()
-            .flatten()
-            .expect("meta stored");
-        assert_eq!(meta.active_from, Some(seq1), "the meta records the holder");
-        meta.active_from = None;
-        let mut b = Batch::new();
-        b.put_session_meta(&meta);
-        b.put_raw(keys::legacy_active("old", seq1), b"t".to_vec());
-        b.put_raw(keys::legacy_active("old", seq2), b"t".to_vec());
-        b
-    })
-    .await?;
-
-    let td = TestDaemon::start_in(dir, |_| {}, false).await?;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let w = counting_worker(&td.url, "w-old", runs.clone()).await;
-    let c = td.caller().await?;
-    for t in [&t1, &t2] {
-        let done = wait_done(&c, &t.turn_id, T).await?;
-        assert_eq!(done.status, TurnStatus::Completed, "{done:?}");
-    }
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
-    assert_clean(&td).await?;
-    w.shutdown();
-    td.shutdown().await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_check_names_a_corrupted_store() -> anyhow::Result<()> {
     let td = TestDaemon::start(|_| {}).await?;

@@ -80,14 +80,6 @@ impl Engine {
         let store = &self.inner.store;
         let now = self.now_ms();
         let mut pending = Vec::new();
-        // Stores written before session metas kept `active_from` are moved first.
-        let moved = store.migrate_legacy_active_index().await?;
-        if moved > 0 {
-            tracing::info!(
-                sessions = moved,
-                "moved the index of unfinished turns into the session metas"
-            );
-        }
         // One pass over the session metas, page by page: every session is counted, and
         // a session with unfinished turns gets them from its turn list, from the meta's
         // `active_from` on. Memory is bounded by a page.

@@ -37,7 +37,7 @@
 //! - The last value is routed by the newest turn of all of them (as any value must
 //!   be; routes may go down before it, as when queued turns are admitted while
 //!   earlier ones end and dispatch the next); the keys span fewer than
-//!   [`crate::EVENTS_PER_VALUE`] `seq`s, and the values [`MERGE_BYTES`].
+//!   [`EVENTS_PER_VALUE`] `seq`s, and the values [`MERGE_BYTES`].
 //!
 //! **While a run is written** the overlay still holds each of its values under its
 //! own key, the last one included, so a read never meets an event twice. A run leaves
@@ -51,7 +51,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use super::{OKey, Pending, Value};
+use super::overlay::{weight, OKey, Pending, Value};
+use crate::model::{keys, EVENTS_PER_VALUE};
 
 /// An overlay entry a round of the applier took, as it was when taken.
 pub(super) struct Taken {
@@ -85,7 +86,7 @@ pub(super) const MERGE_BYTES: usize = 16 * 1024;
 
 /// The session of an event value's key.
 fn session(t: &Taken) -> Option<&str> {
-    crate::keys::split_session_seq(&t.key).map(|(sid, _, _)| sid)
+    keys::split_session_seq(&t.key).map(|(sid, _, _)| sid)
 }
 
 /// The runs of event values in `slice` written to sled as one value each (see the
@@ -103,7 +104,7 @@ pub(super) fn event_runs(
             return None;
         }
         t.value.as_ref()?;
-        let (sid, seq, route) = crate::keys::split_session_seq(&t.key)?;
+        let (sid, seq, route) = keys::split_session_seq(&t.key)?;
         if held.contains(sid) {
             return None;
         }
@@ -128,7 +129,7 @@ pub(super) fn event_runs(
             };
             let len = slice[k + 1].value.as_ref().map_or(0, |v| v.len());
             if session(&slice[k + 1]) != sid
-                || seq - first_seq >= crate::EVENTS_PER_VALUE as u64
+                || seq - first_seq >= EVENTS_PER_VALUE as u64
                 || bytes + len > MERGE_BYTES
             {
                 break;
@@ -213,7 +214,7 @@ pub(super) fn drop_applied(
     let mut freed = 0;
     let mut remove = |map: &mut BTreeMap<OKey, Pending>, key: &[u8]| {
         if let Some((k, p)) = map.remove_entry(key) {
-            freed += super::weight(&k, &p.value);
+            freed += weight(&k, &p.value);
         }
     };
     let mut in_run = vec![false; slice.len()];

@@ -8,8 +8,10 @@ use std::sync::Arc;
 use serde_json::json;
 use turnd_proto::{Event, EventKind};
 
+use super::apply::applied_mark;
+use super::overlay::OKey;
 use super::runs::{drop_applied, event_runs, forget_fresh, Taken, MERGE_BYTES};
-use super::{LoggedKv, LoggedOptions, OKey};
+use super::{LoggedKv, LoggedOptions};
 use crate::{keys, Batch, Kv, SessionKeys, Store};
 
 fn turn_at(ms: u64, n: u8) -> String {
@@ -93,7 +95,7 @@ fn reopen(dir: &std::path::Path, kv: Arc<LoggedKv>, store: Store) -> Store {
     kv.close().expect("close");
     drop(kv);
     let (kv, _) =
-        crate::sled_kv::open_when_unlocked(|| LoggedKv::open(dir, manual())).expect("reopen");
+        crate::sled::open_when_unlocked(|| LoggedKv::open(dir, manual())).expect("reopen");
     Store::new(Arc::new(kv))
 }
 
@@ -249,7 +251,7 @@ fn which_event_values_make_a_run() {
 /// failed write leaves nothing fresh or pristine.
 #[test]
 fn a_run_leaves_the_overlay_whole_or_not_at_all() {
-    use super::{OKey, Pending};
+    use super::overlay::{OKey, Pending};
     use std::collections::BTreeMap;
     let one = r#"{"seq":1}"#;
     let slice = vec![
@@ -390,7 +392,7 @@ async fn a_crash_after_a_mark_between_two_event_values_loses_no_event() {
     // lsn 1.
     kv.round_with(std::time::Duration::from_millis(100));
     let sled = &kv.inner.sled;
-    assert_eq!(super::applied_mark(sled).expect("mark"), 1);
+    assert_eq!(applied_mark(sled).expect("mark"), 1);
     // sled's files as a crash now would leave them, mark included.
     sled.with(|h| sled.sync_files(h)).expect("sync sled");
     let copy = tempfile::tempdir().expect("tempdir");
@@ -428,7 +430,7 @@ async fn a_crash_after_a_run_that_stayed_in_the_overlay_loses_and_revives_nothin
         assert_eq!(seqs(&store, "s"), want);
         let sled = &kv.inner.sled;
         assert!(
-            super::applied_mark(sled).expect("mark") < 1,
+            applied_mark(sled).expect("mark") < 1,
             "the mark stays before the run"
         );
         sled.with(|h| sled.sync_files(h)).expect("sync sled");

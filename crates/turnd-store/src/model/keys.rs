@@ -13,10 +13,10 @@
 //! | `I` | invocation id | `InvocationRecord` (of an unfinished turn, or an earlier attempt not folded) |
 //! | `F` | turn id | `FoldedTurn`: a finished turn's record, input inline, with its invocations |
 //! | `L` | session, 0, seq, route | turn id (every turn of the session) |
-//! | `A` | session, 0, seq | legacy: turn id of a non-terminal turn (stores written before session metas kept `active_from`; moved at start-up) |
 //! | `E` | session, 0, seq, route | `Event`, or an array of the consecutive events of one transition keyed by the last one's `seq` |
 //! | `K` | session, 0, idempotency key, 0, route | `IdempotencyRecord` |
 //! | `M` | session | `SessionMeta` |
+//! | `W` | window start (u64 BE) | the commit dropping that time window (empty; in sled, the lsn that dropped it) |
 //!
 //! **Routes.** A session's turn list entries, event values and idempotency keys end in
 //! a *route*: the [`ROUTE_BYTES`]-byte big-endian UUIDv7 time (Unix ms) of the turn
@@ -24,11 +24,27 @@
 //! puts each in the time window of that time, with the folded records of the same
 //! turns ([`crate::windows`]), so that dropping a window takes them too. The route
 //! comes after the `seq` (or the idempotency key), so a session's keys still sort by
-//! `seq`, and a range from `(session, seq)` still starts at that `seq`. Keys written
-//! before routes (and of turns whose ids are not minted UUIDv7s) have none and stay
-//! in the main database; both forms read the same.
+//! `seq`, and a range from `(session, seq)` still starts at that `seq`. Keys of turns
+//! whose ids are not minted UUIDv7s have none and stay in the main database; both
+//! forms read the same.
 
-use crate::StoreError;
+use crate::error::StoreError;
+
+/// A key and its value.
+pub type Entry = (Vec<u8>, Vec<u8>);
+
+/// The first key after a full page of a scan (the last key with a zero byte appended),
+/// or None when the page was the last.
+pub fn next_page(page: &[Entry], limit: usize) -> Option<Vec<u8>> {
+    if page.len() < limit {
+        return None;
+    }
+    page.last().map(|(k, _)| {
+        let mut next = k.clone();
+        next.push(0);
+        next
+    })
+}
 
 fn simple(prefix: u8, id: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(1 + id.len());
@@ -109,7 +125,27 @@ pub fn meets_routed(start: &[u8], end: &[u8]) -> bool {
 
 /// The route of a turn's keys: its id's UUIDv7 time (None: not a minted id).
 pub fn route_of(turn_id: &str) -> Option<u64> {
-    crate::windows::turn_ms(turn_id)
+    turn_ms(turn_id)
+}
+
+/// The UUIDv7 timestamp of a turn id minted by the daemon (`t_` and 32 hex digits).
+pub fn turn_ms(turn_id: &str) -> Option<u64> {
+    let hex = turn_id.strip_prefix("t_")?;
+    if hex.len() != 32 {
+        return None;
+    }
+    u64::from_str_radix(hex.get(..12)?, 16).ok()
+}
+
+/// The time a key is routed by: for a folded record the timestamp of the turn its key
+/// names, for a session's turn list entry, event value or idempotency key its route
+/// ([`session_route`]). None: a key of the main database (any other kind, one
+/// without a route, or one of a turn id that is not minted).
+pub fn routed_ms(key: &[u8]) -> Option<u64> {
+    match key.first()? {
+        b'F' => turn_ms(finished_turn_id(key)?),
+        _ => session_route(key),
+    }
 }
 
 pub fn turn(turn_id: &str) -> Vec<u8> {
@@ -147,8 +183,8 @@ pub fn session_meta_range() -> (Vec<u8>, Vec<u8>) {
     (vec![b'M'], vec![b'M' + 1])
 }
 
-/// Where a session's turn list is at `seq` without a route: the key of an entry
-/// written before routes, and the bound of a range from `seq`.
+/// Where a session's turn list is at `seq` without a route: the key of an entry of a
+/// turn id that is not minted, and the bound of a range from `seq`.
 pub fn session_turn(session_id: &str, seq: u64) -> Vec<u8> {
     session_seq(b'L', session_id, seq)
 }
@@ -168,16 +204,6 @@ pub fn session_of(key: &[u8]) -> Option<String> {
     split_session_seq(key).map(|(s, _, _)| s.to_string())
 }
 
-/// The index of non-terminal turns kept by stores of the earlier format (read only to
-/// move such a store to the current one).
-pub fn legacy_active(session_id: &str, seq: u64) -> Vec<u8> {
-    session_seq(b'A', session_id, seq)
-}
-
-pub fn legacy_active_range() -> (Vec<u8>, Vec<u8>) {
-    (vec![b'A'], vec![b'A' + 1])
-}
-
 pub fn turn_range() -> (Vec<u8>, Vec<u8>) {
     (vec![b'T'], vec![b'T' + 1])
 }
@@ -186,8 +212,8 @@ pub fn invocation_range() -> (Vec<u8>, Vec<u8>) {
     (vec![b'I'], vec![b'I' + 1])
 }
 
-/// A session's events at `seq` without a route: the key of a value written before
-/// routes, and the bound of a range from `seq`.
+/// A session's events at `seq` without a route: the key of a value holding an event
+/// of a turn id that is not minted, and the bound of a range from `seq`.
 pub fn event(session_id: &str, seq: u64) -> Vec<u8> {
     session_seq(b'E', session_id, seq)
 }
@@ -207,7 +233,7 @@ pub fn event_end(session_id: &str) -> Vec<u8> {
     k
 }
 
-/// An idempotency key as written before routes.
+/// An idempotency key without a route (naming a turn id that is not minted).
 pub fn idempotency(session_id: &str, key: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(3 + session_id.len() + key.len() + ROUTE_BYTES);
     k.push(b'K');
@@ -234,6 +260,24 @@ pub fn idempotency_range(session_id: &str, key: &str) -> (Vec<u8>, Vec<u8>) {
     let mut end = start.clone();
     end.push(1);
     (start, end)
+}
+
+/// The key whose commit drops the time window starting at `start_ms`.
+pub fn dropped_key(start_ms: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(b'W');
+    k.extend_from_slice(&start_ms.to_be_bytes());
+    k
+}
+
+/// The window start a key of [`dropped_key`] names.
+pub fn dropped_start(key: &[u8]) -> Option<u64> {
+    let b: [u8; 8] = key.strip_prefix(b"W")?.try_into().ok()?;
+    Some(u64::from_be_bytes(b))
+}
+
+pub fn dropped_range() -> (Vec<u8>, Vec<u8>) {
+    (vec![b'W'], vec![b'W' + 1])
 }
 
 /// The sequence number of a session-sequenced key.

@@ -7,6 +7,16 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use turnd_proto::{Delivery, StopInfo, TurnCounts, TurnError, TurnStatus};
 
+use crate::error::StoreError;
+
+/// A stored record decoded as `T`; `what` names it in the error when it is not one.
+pub(crate) fn decode<'a, T: serde::Deserialize<'a>>(
+    what: &str,
+    bytes: &'a [u8],
+) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
+}
+
 /// A JSON value the daemon stores and forwards but never looks into (a turn's input,
 /// state and output), kept as its compact text. The engine holds every live turn in
 /// memory, and a parsed `Value` costs several hundred bytes per small object where the
@@ -72,8 +82,7 @@ pub const INPUT_APART_BYTES: usize = 4096;
 ///
 /// In a stored record the input of a turn whose input is stored apart is absent, and
 /// an absent input reads as `Default`: stored apart, not yet read
-/// ([`crate::Store::turn`] reads it). Records written before inputs were stored apart
-/// always hold their input.
+/// ([`crate::Store::turn`] reads it).
 #[derive(Clone, PartialEq, Debug)]
 pub struct TurnInput {
     raw: RawJson,
@@ -542,6 +551,22 @@ impl SessionMeta {
             self.routed_from_ms = Some(self.routed_from_ms.map_or(ms, |m| m.min(ms)));
         }
     }
+
+    /// Where this session's keys are.
+    pub fn keys(&self) -> SessionKeys<'_> {
+        SessionKeys {
+            id: &self.session_id,
+            from_ms: self.routed_from_ms,
+        }
+    }
+}
+
+/// A session's id and where its routed keys can be ([`SessionMeta::routed_from_ms`]):
+/// what a read of its turn list, events or idempotency keys needs.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionKeys<'a> {
+    pub id: &'a str,
+    pub from_ms: Option<u64>,
 }
 
 #[cfg(test)]
@@ -575,8 +600,8 @@ mod tests {
     }
 
     /// A turn's record holds its input once until a `continue` gives the next step
-    /// another one; records that store the state beside an equal input (the earlier
-    /// layout) read the same.
+    /// another one; a record that stores the state beside an equal input reads the
+    /// same.
     #[test]
     fn a_turn_record_stores_its_input_once() {
         let input = RawJson::from_value(&json!({"prompt": "p".repeat(100)}));
@@ -593,9 +618,9 @@ mod tests {
         let back: TurnRecord = serde_json::from_value(stored.clone()).expect("deserialize");
         assert_eq!(back.state(), &next);
 
-        let mut legacy = stored;
-        legacy["state"] = legacy["input"].clone();
-        let back: TurnRecord = serde_json::from_value(legacy).expect("deserialize");
+        let mut beside = stored;
+        beside["state"] = beside["input"].clone();
+        let back: TurnRecord = serde_json::from_value(beside).expect("deserialize");
         assert_eq!(back.state(), &input);
     }
 

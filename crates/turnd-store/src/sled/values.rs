@@ -14,7 +14,7 @@
 //!
 //! Durability follows the window's: the applier syncs the file with the window's
 //! sled before it records an applied mark past their writes
-//! ([`crate::sled_kv::Shared::sync_files`]), and a start replays the commit log
+//! ([`super::Shared::sync_files`]), and a start replays the commit log
 //! from that mark, writing every value since then again (to the file's end, with new
 //! pointers). So a pointer sled made durable on its own, to bytes the crash lost, is
 //! always written over before it is read. Bytes past the last pointer (a torn tail,
@@ -25,7 +25,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Mutex;
 
-use crate::{IoOp, StoreError};
+use crate::error::{IoOp, StoreError};
 
 /// The file's name in the window's directory.
 pub(crate) const FILE_NAME: &str = "values";

@@ -5,7 +5,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, StoreError};
+use super::{CommitTicket, Kv};
+use crate::error::StoreError;
+use crate::model::keys::Entry;
+use crate::model::{Batch, KvOp};
+use crate::stats::CommitStats;
+use crate::windows::WindowInfo;
 
 /// Switches shared between a test and the [`FaultyKv`] it wrapped.
 #[derive(Debug, Default)]
@@ -91,8 +96,8 @@ impl FaultyKv {
             return false;
         };
         let hit = batch.ops.iter().any(|op| match op {
-            crate::KvOp::Put(k, v) => contains(k, needle) || contains(v, needle),
-            crate::KvOp::Delete(k) => contains(k, needle),
+            KvOp::Put(k, v) => contains(k, needle) || contains(v, needle),
+            KvOp::Delete(k) => contains(k, needle),
         });
         hit && self
             .faults
@@ -189,7 +194,7 @@ impl Kv for FaultyKv {
         self.inner.health()
     }
 
-    fn windows(&self) -> Result<Vec<crate::WindowInfo>, StoreError> {
+    fn windows(&self) -> Result<Vec<WindowInfo>, StoreError> {
         self.inner.windows()
     }
 

@@ -221,7 +221,7 @@ async fn a_sessions_keys_live_in_their_turns_windows_and_reads_reach_them() {
     d.drop_window(a);
     commit(&store, d).await;
     let crashed = tempfile::tempdir().expect("tempdir");
-    crate::logged::tests::copy_dir(dir.path(), crashed.path());
+    super::tests::copy_dir(dir.path(), crashed.path());
 
     kv.sync().expect("apply the drop");
     assert!(!dir.path().join("windows").join(a.to_string()).exists());
@@ -445,15 +445,19 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
             .expect("read")
     };
     let stored = raw(&kv, a).expect("the record is in its window");
-    assert!(crate::values::is_pointer(&stored), "{} bytes", stored.len());
+    assert!(
+        crate::sled::values::is_pointer(&stored),
+        "{} bytes",
+        stored.len()
+    );
     let values_file = dir
         .path()
         .join("windows")
         .join(a.to_string())
-        .join(crate::values::FILE_NAME);
+        .join(crate::sled::values::FILE_NAME);
     let file_len = std::fs::metadata(&values_file).expect("value file").len();
     assert!(
-        file_len >= crate::values::OUT_FROM as u64,
+        file_len >= crate::sled::values::OUT_FROM as u64,
         "{file_len} bytes"
     );
     let input_of = |store: &Store| {
@@ -481,9 +485,9 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
     d.drop_window(a);
     commit(&store, d).await;
     let crashed = tempfile::tempdir().expect("tempdir");
-    crate::logged::tests::copy_dir(dir.path(), crashed.path());
+    super::tests::copy_dir(dir.path(), crashed.path());
     let corrupt = tempfile::tempdir().expect("tempdir");
-    crate::logged::tests::copy_dir(dir.path(), corrupt.path());
+    super::tests::copy_dir(dir.path(), corrupt.path());
     kv.sync().expect("apply the drop");
     assert!(!values_file.exists());
     assert_eq!(input_of(&store), t.input);
@@ -503,7 +507,7 @@ async fn a_windows_large_values_live_in_its_value_file_behind_pointers() {
         .path()
         .join("windows")
         .join(a.to_string())
-        .join(crate::values::FILE_NAME);
+        .join(crate::sled::values::FILE_NAME);
     let mut bytes = std::fs::read(&bad).expect("read");
     bytes[10] ^= 0x20;
     std::fs::write(&bad, &bytes).expect("write");

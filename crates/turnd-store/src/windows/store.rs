@@ -1,15 +1,17 @@
 //! The time windows of [`crate::LoggedKv`]: one sled database per window under
-//! `DATA_DIR/windows/<start_ms>/`, routed by [`crate::windows::Table`]. See
-//! [`crate::windows`] for the rules; this is how the sled store keeps them.
+//! `DATA_DIR/windows/<start_ms>/`, routed by [`super::Table`]. See [`super`] for the
+//! rules; this is how the sled store keeps them: made whole or not at all, opened
+//! at a start (several at once), their caches sized by whether they take writes,
+//! parked while unused, and deleted once their drop is durable.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::sled_kv::{making_path, Shared, SledOptions, MAKING_SUFFIX};
-use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
-use crate::StoreError;
+use super::{Route, Slot, Table, WindowInfo, WindowOptions};
+use crate::error::StoreError;
+use crate::sled::{making_path, Shared, SledOptions, MAKING_SUFFIX};
 
 /// MiB of sled cache of a window that takes no writes: with `retention.terminal_ms`
 /// of 72 h and hourly windows about 73 are open at once, so a cache each of 4 MiB
@@ -178,13 +180,8 @@ impl Windows {
         dropped: &BTreeMap<u64, u64>,
         lazy: bool,
     ) -> Result<Windows, StoreError> {
-        let dir = data.join("windows");
-        let mut state = State::default();
-        for (start, lsn) in dropped {
-            state.table.slots.insert(*start, Slot::Dropped(*lsn));
-        }
         let w = Windows {
-            dir,
+            dir: data.join("windows"),
             opts,
             sled: SledOptions {
                 cache_mb: WINDOW_CACHE_MB,
@@ -196,54 +193,19 @@ impl Windows {
             state: RwLock::new(State::default()),
             unparked_before: std::sync::atomic::AtomicU64::new(0),
         };
+        let mut state = State::default();
+        for (start, lsn) in dropped {
+            state.table.slots.insert(*start, Slot::Dropped(*lsn));
+        }
         if w.dir.exists() {
-            let entries = std::fs::read_dir(&w.dir)
-                .map_err(|e| StoreError::Read(format!("list {:?}: {e}", w.dir)))?;
-            let mut starts = Vec::new();
-            for e in entries {
-                let e = e.map_err(|e| StoreError::Read(format!("list {:?}: {e}", w.dir)))?;
-                let name = e.file_name();
-                let Some(name) = name.to_str() else { continue };
-                if let Ok(start) = name.parse::<u64>() {
-                    starts.push(start);
-                } else if let Some(start) = making_start(name) {
-                    // A window whose making a crash cut: it never took a key.
-                    tracing::info!("removing the time window {start} a crash left half made");
-                    w.remove_dir(start)?;
-                }
-            }
-            starts.sort_unstable();
+            let starts = w.window_dirs()?;
             let newest = starts
                 .iter()
                 .rev()
                 .find(|s| !dropped.contains_key(s))
                 .copied();
-            let mut kept = Vec::new();
-            for start in starts {
-                if dropped.contains_key(&start) {
-                    // A drop durable in the main database whose deletion a crash cut.
-                    w.remove_dir(start)?;
-                } else {
-                    kept.push(start);
-                }
-            }
-            let (now, later): (Vec<u64>, Vec<u64>) =
-                kept.iter().partition(|s| !lazy || Some(**s) == newest);
-            let mut opened = open_all(&now, |start| {
-                let hot = Some(start) == newest;
-                Shared::open(&w.dir.join(start.to_string()), w.opened(hot))
-            })?;
-            for start in later {
-                let dir = w.dir.join(start.to_string());
-                opened.push((start, Shared::open_parked(&dir, w.opened(false))?));
-            }
-            for (start, shared) in opened {
-                if Some(start) != newest {
-                    state.small.insert(start);
-                }
-                state.table.slots.insert(start, Slot::Open);
-                state.open.insert(start, Arc::new(shared));
-            }
+            let kept = w.remove_dropped(starts, dropped)?;
+            w.open_kept(&mut state, &kept, newest, lazy)?;
         }
         tracing::debug!(
             "windows: open {:?}, dropped {:?}",
@@ -252,6 +214,75 @@ impl Windows {
         );
         *w.state.write().map_err(|_| lock_err())? = state;
         Ok(w)
+    }
+
+    /// The starts of the window directories, in order (a directory a crash left half
+    /// made is removed).
+    fn window_dirs(&self) -> Result<Vec<u64>, StoreError> {
+        let entries = std::fs::read_dir(&self.dir)
+            .map_err(|e| StoreError::Read(format!("list {:?}: {e}", self.dir)))?;
+        let mut starts = Vec::new();
+        for e in entries {
+            let e = e.map_err(|e| StoreError::Read(format!("list {:?}: {e}", self.dir)))?;
+            let name = e.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Ok(start) = name.parse::<u64>() {
+                starts.push(start);
+            } else if let Some(start) = making_start(name) {
+                // A window whose making a crash cut: it never took a key.
+                tracing::info!("removing the time window {start} a crash left half made");
+                self.remove_dir(start)?;
+            }
+        }
+        starts.sort_unstable();
+        Ok(starts)
+    }
+
+    /// Delete the directories of windows whose drop is durable in the main database
+    /// (a crash cut their deletion); returns the others.
+    fn remove_dropped(
+        &self,
+        starts: Vec<u64>,
+        dropped: &BTreeMap<u64, u64>,
+    ) -> Result<Vec<u64>, StoreError> {
+        let mut kept = Vec::new();
+        for start in starts {
+            if dropped.contains_key(&start) {
+                self.remove_dir(start)?;
+            } else {
+                kept.push(start);
+            }
+        }
+        Ok(kept)
+    }
+
+    /// Open the windows of `kept` into `state`: the newest (and, unless `lazy`, every
+    /// one) now, on several threads, the others parked.
+    fn open_kept(
+        &self,
+        state: &mut State,
+        kept: &[u64],
+        newest: Option<u64>,
+        lazy: bool,
+    ) -> Result<(), StoreError> {
+        let (now, later): (Vec<u64>, Vec<u64>) =
+            kept.iter().partition(|s| !lazy || Some(**s) == newest);
+        let mut opened = open_all(&now, |start| {
+            let hot = Some(start) == newest;
+            Shared::open(&self.dir.join(start.to_string()), self.opened(hot))
+        })?;
+        for start in later {
+            let dir = self.dir.join(start.to_string());
+            opened.push((start, Shared::open_parked(&dir, self.opened(false))?));
+        }
+        for (start, shared) in opened {
+            if Some(start) != newest {
+                state.small.insert(start);
+            }
+            state.table.slots.insert(start, Slot::Open);
+            state.open.insert(start, Arc::new(shared));
+        }
+        Ok(())
     }
 
     /// A window's sled options: the newest (which takes writes) with the main
@@ -312,12 +343,12 @@ impl Windows {
             return Vec::new();
         };
         let folded = start < &b"G"[..] && &b"F"[..] < end;
-        let from = session_from.filter(|_| crate::keys::meets_routed(start, end));
+        let from = session_from.filter(|_| crate::model::keys::meets_routed(start, end));
         let list = s.table.list(|_| 0);
         list.iter()
             .filter(|w| !w.dropped)
             .filter(|w| {
-                let (ws, we) = windows::finished_key_range(w.start_ms, w.end_ms);
+                let (ws, we) = super::finished_key_range(w.start_ms, w.end_ms);
                 let ids = folded && ws.as_slice() < end && start < we.as_slice();
                 let session = from.is_some_and(|f| w.end_ms.is_none_or(|e| e > f));
                 ids || session
@@ -350,7 +381,7 @@ impl Windows {
     /// to be written to the windows.
     pub(crate) fn switch_if_due(&self) -> Result<Switch, StoreError> {
         self.remove_unmade()?;
-        let now = windows::now_ms();
+        let now = super::now_ms();
         let newest = {
             let s = self.state.read().map_err(|_| lock_err())?;
             s.table.newest()

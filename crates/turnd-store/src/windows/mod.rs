@@ -23,10 +23,10 @@
 //! older than `window_ms` or larger than `window_bytes`, at a start later than the
 //! wall clock when it is made, so later than every turn id minted so far: no turn
 //! already routed to an older window falls into it. Turn ids minted before the first
-//! window (stores of the earlier layout) route to no window: their records stay in the
-//! main database.
+//! window (while windows were off, `window_ms = 0`) route to no window: their records
+//! stay in the main database.
 //!
-//! **Dropping a window** is an ordinary commit of the key [`dropped_key`] (prefix `W`
+//! **Dropping a window** is an ordinary commit of the key [`keys::dropped_key`] (prefix `W`
 //! and the window's start), so it is in the commit log in order with every other
 //! write. Retention commits it once the window holds no record and no unfinished turn
 //! was minted in it. The applier, when it takes the drop, first copies what the window
@@ -42,10 +42,18 @@
 //! and a directory of a dropped window still present is deleted. So a drop never
 //! throws away anything committed.
 
+pub(crate) mod store;
+
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::{keys, Entry, FoldedTurn, StoreError, TurnRecord};
+use crate::error::StoreError;
+use crate::model::keys::{self, routed_ms, Entry};
+use crate::model::records::{FoldedTurn, TurnRecord};
+
+/// A turn id's time, which routes its keys (public here too: windows are where
+/// that time takes them).
+pub use crate::model::keys::turn_ms;
 
 /// Defaults of `storage.window_ms` and `storage.window_mb`. `window_ms` left unset
 /// follows the retention instead ([`window_ms_for_retention`]); this is its longest.
@@ -116,26 +124,6 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
-}
-
-/// The UUIDv7 timestamp of a turn id minted by the daemon (`t_` and 32 hex digits).
-pub fn turn_ms(turn_id: &str) -> Option<u64> {
-    let hex = turn_id.strip_prefix("t_")?;
-    if hex.len() != 32 {
-        return None;
-    }
-    u64::from_str_radix(hex.get(..12)?, 16).ok()
-}
-
-/// The time a key is routed by: for a folded record the timestamp of the turn its key
-/// names, for a session's turn list entry, event value or idempotency key its route
-/// ([`keys::session_route`]). None: a key of the main database (any other kind, one
-/// written without a route, or one of a turn id that is not minted).
-pub fn routed_ms(key: &[u8]) -> Option<u64> {
-    match key.first()? {
-        b'F' => turn_ms(keys::finished_turn_id(key)?),
-        _ => keys::session_route(key),
-    }
 }
 
 /// Reads a range of a window's keys ([`leftovers`]).
@@ -216,24 +204,6 @@ pub fn unfinished_turns(
                 .map_err(|e| StoreError::Corrupt(format!("turn: {e}")))
         })
         .collect()
-}
-
-/// The key whose commit drops the window starting at `start_ms`.
-pub fn dropped_key(start_ms: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(9);
-    k.push(b'W');
-    k.extend_from_slice(&start_ms.to_be_bytes());
-    k
-}
-
-/// The window start a key of [`dropped_key`] names.
-pub fn dropped_start(key: &[u8]) -> Option<u64> {
-    let b: [u8; 8] = key.strip_prefix(b"W")?.try_into().ok()?;
-    Some(u64::from_be_bytes(b))
-}
-
-pub fn dropped_range() -> (Vec<u8>, Vec<u8>) {
-    (vec![b'W'], vec![b'W' + 1])
 }
 
 /// The `F` keys of turns minted in `[start_ms, end_ms)` (end None: to the end).
@@ -355,6 +325,7 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::keys::{dropped_key, dropped_start};
 
     fn fkey(ms: u64) -> Vec<u8> {
         keys::finished(&format!("t_{ms:012x}7000800000000000000a"))

@@ -8,8 +8,8 @@
 
 use std::collections::VecDeque;
 
-use crate::sled_kv::Shared;
-use crate::StoreError;
+use super::Shared;
+use crate::error::StoreError;
 
 /// Entries a source is first read in: enough for most pages; doubled at every
 /// further read of the same source, up to [`MAX_CHUNK`].
@@ -154,7 +154,7 @@ impl Iterator for Merged<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sled_kv::SledOptions;
+    use crate::sled::SledOptions;
     use std::collections::BTreeMap;
 
     /// Keys spread over three databases, runs of each interleaved: every range, both

@@ -10,8 +10,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
+use super::{CommitTicket, Kv};
+use crate::error::StoreError;
+use crate::model::keys::{self, Entry};
+use crate::model::{Batch, KvOp};
+use crate::stats::CommitStats;
 use crate::windows::{self, Route, Slot, Table, WindowInfo, WindowOptions};
-use crate::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, StoreError};
 
 #[derive(Default)]
 struct State {
@@ -67,7 +71,7 @@ impl State {
         for op in batch.ops {
             match op {
                 KvOp::Put(k, v) => {
-                    if let Some(start) = windows::dropped_start(&k) {
+                    if let Some(start) = keys::dropped_start(&k) {
                         self.drop_window(start);
                     } else if let Route::Window(s) = self.table.route(&k) {
                         *self.bytes.entry(s).or_default() += (k.len() + v.len()) as u64;
@@ -96,7 +100,7 @@ impl State {
             .cloned()
             .collect();
         let map = &self.map;
-        let mut read = |s: &[u8], e: &[u8]| -> Result<Vec<crate::Entry>, StoreError> {
+        let mut read = |s: &[u8], e: &[u8]| -> Result<Vec<Entry>, StoreError> {
             Ok(map
                 .range(s.to_vec()..e.to_vec())
                 .filter(|(k, _)| table.route(k) == Route::Window(start))
@@ -104,7 +108,7 @@ impl State {
                 .collect())
         };
         let decode = |v: &[u8]| Ok(v.to_vec());
-        let mut read_main = |s: &[u8], e: &[u8]| -> Result<Vec<crate::Entry>, StoreError> {
+        let mut read_main = |s: &[u8], e: &[u8]| -> Result<Vec<Entry>, StoreError> {
             Ok(map
                 .range(s.to_vec()..e.to_vec())
                 .map(|(k, v)| (k.clone(), v.clone()))

@@ -1,0 +1,200 @@
+//! The overlay: every key committed to the log whose newest value sled does not
+//! have yet, with the lsn that wrote it. The committer puts each group in after the
+//! log made it durable and before it answers ([`Overlay::put_group`]); reads look
+//! here before sled; the applier takes what it writes to sled from here and drops
+//! it once written ([`super::runs`]). Its room bounds what commits may run ahead of
+//! sled ([`Overlay::full`]).
+
+use std::collections::btree_map::Entry;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::model::keys;
+
+/// Keys the overlay may hold before commits wait for the applier: a burst of
+/// commits faster than sled takes them is held back here rather than in memory.
+/// At full load with retention deleting, an apply round now and then takes 0.2 –
+/// 0.3 s (sled, or a window reopened on the applier's thread); with 32k keys of
+/// room commits waited for such rounds 1 – 23 times in 45 s, with 64k none
+/// (`docs/benchmarks.md`).
+pub(super) const MAX_OVERLAY_KEYS: usize = 64 * 1024;
+
+/// Keys the overlay may hold before the applier takes every entry at once (no
+/// [`super::LoggedOptions::apply_delay`]) and rounds follow each other without a
+/// pause: under steady load the delay keeps about 10 – 13k keys waiting here. Past
+/// it the store is behind ([`crate::Kv::busy`]): retention's sweep holds back.
+pub(super) const EAGER_OVERLAY_KEYS: usize = 16 * 1024;
+const _: () = assert!(EAGER_OVERLAY_KEYS < MAX_OVERLAY_KEYS);
+
+/// A value as the overlay holds it (`None`: deleted).
+pub(super) type Value = Option<Arc<[u8]>>;
+
+/// A key as the overlay holds it: its bytes inline when they fit (every key of
+/// the layout with a session id of up to 45 bytes), so that a search compares
+/// bytes within the map's nodes rather than following a pointer per key to a
+/// separate allocation (a cache miss each, in a map of tens of thousands of keys;
+/// the overlay's inserts were most of the log writer's own CPU).
+pub(super) type OKey = smallvec::SmallVec<[u8; 56]>;
+
+/// One write of a committed batch: its key, its value and whether it creates the key
+/// ([`crate::Batch::put_new_turn`]).
+pub(super) type Write = (OKey, Value, bool);
+
+/// The newest value of a key that sled does not have yet.
+pub(super) struct Pending {
+    pub(super) lsn: u64,
+    pub(super) value: Value,
+    /// No store holds the key but the overlay: it was created by a put the overlay
+    /// still holds ([`crate::Batch::put_new_turn`]), and the applier has written no
+    /// value of it to sled since. A delete of such a key is dropped instead of written.
+    pub(super) fresh: bool,
+    /// The value is the one the put that created the key wrote, and nothing wrote
+    /// the key since (see [`super::runs`]).
+    pub(super) pristine: bool,
+}
+
+/// What an overlay entry counts toward [`super::LoggedOptions::overlay_bytes`]: its
+/// key and value.
+pub(super) fn weight(key: &[u8], value: &Value) -> usize {
+    key.len() + value.as_ref().map_or(0, |v| v.len())
+}
+
+pub(super) struct Overlay {
+    pub(super) map: BTreeMap<OKey, Pending>,
+    /// The [`weight`] of everything in `map`.
+    pub(super) bytes: usize,
+    /// [`super::LoggedOptions::overlay_bytes`].
+    max_bytes: usize,
+    /// The last lsn whose writes are in `map` (or in sled).
+    pub(super) committed: u64,
+    /// When each group not yet settled was put in `map`, with its last lsn (oldest
+    /// first): see [`Overlay::settle`].
+    groups: VecDeque<(Instant, u64)>,
+    /// The last lsn of the newest group put in `map` at least `apply_delay` ago.
+    settled: u64,
+}
+
+impl Overlay {
+    /// An empty overlay over a store that holds everything up to `committed`.
+    pub(super) fn new(max_bytes: usize, committed: u64) -> Overlay {
+        Overlay {
+            map: BTreeMap::new(),
+            bytes: 0,
+            max_bytes,
+            committed,
+            groups: VecDeque::new(),
+            settled: committed,
+        }
+    }
+
+    /// Past the room: commits wait for the applier.
+    pub(super) fn full(&self) -> bool {
+        self.map.len() > MAX_OVERLAY_KEYS || self.bytes > self.max_bytes
+    }
+
+    /// Past the eager share of the room: the applier takes everything at once, and
+    /// the store counts as behind.
+    pub(super) fn behind(&self) -> bool {
+        self.map.len() > EAGER_OVERLAY_KEYS || self.bytes > self.max_bytes / 4
+    }
+
+    /// The last lsn of the groups put in the overlay at least `delay` before `now`
+    /// (all of them when `delay` is zero: the newest group's lsn is `committed`).
+    pub(super) fn settle(&mut self, now: Instant, delay: Duration) -> u64 {
+        while let Some(&(at, lsn)) = self.groups.front() {
+            if now.saturating_duration_since(at) < delay {
+                break;
+            }
+            self.settled = lsn;
+            self.groups.pop_front();
+        }
+        self.settled
+    }
+
+    /// Put a durable group in: the writes of its batches, the first batch's record
+    /// at `first_lsn` and each next one's at the next lsn. Each write's slot takes the
+    /// value it replaces here (its key is moved in), so that the committing task
+    /// frees that with the rest of its batch.
+    pub(super) fn put_group<'a>(
+        &mut self,
+        first_lsn: u64,
+        batches: impl ExactSizeIterator<Item = &'a mut Vec<Write>>,
+    ) {
+        let count = batches.len() as u64;
+        for (i, writes) in batches.enumerate() {
+            let lsn = first_lsn + i as u64;
+            for (k, value, created) in writes {
+                let pending = Pending {
+                    lsn,
+                    value: value.take(),
+                    fresh: *created,
+                    pristine: *created,
+                };
+                *value = self.put(std::mem::take(k), pending);
+            }
+        }
+        self.committed = first_lsn + count - 1;
+        self.groups.push_back((Instant::now(), self.committed));
+    }
+
+    /// Put `pending` in as `key`'s newest value; returns the value it replaced.
+    fn put(&mut self, key: OKey, mut pending: Pending) -> Value {
+        let added = weight(&key, &pending.value);
+        let (removed, replaced) = match self.map.entry(key) {
+            Entry::Vacant(e) => {
+                e.insert(pending);
+                (0, None)
+            }
+            Entry::Occupied(mut e) => {
+                // Still only in the overlay if it was before (a put that says it
+                // creates the key cannot, when the overlay holds a write of it
+                // already).
+                pending.fresh = e.get().fresh;
+                pending.pristine = false;
+                let replaced = std::mem::replace(e.get_mut(), pending).value;
+                (weight(e.key(), &replaced), replaced)
+            }
+        };
+        self.bytes = (self.bytes + added).saturating_sub(removed);
+        replaced
+    }
+
+    /// Put back records read again from the log (coalesced: the newest value of each
+    /// key, with its lsn) where the overlay holds no newer write of their keys.
+    pub(super) fn refill(&mut self, records: BTreeMap<Vec<u8>, (u64, Value)>) {
+        for (k, (lsn, value)) in records {
+            // A key in the overlay already holds its newest value.
+            if let Entry::Vacant(e) = self.map.entry(OKey::from_vec(k)) {
+                let w = weight(e.key(), &value);
+                e.insert(Pending {
+                    lsn,
+                    value,
+                    // sled may hold it: its delete is written, and it is in no run.
+                    fresh: false,
+                    pristine: false,
+                });
+                self.bytes += w;
+            }
+        }
+    }
+
+    /// Whether the overlay holds a committed drop of the window starting at `start`.
+    pub(super) fn drop_pending(&self, start: u64) -> bool {
+        self.map
+            .get(keys::dropped_key(start).as_slice())
+            .is_some_and(|p| p.value.is_some())
+    }
+}
+
+/// Whether the applier lets a write of `key` wait [`super::LoggedOptions::apply_delay`]
+/// before it takes it to sled: the records of live turns, invocations and sessions,
+/// rewritten at every transition and (a turn's and an invocation's) deleted when
+/// the turn ends, so that most of them never reach sled at all; and event values,
+/// so that a round takes a session's values together and writes them as one
+/// ([`super::runs::event_runs`]), all of them at or before the mark the round
+/// records. The keys written once otherwise (folded records, list entries,
+/// idempotency keys) and window drops are taken at the next round.
+pub(super) fn delays(key: &[u8]) -> bool {
+    matches!(key.first(), Some(b'T' | b'I' | b'N' | b'M' | b'E'))
+}

@@ -1,0 +1,111 @@
+//! A start: sled and the time windows opened, and what the commit log holds past
+//! the applied mark sled recorded written to them (coalesced by key, as the applier
+//! does), flushed and synced before the store serves. The same coalescing serves
+//! the applier's repair after sled failed ([`coalesce`]).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::apply::{
+    applied_mark, apply_routed, apply_to_sled, drops, recorded_drops, sync_windows, take_drop,
+};
+use super::codec::decode;
+use super::overlay::Value;
+use super::LoggedOptions;
+use crate::error::StoreError;
+use crate::log::{CommitLog, Record};
+use crate::model::KvOp;
+use crate::sled::{Shared, SledOptions};
+use crate::windows::store::{split_cache, Windows};
+
+/// sled's main database and the time windows, opened in `dir`, with the last lsn
+/// sled holds.
+pub(super) fn open_databases(
+    dir: &Path,
+    opts: &LoggedOptions,
+) -> Result<(Arc<Shared>, Windows, u64), StoreError> {
+    let (main_mb, hot_mb) = split_cache(opts.sled.cache_mb, &opts.windows);
+    let sled = Arc::new(Shared::open(
+        dir,
+        SledOptions {
+            cache_mb: main_mb,
+            ..opts.sled
+        },
+    )?);
+    let applied = applied_mark(&sled)?;
+    let wins = Windows::open(
+        dir,
+        opts.windows,
+        SledOptions {
+            cache_mb: hot_mb,
+            ..opts.sled
+        },
+        &recorded_drops(&sled)?,
+        opts.window_close_after.is_some(),
+    )?;
+    Ok((sled, wins, applied))
+}
+
+/// Write `records`, read back from `log` at open, to sled and the windows, make them
+/// durable, and let the log trim them.
+pub(super) fn replay(
+    sled: &Shared,
+    wins: &Windows,
+    log: &dyn CommitLog,
+    records: &[Record],
+) -> Result<(), StoreError> {
+    let Some(last) = records.last().map(|r| r.lsn) else {
+        return Ok(());
+    };
+    let map = coalesce(records)?;
+    replay_into(sled, wins, &map, last)?;
+    log.trim(last)?;
+    Ok(())
+}
+
+/// The newest value of each key in `records`, with the lsn that wrote it, in key
+/// order.
+pub(super) fn coalesce(records: &[Record]) -> Result<BTreeMap<Vec<u8>, (u64, Value)>, StoreError> {
+    let mut map = BTreeMap::new();
+    for r in records {
+        for op in decode(&r.payload)? {
+            match op {
+                KvOp::Put(k, v) => map.insert(k, (r.lsn, Some(Arc::from(v)))),
+                KvOp::Delete(k) => map.insert(k, (r.lsn, None)),
+            };
+        }
+    }
+    Ok(map)
+}
+
+/// Write records read back from the log (coalesced) where they belong, record
+/// `mark` as applied, make all of it durable, and finish the drops among them.
+fn replay_into(
+    sled: &Shared,
+    wins: &Windows,
+    map: &BTreeMap<Vec<u8>, (u64, Value)>,
+    mark: u64,
+) -> Result<(), StoreError> {
+    let (_, written) = apply_routed(
+        sled,
+        wins,
+        map.iter()
+            .map(|(k, (l, v))| (k.as_slice(), *l, v.as_deref())),
+    )?;
+    let written: Vec<u64> = written.into_iter().map(|(w, _)| w).collect();
+    sync_windows(wins, &written)?;
+    let mut closing = Vec::new();
+    for (start, lsn) in drops(
+        map.iter()
+            .map(|(k, (l, v))| (k.as_slice(), *l, v.is_some())),
+    ) {
+        closing.extend(take_drop(sled, wins, start, lsn)?.0);
+    }
+    apply_to_sled(sled, std::iter::empty(), Some(mark))?;
+    sled.with(|h| sled.sync_files(h))?;
+    for (start, w) in closing {
+        wins.delete(start, w)?;
+    }
+    Ok(())
+}
