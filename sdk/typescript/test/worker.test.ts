@@ -190,8 +190,10 @@ describe("worker", () => {
     assert.ok(w.stats.heartbeats >= 3, `heartbeats: ${w.stats.heartbeats}`);
   });
 
-  it("without heartbeats the same handler is probed and cancelled", async () => {
-    // The control case of the test above: it shows the timeout is real.
+  it("without heartbeats the same handler is probed, cancelled, and times out", async () => {
+    // The control case of the test above: it shows the timeout is real. The handler
+    // honours the cancel the deadline asked for, so the turn fails timed_out: nobody
+    // asked it to stop.
     const w = worker(turnd.url);
     w.function(
       "beat.none",
@@ -205,7 +207,9 @@ describe("worker", () => {
     await start(w);
     const submitted = await c.submit("beat-2", "beat.none", { ms: 1500 });
     const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
-    assert.equal(turn.status, "cancelled");
+    assert.equal(turn.status, "failed");
+    assert.equal(turn.error?.cause, "timed_out");
+    assert.equal(turn.stop, undefined);
     const kinds = (await allEvents(c, "beat-2")).map((e) => e.kind);
     assert.ok(kinds.includes("probe_sent"), kinds.join(","));
     assert.ok(kinds.includes("cancel_sent"), kinds.join(","));
