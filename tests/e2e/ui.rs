@@ -146,6 +146,10 @@ async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> 
     assert!(body.contains("s-run"));
     let body = screen(&td.admin, "/ui/sessions?stuck=1").await?;
     assert!(body.contains("&lt;script&gt;alert(1)"), "nobody serves it");
+    assert!(
+        body.contains(r#"<span class="why">no connected worker serves its function</span>"#),
+        "{body}"
+    );
     assert!(!body.contains(">s-run<"), "s-run is running fine: {body}");
     let body = screen(&td.admin, "/ui/sessions?state=awaiting_result").await?;
     assert!(body.contains(">s-run<"), "{body}");
@@ -159,6 +163,11 @@ async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> 
     )
     .await?;
     assert!(body.contains("Blocked on"));
+    // Which stuck rule tripped, on the card and on the list.
+    assert!(
+        body.contains("Looks stuck: no connected worker serves its function."),
+        "{body}"
+    );
     assert!(body.contains(&evil.turn_id));
     assert!(body.contains("awaiting_worker"));
     assert!(body.contains("Queue (1 behind the holder)"), "{body}");
@@ -947,5 +956,100 @@ async fn a_screens_feed_sends_its_changes() -> anyhow::Result<()> {
     // The fragment leaves times to the browser: it says when, not how long ago.
     assert!(data.contains("data-at="), "{data}");
     assert!(!data.contains(" ago<"), "{data}");
+    td.shutdown().await
+}
+
+/// The `href` of the link with this `id` in a page, as the browser would follow it.
+fn link(body: &str, id: &str) -> Option<String> {
+    let anchor = format!(r#"id="{id}" href=""#);
+    let rest = &body[body.find(&anchor)? + anchor.len()..];
+    Some(rest[..rest.find('"')?].replace("&amp;", "&"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_go_both_ways_and_a_retry_says_which_attempt() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|c| {
+        c.storage.sync = turnd_server::config::StorageSync::Never;
+        c.turns.retry_backoff_ms = 600_000;
+        c.turns.retry_backoff_max_ms = 600_000;
+    })
+    .await?;
+    let c = td.caller().await?;
+    let submits = (0..60).map(|i| {
+        let c = &c;
+        async move {
+            c.submit_simple(&format!("p-{i:02}"), "nobody", json!(i))
+                .await
+        }
+    });
+    for r in futures_util::future::join_all(submits).await {
+        r?;
+    }
+    // The list, by id: 50 rows, then the 10 others; "previous" leads back.
+    let first = screen(&td.admin, "/ui/sessions?order=id").await?;
+    assert!(first.contains(">p-00<") && first.contains(">p-49<") && !first.contains(">p-50<"));
+    assert!(
+        link(&first, "prev").is_none(),
+        "the first page has no previous"
+    );
+    let next = link(&first, "next").context("a next page")?;
+    let second = screen(&td.admin, &next).await?;
+    assert!(second.contains(">p-50<") && second.contains(">p-59<") && !second.contains(">p-49<"));
+    assert!(link(&second, "next").is_none(), "the last page");
+    let prev = link(&second, "prev").context("a previous page")?;
+    let back = screen(&td.admin, &prev).await?;
+    assert!(
+        back.contains(">p-00<") && back.contains(">p-49<") && !back.contains(">p-50<"),
+        "{prev}"
+    );
+
+    // One session's turns and events, older pages and back.
+    for i in 0..60 {
+        c.submit_simple("many", "nobody", json!(i)).await?;
+    }
+    let page = screen(&td.admin, "/ui/session?id=many").await?;
+    let turn_rows = |b: &str| b.matches(r#"<td class="status">"#).count();
+    assert_eq!(turn_rows(&page), 20);
+    let older = link(&page, "turns-older").context("older turns")?;
+    let page2 = screen(&td.admin, &older).await?;
+    assert_eq!(turn_rows(&page2), 20, "{older}");
+    assert!(link(&page2, "turns-newer").is_some());
+    let events_older = link(&page, "events-older").context("older events")?;
+    let page3 = screen(&td.admin, &events_older).await?;
+    assert!(page3.contains("(an older page)"), "{events_older}");
+    assert!(
+        page3.contains(r#"<td class="num">1</td>"#),
+        "the first event: {page3}"
+    );
+    assert!(link(&page3, "events-newer").is_some());
+
+    // A retryable failure backs off: the card says which attempt of how many.
+    let (mut w, _) = Raw::hello(
+        &td.url,
+        "worker",
+        json!({"worker_id": "w1", "instance_id": "i1"}),
+    )
+    .await?;
+    w.ok(
+        "function.register",
+        json!({"function_id": "flaky", "delivery": "at_least_once", "max_attempts": 3}),
+    )
+    .await?;
+    c.submit_simple("b", "flaky", json!(1)).await?;
+    let invoke = w.next_push().await?;
+    w.ok(
+        "invocation.result",
+        json!({"invocation_id": invoke["invocation_id"], "outcome": {"fail": {"code": "busy", "message": "try again", "retryable": true}}}),
+    )
+    .await?;
+    let body = turnd_tests::eventually(T, "backing off", || async {
+        let b = screen(&td.admin, "/ui/session?id=b").await.ok()?;
+        b.contains("backing_off").then_some(b)
+    })
+    .await?;
+    assert!(
+        body.contains(r#"<dd id="attempt">1 of 3 (backing off before attempt 2)</dd>"#),
+        "{body}"
+    );
     td.shutdown().await
 }
