@@ -160,32 +160,39 @@ fn open_feed(ui: &Arc<Ui>, ip: IpAddr) -> Result<FeedPermit, Failure> {
 
 // ------------------------------------------------------------------ renders
 
+/// A fragment as rendered, with its hash (so that a feed compares hashes, and a
+/// screen's many feeds do not hash the same text again).
+#[derive(Clone)]
+struct Rendered {
+    at: Instant,
+    html: Arc<str>,
+    hash: u64,
+}
+
 /// Fragments rendered for feeds in the last second, by screen and query.
 #[derive(Default)]
 pub struct Renders {
-    map: Mutex<HashMap<String, (Instant, Arc<str>)>>,
+    map: Mutex<HashMap<String, Rendered>>,
 }
 
 impl Renders {
-    fn fresh(&self, key: &str) -> Option<Arc<str>> {
+    fn fresh(&self, key: &str) -> Option<Rendered> {
         let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        map.get(key)
-            .filter(|(at, _)| at.elapsed() < FRESH)
-            .map(|(_, html)| html.clone())
+        map.get(key).filter(|r| r.at.elapsed() < FRESH).cloned()
     }
 
-    fn store(&self, key: String, html: Arc<str>) {
+    fn store(&self, key: String, r: Rendered) {
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
         // Screens nobody watches any more go; the map holds about one entry a feed.
-        map.retain(|_, (at, _)| at.elapsed() < FRESH * 10);
-        map.insert(key, (Instant::now(), html));
+        map.retain(|_, old| old.at.elapsed() < FRESH * 10);
+        map.insert(key, r);
     }
 }
 
 /// The fragment of a feed's screen, from the shared renders when fresh.
-async fn fragment(ui: &Ui, screen: Screen, q: &Params, key: &str) -> Arc<str> {
-    if let Some(html) = ui.renders.fresh(key) {
-        return html;
+async fn fragment(ui: &Ui, screen: Screen, q: &Params, key: &str) -> Rendered {
+    if let Some(r) = ui.renders.fresh(key) {
+        return r;
     }
     let markup = match render(ui, screen, q, Now(None)).await {
         Ok(m) => m,
@@ -194,8 +201,15 @@ async fn fragment(ui: &Ui, screen: Screen, q: &Params, key: &str) -> Arc<str> {
     // A carriage return cannot travel in an SSE data field; in HTML it may be a
     // character reference.
     let html: Arc<str> = Arc::from(markup.into_string().replace('\r', "&#13;"));
-    ui.renders.store(key.to_string(), html.clone());
-    html
+    let mut h = std::hash::DefaultHasher::new();
+    html.hash(&mut h);
+    let r = Rendered {
+        at: Instant::now(),
+        html,
+        hash: h.finish(),
+    };
+    ui.renders.store(key.to_string(), r.clone());
+    r
 }
 
 // ------------------------------------------------------------------ feeds
@@ -231,15 +245,12 @@ impl Feed {
 
     /// The screen's fragment, when it differs from the last one sent.
     async fn refresh(&mut self) -> Option<SseEvent> {
-        let html = fragment(&self.ui, self.screen, &self.q, &self.key).await;
-        let mut h = std::hash::DefaultHasher::new();
-        html.hash(&mut h);
-        let hash = h.finish();
-        if self.last == Some(hash) {
+        let r = fragment(&self.ui, self.screen, &self.q, &self.key).await;
+        if self.last == Some(r.hash) {
             return None;
         }
-        self.last = Some(hash);
-        Some(SseEvent::default().event("refresh").data(&*html))
+        self.last = Some(r.hash);
+        Some(SseEvent::default().event("refresh").data(&*r.html))
     }
 
     /// The next thing to send, or `None` when the feed ends.
