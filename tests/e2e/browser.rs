@@ -187,6 +187,12 @@ async fn every_screen_loads_in_chromium() -> anyhow::Result<()> {
                 assert!(dom.contains("chat-42"));
                 assert!(dom.contains("stuck"));
                 assert!(dom.contains("report.render"));
+                // Which rule tripped, and the running one's worker.
+                assert!(
+                    dom.contains("no connected worker serves its function"),
+                    "{dom}"
+                );
+                assert!(dom.contains("<td>w-model-1</td>"), "{dom}");
             }
             "session" => {
                 assert!(dom.contains(r#"id="blocked-on""#));
@@ -194,9 +200,17 @@ async fn every_screen_loads_in_chromium() -> anyhow::Result<()> {
                 assert!(dom.contains(&inv));
                 assert!(dom.contains("w-model-1"));
                 assert!(dom.contains("Queue (1 behind the holder)"), "{dom}");
-                assert!(dom.contains("model backend unavailable") || dom.contains("failed"));
+                // The failed turn in the turns table, with its cause and worker.
+                assert!(dom.contains(&failed.turn_id), "{dom}");
+                assert!(dom.contains("model backend unavailable"), "{dom}");
+                assert!(dom.contains(r#"<td class="status">failed</td>"#), "{dom}");
+                assert!(dom.contains(r#"<dd id="attempt">1 of "#), "{dom}");
             }
             "turn" => {
+                assert!(
+                    dom.contains(r#"<dd id="turn-workers">w-model-1</dd>"#),
+                    "{dom}"
+                );
                 assert!(dom.contains("handler_failed"));
                 assert!(dom.contains("upstream_503"));
                 assert!(dom.contains("<td>dispatched</td>"));
@@ -325,7 +339,8 @@ impl Driver {
         args.push(format!("--user-data-dir={}", profile.path().display()));
         let caps = json!({"capabilities": {"alwaysMatch": {
             "browserName": "chrome",
-            "goog:chromeOptions": {"binary": chromium()?, "args": args}
+            "goog:chromeOptions": {"binary": chromium()?, "args": args},
+            "goog:loggingPrefs": {"browser": "ALL"}
         }}});
         let v = webdriver(&addr, "POST", "/session", caps).await?;
         let session = v["sessionId"].as_str().context("no sessionId")?.to_string();
@@ -350,6 +365,37 @@ impl Driver {
     async fn script(&self, js: &str) -> anyhow::Result<Value> {
         self.call("POST", "/execute/sync", json!({"script": js, "args": []}))
             .await
+    }
+
+    /// The browser console's messages since the last call.
+    async fn console(&self) -> anyhow::Result<Vec<String>> {
+        let v = self
+            .call("POST", "/se/log", json!({"type": "browser"}))
+            .await?;
+        Ok(v.as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|m| m["message"].as_str().unwrap_or_default().to_string())
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    async fn open(&self, url: &str) -> anyhow::Result<()> {
+        self.call("POST", "/url", json!({"url": url})).await?;
+        Ok(())
+    }
+
+    /// Run `js` until it returns something other than null or false, at most `T`.
+    async fn until(&self, what: &str, js: &str) -> anyhow::Result<Value> {
+        for _ in 0..(T * 10) {
+            let v = self.script(js).await?;
+            if !v.is_null() && v != json!(false) {
+                return Ok(v);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("timed out waiting for {what}")
     }
 
     async fn quit(mut self) -> anyhow::Result<()> {
@@ -423,5 +469,146 @@ async fn the_live_feed_shows_a_new_event_without_a_reload() -> anyhow::Result<()
     .await;
     driver.quit().await?;
     result?;
+    td.shutdown().await
+}
+
+/// Runs `check` with a browser and always ends the browser session (chromedriver's
+/// Chromium outlives a killed chromedriver).
+async fn with_browser<F, Fut>(check: F) -> anyhow::Result<()>
+where
+    F: FnOnce(Driver) -> Fut,
+    Fut: std::future::Future<Output = (Driver, anyhow::Result<()>)>,
+{
+    let driver = Driver::start().await?;
+    let (driver, result) = check(driver).await;
+    driver.quit().await?;
+    result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_screen_runs_its_script_under_the_content_security_policy() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let c = td.caller().await?;
+    let t = c.submit_simple("s-csp", "nobody", json!(1)).await?;
+    let admin = td.admin.clone();
+    with_browser(|driver| async move {
+        let result = async {
+            for path in [
+                "/ui".to_string(),
+                "/ui/sessions".to_string(),
+                "/ui/session?id=s-csp".to_string(),
+                format!("/ui/turn?id={}", t.turn_id),
+                "/ui/workers".to_string(),
+                "/ui/check".to_string(),
+            ] {
+                driver.open(&format!("{admin}{path}")).await?;
+                // The served stylesheet applies.
+                let display = driver
+                    .script("return getComputedStyle(document.querySelector('header')).display;")
+                    .await?;
+                anyhow::ensure!(
+                    display == json!("flex"),
+                    "{path}: the stylesheet: {display}"
+                );
+                // The served script runs: it fills the ticking times and, where the
+                // screen has a live region, opens its feed.
+                if path != "/ui/check" {
+                    driver
+                        .until(
+                            &format!("{path}: the live feed"),
+                            "return document.body.dataset.feed === 'live';",
+                        )
+                        .await?;
+                }
+                let console = driver.console().await?;
+                let refused: Vec<&String> = console
+                    .iter()
+                    .filter(|m| m.contains("Content Security Policy") || m.contains("Refused to"))
+                    .collect();
+                anyhow::ensure!(refused.is_empty(), "{path}: {refused:?}");
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        (driver, result)
+    })
+    .await?;
+    td.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_screens_follow_the_daemon_without_a_reload() -> anyhow::Result<()> {
+    let td = TestDaemon::start(|_| {}).await?;
+    let c = td.caller().await?;
+    let t = c.submit_simple("s-stop", "nobody", json!(1)).await?;
+    let admin = td.admin.clone();
+    let cc = &c;
+    with_browser(|driver| async move {
+        let result = async {
+            // A session page: the turn is stopped elsewhere; the card and the turns
+            // table say so in the same document.
+            driver
+                .open(&format!("{admin}/ui/session?id=s-stop"))
+                .await?;
+            driver.script("window.__turnd_mark = 1; return 1;").await?;
+            let card = driver
+                .script("return document.getElementById('blocked-on').textContent;")
+                .await?;
+            anyhow::ensure!(
+                card.as_str().is_some_and(|c| c.contains("awaiting_worker")),
+                "{card}"
+            );
+            driver
+                .until("the feed", "return document.body.dataset.feed === 'live';")
+                .await?;
+            cc.stop(&t.turn_id, "an operator stopped it").await?;
+            let seen = driver
+                .until(
+                    "the stop on the open page",
+                    "var c = document.getElementById('blocked-on').textContent; \
+                     var s = document.querySelector('#turns td.status'); \
+                     return c.indexOf('no unfinished turn') >= 0 && s && \
+                       s.textContent === 'cancelled' ? [window.__turnd_mark, \
+                       document.getElementById('turns').textContent] : null;",
+                )
+                .await?;
+            anyhow::ensure!(seen[0] == json!(1), "same document: {seen}");
+            anyhow::ensure!(
+                seen[1]
+                    .as_str()
+                    .is_some_and(|s| s.contains("an operator stopped it")),
+                "{seen}"
+            );
+            // The list: a new session shows up in the open list.
+            driver.open(&format!("{admin}/ui/sessions")).await?;
+            driver.script("window.__turnd_mark = 2; return 1;").await?;
+            driver
+                .until("the feed", "return document.body.dataset.feed === 'live';")
+                .await?;
+            cc.submit_simple("s-late", "nobody", json!(2)).await?;
+            let mark = driver
+                .until(
+                    "the new row",
+                    "return document.querySelector('#sessions tr[data-session=\"s-late\"]') \
+                       ? window.__turnd_mark : null;",
+                )
+                .await?;
+            anyhow::ensure!(mark == json!(2), "same document: {mark}");
+            // Relative times tick.
+            let read = "var e = document.querySelector('#sessions [data-at]'); \
+                        return e ? e.textContent : null;";
+            let first = driver.until("a time", read).await?;
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            let later = driver.script(read).await?;
+            anyhow::ensure!(
+                first != later,
+                "the time did not tick: {first} then {later}"
+            );
+            anyhow::Ok(())
+        }
+        .await;
+        (driver, result)
+    })
+    .await?;
     td.shutdown().await
 }

@@ -31,6 +31,7 @@ mod admission;
 mod cells;
 mod commit;
 mod dispatch;
+mod operator;
 mod queries;
 mod recovery;
 mod registry_gc;
@@ -53,7 +54,8 @@ use crate::session::{to_turn, wait_of, Pending, SessionState, Tx};
 mod sessions_list;
 pub use admission::SubmitOptions;
 pub(crate) use cells::shrink_after_burst;
-pub use sessions_list::{BlockedOn, LiveInvocation};
+pub use operator::{BlockedOn, LiveInvocation, TurnRun, TurnRuns};
+pub use sessions_list::{RowDetail, SessionsPage, StuckRule};
 
 type ApiResult<T> = EngineResult<T>;
 

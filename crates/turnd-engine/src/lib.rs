@@ -23,6 +23,9 @@ mod session;
 
 pub use clock::Clock;
 pub use config::{EngineConfig, TurnsConfig};
-pub use engine::{fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation, SubmitOptions};
+pub use engine::{
+    fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation, RowDetail, SessionsPage,
+    StuckRule, SubmitOptions, TurnRun, TurnRuns,
+};
 pub use error::{EngineError, EngineResult};
 pub use registry::{CloseReason, Outbox, WorkerCaps};

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use turnd_proto::{SessionOrder, SessionRow, SessionsListArgs, SessionsListOk, WaitState};
 use turnd_store::InvWait;
 
+use super::operator::LiveInvocation;
 use super::{check_id, page_limit, read_failed, ApiResult, Engine, EngineError, SessionState};
 use crate::session::wait_of;
 
@@ -70,19 +71,64 @@ impl<'a> WaitEntry<'a> {
     }
 }
 
-/// Whether a wait looks stuck at `now`: past its deadline, waiting for a worker of a
-/// function no connected worker serves, or an invocation silent for more than half
-/// its timeout.
-fn is_stuck(
+/// Which rule makes a wait look stuck: the one `sessions.list`'s `stuck` filter
+/// applies, named so that the operator page can say why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StuckRule {
+    /// The wait's deadline has passed and nothing has acted on it yet.
+    PastDeadline { deadline_ms: u64 },
+    /// It waits for a worker of a function no connected worker serves.
+    NoWorker,
+    /// Its invocation has shown no sign of life (dispatch or heartbeat) for more than
+    /// half its timeout: silent since `stale_at_ms`.
+    Silent { stale_at_ms: u64 },
+}
+
+impl StuckRule {
+    /// The rule in words.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            StuckRule::PastDeadline { .. } => "its wait's deadline has passed",
+            StuckRule::NoWorker => "no connected worker serves its function",
+            StuckRule::Silent { .. } => {
+                "its invocation sent no heartbeat for more than half its timeout"
+            }
+        }
+    }
+}
+
+/// Which rule, if any, makes a wait look stuck at `now`: past its deadline, waiting
+/// for a worker of a function no connected worker serves, or an invocation silent for
+/// more than half its timeout (the first that holds, in that order).
+fn stuck_rule(
     state: WaitState,
     deadline_ms: Option<u64>,
     stale_at_ms: Option<u64>,
     served: bool,
     now: u64,
-) -> bool {
-    deadline_ms.is_some_and(|d| now > d)
-        || (state == WaitState::AwaitingWorker && !served)
-        || stale_at_ms.is_some_and(|s| now > s)
+) -> Option<StuckRule> {
+    if let Some(d) = deadline_ms.filter(|d| now > *d) {
+        return Some(StuckRule::PastDeadline { deadline_ms: d });
+    }
+    if state == WaitState::AwaitingWorker && !served {
+        return Some(StuckRule::NoWorker);
+    }
+    stale_at_ms
+        .filter(|s| now > *s)
+        .map(|s| StuckRule::Silent { stale_at_ms: s })
+}
+
+impl WaitEntry<'_> {
+    /// Which rule, if any, makes this wait look stuck at `now`.
+    pub(super) fn stuck(&self, served: &HashSet<String>, now: u64) -> Option<StuckRule> {
+        stuck_rule(
+            self.state,
+            self.deadline_ms,
+            self.stale_at_ms,
+            served.contains(self.function_id),
+            now,
+        )
+    }
 }
 
 struct Indexed {
@@ -346,36 +392,85 @@ impl WaitIndex {
         }
     }
 
-    fn page(&self, q: &Query<'_>) -> Page {
-        let function = q.function_id;
-        let source: &Lists = match (function, q.state) {
+    /// Whether a listed session looks stuck at the query's time.
+    fn is_stuck(&self, q: &Query<'_>, id: &str) -> bool {
+        self.entries.get(id).is_some_and(|e| {
+            stuck_rule(
+                e.state,
+                e.deadline_ms,
+                e.stale_at_ms,
+                q.served.contains(&*e.function_id),
+                q.now,
+            )
+            .is_some()
+        })
+    }
+
+    /// Whether a session of the query's source list passes its other filters.
+    fn matches(&self, q: &Query<'_>, id: &str) -> bool {
+        if let (Some(_), Some(s)) = (q.function_id, q.state) {
+            if self.entries.get(id).map(|e| e.state) != Some(s) {
+                return false;
+            }
+        }
+        !q.stuck || self.is_stuck(q, id)
+    }
+
+    /// The list a query reads: the function's, the state's, or every session.
+    fn source(&self, q: &Query<'_>) -> &Lists {
+        match (q.function_id, q.state) {
             (Some(f), _) => self.by_function.get(f).unwrap_or(&EMPTY),
             (None, Some(s)) => self.by_state.get(&s).unwrap_or(&EMPTY),
             (None, None) => &self.all,
+        }
+    }
+
+    /// The cursor of the page before the one the query's cursor starts: `None` for
+    /// the first page (no cursor), `Some(None)` when the page before is the first.
+    fn previous(&self, q: &Query<'_>) -> Option<Option<Cursor>> {
+        let cursor = q.cursor?;
+        let source = self.source(q);
+        // The page before ends with the cursor's session (inclusive); the session
+        // before that page, if any, is the cursor that starts it.
+        let back: Box<dyn Iterator<Item = (u64, &Arc<str>)>> = match cursor {
+            Cursor::Wait(since, id) => Box::new(
+                source
+                    .by_wait
+                    .range((Bound::Unbounded, Bound::Included((*since, id.clone()))))
+                    .rev()
+                    .map(|(s, id)| (*s, id)),
+            ),
+            Cursor::Id(id) => Box::new(
+                source
+                    .by_id
+                    .range::<Arc<str>, _>((Bound::Unbounded, Bound::Included(id)))
+                    .rev()
+                    .map(|id| (0, id)),
+            ),
         };
-        let stuck = |id: &str| -> bool {
-            self.entries.get(id).is_some_and(|e| {
-                is_stuck(
-                    e.state,
-                    e.deadline_ms,
-                    e.stale_at_ms,
-                    q.served.contains(&*e.function_id),
-                    q.now,
-                )
-            })
-        };
-        let matches = |id: &str| -> bool {
-            if let (Some(_), Some(s)) = (function, q.state) {
-                if self.entries.get(id).map(|e| e.state) != Some(s) {
-                    return false;
-                }
+        let mut seen = 0;
+        for (since, id) in back {
+            if !self.matches(q, id) {
+                continue;
             }
-            !q.stuck || stuck(id)
-        };
+            if seen == q.limit {
+                return Some(Some(match q.order {
+                    SessionOrder::Wait => Cursor::Wait(since, id.clone()),
+                    SessionOrder::Id => Cursor::Id(id.clone()),
+                }));
+            }
+            seen += 1;
+        }
+        Some(None)
+    }
+
+    fn page(&self, q: &Query<'_>) -> Page {
+        let source = self.source(q);
+        let stuck = |id: &str| self.is_stuck(q, id);
         let mut ids = Vec::new();
         let mut next = None;
         for (since, id) in source.iter_from(q.order, q.cursor) {
-            if !matches(id) {
+            if !self.matches(q, id) {
                 continue;
             }
             if ids.len() == q.limit {
@@ -395,6 +490,7 @@ impl WaitIndex {
         Page {
             ids: ids.into_iter().map(|(_, id)| id).collect(),
             next,
+            previous: self.previous(q),
             total,
             counts: counts
                 .into_iter()
@@ -495,6 +591,8 @@ struct Query<'a> {
 struct Page {
     ids: Vec<Arc<str>>,
     next: Option<Cursor>,
+    /// See [`WaitIndex::previous`].
+    previous: Option<Option<Cursor>>,
     total: u64,
     counts: BTreeMap<String, u64>,
 }
@@ -507,6 +605,12 @@ impl Engine {
 
     /// `sessions.list`.
     pub async fn list_sessions(&self, args: SessionsListArgs) -> ApiResult<SessionsListOk> {
+        Ok(self.sessions_page(args).await?.list)
+    }
+
+    /// A page of `sessions.list` with what the operator page shows beside it: why each
+    /// stuck row is stuck, each row's live invocation, and the cursor of the page before.
+    pub async fn sessions_page(&self, args: SessionsListArgs) -> ApiResult<SessionsPage> {
         let limit = page_limit(args.limit)?;
         if let Some(f) = &args.function_id {
             check_id("function_id", f)?;
@@ -518,14 +622,7 @@ impl Engine {
         };
         let stuck = args.stuck.unwrap_or(false);
         let now = self.now_ms();
-        // From the workers, not `functions()`, which counts the waiting sessions of
-        // every function.
-        let served: HashSet<String> = self
-            .workers()
-            .into_iter()
-            .filter(|w| w.connected)
-            .flat_map(|w| w.functions)
-            .collect();
+        let served = self.served_functions();
         let page = {
             let index = self.wait_index();
             index.page(&Query {
@@ -541,22 +638,59 @@ impl Engine {
         };
         let fmt = self.fmt_ms();
         let mut rows = Vec::with_capacity(page.ids.len());
+        let mut details = Vec::with_capacity(page.ids.len());
         for id in &page.ids {
             let Some(cell) = self.existing_cell(id) else {
                 continue;
             };
             let st = self.lock(&cell).await.map_err(read_failed)?;
-            if let Some(row) = self.session_row(&st, &args, &served, now, &fmt) {
+            if let Some((row, detail)) = self.session_row(&st, &args, &served, now, &fmt) {
                 rows.push(row);
+                details.push(detail);
             }
         }
-        Ok(SessionsListOk {
-            sessions: rows,
-            next: page.next.map(|c| c.encode()),
-            total: page.total,
-            counts: page.counts,
+        Ok(SessionsPage {
+            list: SessionsListOk {
+                sessions: rows,
+                next: page.next.map(|c| c.encode()),
+                total: page.total,
+                counts: page.counts,
+            },
+            details,
+            previous: page.previous.map(|p| p.map(|c| c.encode())),
         })
     }
+
+    /// Functions some connected worker serves. From the workers, not `functions()`,
+    /// which counts the waiting sessions of every function.
+    pub(super) fn served_functions(&self) -> HashSet<String> {
+        self.workers()
+            .into_iter()
+            .filter(|w| w.connected)
+            .flat_map(|w| w.functions)
+            .collect()
+    }
+}
+
+/// A page of `sessions.list` as the operator page shows it.
+#[derive(Debug, Clone)]
+pub struct SessionsPage {
+    /// The page as `sessions.list` answers it.
+    pub list: SessionsListOk,
+    /// For each row of `list.sessions`, in the same order, what the page adds.
+    pub details: Vec<RowDetail>,
+    /// Where the page before starts: `None` on the first page, `Some(None)` when the
+    /// page before is the first, else the cursor to pass as `after`.
+    pub previous: Option<Option<String>>,
+}
+
+/// What the operator page shows of a row beyond [`SessionRow`].
+#[derive(Debug, Clone)]
+pub struct RowDetail {
+    /// Why the row is stuck (`Some` exactly when `stuck` is true).
+    pub stuck: Option<StuckRule>,
+    /// The lock holder's live invocation, when one was dispatched.
+    pub invocation: Option<LiveInvocation>,
 }
 
 impl Engine {
@@ -570,7 +704,7 @@ impl Engine {
         served: &HashSet<String>,
         now: u64,
         fmt: &dyn Fn(u64) -> String,
-    ) -> Option<SessionRow> {
+    ) -> Option<(SessionRow, RowDetail)> {
         let h = st.holder()?;
         let wait = wait_of(
             st,
@@ -580,25 +714,17 @@ impl Engine {
             Some(self.registry().supply(&h.function_id)),
         );
         let entry = WaitEntry::of(st, self.inner.cfg.turns.dispatch_timeout_ms);
-        let row_stuck = entry.as_ref().is_some_and(|e| {
-            is_stuck(
-                e.state,
-                e.deadline_ms,
-                e.stale_at_ms,
-                served.contains(e.function_id),
-                now,
-            )
-        });
+        let stuck = entry.as_ref().and_then(|e| e.stuck(served, now));
         if args.state.is_some_and(|s| s != wait.state)
             || args
                 .function_id
                 .as_ref()
                 .is_some_and(|f| *f != h.function_id)
-            || (args.stuck.unwrap_or(false) && !row_stuck)
+            || (args.stuck.unwrap_or(false) && stuck.is_none())
         {
             return None;
         }
-        Some(SessionRow {
+        let row = SessionRow {
             session_id: st.id.to_string(),
             turn_id: h.turn_id.clone(),
             function_id: h.function_id.clone(),
@@ -606,72 +732,14 @@ impl Engine {
             attempt: h.attempt,
             locked_since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
             queued: st.active.len().saturating_sub(1) as u64,
-            stuck: row_stuck,
+            stuck: stuck.is_some(),
             wait,
-        })
-    }
-}
-
-/// What a session's lock holder is blocked on, for an operator's view of one session.
-#[derive(Debug, Clone)]
-pub struct BlockedOn {
-    /// The lock holder as `turn.get` shows it (with its wait).
-    pub turn: turnd_proto::Turn,
-    pub locked_since_ms: u64,
-    /// The live invocation, when one was dispatched.
-    pub invocation: Option<LiveInvocation>,
-    /// The error of the last failed attempt, if any.
-    pub last_failure: Option<String>,
-}
-
-/// The lock holder's live invocation.
-#[derive(Debug, Clone)]
-pub struct LiveInvocation {
-    pub invocation_id: String,
-    pub worker_id: String,
-    pub instance_id: String,
-    pub step: u32,
-    pub attempt: u32,
-    pub dispatched_at_ms: u64,
-    /// The last heartbeat, when one arrived after the dispatch.
-    pub last_heartbeat_ms: Option<u64>,
-    pub timeout_ms: u64,
-    pub deadline_ms: u64,
-}
-
-impl Engine {
-    /// The lock holder of `session_id` and what it is blocked on (`None`: the session
-    /// has no unfinished turn). Answered from memory, under the session's lock.
-    pub async fn blocked_on(&self, session_id: &str) -> ApiResult<Option<BlockedOn>> {
-        check_id("session_id", session_id)?;
-        let Some(cell) = self.existing_cell(session_id) else {
-            return Ok(None);
         };
-        let st = self.lock(&cell).await.map_err(read_failed)?;
-        let Some(h) = st.holder() else {
-            return Ok(None);
+        let detail = RowDetail {
+            stuck,
+            invocation: st.inv.as_deref().map(LiveInvocation::of),
         };
-        let invocation = st.inv.as_deref().map(|inv| {
-            let timeout = inv.settings.timeout_ms;
-            let alive = inv.attempt_deadline_ms.saturating_sub(timeout);
-            LiveInvocation {
-                invocation_id: inv.invocation_id.clone(),
-                worker_id: inv.worker_id.clone(),
-                instance_id: inv.instance_id.clone(),
-                step: inv.step,
-                attempt: inv.attempt,
-                dispatched_at_ms: inv.dispatched_at_ms,
-                last_heartbeat_ms: (alive > inv.dispatched_at_ms).then_some(alive),
-                timeout_ms: timeout,
-                deadline_ms: inv.deadline_ms,
-            }
-        });
-        Ok(Some(BlockedOn {
-            turn: self.turn_view(&st, h),
-            locked_since_ms: h.locked_at_ms.unwrap_or(h.created_at_ms),
-            invocation,
-            last_failure: h.last_error.clone(),
-        }))
+        Some((row, detail))
     }
 }
 
@@ -845,6 +913,48 @@ mod tests {
             }
             assert_eq!(contents(&ix), contents(&fresh), "after step {step}");
             assert_eq!(ix.overview(), fresh.overview(), "after step {step}");
+        }
+    }
+
+    /// Each page's `previous` is the cursor the page before was read with (`None`
+    /// for the first page), in both orders and with a filter that skips sessions.
+    #[test]
+    fn previous_leads_back_to_the_page_before() {
+        let served = HashSet::new();
+        let mut ix = WaitIndex::default();
+        for i in 0..25u64 {
+            let state = if i % 3 == 0 {
+                WaitState::BackingOff
+            } else {
+                WaitState::AwaitingWorker
+            };
+            ix.set(
+                &Arc::from(format!("s{i:02}")),
+                entry(state, 100 - i % 5, "f"),
+            );
+        }
+        for (order, state) in [
+            (SessionOrder::Wait, None),
+            (SessionOrder::Id, None),
+            (SessionOrder::Id, Some(WaitState::AwaitingWorker)),
+        ] {
+            let mut cursors: Vec<Option<Cursor>> = vec![None];
+            loop {
+                let mut q = query(&served, order, 4);
+                q.state = state;
+                q.cursor = cursors.last().and_then(|c| c.as_ref());
+                let p = ix.page(&q);
+                let back = p.previous.clone();
+                match cursors.len() {
+                    1 => assert_eq!(back, None, "{order:?}: the first page"),
+                    n => assert_eq!(back, Some(cursors[n - 2].clone()), "{order:?} page {n}"),
+                }
+                match p.next {
+                    Some(c) => cursors.push(Some(c)),
+                    None => break,
+                }
+            }
+            assert!(cursors.len() >= 4, "{order:?}: {}", cursors.len());
         }
     }
 

@@ -16,6 +16,8 @@ use turnd_proto::Role;
 #[serde(default)]
 pub struct Config {
     pub server: ServerConfig,
+    /// The operator page on the admin listener: allowed hosts, sign-in, live feeds.
+    pub admin: crate::admin::AdminConfig,
     pub storage: StorageConfig,
     /// The engine's own type: every key of `[turns]` is defined once, there.
     pub turns: TurnsConfig,
@@ -36,7 +38,8 @@ pub struct Config {
 pub struct ServerConfig {
     /// WebSocket listen address (protocol v1 at `/v1`).
     pub listen: String,
-    /// Admin HTTP listen address (`/healthz`, `/readyz`, `/metrics`).
+    /// Admin HTTP listen address (`/healthz`, `/readyz`, `/metrics`, the operator
+    /// page under `/ui`; see `[admin]`).
     pub admin_listen: String,
     /// Largest frame accepted, in bytes.
     pub max_frame_bytes: u64,
@@ -628,6 +631,10 @@ impl Config {
             }
         }
         p.extend(self.iii.problems());
+        p.extend(
+            self.admin
+                .problems(&self.server.admin_listen, &self.auth.tokens),
+        );
         if let Some(Ok(addr)) = self.iii.listen.as_deref().map(str::parse::<SocketAddr>) {
             if !addr.ip().is_loopback()
                 && self.auth.tokens.is_empty()

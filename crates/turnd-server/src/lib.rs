@@ -239,35 +239,6 @@ impl Daemon {
     }
 }
 
-/// The admin listener's task, ending gracefully once the server is closing.
-fn spawn_admin(
-    shared: &Arc<Shared>,
-    listener: TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-) -> JoinHandle<std::io::Result<()>> {
-    let admin_shutdown = shared.closing.clone();
-    let router = admin::router(shared.clone());
-    let graceful = async move { admin_shutdown.cancelled().await };
-    tokio::spawn(async move {
-        match tls {
-            Some(acceptor) => {
-                let l = tls::TlsListener {
-                    inner: listener,
-                    acceptor,
-                };
-                axum::serve(l, router)
-                    .with_graceful_shutdown(graceful)
-                    .await
-            }
-            None => {
-                axum::serve(listener, router)
-                    .with_graceful_shutdown(graceful)
-                    .await
-            }
-        }
-    })
-}
-
 /// Serve an accepted WebSocket connection in a task of its own (after the TLS
 /// handshake, with a time limit, when TLS is on).
 fn accept_connection(
@@ -311,7 +282,7 @@ async fn serve(
         (Some(iii), Some(l)) => Some(tokio::spawn(iii.serve(l))),
         _ => None,
     };
-    let admin = spawn_admin(&shared, listeners.admin, tls.clone());
+    let admin = admin::spawn(&shared, listeners.admin, tls.clone());
     loop {
         tokio::select! {
             accepted = listeners.ws.accept() => match accepted {

@@ -137,14 +137,34 @@ impl Engine {
 
     /// `turn.list`.
     pub async fn list_turns(&self, args: ListArgs) -> ApiResult<ListOk> {
+        let mut turns = Vec::new();
+        let next_before_seq = self
+            .list_turns_with(args, |st, t| {
+                turns.push(self.turn_view(st, t));
+                Ok(())
+            })
+            .await?;
+        Ok(ListOk {
+            turns,
+            next_before_seq,
+        })
+    }
+
+    /// The page of `turn.list` that `args` asks for, newest first: each turn is
+    /// handed to `take` under the session's lock; the answer is `next_before_seq`.
+    pub(super) async fn list_turns_with(
+        &self,
+        args: ListArgs,
+        mut take: impl FnMut(&SessionState, &TurnRecord) -> ApiResult<()>,
+    ) -> ApiResult<Option<u64>> {
         check_id("session_id", &args.session_id)?;
-        let limit = page_limit(args.limit)?;
+        let limit = page_limit(args.limit)? as usize;
         let cell = self.cell(&args.session_id);
         let st = self.lock(&cell).await.map_err(read_failed)?;
         let mut before = args.before_seq.unwrap_or(u64::MAX);
-        let mut out = Vec::new();
+        let (mut taken, mut last_seq) = (0, None);
         let mut more = true;
-        while out.len() < limit as usize && more {
+        while taken < limit && more {
             let ids = self
                 .inner
                 .store
@@ -157,23 +177,17 @@ impl Engine {
                     continue;
                 };
                 if args.status.map(|s| s == t.status).unwrap_or(true) {
-                    out.push(self.turn_view(&st, &t));
-                    if out.len() == limit as usize {
+                    take(&st, &t)?;
+                    taken += 1;
+                    last_seq = Some(t.seq);
+                    if taken == limit {
                         more = seq > 1;
                         break;
                     }
                 }
             }
         }
-        let next = if more && before > 1 {
-            out.last().map(|t| t.seq)
-        } else {
-            None
-        };
-        Ok(ListOk {
-            turns: out,
-            next_before_seq: next,
-        })
+        Ok(if more && before > 1 { last_seq } else { None })
     }
 
     /// `session.inspect`.

@@ -1,5 +1,6 @@
-//! The admin HTTP listener: `GET /healthz`, `GET /readyz`, `GET /metrics`, and the
-//! operator page under `/ui` (`ui.rs`).
+//! `GET /metrics`: the daemon's counters and gauges as OpenMetrics text, built afresh
+//! at every scrape from the engine's counters, its state and the store's commit
+//! statistics.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -7,8 +8,6 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::Router;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -21,42 +20,6 @@ use turnd_proto::{TurnStatus, WaitState};
 use turnd_store::{CommitStats, SYNC_BUCKET_BOUNDS};
 
 use crate::ws::Shared;
-
-pub fn router(shared: Arc<Shared>) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .merge(crate::ui::router())
-        .with_state(shared)
-}
-
-/// Fails when the store cannot go on without a restart (a thread of its own ended),
-/// so that a supervisor restarts the daemon.
-async fn healthz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    match s.engine.store().kv().health() {
-        Ok(()) => (StatusCode::OK, "ok\n".to_string()),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
-    }
-}
-
-async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    if s.draining.is_cancelled() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "shutting down\n".to_string(),
-        );
-    }
-    let health = s.engine.storage_health();
-    if !s.engine.ready() {
-        let why = health
-            .last_error
-            .map(|e| format!("storage not writable: {e}\n"))
-            .unwrap_or_else(|| "recovery has not finished\n".into());
-        return (StatusCode::SERVICE_UNAVAILABLE, why);
-    }
-    (StatusCode::OK, "ready\n".to_string())
-}
 
 type Labels = Vec<(String, String)>;
 
@@ -103,7 +66,7 @@ fn load(a: &AtomicU64) -> u64 {
     a.load(Ordering::Relaxed)
 }
 
-async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+pub(super) async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let mut reg = Registry::with_prefix("turnd");
     register_state(&mut reg, &s);
     register_connections(&mut reg, &s);
