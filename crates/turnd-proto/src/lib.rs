@@ -18,6 +18,7 @@ pub mod frame;
 pub mod ids;
 pub mod objects;
 pub mod ops;
+pub mod partition;
 
 pub use frame::{
     decode_raw_request, decode_request, ErrorBody, ErrorCode, FrameError, Push, RawRequest, Request,
@@ -28,6 +29,9 @@ pub use ids::{
 };
 pub use objects::*;
 pub use ops::*;
+pub use partition::{
+    invocation_partition, new_turn_id_in, session_partition, turn_partition, MAX_PARTITIONS,
+};
 
 /// The only protocol version this crate speaks.
 pub const PROTOCOL_VERSION: u64 = 1;
