@@ -51,3 +51,41 @@ pub fn record(tag: &str, n: usize) -> Vec<u8> {
     r.resize(n.max(tag.len()), b'.');
     r
 }
+
+/// A store on partition `cfg.partition`'s log, led by `node`, in `dir`; with the
+/// log's handle (to stop it, or read its status).
+pub async fn open_store(
+    nats: &Arc<Nats>,
+    cfg: &LogConfig,
+    node: &str,
+    dir: &std::path::Path,
+    opts: turnd_store::LoggedOptions,
+) -> Result<(turnd_store::LoggedKv, turnd_store::Replayed, JetStreamLog), StoreError> {
+    let (nats, cfg, node, dir) = (
+        nats.clone(),
+        cfg.clone(),
+        node.to_string(),
+        dir.to_path_buf(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let mut handle = None;
+        let (kv, replayed) = turnd_store::LoggedKv::open_with_log(&dir, opts, |applied| {
+            let opened = JetStreamLog::lead(&nats, &cfg, &node, applied, None)?;
+            handle = Some(opened.log.clone());
+            Ok(opened.boxed())
+        })?;
+        let log = handle.ok_or_else(|| StoreError::Write("the log was not opened".into()))?;
+        Ok((kv, replayed, log))
+    })
+    .await
+    .expect("open's thread")
+}
+
+/// Options for a store in tests: the applier every 5 ms, no delay.
+pub fn store_opts() -> turnd_store::LoggedOptions {
+    turnd_store::LoggedOptions {
+        apply_interval: Duration::from_millis(5),
+        apply_delay: Duration::ZERO,
+        ..turnd_store::LoggedOptions::default()
+    }
+}
