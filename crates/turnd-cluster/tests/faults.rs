@@ -47,6 +47,31 @@ async fn write_until(
     }
 }
 
+/// Check that the stream holds every group in `acked` exactly once, and nothing
+/// else.
+async fn each_acknowledged_once(reader: &Arc<Nats>, c: &LogConfig, acked: &[u64]) {
+    let read = read_valid(reader, c, 0).await.expect("read the stream");
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &read.records {
+        let tag = String::from_utf8_lossy(&r.payload)
+            .trim_end_matches('.')
+            .to_string();
+        *seen.entry(tag).or_default() += 1;
+    }
+    for i in acked {
+        assert_eq!(
+            seen.get(&format!("g{i}")),
+            Some(&1),
+            "acknowledged g{i} once"
+        );
+    }
+    assert_eq!(
+        seen.len(),
+        acked.len(),
+        "nothing but the acknowledged groups"
+    );
+}
+
 enum Fault {
     Pause,
     Kill,
@@ -103,7 +128,14 @@ async fn appends_through(fault: Fault, p: u32) {
     let at_return = count();
     wait_for(at_return + 30, Duration::from_secs(60)).await;
     done.store(true, Ordering::Relaxed);
-    writer.await.expect("writer");
+    if tokio::time::timeout(Duration::from_secs(60), writer)
+        .await
+        .is_err()
+    {
+        // An append still unsettled: end it, or the test would wait for it.
+        log.stop();
+        panic!("the writer's last append did not settle within 60 s");
+    }
 
     let acked = acked.lock().expect("acked").clone();
     let status = log.status();
@@ -114,26 +146,7 @@ async fn appends_through(fault: Fault, p: u32) {
     );
     assert!(status.failure.is_none());
     let reader = rig.connect_to(writer_at, "r").await.expect("connect");
-    let read = read_valid(&reader, &c, 0).await.expect("read the stream");
-    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
-    for r in &read.records {
-        let tag = String::from_utf8_lossy(&r.payload)
-            .trim_end_matches('.')
-            .to_string();
-        *seen.entry(tag).or_default() += 1;
-    }
-    for i in &acked {
-        assert_eq!(
-            seen.get(&format!("g{i}")),
-            Some(&1),
-            "acknowledged g{i} once"
-        );
-    }
-    assert_eq!(
-        seen.len(),
-        acked.len(),
-        "nothing but the acknowledged groups"
-    );
+    each_acknowledged_once(&reader, &c, &acked).await;
     assert!(
         status.settled_in_doubt >= 1,
         "the fault left an append in doubt, settled (else the test proved nothing)"

@@ -168,11 +168,13 @@ impl JetStreamLog {
     fn read_between(&self, after: u64, upto: u64) -> Result<Vec<Record>, LogError> {
         let (start, to) = {
             let s = self.state().map_err(|e| LogError::Nats(e.to_string()))?;
+            // The records right after `after` are in its message or the next one.
+            let held = seq_of(after) + 1 >= s.first_seq;
             let start = s
                 .anchors
                 .range(..=seq_of(after).max(s.first_seq))
                 .next_back();
-            (start.map(|(a, _)| *a), s.last)
+            (start.filter(|_| held).map(|(a, _)| *a), s.last)
         };
         let Some(start) = start else {
             return Err(LogError::Nats(format!(
