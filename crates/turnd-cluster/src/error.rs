@@ -18,6 +18,10 @@ pub enum LogError {
     /// written.
     #[error("refused by the stream (nothing written): {0}")]
     Refused(String),
+    /// The stream is full (`max_bytes`, `discard: new`): nothing of the append was
+    /// written. Reaches the store as a full disk does.
+    #[error("the partition's stream is full (nothing written): {0}")]
+    Full(String),
     /// The append was still in doubt when the node asked the log to stop.
     #[error("stopped with an append in doubt: {0}")]
     Stopped(String),
@@ -48,6 +52,11 @@ impl From<LogError> for StoreError {
     fn from(e: LogError) -> StoreError {
         match e {
             LogError::Corrupt(s) => StoreError::Corrupt(s),
+            LogError::Full(_) => StoreError::Io {
+                op: turnd_store::IoOp::Write,
+                kind: std::io::ErrorKind::StorageFull,
+                detail: e.to_string(),
+            },
             LogError::Behind { .. } | LogError::Nats(_) | LogError::Config(_) => {
                 StoreError::Read(e.to_string())
             }

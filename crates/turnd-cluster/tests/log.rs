@@ -287,3 +287,49 @@ async fn a_trim_waits_for_a_lagging_mark() {
     let last = read_valid(&nats, &c, applied - 1).await.expect("read");
     assert_eq!(last.records.len(), 1, "the record past the mark is kept");
 }
+
+/// A full stream refuses a group as a full disk does, with nothing written; the log
+/// goes on, and takes groups again once a trim made room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_stream_refuses_a_group_with_nothing_written() {
+    need_nats!();
+    let rig = Rig::start(1).await.expect("rig");
+    let nats = rig.connect("a").await.expect("connect");
+    let mut c = cfg(6, 1);
+    c.max_bytes = 64 * 1024;
+    let log = lead(&nats, &c, "a", 0).await.expect("lead").log;
+    let mut acked = Vec::new();
+    let refused = loop {
+        assert!(acked.len() < 100, "a stream of 64 KiB fills");
+        match append(&log, vec![record(&format!("r{}", acked.len()), 4000)]).await {
+            Ok(first) => acked.push(first),
+            Err(e) => break e,
+        }
+    };
+    assert!(refused.is_disk_full(), "refused as a full disk: {refused}");
+    let last = log.status().last_seq;
+    assert!(!log.is_failed());
+    log.heal().expect("nothing to heal");
+    let again = append(&log, vec![record("again", 4000)]).await;
+    assert!(again.is_err_and(|e| e.is_disk_full()));
+    assert_eq!(log.status().last_seq, last, "nothing written");
+    let read = read_valid(&nats, &c, 0).await.expect("read");
+    assert_eq!(
+        read.records.len(),
+        acked.len(),
+        "only the acknowledged groups"
+    );
+    // A trim makes room; groups go again.
+    let applied = acked[acked.len() - 1];
+    let purged = {
+        let log = log.clone();
+        tokio::task::spawn_blocking(move || log.trim(applied))
+            .await
+            .expect("thread")
+            .expect("trim")
+    };
+    assert!(purged > 0);
+    append(&log, vec![record("after", 4000)])
+        .await
+        .expect("a group after the trim");
+}

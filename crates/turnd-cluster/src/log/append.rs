@@ -95,7 +95,7 @@ impl JetStreamLog {
                     continue;
                 }
                 Settled::Failed(e) => {
-                    if !matches!(e, LogError::Refused(_)) {
+                    if !matches!(e, LogError::Refused(_) | LogError::Full(_)) {
                         self.fail(&e);
                     }
                     return Err(e);
@@ -166,7 +166,11 @@ impl JetStreamLog {
                 Outcome::Refused(why) if !in_doubt => {
                     return Settled::Failed(LogError::Refused(why))
                 }
-                Outcome::Refused(why) | Outcome::WrongLast(why) | Outcome::InDoubt(why) => why,
+                Outcome::Full(why) if !in_doubt => return Settled::Failed(LogError::Full(why)),
+                Outcome::Refused(why)
+                | Outcome::Full(why)
+                | Outcome::WrongLast(why)
+                | Outcome::InDoubt(why) => why,
             };
             if !in_doubt {
                 tracing::warn!(

@@ -230,6 +230,8 @@ pub(crate) enum Outcome {
     WrongLast(String),
     /// Refused for good: nothing of it was stored.
     Refused(String),
+    /// Refused for good because the stream is full: nothing of it was stored.
+    Full(String),
     /// No answer that settles it: a timeout, a lost connection, no stream leader,
     /// an error the server may not repeat.
     InDoubt(String),
@@ -302,7 +304,7 @@ fn sort_reply(payload: &[u8]) -> Outcome {
         (_, Some(e))
             if e.err_code == STORE_FAILED && e.description.contains("maximum bytes exceeded") =>
         {
-            Outcome::Refused(format!("the stream is full: {}", e.description))
+            Outcome::Full(e.description)
         }
         (_, Some(e)) => Outcome::InDoubt(format!("error {}: {}", e.err_code, e.description)),
         (Some(seq), None) => Outcome::Stored(seq),
@@ -327,7 +329,7 @@ mod tests {
         ));
         assert!(matches!(
             sort_reply(br#"{"error":{"code":503,"err_code":10077,"description":"maximum bytes exceeded"}}"#),
-            Outcome::Refused(_)
+            Outcome::Full(_)
         ));
         assert!(matches!(
             sort_reply(br#"{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#),
