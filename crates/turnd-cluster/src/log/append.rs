@@ -158,11 +158,7 @@ impl JetStreamLog {
             .await;
             let why = match outcome {
                 Outcome::Stored(seq) if seq == prev + 1 => return self.landed(seq, in_doubt),
-                Outcome::Stored(seq) => {
-                    return Settled::Failed(LogError::Deposed(format!(
-                        "the server stored the message that follows {prev} at {seq}"
-                    )))
-                }
+                Outcome::Stored(seq) => return self.stored_elsewhere(prev, seq, &msg).await,
                 Outcome::Refused(why) if !in_doubt => {
                     return Settled::Failed(LogError::Refused(why))
                 }
@@ -192,6 +188,24 @@ impl JetStreamLog {
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(cfg.retry_max.max(Duration::from_millis(1)));
+        }
+    }
+
+    /// The server stored (or, a duplicate, had stored) the message at `seq`, not
+    /// right after `prev`: it did not hold the expectation, and that copy is void.
+    /// An earlier copy may be right after `prev`, and then counts; otherwise this
+    /// node cannot know that it still leads.
+    async fn stored_elsewhere(&self, prev: u64, seq: u64, msg: &Bytes) -> Settled {
+        let there = tokio::time::timeout(
+            self.inner.cfg.ack_timeout,
+            stream::get(&self.inner.stream, prev + 1),
+        )
+        .await;
+        match there {
+            Ok(Ok(Some(there))) if there == *msg => self.landed(prev + 1, true),
+            _ => Settled::Failed(LogError::Deposed(format!(
+                "the server stored the message that follows {prev} at {seq}"
+            ))),
         }
     }
 
