@@ -30,7 +30,8 @@ const POLL: Duration = Duration::from_millis(200);
 pub struct StandbyStatus {
     /// The last position applied, durable in the local store.
     pub applied: u64,
-    /// Messages the stream held past the last one read, when it was read.
+    /// Messages the stream held past the last one read, when it was read (a
+    /// standby that reads nothing, caught up or cut off, keeps the last figure).
     pub lag: u64,
     /// Messages that counted for nothing.
     pub void_records: u64,
@@ -181,8 +182,8 @@ impl Run {
             () = self.stop.cancelled() => return Ok((out, lag)),
         };
         let Some(mut m) = first? else {
-            // Nothing new: nothing to apply.
-            return Ok((out, Some(0)));
+            // Nothing came: the lag stays what the last message said.
+            return Ok((out, lag));
         };
         for _ in 0..BATCH {
             let (seq, payload, pending) = m;
