@@ -88,17 +88,14 @@ impl LogConfig {
 /// made otherwise (other replicas, subject or limits policy) is refused.
 pub(crate) async fn ensure(nats: &Nats, cfg: &LogConfig) -> Result<stream::Stream, LogError> {
     let want = cfg.stream_config();
-    let mut s = nats
-        .jetstream()
-        .get_or_create_stream(want.clone())
-        .await
-        .map_err(|e| LogError::nats(&format!("bind stream {}", want.name), e))?;
-    let have = s
-        .info()
-        .await
-        .map_err(|e| LogError::nats("stream info", e))?
-        .config
-        .clone();
+    let s = again(|| async {
+        nats.jetstream()
+            .get_or_create_stream(want.clone())
+            .await
+            .map_err(|e| LogError::nats(&format!("bind stream {}", want.name), e))
+    })
+    .await?;
+    let have = s.cached_info().config.clone();
     if have.subjects != want.subjects
         || have.num_replicas != want.num_replicas
         || have.discard != want.discard
@@ -119,10 +116,12 @@ pub(crate) async fn ensure(nats: &Nats, cfg: &LogConfig) -> Result<stream::Strea
 /// The stream's first message held and its last sequence (`first > last` when it
 /// holds none).
 pub(crate) async fn bounds(s: &stream::Stream) -> Result<(u64, u64), LogError> {
-    let info = s
-        .get_info()
-        .await
-        .map_err(|e| LogError::nats("stream info", e))?;
+    let info = again(|| async {
+        s.get_info()
+            .await
+            .map_err(|e| LogError::nats("stream info", e))
+    })
+    .await?;
     let st = info.state;
     let first = if st.messages == 0 {
         st.last_sequence + 1
@@ -168,19 +167,47 @@ pub(crate) async fn open_tail(
     p: u32,
     from: u64,
 ) -> Result<consumer::pull::Ordered, LogError> {
-    let c = s
-        .create_consumer(consumer::pull::OrderedConfig {
-            filter_subject: subject(p),
-            deliver_policy: consumer::DeliverPolicy::ByStartSequence {
-                start_sequence: from.max(1),
-            },
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| LogError::nats("create a reader of the stream", e))?;
-    c.messages()
-        .await
-        .map_err(|e| LogError::nats("read the stream", e))
+    again(|| async {
+        let c = s
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: subject(p),
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: from.max(1),
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| LogError::nats("create a reader of the stream", e))?;
+        c.messages()
+            .await
+            .map_err(|e| LogError::nats("read the stream", e))
+    })
+    .await
+}
+
+/// Tries of a JetStream API call that can fail for a while (a stream or meta
+/// leader being elected, a server just back answering "temporarily unavailable").
+const API_TRIES: u32 = 8;
+
+/// `f` until it works, up to [`API_TRIES`] times with a pause from 100 ms doubling
+/// in between; the last error when none worked.
+async fn again<T, F, Fut>(f: F) -> Result<T, LogError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, LogError>>,
+{
+    let mut pause = Duration::from_millis(100);
+    let mut tries = 1;
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if tries >= API_TRIES => return Err(e),
+            Err(e) => tracing::debug!("tried again after {pause:?}: {e}"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+        tries += 1;
+    }
 }
 
 /// The next message of an ordered consumer, with its stream sequence and how many
