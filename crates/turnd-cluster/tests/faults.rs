@@ -99,14 +99,15 @@ async fn appends_through(fault: Fault, p: u32) {
     let writer = tokio::spawn(write_until(log.clone(), done.clone(), acked.clone()));
     let count = || acked.lock().expect("acked").len();
     let wait_for = |n: usize, within: Duration| {
-        let count = &count;
+        let (count, log) = (&count, &log);
         async move {
             let until = Instant::now() + within;
             while count() < n {
                 assert!(
                     Instant::now() < until,
-                    "{} of {n} acknowledged in time",
-                    count()
+                    "{} of {n} acknowledged in time; the writer's log: {:?}",
+                    count(),
+                    log.status()
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
