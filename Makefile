@@ -74,7 +74,7 @@ browser: ## Debian's chromium and chromium-driver for the browser tests of the o
 ui-screenshots: browser ## Screenshots of every screen of the operator page into docs/ (headless Chromium)
 	TURND_UI_SCREENSHOTS=$(CURDIR)/docs $(CARGO) test -p turnd-tests --test browser every_screen_loads_in_chromium
 
-test-rust: browser ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd and the SDK's examples, some with the turnd-faultfs library preloaded; the browser tests run headless Chromium)
+test-rust: browser venv ## Rust unit and end-to-end tests (the end-to-end tests spawn target/debug/turnd and the SDK's examples, some with the turnd-faultfs library preloaded; the browser tests run headless Chromium; the cluster's tests run the venv's nats-server)
 	$(BUILD_DAEMON)
 	$(CARGO) build -p turnd-faultfs
 ifeq ($(NEXTEST),yes)

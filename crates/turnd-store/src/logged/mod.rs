@@ -46,6 +46,10 @@
 //! unexpectedly makes [`Kv::health`] fail, and so does sled failing for 10 ×
 //! `heal_interval` while the disk takes writes.
 //!
+//! **Follow** ([`follow`]). A warm standby applies a leader's records to a store of
+//! its own with the start's code, so that a takeover opens that store and replays
+//! only the rest.
+//!
 //! Both threads run outside any tokio runtime and time real disk work with
 //! `std::time`; no tokio timer depends on them.
 
@@ -55,6 +59,9 @@ mod codec;
 mod committer;
 #[cfg(test)]
 mod crash_tests;
+mod follow;
+#[cfg(test)]
+mod follow_tests;
 mod options;
 mod overlay;
 mod reads;
@@ -79,6 +86,7 @@ use std::time::{Duration, Instant};
 
 pub use apply::APPLIED_KEY;
 pub use codec::{decode, encode};
+pub use follow::Follower;
 pub use options::{
     LoggedOptions, DEFAULT_APPLY_DELAY_MS, DEFAULT_APPLY_INTERVAL_MS, DEFAULT_HEAL_INTERVAL_MS,
     DEFAULT_IDLE_REOPEN, DEFAULT_MARK_INTERVAL, DEFAULT_OVERLAY_BYTES, DEFAULT_SEGMENT_KB,

@@ -1,7 +1,8 @@
 //! A start: sled and the time windows opened, and what the commit log holds past
 //! the applied mark sled recorded written to them (coalesced by key, as the applier
 //! does), flushed and synced before the store serves. The same coalescing serves
-//! the applier's repair after sled failed ([`coalesce`]).
+//! the applier's repair after sled failed ([`coalesce`]), and the same writing a
+//! warm standby's store ([`super::follow`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -81,7 +82,7 @@ pub(super) fn coalesce(records: &[Record]) -> Result<BTreeMap<Vec<u8>, (u64, Val
 
 /// Write records read back from the log (coalesced) where they belong, record
 /// `mark` as applied, make all of it durable, and finish the drops among them.
-fn replay_into(
+pub(super) fn replay_into(
     sled: &Shared,
     wins: &Windows,
     map: &BTreeMap<Vec<u8>, (u64, Value)>,

@@ -1,0 +1,169 @@
+//! The connection to NATS, on a small tokio runtime of its own.
+//!
+//! The store's committer and applier are std threads that block (`CommitLog`'s
+//! contract), and the node above runs its own runtime: the log's client therefore
+//! lives on a runtime of one worker thread (`turnd-nats`) that only drives NATS,
+//! which std threads wait on with [`Nats::block_on`] and async code awaits directly
+//! (the client's calls work from any runtime while this one runs).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+
+use crate::error::LogError;
+
+/// How long the first connection may take before [`Nats::connect`] fails.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `opts` with the user and password the first of `urls` carries (`nats://user:pass@host`),
+/// which the client does not take from a URL by itself.
+pub fn with_url_auth(
+    opts: async_nats::ConnectOptions,
+    urls: &[String],
+) -> Result<async_nats::ConnectOptions, LogError> {
+    let Some(url) = urls.first() else {
+        return Err(LogError::Config("no NATS URL".into()));
+    };
+    let addr: async_nats::ServerAddr = url
+        .parse()
+        .map_err(|e| LogError::Config(format!("NATS URL {url:?}: {e}")))?;
+    Ok(match (addr.username(), addr.password()) {
+        (Some(u), Some(p)) => opts.user_and_password(u.to_string(), p.to_string()),
+        _ => opts,
+    })
+}
+
+/// Connect to `url` alone with the defaults (and the URL's user and password).
+pub async fn connect_one(url: &str) -> Result<async_nats::Client, LogError> {
+    let opts = with_url_auth(
+        async_nats::ConnectOptions::new().connection_timeout(CONNECT_TIMEOUT),
+        &[url.to_string()],
+    )?;
+    async_nats::connect_with_options(url, opts)
+        .await
+        .map_err(|e| LogError::nats(&format!("connect to {url}"), e))
+}
+
+/// A tokio runtime that shuts down in the background when dropped, so that a
+/// [`Nats`] may be dropped from async code too.
+struct Runtime(Option<tokio::runtime::Runtime>);
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// A NATS connection and its JetStream context, with the runtime that drives them.
+/// Cheap to share (`Arc`).
+pub struct Nats {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    rt: Runtime,
+}
+
+impl Nats {
+    /// Connect to any of `urls` (a client reconnects among the servers it learns
+    /// of), naming the connection `name`.
+    pub async fn connect(urls: &[String], name: &str) -> Result<Arc<Nats>, LogError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("turnd-nats")
+            .enable_all()
+            .build()
+            .map_err(|e| LogError::Config(format!("start the NATS runtime: {e}")))?;
+        let opts = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(CONNECT_TIMEOUT)
+            .max_reconnects(None)
+            .event_callback(|event| async move {
+                match event {
+                    async_nats::Event::Connected => tracing::info!("NATS connected"),
+                    async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
+                    e => tracing::debug!("NATS: {e}"),
+                }
+            });
+        let opts = with_url_auth(opts, urls)?;
+        let addrs: Vec<String> = urls.to_vec();
+        let client = rt
+            .spawn(async move { async_nats::connect_with_options(addrs, opts).await })
+            .await
+            .map_err(|e| LogError::nats("connect", e))?
+            .map_err(|e| LogError::nats(&format!("connect to {}", urls.join(",")), e))?;
+        let js = jetstream::new(client.clone());
+        Ok(Arc::new(Nats {
+            client,
+            js,
+            rt: Runtime(Some(rt)),
+        }))
+    }
+
+    /// [`Nats::connect`] from a thread outside any runtime.
+    pub fn connect_blocking(urls: &[String], name: &str) -> Result<Arc<Nats>, LogError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| LogError::Config(format!("start a runtime: {e}")))?;
+        rt.block_on(Nats::connect(urls, name))
+    }
+
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// The largest message the server takes (payload and headers).
+    pub fn max_payload(&self) -> usize {
+        self.client.server_info().max_payload
+    }
+
+    /// Bind the KV bucket `name`, making it (file storage on `replicas` servers, one
+    /// value per key) when there is none.
+    pub(crate) async fn bucket(
+        &self,
+        name: &str,
+        replicas: usize,
+    ) -> Result<jetstream::kv::Store, LogError> {
+        if let Ok(kv) = self.js.get_key_value(name).await {
+            return Ok(kv);
+        }
+        self.js
+            .create_key_value(jetstream::kv::Config {
+                bucket: name.into(),
+                history: 1,
+                num_replicas: replicas,
+                storage: jetstream::stream::StorageType::File,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| LogError::nats(&format!("make the bucket {name}"), e))
+    }
+
+    /// Run `f` on this connection's runtime and wait for it, from a thread outside
+    /// any runtime (the store's committer and applier).
+    pub fn block_on<F: Future>(&self, f: F) -> F::Output {
+        match &self.rt.0 {
+            Some(rt) => rt.block_on(f),
+            None => unreachable!("the runtime lives as long as its Nats"),
+        }
+    }
+
+    /// Spawn `f` on this connection's runtime.
+    pub fn spawn<F>(&self, f: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        match &self.rt.0 {
+            Some(rt) => rt.spawn(f),
+            None => unreachable!("the runtime lives as long as its Nats"),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! Numbers for `docs/benchmarks.md`, against three nats-server processes on
+//! loopback with `sync_interval: always` and a stream of three replicas: the
+//! latency of sequential appends of a ~1 KB group, and what the store's group
+//! commit makes of many committers at once. Ignored by default (they measure, they
+//! do not check); run with
+//! `cargo nextest run -p turnd-cluster --test bench --run-ignored only --no-capture`.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{cfg, lead, open_store, record, store_opts};
+use turnd_cluster::need_nats;
+use turnd_cluster::testing::Rig;
+use turnd_store::log::CommitLog;
+use turnd_store::{keys, Batch, Kv};
+
+fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement"]
+async fn sequential_appends_of_a_1kb_group_at_r3() {
+    need_nats!();
+    let rig = Rig::start(3).await.expect("rig");
+    let c = cfg(30, 3);
+    let probe = rig.connect_to(0, "probe").await.expect("connect");
+    drop(lead(&probe, &c, "setup", 0).await.expect("make the stream"));
+    // Write from the server that leads the stream (one hop less per append).
+    let mut s = probe
+        .jetstream()
+        .get_stream("TURND_P30")
+        .await
+        .expect("stream");
+    let leader = s
+        .info()
+        .await
+        .expect("info")
+        .cluster
+        .as_ref()
+        .and_then(|c| c.leader.clone());
+    let at = leader.and_then(|l| rig.index_of(&l)).unwrap_or(0);
+    let nats = rig.connect_to(at, "w").await.expect("connect");
+    let log = lead(&nats, &c, "w", 0).await.expect("lead").log;
+    let n = 2000;
+    let times = tokio::task::spawn_blocking(move || {
+        let group = [record("one-kb-group", 1024)];
+        let refs: Vec<&[u8]> = group.iter().map(Vec::as_slice).collect();
+        let mut times = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            log.append(&refs, true).expect("append");
+            times.push(t.elapsed());
+        }
+        times
+    })
+    .await
+    .expect("thread");
+    let mut sorted = times.clone();
+    sorted.sort();
+    let total: Duration = times.iter().sum();
+    println!(
+        "sequential 1 KB appends, R3, sync always, writer on the stream leader's server: n={n} p50={:.2} ms p99={:.2} ms max={:.2} ms ({:.0} appends/s)",
+        percentile(&sorted, 0.5).as_secs_f64() * 1e3,
+        percentile(&sorted, 0.99).as_secs_f64() * 1e3,
+        sorted[n - 1].as_secs_f64() * 1e3,
+        n as f64 / total.as_secs_f64()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement"]
+async fn many_committers_at_once_on_the_store_at_r3() {
+    need_nats!();
+    let rig = Rig::start(3).await.expect("rig");
+    let c = cfg(31, 3);
+    let nats = rig.connect_to(0, "w").await.expect("connect");
+    let dir = tempfile::tempdir().expect("dir");
+    let (kv, _, log) = open_store(&nats, &c, "w", dir.path(), store_opts())
+        .await
+        .expect("open");
+    let kv = Arc::new(kv);
+    for committers in [1usize, 16, 256] {
+        let done = Arc::new(AtomicU64::new(0));
+        let before = log.status().last_seq;
+        let until = Instant::now() + Duration::from_secs(5);
+        let tasks: Vec<_> = (0..committers)
+            .map(|t| {
+                let (kv, done) = (kv.clone(), done.clone());
+                tokio::spawn(async move {
+                    let mut i = 0u64;
+                    while Instant::now() < until {
+                        let mut b = Batch::new();
+                        b.put_raw(keys::session_meta(&format!("s{t}")), vec![b'v'; 200]);
+                        b.put_raw(keys::event(&format!("s{t}"), i), vec![b'e'; 400]);
+                        kv.commit(b).await.expect("answered").expect("committed");
+                        done.fetch_add(1, Ordering::Relaxed);
+                        i += 1;
+                    }
+                })
+            })
+            .collect();
+        let start = Instant::now();
+        for t in tasks {
+            t.await.expect("committer");
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let batches = done.load(Ordering::Relaxed);
+        let groups = log.status().last_seq - before;
+        println!(
+            "{committers} committers, R3, sync always: {:.0} batches/s in {:.0} groups/s ({:.1} batches a group, max group {})",
+            batches as f64 / secs,
+            groups as f64 / secs,
+            batches as f64 / groups.max(1) as f64,
+            kv.commit_stats().max_group
+        );
+    }
+}

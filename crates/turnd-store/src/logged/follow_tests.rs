@@ -1,0 +1,102 @@
+//! A warm standby's store ([`super::Follower`]): a leader's records, applied in
+//! pieces (some twice, across a close), leave a store whose every key equals the
+//! leader's, and a [`LoggedKv`] opened on it replays only the records past its mark.
+
+use super::tests::slow;
+use super::{Follower, LoggedKv};
+use crate::kv::Kv;
+use crate::log::{CommitLog, MemLog, Opened, Record};
+use crate::model::{keys, Batch};
+
+/// Batch `i`: a session meta written, one rewritten, one deleted, events added.
+fn batch(i: u64) -> Batch {
+    let mut b = Batch::new();
+    b.put_raw(
+        keys::session_meta(&format!("s{i}")),
+        format!("v{i}").into_bytes(),
+    );
+    b.put_raw(
+        keys::session_meta("shared"),
+        format!("last {i}").into_bytes(),
+    );
+    if i.is_multiple_of(3) && i > 0 {
+        b.delete(keys::session_meta(&format!("s{}", i - 1)));
+    }
+    b.put_raw(keys::event("shared", i), vec![b'e'; (i as usize % 7) * 100]);
+    b
+}
+
+/// Every key and value a store holds (past the applied mark, which is where each
+/// store is, not what it holds).
+fn every_key(kv: &LoggedKv) -> Vec<(Vec<u8>, Vec<u8>)> {
+    kv.scan(b"\x01", &[0xff; 4], false, usize::MAX)
+        .expect("scan")
+}
+
+/// The first key where two stores differ, if any (a short message, not two dumps).
+fn first_difference(a: &[(Vec<u8>, Vec<u8>)], b: &[(Vec<u8>, Vec<u8>)]) -> Option<String> {
+    let at = a.iter().zip(b).position(|(x, y)| x != y);
+    match at {
+        Some(i) => Some(format!(
+            "key {:?} differs",
+            String::from_utf8_lossy(&a[i].0)
+        )),
+        None if a.len() != b.len() => Some(format!("{} keys against {}", a.len(), b.len())),
+        None => None,
+    }
+}
+
+/// A log holding `records` at their lsns (which start at 1, without a gap).
+fn log_of(records: &[Record]) -> MemLog {
+    let log = MemLog::new();
+    for r in records {
+        let lsn = log.append(&[&r.payload], true).expect("append");
+        assert_eq!(lsn, r.lsn);
+    }
+    log
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_holds_what_the_leader_holds_and_a_takeover_replays_the_rest() {
+    let lead_dir = tempfile::tempdir().expect("tempdir");
+    let standby_dir = tempfile::tempdir().expect("tempdir");
+    let log = MemLog::new();
+    let (leader, _) =
+        LoggedKv::open_with_log(lead_dir.path(), slow(), |a| log.open(a).map(Opened::boxed))
+            .expect("open the leader");
+    for i in 0..60 {
+        leader
+            .commit(batch(i))
+            .await
+            .expect("answered")
+            .expect("committed");
+    }
+    let records = log.read_range(0, log.next_lsn() - 1).expect("read the log");
+    assert_eq!(records.len(), 60);
+
+    let mut f = Follower::open(standby_dir.path(), slow()).expect("open a follower");
+    f.apply(&records[..20]).expect("apply");
+    // Handed again, overlapping what it has: passed over.
+    f.apply(&records[10..40]).expect("apply");
+    assert_eq!(f.applied(), records[39].lsn);
+    f.close();
+    let mut f = Follower::open(standby_dir.path(), slow()).expect("open the follower again");
+    assert_eq!(f.applied(), records[39].lsn, "the applied mark is durable");
+    f.apply(&records[40..50]).expect("apply");
+    f.close();
+
+    // A takeover: the standby's directory opened on the whole log replays only the
+    // records past the follower's mark.
+    let copy = log_of(&records);
+    let (standby, replayed) = LoggedKv::open_with_log(standby_dir.path(), slow(), |a| {
+        copy.open(a).map(Opened::boxed)
+    })
+    .expect("open the standby's store");
+    assert_eq!(
+        replayed.records, 10,
+        "only the records past the follower's mark"
+    );
+    let lead_keys = every_key(&leader);
+    assert!(lead_keys.len() > 40);
+    assert_eq!(first_difference(&lead_keys, &every_key(&standby)), None);
+}
