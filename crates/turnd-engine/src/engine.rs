@@ -23,8 +23,8 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use turnd_proto::*;
 use turnd_store::{
-    check_store, FunctionSettings, InvState, InvWait, InvocationRecord, Phase, RawJson,
-    SessionMeta, Store, StoreError, TurnDispatch, TurnRecord,
+    check_store, FunctionSettings, InvState, InvocationRecord, Phase, RawJson, SessionMeta, Store,
+    StoreError, TurnDispatch, TurnRecord,
 };
 
 mod admission;
@@ -45,10 +45,11 @@ mod workers;
 use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::error::{EngineError, EngineResult};
-use crate::machine::{self, Effect};
+use crate::machine::{self, Effect, Tx};
 use crate::metrics::Counters;
 use crate::registry::{Assignment, CloseReason, Outbox, Registry};
-use crate::session::{to_turn, wait_of, Pending, SessionState, Tx};
+use crate::session::{Pending, SessionState};
+use crate::view::{to_turn, wait_of};
 
 #[path = "sessions_list.rs"]
 mod sessions_list;

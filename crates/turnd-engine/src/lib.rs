@@ -20,6 +20,7 @@ mod machine;
 pub mod metrics;
 pub mod registry;
 mod session;
+mod view;
 
 pub use clock::Clock;
 pub use config::{EngineConfig, TurnsConfig};

@@ -24,7 +24,7 @@ use turnd_store::InvWait;
 
 use super::operator::LiveInvocation;
 use super::{check_id, page_limit, read_failed, ApiResult, Engine, EngineError, SessionState};
-use crate::session::wait_of;
+use crate::view::wait_of;
 
 /// What the index records of one session's lock holder.
 #[derive(Debug, Clone, PartialEq)]

@@ -96,10 +96,12 @@ impl Engine {
             dispatch: opts.dispatch,
             retry_backoff_ms: opts.retry_backoff_ms,
         };
-        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+        let (admitted, ()) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::submit(cx, tx, submission)
         });
-        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+        self.commit(&cell, &mut st, admitted)
+            .await
+            .map_err(unavailable)?;
         let t = self
             .turn_record_locked(&st, &turn_id)
             .map_err(read_failed)?

@@ -2,17 +2,19 @@
 //! events to the log and the counters, the session's timer, and the drive loop that
 //! does whatever is due.
 
+use super::dispatch::{Settled, Settlement};
 use super::*;
 
 impl Engine {
-    /// Commit a transaction and apply it. On failure nothing in memory changed and
-    /// every slot the transaction reserved or freed is put back.
+    /// Commit a settled transition and apply it. On failure nothing in memory
+    /// changed and every slot it reserved or freed is put back.
     pub(super) async fn commit(
         &self,
         cell: &Arc<SessionCell>,
         st: &mut SessionState,
-        mut tx: Tx,
+        settled: Settled,
     ) -> Result<(), StoreError> {
+        let Settled { mut tx, slots } = settled;
         if tx.is_empty() && tx.idempotency.is_none() {
             self.after_change(st, Vec::new());
             return Ok(());
@@ -24,9 +26,14 @@ impl Engine {
                     let mut e = self.inner.storage_error.lock();
                     *e = None;
                 }
-                let released: Vec<String> =
-                    tx.released.iter().map(|r| r.function_id.clone()).collect();
+                let released: Vec<String> = slots
+                    .released
+                    .iter()
+                    .map(|r| r.function_id.clone())
+                    .collect();
                 let applied = tx.apply(st);
+                // The session's write succeeded: a retried one is no longer pending.
+                st.pending = None;
                 {
                     let mut c = self.inner.counts.lock();
                     for (from, to) in &applied.shifts {
@@ -51,30 +58,35 @@ impl Engine {
                     let mut le = self.inner.storage_error.lock();
                     *le = Some(e.to_string());
                 }
-                let mut reg = self.registry();
-                for (worker_id, inv_id) in &tx.reserved {
-                    reg.release(worker_id, inv_id);
-                }
-                for slot in &tx.released {
-                    reg.remember_assignment(
-                        &slot.worker_id,
-                        &slot.instance_id,
-                        &slot.invocation_id,
-                        Assignment {
-                            session_id: st.id.to_string(),
-                            function_id: slot.function_id.clone(),
-                        },
-                        tx.now,
-                    );
-                }
-                // Building the transition may have noted the session as waiting for
-                // a worker (a reservation that found none): the state did not
-                // change, so neither may that note, or the function's entry would
-                // outlive every connection and turn that names it.
-                note_waiting(&mut reg, st);
+                self.restore(st, &slots, tx.now);
                 Err(e)
             }
         }
+    }
+
+    /// Put back what settling a transition did in the registry: its write failed.
+    fn restore(&self, st: &SessionState, slots: &Settlement, now: u64) {
+        let mut reg = self.registry();
+        for (worker_id, inv_id) in &slots.reserved {
+            reg.release(worker_id, inv_id);
+        }
+        for slot in &slots.released {
+            reg.remember_assignment(
+                &slot.worker_id,
+                &slot.instance_id,
+                &slot.invocation_id,
+                Assignment {
+                    session_id: st.id.to_string(),
+                    function_id: slot.function_id.clone(),
+                },
+                now,
+            );
+        }
+        // Building the transition may have noted the session as waiting for a
+        // worker (a reservation that found none): the state did not change, so
+        // neither may that note, or the function's entry would outlive every
+        // connection and turn that names it.
+        note_waiting(&mut reg, st);
     }
 
     /// Log a durable event with the identity fields every turn log line carries.
@@ -258,15 +270,13 @@ impl Engine {
                     break;
                 }
             }
-            let mut tx = Tx::new(&st, now);
-            machine::due(&self.ctx(&st), &mut tx);
-            self.settle(&st, &mut tx);
-            if tx.is_empty() {
+            let (settled, ()) = self.transition(&st, now, machine::due);
+            if settled.is_empty() {
                 st.pending = None;
                 self.after_change(&mut st, Vec::new());
                 break;
             }
-            if let Err(e) = self.commit(&cell, &mut st, tx).await {
+            if let Err(e) = self.commit(&cell, &mut st, settled).await {
                 let delay = st
                     .pending
                     .as_ref()

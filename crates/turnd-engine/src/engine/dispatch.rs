@@ -4,6 +4,29 @@
 
 use super::*;
 
+/// What the engine did in the registry for one transition before its write: the
+/// slots it reserved for the dispatch the transition wanted, and the slots of the
+/// invocations it ended that it freed. Put back if the write fails.
+#[derive(Debug, Default)]
+pub(super) struct Settlement {
+    /// (worker_id, invocation_id) of each slot reserved.
+    pub(super) reserved: Vec<(String, String)>,
+    pub(super) released: Vec<machine::Slot>,
+}
+
+/// A transition built and settled with the registry, ready to commit.
+pub(super) struct Settled {
+    pub(super) tx: Tx,
+    pub(super) slots: Settlement,
+}
+
+impl Settled {
+    /// Whether the transition writes nothing.
+    pub(super) fn is_empty(&self) -> bool {
+        self.tx.is_empty()
+    }
+}
+
 impl Engine {
     /// What a transition of session `st` reads: the state, the configuration and
     /// whether the worker of its live invocation is attached.
@@ -30,16 +53,18 @@ impl Engine {
     /// Settle a built transition with the registry: free the slots of the
     /// invocations it ended (so the same worker can take the next step), then look
     /// for a slot for the step it wants dispatched and answer the machine with it.
-    pub(super) fn settle(&self, st: &SessionState, tx: &mut Tx) {
+    /// Returns what it reserved and freed, to put back if the write fails.
+    pub(super) fn settle(&self, st: &SessionState, tx: &mut Tx) -> Settlement {
+        let mut slots = Settlement::default();
         let grant = {
             let mut reg = self.registry();
             for slot in std::mem::take(&mut tx.frees) {
                 if reg.release(&slot.worker_id, &slot.invocation_id).is_some() {
-                    tx.released.push(slot);
+                    slots.released.push(slot);
                 }
             }
             let Some(want) = &tx.dispatch else {
-                return;
+                return slots;
             };
             if machine::holding(tx) {
                 // An invocation the session holds for may still be running: no slot
@@ -57,7 +82,8 @@ impl Engine {
                         settings: r.settings,
                     });
                 if let Some(g) = &grant {
-                    tx.reserved
+                    slots
+                        .reserved
                         .push((g.worker_id.clone(), g.invocation_id.clone()));
                 }
                 grant
@@ -70,19 +96,21 @@ impl Engine {
             worker_probes: true,
         };
         machine::grant(&cx, tx, grant);
+        slots
     }
 
-    /// Build a transition on session `st` at `now` and settle it (not yet committed).
-    pub(super) fn transition(
+    /// Build a transition on session `st` at `now` with `f`, a transition of the
+    /// machine, and settle it (not yet committed). Returns it with what `f` decided.
+    pub(super) fn transition<R>(
         &self,
         st: &SessionState,
         now: u64,
-        f: impl FnOnce(&machine::Ctx, &mut Tx),
-    ) -> Tx {
+        f: impl FnOnce(&machine::Ctx, &mut Tx) -> R,
+    ) -> (Settled, R) {
         let mut tx = Tx::new(st, now);
-        f(&self.ctx(st), &mut tx);
-        self.settle(st, &mut tx);
-        tx
+        let decided = f(&self.ctx(st), &mut tx);
+        let slots = self.settle(st, &mut tx);
+        (Settled { tx, slots }, decided)
     }
 
     /// Carry out one effect of a committed transition.

@@ -17,7 +17,6 @@ impl Engine {
             return Ok(());
         };
         let store = &self.inner.store;
-        let grace = self.inner.cfg.turns.reconnect_grace_ms;
         let cell = self.cell(&sid);
         let mut st = cell.state.lock().await;
         if !st.loaded {
@@ -53,20 +52,8 @@ impl Engine {
                 }
             }
         }
-        // Every in-flight invocation waits a fresh grace for its worker; a cancel
-        // in progress keeps its own (earlier) deadline.
         let mut tx = Tx::new(&st, now);
-        if let Some(mut inv) = st
-            .inv
-            .as_deref()
-            .filter(|i| i.wait != InvWait::Cancelling)
-            .cloned()
-        {
-            inv.wait = InvWait::AwaitingReconnect;
-            inv.wait_since_ms = now;
-            inv.deadline_ms = now + grace;
-            tx.put_invocation(&st, inv);
-        }
+        machine::recovered(&self.ctx(&st), &mut tx);
         if !tx.is_empty() {
             let batch = tx.batch(&st);
             pending.push((sid, tx, store.kv().commit(batch)));

@@ -58,9 +58,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::runtime::RuntimeFlavor;
-use turnd_store::{keys, windows, SessionKeys, SessionMeta, Store, StoreError};
+use turnd_store::{keys, windows, SessionKeys, Store, StoreError};
 
 use super::{Engine, SessionCell};
+use crate::machine::{self, Tx};
 use crate::metrics::Counters;
 
 mod drops;
@@ -69,9 +70,7 @@ mod plan;
 
 use drops::{empty_windows, rescue, Open};
 use invocations::{early_invocations, stale_invocations, Early};
-use plan::{
-    all_list_keys, delete_all_events, gather, plan, total, touched, uncount, Expired, Planned,
-};
+use plan::{all_list_keys, delete_all_events, gather, plan, touched, Expired, Planned};
 
 /// Sessions whose expired turns a sweep deletes at the same time.
 const SESSIONS_AT_ONCE: usize = 64;
@@ -357,14 +356,15 @@ impl Engine {
             return Ok(0);
         };
 
+        let mut tx = Tx::new(&st, self.now_ms());
+        let gone_of_it = machine::Expiry {
+            statuses: &plan.statuses,
+            pruned: plan.pruned,
+            watched: self.watched(sid),
+        };
+        let verdict = machine::expired(&self.ctx(&st), &mut tx, gone_of_it);
+        let forget = verdict == machine::ExpiryVerdict::Forgotten;
         let mut b = plan.batch;
-        let mut counts = st.meta.counts.clone();
-        uncount(&mut counts, &plan.statuses);
-        let forget = total(&counts) == 0
-            && st.active.len() == 0
-            && st.pending.is_none()
-            && st.timer.is_none()
-            && !self.watched(sid);
         if forget {
             match (plan.all_values, plan.all_entries) {
                 // Read when the counts were what they are now (the last event seq
@@ -383,10 +383,7 @@ impl Engine {
             }
             b.delete(keys::session_meta(sid));
         } else {
-            let mut meta = st.meta.clone();
-            meta.counts = counts.clone();
-            meta.events_pruned |= plan.pruned;
-            b.put_session_meta(&meta);
+            b.put_session_meta(&tx.meta);
         }
         self.inner.store.commit(b).await?;
         self.inner
@@ -397,12 +394,9 @@ impl Engine {
         if forget {
             // Before the lock goes: a new turn of the session starts at `seq` 1.
             self.inner.store.forgot_session(sid);
-            st.meta = SessionMeta::new(sid);
-        } else {
-            st.meta.counts = counts;
-            st.meta.events_pruned |= plan.pruned;
         }
-        uncount(&mut self.inner.counts.lock(), &plan.statuses);
+        tx.apply(&mut st);
+        machine::uncount(&mut self.inner.counts.lock(), &plan.statuses);
         drop(st);
         if forget {
             self.evict(sid, &cell);

@@ -22,10 +22,12 @@ impl Engine {
             return Ok(self.turn_view(&st, &t));
         }
         let reason = reason.unwrap_or_default();
-        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+        let (stopped, ()) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::stop_turn(cx, tx, t.seq, reason)
         });
-        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+        self.commit(&cell, &mut st, stopped)
+            .await
+            .map_err(unavailable)?;
         let t = self
             .turn_record_locked(&st, turn_id)
             .map_err(read_failed)?
@@ -46,11 +48,13 @@ impl Engine {
             return Err(EngineError::NoSession(session_id.to_string()));
         }
         let reason = reason.unwrap_or_default();
-        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+        let (stopped, ()) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::stop_session(cx, tx, &reason)
         });
         let ids: Vec<String> = st.active.iter().map(|t| t.turn_id.clone()).collect();
-        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+        self.commit(&cell, &mut st, stopped)
+            .await
+            .map_err(unavailable)?;
         let mut out = Vec::new();
         for id in ids {
             if let Some(t) = self.turn_record_locked(&st, &id).map_err(read_failed)? {

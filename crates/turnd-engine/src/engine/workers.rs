@@ -124,19 +124,20 @@ impl Engine {
     ) -> ApiResult<Option<machine::Verdict>> {
         let cell = self.cell(session_id);
         let mut st = self.lock(&cell).await.map_err(read_failed)?;
-        let mut verdict = None;
-        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
-            verdict = machine::reconcile(
+        let (settled, verdict) = self.transition(&st, self.now_ms(), |cx, tx| {
+            machine::reconcile(
                 cx,
                 tx,
                 inv_id,
                 instance_id,
                 &hello.inflight,
                 &hello.finished,
-            );
+            )
         });
         if verdict.is_some() {
-            self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+            self.commit(&cell, &mut st, settled)
+                .await
+                .map_err(unavailable)?;
         }
         Ok(verdict)
     }

@@ -167,3 +167,25 @@ pub(super) fn promote(cx: &Ctx, tx: &mut Tx) {
     }
     dispatch(tx, h, None);
 }
+
+/// Detail of a dispatch event.
+pub(super) fn dispatch_detail(
+    inv: &InvocationRecord,
+    previous: Option<&str>,
+    reason: Option<&str>,
+) -> Value {
+    let mut d = json!({
+        "invocation_id": inv.invocation_id,
+        "worker_id": inv.worker_id,
+        "step": inv.step,
+        "attempt": inv.attempt,
+        "deadline_ms": inv.deadline_ms,
+    });
+    if let Some(p) = previous {
+        d["previous_invocation_id"] = json!(p);
+    }
+    if let Some(r) = reason {
+        d["reason"] = json!(r);
+    }
+    d
+}

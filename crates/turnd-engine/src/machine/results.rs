@@ -142,6 +142,15 @@ pub fn heartbeat(cx: &Ctx, tx: &mut Tx, invocation_id: &str) -> Heartbeat {
     Heartbeat::Deadline(deadline)
 }
 
+/// What became of a probe answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeVerdict {
+    /// Not about the invocation being probed (any more): nothing changes.
+    Stale,
+    /// The answer moved the invocation on.
+    Applied,
+}
+
 /// Event "probe answer" (`invocation.status`). Only an answer about the invocation
 /// being probed changes anything.
 pub fn probe_answer(
@@ -149,7 +158,7 @@ pub fn probe_answer(
     tx: &mut Tx,
     invocation_id: &str,
     state: turnd_proto::InvocationState,
-) {
+) -> ProbeVerdict {
     use turnd_proto::InvocationState;
     let st = cx.st;
     let Some(mut inv) = st
@@ -157,10 +166,10 @@ pub fn probe_answer(
         .filter(|i| i.wait == InvWait::Probing)
         .cloned()
     else {
-        return;
+        return ProbeVerdict::Stale;
     };
     let Some(h) = st.holder().cloned() else {
-        return;
+        return ProbeVerdict::Stale;
     };
     let now = tx.now;
     match state {
@@ -186,4 +195,5 @@ pub fn probe_answer(
             tx.put_invocation(st, inv);
         }
     }
+    ProbeVerdict::Applied
 }

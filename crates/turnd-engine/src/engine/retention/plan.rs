@@ -12,6 +12,7 @@ use turnd_store::{keys, Batch, SessionKeys, Store, StoreError};
 
 use super::drops::Open;
 use super::invocations::Early;
+use crate::machine::total;
 
 /// Turn records read per page of a sweep.
 pub(super) const TURN_PAGE: usize = 512;
@@ -123,10 +124,6 @@ pub(super) fn gather(
             next => return Ok((by_session, next)),
         }
     }
-}
-
-pub(super) fn total(c: &TurnCounts) -> u64 {
-    c.queued + c.running + c.completed + c.failed + c.cancelled
 }
 
 /// What [`delete_turns`] found: the turns deleted, their statuses, and the
@@ -385,14 +382,6 @@ pub(super) fn all_list_keys(store: &Store, s: SessionKeys<'_>) -> Result<Vec<Vec
         .into_iter()
         .map(|(k, _, _)| k)
         .collect())
-}
-
-/// Counts less the deleted turns of `statuses`.
-pub(super) fn uncount(counts: &mut TurnCounts, statuses: &[TurnStatus]) {
-    for s in statuses {
-        let c = counts.get_mut(*s);
-        *c = c.saturating_sub(1);
-    }
 }
 
 /// Deletes of every stored event value of `sid` (a session being forgotten).
