@@ -1,7 +1,15 @@
 //! Results: a worker's `result`, `heartbeat` and `status` (probe answer) for its
 //! invocations.
 
-use super::*;
+use turnd_proto::{
+    Accepted, HeartbeatOk, InvocationState, Outcome, ResultArgs, ResultOk, StatusArgs,
+};
+use turnd_store::{FoldedTurn, InvState, InvocationRecord, TurnRecord};
+
+use super::{read_failed, unavailable, ApiResult, Caller, Engine};
+use crate::error::EngineError;
+use crate::machine;
+use crate::metrics::Counters;
 
 impl Engine {
     /// `invocation.result`.
@@ -15,8 +23,8 @@ impl Engine {
         let Some(session_id) = self.invocation_session(caller, &args.invocation_id)? else {
             return unknown();
         };
-        let cell = self.cell(&session_id);
-        let mut st = self.lock(&cell).await.map_err(read_failed)?;
+        let cell = self.sessions().cell(&session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         let now = self.now_ms();
         if st.current_inv(&args.invocation_id).is_some() {
             let outcome = args.outcome;
@@ -84,7 +92,7 @@ impl Engine {
         &self,
         rec: &InvocationRecord,
         outcome: &Outcome,
-    ) -> ApiResult<(Option<turnd_store::FoldedTurn>, Option<TurnRecord>)> {
+    ) -> ApiResult<(Option<FoldedTurn>, Option<TurnRecord>)> {
         let recordable = !rec.late && !matches!(rec.state, InvState::Finished | InvState::Active);
         let folded = if recordable {
             self.inner
@@ -112,8 +120,8 @@ impl Engine {
         let session_id = self
             .invocation_session(caller, invocation_id)?
             .ok_or_else(not_current)?;
-        let cell = self.cell(&session_id);
-        let mut st = self.lock(&cell).await.map_err(read_failed)?;
+        let cell = self.sessions().cell(&session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         let (settled, answer) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::heartbeat(cx, tx, invocation_id)
         });
@@ -139,8 +147,8 @@ impl Engine {
             InvocationState::Unknown => "unknown",
         };
         self.inner.counters.probe_answer(label);
-        let cell = self.cell(&session_id);
-        let mut st = self.lock(&cell).await.map_err(read_failed)?;
+        let cell = self.sessions().cell(&session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         let (settled, answer) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::probe_answer(cx, tx, &args.invocation_id, args.state)
         });

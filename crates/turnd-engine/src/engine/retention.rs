@@ -60,9 +60,11 @@ use std::time::Duration;
 use tokio::runtime::RuntimeFlavor;
 use turnd_store::{keys, windows, SessionKeys, Store, StoreError};
 
-use super::{Engine, SessionCell};
+use super::Engine;
 use crate::machine::{self, Tx};
 use crate::metrics::Counters;
+use crate::session::SessionState;
+use crate::sessions::SessionCell;
 
 mod drops;
 mod invocations;
@@ -278,10 +280,10 @@ impl Engine {
         sid: &str,
         mut seen: u64,
         gone: &Arc<HashSet<String>>,
-    ) -> Result<Option<tokio::sync::MutexGuard<'a, super::SessionState>>, StoreError> {
+    ) -> Result<Option<tokio::sync::MutexGuard<'a, SessionState>>, StoreError> {
         let mut rechecks = 0;
         loop {
-            let st = self.lock(cell).await?;
+            let st = self.sessions().lock(cell).await?;
             let now = st.meta.last_event_seq;
             if now == seen {
                 return Ok(Some(st));
@@ -323,9 +325,9 @@ impl Engine {
         early: Arc<Early>,
     ) -> Result<u64, StoreError> {
         let _hold = MergeHold::new(self.inner.store.kv(), sid);
-        let cell = self.cell(sid);
+        let cell = self.sessions().cell(sid);
         let (planned_at, at, from_ms) = {
-            let st = self.lock(&cell).await?;
+            let st = self.sessions().lock(&cell).await?;
             let m = &st.meta;
             let at = Planned {
                 counts: m.counts.clone(),
@@ -360,7 +362,7 @@ impl Engine {
         let gone_of_it = machine::Expiry {
             statuses: &plan.statuses,
             pruned: plan.pruned,
-            watched: self.watched(sid),
+            watched: self.inner.watches.watched(sid),
         };
         let verdict = machine::expired(&self.ctx(&st), &mut tx, gone_of_it);
         let forget = verdict == machine::ExpiryVerdict::Forgotten;
@@ -399,30 +401,9 @@ impl Engine {
         machine::uncount(&mut self.inner.counts.lock(), &plan.statuses);
         drop(st);
         if forget {
-            self.evict(sid, &cell);
+            self.sessions().forget(sid, &cell);
         }
         Ok(gone.len() as u64)
-    }
-
-    fn watched(&self, sid: &str) -> bool {
-        self.inner
-            .watches
-            .lock()
-            .get(sid)
-            .is_some_and(|v| !v.is_empty())
-    }
-
-    /// Drop a forgotten session's cell from memory, unless someone else holds it
-    /// (they would go on with a cell the map no longer knows while a new one could be
-    /// made for the same session). The check and the removal happen under the map's
-    /// lock, under which every other holder got its reference.
-    fn evict(&self, sid: &str, cell: &Arc<SessionCell>) {
-        let mut m = self.inner.sessions.lock();
-        let ours = m.get(sid).is_some_and(|c| Arc::ptr_eq(c, cell));
-        // The map's reference and the caller's.
-        if ours && Arc::strong_count(cell) == 2 {
-            m.remove(sid);
-        }
     }
 }
 

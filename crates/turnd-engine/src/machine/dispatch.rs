@@ -1,7 +1,12 @@
 //! Dispatch: wanting a worker slot for the session's next step, the slot granted (or
 //! refused), promoting the next queued turn, and cancels sent to workers.
 
-use super::*;
+use serde_json::{json, Value};
+use turnd_proto::{ErrorCause, EventKind, Invoke, TurnStatus};
+use turnd_store::{InvState, InvWait, InvocationRecord, Phase, TurnRecord};
+
+use super::outcomes::fail;
+use super::{Ctx, Effect, Grant, Previous, Tx, Want};
 
 /// Ask the worker holding `inv` to stop it.
 pub(super) fn send_cancel(tx: &mut Tx, inv: &InvocationRecord, reason: &str) {

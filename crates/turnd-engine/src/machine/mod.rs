@@ -33,14 +33,8 @@
 //! unpacking it from an enum of every decision. [`next_due`] says when the session's
 //! timer must fire next.
 
-use serde_json::{json, Value};
-use turnd_proto::{
-    Delivery, ErrorCause, EventKind, Invoke, Outcome, StopInfo, TurnError, TurnStatus,
-};
-use turnd_store::{
-    FunctionSettings, Held, InvState, InvWait, InvocationRecord, Phase, RawJson, SessionMeta,
-    TurnRecord,
-};
+use turnd_proto::Invoke;
+use turnd_store::{FunctionSettings, Phase, SessionMeta, TurnRecord};
 
 use crate::config::EngineConfig;
 use crate::session::SessionState;
@@ -76,11 +70,6 @@ pub use results::{
 };
 pub use stop::{stop_session, stop_turn};
 pub use tx::Tx;
-
-use deadlines::{attempt_timed_out, give_up, outcome_unknown};
-use dispatch::{dispatch, promote, send_cancel, send_cancel_recorded};
-use outcomes::{apply_outcome, cancel_turn, fail, schedule_retry};
-use reconcile::lost;
 
 /// What a transition reads: the session as it was before it, the configuration, and
 /// what the shell knows of the world.

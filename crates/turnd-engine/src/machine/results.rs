@@ -2,7 +2,14 @@
 //! answer) for its invocations. Each is fenced by invocation: only the session's
 //! live invocation moves the turn.
 
-use super::*;
+use serde_json::json;
+use turnd_proto::{ErrorCause, EventKind, InvocationState, Outcome, TurnStatus};
+use turnd_store::{InvState, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
+
+use super::dispatch::{dispatch, send_cancel_recorded};
+use super::outcomes::apply_outcome;
+use super::reconcile::lost;
+use super::{held_until, Ctx, Tx};
 
 /// Event "result": the outcome of `invocation_id`. Returns false, and builds nothing,
 /// when it is not the session's live invocation (the shell then looks up its record
@@ -157,9 +164,8 @@ pub fn probe_answer(
     cx: &Ctx,
     tx: &mut Tx,
     invocation_id: &str,
-    state: turnd_proto::InvocationState,
+    state: InvocationState,
 ) -> ProbeVerdict {
-    use turnd_proto::InvocationState;
     let st = cx.st;
     let Some(mut inv) = st
         .current_inv(invocation_id)
