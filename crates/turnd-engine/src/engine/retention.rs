@@ -1,16 +1,15 @@
 //! Retention: terminal turns older than `retention_terminal_ms` are deleted.
 //!
-//! A sweep runs every `retention_sweep_interval_ms`. It reads the turn records in key
-//! order (turn ids are UUIDv7, so oldest first) and stops at the first turn created
-//! after the cutoff (`now - retention_terminal_ms`): a turn cannot have finished
-//! before it was created. It gathers the terminal turns among them whose
+//! A sweep runs every `retention_sweep_interval_ms`. It reads finished turns' folded
+//! records in key order (turn ids are UUIDv7, so oldest first) and stops at the first
+//! turn created after the cutoff (`now - retention_terminal_ms`): a turn cannot have
+//! finished before it was created. It gathers the terminal turns among them whose
 //! `finished_at_ms` is at or before the cutoff (up to [`SWEEP_BATCH`] at a time),
 //! groups them by session and deletes each session's in one durable batch (up to
 //! [`SESSIONS_AT_ONCE`] sessions at the same time, whose batches share group
 //! commits), with everything that belongs to them alone:
 //!
-//! - its folded record (or, for a turn of the earlier layout, its record and its
-//!   input stored apart);
+//! - its folded record;
 //! - its idempotency key (when it still names this turn), so the key can be used
 //!   again;
 //! - its invocations (the last one from the record, the others under their own keys,
