@@ -1,61 +1,59 @@
-//! The turn state machine.
+//! The engine: the shell around the turn state machine, and the face the network
+//! edges call.
 //!
-//! Every session has one writer: its async mutex. A transition locks the session,
-//! builds a [`Tx`] on top of the unchanged state, commits the batch through the
-//! store's group commit, and only then applies it to memory and runs its side effects
+//! Every session has one writer: its async mutex. An operation locks the session,
+//! builds a transition of the machine on top of the unchanged state, settles its
+//! worker slots with the registry, commits the batch through the store's group
+//! commit, and only then applies it to memory and carries out its side effects
 //! (pushes to workers and watchers, waking `turn.wait`ers, re-arming the session's
-//! timer). A request whose write fails is answered `unavailable` and changes
-//! nothing; an internal transition whose write fails leaves the session `finalizing`
-//! and is retried with backoff until written.
+//! timer): `engine/transition.rs`. A request whose write fails is answered
+//! `unavailable` and changes nothing; an internal transition whose write fails leaves
+//! the session `finalizing` and is retried with backoff until written
+//! (`engine/drive.rs`).
 //!
-//! All internal progress goes through [`Engine::drive`]: it looks at a session and
-//! does whatever is due (dispatch, probe, give up, retry, fail on a deadline). Timers,
-//! worker disconnects, freed capacity and write retries all just call it.
+//! The engine composes parts that each own one thing: the sessions in memory
+//! ([`Sessions`]), the shared worker registry ([`Workers`]), the `turn.wait`ers
+//! ([`Waiters`]), the watches ([`Watches`]), the wait index behind `sessions.list`
+//! and `stats` ([`WaitIndex`]) and the timer queue ([`TimerQueue`]). The files under
+//! `engine/` are its operations, grouped by what they answer.
 
-use parking_lot::Mutex;
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::Value;
-use tokio::sync::oneshot;
+use parking_lot::{Mutex, MutexGuard};
 use tokio_util::sync::CancellationToken;
-use turnd_proto::*;
-use turnd_store::{
-    check_store, FunctionSettings, InvState, InvWait, InvocationRecord, Phase, RawJson,
-    SessionMeta, Store, StoreError, TurnDispatch, TurnRecord,
-};
-
-mod admission;
-mod cells;
-mod commit;
-mod dispatch;
-mod operator;
-mod queries;
-mod recovery;
-mod registry_gc;
-mod results;
-mod retention;
-mod stop;
-mod timers;
-mod watch;
-mod workers;
+use turnd_proto::{Role, StorageHealth, TurnCounts, PAGE_DEFAULT, PAGE_MAX};
+use turnd_store::{Store, StoreError};
 
 use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::error::{EngineError, EngineResult};
-use crate::machine::{self, Effect};
 use crate::metrics::Counters;
-use crate::registry::{Assignment, CloseReason, Outbox, Registry};
-use crate::session::{to_turn, wait_of, Pending, SessionState, Tx};
+use crate::registry::Registry;
+use crate::sessions::Sessions;
+use crate::timers::TimerQueue;
+use crate::wait_index::WaitIndex;
+use crate::waiters::Waiters;
+use crate::watches::Watches;
+use crate::workers::Workers;
 
-#[path = "sessions_list.rs"]
+mod drive;
+mod hello;
+mod operator;
+mod queries;
+mod recovery;
+mod results;
+mod retention;
 mod sessions_list;
-pub use admission::SubmitOptions;
-pub(crate) use cells::shrink_after_burst;
+mod stop;
+mod submit;
+mod transition;
+mod watch;
+
 pub use operator::{BlockedOn, LiveInvocation, TurnRun, TurnRuns};
-pub use sessions_list::{RowDetail, SessionsPage, StuckRule};
+pub use sessions_list::{RowDetail, SessionsPage};
+pub use submit::SubmitOptions;
 
 type ApiResult<T> = EngineResult<T>;
 
@@ -92,67 +90,34 @@ fn check_id(what: &'static str, s: &str) -> ApiResult<()> {
     Ok(())
 }
 
-/// Delay before retrying a failed internal write: starts small, doubles, capped.
-const RETRY_FIRST_MS: u64 = 50;
-const RETRY_MAX_MS: u64 = 2_000;
-
-struct SessionCell {
-    state: tokio::sync::Mutex<SessionState>,
-}
-
-struct Watch {
-    watch_id: String,
-    conn_id: String,
-    outbox: Outbox,
-    turn_id: Option<String>,
-    /// Events up to this `seq` were replayed (or were before the watch began); live
-    /// pushes are of later events only.
-    sent: u64,
-    /// While the watch replays stored events: the last `seq` published meanwhile,
-    /// which the replay reads back from the store. `None` once the watch is live.
-    replaying: Option<u64>,
-}
-
 struct Inner {
     cfg: EngineConfig,
     store: Store,
     clock: Clock,
     boot_id: String,
-    /// The sessions in use: a cell leaves when its last user lets it go and the
-    /// session has no unfinished turn, no timer and no pending write (`cells.rs`), or
-    /// when retention forgets its session. Its next use reads its meta back.
-    sessions: Mutex<HashMap<Arc<str>, Arc<SessionCell>>>,
-    /// The session of every unfinished turn, by the 128 bits of its id, so
-    /// `turn.get` and `turn.wait` find a live turn without a store read (a sled read
-    /// waits for any group commit being applied). A hint only: a turn missing here,
-    /// or no longer in its session, is read from the store.
-    live_turns: Mutex<HashMap<u128, Arc<SessionCell>>>,
-    /// Hashes of the ids of every session with a meta in the store at start-up, set
-    /// once recovery has read them all. A session missing here, from `evicted` and
-    /// from memory has no meta, so its first use reads nothing (a sled read waits
-    /// for any group commit being applied). A collision only costs a read.
-    stored_sessions: OnceLock<HashSet<u64>>,
-    /// Hashes of the ids of sessions with a meta that left memory since start-up
-    /// (8 bytes each, the only trace an idle session leaves in memory).
-    evicted: Mutex<HashSet<u64>>,
-    registry: Mutex<Registry>,
-    /// `turn.wait` callers by turn id; sent the turn once it is terminal.
-    waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Turn>>>>,
-    watches: Mutex<HashMap<String, Vec<Watch>>>,
+    /// The sessions in use (a cell leaves when its last user lets it go and the
+    /// session is idle, or when retention forgets it) and the live-turn index.
+    sessions: Arc<Sessions>,
+    /// The worker registry, which other engines of the node may share.
+    workers: Workers,
+    waiters: Waiters,
+    watches: Watches,
+    /// What every session's lock holder waits for, ordered for `sessions.list`.
+    waits: Mutex<WaitIndex>,
+    /// Every session's next deadline.
+    timers: Arc<TimerQueue>,
+    /// Turns by status over every session (`stats`).
     counts: Mutex<TurnCounts>,
     counters: Counters,
     storage_error: Mutex<Option<String>>,
-    /// What every session's lock holder waits for, ordered for `sessions.list`.
-    waits: Mutex<sessions_list::WaitIndex>,
     recovered: AtomicBool,
     shutdown: CancellationToken,
-    /// Every session's next deadline.
-    timers: Arc<timers::TimerQueue>,
     /// Retention's store reads running at a time (`retention.rs`).
     retention_reads: tokio::sync::Semaphore,
 }
 
-/// The engine: owns every session, the worker registry and the timers.
+/// The engine: owns every session and the timers, and dispatches to the workers of
+/// its registry.
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
@@ -168,31 +133,46 @@ pub struct Caller {
 }
 
 impl Engine {
-    /// Open the engine on a store and recover every non-terminal turn.
+    /// Open the engine on a store, with a worker registry of its own, and recover
+    /// every non-terminal turn.
     pub async fn open(store: Store, cfg: EngineConfig) -> Result<Engine, StoreError> {
+        Engine::open_with(store, cfg, Workers::new()).await
+    }
+
+    /// Open the engine on a store dispatching to the workers of `workers`, a
+    /// registry other engines of the node may share, and recover every non-terminal
+    /// turn. Unless the registry has a wake hook already, the engine sets one that
+    /// drives the sessions handed back itself (a node with several engines sets its
+    /// own first, handing each session to its engine).
+    pub async fn open_with(
+        store: Store,
+        cfg: EngineConfig,
+        workers: Workers,
+    ) -> Result<Engine, StoreError> {
         let engine = Engine {
             inner: Arc::new(Inner {
                 cfg,
+                sessions: Arc::new(Sessions::new(store.clone())),
                 store,
                 clock: Clock::new(),
                 boot_id: uuid::Uuid::new_v4().simple().to_string(),
-                sessions: Mutex::new(HashMap::new()),
-                live_turns: Mutex::new(HashMap::new()),
-                stored_sessions: OnceLock::new(),
-                evicted: Mutex::new(HashSet::new()),
-                registry: Mutex::new(Registry::default()),
-                waiters: Mutex::new(HashMap::new()),
-                watches: Mutex::new(HashMap::new()),
+                workers,
+                waiters: Waiters::default(),
+                watches: Watches::default(),
+                waits: Mutex::new(WaitIndex::default()),
+                timers: Arc::default(),
                 counts: Mutex::new(TurnCounts::default()),
                 counters: Counters::default(),
                 storage_error: Mutex::new(None),
-                waits: Mutex::new(sessions_list::WaitIndex::default()),
                 recovered: AtomicBool::new(false),
                 shutdown: CancellationToken::new(),
-                timers: Arc::default(),
                 retention_reads: tokio::sync::Semaphore::new(retention::READS_AT_ONCE),
             }),
         };
+        engine
+            .inner
+            .workers
+            .on_wake_unless_set(|| engine.drives_woken());
         engine.spawn_timers();
         engine.recover().await?;
         engine.spawn_retention();
@@ -220,6 +200,12 @@ impl Engine {
         &self.inner.store
     }
 
+    /// The worker registry this engine dispatches through, to share with another
+    /// engine ([`Engine::open_with`]).
+    pub fn worker_registry(&self) -> &Workers {
+        &self.inner.workers
+    }
+
     /// True once recovery finished and the last write succeeded.
     pub fn ready(&self) -> bool {
         self.inner.recovered.load(Ordering::SeqCst) && self.storage_health().writable
@@ -236,8 +222,7 @@ impl Engine {
     /// Stop all timers; the store is synced by its owner.
     pub fn shutdown(&self) {
         self.inner.shutdown.cancel();
-        let cells: Vec<_> = self.cells();
-        for c in cells {
+        for c in self.sessions().all() {
             if let Ok(mut st) = c.state.try_lock() {
                 let old = st.timer.take();
                 self.inner.timers.set(&st.id, old, None);
@@ -266,187 +251,38 @@ impl Engine {
         });
     }
 
-    fn cells(&self) -> Vec<Arc<SessionCell>> {
-        self.inner.sessions.lock().values().cloned().collect()
+    fn sessions(&self) -> &Arc<Sessions> {
+        &self.inner.sessions
     }
 
-    fn registry(&self) -> parking_lot::MutexGuard<'_, Registry> {
-        self.inner.registry.lock()
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.inner.workers.registry()
     }
 
-    /// The session's cell, made (not yet loaded) when it is not in memory. It leaves
-    /// memory again when the returned reference is the last one dropped and the
-    /// session is idle (`cells.rs`).
-    fn cell(&self, session_id: &str) -> cells::CellRef {
-        let mut m = self.inner.sessions.lock();
-        let cell = match m.get(session_id) {
-            Some(cell) => cell.clone(),
-            None => {
-                let id: Arc<str> = Arc::from(session_id);
-                let cell = Arc::new(SessionCell {
-                    state: tokio::sync::Mutex::new(SessionState::new(id.clone())),
-                });
-                m.insert(id, cell.clone());
-                cell
-            }
-        };
-        cells::CellRef::new(self, cell)
+    /// Sessions whose state is in memory (for `/metrics`).
+    pub fn sessions_in_memory(&self) -> usize {
+        self.sessions().len()
     }
 
-    fn wait_index(&self) -> parking_lot::MutexGuard<'_, sessions_list::WaitIndex> {
-        self.inner.waits.lock()
-    }
-
-    fn live_turns(&self) -> parking_lot::MutexGuard<'_, HashMap<u128, Arc<SessionCell>>> {
-        self.inner.live_turns.lock()
-    }
-
-    /// Keep `live_turns` in step: admitted turns in, ended turns out.
-    fn track_live(&self, cell: &Arc<SessionCell>, admitted: &[u128], ended: &[TurnRecord]) {
-        if admitted.is_empty() && ended.is_empty() {
-            return;
-        }
-        let mut live = self.live_turns();
-        for k in admitted {
-            live.insert(*k, cell.clone());
-        }
-        for t in ended {
-            if let Some(k) = turn_id_bits(&t.turn_id) {
-                live.remove(&k);
-            }
-        }
-        if !ended.is_empty() {
-            shrink_after_burst(&mut live);
-        }
+    /// The ids of the sessions whose state is in memory, sorted: which ones
+    /// [`Engine::sessions_in_memory`] counts (for tests and diagnostics; read-only).
+    pub fn session_ids_in_memory(&self) -> Vec<String> {
+        self.sessions().ids()
     }
 
     /// Entries in the in-memory index of unfinished turns: as many as there are
     /// unfinished turns (for diagnostics and tests).
     pub fn live_turn_index_len(&self) -> usize {
-        self.live_turns().len()
+        self.sessions().live_len()
     }
 
-    /// The session cell of an unfinished turn, if `live_turns` knows it.
-    fn live_cell(&self, turn_id: &str) -> Option<cells::CellRef> {
-        let k = turn_id_bits(turn_id)?;
-        let cell = self.live_turns().get(&k).cloned()?;
-        Some(cells::CellRef::new(self, cell))
+    /// Watches held by every connection (for `/metrics`).
+    pub fn watch_count(&self) -> usize {
+        self.inner.watches.count()
     }
 
-    fn existing_cell(&self, session_id: &str) -> Option<cells::CellRef> {
-        let cell = self.inner.sessions.lock().get(session_id).cloned()?;
-        Some(cells::CellRef::new(self, cell))
-    }
-
-    /// Lock a session, loading its meta from the store on first use.
-    async fn lock<'a>(
-        &self,
-        cell: &'a Arc<SessionCell>,
-    ) -> Result<tokio::sync::MutexGuard<'a, SessionState>, StoreError> {
-        // The guard borrows the cell, which the caller keeps alive.
-        let mut st = cell.state.lock().await;
-        if !st.loaded {
-            let maybe_stored = self
-                .inner
-                .stored_sessions
-                .get()
-                .is_none_or(|known| known.contains(&session_hash(&st.id)))
-                || self.was_evicted(&st.id);
-            if maybe_stored {
-                if let Some(meta) = self.inner.store.session_meta(&st.id)? {
-                    st.meta = meta;
-                }
-            }
-            st.loaded = true;
-        }
-        Ok(st)
-    }
-
-    fn fmt_ms(&self) -> impl Fn(u64) -> String + '_ {
-        move |ms| fmt_time(ms, self.now_ms())
-    }
-
-    fn turn_view(&self, st: &SessionState, t: &TurnRecord) -> Turn {
-        let wait = if t.status.is_terminal() {
-            None
-        } else {
-            Some(wait_of(
-                st,
-                t,
-                self.inner.cfg.turns.dispatch_timeout_ms,
-                &self.fmt_ms(),
-                Some(self.registry().supply(&t.function_id)),
-            ))
-        };
-        to_turn(t, wait)
-    }
-
-    // ------------------------------------------------------------------ commit
-}
-
-/// A session id's hash for [`Inner::stored_sessions`] (SipHash with fixed keys, so the
-/// same throughout the process; a collision only costs a store read).
-fn session_hash(session_id: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::hash::DefaultHasher::new();
-    session_id.hash(&mut h);
-    h.finish()
-}
-
-fn push_frame(p: &Push) -> String {
-    // Pushes are built from our own types; serialization cannot fail.
-    turnd_proto::frame::to_json_text(p, turnd_proto::frame::FRAME_CAPACITY)
-        .expect("push frames serialize")
-}
-
-/// A Unix-ms time for a reason string: ISO-like UTC plus how long ago or ahead.
-pub fn fmt_time(ms: u64, now: u64) -> String {
-    let rel = if ms <= now {
-        format!("{} ago", fmt_dur(now - ms))
-    } else {
-        format!("in {}", fmt_dur(ms - now))
-    };
-    format!("{} ({rel})", fmt_utc(ms))
-}
-
-fn fmt_dur(ms: u64) -> String {
-    if ms < 1_000 {
-        format!("{ms}ms")
-    } else if ms < 60_000 {
-        format!("{:.1}s", ms as f64 / 1000.0)
-    } else if ms < 3_600_000 {
-        format!("{}m{}s", ms / 60_000, (ms / 1000) % 60)
-    } else {
-        format!("{}h{}m", ms / 3_600_000, (ms / 60_000) % 60)
-    }
-}
-
-/// Unix ms as `YYYY-MM-DDTHH:MM:SS.mmmZ`.
-pub fn fmt_utc(ms: u64) -> String {
-    match time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000) {
-        Ok(t) => format!(
-            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
-            t.year(),
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second(),
-            t.millisecond()
-        ),
-        // Past the year 9999: no calendar date to show.
-        Err(_) => format!("{ms} ms after the Unix epoch"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn utc_formatting() {
-        assert_eq!(fmt_utc(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(fmt_utc(1_764_480_000_123), "2025-11-30T05:20:00.123Z");
-        assert_eq!(fmt_time(1000, 5000), "1970-01-01T00:00:01.000Z (4.0s ago)");
+    /// `turn.wait` requests registered for a turn's end (for `/metrics`).
+    pub fn turn_wait_count(&self) -> usize {
+        self.inner.waiters.count()
     }
 }

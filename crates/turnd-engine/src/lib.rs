@@ -3,6 +3,13 @@
 //!
 //! It owns no sockets: the server hands it requests and [`Outbox`]es to push frames
 //! to, and it owns no disk format: it writes through `turnd_store::Store`.
+//!
+//! The layers, from the bottom: the worker registry (`registry`, plain data, and
+//! `workers`, the handle engines share); one session's state (`session`); the
+//! machine's pure transitions and the overlay they build (`machine`); how a turn is
+//! shown (`view`); the parts the engine composes (`sessions`, `waiters`, `watches`,
+//! `wait_index`, `timers`); and the engine itself (`engine`), the shell that runs
+//! the transitions and answers every operation.
 
 #![cfg_attr(
     test,
@@ -20,12 +27,21 @@ mod machine;
 pub mod metrics;
 pub mod registry;
 mod session;
+mod sessions;
+mod timers;
+mod view;
+mod wait_index;
+mod waiters;
+mod watches;
+mod workers;
 
-pub use clock::Clock;
+pub use clock::{fmt_time, fmt_utc, Clock};
 pub use config::{EngineConfig, TurnsConfig};
 pub use engine::{
-    fmt_time, fmt_utc, BlockedOn, Caller, Engine, LiveInvocation, RowDetail, SessionsPage,
-    StuckRule, SubmitOptions, TurnRun, TurnRuns,
+    BlockedOn, Caller, Engine, LiveInvocation, RowDetail, SessionsPage, SubmitOptions, TurnRun,
+    TurnRuns,
 };
 pub use error::{EngineError, EngineResult};
 pub use registry::{CloseReason, Outbox, WorkerCaps};
+pub use wait_index::StuckRule;
+pub use workers::{WakeHook, Workers};

@@ -1,8 +1,11 @@
-//! Counters of what the engine did, read by the admin `/metrics` endpoint.
+//! Counters of what the engine did, read by the admin `/metrics` endpoint, and the
+//! log line of every durable event they count.
 
 use parking_lot::Mutex;
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use turnd_proto::{Event, EventKind};
 
 /// Monotonic counters. Gauges (turns by status, sessions by wait state, in-flight
 /// invocations) are computed from live state when scraped.
@@ -89,5 +92,94 @@ impl Counters {
 
     pub fn probe_answers_snapshot(&self) -> BTreeMap<&'static str, u64> {
         self.probe_answers.lock().clone()
+    }
+
+    /// Count a durable event (and log it with the identity fields of its turn).
+    pub(crate) fn count_event(&self, e: &Event) {
+        log_event(e);
+        let c = self;
+        match e.kind {
+            EventKind::Admitted => Counters::inc(&c.admissions),
+            EventKind::Dispatched => Counters::inc(&c.dispatches),
+            EventKind::Redispatched => Counters::inc(&c.redispatches),
+            EventKind::ProbeSent => Counters::inc(&c.probes_sent),
+            EventKind::OutcomeUnknown => Counters::inc(&c.outcome_unknown),
+            EventKind::Amended => Counters::inc(&c.amendments),
+            EventKind::RetryScheduled => Counters::inc(&c.retries_scheduled),
+            EventKind::CancelSent => Counters::inc(&c.cancels_sent),
+            EventKind::StopRequested => Counters::inc(&c.stops),
+            EventKind::Completed => Counters::inc(&c.completed),
+            EventKind::Cancelled => Counters::inc(&c.cancelled),
+            EventKind::Failed => {
+                let cause = e
+                    .detail
+                    .get("error")
+                    .and_then(|x| x.get("cause"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("unknown");
+                c.terminal(format!("failed:{cause}"));
+            }
+            EventKind::Result | EventKind::LateResult => {}
+        }
+    }
+}
+
+/// Log a durable event with the identity fields every turn log line carries.
+fn log_event(e: &Event) {
+    // The fields are looked up only for a line that is written: every transition
+    // passes here, and most of its events log at debug.
+    let enabled = match e.kind {
+        EventKind::Failed
+        | EventKind::OutcomeUnknown
+        | EventKind::LateResult
+        | EventKind::Amended
+        | EventKind::Redispatched => tracing::enabled!(tracing::Level::WARN),
+        EventKind::Completed
+        | EventKind::Cancelled
+        | EventKind::StopRequested
+        | EventKind::ProbeSent
+        | EventKind::CancelSent
+        | EventKind::RetryScheduled => tracing::enabled!(tracing::Level::INFO),
+        EventKind::Admitted | EventKind::Dispatched | EventKind::Result => {
+            tracing::enabled!(tracing::Level::DEBUG)
+        }
+    };
+    if !enabled {
+        return;
+    }
+    let d = &e.detail;
+    let step = d.get("step").and_then(Value::as_u64);
+    let attempt = d.get("attempt").and_then(Value::as_u64);
+    let inv = d.get("invocation_id").and_then(Value::as_str).unwrap_or("");
+    let kind = serde_json::to_value(e.kind).unwrap_or(Value::Null);
+    let kind = kind.as_str().unwrap_or("");
+    macro_rules! log {
+        ($lvl:ident) => {
+            tracing::$lvl!(
+                session_id = %e.session_id,
+                turn_id = %e.turn_id,
+                step,
+                attempt,
+                invocation_id = inv,
+                seq = e.seq,
+                event = kind,
+                detail = %d,
+                "turn event"
+            )
+        };
+    }
+    match e.kind {
+        EventKind::Failed
+        | EventKind::OutcomeUnknown
+        | EventKind::LateResult
+        | EventKind::Amended
+        | EventKind::Redispatched => log!(warn),
+        EventKind::Completed
+        | EventKind::Cancelled
+        | EventKind::StopRequested
+        | EventKind::ProbeSent
+        | EventKind::CancelSent
+        | EventKind::RetryScheduled => log!(info),
+        EventKind::Admitted | EventKind::Dispatched | EventKind::Result => log!(debug),
     }
 }

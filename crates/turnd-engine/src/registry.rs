@@ -16,6 +16,7 @@ mod tests;
 mod views;
 mod waiting;
 
+pub(crate) use outbox::push_frame;
 pub use outbox::{CloseReason, Outbox};
 
 /// A live invocation assigned to a worker.

@@ -3,8 +3,11 @@
 //! make), and a session's turns with the worker that ran each. Read-only, answered
 //! under the session's lock like `session.inspect`.
 
-use super::sessions_list::StuckRule;
-use super::*;
+use turnd_proto::{ListArgs, Turn};
+use turnd_store::InvocationRecord;
+
+use super::{check_id, read_failed, ApiResult, Engine};
+use crate::wait_index::{StuckRule, WaitEntry};
 
 /// What a session's lock holder is blocked on, for an operator's view of one session.
 #[derive(Debug, Clone)]
@@ -84,16 +87,16 @@ impl Engine {
     /// has no unfinished turn). Answered from memory, under the session's lock.
     pub async fn blocked_on(&self, session_id: &str) -> ApiResult<Option<BlockedOn>> {
         check_id("session_id", session_id)?;
-        let Some(cell) = self.existing_cell(session_id) else {
+        let Some(cell) = self.sessions().existing(session_id) else {
             return Ok(None);
         };
         let served = self.served_functions();
         let now = self.now_ms();
-        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         let Some(h) = st.holder() else {
             return Ok(None);
         };
-        let stuck = sessions_list::WaitEntry::of(&st, self.inner.cfg.turns.dispatch_timeout_ms)
+        let stuck = WaitEntry::of(&st, self.inner.cfg.turns.dispatch_timeout_ms)
             .and_then(|e| e.stuck(&served, now));
         let max_attempts = match (&st.inv, &h.invocation_id) {
             (Some(inv), _) => Some(inv.settings.max_attempts),

@@ -1,7 +1,21 @@
 //! Queries: `turn.get`, `turn.wait`, `turn.list`, `session.inspect`, `session.events`,
-//! stats, the registry views and `store.check`.
+//! stats, the registry views and `store.check`, and the view of a turn they share.
 
-use super::*;
+use std::collections::HashSet;
+use std::time::Duration;
+
+use turnd_proto::{
+    EventsArgs, EventsOk, Function, ListArgs, ListOk, QueuedTurn, Session, SessionLock,
+    SessionStats, Stats, Turn, TurnCounts, Violation, Worker, WAIT_DEFAULT_MS, WAIT_MAX_MS,
+};
+use turnd_store::{check_store, StoreError, TurnRecord};
+
+use super::{check_id, page_limit, read_failed, ApiResult, Engine};
+use crate::clock::fmt_time;
+use crate::error::EngineError;
+use crate::registry::Supply;
+use crate::session::SessionState;
+use crate::view::{to_turn, wait_of};
 
 impl Engine {
     /// A turn as the session (locked) knows it: from memory if non-terminal, else
@@ -31,8 +45,8 @@ impl Engine {
     pub async fn get_turn(&self, turn_id: &str) -> ApiResult<Turn> {
         // A live turn's id is one this daemon minted, so only ids that pass
         // `check_id` (in `stored_turn`) can be found here.
-        if let Some(cell) = self.live_cell(turn_id) {
-            let st = self.lock(&cell).await.map_err(read_failed)?;
+        if let Some(cell) = self.sessions().of_live_turn(turn_id) {
+            let st = self.sessions().lock(&cell).await.map_err(read_failed)?;
             if let Some(t) = st.find(turn_id) {
                 return Ok(self.turn_view(&st, t));
             }
@@ -42,8 +56,8 @@ impl Engine {
         if rec.status.is_terminal() {
             return Ok(to_turn(&rec, None));
         }
-        let cell = self.cell(&rec.session_id);
-        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let cell = self.sessions().cell(&rec.session_id);
+        let st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         let t = self
             .turn_record_locked(&st, turn_id)
             .map_err(read_failed)?
@@ -60,17 +74,12 @@ impl Engine {
                 format!("at most {WAIT_MAX_MS}"),
             ));
         }
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut w = self.inner.waiters.lock();
-            w.entry(turn_id.to_string()).or_default().push(tx);
-        }
+        let rx = self.inner.waiters.add(turn_id);
         // A turn in the index of unfinished turns is waited for without building its
         // view: the notice brings the terminal turn. The waiter is registered first,
         // and a turn leaves the index before its waiters are notified, so a turn found
         // here is notified to this waiter when it ends.
-        let live = turn_id_bits(turn_id).is_some_and(|k| self.live_turns().contains_key(&k));
-        let seen = if live {
+        let seen = if self.sessions().is_live(turn_id) {
             None
         } else {
             match self.get_turn(turn_id).await {
@@ -80,7 +89,7 @@ impl Engine {
                     // before the waiter was registered (or is unknown), and no notice
                     // will take it out of the map.
                     drop(rx);
-                    self.prune_waiters(turn_id);
+                    self.inner.waiters.prune(turn_id);
                     return other;
                 }
             }
@@ -90,7 +99,7 @@ impl Engine {
             _ = tokio::time::sleep(Duration::from_millis(timeout)) => None,
             _ = self.inner.shutdown.cancelled() => None,
         };
-        self.prune_waiters(turn_id);
+        self.inner.waiters.prune(turn_id);
         // The terminal turn comes with the notice, as committed; otherwise (timeout,
         // shutdown) the turn as it stands now.
         if let Some(done) = done {
@@ -100,38 +109,6 @@ impl Engine {
             (Ok(t), _) => Ok(t),
             (Err(EngineError::NoTurn(_)), Some(t)) => Ok(t),
             (Err(e), _) => Err(e),
-        }
-    }
-
-    pub(super) fn prune_waiters(&self, turn_id: &str) {
-        {
-            let mut w = self.inner.waiters.lock();
-            if let Some(v) = w.get_mut(turn_id) {
-                v.retain(|s| !s.is_closed());
-                if v.is_empty() {
-                    w.remove(turn_id);
-                }
-            }
-        }
-    }
-
-    pub(super) fn notify_terminal(&self, turns: &[TurnRecord]) {
-        if turns.is_empty() {
-            return;
-        }
-        {
-            let mut w = self.inner.waiters.lock();
-            for t in turns {
-                if let Some(v) = w.remove(&t.turn_id) {
-                    let turn = to_turn(t, None);
-                    for s in v {
-                        // A waiter that gave up needs no notice.
-                        if s.send(turn.clone()).is_err() {
-                            tracing::trace!(turn_id = %t.turn_id, "turn.wait caller already gone");
-                        }
-                    }
-                }
-            }
         }
     }
 
@@ -159,8 +136,8 @@ impl Engine {
     ) -> ApiResult<Option<u64>> {
         check_id("session_id", &args.session_id)?;
         let limit = page_limit(args.limit)? as usize;
-        let cell = self.cell(&args.session_id);
-        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let cell = self.sessions().cell(&args.session_id);
+        let st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         let mut before = args.before_seq.unwrap_or(u64::MAX);
         let (mut taken, mut last_seq) = (0, None);
         let mut more = true;
@@ -193,8 +170,8 @@ impl Engine {
     /// `session.inspect`.
     pub async fn inspect(&self, session_id: &str) -> ApiResult<Session> {
         check_id("session_id", session_id)?;
-        let cell = self.cell(session_id);
-        let st = self.lock(&cell).await.map_err(read_failed)?;
+        let cell = self.sessions().cell(session_id);
+        let st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         if st.meta.last_turn_seq == 0 {
             return Err(EngineError::NoSession(session_id.to_string()));
         }
@@ -255,7 +232,7 @@ impl Engine {
     /// `stats`.
     pub fn stats(&self) -> Stats {
         let now = self.now_ms();
-        let o = self.wait_index().overview();
+        let o = self.inner.waits.lock().overview();
         let blocked = o
             .by_state
             .iter()
@@ -284,11 +261,10 @@ impl Engine {
     }
 
     /// Who could run `function_id` now, and when a worker last served it.
-    pub fn supply(&self, function_id: &str) -> crate::registry::Supply {
+    pub fn supply(&self, function_id: &str) -> Supply {
         self.registry().supply(function_id)
     }
 
-    /// `store.check`.
     /// `store.check` on the live store. Its whole-store reads are not one snapshot, so
     /// a turn that moves on between them (it finishes after the turns were read and
     /// before the invocations and metas were) can look inconsistent. A violation is
@@ -309,5 +285,29 @@ impl Engine {
             .collect())
     }
 
-    // ------------------------------------------------------------------ worker
+    /// Turns by status (the counts of `stats`, without its walk over every session).
+    pub fn turn_counts(&self) -> TurnCounts {
+        self.inner.counts.lock().clone()
+    }
+
+    /// Unix ms as a reason string shows them, relative to now.
+    pub(super) fn fmt_ms(&self) -> impl Fn(u64) -> String + '_ {
+        move |ms| fmt_time(ms, self.now_ms())
+    }
+
+    /// The protocol view of a turn of the locked session `st`, with its wait.
+    pub(super) fn turn_view(&self, st: &SessionState, t: &TurnRecord) -> Turn {
+        let wait = if t.status.is_terminal() {
+            None
+        } else {
+            Some(wait_of(
+                st,
+                t,
+                self.inner.cfg.turns.dispatch_timeout_ms,
+                &self.fmt_ms(),
+                Some(self.registry().supply(&t.function_id)),
+            ))
+        };
+        to_turn(t, wait)
+    }
 }

@@ -1,77 +1,75 @@
 //! Recovery at start-up: every session meta read in pages, every unfinished turn
 //! brought back into memory and its session driven.
 
-use super::*;
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::Ordering;
+
+use turnd_proto::{TurnCounts, TurnStatus};
+use turnd_store::{
+    CommitTicket, InvocationRecord, Phase, SessionMeta, Store, StoreError, TurnRecord,
+};
+
+use super::Engine;
+use crate::machine::{self, Tx};
+use crate::registry::Assignment;
+use crate::sessions::session_hash;
+
+/// A session's write of its recovery, committed while the next sessions are read.
+type Recovering = (String, Tx, CommitTicket);
 
 impl Engine {
     /// Install one session's unfinished turns (in `seq` order) at start-up, and queue
-    /// the write that gives its in-flight invocation a fresh reconnect grace.
-    pub(super) async fn recover_session(
+    /// the write of its `recovered` transition (a fresh reconnect grace for its
+    /// invocation in flight).
+    async fn recover_session(
         &self,
         ts: Vec<TurnRecord>,
         meta: SessionMeta,
         now: u64,
-        pending: &mut Vec<(String, Tx, turnd_store::CommitTicket)>,
+        pending: &mut Vec<Recovering>,
     ) -> Result<(), StoreError> {
         let Some(sid) = ts.first().map(|t| t.session_id.clone()) else {
             return Ok(());
         };
-        let store = &self.inner.store;
-        let grace = self.inner.cfg.turns.reconnect_grace_ms;
-        let cell = self.cell(&sid);
-        let mut st = cell.state.lock().await;
-        if !st.loaded {
-            st.meta = meta;
-            st.loaded = true;
-        }
-        let bits: Vec<u128> = ts.iter().filter_map(|t| turn_id_bits(&t.turn_id)).collect();
-        self.track_live(&cell, &bits, &[]);
-        for t in ts {
-            st.active.insert(t);
-        }
-        let holder = st.holder().cloned();
-        if let Some(h) = holder.filter(|h| h.phase == Phase::Invoked) {
-            if let Some(inv) = h
-                .invocation_id
-                .as_deref()
-                .map(|id| store.invocation(id))
-                .transpose()?
-                .flatten()
-            {
-                if inv.is_active() {
-                    self.registry().remember_assignment(
-                        &inv.worker_id,
-                        &inv.instance_id,
-                        &inv.invocation_id,
-                        Assignment {
-                            session_id: sid.clone(),
-                            function_id: inv.function_id.clone(),
-                        },
-                        now,
-                    );
-                    st.inv = Some(Box::new(inv));
-                }
-            }
-        }
-        // Every in-flight invocation waits a fresh grace for its worker; a cancel
-        // in progress keeps its own (earlier) deadline.
+        let inv = self.live_invocation(ts.first(), now)?;
+        let cell = self.sessions().cell(&sid);
+        let st = self.sessions().lock_recovered(&cell, meta, ts, inv).await;
         let mut tx = Tx::new(&st, now);
-        if let Some(mut inv) = st
-            .inv
-            .as_deref()
-            .filter(|i| i.wait != InvWait::Cancelling)
-            .cloned()
-        {
-            inv.wait = InvWait::AwaitingReconnect;
-            inv.wait_since_ms = now;
-            inv.deadline_ms = now + grace;
-            tx.put_invocation(&st, inv);
-        }
+        machine::recovered(&self.ctx(&st), &mut tx);
         if !tx.is_empty() {
             let batch = tx.batch(&st);
-            pending.push((sid, tx, store.kv().commit(batch)));
+            pending.push((sid, tx, self.inner.store.kv().commit(batch)));
         }
         Ok(())
+    }
+
+    /// The live invocation of a recovered lock holder, if it has one, noted in the
+    /// registry as assigned to its worker.
+    fn live_invocation(
+        &self,
+        holder: Option<&TurnRecord>,
+        now: u64,
+    ) -> Result<Option<InvocationRecord>, StoreError> {
+        let Some((h, id)) = holder
+            .filter(|h| h.phase == Phase::Invoked)
+            .and_then(|h| Some((h, h.invocation_id.as_deref()?)))
+        else {
+            return Ok(None);
+        };
+        let Some(inv) = self.inner.store.invocation(id)?.filter(|i| i.is_active()) else {
+            return Ok(None);
+        };
+        self.registry().remember_assignment(
+            &inv.worker_id,
+            &inv.instance_id,
+            &inv.invocation_id,
+            Assignment {
+                session_id: h.session_id.clone(),
+                function_id: inv.function_id.clone(),
+            },
+            now,
+        );
+        Ok(Some(inv))
     }
 
     /// Load every non-terminal turn, give every in-flight invocation a fresh reconnect
@@ -91,19 +89,16 @@ impl Engine {
             let ts = store.unfinished_turns(&meta)?;
             self.recover_session(ts, meta, now, &mut pending).await?;
         }
-        let (totals, mut known) = metas.finish();
+        let (totals, known) = metas.finish();
         {
             let mut c = self.inner.counts.lock();
             *c = totals;
         }
-        known.shrink_to_fit();
-        if self.inner.stored_sessions.set(known).is_err() {
-            tracing::warn!("session ids read twice at recovery; keeping the first set");
-        }
+        self.sessions().set_stored(known);
         for (sid, tx, ticket) in pending {
             match ticket.await {
                 Ok(Ok(())) => {
-                    let cell = self.cell(&sid);
+                    let cell = self.sessions().cell(&sid);
                     let mut st = cell.state.lock().await;
                     let _applied = tx.apply(&mut st);
                 }
@@ -111,7 +106,7 @@ impl Engine {
                 Err(_) => return Err(StoreError::Closed),
             }
         }
-        for c in self.cells() {
+        for c in self.sessions().all() {
             let mut st = c.state.lock().await;
             self.after_change(&mut st, Vec::new());
             let sid = st.id.clone();
@@ -133,7 +128,7 @@ const RECOVERY_PAGE: usize = 4096;
 /// totals.
 struct MetaCursor<'a> {
     store: &'a Store,
-    page: std::collections::VecDeque<SessionMeta>,
+    page: VecDeque<SessionMeta>,
     next: Option<Vec<u8>>,
     totals: TurnCounts,
     /// [`session_hash`] of every meta read.

@@ -1,7 +1,15 @@
 //! Results: a worker's `result`, `heartbeat` and `status` (probe answer) for its
 //! invocations.
 
-use super::*;
+use turnd_proto::{
+    Accepted, HeartbeatOk, InvocationState, Outcome, ResultArgs, ResultOk, StatusArgs,
+};
+use turnd_store::{FoldedTurn, InvState, InvocationRecord, TurnRecord};
+
+use super::{read_failed, unavailable, ApiResult, Caller, Engine};
+use crate::error::EngineError;
+use crate::machine;
+use crate::metrics::Counters;
 
 impl Engine {
     /// `invocation.result`.
@@ -15,21 +23,22 @@ impl Engine {
         let Some(session_id) = self.invocation_session(caller, &args.invocation_id)? else {
             return unknown();
         };
-        let cell = self.cell(&session_id);
-        let mut st = self.lock(&cell).await.map_err(read_failed)?;
+        let cell = self.sessions().cell(&session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         let now = self.now_ms();
         if st.current_inv(&args.invocation_id).is_some() {
-            let mut applied = false;
             let outcome = args.outcome;
-            let tx = self.transition(&st, now, |cx, tx| {
-                applied = machine::result(cx, tx, &args.invocation_id, outcome);
+            let (settled, current) = self.transition(&st, now, |cx, tx| {
+                machine::result(cx, tx, &args.invocation_id, outcome)
             });
-            if !applied {
+            if !current {
                 return Err(EngineError::invariant(
                     "live invocation without a lock holder",
                 ));
             }
-            self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+            self.commit(&cell, &mut st, settled)
+                .await
+                .map_err(unavailable)?;
             Counters::inc(&self.inner.counters.results_applied);
             return Ok(ResultOk {
                 accepted: Accepted::Applied,
@@ -47,12 +56,11 @@ impl Engine {
             return unknown();
         };
         let (folded, turn) = self.late_result_records(&rec, &outcome)?;
-        let mut verdict = machine::LateVerdict::Duplicate;
-        let tx = self.transition(&st, now, |cx, tx| {
+        let (settled, verdict) = self.transition(&st, now, |cx, tx| {
             if let Some(f) = folded {
                 tx.fold_onto(f);
             }
-            verdict = machine::late_result(cx, tx, &rec, &outcome, turn.as_ref());
+            machine::late_result(cx, tx, &rec, &outcome, turn.as_ref())
         });
         match verdict {
             machine::LateVerdict::Duplicate => {
@@ -66,7 +74,9 @@ impl Engine {
                 rec.invocation_id
             ))),
             machine::LateVerdict::Recorded => {
-                self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+                self.commit(&cell, &mut st, settled)
+                    .await
+                    .map_err(unavailable)?;
                 Counters::inc(&self.inner.counters.results_late);
                 Ok(ResultOk {
                     accepted: Accepted::Late,
@@ -82,7 +92,7 @@ impl Engine {
         &self,
         rec: &InvocationRecord,
         outcome: &Outcome,
-    ) -> ApiResult<(Option<turnd_store::FoldedTurn>, Option<TurnRecord>)> {
+    ) -> ApiResult<(Option<FoldedTurn>, Option<TurnRecord>)> {
         let recordable = !rec.late && !matches!(rec.state, InvState::Finished | InvState::Active);
         let folded = if recordable {
             self.inner
@@ -110,17 +120,18 @@ impl Engine {
         let session_id = self
             .invocation_session(caller, invocation_id)?
             .ok_or_else(not_current)?;
-        let cell = self.cell(&session_id);
-        let mut st = self.lock(&cell).await.map_err(read_failed)?;
-        let mut answer = machine::Heartbeat::NotCurrent;
-        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
-            answer = machine::heartbeat(cx, tx, invocation_id);
+        let cell = self.sessions().cell(&session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
+        let (settled, answer) = self.transition(&st, self.now_ms(), |cx, tx| {
+            machine::heartbeat(cx, tx, invocation_id)
         });
         let machine::Heartbeat::Deadline(deadline_ms) = answer else {
             return Err(not_current());
         };
-        if !tx.is_empty() {
-            self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+        if !settled.is_empty() {
+            self.commit(&cell, &mut st, settled)
+                .await
+                .map_err(unavailable)?;
         }
         Ok(HeartbeatOk { deadline_ms })
     }
@@ -136,16 +147,18 @@ impl Engine {
             InvocationState::Unknown => "unknown",
         };
         self.inner.counters.probe_answer(label);
-        let cell = self.cell(&session_id);
-        let mut st = self.lock(&cell).await.map_err(read_failed)?;
-        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
+        let cell = self.sessions().cell(&session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
+        let (settled, answer) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::probe_answer(cx, tx, &args.invocation_id, args.state)
         });
-        if tx.is_empty() {
+        if answer == machine::ProbeVerdict::Stale {
             // Not probing this invocation (any more): a stale status changes nothing.
             return Ok(());
         }
-        self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+        self.commit(&cell, &mut st, settled)
+            .await
+            .map_err(unavailable)?;
         Ok(())
     }
 }

@@ -1,16 +1,15 @@
 //! Retention: terminal turns older than `retention_terminal_ms` are deleted.
 //!
-//! A sweep runs every `retention_sweep_interval_ms`. It reads the turn records in key
-//! order (turn ids are UUIDv7, so oldest first) and stops at the first turn created
-//! after the cutoff (`now - retention_terminal_ms`): a turn cannot have finished
-//! before it was created. It gathers the terminal turns among them whose
+//! A sweep runs every `retention_sweep_interval_ms`. It reads finished turns' folded
+//! records in key order (turn ids are UUIDv7, so oldest first) and stops at the first
+//! turn created after the cutoff (`now - retention_terminal_ms`): a turn cannot have
+//! finished before it was created. It gathers the terminal turns among them whose
 //! `finished_at_ms` is at or before the cutoff (up to [`SWEEP_BATCH`] at a time),
 //! groups them by session and deletes each session's in one durable batch (up to
 //! [`SESSIONS_AT_ONCE`] sessions at the same time, whose batches share group
 //! commits), with everything that belongs to them alone:
 //!
-//! - its folded record (or, for a turn of the earlier layout, its record and its
-//!   input stored apart);
+//! - its folded record;
 //! - its idempotency key (when it still names this turn), so the key can be used
 //!   again;
 //! - its invocations (the last one from the record, the others under their own keys,
@@ -58,10 +57,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::runtime::RuntimeFlavor;
-use turnd_store::{keys, windows, SessionKeys, SessionMeta, Store, StoreError};
+use turnd_store::{keys, windows, SessionKeys, Store, StoreError};
 
-use super::{Engine, SessionCell};
+use super::Engine;
+use crate::machine::{self, Tx};
 use crate::metrics::Counters;
+use crate::session::SessionState;
+use crate::sessions::SessionCell;
 
 mod drops;
 mod invocations;
@@ -69,9 +71,7 @@ mod plan;
 
 use drops::{empty_windows, rescue, Open};
 use invocations::{early_invocations, stale_invocations, Early};
-use plan::{
-    all_list_keys, delete_all_events, gather, plan, total, touched, uncount, Expired, Planned,
-};
+use plan::{all_list_keys, delete_all_events, gather, plan, touched, Expired, Planned};
 
 /// Sessions whose expired turns a sweep deletes at the same time.
 const SESSIONS_AT_ONCE: usize = 64;
@@ -279,10 +279,10 @@ impl Engine {
         sid: &str,
         mut seen: u64,
         gone: &Arc<HashSet<String>>,
-    ) -> Result<Option<tokio::sync::MutexGuard<'a, super::SessionState>>, StoreError> {
+    ) -> Result<Option<tokio::sync::MutexGuard<'a, SessionState>>, StoreError> {
         let mut rechecks = 0;
         loop {
-            let st = self.lock(cell).await?;
+            let st = self.sessions().lock(cell).await?;
             let now = st.meta.last_event_seq;
             if now == seen {
                 return Ok(Some(st));
@@ -324,9 +324,9 @@ impl Engine {
         early: Arc<Early>,
     ) -> Result<u64, StoreError> {
         let _hold = MergeHold::new(self.inner.store.kv(), sid);
-        let cell = self.cell(sid);
+        let cell = self.sessions().cell(sid);
         let (planned_at, at, from_ms) = {
-            let st = self.lock(&cell).await?;
+            let st = self.sessions().lock(&cell).await?;
             let m = &st.meta;
             let at = Planned {
                 counts: m.counts.clone(),
@@ -357,14 +357,15 @@ impl Engine {
             return Ok(0);
         };
 
+        let mut tx = Tx::new(&st, self.now_ms());
+        let gone_of_it = machine::Expiry {
+            statuses: &plan.statuses,
+            pruned: plan.pruned,
+            watched: self.inner.watches.watched(sid),
+        };
+        let verdict = machine::expired(&self.ctx(&st), &mut tx, gone_of_it);
+        let forget = verdict == machine::ExpiryVerdict::Forgotten;
         let mut b = plan.batch;
-        let mut counts = st.meta.counts.clone();
-        uncount(&mut counts, &plan.statuses);
-        let forget = total(&counts) == 0
-            && st.active.len() == 0
-            && st.pending.is_none()
-            && st.timer.is_none()
-            && !self.watched(sid);
         if forget {
             match (plan.all_values, plan.all_entries) {
                 // Read when the counts were what they are now (the last event seq
@@ -383,10 +384,7 @@ impl Engine {
             }
             b.delete(keys::session_meta(sid));
         } else {
-            let mut meta = st.meta.clone();
-            meta.counts = counts.clone();
-            meta.events_pruned |= plan.pruned;
-            b.put_session_meta(&meta);
+            b.put_session_meta(&tx.meta);
         }
         self.inner.store.commit(b).await?;
         self.inner
@@ -397,38 +395,14 @@ impl Engine {
         if forget {
             // Before the lock goes: a new turn of the session starts at `seq` 1.
             self.inner.store.forgot_session(sid);
-            st.meta = SessionMeta::new(sid);
-        } else {
-            st.meta.counts = counts;
-            st.meta.events_pruned |= plan.pruned;
         }
-        uncount(&mut self.inner.counts.lock(), &plan.statuses);
+        tx.apply(&mut st);
+        machine::uncount(&mut self.inner.counts.lock(), &plan.statuses);
         drop(st);
         if forget {
-            self.evict(sid, &cell);
+            self.sessions().forget(sid, &cell);
         }
         Ok(gone.len() as u64)
-    }
-
-    fn watched(&self, sid: &str) -> bool {
-        self.inner
-            .watches
-            .lock()
-            .get(sid)
-            .is_some_and(|v| !v.is_empty())
-    }
-
-    /// Drop a forgotten session's cell from memory, unless someone else holds it
-    /// (they would go on with a cell the map no longer knows while a new one could be
-    /// made for the same session). The check and the removal happen under the map's
-    /// lock, under which every other holder got its reference.
-    fn evict(&self, sid: &str, cell: &Arc<SessionCell>) {
-        let mut m = self.inner.sessions.lock();
-        let ours = m.get(sid).is_some_and(|c| Arc::ptr_eq(c, cell));
-        // The map's reference and the caller's.
-        if ours && Arc::strong_count(cell) == 2 {
-            m.remove(sid);
-        }
     }
 }
 

@@ -1,8 +1,14 @@
-//! Watch: `watch`/`unwatch`, publishing committed events to watchers, and a closed
-//! connection's watches.
+//! `watch` and `unwatch`: registering a watch at its session's last event, its
+//! paged replay of stored events outside the session's lock, and its switch to live
+//! (the watch table itself is [`crate::watches`]).
 
-use super::*;
+use turnd_proto::{Event, Push, WatchArgs, WatchOk};
 use turnd_store::SessionKeys;
+
+use super::{check_id, read_failed, ApiResult, Engine};
+use crate::error::EngineError;
+use crate::registry::{push_frame, CloseReason, Outbox};
+use crate::watches::{PageEnd, Replay};
 
 /// Events read per page of a watch's replay.
 const REPLAY_PAGE: usize = 256;
@@ -38,31 +44,20 @@ impl Engine {
             }
             _ => return Err(EngineError::WatchTarget),
         };
-        let watch_id = new_watch_id();
-        let (start, from_ms) = {
-            let cell = self.cell(&session_id);
-            let st = self.lock(&cell).await.map_err(read_failed)?;
+        let (watch_id, start, from_ms) = {
+            let cell = self.sessions().cell(&session_id);
+            let st = self.sessions().lock(&cell).await.map_err(read_failed)?;
             let watermark = st.meta.last_event_seq;
-            let from_ms = st.meta.routed_from_ms;
-            let mut w = self.inner.watches.lock();
-            let mine = w
-                .values()
-                .flatten()
-                .filter(|x| x.conn_id == outbox.conn_id)
-                .count();
-            if mine >= max_watches {
-                return Err(EngineError::TooManyWatches { max: max_watches });
-            }
             let start = args.after.unwrap_or(watermark);
-            w.entry(session_id.clone()).or_default().push(Watch {
-                watch_id: watch_id.clone(),
-                conn_id: outbox.conn_id.clone(),
-                outbox: outbox.clone(),
-                turn_id: turn_id.clone(),
-                sent: start,
-                replaying: Some(watermark),
-            });
-            (start, from_ms)
+            let watches = &self.inner.watches;
+            let id = watches.add(
+                &session_id,
+                outbox,
+                turn_id.clone(),
+                (start, watermark),
+                max_watches,
+            )?;
+            (id, start, st.meta.routed_from_ms)
         };
         let keys = SessionKeys {
             id: &session_id,
@@ -71,7 +66,7 @@ impl Engine {
         let first = match self.inner.store.events(keys, start, REPLAY_PAGE) {
             Ok(page) => page,
             Err(e) => {
-                self.drop_watch(&session_id, &watch_id);
+                self.inner.watches.remove(&session_id, &watch_id);
                 return Err(read_failed(e));
             }
         };
@@ -87,7 +82,7 @@ impl Engine {
                 .await
         {
             // The connection is gone (its watches may already have been dropped).
-            self.drop_watch(&session_id, &watch_id);
+            self.inner.watches.remove(&session_id, &watch_id);
         }
         Ok(())
     }
@@ -124,7 +119,11 @@ impl Engine {
                     }
                 },
             };
-            let full = page.len() == REPLAY_PAGE;
+            let end = match page.last() {
+                None => PageEnd::Empty,
+                Some(_) if page.len() == REPLAY_PAGE => PageEnd::Full,
+                Some(_) => PageEnd::Short,
+            };
             let read_to = page.last().map(|e| e.seq);
             for e in page {
                 if turn_id.is_some_and(|t| t != e.turn_id) {
@@ -141,91 +140,29 @@ impl Engine {
             if let Some(seq) = read_to {
                 cursor = seq;
             }
-            let mut w = self.inner.watches.lock();
-            // Unwatched (or its connection ended) meanwhile: nothing more to send.
-            let Some(watch) = w
-                .get_mut(session_id)
-                .and_then(|v| v.iter_mut().find(|x| x.watch_id == watch_id))
-            else {
-                return false;
-            };
-            if full {
-                continue;
-            }
-            let noted = watch.replaying.unwrap_or(0);
-            if noted <= cursor || read_to.is_none() {
-                // Caught up. (Events noted but no longer stored were deleted by
-                // retention in the meantime; there is nothing to replay of them.)
-                watch.sent = cursor.max(noted);
-                watch.replaying = None;
-                return true;
-            }
-        }
-    }
-
-    fn drop_watch(&self, session_id: &str, watch_id: &str) {
-        {
-            let mut w = self.inner.watches.lock();
-            if let Some(v) = w.get_mut(session_id) {
-                v.retain(|x| x.watch_id != watch_id);
-                if v.is_empty() {
-                    w.remove(session_id);
-                }
+            match self
+                .inner
+                .watches
+                .after_page(session_id, watch_id, cursor, end)
+            {
+                Replay::Gone => return false,
+                Replay::Live => return true,
+                Replay::More => {}
             }
         }
     }
 
     /// `unwatch`.
     pub fn unwatch(&self, conn_id: &str, watch_id: &str) -> ApiResult<()> {
-        let mut w = self.inner.watches.lock();
-        let mut found = false;
-        for v in w.values_mut() {
-            let before = v.len();
-            v.retain(|x| !(x.watch_id == watch_id && x.conn_id == conn_id));
-            found |= v.len() != before;
-        }
-        w.retain(|_, v| !v.is_empty());
-        if found {
+        if self.inner.watches.unwatch(conn_id, watch_id) {
             Ok(())
         } else {
             Err(EngineError::NoWatch(watch_id.to_string()))
         }
     }
 
-    pub(super) fn publish(&self, session_id: &str, events: &[Event]) {
-        let Some(last) = events.last().map(|e| e.seq) else {
-            return;
-        };
-        let mut w = self.inner.watches.lock();
-        let Some(subs) = w.get_mut(session_id) else {
-            return;
-        };
-        for sub in subs {
-            if let Some(noted) = &mut sub.replaying {
-                // The replay reads these from the store.
-                *noted = (*noted).max(last);
-                continue;
-            }
-            for e in events {
-                if e.seq > sub.sent && sub.turn_id.as_ref().is_none_or(|t| *t == e.turn_id) {
-                    sub.outbox.push(push_frame(&Push::Event {
-                        watch_id: sub.watch_id.clone(),
-                        event: e.clone(),
-                    }));
-                }
-            }
-            sub.sent = sub.sent.max(last);
-        }
-    }
-
     /// A connection ended: drop its watches.
     pub fn connection_closed(&self, conn_id: &str) {
-        {
-            let mut w = self.inner.watches.lock();
-            for v in w.values_mut() {
-                v.retain(|x| x.conn_id != conn_id);
-            }
-            w.retain(|_, v| !v.is_empty());
-        }
+        self.inner.watches.connection_closed(conn_id);
     }
 }

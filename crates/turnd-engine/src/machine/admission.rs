@@ -1,8 +1,12 @@
 //! Admission: a new turn joins the session's FIFO and, when it is first, is wanted
 //! dispatched.
 
-use super::*;
-use turnd_store::{IdempotencyRecord, TurnDispatch};
+use serde_json::json;
+use turnd_proto::EventKind;
+use turnd_store::{IdempotencyRecord, RawJson, TurnDispatch, TurnRecord};
+
+use super::dispatch::promote;
+use super::{Ctx, Tx};
 
 /// A validated `turn.submit` (the shell checked ids, sizes and idempotency).
 #[derive(Debug, Clone)]

@@ -1,7 +1,15 @@
 //! Deadlines and loss: what is due when a session's timer fires (probe, give up,
 //! retry, time out), the outcome-unknown rules, and when the timer fires next.
 
-use super::*;
+use serde_json::json;
+use turnd_proto::{Delivery, ErrorCause, EventKind};
+use turnd_store::{FunctionSettings, Held, InvState, InvWait, InvocationRecord, Phase, TurnRecord};
+
+use super::dispatch::{dispatch, send_cancel};
+use super::outcomes::{cancel_turn, fail, schedule_retry};
+use super::{held_until, Ctx, Effect, Slot, Tx};
+use crate::config::EngineConfig;
+use crate::session::SessionState;
 
 /// The transition that is due now for the session, if any (the timer fired, the
 /// worker went away, capacity was freed, a write is retried).

@@ -1,7 +1,12 @@
 //! Dispatch: wanting a worker slot for the session's next step, the slot granted (or
 //! refused), promoting the next queued turn, and cancels sent to workers.
 
-use super::*;
+use serde_json::{json, Value};
+use turnd_proto::{ErrorCause, EventKind, Invoke, TurnStatus};
+use turnd_store::{InvState, InvWait, InvocationRecord, Phase, TurnRecord};
+
+use super::outcomes::fail;
+use super::{Ctx, Effect, Grant, Previous, Tx, Want};
 
 /// Ask the worker holding `inv` to stop it.
 pub(super) fn send_cancel(tx: &mut Tx, inv: &InvocationRecord, reason: &str) {
@@ -166,4 +171,26 @@ pub(super) fn promote(cx: &Ctx, tx: &mut Tx) {
         return;
     }
     dispatch(tx, h, None);
+}
+
+/// Detail of a dispatch event.
+pub(super) fn dispatch_detail(
+    inv: &InvocationRecord,
+    previous: Option<&str>,
+    reason: Option<&str>,
+) -> Value {
+    let mut d = json!({
+        "invocation_id": inv.invocation_id,
+        "worker_id": inv.worker_id,
+        "step": inv.step,
+        "attempt": inv.attempt,
+        "deadline_ms": inv.deadline_ms,
+    });
+    if let Some(p) = previous {
+        d["previous_invocation_id"] = json!(p);
+    }
+    if let Some(r) = reason {
+        d["reason"] = json!(r);
+    }
+    d
 }

@@ -7,7 +7,7 @@ use turnd_store::{InvState, TurnDispatch};
 
 use super::sim::{invokes, Sim};
 use super::*;
-use crate::session::wait_of;
+use crate::view::wait_of;
 
 fn complete() -> Outcome {
     Outcome::Complete(json!({"ok": true}))

@@ -23,31 +23,36 @@
 //! | the session's next deadline, a disconnect, freed capacity | [`due`] |
 //! | a worker's `hello` (its in-flight and finished lists) | [`reconcile`] |
 //! | `turn.stop`, `session.stop` | [`stop_turn`], [`stop_session`] |
+//! | the daemon started with an invocation in flight | [`recovered`] |
+//! | retention deleted finished turns | [`expired`] (an [`ExpiryVerdict`]) |
 //!
-//! [`next_due`] says when the session's timer must fire next.
+//! Each returns what it decided where the shell needs to know (whether a result was
+//! the live invocation's, a [`LateVerdict`], a [`Verdict`], ...); the rest of its
+//! decision is in the `Tx`. A function per event rather than one entry point: each
+//! event's decision has a type of its own, which the shell gets as it is instead of
+//! unpacking it from an enum of every decision. [`next_due`] says when the session's
+//! timer must fire next.
 
-use serde_json::{json, Value};
-use turnd_proto::{
-    Delivery, ErrorCause, EventKind, Invoke, Outcome, StopInfo, TurnError, TurnStatus,
-};
-use turnd_store::{
-    FunctionSettings, Held, InvState, InvWait, InvocationRecord, Phase, RawJson, SessionMeta,
-    TurnRecord,
-};
+use turnd_proto::Invoke;
+use turnd_store::{FunctionSettings, Phase, SessionMeta, TurnRecord};
 
 use crate::config::EngineConfig;
-use crate::session::{dispatch_detail, SessionState, Tx};
+use crate::session::SessionState;
 
 mod admission;
 mod deadlines;
 mod dispatch;
+mod lifecycle;
 mod outcomes;
 mod reconcile;
 mod results;
 mod stop;
+mod tx;
 
 #[cfg(test)]
 mod hold_tests;
+#[cfg(test)]
+mod lifecycle_tests;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
@@ -58,14 +63,13 @@ mod tests;
 pub use admission::{submit, Submission};
 pub use deadlines::{due, next_due};
 pub use dispatch::grant;
+pub use lifecycle::{expired, recovered, total, uncount, Expiry, ExpiryVerdict};
 pub use reconcile::{reconcile, Verdict};
-pub use results::{heartbeat, late_result, probe_answer, result, Heartbeat, LateVerdict};
+pub use results::{
+    heartbeat, late_result, probe_answer, result, Heartbeat, LateVerdict, ProbeVerdict,
+};
 pub use stop::{stop_session, stop_turn};
-
-use deadlines::{attempt_timed_out, give_up, outcome_unknown};
-use dispatch::{dispatch, promote, send_cancel, send_cancel_recorded};
-use outcomes::{apply_outcome, cancel_turn, fail, schedule_retry};
-use reconcile::lost;
+pub use tx::Tx;
 
 /// What a transition reads: the session as it was before it, the configuration, and
 /// what the shell knows of the world.

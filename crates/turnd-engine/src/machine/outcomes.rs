@@ -1,7 +1,13 @@
 //! Outcomes: a step's result applied to its turn (completed, failed, cancelled, retry,
 //! next step) and the terminal records.
 
-use super::*;
+use serde_json::{json, Value};
+use turnd_proto::{ErrorCause, EventKind, Failure, Outcome, StopInfo, TurnError, TurnStatus};
+use turnd_store::{InvState, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
+
+use super::deadlines::{attempt_timed_out, give_up};
+use super::dispatch::{dispatch, promote};
+use super::{Ctx, Tx};
 
 /// End the turn `h` with `status`, then promote the next queued turn.
 pub(super) fn terminal(
@@ -181,7 +187,7 @@ fn failed_attempt(
     mut h: TurnRecord,
     inv_id: &str,
     attempt: u32,
-    f: turnd_proto::Failure,
+    f: Failure,
     retry: bool,
     stopped: bool,
 ) {

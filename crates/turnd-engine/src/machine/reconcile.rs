@@ -1,7 +1,12 @@
 //! A worker's `hello`: the reconcile of each invocation assigned to it against the
 //! lists it sent (in flight, finished), and invocations it never received.
 
-use super::*;
+use turnd_store::{InvState, InvWait, InvocationRecord, TurnRecord};
+
+use super::deadlines::{give_up, outcome_unknown};
+use super::dispatch::{dispatch, send_cancel};
+use super::outcomes::cancel_turn;
+use super::{Ctx, Tx};
 
 /// What reconcile decided for one invocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,14 @@
 //! answer) for its invocations. Each is fenced by invocation: only the session's
 //! live invocation moves the turn.
 
-use super::*;
+use serde_json::json;
+use turnd_proto::{ErrorCause, EventKind, InvocationState, Outcome, TurnStatus};
+use turnd_store::{InvState, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
+
+use super::dispatch::{dispatch, send_cancel_recorded};
+use super::outcomes::apply_outcome;
+use super::reconcile::lost;
+use super::{held_until, Ctx, Tx};
 
 /// Event "result": the outcome of `invocation_id`. Returns false, and builds nothing,
 /// when it is not the session's live invocation (the shell then looks up its record
@@ -142,25 +149,33 @@ pub fn heartbeat(cx: &Ctx, tx: &mut Tx, invocation_id: &str) -> Heartbeat {
     Heartbeat::Deadline(deadline)
 }
 
+/// What became of a probe answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeVerdict {
+    /// Not about the invocation being probed (any more): nothing changes.
+    Stale,
+    /// The answer moved the invocation on.
+    Applied,
+}
+
 /// Event "probe answer" (`invocation.status`). Only an answer about the invocation
 /// being probed changes anything.
 pub fn probe_answer(
     cx: &Ctx,
     tx: &mut Tx,
     invocation_id: &str,
-    state: turnd_proto::InvocationState,
-) {
-    use turnd_proto::InvocationState;
+    state: InvocationState,
+) -> ProbeVerdict {
     let st = cx.st;
     let Some(mut inv) = st
         .current_inv(invocation_id)
         .filter(|i| i.wait == InvWait::Probing)
         .cloned()
     else {
-        return;
+        return ProbeVerdict::Stale;
     };
     let Some(h) = st.holder().cloned() else {
-        return;
+        return ProbeVerdict::Stale;
     };
     let now = tx.now;
     match state {
@@ -186,4 +201,5 @@ pub fn probe_answer(
             tx.put_invocation(st, inv);
         }
     }
+    ProbeVerdict::Applied
 }

@@ -71,7 +71,12 @@ impl Sim {
     }
 
     /// Build a transition, settle it as the engine would, apply it; its effects.
-    pub fn run(&mut self, f: impl FnOnce(&Ctx, &mut Tx)) -> Vec<Effect> {
+    pub fn run<R>(&mut self, f: impl FnOnce(&Ctx, &mut Tx) -> R) -> Vec<Effect> {
+        self.step(f).1
+    }
+
+    /// [`Sim::run`], returning what the transition decided with its effects.
+    pub fn step<R>(&mut self, f: impl FnOnce(&Ctx, &mut Tx) -> R) -> (R, Vec<Effect>) {
         let mut tx = Tx::new(&self.st, self.now);
         let worker_connected = self.connected
             && self
@@ -85,7 +90,7 @@ impl Sim {
             worker_connected,
             worker_probes: self.probes,
         };
-        f(&cx, &mut tx);
+        let decided = f(&cx, &mut tx);
         for s in std::mem::take(&mut tx.frees) {
             self.slots.remove(&s.invocation_id);
         }
@@ -113,7 +118,7 @@ impl Sim {
         }
         let applied = tx.apply(&mut self.st);
         self.events.extend(applied.events);
-        applied.effects
+        (decided, applied.effects)
     }
 
     pub fn submit(&mut self) -> String {
@@ -154,9 +159,7 @@ impl Sim {
 
     /// A result for `inv`; whether it was the live one.
     pub fn result(&mut self, inv: &str, outcome: Outcome) -> bool {
-        let mut applied = false;
-        self.run(|cx, tx| applied = result(cx, tx, inv, outcome));
-        applied
+        self.step(|cx, tx| result(cx, tx, inv, outcome)).0
     }
 
     /// Move the clock by `ms` and do what is due.

@@ -1,6 +1,13 @@
 //! Stop: `turn.stop` and `session.stop`.
 
-use super::*;
+use serde_json::json;
+use turnd_proto::{EventKind, StopInfo, TurnStatus};
+use turnd_store::{InvState, InvWait, Phase};
+
+use super::deadlines::give_up;
+use super::dispatch::send_cancel_recorded;
+use super::outcomes::cancel_turn;
+use super::{Ctx, Tx};
 
 /// Event "stop" of one non-terminal turn (`seq`). A turn stopped already, or
 /// terminal, is left as it is.

@@ -5,7 +5,7 @@ use serde_json::json;
 use turnd_proto::{
     Cancelled, Delivery, ErrorCause, EventKind, Failure, InvocationState, Outcome, TurnStatus,
 };
-use turnd_store::{InvState, InvWait, Phase};
+use turnd_store::{InvState, InvWait, Phase, RawJson};
 
 use super::sim::{cancels, invokes, probes, Sim};
 use super::*;

@@ -1,7 +1,15 @@
-//! The sending side of a connection and why it is closed.
+//! The sending side of a connection, why it is closed, and the text of a push.
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use turnd_proto::Push;
+
+/// The text of a push frame.
+pub(crate) fn push_frame(p: &Push) -> String {
+    // Pushes are built from our own types; serialization cannot fail.
+    turnd_proto::frame::to_json_text(p, turnd_proto::frame::FRAME_CAPACITY)
+        .expect("push frames serialize")
+}
 
 /// Why an outgoing frame is sent; the connection task closes with the right code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,6 +12,7 @@ use turnd_store::{keys, Batch, SessionKeys, Store, StoreError};
 
 use super::drops::Open;
 use super::invocations::Early;
+use crate::machine::total;
 
 /// Turn records read per page of a sweep.
 pub(super) const TURN_PAGE: usize = 512;
@@ -38,8 +39,8 @@ pub(super) struct Expired {
     /// the turn's own record, its input stored apart and these invocations' keys in
     /// the same batch, so none of them is deleted again (a delete of a key that is not
     /// there still takes a place in the commit log, the overlay and the applier's
-    /// sled work). None: a record under its own key (the earlier layout).
-    pub(super) folded: Option<Vec<String>>,
+    /// sled work).
+    pub(super) folded: Vec<String>,
 }
 
 /// What deleting one session's expired turns writes, read without its lock.
@@ -63,11 +64,11 @@ pub(super) struct Planned {
     pub(super) early: Arc<Early>,
 }
 
-/// From `from` on, the expired turns of up to [`SWEEP_BATCH`] (a page more at most),
-/// by session, and where the next gathering starts (None: past the cutoff or at the
-/// end). Finished turns' folded records (`F` keys) are read first, then the records
-/// under their own keys (`T`: unfinished turns, and finished ones of the earlier
-/// layout); `from` is a key of either range.
+/// From `from` on ([`Store::FIRST`]: the first), the expired turns of up to
+/// [`SWEEP_BATCH`] (a page more at most), by session, and where the next gathering
+/// starts (None: past the cutoff or at the end). They are read from finished turns'
+/// folded records (`F` keys), oldest first: every finished turn is folded, and a
+/// turn cannot have finished before it was created.
 #[allow(clippy::type_complexity)]
 pub(super) fn gather(
     store: &Store,
@@ -76,25 +77,11 @@ pub(super) fn gather(
 ) -> Result<(BTreeMap<String, Vec<Expired>>, Option<Vec<u8>>), StoreError> {
     let mut by_session: BTreeMap<String, Vec<Expired>> = BTreeMap::new();
     let mut n = 0;
-    let (turn_start, _) = keys::turn_range();
     loop {
-        let folded_phase = from.is_empty() || from.first() == Some(&b'F');
-        let (page, next) = if folded_phase {
-            let (page, next) = store.finished_page(&from, TURN_PAGE)?;
-            let page: Vec<_> = page
-                .into_iter()
-                .map(|f| {
-                    let folded = f.invocations.into_iter().map(|i| i.invocation_id);
-                    (f.turn, Some(folded.collect()))
-                })
-                .collect();
-            (page, next)
-        } else {
-            let (page, next) = store.turns_page(&from, TURN_PAGE)?;
-            (page.into_iter().map(|t| (t, None)).collect(), next)
-        };
+        let (page, next) = store.finished_page(&from, TURN_PAGE)?;
         let mut past_cutoff = false;
-        for (t, folded) in page {
+        for f in page {
+            let t = f.turn;
             if t.created_at_ms > cutoff {
                 past_cutoff = true;
                 break;
@@ -107,26 +94,15 @@ pub(super) fn gather(
                     status: t.status,
                     idempotency_key: t.idempotency_key,
                     invocation_id: t.invocation_id,
-                    folded,
+                    folded: f.invocations.into_iter().map(|i| i.invocation_id).collect(),
                 });
             }
         }
-        let next = match (past_cutoff, next) {
-            (false, Some(next)) => Some(next),
-            // The end of the folded records (or of what can have expired there):
-            // on to the records under their own keys.
-            _ if folded_phase => Some(turn_start.clone()),
-            _ => None,
-        };
-        match next {
+        match next.filter(|_| !past_cutoff) {
             Some(next) if n < SWEEP_BATCH => from = next,
             next => return Ok((by_session, next)),
         }
     }
-}
-
-pub(super) fn total(c: &TurnCounts) -> u64 {
-    c.queued + c.running + c.completed + c.failed + c.cancelled
 }
 
 /// What [`delete_turns`] found: the turns deleted, their statuses, and the
@@ -142,7 +118,7 @@ pub(super) struct Deleted {
 }
 
 /// The keys of the expired turns' places in the session's turn list, as stored (with
-/// a route, or without one when written before routes), read in one scan.
+/// a route, or without one when the turn's id is not a minted one), read in one scan.
 pub(super) fn list_keys(
     store: &Store,
     s: SessionKeys<'_>,
@@ -167,14 +143,11 @@ pub(super) fn list_keys(
 }
 
 /// Whether an expired turn's list entry and event values are left for its window's
-/// drop: its record is folded (the current layout), its keys are in an open window,
-/// and it comes before the session's first unfinished turn (`active_from`), where
-/// recovery reads the turn list from (an entry of a deleted turn there would name no
-/// turn).
+/// drop: its keys are in an open window, and it comes before the session's first
+/// unfinished turn (`active_from`), where recovery reads the turn list from (an entry
+/// of a deleted turn there would name no turn).
 pub(super) fn left_to_window(t: &Expired, open: &Open, active_from: Option<u64>) -> bool {
-    t.folded.is_some()
-        && open.holds(keys::route_of(&t.turn_id))
-        && active_from.is_none_or(|a| t.seq < a)
+    open.holds(keys::route_of(&t.turn_id)) && active_from.is_none_or(|a| t.seq < a)
 }
 
 /// The deletes of the expired turns' own keys: their records, their idempotency keys
@@ -200,10 +173,6 @@ pub(super) fn delete_turns(
     let any_left = !left.is_empty();
     for t in deleted.into_iter().chain(left) {
         b.delete(keys::finished(&t.turn_id));
-        if t.folded.is_none() {
-            b.delete(keys::turn(&t.turn_id));
-            b.delete(keys::turn_input(&t.turn_id));
-        }
         if let Some(k) = listed.remove(&t.seq) {
             b.delete(k);
         }
@@ -214,7 +183,7 @@ pub(super) fn delete_turns(
                 }
             }
         }
-        folded_invs.extend(t.folded.into_iter().flatten());
+        folded_invs.extend(t.folded);
         // Its earlier steps' and attempts' invocations (its last one is below).
         for k in at.early.get(&t.turn_id).into_iter().flatten() {
             if k.get(1..) != t.invocation_id.as_deref().map(str::as_bytes) {
@@ -363,7 +332,8 @@ pub(super) fn prune_events(
             }
             pruned = true;
             // Keyed by the last kept event and routed by the newest turn kept (a value
-            // written before routes is written again without one); written after the
+            // without a route, one with an event of a turn id that is not minted, is
+            // written again without one); written after the
             // delete, so it wins when that is the same key.
             let routed = keys::session_route(&key).is_some();
             b.delete(key);
@@ -385,14 +355,6 @@ pub(super) fn all_list_keys(store: &Store, s: SessionKeys<'_>) -> Result<Vec<Vec
         .into_iter()
         .map(|(k, _, _)| k)
         .collect())
-}
-
-/// Counts less the deleted turns of `statuses`.
-pub(super) fn uncount(counts: &mut TurnCounts, statuses: &[TurnStatus]) {
-    for s in statuses {
-        let c = counts.get_mut(*s);
-        *c = c.saturating_sub(1);
-    }
 }
 
 /// Deletes of every stored event value of `sid` (a session being forgotten).

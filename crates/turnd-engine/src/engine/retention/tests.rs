@@ -245,7 +245,7 @@ async fn a_sweep_deletes_expired_turns_and_forgets_empty_sessions() {
 
     // The session with nothing left is forgotten, in the store and in memory.
     assert!(store.session_meta("gone").expect("read").is_none());
-    assert!(e.existing_cell("gone").is_none());
+    assert!(e.sessions().existing("gone").is_none());
     assert!(e.inspect("gone").await.is_err());
     // Its id and the freed key can be used again.
     let again = e.submit(submit("gone", None)).await.expect("submit");

@@ -1,8 +1,8 @@
 //! One timer queue for every session's next deadline.
 //!
-//! A session's next due time (from [`machine::next_due`]) is kept in one ordered
-//! set and in the session's state ([`SessionState::timer`]), both changed only
-//! under the session's lock. One task sleeps until the earliest entry and, when it
+//! A session's next due time (from [`crate::machine::next_due`]) is kept in one
+//! ordered set and in the session's state ([`crate::session::SessionState::timer`]),
+//! both changed only under the session's lock. One task sleeps until the earliest entry and, when it
 //! is due, spawns a drive of that session; moving a timer is an update of the set,
 //! never a new task.
 

@@ -1,8 +1,18 @@
 //! Workers: `hello` and the reconcile of a reconnecting worker's invocations, a
-//! worker's disconnect, and function registration.
+//! worker's disconnect, function registration, who may act on an invocation, and
+//! the task that makes the registry forget what nothing refers to any more (see
+//! [`crate::registry::Registry::gc`]).
 
-use super::*;
-use crate::registry::WorkerCaps;
+use std::collections::HashSet;
+use std::time::Duration;
+
+use turnd_proto::{HelloArgs, Push, Reconciled, RegisterArgs, RegisterOk, Role};
+use turnd_store::{FunctionSettings, InvocationRecord};
+
+use super::{check_id, read_failed, unavailable, ApiResult, Caller, Engine};
+use crate::error::EngineError;
+use crate::machine;
+use crate::registry::{push_frame, Assignment, CloseReason, Outbox, WorkerCaps};
 
 impl Engine {
     /// A worker `hello`: attach the connection (superseding an older one of the same
@@ -122,21 +132,22 @@ impl Engine {
         inv_id: &str,
         session_id: &str,
     ) -> ApiResult<Option<machine::Verdict>> {
-        let cell = self.cell(session_id);
-        let mut st = self.lock(&cell).await.map_err(read_failed)?;
-        let mut verdict = None;
-        let tx = self.transition(&st, self.now_ms(), |cx, tx| {
-            verdict = machine::reconcile(
+        let cell = self.sessions().cell(session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
+        let (settled, verdict) = self.transition(&st, self.now_ms(), |cx, tx| {
+            machine::reconcile(
                 cx,
                 tx,
                 inv_id,
                 instance_id,
                 &hello.inflight,
                 &hello.finished,
-            );
+            )
         });
         if verdict.is_some() {
-            self.commit(&cell, &mut st, tx).await.map_err(unavailable)?;
+            self.commit(&cell, &mut st, settled)
+                .await
+                .map_err(unavailable)?;
         }
         Ok(verdict)
     }
@@ -183,7 +194,7 @@ impl Engine {
                 max_attempts,
             },
         );
-        self.wake(&args.function_id);
+        self.inner.workers.wake(&args.function_id);
         Ok(RegisterOk {
             function_id: args.function_id.clone(),
             workers,
@@ -259,5 +270,21 @@ impl Engine {
         Ok(self
             .invocation_for(caller, invocation_id)?
             .map(|rec| rec.session_id))
+    }
+
+    /// Start the registry's forgetting task: every quarter of `worker_linger_ms`
+    /// (at least every 50 ms, at most every minute).
+    pub(super) fn spawn_registry_gc(&self) {
+        let linger = self.inner.cfg.turns.worker_linger_ms;
+        let every = Duration::from_millis((linger / 4).clamp(50, 60_000));
+        self.every(every, move |engine| async move {
+            let now = engine.now_ms();
+            engine.registry().gc(now, linger);
+        });
+    }
+
+    /// Workers and functions in the registry (for tests and diagnostics).
+    pub fn registry_sizes(&self) -> (usize, usize) {
+        self.registry().sizes()
     }
 }

@@ -1,0 +1,137 @@
+//! `turn.submit`: the checks of its arguments, the idempotency key, then the
+//! machine's `submit` under the session's lock.
+
+use turnd_proto::{new_turn_id, SubmitArgs, SubmitOk, Turn};
+use turnd_store::{RawJson, TurnDispatch};
+
+use super::{check_id, read_failed, unavailable, ApiResult, Engine};
+use crate::error::EngineError;
+use crate::machine;
+use crate::metrics::Counters;
+use crate::session::SessionState;
+
+/// What an endpoint in process may give a turn beyond `turn.submit`'s arguments.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SubmitOptions {
+    /// Dispatch settings in place of the function's registration.
+    pub dispatch: Option<TurnDispatch>,
+    /// The first retry's backoff in place of `turns.retry_backoff_ms`.
+    pub retry_backoff_ms: Option<u64>,
+}
+
+impl SubmitOptions {
+    fn check(&self) -> ApiResult<()> {
+        let Some(d) = &self.dispatch else {
+            return Ok(());
+        };
+        if d.timeout_ms == Some(0) {
+            return Err(EngineError::out_of_range("timeout_ms", "positive"));
+        }
+        if d.max_attempts.is_some_and(|a| a == 0 || a > 1000) {
+            return Err(EngineError::out_of_range("max_attempts", "1 to 1000"));
+        }
+        Ok(())
+    }
+}
+
+impl Engine {
+    /// `turn.submit`.
+    pub async fn submit(&self, args: SubmitArgs) -> ApiResult<SubmitOk> {
+        self.submit_with(args, SubmitOptions::default()).await
+    }
+
+    /// `turn.submit` with settings of the turn's own ([`SubmitOptions`]). A resent
+    /// submit that finds its idempotency key returns the turn it admitted.
+    pub async fn submit_with(&self, args: SubmitArgs, opts: SubmitOptions) -> ApiResult<SubmitOk> {
+        let input = self.check_submit(&args, &opts)?;
+        let cell = self.sessions().cell(&args.session_id);
+        let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
+        if let Some(turn) = self.admitted_before(&st, &args)? {
+            Counters::inc(&self.inner.counters.deduplicated);
+            return Ok(SubmitOk {
+                turn,
+                deduplicated: true,
+            });
+        }
+        if st.active.len() as u64 >= self.inner.cfg.turns.max_queued_per_session {
+            return Err(EngineError::QueueFull {
+                session_id: st.id.to_string(),
+                held: st.active.len(),
+            });
+        }
+        let turn_id = new_turn_id();
+        let submission = machine::Submission {
+            turn_id: turn_id.clone(),
+            function_id: args.function_id,
+            input,
+            idempotency_key: args.idempotency_key,
+            turn_timeout_ms: args.turn_timeout_ms,
+            dispatch: opts.dispatch,
+            retry_backoff_ms: opts.retry_backoff_ms,
+        };
+        let (admitted, ()) = self.transition(&st, self.now_ms(), |cx, tx| {
+            machine::submit(cx, tx, submission)
+        });
+        self.commit(&cell, &mut st, admitted)
+            .await
+            .map_err(unavailable)?;
+        let t = self
+            .turn_record_locked(&st, &turn_id)
+            .map_err(read_failed)?
+            .ok_or_else(|| EngineError::invariant("admitted turn vanished"))?;
+        Ok(SubmitOk {
+            turn: self.turn_view(&st, &t),
+            deduplicated: false,
+        })
+    }
+
+    /// Check a submit's arguments; its input as stored.
+    fn check_submit(&self, args: &SubmitArgs, opts: &SubmitOptions) -> ApiResult<RawJson> {
+        opts.check()?;
+        check_id("session_id", &args.session_id)?;
+        check_id("function_id", &args.function_id)?;
+        if let Some(k) = &args.idempotency_key {
+            check_id("idempotency_key", k)?;
+        }
+        let max = self.inner.cfg.turns.max_value_bytes;
+        let input = RawJson::from_value(&args.input);
+        if input.len() as u64 > max {
+            return Err(EngineError::InputTooLarge { max });
+        }
+        if args.turn_timeout_ms == Some(0) {
+            return Err(EngineError::out_of_range("turn_timeout_ms", "positive"));
+        }
+        Ok(input)
+    }
+
+    /// The turn a submit with the same idempotency key admitted before, if any; a
+    /// conflict if that one had another function or input.
+    fn admitted_before(&self, st: &SessionState, args: &SubmitArgs) -> ApiResult<Option<Turn>> {
+        let Some(key) = &args.idempotency_key else {
+            return Ok(None);
+        };
+        let store = &self.inner.store;
+        let Some(rec) = store
+            .idempotency(st.meta.keys(), key)
+            .map_err(read_failed)?
+        else {
+            return Ok(None);
+        };
+        let t = self
+            .turn_record_locked(st, &rec.turn_id)
+            .map_err(read_failed)?
+            .ok_or_else(|| {
+                EngineError::invariant(format!(
+                    "idempotency key names missing turn {}",
+                    rec.turn_id
+                ))
+            })?;
+        if t.function_id != args.function_id || t.input.to_value() != args.input {
+            return Err(EngineError::IdempotencyConflict {
+                key: key.clone(),
+                turn_id: t.turn_id.clone(),
+            });
+        }
+        Ok(Some(self.turn_view(st, &t)))
+    }
+}

@@ -1,0 +1,275 @@
+//! How a turn is shown: the protocol `Turn` of a record, and the `Wait` of an
+//! unfinished one: why it is not moving and what happens next, computed from the
+//! session's state and, for a turn waiting for a worker, who could run it.
+
+use turnd_proto::{Delivery, OnDeadline, Turn, Wait, WaitState};
+use turnd_store::{Held, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
+
+use crate::machine::held_until;
+use crate::registry::Supply;
+use crate::session::SessionState;
+
+/// The protocol view of a stored turn.
+pub fn to_turn(t: &TurnRecord, wait: Option<Wait>) -> Turn {
+    Turn {
+        turn_id: t.turn_id.clone(),
+        session_id: t.session_id.clone(),
+        seq: t.seq,
+        function_id: t.function_id.clone(),
+        status: t.status,
+        step: t.step,
+        attempt: t.attempt,
+        input: t.input.to_value(),
+        output: t.output.as_ref().map(RawJson::to_value),
+        error: t.error.as_deref().cloned(),
+        stop: t.stop.as_deref().cloned(),
+        recovered: t.recovered,
+        created_at_ms: t.created_at_ms,
+        updated_at_ms: t.updated_at_ms,
+        finished_at_ms: t.finished_at_ms,
+        wait: if t.status.is_terminal() { None } else { wait },
+    }
+}
+
+fn base_wait(state: WaitState, reason: String, since_ms: u64) -> Wait {
+    Wait {
+        state,
+        reason,
+        since_ms,
+        deadline_ms: None,
+        on_deadline: None,
+        invocation_id: None,
+        worker_id: None,
+        ahead: None,
+        last_error: None,
+    }
+}
+
+/// What happens to an invocation whose outcome becomes unknown.
+fn on_unknown(inv: &InvocationRecord) -> OnDeadline {
+    if inv.settings.delivery == Delivery::AtLeastOnce && inv.attempt < inv.settings.max_attempts {
+        OnDeadline::Redispatch
+    } else {
+        OnDeadline::Fail
+    }
+}
+
+/// The wait of a lock holder that has no worker slot, with why (from `supply`).
+fn awaiting_worker(
+    t: &TurnRecord,
+    dispatch_timeout_ms: Option<u64>,
+    fmt_ms: &dyn Fn(u64) -> String,
+    supply: Option<Supply>,
+) -> Wait {
+    let f = &t.function_id;
+    let why = match supply {
+        Some(Supply {
+            registered: false, ..
+        }) => format!("no worker has registered {f}"),
+        Some(Supply { connected: 0, .. }) => {
+            format!("no connected worker serves {f} (the workers that registered it are gone)")
+        }
+        Some(Supply { connected, .. }) => {
+            format!("all {connected} connected worker(s) serving {f} are busy")
+        }
+        None => format!("no connected worker serving {f} has free capacity"),
+    };
+    let mut w = base_wait(
+        WaitState::AwaitingWorker,
+        format!("{why} (waiting since {})", fmt_ms(t.phase_since_ms)),
+        t.phase_since_ms,
+    );
+    let by = t.dispatch.as_deref().and_then(|d| d.dispatch_by_ms);
+    let timeout = dispatch_timeout_ms.map(|d| t.phase_since_ms + d);
+    if let Some(d) = [by, timeout].into_iter().flatten().min() {
+        w.deadline_ms = Some(d);
+        w.on_deadline = Some(OnDeadline::Fail);
+    }
+    w
+}
+
+/// The wait of a lock holder the session's hold keeps back: an earlier turn's
+/// invocation, given up on a worker that cannot cancel it, may still be running.
+fn held_wait(t: &TurnRecord, held: &Held, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
+    let mut w = base_wait(
+        WaitState::Held,
+        format!(
+            "invocation {} of turn {} was given up on worker {}, which cannot cancel it, and may still be running; held until its result or its deadline at {}",
+            held.invocation_id,
+            held.turn_id,
+            held.worker_id,
+            fmt_ms(held.until_ms)
+        ),
+        held.since_ms.max(t.phase_since_ms),
+    );
+    w.deadline_ms = Some(held.until_ms);
+    w.on_deadline = Some(OnDeadline::Dispatch);
+    w.invocation_id = Some(held.invocation_id.clone());
+    w.worker_id = Some(held.worker_id.clone());
+    w
+}
+
+/// Why a non-terminal turn is not moving, and what happens next.
+///
+/// `supply` says who could run the holder's function (None: not needed, the reason
+/// is not shown).
+pub fn wait_of(
+    st: &SessionState,
+    t: &TurnRecord,
+    dispatch_timeout_ms: Option<u64>,
+    fmt_ms: &dyn Fn(u64) -> String,
+    supply: Option<Supply>,
+) -> Wait {
+    let holder = st.holder().map(|h| h.seq);
+    if holder != Some(t.seq) {
+        let ahead = st.active.count_before(t.seq) as u64;
+        let h = st.holder().map(|h| h.turn_id.clone()).unwrap_or_default();
+        let mut w = base_wait(
+            WaitState::QueuedBehind,
+            format!(
+                "queued behind turn {h} ({ahead} ahead in session {})",
+                st.id
+            ),
+            t.created_at_ms,
+        );
+        w.ahead = Some(ahead);
+        return w;
+    }
+    if let Some(p) = &st.pending {
+        let mut w = base_wait(
+            WaitState::Finalizing,
+            format!(
+                "a state change could not be written; retrying since {}: {}",
+                fmt_ms(p.since_ms),
+                p.error
+            ),
+            p.since_ms,
+        );
+        w.deadline_ms = Some(p.retry_at_ms);
+        w.on_deadline = Some(OnDeadline::Retry);
+        w.last_error = Some(p.error.clone());
+        return with_turn_deadline(w, t);
+    }
+    let held = st
+        .meta
+        .held
+        .as_deref()
+        .filter(|_| held_until(&st.meta, t).is_some());
+    let w = match (held, t.phase) {
+        (Some(held), _) => held_wait(t, held, fmt_ms),
+        (None, Phase::Queued | Phase::AwaitingWorker | Phase::Done) => {
+            awaiting_worker(t, dispatch_timeout_ms, fmt_ms, supply)
+        }
+        (None, Phase::BackingOff) => {
+            let mut w = base_wait(
+                WaitState::BackingOff,
+                format!(
+                    "attempt {} of step {} failed ({}); retrying at {}",
+                    t.attempt,
+                    t.step,
+                    t.last_error.as_deref().unwrap_or("retryable failure"),
+                    fmt_ms(t.retry_at_ms.unwrap_or(0))
+                ),
+                t.phase_since_ms,
+            );
+            w.deadline_ms = t.retry_at_ms;
+            w.on_deadline = Some(OnDeadline::Retry);
+            w.last_error = t.last_error.clone();
+            w
+        }
+        (None, Phase::Invoked) => match &st.inv {
+            Some(inv) => inv_wait(t, inv, fmt_ms),
+            None => base_wait(
+                WaitState::AwaitingWorker,
+                "invocation record missing; waiting to dispatch again".into(),
+                t.phase_since_ms,
+            ),
+        },
+    };
+    with_turn_deadline(w, t)
+}
+
+fn with_turn_deadline(mut w: Wait, t: &TurnRecord) -> Wait {
+    if let Some(d) = t.deadline_ms {
+        if w.deadline_ms.map(|x| d < x).unwrap_or(true) {
+            w.deadline_ms = Some(d);
+            w.on_deadline = Some(OnDeadline::Fail);
+            w.reason.push_str(" (the turn's own deadline comes first)");
+        }
+    }
+    w
+}
+
+fn inv_wait(t: &TurnRecord, inv: &InvocationRecord, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
+    let id = &inv.invocation_id;
+    let (state, reason, on) = match inv.wait {
+        InvWait::AwaitingResult => (
+            WaitState::AwaitingResult,
+            format!(
+                "awaiting result of {id} ({}) from worker {} since {}",
+                t.function_id,
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            OnDeadline::Probe,
+        ),
+        InvWait::Probing => (
+            WaitState::AwaitingResult,
+            format!(
+                "deadline of {id} passed; probe sent to worker {} at {}, awaiting its status",
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            on_unknown(inv),
+        ),
+        InvWait::AwaitingResend => (
+            WaitState::AwaitingResult,
+            format!(
+                "worker {} reported {id} finished at {}; awaiting the resent result",
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            on_unknown(inv),
+        ),
+        InvWait::Cancelling => (
+            WaitState::Cancelling,
+            if t.stop.is_some() {
+                format!(
+                    "stop requested; cancel of {id} sent to worker {} at {}",
+                    inv.worker_id,
+                    fmt_ms(inv.wait_since_ms)
+                )
+            } else {
+                format!(
+                    "{id} ran past its deadline; cancel sent to worker {} at {}",
+                    inv.worker_id,
+                    fmt_ms(inv.wait_since_ms)
+                )
+            },
+            if t.stop.is_some() {
+                OnDeadline::Cancel
+            } else if inv.settings.delivery == Delivery::AtLeastOnce
+                && inv.attempt < inv.settings.max_attempts
+            {
+                OnDeadline::Retry
+            } else {
+                OnDeadline::Fail
+            },
+        ),
+        InvWait::AwaitingReconnect => (
+            WaitState::AwaitingReconnect,
+            format!(
+                "worker {} running {id} is disconnected since {}; awaiting its reconnect",
+                inv.worker_id,
+                fmt_ms(inv.wait_since_ms)
+            ),
+            on_unknown(inv),
+        ),
+    };
+    let mut w = base_wait(state, reason, inv.wait_since_ms);
+    w.deadline_ms = Some(inv.deadline_ms);
+    w.on_deadline = Some(on);
+    w.invocation_id = Some(id.clone());
+    w.worker_id = Some(inv.worker_id.clone());
+    w
+}
