@@ -641,12 +641,19 @@ async fn the_operator_feed_replays_a_long_session() -> anyhow::Result<()> {
     let mut lines = BufReader::new(s).lines();
     let got = tokio::time::timeout(Duration::from_secs(T), async {
         let mut got = Vec::new();
+        // The screen's fragments share the stream as named `refresh` events: only
+        // unnamed events are the session's.
+        let mut named = false;
         while got.len() < 1200 {
             let line = lines.next_line().await?;
             let Some(line) = line else {
                 anyhow::bail!("the feed ended after {} events", got.len());
             };
-            if let Some(data) = line.strip_prefix("data: ") {
+            if line.starts_with("event: ") {
+                named = true;
+            } else if line.is_empty() {
+                named = false;
+            } else if let Some(data) = line.strip_prefix("data: ").filter(|_| !named) {
                 let e: Value = serde_json::from_str(data)?;
                 got.push(e["seq"].as_u64().unwrap_or_default());
             }
