@@ -207,7 +207,13 @@ impl CommitLog {
     /// `applied` (the last lsn already in sled), delete the segments wholly at or
     /// before it, and start a fresh segment for appends.
     pub fn open(dir: &Path, segment_bytes: u64, applied: u64) -> Result<Opened, StoreError> {
+        let fresh = !dir.exists();
         std::fs::create_dir_all(dir).map_err(|e| io(&format!("create {dir:?}"), e))?;
+        // The directory's own name is durable only once its parent is synced: before
+        // a record in it is acknowledged.
+        if let Some(parent) = dir.parent().filter(|p| fresh && !p.as_os_str().is_empty()) {
+            sync_dir(parent)?;
+        }
         let mut found: Vec<Segment> = Vec::new();
         for entry in std::fs::read_dir(dir).map_err(|e| io("list segments", e))? {
             let entry = entry.map_err(|e| io("list segments", e))?;
