@@ -23,6 +23,9 @@
 //!   of a recorded run. The same run then shows that the checks fail on two planted
 //!   bugs, modeled by a disk that drops a flush: acknowledgements made without the
 //!   commit log's `fdatasync`, and the spare's rename into a segment not synced.
+//! - `the_first_acknowledged_writes_of_a_new_store_survive` checks the states after
+//!   the first acknowledgements of a new store, without time windows or checkpoints,
+//!   whose own syncs of the data directory would hide a missing one.
 //! - `random_cuts_under_load` cuts the daemon at random moments under load, several
 //!   times, each time restarting it (still recorded) on a random power loss of the
 //!   last run, so that cuts also land in recoveries.

@@ -1,10 +1,12 @@
 //! The checks after a power loss, against the daemon restarted on what the loss left:
-//! `store.check` is clean; every turn whose submit was acknowledged before the crash
-//! point is there (unless retention may have deleted it), in its session, with its
-//! `admitted` event; every acknowledged stop is on its turn; every result answered
-//! `applied` is in its session's events, a `complete` one as the turn's output; each
-//! session's events are in `seq` order; and work goes on: a new instance of the
-//! worker connects, every unfinished turn ends, and a new turn completes.
+//! `store.check` is clean; every turn an acknowledgement received before the crash
+//! point names (its submit; a result of it answered `applied`, which may come before
+//! the submit's answer does; a stop of it) is there (unless retention may have
+//! deleted it), in its session, with its `admitted` event; every acknowledged stop
+//! is on its turn; every result answered `applied` is in its session's events, a
+//! `complete` one as the turn's output; each session's events are in `seq` order;
+//! and work goes on: a new instance of the worker connects, every unfinished turn
+//! ends, and a new turn completes.
 //!
 //! Turns are read a session's page at a time (`turn.list`); only a turn missing from
 //! its session's list is asked for alone (`turn.get`), for the exact answer.
