@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync fuzz clean ui-screenshots sdk
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync powerloss fuzz clean ui-screenshots sdk
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -168,6 +168,18 @@ bench: ## Benchmarks (release build; see docs/benchmarks.md for each scenario's 
 
 check-fsync: venv ## Prove from strace that an fdatasync precedes every acknowledgement
 	CHECK_PY=$(VPY) scripts/check-fsync.sh
+
+# The long power-loss exploration (docs/powerloss.md). `make test` runs a fixed set of
+# cuts; this checks every sync point of a scripted run per seed, and random cuts under
+# load, within POWERLOSS_BUDGET_S seconds per seed and test.
+POWERLOSS_SEEDS ?= 1..4
+POWERLOSS_CUTS ?= 20
+POWERLOSS_BUDGET_S ?= 1200
+powerloss: ## Power-loss exploration of the real binary: every sync point of a scripted run for each of POWERLOSS_SEEDS (default 1..4, POWERLOSS_BUDGET_S each), and POWERLOSS_CUTS random cuts under load per seed (docs/powerloss.md)
+	$(BUILD_DAEMON)
+	$(CARGO) build -p turnd-faultfs
+	$(TEST_ENV) POWERLOSS_SEEDS=$(POWERLOSS_SEEDS) POWERLOSS_CUTS=$(POWERLOSS_CUTS) POWERLOSS_BUDGET_S=$(POWERLOSS_BUDGET_S) \
+		$(CARGO) test -p turnd-tests --test powerloss -- --nocapture --test-threads=1
 
 fuzz: ## Run the cargo-fuzz targets (FUZZ_SECONDS each, default 60; see docs/fuzzing.md)
 	scripts/fuzz.sh

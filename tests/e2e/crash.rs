@@ -48,19 +48,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
-use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 use turnd_client::turnd_proto::{
     ErrorCode, Event, EventKind, Role, SubmitArgs, Turn, TurnStatus, WaitState,
 };
 use turnd_client::{Caller, ClientError};
 use turnd_testkit::SplitMix64;
-use turnd_tests::{all_events, http_get, metric, BinDaemon};
+use turnd_tests::{all_events, http_get, metric, next_json, raw_peer, BinDaemon};
 
 /// SIGKILLs (each followed by a restart on the same data directory).
 const KILLS: usize = 4;
@@ -210,18 +208,7 @@ async fn start_worker(
     prng: Arc<Mutex<SplitMix64>>,
     tasks: &mut JoinSet<()>,
 ) -> anyhow::Result<()> {
-    let (ws, _) = tokio_tungstenite::connect_async(url)
-        .await
-        .context("connect the raw worker")?;
-    let (mut sink, mut stream) = ws.split();
-    let (out, mut out_rx) = mpsc::unbounded_channel::<String>();
-    tasks.spawn(async move {
-        while let Some(frame) = out_rx.recv().await {
-            if sink.send(Message::text(frame)).await.is_err() {
-                break;
-            }
-        }
-    });
+    let (out, mut stream) = raw_peer(url, tasks).await.context("the raw worker")?;
     let life = Arc::new(WorkerLife {
         out,
         next_id: AtomicU64::new(1),
@@ -280,24 +267,6 @@ async fn start_worker(
 
 fn prng_u64(prng: &Arc<Mutex<SplitMix64>>) -> u64 {
     rng(prng).next_u64()
-}
-
-/// The next text frame as JSON; an error when the connection ended.
-async fn next_json<S>(stream: &mut S) -> anyhow::Result<Value>
-where
-    S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
-{
-    loop {
-        match stream.next().await {
-            Some(Ok(Message::Text(t))) => match serde_json::from_str(t.as_str()) {
-                Ok(v) => return Ok(v),
-                Err(e) => bail!("undecodable frame from the daemon: {e}"),
-            },
-            Some(Ok(Message::Close(_))) | None => bail!("connection ended"),
-            Some(Ok(_)) => continue,
-            Some(Err(e)) => bail!("connection failed: {e}"),
-        }
-    }
 }
 
 fn str_of<'a>(v: &'a Value, key: &str) -> &'a str {

@@ -331,6 +331,50 @@ impl Raw {
     }
 }
 
+/// The incoming half of a [`raw_peer`]'s connection.
+pub type RawStream = futures_util::stream::SplitStream<WebSocketStream<MaybeTlsStream<TcpStream>>>;
+
+/// A raw protocol peer on `url`, for tests that play a worker frame by frame and
+/// answer from several tasks: the frames given to the returned sender are written, in
+/// order, by a task on `tasks` until the connection fails; the stream yields what
+/// arrives ([`next_json`]).
+pub async fn raw_peer(
+    url: &str,
+    tasks: &mut tokio::task::JoinSet<()>,
+) -> anyhow::Result<(tokio::sync::mpsc::UnboundedSender<String>, RawStream)> {
+    let (ws, _) = tokio_tungstenite::connect_async(url)
+        .await
+        .with_context(|| format!("connect a raw peer to {url}"))?;
+    let (mut sink, stream) = ws.split();
+    let (out, mut out_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tasks.spawn(async move {
+        while let Some(frame) = out_rx.recv().await {
+            if sink.send(Message::text(frame)).await.is_err() {
+                break;
+            }
+        }
+    });
+    Ok((out, stream))
+}
+
+/// The next text frame of `stream` as JSON; an error once the connection ended.
+pub async fn next_json<S>(stream: &mut S) -> anyhow::Result<Value>
+where
+    S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
+{
+    loop {
+        match stream.next().await {
+            Some(Ok(Message::Text(t))) => match serde_json::from_str(t.as_str()) {
+                Ok(v) => return Ok(v),
+                Err(e) => bail!("undecodable frame from the daemon: {e}"),
+            },
+            Some(Ok(Message::Close(_))) | None => bail!("connection ended"),
+            Some(Ok(_)) => continue,
+            Some(Err(e)) => bail!("connection failed: {e}"),
+        }
+    }
+}
+
 /// A raw peer over a plain TCP stream (see [`Raw::from_stream`]).
 pub struct RawTcp {
     pub ws: WebSocketStream<TcpStream>,
@@ -455,29 +499,53 @@ impl BinDaemon {
         listen: &str,
         env: &[(&str, &str)],
     ) -> anyhow::Result<BinDaemon> {
+        Self::start_with(
+            data_dir,
+            &data_dir.with_extension("ready.json"),
+            listen,
+            env,
+        )
+        .await
+    }
+
+    /// Like [`BinDaemon::start_on`], with the ready file at `ready` (outside a
+    /// directory tree a test records); fails as soon as the daemon exits unready.
+    pub async fn start_with(
+        data_dir: &Path,
+        ready: &Path,
+        listen: &str,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<BinDaemon> {
         let bin = turnd_bin()?;
-        let ready = data_dir.with_extension("ready.json");
         if ready.exists() {
-            std::fs::remove_file(&ready)?;
+            std::fs::remove_file(ready)?;
         }
         let mut cmd = tokio::process::Command::new(bin);
         cmd.args(["serve", "--listen", listen, "--admin-listen", "127.0.0.1:0"])
             .arg("--data-dir")
             .arg(data_dir)
             .arg("--ready-file")
-            .arg(&ready)
+            .arg(ready)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::inherit())
             .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.spawn().context("spawn turnd")?;
-        let body = eventually(20, "the ready file", || {
-            let ready = ready.clone();
-            async move { std::fs::read_to_string(&ready).ok() }
-        })
-        .await?;
+        let mut child = cmd.spawn().context("spawn turnd")?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let body = loop {
+            if let Ok(body) = std::fs::read_to_string(ready) {
+                break body;
+            }
+            if let Some(status) = child.try_wait()? {
+                bail!("turnd exited with {status} before it was ready");
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("timed out waiting for the ready file");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
         let v: Value = serde_json::from_str(&body)?;
         Ok(BinDaemon {
             child,

@@ -1,4 +1,5 @@
-//! A failing disk for durability tests, as an `LD_PRELOAD` library.
+//! A failing disk, and a recorder of what a power loss may take away, for durability
+//! tests, as an `LD_PRELOAD` library.
 //!
 //! Loaded into the real `turnd` binary, it interposes the C library's `pwrite64`,
 //! `pwrite`, `fdatasync` and `fsync`. The flag files in the directory named by
@@ -19,12 +20,23 @@
 //!
 //! Otherwise each call goes to the C library unchanged. The flags are looked up on
 //! every call (one `access` each; a sync also reads `slow-syncs` while it exists),
-//! so a test switches the disk between working and failing while the daemon runs. Nothing else is changed, and without
-//! `TURND_FAULTFS_DIR` the library does nothing at all.
+//! so a test switches the disk between working and failing while the daemon runs.
+//! Nothing else is changed, and without `TURND_FAULTFS_DIR` the library fails
+//! nothing.
 //!
 //! This is the layer below sled: a test with it sees what sled and the store writer
 //! do with real I/O errors, which fault injection above the store (`FaultyKv`) cannot
 //! show. Linux (glibc) only; elsewhere the library is empty.
+//!
+//! With `TURND_POWERLOSS_ROOT` and `TURND_POWERLOSS_DIR` set it also records, for
+//! power-loss tests, every change to the files and directories under the root and
+//! every sync of them ([`recorder`], [`names`]): for that it interposes as well every
+//! other call of the C library that writes a file (`write`, `writev`, `pwritev*`),
+//! changes its size (`ftruncate*`, `fallocate*`, `posix_fallocate*`) or a name
+//! (`open*`/`creat*` with `O_CREAT` or `O_TRUNC`, `mkdir*`, `unlink*`, `rmdir`,
+//! `rename*`), and those it only reports (`link*`, `symlink*`, `truncate*`,
+//! `copy_file_range`, `mmap*`, `sync`, `syncfs`); without those variables each goes
+//! to the C library unchanged.
 #![cfg(target_os = "linux")]
 #![cfg_attr(
     test,
@@ -38,7 +50,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use libc::{off64_t, off_t, size_t, ssize_t};
+use libc::{iovec, off64_t, off_t, size_t, ssize_t};
 
 /// The flag files, from `TURND_FAULTFS_DIR` (None: never fail).
 struct Flags {
@@ -94,7 +106,7 @@ fn guarded<R: From<i8>>(pick: fn(&Flags) -> &CString, call: impl FnOnce() -> Opt
 }
 
 /// -1 with `errno` set to `code`.
-fn fail<R: From<i8>>(code: c_int) -> R {
+pub(crate) fn fail<R: From<i8>>(code: c_int) -> R {
     // SAFETY: `__errno_location` returns the calling thread's errno slot.
     unsafe { *libc::__errno_location() = code };
     R::from(-1)
@@ -145,15 +157,15 @@ fn named_db(fd: c_int) -> bool {
 
 /// The next definition of `name` (NUL-terminated) after this library: the C
 /// library's.
-fn next(name: &'static [u8]) -> *mut c_void {
+pub(crate) fn next(name: &'static [u8]) -> *mut c_void {
     // SAFETY: `name` is NUL-terminated; RTLD_NEXT lookups have no other requirement.
     unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr().cast()) }
 }
 
 macro_rules! real {
     ($name:literal, $ty:ty) => {{
-        static REAL: OnceLock<usize> = OnceLock::new();
-        let p = *REAL.get_or_init(|| next(concat!($name, "\0").as_bytes()) as usize);
+        static REAL: ::std::sync::OnceLock<usize> = ::std::sync::OnceLock::new();
+        let p = *REAL.get_or_init(|| $crate::next(concat!($name, "\0").as_bytes()) as usize);
         if p == 0 {
             None
         } else {
@@ -162,6 +174,28 @@ macro_rules! real {
         }
     }};
 }
+
+/// Interposed C library functions: each `fn name(args) -> ret { body }` exported
+/// under its own name, for the C library's callers.
+macro_rules! interpose {
+    ($(
+        $(#[doc = $doc:literal])*
+        fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty $body:block
+    )*) => {
+        $(
+            $(#[doc = $doc])*
+            ///
+            /// # Safety
+            ///
+            /// The C library's contract for this call.
+            #[no_mangle]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret $body
+        )*
+    };
+}
+
+pub mod names;
+pub mod recorder;
 
 type PwriteFn = unsafe extern "C" fn(c_int, *const c_void, size_t, off_t) -> ssize_t;
 type Pwrite64Fn = unsafe extern "C" fn(c_int, *const c_void, size_t, off64_t) -> ssize_t;
@@ -181,7 +215,8 @@ pub unsafe extern "C" fn pwrite64(
     offset: off64_t,
 ) -> ssize_t {
     write_guarded(fd, || {
-        real!("pwrite64", Pwrite64Fn).map(|f| f(fd, buf, count, offset))
+        real!("pwrite64", Pwrite64Fn)
+            .map(|f| recorder::write(fd, Some(offset), count, || f(fd, buf, count, offset)))
     })
 }
 
@@ -199,7 +234,8 @@ pub unsafe extern "C" fn pwrite(
     offset: off_t,
 ) -> ssize_t {
     write_guarded(fd, || {
-        real!("pwrite", PwriteFn).map(|f| f(fd, buf, count, offset))
+        real!("pwrite", PwriteFn)
+            .map(|f| recorder::write(fd, Some(offset), count, || f(fd, buf, count, offset)))
     })
 }
 
@@ -237,7 +273,10 @@ fn stall_sync() {
 #[no_mangle]
 pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
     stall_sync();
-    guarded(|f| &f.syncs, || real!("fdatasync", SyncFn).map(|f| f(fd)))
+    guarded(
+        |f| &f.syncs,
+        || real!("fdatasync", SyncFn).map(|f| recorder::sync(fd, true, || f(fd))),
+    )
 }
 
 /// Interposed `fsync`: waits while `slow-syncs` exists, fails with `EIO` while
@@ -249,5 +288,181 @@ pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
     stall_sync();
-    guarded(|f| &f.syncs, || real!("fsync", SyncFn).map(|f| f(fd)))
+    guarded(
+        |f| &f.syncs,
+        || real!("fsync", SyncFn).map(|f| recorder::sync(fd, false, || f(fd))),
+    )
+}
+
+type WriteFn = unsafe extern "C" fn(c_int, *const c_void, size_t) -> ssize_t;
+type WritevFn = unsafe extern "C" fn(c_int, *const iovec, c_int) -> ssize_t;
+type PwritevFn = unsafe extern "C" fn(c_int, *const iovec, c_int, off_t) -> ssize_t;
+type Pwritev2Fn = unsafe extern "C" fn(c_int, *const iovec, c_int, off_t, c_int) -> ssize_t;
+type FtruncateFn = unsafe extern "C" fn(c_int, off_t) -> c_int;
+type FallocateFn = unsafe extern "C" fn(c_int, c_int, off_t, off_t) -> c_int;
+type PosixFallocateFn = unsafe extern "C" fn(c_int, off_t, off_t) -> c_int;
+
+/// `real`'s result, or -1 with `ENOSYS` when the C library has no such function.
+fn or_enosys<R: From<i8>>(real: Option<R>) -> R {
+    real.unwrap_or_else(|| fail(libc::ENOSYS))
+}
+
+/// Bytes `iov[..n]` hold.
+///
+/// # Safety
+///
+/// `iov` points at `n` readable `iovec`s.
+unsafe fn iov_len(iov: *const iovec, n: c_int) -> usize {
+    let n = usize::try_from(n).unwrap_or(0);
+    if iov.is_null() || n == 0 {
+        return 0;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts(iov, n) }
+        .iter()
+        .map(|v| v.iov_len)
+        .sum()
+}
+
+/// The position a `pwritev2` with `off` and `flags` writes at (None: the file's
+/// position, or its end).
+fn pwritev2_at(off: off_t, flags: c_int) -> Option<i64> {
+    (off != -1 && flags & libc::RWF_APPEND == 0).then_some(off)
+}
+
+/// A `fallocate` with `mode`: recorded as a size change when it may grow the file
+/// (mode 0), passed through when it only reserves blocks (`FALLOC_FL_KEEP_SIZE`), and
+/// unmodeled otherwise (punching or zeroing a range changes bytes).
+fn fallocate_with(fd: c_int, mode: c_int, real: impl FnOnce() -> c_int) -> c_int {
+    match mode {
+        0 => recorder::resize(fd, None, real),
+        libc::FALLOC_FL_KEEP_SIZE => real(),
+        _ => {
+            if let Some((rec, _busy)) = recorder::active() {
+                if let Some(path) = rec.tracked(fd) {
+                    recorder::unmodeled(
+                        rec,
+                        format!(
+                            "fallocate mode {mode} of {}",
+                            String::from_utf8_lossy(&path)
+                        ),
+                    );
+                }
+            }
+            real()
+        }
+    }
+}
+
+interpose! {
+    /// `write`: recorded by the power-loss recorder (see the crate documentation);
+    /// never failed by the flags.
+    fn write(fd: c_int, buf: *const c_void, count: size_t) -> ssize_t {
+        or_enosys(
+            real!("write", WriteFn).map(|f| recorder::write(fd, None, count, || f(fd, buf, count))),
+        )
+    }
+
+    /// `writev`: as `write`.
+    fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+        // SAFETY: the caller's contract.
+        let len = unsafe { iov_len(iov, n) };
+        or_enosys(
+            real!("writev", WritevFn).map(|f| recorder::write(fd, None, len, || f(fd, iov, n))),
+        )
+    }
+
+    /// `pwritev`: as `write`, at `off`.
+    fn pwritev(fd: c_int, iov: *const iovec, n: c_int, off: off_t) -> ssize_t {
+        // SAFETY: the caller's contract.
+        let len = unsafe { iov_len(iov, n) };
+        or_enosys(
+            real!("pwritev", PwritevFn)
+                .map(|f| recorder::write(fd, Some(off), len, || f(fd, iov, n, off))),
+        )
+    }
+
+    /// `pwritev64`: as `pwritev`.
+    fn pwritev64(fd: c_int, iov: *const iovec, n: c_int, off: off64_t) -> ssize_t {
+        // SAFETY: the caller's contract.
+        let len = unsafe { iov_len(iov, n) };
+        or_enosys(
+            real!("pwritev64", PwritevFn)
+                .map(|f| recorder::write(fd, Some(off), len, || f(fd, iov, n, off))),
+        )
+    }
+
+    /// `pwritev2`: as `pwritev` (at the position for `off` -1).
+    fn pwritev2(fd: c_int, iov: *const iovec, n: c_int, off: off_t, flags: c_int) -> ssize_t {
+        // SAFETY: the caller's contract.
+        let len = unsafe { iov_len(iov, n) };
+        let at = pwritev2_at(off, flags);
+        or_enosys(
+            real!("pwritev2", Pwritev2Fn)
+                .map(|f| recorder::write(fd, at, len, || f(fd, iov, n, off, flags))),
+        )
+    }
+
+    /// `pwritev64v2`: as `pwritev2`.
+    fn pwritev64v2(
+        fd: c_int,
+        iov: *const iovec,
+        n: c_int,
+        off: off64_t,
+        flags: c_int,
+    ) -> ssize_t {
+        // SAFETY: the caller's contract.
+        let len = unsafe { iov_len(iov, n) };
+        let at = pwritev2_at(off, flags);
+        or_enosys(
+            real!("pwritev64v2", Pwritev2Fn)
+                .map(|f| recorder::write(fd, at, len, || f(fd, iov, n, off, flags))),
+        )
+    }
+
+    /// `ftruncate`: recorded as a size change.
+    fn ftruncate(fd: c_int, len: off_t) -> c_int {
+        let to = u64::try_from(len).ok();
+        or_enosys(real!("ftruncate", FtruncateFn).map(|f| recorder::resize(fd, to, || f(fd, len))))
+    }
+
+    /// `ftruncate64`: as `ftruncate`.
+    fn ftruncate64(fd: c_int, len: off64_t) -> c_int {
+        let to = u64::try_from(len).ok();
+        or_enosys(
+            real!("ftruncate64", FtruncateFn).map(|f| recorder::resize(fd, to, || f(fd, len))),
+        )
+    }
+
+    /// `fallocate` (see `fallocate_with`).
+    fn fallocate(fd: c_int, mode: c_int, off: off_t, len: off_t) -> c_int {
+        or_enosys(
+            real!("fallocate", FallocateFn)
+                .map(|f| fallocate_with(fd, mode, || f(fd, mode, off, len))),
+        )
+    }
+
+    /// `fallocate64`: as `fallocate`.
+    fn fallocate64(fd: c_int, mode: c_int, off: off64_t, len: off64_t) -> c_int {
+        or_enosys(
+            real!("fallocate64", FallocateFn)
+                .map(|f| fallocate_with(fd, mode, || f(fd, mode, off, len))),
+        )
+    }
+
+    /// `posix_fallocate`: a size change (it returns an error number).
+    fn posix_fallocate(fd: c_int, off: off_t, len: off_t) -> c_int {
+        match real!("posix_fallocate", PosixFallocateFn) {
+            Some(f) => recorder::resize(fd, None, || f(fd, off, len)),
+            None => libc::ENOSYS,
+        }
+    }
+
+    /// `posix_fallocate64`: as `posix_fallocate`.
+    fn posix_fallocate64(fd: c_int, off: off64_t, len: off64_t) -> c_int {
+        match real!("posix_fallocate64", PosixFallocateFn) {
+            Some(f) => recorder::resize(fd, None, || f(fd, off, len)),
+            None => libc::ENOSYS,
+        }
+    }
 }

@@ -95,9 +95,6 @@ mod tests {
         for i in 0..8000 {
             counts[session_partition(&format!("session-{i}"), 8) as usize] += 1;
         }
-        assert!(
-            counts.iter().all(|c| (800..1200).contains(c)),
-            "{counts:?}"
-        );
+        assert!(counts.iter().all(|c| (800..1200).contains(c)), "{counts:?}");
     }
 }

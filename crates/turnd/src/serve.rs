@@ -305,10 +305,32 @@ struct DirClaim {
     _file: std::fs::File,
 }
 
+/// Create `dir` and whichever directories above it are missing, each made durable
+/// in its parent (an fsync of the parent after it was made): the store syncs what it
+/// makes inside `dir`, and a directory entry is durable only once its parent is
+/// synced, so a power loss soon after a first start could otherwise take the whole
+/// data directory with the writes it acknowledged.
+fn create_data_dir(dir: &Path) -> std::io::Result<()> {
+    let mut made = Vec::new();
+    let mut d = Some(dir);
+    while let Some(p) = d.filter(|p| !p.as_os_str().is_empty() && !p.exists()) {
+        made.push(p);
+        d = p.parent();
+    }
+    std::fs::create_dir_all(dir)?;
+    for p in made {
+        let parent = match p.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// Claim `dir` for this process, or say which process holds it.
 fn claim_data_dir(dir: &Path) -> anyhow::Result<DirClaim> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("create the data directory {}", dir.display()))?;
+    create_data_dir(dir).with_context(|| format!("create the data directory {}", dir.display()))?;
     let path = dir.join(PID_FILE);
     let mut file = std::fs::OpenOptions::new()
         .read(true)

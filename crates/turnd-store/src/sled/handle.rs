@@ -125,6 +125,11 @@ impl Shared {
             StoreError::io(IoOp::Write, format_args!("create data dir {dir:?}"), &e)
         })?;
         let handle = Handle::open(dir, &opts)?;
+        // sled writes `conf` (in two writes) when it makes a store, or finds it empty,
+        // and never syncs it; one torn by a power loss fails every later open.
+        std::fs::File::open(dir.join("conf"))
+            .and_then(|f| f.sync_all())
+            .map_err(|e| StoreError::io(IoOp::Sync, format_args!("fsync {dir:?}/conf"), &e))?;
         sync_dir(dir)?;
         Shared::opened(dir, opts, Some(handle))
     }

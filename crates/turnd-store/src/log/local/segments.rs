@@ -135,7 +135,13 @@ impl SegmentWriter {
         segment_bytes: u64,
         applied: u64,
     ) -> Result<Opened<SegmentWriter>, StoreError> {
+        let fresh = !dir.exists();
         std::fs::create_dir_all(dir).map_err(|e| io(&format!("create {dir:?}"), e))?;
+        // The directory's own name is durable only once its parent is synced: before
+        // a record in it is acknowledged.
+        if let Some(parent) = dir.parent().filter(|p| fresh && !p.as_os_str().is_empty()) {
+            sync_dir(parent)?;
+        }
         let mut found = list_segments(dir)?;
         remove_applied(&mut found, applied)?;
         let read = read_after(&found, applied)?;
