@@ -36,7 +36,7 @@ mod watches;
 mod workers;
 
 pub use clock::{fmt_time, fmt_utc, Clock};
-pub use config::{EngineConfig, TurnsConfig};
+pub use config::{EngineConfig, Partition, TurnsConfig};
 pub use engine::{
     BlockedOn, Caller, Engine, LiveInvocation, RowDetail, SessionsPage, SubmitOptions, TurnRun,
     TurnRuns,
@@ -44,4 +44,4 @@ pub use engine::{
 pub use error::{EngineError, EngineResult};
 pub use registry::{CloseReason, Outbox, WorkerCaps};
 pub use wait_index::StuckRule;
-pub use workers::{WakeHook, Workers};
+pub use workers::{AttachedWorker, WakeHook, Workers};
