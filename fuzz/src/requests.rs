@@ -1330,8 +1330,14 @@ impl<'d> World<'d> {
             max_watches: 64,
             request_id: req.id,
         };
-        let r =
-            router::dispatch(&self.engine, &caller, &req.op, req.args_text(), Some(&origin)).await;
+        let r = router::dispatch(
+            &self.engine,
+            &caller,
+            &req.op,
+            req.args_text(),
+            Some(&origin),
+        )
+        .await;
         let op = req.op.clone();
         match r {
             Ok(Answer::Reply(text)) => self.respond(req.id, &op, Ok(text)),
