@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::handshake::server::{
-    ErrorResponse, Request as HttpRequest, Response,
+    Callback, ErrorResponse, Request as HttpRequest, Response,
 };
 use tokio_tungstenite::tungstenite::http::StatusCode;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
@@ -101,21 +101,17 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// Serve one accepted TCP connection of the iii endpoint until it ends.
-pub(crate) async fn serve(
-    iii: Arc<Iii>,
-    router: Arc<dyn Router>,
-    stream: TcpStream,
+/// The handshake's checks of an upgrade request: its path (`/` for the worker
+/// socket, `/otel` for telemetry, anything else 404) and its token (401 when not
+/// accepted). It notes which socket was opened in `path`.
+struct Upgrade<'a> {
+    iii: &'a Iii,
     peer: SocketAddr,
-) {
-    let max = iii.cfg.max_frame_bytes as usize;
-    let ws_config = WebSocketConfig::default()
-        .max_message_size(Some(max))
-        .max_frame_size(Some(max));
-    let mut path = None;
-    // The handshake callback's error type is fixed by tungstenite.
-    #[allow(clippy::result_large_err)]
-    let check = |req: &HttpRequest, resp: Response| -> Result<Response, ErrorResponse> {
+    path: &'a mut Option<Path>,
+}
+
+impl Callback for Upgrade<'_> {
+    fn on_request(self, req: &HttpRequest, resp: Response) -> Result<Response, ErrorResponse> {
         let p = req.uri().path();
         let which = if p == "/" || p.is_empty() {
             Path::Worker
@@ -128,7 +124,8 @@ pub(crate) async fn serve(
             *r.status_mut() = StatusCode::NOT_FOUND;
             return Err(r);
         };
-        if !iii.token_ok(request_token(req).as_deref()) {
+        if !self.iii.token_ok(request_token(req).as_deref()) {
+            let peer = self.peer;
             tracing::warn!(%peer, path = p, "iii connection refused: token not accepted (send Authorization: Bearer TOKEN or ?token=TOKEN)");
             let mut r = ErrorResponse::new(Some(
                 "not_authenticated: token not accepted for an iii connection\n".to_string(),
@@ -136,8 +133,27 @@ pub(crate) async fn serve(
             *r.status_mut() = StatusCode::UNAUTHORIZED;
             return Err(r);
         }
-        path = Some(which);
+        *self.path = Some(which);
         Ok(resp)
+    }
+}
+
+/// Serve one accepted TCP connection of the iii endpoint until it ends.
+pub(crate) async fn serve(
+    iii: Arc<Iii>,
+    router: Arc<dyn Router>,
+    stream: TcpStream,
+    peer: SocketAddr,
+) {
+    let max = iii.cfg.max_frame_bytes as usize;
+    let ws_config = WebSocketConfig::default()
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max));
+    let mut path = None;
+    let check = Upgrade {
+        iii: &iii,
+        peer,
+        path: &mut path,
     };
     let ws = match tokio_tungstenite::accept_hdr_async_with_config(stream, check, Some(ws_config))
         .await
