@@ -2,12 +2,12 @@
 //! workers, applied to a real [`Engine`] on an in-memory store.
 //!
 //! Every request is built as a JSON text frame, decoded with the server's
-//! `decode_raw_request`, its `args` parsed into the op's argument type and run against
-//! the engine exactly as `turnd_server::ws::Conn::run` does (that function is
-//! private, so [`World::dispatch`] mirrors it; keep the two in step). Responses are
-//! encoded with the server's encoders and decoded again with the SDK's
-//! `decode_server_frame` and the op's result type; every push a worker or watcher
-//! receives is decoded the same way.
+//! `decode_raw_request` and handed, with the caller its connection said `hello` as,
+//! to the daemon's own router (`turnd_server::router::dispatch`), which admits the op
+//! for the caller's role, decodes its `args` and runs it on the engine, as it does
+//! for every request of a real connection. Responses are encoded with the server's
+//! encoders and decoded again with the SDK's `decode_server_frame` and the op's
+//! result type; every push a worker or watcher receives is decoded the same way.
 //!
 //! Ids that the daemon mints (turn, invocation and watch ids) are learned from its
 //! responses and pushes, and the fuzzer refers to them by index, so the ops hit real
@@ -36,10 +36,10 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use turnd_engine::{Caller, Engine, EngineConfig, Outbox};
 use turnd_proto::frame::{
-    decode_server_frame, encode_error, encode_ok, encode_request, ServerFrame,
+    decode_server_frame, encode_error, encode_ok_text, encode_request, ServerFrame,
 };
 use turnd_proto::*;
-use turnd_server::error::to_wire;
+use turnd_server::router::{self, Answer, Origin};
 use turnd_store::faulty::{Faults, FaultyKv};
 use turnd_store::mem::MemKv;
 use turnd_store::{check_store, Kv, Store};
@@ -550,8 +550,8 @@ fn live_in(store: &Store) -> Result<Live, turnd_store::StoreError> {
     Ok(live)
 }
 
-/// What the server concluded about one frame.
-type Answer = Result<Value, ErrorBody>;
+/// What the server concluded about one frame: the answer's JSON text, or an error.
+type Answered = Result<String, ErrorBody>;
 
 impl<'d> World<'d> {
     fn new(d: &'d mut Durable, engine: Engine, worker_cap: usize) -> Self {
@@ -1247,16 +1247,12 @@ impl<'d> World<'d> {
     async fn hello(&mut self, wi: usize, text: &str) {
         let req = decode_raw_request(text).expect("the harness builds valid frames");
         let (outbox, rx) = Outbox::new(Self::conn_id(self.d, "worker"), self.worker_cap);
-        let r: Answer = async {
-            let h: HelloArgs = args(req.args_text())?;
+        let r: Answered = async {
+            let h: HelloArgs = router::decode(req.args_text())?;
             if h.protocol != PROTOCOL_VERSION {
                 return Err(ErrorBody::new(ErrorCode::UnsupportedProtocol, "protocol"));
             }
-            let rec = self
-                .engine
-                .worker_hello(&h, outbox.clone())
-                .await
-                .map_err(to_wire)?;
+            let rec = self.engine.worker_hello(&h, outbox.clone()).await?;
             ok(HelloOk {
                 server: "turnd".into(),
                 version: "fuzz".into(),
@@ -1324,156 +1320,31 @@ impl<'d> World<'d> {
                 return;
             }
         };
-        let Some(op) = Op::parse(&req.op) else {
-            let e = ErrorBody::new(ErrorCode::UnknownOp, format!("no op {:?}", req.op));
-            self.respond_error(Some(req.id), &req.op.clone(), e);
-            return;
-        };
-        if !op.allowed_for(role) {
-            let e = ErrorBody::new(ErrorCode::Forbidden, "role");
-            self.respond_error(Some(req.id), &req.op.clone(), e);
-            return;
-        }
         let caller = Caller { role, worker_id };
-        if let Some(r) = self.dispatch(&caller, op, req.args_text(), req.id).await {
-            self.respond(req.id, op.name(), r);
+        let outbox = match who {
+            Who::Worker(i) => self.workers[i].as_ref().map(|c| &c.outbox),
+            _ => None,
+        };
+        let origin = Origin {
+            outbox: outbox.unwrap_or(&self.client.outbox),
+            max_watches: 64,
+            request_id: req.id,
+        };
+        let r = router::dispatch(
+            &self.engine,
+            &caller,
+            &req.op,
+            req.args_text(),
+            Some(&origin),
+        )
+        .await;
+        let op = req.op.clone();
+        match r {
+            Ok(Answer::Reply(text)) => self.respond(req.id, &op, Ok(text)),
+            // A watch: answered on the client's outbox, read by `drain`.
+            Ok(Answer::Queued) => {}
+            Err(e) => self.respond_error(Some(req.id), &op, e),
         }
-    }
-
-    /// Mirror of `turnd_server::ws::Conn::run` (private there): one request.
-    /// `None` means the response was already queued (watch).
-    async fn dispatch(&self, caller: &Caller, op: Op, a: &str, id: u64) -> Option<Answer> {
-        let e = &self.engine;
-        let worker_id = || {
-            caller.worker_id.clone().ok_or_else(|| {
-                ErrorBody::new(ErrorCode::Forbidden, "this op needs a worker connection")
-            })
-        };
-        let r = match op {
-            Op::Hello => Err(ErrorBody::new(ErrorCode::Conflict, "already said hello")),
-            Op::Ping => ok(json!({})),
-            Op::FunctionRegister => match (worker_id(), args::<RegisterArgs>(a)) {
-                (Ok(w), Ok(r)) => e.register(&w, &r).map_err(to_wire).and_then(ok),
-                (Err(x), _) | (_, Err(x)) => Err(x),
-            },
-            Op::FunctionUnregister => match (worker_id(), args::<FunctionIdArgs>(a)) {
-                (Ok(w), Ok(r)) => e
-                    .unregister(&w, &r.function_id)
-                    .map_err(to_wire)
-                    .and_then(|_| ok(json!({}))),
-                (Err(x), _) | (_, Err(x)) => Err(x),
-            },
-            Op::InvocationResult => match args::<ResultArgs>(a) {
-                Ok(r) => e.result(caller, r).await.map_err(to_wire).and_then(ok),
-                Err(x) => Err(x),
-            },
-            Op::InvocationHeartbeat => match args::<InvocationIdArgs>(a) {
-                Ok(r) => e
-                    .heartbeat(caller, &r.invocation_id)
-                    .await
-                    .map_err(to_wire)
-                    .and_then(ok),
-                Err(x) => Err(x),
-            },
-            Op::InvocationStatus => match args::<StatusArgs>(a) {
-                Ok(r) => e
-                    .status(caller, &r)
-                    .await
-                    .map_err(to_wire)
-                    .and_then(|_| ok(json!({}))),
-                Err(x) => Err(x),
-            },
-            Op::TurnSubmit => match args::<SubmitArgs>(a) {
-                Ok(r) => e.submit(r).await.map_err(to_wire).and_then(ok),
-                Err(x) => Err(x),
-            },
-            Op::TurnGet => match args::<TurnIdArgs>(a) {
-                Ok(r) => e
-                    .get_turn(&r.turn_id)
-                    .await
-                    .map_err(to_wire)
-                    .and_then(|turn| ok(TurnOk { turn })),
-                Err(x) => Err(x),
-            },
-            Op::TurnWait => match args::<WaitArgs>(a) {
-                Ok(r) => e
-                    .wait_turn(&r.turn_id, r.timeout_ms)
-                    .await
-                    .map_err(to_wire)
-                    .and_then(|turn| ok(TurnOk { turn })),
-                Err(x) => Err(x),
-            },
-            Op::TurnStop => match args::<StopArgs>(a) {
-                Ok(r) => e
-                    .stop_turn(&r.turn_id, r.reason)
-                    .await
-                    .map_err(to_wire)
-                    .and_then(|turn| ok(TurnOk { turn })),
-                Err(x) => Err(x),
-            },
-            Op::TurnList => match args::<ListArgs>(a) {
-                Ok(r) => e.list_turns(r).await.map_err(to_wire).and_then(ok),
-                Err(x) => Err(x),
-            },
-            Op::SessionInspect => match args::<SessionIdArgs>(a) {
-                Ok(r) => e
-                    .inspect(&r.session_id)
-                    .await
-                    .map_err(to_wire)
-                    .and_then(|session| ok(SessionOk { session })),
-                Err(x) => Err(x),
-            },
-            Op::SessionStop => match args::<SessionStopArgs>(a) {
-                Ok(r) => e
-                    .stop_session(&r.session_id, r.reason)
-                    .await
-                    .map_err(to_wire)
-                    .and_then(|turns| ok(TurnsOk { turns })),
-                Err(x) => Err(x),
-            },
-            Op::SessionEvents => match args::<EventsArgs>(a) {
-                Ok(r) => e.events(r).await.map_err(to_wire).and_then(ok),
-                Err(x) => Err(x),
-            },
-            Op::Watch => match args::<WatchArgs>(a) {
-                Ok(r) => {
-                    let res = e
-                        .watch(r, &self.client.outbox, 64, |w| {
-                            encode_ok(id, &serde_json::to_value(w).unwrap_or(Value::Null))
-                        })
-                        .await;
-                    return match res {
-                        Ok(()) => None,
-                        Err(x) => Some(Err(to_wire(x))),
-                    };
-                }
-                Err(x) => Err(x),
-            },
-            Op::Unwatch => match args::<WatchIdArgs>(a) {
-                Ok(r) => e
-                    .unwatch(&self.client.outbox.conn_id, &r.watch_id)
-                    .map_err(to_wire)
-                    .and_then(|_| ok(json!({}))),
-                Err(x) => Err(x),
-            },
-            Op::Stats => ok(StatsOk { stats: e.stats() }),
-            Op::WorkersList => ok(WorkersOk {
-                workers: e.workers(),
-            }),
-            Op::FunctionsList => ok(FunctionsOk {
-                functions: e.functions(),
-            }),
-            Op::SessionsList => match args::<SessionsListArgs>(a) {
-                Ok(r) => e.list_sessions(r).await.map_err(to_wire).and_then(ok),
-                Err(x) => Err(x),
-            },
-            // The server runs this on the blocking pool; the result is the same.
-            Op::StoreCheck => e
-                .check()
-                .map_err(to_wire)
-                .and_then(|violations| ok(CheckOk { violations })),
-        };
-        Some(r)
     }
 
     /// Encode the answer as the server would, decode it as the SDK would, and learn
@@ -1487,13 +1358,13 @@ impl<'d> World<'d> {
             .or_insert(0) += 1;
     }
 
-    fn respond(&mut self, id: u64, op: &str, r: Answer) {
+    fn respond(&mut self, id: u64, op: &str, r: Answered) {
         let ok = match r {
             Ok(v) => v,
             Err(e) => return self.respond_error(Some(id), op, e),
         };
         self.tally(op, "ok");
-        let text = encode_ok(id, &ok);
+        let text = encode_ok_text(id, &ok);
         let v = match decode_server_frame(&text) {
             Ok(ServerFrame::Ok { id: back, ok }) if back == id => ok,
             other => panic!("ok response does not decode as one: {other:?}\n{text}"),
@@ -1595,13 +1466,8 @@ fn raw_who(r: u8) -> Who {
     }
 }
 
-fn args<T: DeserializeOwned>(text: &str) -> Result<T, ErrorBody> {
-    serde_json::from_str(text)
-        .map_err(|e| ErrorBody::new(ErrorCode::BadRequest, format!("bad `args`: {e}")))
-}
-
-fn ok<T: serde::Serialize>(v: T) -> Result<Value, ErrorBody> {
-    serde_json::to_value(v)
+fn ok<T: serde::Serialize>(v: T) -> Answered {
+    serde_json::to_string(&v)
         .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode response: {e}")))
 }
 

@@ -1,32 +1,35 @@
 //! One iii connection: a reader that acts on each frame in order (worker frames in
 //! line, triggers as their own tasks) and a writer that sends the connection's iii
-//! frames and turns the engine's pushes (`invoke`) into `invokefunction`.
+//! frames and turns the engine's pushes (`invoke`) into `invokefunction`. A frame
+//! that is a protocol v1 op is sent through the daemon's [`Router`] as that op.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures_util::{SinkExt, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::handshake::server::{
-    ErrorResponse, Request as HttpRequest, Response,
+    Callback, ErrorResponse, Request as HttpRequest, Response,
 };
 use tokio_tungstenite::tungstenite::http::StatusCode;
-use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 use turnd_engine::{Caller, CloseReason, Outbox, WorkerCaps};
 use turnd_proto::frame::{decode_server_frame, Push, ServerFrame};
 use turnd_proto::{
-    new_connection_id, Failure, HelloArgs, Outcome, ResultArgs, Role, SubmitArgs, Turn, TurnStatus,
-    CLOSE_SUPERSEDED, PROTOCOL_VERSION,
+    new_connection_id, ErrorBody, ErrorCode, Failure, FunctionIdArgs, HelloArgs, Op, Outcome,
+    RegisterOk, ResultArgs, ResultOk, Role, SubmitArgs, Turn, TurnStatus, CLOSE_SUPERSEDED,
+    PROTOCOL_VERSION,
 };
 
 use crate::wire::{self, Action, IiiError, Inbound, InvocationResult, InvokeFunction, Outbound};
-use crate::Iii;
+use crate::{Iii, Router};
 
 mod calls;
 
@@ -98,16 +101,17 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// Serve one accepted TCP connection of the iii endpoint until it ends.
-pub(crate) async fn serve(iii: Arc<Iii>, stream: TcpStream, peer: SocketAddr) {
-    let max = iii.cfg.max_frame_bytes as usize;
-    let ws_config = WebSocketConfig::default()
-        .max_message_size(Some(max))
-        .max_frame_size(Some(max));
-    let mut path = None;
-    // The handshake callback's error type is fixed by tungstenite.
-    #[allow(clippy::result_large_err)]
-    let check = |req: &HttpRequest, resp: Response| -> Result<Response, ErrorResponse> {
+/// The handshake's checks of an upgrade request: its path (`/` for the worker
+/// socket, `/otel` for telemetry, anything else 404) and its token (401 when not
+/// accepted). It notes which socket was opened in `path`.
+struct Upgrade<'a> {
+    iii: &'a Iii,
+    peer: SocketAddr,
+    path: &'a mut Option<Path>,
+}
+
+impl Callback for Upgrade<'_> {
+    fn on_request(self, req: &HttpRequest, resp: Response) -> Result<Response, ErrorResponse> {
         let p = req.uri().path();
         let which = if p == "/" || p.is_empty() {
             Path::Worker
@@ -120,7 +124,8 @@ pub(crate) async fn serve(iii: Arc<Iii>, stream: TcpStream, peer: SocketAddr) {
             *r.status_mut() = StatusCode::NOT_FOUND;
             return Err(r);
         };
-        if !iii.token_ok(request_token(req).as_deref()) {
+        if !self.iii.token_ok(request_token(req).as_deref()) {
+            let peer = self.peer;
             tracing::warn!(%peer, path = p, "iii connection refused: token not accepted (send Authorization: Bearer TOKEN or ?token=TOKEN)");
             let mut r = ErrorResponse::new(Some(
                 "not_authenticated: token not accepted for an iii connection\n".to_string(),
@@ -128,8 +133,27 @@ pub(crate) async fn serve(iii: Arc<Iii>, stream: TcpStream, peer: SocketAddr) {
             *r.status_mut() = StatusCode::UNAUTHORIZED;
             return Err(r);
         }
-        path = Some(which);
+        *self.path = Some(which);
         Ok(resp)
+    }
+}
+
+/// Serve one accepted TCP connection of the iii endpoint until it ends.
+pub(crate) async fn serve(
+    iii: Arc<Iii>,
+    router: Arc<dyn Router>,
+    stream: TcpStream,
+    peer: SocketAddr,
+) {
+    let max = iii.cfg.max_frame_bytes as usize;
+    let ws_config = WebSocketConfig::default()
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max));
+    let mut path = None;
+    let check = Upgrade {
+        iii: &iii,
+        peer,
+        path: &mut path,
     };
     let ws = match tokio_tungstenite::accept_hdr_async_with_config(stream, check, Some(ws_config))
         .await
@@ -141,7 +165,7 @@ pub(crate) async fn serve(iii: Arc<Iii>, stream: TcpStream, peer: SocketAddr) {
         }
     };
     match path {
-        Some(Path::Worker) => serve_worker(iii, ws, peer).await,
+        Some(Path::Worker) => serve_worker(iii, router, ws, peer).await,
         Some(Path::Telemetry) => {
             // The SDKs' telemetry: read and dropped, so they do not reconnect forever.
             let (mut sink, mut stream) = ws.split();
@@ -164,6 +188,8 @@ pub(crate) async fn serve(iii: Arc<Iii>, stream: TcpStream, peer: SocketAddr) {
 
 struct Conn {
     iii: Arc<Iii>,
+    /// Where the frames that are protocol v1 ops go.
+    router: Arc<dyn Router>,
     peer: SocketAddr,
     /// iii frames for the writer.
     tx: mpsc::Sender<String>,
@@ -229,22 +255,12 @@ async fn write_frames(
             },
         }
     };
-    if let Some((code, reason)) = close {
-        let frame = CloseFrame {
-            code: CloseCode::from(code),
-            reason: reason.into(),
-        };
-        if let Err(e) = sink.send(Message::Close(Some(frame))).await {
-            tracing::debug!("close frame not sent: {e}");
-        }
-    }
-    if let Err(e) = sink.close().await {
-        tracing::trace!("socket close: {e}");
-    }
+    turnd_socket::close(&mut sink, close).await;
 }
 
 async fn serve_worker(
     iii: Arc<Iii>,
+    router: Arc<dyn Router>,
     ws: tokio_tungstenite::WebSocketStream<TcpStream>,
     peer: SocketAddr,
 ) {
@@ -253,6 +269,7 @@ async fn serve_worker(
     let (tx, frames) = mpsc::channel::<String>(ANSWER_FRAMES);
     let conn = Arc::new(Conn {
         iii: iii.clone(),
+        router,
         peer,
         tx,
         slow: AtomicBool::new(false),
@@ -394,6 +411,24 @@ impl Conn {
         }
     }
 
+    /// A protocol v1 op through the daemon's router, its answer decoded.
+    async fn request<T: DeserializeOwned>(
+        &self,
+        caller: &Caller,
+        op: Op,
+        args: &impl Serialize,
+    ) -> Result<T, ErrorBody> {
+        let args = serde_json::to_string(args)
+            .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode {op:?}: {e}")))?;
+        let answer = self.router.dispatch(caller, op.name(), args).await?;
+        serde_json::from_str(&answer).map_err(|e| {
+            ErrorBody::new(
+                ErrorCode::Internal,
+                format!("decode the answer of {}: {e}", op.name()),
+            )
+        })
+    }
+
     fn lineage(&self) -> Option<String> {
         self.lineage.lock().ok().and_then(|l| l.clone())
     }
@@ -440,7 +475,13 @@ impl Conn {
                     h.remove(&id);
                 }
                 if let Some(w) = self.worker_id() {
-                    if let Err(e) = self.iii.engine.unregister(&w, &id) {
+                    let args = FunctionIdArgs {
+                        function_id: id.clone(),
+                    };
+                    let r: Result<Value, _> = self
+                        .request(&as_worker(w), Op::FunctionUnregister, &args)
+                        .await;
+                    if let Err(e) = r {
                         tracing::debug!(function_id = id, "iii unregisterfunction: {e}");
                     }
                 }
@@ -541,7 +582,14 @@ impl Conn {
         }
         let Some(w) = self.worker_id() else { return };
         let settings = self.iii.cfg.settings(&r.id);
-        match self.iii.engine.register(&w, &settings.register) {
+        let registered: Result<RegisterOk, _> = self
+            .request(
+                &as_worker(w.clone()),
+                Op::FunctionRegister,
+                &settings.register,
+            )
+            .await;
+        match registered {
             Ok(ok) => {
                 tracing::debug!(
                     worker_id = w,
@@ -569,23 +617,15 @@ impl Conn {
             }),
             None => Outcome::Complete(r.result.unwrap_or(Value::Null)),
         };
-        let caller = Caller {
-            role: Role::Worker,
-            worker_id: Some(w.clone()),
-        };
         let id = r.invocation_id;
-        match self
-            .iii
-            .engine
-            .result(
-                &caller,
-                ResultArgs {
-                    invocation_id: id.clone(),
-                    outcome,
-                },
-            )
-            .await
-        {
+        let args = ResultArgs {
+            invocation_id: id.clone(),
+            outcome,
+        };
+        let taken: Result<ResultOk, _> = self
+            .request(&as_worker(w.clone()), Op::InvocationResult, &args)
+            .await;
+        match taken {
             Ok(ok) => {
                 tracing::debug!(worker_id = w, invocation_id = id, accepted = ?ok.accepted, "iii invocationresult")
             }
@@ -595,6 +635,22 @@ impl Conn {
                 "iii invocationresult not taken: {e}"
             ),
         }
+    }
+}
+
+/// An iii connection acting as its worker, for the worker ops.
+fn as_worker(worker_id: String) -> Caller {
+    Caller {
+        role: Role::Worker,
+        worker_id: Some(worker_id),
+    }
+}
+
+/// An iii connection acting as a caller (a `trigger`), for the caller ops.
+fn as_client() -> Caller {
+    Caller {
+        role: Role::Client,
+        worker_id: None,
     }
 }
 

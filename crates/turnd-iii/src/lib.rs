@@ -1,11 +1,15 @@
 //! turnd's iii endpoint: programs written with iii-sdk (npm 0.22.1, PyPI 0.25.0)
 //! connect to turnd as they would to an iii engine and get turnd's guarantees.
 //!
-//! Each iii connection is turned into calls on the [`Engine`] in process, as the
-//! protocol-v1 server does: a connection that registers functions becomes a turnd
-//! worker (`iii/<lineage>`), whose identity survives reconnects through iii's
-//! `reattach`; a `trigger` becomes a turn. See `docs/iii.md` for the mapping and for
-//! what is and is not guaranteed.
+//! Each iii connection is turned into requests of the daemon, as a protocol-v1
+//! connection's are: a connection that registers functions becomes a turnd worker
+//! (`iii/<lineage>`), whose identity survives reconnects through iii's `reattach`; a
+//! `trigger` becomes a turn. An iii frame that is a protocol v1 op (registering a
+//! function, a result, waiting for a call's turn) goes through the daemon's
+//! [`Router`], as that op would from a protocol v1 connection; what only iii has (its
+//! worker attach, a call's turn with its dispatch bound, queues) calls the
+//! [`Engine`]. See `docs/iii.md` for the mapping and for what is and is not
+//! guaranteed.
 
 #![cfg_attr(
     test,
@@ -26,12 +30,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
+use futures_util::future::BoxFuture;
 use ring::hmac;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use turnd_engine::Engine;
-use turnd_proto::Role;
+use turnd_engine::{Caller, Engine};
+use turnd_proto::{ErrorBody, Role};
 use turnd_store::Batch;
 
 pub use config::IiiConfig;
@@ -43,6 +48,19 @@ pub(crate) fn store_key(rest: &str) -> Vec<u8> {
     let mut k = b"Xiii/".to_vec();
     k.extend_from_slice(rest.as_bytes());
     k
+}
+
+/// The daemon's router of protocol v1 ops (`turnd-server`'s `router`), which the
+/// endpoint is given when it starts serving: the caller, an op's name and its JSON
+/// arguments in, the op's answer as JSON text or a protocol error out. It is a trait
+/// here because `turnd-server`, which holds the router, depends on this crate.
+pub trait Router: Send + Sync {
+    fn dispatch<'a>(
+        &'a self,
+        caller: &'a Caller,
+        op: &'a str,
+        args: String,
+    ) -> BoxFuture<'a, Result<String, ErrorBody>>;
 }
 
 /// State shared by every iii connection.
@@ -103,8 +121,8 @@ impl Iii {
     }
 
     /// Serve the listener until `closing` is cancelled, then wait (briefly) for the
-    /// connections to end.
-    pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+    /// connections to end. Requests that are protocol v1 ops go to `router`.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, router: Arc<dyn Router>) {
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
@@ -112,7 +130,7 @@ impl Iii {
                         if let Err(e) = stream.set_nodelay(true) {
                             tracing::debug!(%peer, "set TCP_NODELAY: {e}");
                         }
-                        self.conns.spawn(conn::serve(self.clone(), stream, peer));
+                        self.conns.spawn(conn::serve(self.clone(), router.clone(), stream, peer));
                     }
                     Err(e) => {
                         tracing::warn!("iii endpoint: failed to accept a connection: {e}");

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use turnd_engine::EngineError;
-use turnd_proto::ErrorCode;
+use turnd_proto::ErrorBody;
 
 /// A frame an iii connection sends to turnd.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -81,35 +81,18 @@ impl IiiError {
     }
 }
 
-/// The code an iii caller gets for an engine error: protocol v1's code for it, so
-/// that a refused trigger reads as the same refusal over either endpoint.
-pub fn engine_error_code(e: &EngineError) -> ErrorCode {
-    match e {
-        EngineError::BadId { .. }
-        | EngineError::OutOfRange { .. }
-        | EngineError::NoWorkerId
-        | EngineError::WatchTarget
-        | EngineError::BadCursor => ErrorCode::BadRequest,
-        EngineError::InputTooLarge { .. } => ErrorCode::TooLarge,
-        EngineError::NoTurn(_)
-        | EngineError::NoSession(_)
-        | EngineError::NoInvocation(_)
-        | EngineError::NoWatch(_)
-        | EngineError::NotRegistered { .. }
-        | EngineError::NotCurrent { .. } => ErrorCode::NotFound,
-        EngineError::NotYourInvocation { .. } => ErrorCode::Forbidden,
-        EngineError::IdempotencyConflict { .. } => ErrorCode::Conflict,
-        EngineError::QueueFull { .. } | EngineError::TooManyWatches { .. } => {
-            ErrorCode::RateLimited
-        }
-        EngineError::NotWritten(_) | EngineError::ReadFailed(_) => ErrorCode::Unavailable,
-        EngineError::Invariant(_) => ErrorCode::Internal,
+/// A protocol error as iii carries it: the same code and message, so that a refused
+/// trigger reads as the same refusal over either endpoint.
+impl From<ErrorBody> for IiiError {
+    fn from(e: ErrorBody) -> IiiError {
+        IiiError::new(e.code.as_str(), e.message)
     }
 }
 
+/// An engine error with the code [`EngineError::code`] gives it.
 impl From<EngineError> for IiiError {
     fn from(e: EngineError) -> IiiError {
-        IiiError::new(engine_error_code(&e).as_str(), e.to_string())
+        IiiError::from(ErrorBody::from(e))
     }
 }
 

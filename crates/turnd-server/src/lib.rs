@@ -15,7 +15,7 @@
 
 pub mod admin;
 pub mod config;
-pub mod error;
+pub mod router;
 pub mod tls;
 pub mod ui;
 pub mod ws;
@@ -279,7 +279,12 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let conns = TaskTracker::new();
     let iii_task = match (iii, listeners.iii) {
-        (Some(iii), Some(l)) => Some(tokio::spawn(iii.serve(l))),
+        (Some(iii), Some(l)) => {
+            let router = Arc::new(router::IiiRouter {
+                engine: shared.engine.clone(),
+            });
+            Some(tokio::spawn(iii.serve(l, router)))
+        }
         _ => None,
     };
     let admin = admin::spawn(&shared, listeners.admin, tls.clone());

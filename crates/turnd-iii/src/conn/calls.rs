@@ -12,7 +12,7 @@
 
 use super::*;
 use turnd_engine::SubmitOptions;
-use turnd_proto::ErrorCause;
+use turnd_proto::{ErrorCause, TurnOk, WaitArgs};
 use turnd_store::TurnDispatch;
 
 /// Sync and void calls run in sessions of their own, `call/<id>`: no queue's
@@ -241,13 +241,18 @@ impl Conn {
             Ok(t) => t,
             Err(e) => return self.answer(&i, Err(e)),
         };
+        let client = as_client();
         while !t.status.is_terminal() {
-            let waited = tokio::select! {
-                w = self.iii.engine.wait_turn(&t.turn_id, Some(CALL_WAIT_MS)) => w,
+            let wait = WaitArgs {
+                turn_id: t.turn_id.clone(),
+                timeout_ms: Some(CALL_WAIT_MS),
+            };
+            let waited: Result<TurnOk, _> = tokio::select! {
+                w = self.request(&client, Op::TurnWait, &wait) => w,
                 _ = self.done.cancelled() => return,
             };
             match waited {
-                Ok(next) => t = next,
+                Ok(next) => t = next.turn,
                 Err(e) => {
                     return self.answer(&i, Err(IiiError::from(e)));
                 }

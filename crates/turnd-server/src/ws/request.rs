@@ -1,0 +1,63 @@
+//! A request after `hello`: what the connection checks before the router runs it
+//! (the connection said `hello`, the router admits the op for its role, the daemon is
+//! not draining, the connection has room in flight), and the request's own task,
+//! which runs it through the [`router`] and queues its answer.
+
+use std::sync::Arc;
+
+use turnd_proto::{ErrorBody, ErrorCode, Op, RawRequest};
+
+use super::limits::InFlight;
+use super::Conn;
+use crate::router::{self, Answer, Origin};
+
+/// Start a request as a task of its own, or say why it is refused (answered by the
+/// reader at once).
+pub(super) fn start(conn: &Arc<Conn>, req: &RawRequest<'_>) -> Result<(), ErrorBody> {
+    let Some(caller) = conn.auth.get() else {
+        return Err(ErrorBody::new(
+            ErrorCode::NotAuthenticated,
+            "send `hello` first",
+        ));
+    };
+    let op = router::admit(caller, &req.op)?;
+    let shared = &conn.shared;
+    if shared.draining.is_cancelled() && op != Op::Ping {
+        return Err(ErrorBody::new(
+            ErrorCode::ShuttingDown,
+            "the server is shutting down; nothing was changed",
+        ));
+    }
+    let max_inflight = shared.config.server.max_inflight_per_connection;
+    let Some(counted) = InFlight::take(conn, max_inflight) else {
+        return Err(ErrorBody::new(
+            ErrorCode::RateLimited,
+            format!(
+                "this connection already has {max_inflight} requests in progress \
+                 (server.max_inflight_per_connection); wait for their answers"
+            ),
+        ));
+    };
+    let caller = caller.clone();
+    let id = req.id;
+    let args = req.args_text().to_owned();
+    shared.requests.spawn(async move {
+        let conn = &counted.0;
+        let origin = Origin {
+            outbox: &conn.outbox,
+            max_watches: conn.shared.config.server.max_watches_per_connection as usize,
+            request_id: id,
+        };
+        let engine = &conn.shared.engine;
+        let answer = match router::run(engine, &caller, op, &args, Some(&origin)).await {
+            Ok(Answer::Reply(r)) => Some(Ok(r)),
+            Ok(Answer::Queued) => None,
+            Err(e) => Some(Err(e)),
+        };
+        if let Some(r) = answer {
+            conn.respond(id, r).await;
+        }
+        drop(counted);
+    });
+    Ok(())
+}
