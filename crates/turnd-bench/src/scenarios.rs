@@ -444,7 +444,7 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
 /// sessions (or `wait` passed).
 async fn settled_rss(d: &BenchDaemon, live: usize, wait: Duration) -> (Option<u64>, usize) {
     let until = Instant::now() + wait;
-    let engine = &d.daemon.engine;
+    let engine = d.daemon.engine().expect("a daemon on its own");
     while engine.sessions_in_memory() > live && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -555,7 +555,11 @@ pub async fn idle_unknown(common: &Common, n: usize, inflight: usize) -> anyhow:
     let wall = start.elapsed();
     let measured = probe.finish(&d);
     let (rss_after, in_memory) = settled_rss(&d, 0, Duration::from_secs(2)).await;
-    let registry = d.daemon.engine.registry_sizes();
+    let registry = d
+        .daemon
+        .engine()
+        .expect("a daemon on its own")
+        .registry_sizes();
     close_callers(cs).await;
     let hwm = proc_status_kb("VmHWM");
     d.shutdown().await?;
@@ -811,7 +815,7 @@ pub async fn reopen(data: &Path) -> anyhow::Result<()> {
     let daemon = turnd_server::Daemon::start(cfg, listeners, kv).await?;
     let t_ready = t0.elapsed();
     let rss = proc_status_kb("VmRSS").unwrap_or(0);
-    let stats = daemon.engine.stats();
+    let stats = daemon.engine().expect("a daemon on its own").stats();
     println!(
         "reopen bind_ms={:.1} open_store_ms={:.1} engine_open_ms={:.1} total_ms={:.1} rss_kb={rss} queued={} completed={}",
         t_bind.as_secs_f64() * 1e3,

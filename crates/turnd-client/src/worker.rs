@@ -17,7 +17,7 @@
 //! One supervisor task owns the connection loop; each handler runs in its own task and
 //! each unacknowledged result has a "pump" task that delivers it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -178,6 +178,13 @@ pub type Handler = Arc<dyn Fn(InvocationCtx) -> BoxFuture<'static, Outcome> + Se
 pub struct WorkerOptions {
     /// Daemon URL, e.g. `ws://127.0.0.1:7420/v1`.
     pub url: String,
+    /// The URLs of a cluster's other nodes: the worker keeps a connection to each as
+    /// well, with the same worker_id and instance, since each node dispatches only
+    /// the turns of the partitions it leads. Its tables are one: a result is sent on
+    /// any connection (a node forwards it to the partition's leader), a probe on any
+    /// connection is answered from them, and each connection's `hello` lists every
+    /// invocation the worker runs or holds a result of. Empty for one daemon.
+    pub also: Vec<String>,
     /// Token for role `worker`, if the daemon requires one.
     pub token: Option<String>,
     /// Stable across restarts of this worker.
@@ -201,6 +208,7 @@ impl WorkerOptions {
         let worker_id = worker_id.into();
         WorkerOptions {
             url: url.into(),
+            also: Vec::new(),
             token: None,
             name: worker_id.clone(),
             worker_id,
@@ -291,7 +299,8 @@ struct Attempts {
     last_error: Option<String>,
 }
 
-/// The connection the worker currently serves on (hello and registrations done).
+/// A connection the worker serves on (hello and registrations done); its
+/// generation is unique among all the worker's connections.
 #[derive(Clone)]
 struct Link {
     generation: u64,
@@ -301,7 +310,11 @@ struct Link {
 struct WorkerShared {
     opts: WorkerOptions,
     tables: Mutex<Tables>,
-    link: watch::Sender<Option<Link>>,
+    /// The connections it serves on now, by the index of their URL (0: `url`, then
+    /// `also`).
+    link: watch::Sender<BTreeMap<usize, Link>>,
+    /// The last generation given to a connection.
+    generations: AtomicU64,
     counters: Counters,
     reconciled: Mutex<Option<Reconciled>>,
     attempts: Mutex<Attempts>,
@@ -314,7 +327,14 @@ struct WorkerShared {
 
 impl WorkerShared {
     fn current_connection(&self) -> Option<Connection> {
-        self.link.borrow().as_ref().map(|l| l.conn.clone())
+        self.link.borrow().values().next().map(|l| l.conn.clone())
+    }
+
+    /// Every URL the worker connects to.
+    fn urls(&self) -> Vec<String> {
+        let mut urls = vec![self.opts.url.clone()];
+        urls.extend(self.opts.also.iter().cloned());
+        urls
     }
 
     /// Take a result for delivery: the invocation is no longer running, its outcome is
@@ -423,11 +443,12 @@ impl Worker {
     /// Must be called inside a tokio runtime.
     pub fn spawn(self, shutdown: CancellationToken) -> WorkerHandle {
         let shutdown = shutdown.child_token();
-        let (link, _) = watch::channel(None);
+        let (link, _) = watch::channel(BTreeMap::new());
         let shared = Arc::new(WorkerShared {
             opts: self.opts,
             tables: Mutex::new(Tables::default()),
             link,
+            generations: AtomicU64::new(0),
             counters: Counters::default(),
             reconciled: Mutex::new(None),
             attempts: Mutex::new(Attempts::default()),
@@ -464,12 +485,13 @@ impl std::fmt::Debug for WorkerHandle {
 }
 
 impl WorkerHandle {
-    /// Resolves once hello and every registration succeeded on the current connection
-    /// (at once if that is so now), or once the worker has stopped.
+    /// Resolves once hello and every registration succeeded on a connection to every
+    /// URL (at once if that is so now), or once the worker has stopped.
     pub async fn connected(&self) {
         let mut rx = self.shared.link.subscribe();
+        let all = 1 + self.shared.opts.also.len();
         tokio::select! {
-            r = rx.wait_for(Option::is_some) => {
+            r = rx.wait_for(|l| l.len() == all) => {
                 if r.is_err() {
                     debug!("worker link channel closed");
                 }
@@ -478,9 +500,10 @@ impl WorkerHandle {
         }
     }
 
-    /// Whether the worker is connected (hello and registrations done) right now.
+    /// Whether the worker is connected (hello and registrations done) to every URL
+    /// right now.
     pub fn is_connected(&self) -> bool {
-        self.shared.link.borrow().is_some()
+        self.shared.link.borrow().len() == 1 + self.shared.opts.also.len()
     }
 
     /// Where the connection stands, with the last error while it cannot connect.
@@ -564,38 +587,87 @@ async fn supervise(
     shared: Arc<WorkerShared>,
     functions: Arc<HashMap<String, Registered>>,
 ) -> Result<(), ClientError> {
+    let mut loops = tokio::task::JoinSet::new();
+    for (index, url) in shared.urls().into_iter().enumerate() {
+        loops.spawn(connection_loop(
+            shared.clone(),
+            functions.clone(),
+            index,
+            url,
+        ));
+    }
+    let mut result = Ok(());
+    while let Some(ended) = loops.join_next().await {
+        let ended =
+            ended.unwrap_or_else(|e| Err(ClientError::Connect(format!("worker task failed: {e}"))));
+        if let Err(e) = ended {
+            // One connection superseded: the whole worker stops.
+            shared.shutdown.cancel();
+            if result.is_ok() {
+                result = Err(e);
+            }
+        }
+    }
+    // Stop everything this worker started: handlers see their tokens cancelled (they
+    // are children of the shutdown token), pumps and status answers end.
+    shared.shutdown.cancel();
+    shared.link.send_replace(BTreeMap::new());
+    shared.pumps.close();
+    shared.handlers.close();
+    if tokio::time::timeout(PUMP_DRAIN_LIMIT, shared.pumps.wait())
+        .await
+        .is_err()
+    {
+        warn!("result tasks did not end within {PUMP_DRAIN_LIMIT:?} of shutdown");
+    }
+    result
+}
+
+/// One URL's connection: connect, serve, reconnect with backoff, until shutdown.
+async fn connection_loop(
+    shared: Arc<WorkerShared>,
+    functions: Arc<HashMap<String, Registered>>,
+    index: usize,
+    url: String,
+) -> Result<(), ClientError> {
     let opts = &shared.opts;
     let cap = MAX_RECONNECT_DELAY.max(opts.reconnect_delay);
     let mut delay = opts.reconnect_delay;
-    let mut generation = 0u64;
-    let result = loop {
+    loop {
         if shared.shutdown.is_cancelled() {
-            break Ok(());
+            return Ok(());
         }
         let attempt = tokio::select! {
-            _ = shared.shutdown.cancelled() => break Ok(()),
-            attempt = connect_and_register(&shared, &functions) => attempt,
+            _ = shared.shutdown.cancelled() => return Ok(()),
+            attempt = connect_and_register(&shared, &functions, &url) => attempt,
         };
         match attempt {
             Ok((conn, pushes)) => {
                 delay = opts.reconnect_delay;
                 *lock(&shared.attempts) = Attempts::default();
-                generation += 1;
+                let generation = shared.generations.fetch_add(1, Ordering::Relaxed) + 1;
                 bump(&shared.counters.connections);
-                info!(worker_id = %opts.worker_id, generation, "worker connected and registered");
-                shared.link.send_replace(Some(Link {
-                    generation,
-                    conn: conn.clone(),
-                }));
+                info!(worker_id = %opts.worker_id, %url, generation, "worker connected and registered");
+                shared.link.send_modify(|l| {
+                    l.insert(
+                        index,
+                        Link {
+                            generation,
+                            conn: conn.clone(),
+                        },
+                    );
+                });
                 serve(&shared, &functions, &conn, pushes).await;
-                shared.link.send_replace(None);
+                shared.link.send_modify(|l| {
+                    l.remove(&index);
+                });
                 if shared.shutdown.is_cancelled() {
                     conn.close().await;
-                    break Ok(());
+                    return Ok(());
                 }
                 if conn.close_code() == Some(CLOSE_SUPERSEDED) {
                     error!(worker_id = %opts.worker_id, "connection superseded by another worker with the same worker_id; stopping");
-                    break Err(ClientError::Connect(format!(
+                    return Err(ClientError::Connect(format!(
                         "superseded: another connection took worker_id {}",
                         opts.worker_id
                     )));
@@ -619,30 +691,18 @@ async fn supervise(
             }
         }
         tokio::select! {
-            _ = shared.shutdown.cancelled() => break Ok(()),
+            _ = shared.shutdown.cancelled() => return Ok(()),
             _ = tokio::time::sleep(delay) => {}
         }
         delay = delay.saturating_mul(2).min(cap);
-    };
-    // Stop everything this worker started: handlers see their tokens cancelled (they
-    // are children of the shutdown token), pumps and status answers end.
-    shared.shutdown.cancel();
-    shared.link.send_replace(None);
-    shared.pumps.close();
-    shared.handlers.close();
-    if tokio::time::timeout(PUMP_DRAIN_LIMIT, shared.pumps.wait())
-        .await
-        .is_err()
-    {
-        warn!("result tasks did not end within {PUMP_DRAIN_LIMIT:?} of shutdown");
     }
-    result
 }
 
 /// Connect, say hello with this instance's lists, register every function.
 async fn connect_and_register(
     shared: &Arc<WorkerShared>,
     functions: &HashMap<String, Registered>,
+    url: &str,
 ) -> Result<(Connection, mpsc::UnboundedReceiver<Push>), ClientError> {
     let opts = &shared.opts;
     let (inflight, finished) = {
@@ -663,7 +723,7 @@ async fn connect_and_register(
         inflight,
         finished,
     };
-    let (conn, hello_ok) = Connection::connect(&opts.url, hello).await?;
+    let (conn, hello_ok) = Connection::connect(url, hello).await?;
     let pushes = conn
         .pushes()
         .expect("a new connection's push stream has not been taken");
@@ -855,14 +915,14 @@ async fn pump_result(
         outcome,
     };
     let mut links = shared.link.subscribe();
-    // A generation whose connection is known to be gone.
-    let mut dead: Option<u64> = None;
+    // Generations whose connections are known to be gone.
+    let mut dead: HashSet<u64> = HashSet::new();
     let mut first = true;
     loop {
         let link = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
-            link = links.wait_for(|l| matches!(l, Some(l) if Some(l.generation) != dead)) => match link {
-                Ok(link) => match link.as_ref() {
+            link = links.wait_for(|l| l.values().any(|l| !dead.contains(&l.generation))) => match link {
+                Ok(links) => match links.values().find(|l| !dead.contains(&l.generation)) {
                     Some(link) => link.clone(),
                     None => continue,
                 },
@@ -914,7 +974,7 @@ async fn pump_result(
             }
             Ok(Err(ClientError::Closed)) => {
                 debug!(%invocation_id, generation = link.generation, "connection lost before the result was acknowledged; resending after reconnect");
-                dead = Some(link.generation);
+                dead.insert(link.generation);
             }
             Ok(Err(e)) => {
                 warn!(%invocation_id, "failed to send result: {e}; resending later");

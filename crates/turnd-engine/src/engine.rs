@@ -52,7 +52,7 @@ mod transition;
 mod watch;
 
 pub use operator::{BlockedOn, LiveInvocation, TurnRun, TurnRuns};
-pub use sessions_list::{RowDetail, SessionsPage};
+pub use sessions_list::{sessions_cursor, RowDetail, SessionsPage};
 pub use submit::SubmitOptions;
 
 type ApiResult<T> = EngineResult<T>;

@@ -26,6 +26,10 @@ pub struct Config {
     pub log: LogConfig,
     /// The iii endpoint (`docs/iii.md`): off unless `iii.listen` is set.
     pub iii: turnd_iii::IiiConfig,
+    /// turnd across machines (`docs/cluster.md`): one node on its local commit log
+    /// unless the table is there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<crate::cluster_config::ClusterConfig>,
     /// Values of keys with a fixed set of values (`storage.sync`, `log.format`) that
     /// were none of them, by key, with the problem to report; the default stands in
     /// for each. [`Config::validate`] reports them with every other problem.
@@ -352,13 +356,20 @@ impl Config {
         let defaults = toml::Value::try_from(Config::default())
             .map_err(|e| ConfigError::one(format!("defaults: {e}")))?;
         let mut merged = defaults.clone();
+        // Every key turnd knows, the tables that are off by default included: what
+        // unknown keys are told from.
+        let schema = toml::Value::try_from(Config {
+            cluster: Some(Default::default()),
+            ..Config::default()
+        })
+        .map_err(|e| ConfigError::one(format!("defaults: {e}")))?;
         let mut warnings = Vec::new();
         if let Some(path) = file {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| ConfigError::one(format!("read {}: {e}", path.display())))?;
             let file_value: toml::Value = toml::from_str(&text)
                 .map_err(|e| ConfigError::one(format!("parse {}: {e}", path.display())))?;
-            unknown_keys(&defaults, &defaults, &file_value, "", &mut warnings);
+            unknown_keys(&schema, &schema, &file_value, "", &mut warnings);
             merge(&mut merged, file_value);
         }
         let mut problems = Vec::new();
@@ -371,12 +382,12 @@ impl Config {
             };
             let (section, key) = (section.to_ascii_lowercase(), key.to_ascii_lowercase());
             let path = format!("{section}.{key}");
-            let known = defaults.get(&section).and_then(|s| s.get(&key)).is_some()
+            let known = schema.get(&section).and_then(|s| s.get(&key)).is_some()
                 || OPTIONAL_KEYS.contains(&path.as_str());
             if !known {
                 warnings.push(format!(
                     "unknown config key {path} (from {k}) ignored{}",
-                    did_you_mean(&defaults, &path, |p| format!(
+                    did_you_mean(&schema, &path, |p| format!(
                         "TURND_{}",
                         p.to_ascii_uppercase().replacen('.', "__", 1)
                     ))
@@ -459,6 +470,16 @@ impl Config {
         self.storage_problems(&mut p);
         self.turns_problems(&mut p);
         self.exposure_problems(&mut p);
+        if let Some(c) = &self.cluster {
+            p.extend(c.problems());
+            if self.iii.listen.is_some() {
+                p.push(
+                    "iii.listen: the iii endpoint is not served by a node of a cluster; \
+                     remove it or the [cluster] table"
+                        .into(),
+                );
+            }
+        }
         if p.is_empty() {
             Ok(())
         } else {
@@ -664,6 +685,7 @@ impl Config {
             turns: self.turns.clone(),
             retention_terminal_ms: self.retention.terminal_ms,
             retention_sweep_interval_ms: self.retention.sweep_interval_ms,
+            partition: None,
         }
     }
 
@@ -1040,6 +1062,48 @@ mod tests {
         assert_eq!(l.config.storage.sync, StorageSync::Never);
         let e = l.config.validate().expect_err("still invalid");
         assert_eq!(e.problems.len(), 2, "{e}");
+    }
+
+    /// `[cluster]` is off unless the table is there; its keys are known keys (no
+    /// warning), settable from the environment, and validated with the rest.
+    #[test]
+    fn the_cluster_table_is_off_unless_given() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let l = Config::load(None, Vec::<(String, String)>::new()).expect("loads");
+        assert_eq!(l.config.cluster, None);
+        assert!(!l.config.to_toml_redacted().contains("[cluster]"));
+        let f = dir.path().join("c.toml");
+        std::fs::write(
+            &f,
+            "[cluster]\nnode_id = \"n1\"\nnats = [\"nats://127.0.0.1:4222\"]\npartitions = 8\nlease_ms = 900\n",
+        )
+        .expect("write");
+        let env = vec![("TURND_CLUSTER__STANDBYS".to_string(), "2".to_string())];
+        let l = Config::load(Some(&f), env).expect("loads");
+        assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+        let c = l.config.cluster.clone().expect("the table");
+        assert_eq!(
+            (
+                c.node_id.as_str(),
+                c.partitions,
+                c.lease_ms,
+                c.standbys,
+                c.replicas
+            ),
+            ("n1", 8, 900, 2, 3)
+        );
+        l.config.validate().expect("valid");
+        assert!(l.config.to_toml_redacted().contains("[cluster]"));
+        // A table with a misspelt key: the warning names the key meant, and the
+        // missing servers are a problem.
+        std::fs::write(&f, "[cluster]\nnode_id = \"n1\"\nnats_urls = []\n").expect("write");
+        let l = Config::load(Some(&f), Vec::<(String, String)>::new()).expect("loads");
+        assert_eq!(
+            l.warnings,
+            vec!["unknown config key cluster.nats_urls ignored; did you mean cluster.nats?"]
+        );
+        let e = l.config.validate().expect_err("no servers");
+        assert!(e.to_string().contains("cluster.nats must list"), "{e}");
     }
 
     #[test]

@@ -191,8 +191,12 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     let _claim = claim_data_dir(&cfg.storage.data_dir)?;
     // Bind before the heavy work (opening and recovering the store).
     let listeners = Listeners::bind(&cfg).await?;
-    let kv = open_store(&cfg)?;
-    let daemon = Daemon::start(cfg, listeners, kv).await?;
+    let daemon = if cfg.cluster.is_some() {
+        Daemon::start_cluster(cfg, listeners).await?
+    } else {
+        let kv = open_store(&cfg)?;
+        Daemon::start(cfg, listeners, kv).await?
+    };
     let line = format!(
         "turnd listening on {} admin {} (operator page {}/ui)",
         daemon.ws_url(),
@@ -222,7 +226,9 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
         tracing::debug!("sd_notify READY not sent: {e}");
     }
     let shutdown = daemon.shutdown_token();
-    crate::watchdog::spawn(daemon.engine.store().kv().clone(), shutdown.clone());
+    if let Some(engine) = daemon.engine() {
+        crate::watchdog::spawn(engine.store().kv().clone(), shutdown.clone());
+    }
     tokio::spawn(watch_signals(shutdown, term, int));
     daemon.join().await?;
     if let Some(path) = &ready_file {
