@@ -29,14 +29,19 @@ macro_rules! need_nats {
 }
 
 /// Start node `i` of the cluster on `rig`, its data in `root/n<i>`.
-async fn node(rig: &Rig, root: &std::path::Path, i: usize) -> anyhow::Result<BinDaemon> {
+/// The rig's URLs as the value of `TURND_CLUSTER__NATS`.
+fn nats_list(rig: &Rig) -> String {
     let urls = rig
         .urls()
         .iter()
         .map(|u| format!("{u:?}"))
         .collect::<Vec<_>>()
         .join(",");
-    let nats = format!("[{urls}]");
+    format!("[{urls}]")
+}
+
+async fn node(rig: &Rig, root: &std::path::Path, i: usize) -> anyhow::Result<BinDaemon> {
+    let nats = nats_list(rig);
     let id = format!("n{i}");
     let sys = rig.sys_url(i % 3);
     let partitions = PARTITIONS.to_string();
@@ -206,6 +211,32 @@ async fn turns_run_on_any_node_and_survive_a_killed_leader() -> anyhow::Result<(
     let admins: Vec<String> = nodes.iter().flatten().map(|n| n.admin.clone()).collect();
     let took = all_led(&admins[0], &["n0", "n1", "n2"], 30).await?;
     eprintln!("every partition led {took:?} after the nodes were ready");
+    // `turnd cluster status` reads the same from NATS, with no node of its own.
+    let out = tokio::process::Command::new(turnd_tests::turnd_bin()?)
+        .args(["cluster", "status", "--json"])
+        .env("TURND_CLUSTER__NATS", nats_list(&rig))
+        .env("TURND_CLUSTER__PARTITIONS", PARTITIONS.to_string())
+        .output()
+        .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let view: Value = serde_json::from_slice(&out.stdout)?;
+    let leaders: Vec<&str> = view["partitions"]
+        .as_array()
+        .context("partitions")?
+        .iter()
+        .filter_map(|p| p["leader"].as_str())
+        .collect();
+    assert_eq!(leaders.len(), PARTITIONS as usize, "{view}");
+    assert!(
+        leaders.iter().all(|l| ["n0", "n1", "n2"].contains(l)),
+        "{view}"
+    );
+    assert_eq!(view["members"].as_array().map(Vec::len), Some(3), "{view}");
+
     // One worker, connected to every node.
     let worker = echo_worker_on_all(&urls).await;
 

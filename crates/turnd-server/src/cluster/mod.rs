@@ -8,7 +8,8 @@
 //!   gathered from every partition;
 //! - [`rpc`]: the leader's side of a forwarded request;
 //! - [`placement`]: where each partition would rather be;
-//! - [`status`]: what `turnd cluster status` and the admin endpoint show.
+//! - [`status`]: what a node shows of the cluster (`GET /cluster`, `/metrics`);
+//! - [`view`]: the cluster read from NATS by any machine (`turnd cluster status`).
 //!
 //! Safety rests on the log (`turnd-cluster`): a deposed leader's appends never count,
 //! so the lease and the placement only decide who tries.
@@ -18,6 +19,7 @@ mod route;
 mod rpc;
 mod slots;
 pub mod status;
+pub mod view;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -254,13 +254,21 @@ mod tests {
             ..SessionsListArgs::default()
         };
         let by_wait = merge_sessions(&pages, args(SessionOrder::Wait, 3)).expect("merge");
-        let ids: Vec<&str> = by_wait.sessions.iter().map(|r| r.session_id.as_str()).collect();
+        let ids: Vec<&str> = by_wait
+            .sessions
+            .iter()
+            .map(|r| r.session_id.as_str())
+            .collect();
         assert_eq!(ids, ["d", "a", "b"]);
         assert_eq!(by_wait.next.as_deref(), Some("w:30:b"));
         assert_eq!(by_wait.total, 5);
         assert_eq!(by_wait.counts.get("running"), Some(&5));
         let by_id = merge_sessions(&pages, args(SessionOrder::Id, 4)).expect("merge");
-        let ids: Vec<&str> = by_id.sessions.iter().map(|r| r.session_id.as_str()).collect();
+        let ids: Vec<&str> = by_id
+            .sessions
+            .iter()
+            .map(|r| r.session_id.as_str())
+            .collect();
         assert_eq!(ids, ["a", "b", "c", "d"]);
         // Partition 2 had more past its page: the merged page says so too.
         assert_eq!(by_id.next.as_deref(), Some("i:d"));
