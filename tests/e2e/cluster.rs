@@ -5,6 +5,11 @@
 //! taken over by the others, and no acknowledged turn is lost; a node stopped with
 //! SIGTERM hands its partitions over. Every wait is bounded in count and time.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
