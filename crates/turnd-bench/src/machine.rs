@@ -387,10 +387,22 @@ mod tests {
         assert_eq!(stat_state("7 (cut"), None);
     }
 
+    /// CPU time this thread has used.
+    fn thread_cpu() -> Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec it is given.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        assert_eq!(rc, 0, "read this thread's CPU clock");
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
     #[test]
     fn a_thread_kept_off_its_core_is_seen_waiting() {
-        // Three threads that spin on one core for 300 ms: on it, each waits for the
-        // others about two thirds of the time.
+        // Three threads that each need 100 ms of CPU on one core: on it, each
+        // waits for the others about two thirds of the time.
         let pid = std::process::id();
         let w = MachineWatch::start(vec![("self".into(), pid)]);
         let spin: Vec<_> = (0..3)
@@ -406,8 +418,12 @@ mod tests {
                             libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set)
                         };
                         assert_eq!(pinned, 0, "pin a spinner to core 0");
+                        // Spin until this thread has had 100 ms of CPU, however
+                        // busy the machine is (bounded at 10 s of wall time).
                         let t = Instant::now();
-                        while t.elapsed() < Duration::from_millis(300) {
+                        while thread_cpu() < Duration::from_millis(100)
+                            && t.elapsed() < Duration::from_secs(10)
+                        {
                             std::hint::spin_loop();
                         }
                     })

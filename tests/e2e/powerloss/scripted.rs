@@ -48,16 +48,23 @@ pub async fn run(seed: u64) -> anyhow::Result<Scripted> {
     });
     life::load(&daemon.url, &record, seed, 3, &shape, &stop, &mut tasks).await?;
     let started = Instant::now();
-    // A drop is counted once committed, and its directory deleted a moment later:
-    // the load goes on for 300 ms after the counters show every landmark.
+    // A drop is counted once committed, and its directory deleted a moment later
+    // (later still on a busy machine): the load goes on until a window directory
+    // seen on the disk is gone, and then for 300 ms more.
+    let windows = dirs.disk.join("data").join("windows");
+    let mut seen = BTreeSet::new();
     let mut crossed_for = 0;
     while crossed_for < 3 && started.elapsed() < Duration::from_secs(20) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (_, m) = http_get(&daemon.admin, "/metrics").await?;
         let n = |name: &str| metric(&m, name).unwrap_or(0.0);
+        let now = window_dirs(&windows);
+        let removed = seen.iter().any(|w| !now.contains(w));
+        seen.extend(now);
         let crossed = n("turnd_storage_checkpoints_total") >= 1.0
             && n("turnd_storage_log_recycled_segments_total") >= 1.0
-            && n("turnd_retention_dropped_windows_total") >= 1.0;
+            && n("turnd_retention_dropped_windows_total") >= 1.0
+            && removed;
         crossed_for = if crossed { crossed_for + 1 } else { 0 };
     }
     life::cut(daemon, &dirs.ctl).await?;
@@ -80,6 +87,18 @@ pub async fn run(seed: u64) -> anyhow::Result<Scripted> {
         initial,
         _temp: temp,
     })
+}
+
+/// The time windows' directories on the disk now (not those being made).
+fn window_dirs(windows: &std::path::Path) -> BTreeSet<std::ffi::OsString> {
+    std::fs::read_dir(windows)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| !n.to_string_lossy().ends_with(".new"))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The landmarks the scripted run must cross.
