@@ -11,6 +11,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use turnd_client::turnd_proto::{SessionOrder, SessionsListArgs};
 use turnd_client::Caller;
+use turnd_server::ui::pct_encode;
 
 use crate::daemon::{callers, close_callers, BenchDaemon, NOBODY};
 use crate::measure::{http_get, mb, proc_status_kb, Latencies};
@@ -123,7 +124,7 @@ async fn time_pages(admin: &str, middle: &str, repeat: usize) -> anyhow::Result<
         ),
         (
             "GET /ui/sessions half-way through (cursor at row n/2)",
-            format!("/ui/sessions?after={}", pct(middle)),
+            format!("/ui/sessions?after={}", pct_encode(middle)),
         ),
         (
             "GET /ui/sessions?order=id",
@@ -209,16 +210,4 @@ async fn time_lists(caller: &Caller, repeat: usize) -> anyhow::Result<()> {
         "",
     );
     Ok(())
-}
-
-fn pct(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
