@@ -120,10 +120,11 @@ lint: lint-sdk-python lint-sdk-typescript ## fmt check, clippy with warnings den
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(MAKE) --no-print-directory check-repo
 
-check-repo: ## Fast repository checks: only target/venv's pip, the stated minimum Rust, relative links in the docs
+check-repo: ## Fast repository checks: only target/venv's pip, the stated minimum Rust, relative links in the docs, code size
 	scripts/check-make-pip.sh
 	scripts/check-msrv.py
 	scripts/check-docs.py
+	scripts/check-code-size.py
 
 lint-sdk-python: venv ## mypy --strict and ruff (lint and format) on sdk/python and examples/python
 	cd sdk/python && $(VENV)/bin/mypy --strict

@@ -2,6 +2,7 @@
 //! time to render pages of the operator page (`/ui`) over HTTP and to answer
 //! `sessions.list`, each asked `repeat` times one after the other.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
@@ -9,6 +10,8 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use turnd_client::turnd_proto::{SessionOrder, SessionsListArgs};
+use turnd_client::Caller;
+use turnd_server::ui::pct_encode;
 
 use crate::daemon::{callers, close_callers, BenchDaemon, NOBODY};
 use crate::measure::{http_get, mb, proc_status_kb, Latencies};
@@ -33,10 +36,6 @@ fn line(what: &str, lat: &mut Latencies, extra: &str) {
     );
 }
 
-#[allow(
-    clippy::too_many_lines,
-    reason = "a measured run reads as one script, from starting the daemon to the printed row"
-)]
 pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> anyhow::Result<()> {
     let tmp = match &common.tmp {
         Some(p) => tempfile::Builder::new()
@@ -49,27 +48,7 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
     let cs = callers(&d.url, common.callers).await?;
     let rss_before = proc_status_kb("VmRSS");
     let start = Instant::now();
-    let mut set = JoinSet::new();
-    for s in 0..n {
-        while set.len() >= inflight.max(1) {
-            if let Some(r) = set.join_next().await {
-                r??;
-            }
-        }
-        let caller = cs[s % cs.len()].clone();
-        // Two functions, so that the function filter selects half.
-        let f = if s % 2 == 0 { NOBODY } else { "nobody.else" };
-        set.spawn(async move {
-            caller
-                .submit_simple(&format!("ui-{s:06}"), f, json!({"s": s}))
-                .await
-                .map(|_| ())
-                .map_err(anyhow::Error::from)
-        });
-    }
-    while let Some(r) = set.join_next().await {
-        r??;
-    }
+    fill_waiting(&cs, n, inflight).await?;
     let fill = start.elapsed();
     let rss_after = proc_status_kb("VmRSS");
     let total = cs[0]
@@ -100,6 +79,42 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
     }
     let middle = args.after.clone().unwrap_or_default();
 
+    time_pages(&admin, &middle, repeat).await?;
+    time_lists(&cs[0], repeat).await?;
+    close_callers(cs).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    d.shutdown().await
+}
+
+/// `n` sessions each with one turn waiting for a worker nobody runs, `inflight`
+/// submits at a time.
+async fn fill_waiting(cs: &[Arc<Caller>], n: usize, inflight: usize) -> anyhow::Result<()> {
+    let mut set = JoinSet::new();
+    for s in 0..n {
+        while set.len() >= inflight.max(1) {
+            if let Some(r) = set.join_next().await {
+                r??;
+            }
+        }
+        let caller = cs[s % cs.len()].clone();
+        // Two functions, so that the function filter selects half.
+        let f = if s % 2 == 0 { NOBODY } else { "nobody.else" };
+        set.spawn(async move {
+            caller
+                .submit_simple(&format!("ui-{s:06}"), f, json!({"s": s}))
+                .await
+                .map(|_| ())
+                .map_err(anyhow::Error::from)
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r??;
+    }
+    Ok(())
+}
+
+/// Time the operator page's pages, each `repeat` times after one unmeasured request.
+async fn time_pages(admin: &str, middle: &str, repeat: usize) -> anyhow::Result<()> {
     println!("\n| request | n | p50 ms | p90 ms | p99 ms | max ms | notes |");
     println!("|---|---|---|---|---|---|---|");
     let pages = [
@@ -109,7 +124,7 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
         ),
         (
             "GET /ui/sessions half-way through (cursor at row n/2)",
-            format!("/ui/sessions?after={}", pct(&middle)),
+            format!("/ui/sessions?after={}", pct_encode(middle)),
         ),
         (
             "GET /ui/sessions?order=id",
@@ -136,10 +151,10 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
         let mut lat = Latencies::default();
         let mut bytes = 0;
         // One unmeasured request first.
-        get(&admin, path).await?;
+        get(admin, path).await?;
         for _ in 0..repeat {
             let t0 = Instant::now();
-            let (status, len) = get(&admin, path).await?;
+            let (status, len) = get(admin, path).await?;
             lat.push(t0.elapsed());
             if status != 200 {
                 bail!("{path}: HTTP {status}");
@@ -148,6 +163,11 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
         }
         line(what, &mut lat, &format!("{} KB of HTML", bytes / 1024));
     }
+    Ok(())
+}
+
+/// Time `sessions.list` of a few sizes and orders, then `stats`, `repeat` times each.
+async fn time_lists(caller: &Caller, repeat: usize) -> anyhow::Result<()> {
     for (what, limit, order) in [
         (
             "sessions.list limit 100 (wait order)",
@@ -167,10 +187,10 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
             ..Default::default()
         };
         let mut lat = Latencies::default();
-        cs[0].sessions(&args).await?;
+        caller.sessions(&args).await?;
         for _ in 0..repeat {
             let t0 = Instant::now();
-            let p = cs[0].sessions(&args).await?;
+            let p = caller.sessions(&args).await?;
             lat.push(t0.elapsed());
             if p.sessions.len() as u64 != limit {
                 bail!("{what}: {} rows", p.sessions.len());
@@ -181,7 +201,7 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
     let mut lat = Latencies::default();
     for _ in 0..repeat {
         let t0 = Instant::now();
-        cs[0].stats().await?;
+        caller.stats().await?;
         lat.push(t0.elapsed());
     }
     line(
@@ -189,19 +209,5 @@ pub async fn ui(common: &Common, n: usize, inflight: usize, repeat: usize) -> an
         &mut lat,
         "",
     );
-    close_callers(cs).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    d.shutdown().await
-}
-
-fn pct(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    Ok(())
 }
