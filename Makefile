@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync powerloss fuzz clean ui-screenshots sdk
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync powerloss fuzz clean ui-screenshots sdk test-cluster
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -82,6 +82,10 @@ ifeq ($(NEXTEST),yes)
 else
 	$(TEST_ENV) $(CARGO) test --workspace --no-fail-fast
 endif
+
+test-cluster: venv ## The cluster's end-to-end tests alone: three nats-server and three turnd processes on loopback (also part of test-rust)
+	$(BUILD_DAEMON)
+	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --no-fail-fast
 
 venv: $(VENV)/.ready ## The project's Python environment (target/venv) with every Python test dependency
 

@@ -84,7 +84,11 @@ impl TestDaemon {
     }
 
     pub fn engine(&self) -> &turnd_engine::Engine {
-        &self.daemon.as_ref().expect("running").engine
+        self.daemon
+            .as_ref()
+            .expect("running")
+            .engine()
+            .expect("a daemon on its own")
     }
 
     pub async fn caller(&self) -> anyhow::Result<Caller> {

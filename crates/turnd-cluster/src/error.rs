@@ -60,6 +60,8 @@ impl From<LogError> for StoreError {
             LogError::Behind { .. } | LogError::Nats(_) | LogError::Config(_) => {
                 StoreError::Read(e.to_string())
             }
+            // Not a refusal: the group may count, and must not be answered as one.
+            LogError::Stopped(_) => StoreError::InDoubt(e.to_string()),
             _ => StoreError::Write(e.to_string()),
         }
     }

@@ -16,6 +16,9 @@ use crate::nats::Nats;
 /// The bucket of partition owners.
 pub const OWNERS_BUCKET: &str = "turnd_owners";
 
+/// The owners bucket's key holding the cluster's number of partitions.
+const PARTITIONS_KEY: &str = "partitions";
+
 /// What a partition's key holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Owner {
@@ -56,6 +59,31 @@ impl Owners {
     pub async fn open(nats: &Arc<Nats>, replicas: usize) -> Result<Owners, LogError> {
         let kv = nats.bucket(OWNERS_BUCKET, replicas).await?;
         Ok(Owners { kv })
+    }
+
+    /// The cluster's number of partitions: `wanted` when this is the first node of
+    /// the cluster (it is stored then), else the number stored when the cluster
+    /// was created, whatever `wanted` is.
+    pub async fn partitions(&self, wanted: u32) -> Result<u32, LogError> {
+        match self
+            .kv
+            .create(PARTITIONS_KEY, wanted.to_string().into())
+            .await
+        {
+            Ok(_) => return Ok(wanted),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+            Err(e) => return Err(LogError::nats("store the partitions", e)),
+        }
+        let e = self
+            .kv
+            .get(PARTITIONS_KEY)
+            .await
+            .map_err(|e| LogError::nats("read the partitions", e))?
+            .ok_or_else(|| LogError::Corrupt("the cluster's partitions vanished".into()))?;
+        std::str::from_utf8(&e)
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .ok_or_else(|| LogError::Corrupt("the cluster's partitions are unreadable".into()))
     }
 
     /// Partition `p`'s owner now, with its revision (None: nobody holds it, or it

@@ -9,6 +9,7 @@
 //! - [`standby`]: a warm standby tailing a partition into a local store;
 //! - [`marks`]: nodes' durable applied marks (`turnd_marks`), for trims;
 //! - [`lease`]: who tries to lead (`turnd_owners`), liveness only;
+//! - [`members`]: who is in the cluster now (`turnd_nodes`), for placement;
 //! - [`checks`]: what the NATS servers must do (sync before they acknowledge);
 //! - [`nats`]: the connection, on a runtime of its own;
 //! - [`testing`]: a rig of 1 or 3 `nats-server` processes for tests.
@@ -22,6 +23,7 @@ pub mod fence;
 pub mod lease;
 pub mod log;
 pub mod marks;
+pub mod members;
 pub mod nats;
 pub mod standby;
 pub mod testing;

@@ -35,7 +35,12 @@ pub struct Mark {
 pub struct Marks {
     nats: Arc<Nats>,
     kv: kv::Store,
+    required: Option<Required>,
 }
+
+/// The nodes whose marks of a partition a trim must wait for even before they wrote
+/// one (a standby that has only started).
+pub type Required = Arc<dyn Fn(u32) -> Vec<String> + Send + Sync>;
 
 fn key(p: u32, node: &str) -> String {
     format!("p{p}.{node}")
@@ -49,6 +54,24 @@ impl Marks {
         Ok(Marks {
             nats: nats.clone(),
             kv,
+            required: None,
+        })
+    }
+
+    /// These marks, with the nodes whose marks a trim of partition `p` waits for
+    /// although they have written none yet: `required(p)`.
+    pub fn requiring(mut self, required: Required) -> Marks {
+        self.required = Some(required);
+        self
+    }
+
+    /// Whether a node that `required` names for partition `p` (other than `me`) has
+    /// no mark among `seen`: then nothing may be trimmed.
+    pub fn missing_required(&self, p: u32, me: &str, seen: &[Mark]) -> bool {
+        self.required.as_ref().is_some_and(|req| {
+            req(p)
+                .iter()
+                .any(|n| n != me && !seen.iter().any(|m| &m.node == n))
         })
     }
 

@@ -126,7 +126,7 @@ impl Nats {
 
     /// Bind the KV bucket `name`, making it (file storage on `replicas` servers, one
     /// value per key) when there is none.
-    pub(crate) async fn bucket(
+    pub async fn bucket(
         &self,
         name: &str,
         replicas: usize,

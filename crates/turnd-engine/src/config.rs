@@ -67,6 +67,19 @@ pub struct EngineConfig {
     pub retention_terminal_ms: u64,
     /// How often retention looks for turns to delete (`retention.sweep_interval_ms`).
     pub retention_sweep_interval_ms: u64,
+    /// The partition of a cluster this engine holds the sessions of (None: every
+    /// session, one daemon on its own). Set by the node, not a config key.
+    #[serde(skip)]
+    pub partition: Option<Partition>,
+}
+
+/// One partition of a cluster's sessions: `index` of `count`. A session is in it when
+/// `turnd_proto::session_partition(id, count) == index`; the engine mints its turn
+/// ids in it, so that requests naming them route to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partition {
+    pub index: u32,
+    pub count: u32,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +88,7 @@ impl Default for EngineConfig {
             turns: TurnsConfig::default(),
             retention_terminal_ms: 72 * 3_600_000,
             retention_sweep_interval_ms: 60_000,
+            partition: None,
         }
     }
 }

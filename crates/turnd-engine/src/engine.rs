@@ -52,7 +52,7 @@ mod transition;
 mod watch;
 
 pub use operator::{BlockedOn, LiveInvocation, TurnRun, TurnRuns};
-pub use sessions_list::{RowDetail, SessionsPage};
+pub use sessions_list::{sessions_cursor, RowDetail, SessionsPage};
 pub use submit::SubmitOptions;
 
 type ApiResult<T> = EngineResult<T>;
@@ -80,7 +80,7 @@ fn page_limit(limit: Option<u64>) -> ApiResult<u64> {
 }
 
 /// Validate a caller-chosen id (session, function, worker, idempotency key).
-fn check_id(what: &'static str, s: &str) -> ApiResult<()> {
+pub(crate) fn check_id(what: &'static str, s: &str) -> ApiResult<()> {
     if s.is_empty() || s.len() > MAX_ID_BYTES || s.chars().any(|c| c.is_control()) {
         return Err(EngineError::BadId {
             what,
@@ -182,6 +182,24 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.inner.cfg
+    }
+
+    /// Whether this engine holds `session_id`: always, unless it holds one partition
+    /// of a cluster's sessions ([`crate::config::Partition`]).
+    pub fn owns_session(&self, session_id: &str) -> bool {
+        self.inner
+            .cfg
+            .partition
+            .is_none_or(|p| turnd_proto::session_partition(session_id, p.count) == p.index)
+    }
+
+    /// Whether this engine holds the session of `invocation_id` (by the partition the
+    /// id names; always without partitions).
+    pub fn owns_invocation(&self, invocation_id: &str) -> bool {
+        self.inner
+            .cfg
+            .partition
+            .is_none_or(|p| turnd_proto::invocation_partition(invocation_id) == Some(p.index))
     }
 
     pub fn boot_id(&self) -> &str {

@@ -135,7 +135,11 @@ impl EngineError {
 /// message, and the code's retryable flag.
 impl From<EngineError> for ErrorBody {
     fn from(e: EngineError) -> ErrorBody {
-        ErrorBody::new(e.code(), e.to_string())
+        match &e {
+            // Not `unavailable`, which says nothing changed: the write may count.
+            EngineError::NotWritten(StoreError::InDoubt(_)) => ErrorBody::in_doubt(e.to_string()),
+            _ => ErrorBody::new(e.code(), e.to_string()),
+        }
     }
 }
 

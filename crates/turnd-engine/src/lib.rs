@@ -36,12 +36,12 @@ mod watches;
 mod workers;
 
 pub use clock::{fmt_time, fmt_utc, Clock};
-pub use config::{EngineConfig, TurnsConfig};
+pub use config::{EngineConfig, Partition, TurnsConfig};
 pub use engine::{
-    BlockedOn, Caller, Engine, LiveInvocation, RowDetail, SessionsPage, SubmitOptions, TurnRun,
-    TurnRuns,
+    sessions_cursor, BlockedOn, Caller, Engine, LiveInvocation, RowDetail, SessionsPage,
+    SubmitOptions, TurnRun, TurnRuns,
 };
 pub use error::{EngineError, EngineResult};
 pub use registry::{CloseReason, Outbox, WorkerCaps};
 pub use wait_index::StuckRule;
-pub use workers::{WakeHook, Workers};
+pub use workers::{AttachedWorker, WakeHook, Workers};

@@ -354,6 +354,7 @@ fn close_frame(r: CloseReason) -> Option<(u16, &'static str)> {
         CloseReason::Unavailable => Some((1011, "the store could not be read")),
         CloseReason::ReaderEnded => None,
         CloseReason::ServerClosing => Some((1001, "server closing")),
+        CloseReason::InDoubt => Some((1011, "a request's outcome is in doubt")),
     }
 }
 

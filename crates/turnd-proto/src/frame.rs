@@ -67,6 +67,12 @@ pub struct ErrorBody {
     pub code: ErrorCode,
     pub message: String,
     pub retryable: bool,
+    /// Never on the wire: the request's write is in doubt (a replicated log stopped
+    /// before it knew whether the write counts), so no answer may be sent for it, not
+    /// even `unavailable`, which says nothing changed. The edge ends the connection
+    /// instead, as a crash would ([`ErrorBody::in_doubt`]).
+    #[serde(skip)]
+    pub in_doubt: bool,
 }
 
 impl ErrorBody {
@@ -75,6 +81,15 @@ impl ErrorBody {
             code,
             message: message.into(),
             retryable: code.retryable(),
+            in_doubt: false,
+        }
+    }
+
+    /// An error that must not be answered: the request's write is in doubt.
+    pub fn in_doubt(message: impl Into<String>) -> Self {
+        ErrorBody {
+            in_doubt: true,
+            ..ErrorBody::new(ErrorCode::Unavailable, message)
         }
     }
 }

@@ -14,6 +14,9 @@
 )]
 
 pub mod admin;
+pub mod backend;
+pub mod cluster;
+pub mod cluster_config;
 pub mod config;
 pub mod router;
 pub mod tls;
@@ -121,6 +124,26 @@ pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<LoggedKv>> {
     Ok(Arc::new(kv))
 }
 
+/// The listeners' addresses, and the TLS acceptor when the config turns TLS on.
+fn addresses(
+    cfg: &Config,
+    listeners: &Listeners,
+) -> anyhow::Result<(SocketAddr, SocketAddr, Option<tokio_rustls::TlsAcceptor>)> {
+    let ws_addr = listeners
+        .ws
+        .local_addr()
+        .context("WebSocket listener address")?;
+    let admin_addr = listeners
+        .admin
+        .local_addr()
+        .context("admin listener address")?;
+    let tls = match (&cfg.server.tls_cert, &cfg.server.tls_key) {
+        (Some(c), Some(k)) => Some(tls::acceptor(c, k)?),
+        _ => None,
+    };
+    Ok((ws_addr, admin_addr, tls))
+}
+
 /// A running daemon.
 pub struct Daemon {
     pub ws_addr: SocketAddr,
@@ -129,7 +152,8 @@ pub struct Daemon {
     pub iii_addr: Option<SocketAddr>,
     /// Whether both listeners speak TLS.
     pub tls: bool,
-    pub engine: Engine,
+    /// The engine, or the node of a cluster, its connections run on.
+    pub backend: backend::Backend,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -141,18 +165,7 @@ impl Daemon {
         listeners: Listeners,
         kv: Arc<dyn Kv>,
     ) -> anyhow::Result<Daemon> {
-        let ws_addr = listeners
-            .ws
-            .local_addr()
-            .context("WebSocket listener address")?;
-        let admin_addr = listeners
-            .admin
-            .local_addr()
-            .context("admin listener address")?;
-        let tls = match (&cfg.server.tls_cert, &cfg.server.tls_key) {
-            (Some(c), Some(k)) => Some(tls::acceptor(c, k)?),
-            _ => None,
-        };
+        let (ws_addr, admin_addr, tls) = addresses(&cfg, &listeners)?;
         let iii_addr = match &listeners.iii {
             Some(l) => Some(l.local_addr().context("iii listener address")?),
             None => None,
@@ -180,26 +193,83 @@ impl Daemon {
             ),
             None => None,
         };
+        let backend = backend::Backend::Single(engine);
+        let shutdown = CancellationToken::new();
+        let is_tls = tls.is_some();
         let shared = Arc::new(Shared {
-            engine: engine.clone(),
+            backend: backend.clone(),
             config: cfg,
             draining: CancellationToken::new(),
             closing,
             requests: TaskTracker::new(),
             connections: ConnectionCounts::default(),
         });
-        let shutdown = CancellationToken::new();
-        let is_tls = tls.is_some();
-        let task = tokio::spawn(serve(shared, listeners, tls, kv, shutdown.clone(), iii));
+        let task = tokio::spawn(serve(
+            shared,
+            listeners,
+            tls,
+            Some(kv),
+            shutdown.clone(),
+            iii,
+        ));
         Ok(Daemon {
             ws_addr,
             admin_addr,
             iii_addr,
             tls: is_tls,
-            engine,
+            backend,
             shutdown,
             task,
         })
+    }
+
+    /// Join the cluster of `cfg.cluster` as one of its nodes and serve on the given
+    /// listeners until `shutdown()`: each partition's store and engine are opened
+    /// when this node takes the partition over (`docs/cluster.md`).
+    pub async fn start_cluster(cfg: Config, listeners: Listeners) -> anyhow::Result<Daemon> {
+        if listeners.iii.is_some() {
+            anyhow::bail!("the iii endpoint (iii.listen) is not served by a node of a cluster");
+        }
+        let (ws_addr, admin_addr, tls) = addresses(&cfg, &listeners)?;
+        let (ws_scheme, admin_scheme) = if tls.is_some() {
+            ("wss", "https")
+        } else {
+            ("ws", "http")
+        };
+        let endpoints = (
+            format!("{ws_scheme}://{ws_addr}{}", turnd_proto::WS_PATH),
+            format!("{admin_scheme}://{admin_addr}"),
+        );
+        let node = cluster::Node::start(cfg.clone(), endpoints).await?;
+        let backend = backend::Backend::Cluster(node);
+        let shutdown = CancellationToken::new();
+        let is_tls = tls.is_some();
+        let shared = Arc::new(Shared {
+            backend: backend.clone(),
+            config: cfg,
+            draining: CancellationToken::new(),
+            closing: CancellationToken::new(),
+            requests: TaskTracker::new(),
+            connections: ConnectionCounts::default(),
+        });
+        let task = tokio::spawn(serve(shared, listeners, tls, None, shutdown.clone(), None));
+        Ok(Daemon {
+            ws_addr,
+            admin_addr,
+            iii_addr: None,
+            tls: is_tls,
+            backend,
+            shutdown,
+            task,
+        })
+    }
+
+    /// The engine of a daemon on its own (None: a node of a cluster).
+    pub fn engine(&self) -> Option<&Engine> {
+        match &self.backend {
+            backend::Backend::Single(e) => Some(e),
+            backend::Backend::Cluster(_) => None,
+        }
     }
 
     /// `ws://ADDR/v1` (`wss://` with TLS).
@@ -273,15 +343,15 @@ async fn serve(
     shared: Arc<Shared>,
     listeners: Listeners,
     tls: Option<tokio_rustls::TlsAcceptor>,
-    kv: Arc<dyn Kv>,
+    kv: Option<Arc<dyn Kv>>,
     shutdown: CancellationToken,
     iii: Option<Arc<turnd_iii::Iii>>,
 ) -> anyhow::Result<()> {
     let conns = TaskTracker::new();
-    let iii_task = match (iii, listeners.iii) {
-        (Some(iii), Some(l)) => {
+    let iii_task = match (iii, listeners.iii, &shared.backend) {
+        (Some(iii), Some(l), backend::Backend::Single(engine)) => {
             let router = Arc::new(router::IiiRouter {
-                engine: shared.engine.clone(),
+                engine: engine.clone(),
             });
             Some(tokio::spawn(iii.serve(l, router)))
         }
@@ -305,8 +375,12 @@ async fn serve(
     tracing::info!("shutting down: draining requests in progress");
     shared.draining.cancel();
     drop(listeners.ws);
-    // turn.wait requests end at once; every other request finishes its write.
-    shared.engine.shutdown();
+    // turn.wait requests end at once; every other request finishes its write. A
+    // node of a cluster hands its partitions over.
+    match &shared.backend {
+        backend::Backend::Single(engine) => engine.shutdown(),
+        backend::Backend::Cluster(node) => node.drain().await,
+    }
     shared.requests.close();
     if tokio::time::timeout(limit, shared.requests.wait())
         .await
@@ -332,7 +406,9 @@ async fn serve(
         Ok(Err(e)) => tracing::warn!("admin listener ended with an error: {e}"),
         Err(e) => tracing::warn!("admin listener task failed: {e}"),
     }
-    kv.sync().context("sync the store at shutdown")?;
+    if let Some(kv) = kv {
+        kv.sync().context("sync the store at shutdown")?;
+    }
     tracing::info!("shutdown complete");
     Ok(())
 }

@@ -224,7 +224,7 @@ fn connection<'o, 'a>(origin: Option<&'o Origin<'a>>) -> Result<&'o Origin<'a>, 
 }
 
 /// The worker a worker op acts for.
-fn worker_id(caller: &Caller) -> Result<String, ErrorBody> {
+pub(crate) fn worker_id(caller: &Caller) -> Result<String, ErrorBody> {
     caller.worker_id.clone().ok_or_else(|| {
         ErrorBody::new(
             ErrorCode::Forbidden,

@@ -25,6 +25,11 @@ pub enum StoreError {
     Corrupt(String),
     #[error("storage is closed")]
     Closed,
+    /// A write whose fate is unknown: the log stopped (its node gave up leading)
+    /// while the write was neither known to count nor known not to. Unlike every
+    /// other error, it does not say that nothing was written.
+    #[error("storage write in doubt: {0}")]
+    InDoubt(String),
 }
 
 /// What a storage operation that failed with an I/O error was doing.

@@ -64,6 +64,9 @@ enum Command {
     /// Exit 0 when the configuration is valid (unknown keys are reported but pass,
     /// unless --strict), 2 when it is not.
     CheckConfig(serve::CheckConfigArgs),
+    /// A cluster of nodes on NATS JetStream (the config's [cluster] table).
+    #[command(subcommand)]
+    Cluster(serve::ClusterCommand),
     #[command(flatten)]
     Client(cli::ClientCommand),
 }
@@ -73,6 +76,7 @@ fn main() {
     let code = match cli.command {
         Command::Serve(a) => serve::serve(a),
         Command::CheckConfig(a) => serve::check_config(a),
+        Command::Cluster(c) => serve::cluster(c),
         Command::Client(c) => cli::main(c),
     };
     std::process::exit(code);

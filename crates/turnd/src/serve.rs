@@ -52,6 +52,69 @@ pub struct ServeArgs {
     pub log_format: Option<String>,
 }
 
+#[derive(clap::Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// Show the cluster as its NATS servers hold it: the members, and each
+    /// partition's leader, epoch, lease, stream position and standbys' lag.
+    ///
+    /// Reads the [cluster] table of the config (--config, TURND_CONFIG, TURND_*);
+    /// needs no running node. Exit 0, or 2 when the table is missing or NATS
+    /// cannot be read.
+    Status {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `turnd cluster …`.
+pub fn cluster(c: ClusterCommand) -> i32 {
+    let ClusterCommand::Status { config, json } = c;
+    let (cfg, _) = match load(&config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let Some(cluster) = cfg.cluster else {
+        eprintln!("turnd: the configuration has no [cluster] table");
+        return 2;
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("turnd: start a runtime: {e}");
+            return 2;
+        }
+    };
+    match rt.block_on(turnd_server::cluster::view::read(&cluster)) {
+        Ok(v) if json => match serde_json::to_string_pretty(&v) {
+            Ok(t) => {
+                println!("{t}");
+                0
+            }
+            Err(e) => {
+                eprintln!("turnd: {e}");
+                2
+            }
+        },
+        Ok(v) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            print!("{}", turnd_server::cluster::view::render(&v, now));
+            0
+        }
+        Err(e) => {
+            eprintln!("turnd: cluster status: {e:#}");
+            2
+        }
+    }
+}
+
 /// Load the configuration, printing a warning for each unknown key; returns it with
 /// the number of unknown keys.
 fn load(args: &ConfigArgs) -> Result<(Config, usize), i32> {
@@ -191,8 +254,12 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     let _claim = claim_data_dir(&cfg.storage.data_dir)?;
     // Bind before the heavy work (opening and recovering the store).
     let listeners = Listeners::bind(&cfg).await?;
-    let kv = open_store(&cfg)?;
-    let daemon = Daemon::start(cfg, listeners, kv).await?;
+    let daemon = if cfg.cluster.is_some() {
+        Daemon::start_cluster(cfg, listeners).await?
+    } else {
+        let kv = open_store(&cfg)?;
+        Daemon::start(cfg, listeners, kv).await?
+    };
     let line = format!(
         "turnd listening on {} admin {} (operator page {}/ui)",
         daemon.ws_url(),
@@ -222,7 +289,9 @@ async fn run(cfg: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
         tracing::debug!("sd_notify READY not sent: {e}");
     }
     let shutdown = daemon.shutdown_token();
-    crate::watchdog::spawn(daemon.engine.store().kv().clone(), shutdown.clone());
+    if let Some(engine) = daemon.engine() {
+        crate::watchdog::spawn(engine.store().kv().clone(), shutdown.clone());
+    }
     tokio::spawn(watch_signals(shutdown, term, int));
     daemon.join().await?;
     if let Some(path) = &ready_file {

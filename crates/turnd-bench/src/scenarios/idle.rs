@@ -106,7 +106,7 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
 /// sessions (or `wait` passed).
 async fn settled_rss(d: &BenchDaemon, live: usize, wait: Duration) -> (Option<u64>, usize) {
     let until = Instant::now() + wait;
-    let engine = &d.daemon.engine;
+    let engine = d.daemon.engine().expect("a daemon on its own");
     while engine.sessions_in_memory() > live && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -217,7 +217,11 @@ pub async fn idle_unknown(common: &Common, n: usize, inflight: usize) -> anyhow:
     let wall = start.elapsed();
     let measured = probe.finish(&d);
     let (rss_after, in_memory) = settled_rss(&d, 0, Duration::from_secs(2)).await;
-    let registry = d.daemon.engine.registry_sizes();
+    let registry = d
+        .daemon
+        .engine()
+        .expect("a daemon on its own")
+        .registry_sizes();
     close_callers(cs).await;
     let hwm = proc_status_kb("VmHWM");
     d.shutdown().await?;

@@ -125,7 +125,7 @@ pub async fn reopen(data: &Path) -> anyhow::Result<()> {
     let daemon = turnd_server::Daemon::start(cfg, listeners, kv).await?;
     let t_ready = t0.elapsed();
     let rss = proc_status_kb("VmRSS").unwrap_or(0);
-    let stats = daemon.engine.stats();
+    let stats = daemon.engine().expect("a daemon on its own").stats();
     println!(
         "reopen bind_ms={:.1} open_store_ms={:.1} engine_open_ms={:.1} total_ms={:.1} rss_kb={rss} queued={} completed={}",
         t_bind.as_secs_f64() * 1e3,

@@ -1,8 +1,10 @@
-//! The connection loop of a worker: connect, say hello with the invocations it
+//! The connection loops of a worker (one per URL: a cluster's nodes each get one):
+//! connect, say hello with the invocations it
 //! holds, register every function, serve pushes until the connection ends, and
 //! reconnect with capped backoff until shutdown; then stop what the worker started.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,38 +28,87 @@ pub(super) async fn supervise(
     shared: Arc<WorkerShared>,
     functions: Arc<HashMap<String, Registered>>,
 ) -> Result<(), ClientError> {
+    let mut loops = tokio::task::JoinSet::new();
+    for (index, url) in shared.urls().into_iter().enumerate() {
+        loops.spawn(connection_loop(
+            shared.clone(),
+            functions.clone(),
+            index,
+            url,
+        ));
+    }
+    let mut result = Ok(());
+    while let Some(ended) = loops.join_next().await {
+        let ended =
+            ended.unwrap_or_else(|e| Err(ClientError::Connect(format!("worker task failed: {e}"))));
+        if let Err(e) = ended {
+            // One connection superseded: the whole worker stops.
+            shared.shutdown.cancel();
+            if result.is_ok() {
+                result = Err(e);
+            }
+        }
+    }
+    // Stop everything this worker started: handlers see their tokens cancelled (they
+    // are children of the shutdown token), pumps and status answers end.
+    shared.shutdown.cancel();
+    shared.link.send_replace(BTreeMap::new());
+    shared.pumps.close();
+    shared.handlers.close();
+    if tokio::time::timeout(PUMP_DRAIN_LIMIT, shared.pumps.wait())
+        .await
+        .is_err()
+    {
+        warn!("result tasks did not end within {PUMP_DRAIN_LIMIT:?} of shutdown");
+    }
+    result
+}
+
+/// One URL's connection: connect, serve, reconnect with backoff, until shutdown.
+async fn connection_loop(
+    shared: Arc<WorkerShared>,
+    functions: Arc<HashMap<String, Registered>>,
+    index: usize,
+    url: String,
+) -> Result<(), ClientError> {
     let opts = &shared.opts;
     let cap = MAX_RECONNECT_DELAY.max(opts.reconnect_delay);
     let mut delay = opts.reconnect_delay;
-    let mut generation = 0u64;
-    let result = loop {
+    loop {
         if shared.shutdown.is_cancelled() {
-            break Ok(());
+            return Ok(());
         }
         let attempt = tokio::select! {
-            _ = shared.shutdown.cancelled() => break Ok(()),
-            attempt = connect_and_register(&shared, &functions) => attempt,
+            _ = shared.shutdown.cancelled() => return Ok(()),
+            attempt = connect_and_register(&shared, &functions, &url) => attempt,
         };
         match attempt {
             Ok((conn, pushes)) => {
                 delay = opts.reconnect_delay;
                 *lock(&shared.attempts) = Attempts::default();
-                generation += 1;
+                let generation = shared.generations.fetch_add(1, Ordering::Relaxed) + 1;
                 bump(&shared.counters.connections);
-                info!(worker_id = %opts.worker_id, generation, "worker connected and registered");
-                shared.link.send_replace(Some(Link {
-                    generation,
-                    conn: conn.clone(),
-                }));
+                info!(worker_id = %opts.worker_id, %url, generation, "worker connected and registered");
+                shared.link.send_modify(|l| {
+                    l.insert(
+                        index,
+                        Link {
+                            generation,
+                            conn: conn.clone(),
+                        },
+                    );
+                });
                 serve(&shared, &functions, &conn, pushes).await;
-                shared.link.send_replace(None);
+                shared.link.send_modify(|l| {
+                    l.remove(&index);
+                });
                 if shared.shutdown.is_cancelled() {
                     conn.close().await;
-                    break Ok(());
+                    return Ok(());
                 }
                 if conn.close_code() == Some(CLOSE_SUPERSEDED) {
                     error!(worker_id = %opts.worker_id, "connection superseded by another worker with the same worker_id; stopping");
-                    break Err(ClientError::Connect(format!(
+                    return Err(ClientError::Connect(format!(
                         "superseded: another connection took worker_id {}",
                         opts.worker_id
                     )));
@@ -81,30 +132,18 @@ pub(super) async fn supervise(
             }
         }
         tokio::select! {
-            _ = shared.shutdown.cancelled() => break Ok(()),
+            _ = shared.shutdown.cancelled() => return Ok(()),
             _ = tokio::time::sleep(delay) => {}
         }
         delay = delay.saturating_mul(2).min(cap);
-    };
-    // Stop everything this worker started: handlers see their tokens cancelled (they
-    // are children of the shutdown token), pumps and status answers end.
-    shared.shutdown.cancel();
-    shared.link.send_replace(None);
-    shared.pumps.close();
-    shared.handlers.close();
-    if tokio::time::timeout(PUMP_DRAIN_LIMIT, shared.pumps.wait())
-        .await
-        .is_err()
-    {
-        warn!("result tasks did not end within {PUMP_DRAIN_LIMIT:?} of shutdown");
     }
-    result
 }
 
 /// Connect, say hello with this instance's lists, register every function.
 async fn connect_and_register(
     shared: &Arc<WorkerShared>,
     functions: &HashMap<String, Registered>,
+    url: &str,
 ) -> Result<(Connection, mpsc::UnboundedReceiver<Push>), ClientError> {
     let opts = &shared.opts;
     let (inflight, finished) = {
@@ -125,7 +164,7 @@ async fn connect_and_register(
         inflight,
         finished,
     };
-    let (conn, hello_ok) = Connection::connect(&opts.url, hello).await?;
+    let (conn, hello_ok) = Connection::connect(url, hello).await?;
     let pushes = conn
         .pushes()
         .expect("a new connection's push stream has not been taken");

@@ -178,6 +178,13 @@ pub type Handler = Arc<dyn Fn(InvocationCtx) -> BoxFuture<'static, Outcome> + Se
 pub struct WorkerOptions {
     /// Daemon URL, e.g. `ws://127.0.0.1:7420/v1`.
     pub url: String,
+    /// The URLs of a cluster's other nodes: the worker keeps a connection to each as
+    /// well, with the same worker_id and instance, since each node dispatches only
+    /// the turns of the partitions it leads. Its tables are one: a result is sent on
+    /// any connection (a node forwards it to the partition's leader), a probe on any
+    /// connection is answered from them, and each connection's `hello` lists every
+    /// invocation the worker runs or holds a result of. Empty for one daemon.
+    pub also: Vec<String>,
     /// Token for role `worker`, if the daemon requires one.
     pub token: Option<String>,
     /// Stable across restarts of this worker.
@@ -201,6 +208,7 @@ impl WorkerOptions {
         let worker_id = worker_id.into();
         WorkerOptions {
             url: url.into(),
+            also: Vec::new(),
             token: None,
             name: worker_id.clone(),
             worker_id,
@@ -316,11 +324,12 @@ impl Worker {
     /// Must be called inside a tokio runtime.
     pub fn spawn(self, shutdown: CancellationToken) -> WorkerHandle {
         let shutdown = shutdown.child_token();
-        let (link, _) = watch::channel(None);
+        let (link, _) = watch::channel(std::collections::BTreeMap::new());
         let shared = Arc::new(WorkerShared {
             opts: self.opts,
             tables: Mutex::new(Tables::default()),
             link,
+            generations: std::sync::atomic::AtomicU64::new(0),
             counters: Counters::default(),
             reconciled: Mutex::new(None),
             attempts: Mutex::new(Attempts::default()),
@@ -361,8 +370,9 @@ impl WorkerHandle {
     /// (at once if that is so now), or once the worker has stopped.
     pub async fn connected(&self) {
         let mut rx = self.shared.link.subscribe();
+        let all = 1 + self.shared.opts.also.len();
         tokio::select! {
-            r = rx.wait_for(Option::is_some) => {
+            r = rx.wait_for(|l| l.len() == all) => {
                 if r.is_err() {
                     debug!("worker link channel closed");
                 }
@@ -373,7 +383,7 @@ impl WorkerHandle {
 
     /// Whether the worker is connected (hello and registrations done) right now.
     pub fn is_connected(&self) -> bool {
-        self.shared.link.borrow().is_some()
+        self.shared.link.borrow().len() == 1 + self.shared.opts.also.len()
     }
 
     /// Where the connection stands, with the last error while it cannot connect.

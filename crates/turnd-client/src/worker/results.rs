@@ -3,6 +3,7 @@
 //! when a probe or cancel shows the server waits for it, until the server
 //! acknowledges it or refuses it for good.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -25,14 +26,14 @@ pub(super) async fn pump_result(
         outcome,
     };
     let mut links = shared.link.subscribe();
-    // A generation whose connection is known to be gone.
-    let mut dead: Option<u64> = None;
+    // Generations whose connections are known to be gone.
+    let mut dead: HashSet<u64> = HashSet::new();
     let mut first = true;
     loop {
         let link = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
-            link = links.wait_for(|l| matches!(l, Some(l) if Some(l.generation) != dead)) => match link {
-                Ok(link) => match link.as_ref() {
+            link = links.wait_for(|l| l.values().any(|l| !dead.contains(&l.generation))) => match link {
+                Ok(links) => match links.values().find(|l| !dead.contains(&l.generation)) {
                     Some(link) => link.clone(),
                     None => continue,
                 },
@@ -84,7 +85,7 @@ pub(super) async fn pump_result(
             }
             Ok(Err(ClientError::Closed)) => {
                 debug!(%invocation_id, generation = link.generation, "connection lost before the result was acknowledged; resending after reconnect");
-                dead = Some(link.generation);
+                dead.insert(link.generation);
             }
             Ok(Err(e)) => {
                 warn!(%invocation_id, "failed to send result: {e}; resending later");

@@ -3,7 +3,7 @@
 //! counters, and the trackers of its tasks. Holding a result (and starting its
 //! delivery) and releasing it are the two changes of the tables outside a push.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -51,7 +51,8 @@ pub(super) struct Attempts {
     pub(super) last_error: Option<String>,
 }
 
-/// The connection the worker currently serves on (hello and registrations done).
+/// A connection the worker serves on (hello and registrations done); its
+/// generation is unique among all the worker's connections.
 #[derive(Clone)]
 pub(super) struct Link {
     pub(super) generation: u64,
@@ -61,7 +62,11 @@ pub(super) struct Link {
 pub(super) struct WorkerShared {
     pub(super) opts: WorkerOptions,
     pub(super) tables: Mutex<Tables>,
-    pub(super) link: watch::Sender<Option<Link>>,
+    /// The connections it serves on now, by the index of their URL (0: `url`, then
+    /// `also`).
+    pub(super) link: watch::Sender<BTreeMap<usize, Link>>,
+    /// The last generation given to a connection.
+    pub(super) generations: AtomicU64,
     pub(super) counters: Counters,
     pub(super) reconciled: Mutex<Option<Reconciled>>,
     pub(super) attempts: Mutex<Attempts>,
@@ -74,7 +79,14 @@ pub(super) struct WorkerShared {
 
 impl WorkerShared {
     pub(super) fn current_connection(&self) -> Option<Connection> {
-        self.link.borrow().as_ref().map(|l| l.conn.clone())
+        self.link.borrow().values().next().map(|l| l.conn.clone())
+    }
+
+    /// Every URL the worker connects to.
+    pub(super) fn urls(&self) -> Vec<String> {
+        let mut urls = vec![self.opts.url.clone()];
+        urls.extend(self.opts.also.iter().cloned());
+        urls
     }
 
     /// Take a result for delivery: the invocation is no longer running, its outcome is

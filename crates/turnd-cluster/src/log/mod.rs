@@ -211,6 +211,9 @@ impl JetStreamLog {
         let mut least = applied;
         if let Some(marks) = &self.inner.marks {
             let seen = self.inner.nats.block_on(marks.all(p))?;
+            if marks.missing_required(p, &self.inner.node, &seen) {
+                return Ok(0);
+            }
             let mut s = self.state().map_err(|e| LogError::Nats(e.to_string()))?;
             let now = Instant::now();
             for m in s

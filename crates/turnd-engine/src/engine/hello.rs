@@ -7,12 +7,13 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use turnd_proto::{HelloArgs, Push, Reconciled, RegisterArgs, RegisterOk, Role};
-use turnd_store::{FunctionSettings, InvocationRecord};
+use turnd_store::InvocationRecord;
 
 use super::{check_id, read_failed, unavailable, ApiResult, Caller, Engine};
 use crate::error::EngineError;
 use crate::machine;
-use crate::registry::{push_frame, Assignment, CloseReason, Outbox, WorkerCaps};
+use crate::registry::{push_frame, Assignment, Outbox, WorkerCaps};
+use crate::workers::AttachedWorker;
 
 impl Engine {
     /// A worker `hello`: attach the connection (superseding an older one of the same
@@ -28,42 +29,33 @@ impl Engine {
         outbox: Outbox,
         caps: WorkerCaps,
     ) -> ApiResult<Reconciled> {
-        let worker_id = hello.worker_id.as_deref().ok_or(EngineError::NoWorkerId)?;
-        check_id("worker_id", worker_id)?;
-        let instance_id = hello
-            .instance_id
-            .clone()
-            .unwrap_or_else(|| outbox.conn_id.clone());
-        let name = hello.name.clone().unwrap_or_else(|| worker_id.to_string());
-        let conn_id = outbox.conn_id.clone();
-        let attached = {
-            let mut reg = self.registry();
-            reg.set_caps(worker_id, caps);
-            reg.attach(worker_id, &name, &instance_id, outbox, self.now_ms())
-        };
-        if let Some(old) = attached.superseded {
-            tracing::info!(worker_id, old_conn = %old.conn_id, "worker connection superseded by a new hello");
-            old.close_with(CloseReason::Superseded);
-        }
-        // A worker that keeps its handlers across reconnects still runs all of them.
-        let kept;
-        let hello = if caps.keeps_inflight {
-            let mut all = hello.clone();
-            all.inflight
-                .extend(attached.assigned.iter().map(|(id, _)| id.clone()));
-            kept = all;
-            &kept
-        } else {
-            hello
-        };
-        match self.reconcile(hello, &instance_id, attached.assigned).await {
+        let attached = self
+            .inner
+            .workers
+            .attach(hello, outbox, caps, self.now_ms())?;
+        match self.reconcile_worker(&attached).await {
             Ok(rec) => Ok(rec),
             Err(e) => {
                 // The hello is refused: the connection must not stay attached.
-                self.worker_disconnected(worker_id, &conn_id).await;
+                self.worker_disconnected(&attached.worker_id, &attached.conn_id)
+                    .await;
                 Err(e)
             }
         }
+    }
+
+    /// Reconcile the invocations of a worker that said hello ([`Workers::attach`])
+    /// whose sessions this engine holds; those of other engines (other partitions of
+    /// a cluster) are theirs to reconcile, and are neither listed nor cancelled here.
+    pub async fn reconcile_worker(&self, attached: &AttachedWorker) -> ApiResult<Reconciled> {
+        let assigned = attached
+            .assigned
+            .iter()
+            .filter(|(_, a)| self.owns_session(&a.session_id))
+            .cloned()
+            .collect();
+        self.reconcile(&attached.hello, &attached.instance_id, assigned)
+            .await
     }
 
     /// Reconcile every invocation assigned to a worker_id that said hello.
@@ -93,7 +85,7 @@ impl Engine {
         // Work the worker still runs that the daemon already gave up (stopped while
         // it was away, outcome unknown, superseded): tell it to stop, and list it.
         let worker_id = hello.worker_id.as_deref().unwrap_or("");
-        for inv_id in &hello.inflight {
+        for inv_id in hello.inflight.iter().filter(|i| self.owns_invocation(i)) {
             if rec.kept.contains(inv_id)
                 || rec.redispatched.contains(inv_id)
                 || rec.unknown.contains(inv_id)
@@ -155,61 +147,34 @@ impl Engine {
     /// A worker connection ended: every session with an invocation on it re-checks
     /// its worker (and starts waiting for the reconnect).
     pub async fn worker_disconnected(&self, worker_id: &str, conn_id: &str) {
-        let sessions = {
-            let mut reg = self.registry();
-            if !reg.detach(worker_id, conn_id, self.now_ms()) {
-                return;
-            }
-            reg.assigned_sessions(worker_id)
+        let Some(sessions) = self.inner.workers.detach(worker_id, conn_id, self.now_ms()) else {
+            return;
         };
-        // Every session at once, so their writes share the group commit's syncs.
-        futures_util::future::join_all(sessions.iter().map(|s| self.drive(s))).await;
+        self.drive_owned(&sessions).await;
+    }
+
+    /// Drive every one of `sessions` this engine holds, at once, so that their writes
+    /// share the group commit's syncs.
+    pub async fn drive_owned(&self, sessions: &[String]) {
+        futures_util::future::join_all(
+            sessions
+                .iter()
+                .filter(|s| self.owns_session(s))
+                .map(|s| self.drive(s)),
+        )
+        .await;
     }
 
     /// `function.register`.
     pub fn register(&self, worker_id: &str, args: &RegisterArgs) -> ApiResult<RegisterOk> {
-        check_id("function_id", &args.function_id)?;
-        let concurrency = args.concurrency.unwrap_or(1);
-        if concurrency == 0 || concurrency > 10_000 {
-            return Err(EngineError::out_of_range("concurrency", "1 to 10000"));
-        }
-        let timeout_ms = args
-            .timeout_ms
-            .unwrap_or(self.inner.cfg.turns.default_timeout_ms);
-        if timeout_ms == 0 {
-            return Err(EngineError::out_of_range("timeout_ms", "positive"));
-        }
-        let delivery = args.delivery.unwrap_or_default();
-        let max_attempts = args.max_attempts.unwrap_or(delivery.default_max_attempts());
-        if max_attempts == 0 || max_attempts > 1000 {
-            return Err(EngineError::out_of_range("max_attempts", "1 to 1000"));
-        }
-        let workers = self.registry().register(
-            worker_id,
-            &args.function_id,
-            concurrency,
-            FunctionSettings {
-                timeout_ms,
-                delivery,
-                max_attempts,
-            },
-        );
-        self.inner.workers.wake(&args.function_id);
-        Ok(RegisterOk {
-            function_id: args.function_id.clone(),
-            workers,
-        })
+        self.inner
+            .workers
+            .register(worker_id, args, self.inner.cfg.turns.default_timeout_ms)
     }
 
     /// `function.unregister`.
     pub fn unregister(&self, worker_id: &str, function_id: &str) -> ApiResult<()> {
-        if self.registry().unregister(worker_id, function_id) {
-            Ok(())
-        } else {
-            Err(EngineError::NotRegistered {
-                function_id: function_id.to_string(),
-            })
-        }
+        self.inner.workers.unregister(worker_id, function_id)
     }
 
     /// Look up an invocation and check the caller may act on it.
@@ -241,15 +206,12 @@ impl Engine {
     /// Whether `invocation_id` is live and dispatched to `worker_id` (a registry
     /// lookup; no store read).
     pub fn is_assigned(&self, worker_id: &str, invocation_id: &str) -> bool {
-        self.registry()
-            .assigned_session(worker_id, invocation_id)
-            .is_some()
+        self.inner.workers.is_assigned(worker_id, invocation_id)
     }
 
     /// Keep only the invocation ids that are live and dispatched to `worker_id`.
     pub fn retain_assigned(&self, worker_id: &str, ids: &mut HashSet<String>) {
-        let registry = self.registry();
-        ids.retain(|id| registry.assigned_session(worker_id, id).is_some());
+        self.inner.workers.retain_assigned(worker_id, ids);
     }
 
     /// The session of an invocation the caller may act on (`None`: no such

@@ -158,3 +158,14 @@ impl Engine {
         Some((row, detail))
     }
 }
+
+/// The `after` of a page of `sessions.list` in `order` that ends with `row`: where
+/// a node of a cluster, merging the pages of its partitions, resumes every one.
+pub fn sessions_cursor(row: &SessionRow, order: turnd_proto::SessionOrder) -> String {
+    match order {
+        turnd_proto::SessionOrder::Wait => {
+            Cursor::Wait(row.wait.since_ms, row.session_id.as_str().into()).encode()
+        }
+        turnd_proto::SessionOrder::Id => Cursor::Id(row.session_id.as_str().into()).encode(),
+    }
+}

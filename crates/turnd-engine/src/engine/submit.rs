@@ -1,7 +1,7 @@
 //! `turn.submit`: the checks of its arguments, the idempotency key, then the
 //! machine's `submit` under the session's lock.
 
-use turnd_proto::{new_turn_id, SubmitArgs, SubmitOk, Turn};
+use turnd_proto::{new_turn_id, new_turn_id_in, SubmitArgs, SubmitOk, Turn};
 use turnd_store::{RawJson, TurnDispatch};
 
 use super::{check_id, read_failed, unavailable, ApiResult, Engine};
@@ -59,7 +59,10 @@ impl Engine {
                 held: st.active.len(),
             });
         }
-        let turn_id = new_turn_id();
+        let turn_id = match self.config().partition {
+            Some(p) => new_turn_id_in(p.index),
+            None => new_turn_id(),
+        };
         let submission = machine::Submission {
             turn_id: turn_id.clone(),
             function_id: args.function_id,

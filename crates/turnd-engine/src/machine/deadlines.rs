@@ -156,6 +156,10 @@ fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
         tx.put_invocation(st, inv);
         return;
     }
+    if connected && inv.wait == InvWait::AwaitingReconnect && cx.cfg.partition.is_some() {
+        present(cx, tx, &h, inv);
+        return;
+    }
     if inv.deadline_ms > now {
         return;
     }
@@ -198,6 +202,23 @@ fn invoked_due(cx: &Ctx, tx: &mut Tx, h: TurnRecord) {
             }
         }
     }
+}
+
+/// A cluster's new leader of the partition recovered the invocation while its worker
+/// was attached to this node already (its `hello` came before the node led the
+/// partition, so no `hello` will reconcile it): ask the worker about it now, as at a
+/// passed deadline. A worker that cannot be probed keeps its handlers across
+/// reconnects (an iii worker): it is taken to still run it, under its attempt
+/// deadline.
+fn present(cx: &Ctx, tx: &mut Tx, h: &TurnRecord, mut inv: InvocationRecord) {
+    if cx.worker_probes {
+        probe(cx, tx, h, inv);
+        return;
+    }
+    inv.wait = InvWait::AwaitingResult;
+    inv.wait_since_ms = tx.now;
+    inv.deadline_ms = inv.attempt_deadline_ms.max(tx.now);
+    tx.put_invocation(cx.st, inv);
 }
 
 /// Mark an invocation given up (or finished) and free its slot before the next

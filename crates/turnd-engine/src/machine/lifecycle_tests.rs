@@ -150,3 +150,54 @@ fn a_session_watched_waiting_or_retrying_is_kept_when_its_last_turn_expires() {
     let verdict = expire(&mut sim, &[TurnStatus::Completed], false);
     assert_eq!(verdict, ExpiryVerdict::Kept);
 }
+
+/// A cluster's new leader recovers an invocation whose worker is attached to its node
+/// already (it said hello before the node led the partition): no hello will reconcile
+/// it, so the worker is probed at once, and its answer settles it as after a passed
+/// deadline. One daemon on its own waits for the worker's hello as before.
+#[test]
+fn a_new_leader_probes_the_attached_worker_of_a_recovered_invocation() {
+    for (partition, probes, probed) in [
+        (
+            Some(crate::config::Partition { index: 0, count: 1 }),
+            true,
+            true,
+        ),
+        (
+            Some(crate::config::Partition { index: 0, count: 1 }),
+            false,
+            false,
+        ),
+        (None, true, false),
+    ] {
+        let mut sim = Sim::new(Delivery::AtMostOnce, 1);
+        sim.cfg.partition = partition;
+        sim.probes = probes;
+        let a = sim.submit();
+        let inv = sim.live();
+        sim.advance(300);
+        sim.run(recovered);
+        assert_eq!(sim.inv(&inv).wait, InvWait::AwaitingReconnect);
+        let effects = sim.run(due);
+        let rec = sim.inv(&inv);
+        if probed {
+            assert_eq!(rec.wait, InvWait::Probing, "{partition:?}");
+            assert!(
+                effects.iter().any(|e| matches!(e, Effect::Probe { .. })),
+                "{effects:?}"
+            );
+            assert_eq!(
+                sim.kinds(&a).last(),
+                Some(&turnd_proto::EventKind::ProbeSent)
+            );
+        } else if partition.is_some() {
+            // An iii worker keeps its handlers: it still runs it, under its deadline.
+            assert_eq!(rec.wait, InvWait::AwaitingResult);
+            assert_eq!(rec.deadline_ms, rec.attempt_deadline_ms.max(sim.now));
+            assert!(effects.is_empty(), "{effects:?}");
+        } else {
+            assert_eq!(rec.wait, InvWait::AwaitingReconnect);
+            assert!(effects.is_empty(), "{effects:?}");
+        }
+    }
+}

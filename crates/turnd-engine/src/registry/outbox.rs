@@ -25,6 +25,10 @@ pub enum CloseReason {
     ReaderEnded,
     /// The daemon is shutting down (code 1001).
     ServerClosing,
+    /// A request's write is in doubt (its partition's log stopped before it knew
+    /// whether the write counts): no answer may be sent, so the connection ends
+    /// (code 1011), and the peer reads the outcome back after it reconnects.
+    InDoubt,
 }
 
 /// The sending side of one connection: a bounded queue of text frames. A peer that

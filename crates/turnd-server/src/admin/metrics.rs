@@ -19,8 +19,6 @@ use turnd_engine::metrics::Counters;
 use turnd_proto::{TurnStatus, WaitState};
 use turnd_store::{CommitStats, SYNC_BUCKET_BOUNDS};
 
-use crate::ws::Shared;
-
 type Labels = Vec<(String, String)>;
 
 fn counter(reg: &mut Registry, name: &str, help: &str, v: u64) {
@@ -66,7 +64,7 @@ fn load(a: &AtomicU64) -> u64 {
     a.load(Ordering::Relaxed)
 }
 
-pub(super) async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+pub(super) async fn metrics(State(s): State<Arc<super::Admin>>) -> impl IntoResponse {
     let mut reg = Registry::with_prefix("turnd");
     register_state(&mut reg, &s);
     register_connections(&mut reg, &s);
@@ -104,7 +102,7 @@ pub(super) async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 }
 
 /// Gauges of what is there now: turns, waits, sessions, invocations, workers, storage.
-fn register_state(reg: &mut Registry, s: &Shared) {
+fn register_state(reg: &mut Registry, s: &super::Admin) {
     let e = &s.engine;
     let stats = e.stats();
     let turns = Family::<Labels, Gauge>::default();
@@ -160,7 +158,7 @@ fn register_state(reg: &mut Registry, s: &Shared) {
 }
 
 /// Open connections, sessions in memory, watches and requests in flight.
-fn register_connections(reg: &mut Registry, s: &Shared) {
+fn register_connections(reg: &mut Registry, s: &super::Admin) {
     let e = &s.engine;
     let conns = Family::<Labels, Gauge>::default();
     for (role, v) in [

@@ -6,6 +6,7 @@
 //! framing, forms posting only here), `nosniff`, `X-Frame-Options: DENY` and no
 //! `Referer` leaving the page.
 
+mod cluster;
 mod config;
 mod metrics;
 
@@ -27,7 +28,9 @@ use crate::tls::TlsListener;
 
 pub use config::AdminConfig;
 
+use crate::backend::Backend;
 use crate::ws::Shared;
+use turnd_engine::Engine;
 
 /// The client's address, as the admin listener accepted it (plain or TLS).
 #[derive(Debug, Clone, Copy)]
@@ -69,13 +72,36 @@ fn security_headers() -> [(HeaderName, HeaderValue); 4] {
     ]
 }
 
+/// What the admin listener of a daemon on its own serves from: the state its
+/// connections share, and its engine.
+pub struct Admin {
+    pub engine: Engine,
+    pub shared: Arc<Shared>,
+}
+
+impl std::ops::Deref for Admin {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
 pub fn router(shared: Arc<Shared>) -> Router {
-    let health = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics::metrics))
-        .with_state(shared.clone());
-    let mut app = health.merge(crate::ui::router(crate::ui::Ui::new(shared)));
+    let mut app = match &shared.backend {
+        Backend::Single(engine) => {
+            let admin = Arc::new(Admin {
+                engine: engine.clone(),
+                shared: shared.clone(),
+            });
+            Router::new()
+                .route("/healthz", get(healthz))
+                .route("/readyz", get(readyz))
+                .route("/metrics", get(metrics::metrics))
+                .with_state(admin.clone())
+                .merge(crate::ui::router(crate::ui::Ui::new(admin)))
+        }
+        Backend::Cluster(node) => cluster::router(node.clone(), shared.clone()),
+    };
     for (name, value) in security_headers() {
         app = app.layer(SetResponseHeaderLayer::overriding(name, value));
     }
@@ -111,14 +137,14 @@ pub fn spawn(
 
 /// Fails when the store cannot go on without a restart (a thread of its own ended),
 /// so that a supervisor restarts the daemon.
-async fn healthz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+async fn healthz(State(s): State<Arc<Admin>>) -> impl IntoResponse {
     match s.engine.store().kv().health() {
         Ok(()) => (StatusCode::OK, "ok\n".to_string()),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
     }
 }
 
-async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+async fn readyz(State(s): State<Arc<Admin>>) -> impl IntoResponse {
     if s.draining.is_cancelled() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -30,13 +30,20 @@ impl Config {
         let defaults = toml::Value::try_from(Config::default())
             .map_err(|e| ConfigError::one(format!("defaults: {e}")))?;
         let mut merged = defaults.clone();
+        // Every key turnd knows, the tables that are off by default included: what
+        // unknown keys are told from.
+        let schema = toml::Value::try_from(Config {
+            cluster: Some(Default::default()),
+            ..Config::default()
+        })
+        .map_err(|e| ConfigError::one(format!("defaults: {e}")))?;
         let mut warnings = Vec::new();
         if let Some(path) = file {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| ConfigError::one(format!("read {}: {e}", path.display())))?;
             let file_value: toml::Value = toml::from_str(&text)
                 .map_err(|e| ConfigError::one(format!("parse {}: {e}", path.display())))?;
-            unknown_keys(&defaults, &defaults, &file_value, "", &mut warnings);
+            unknown_keys(&schema, &schema, &file_value, "", &mut warnings);
             merge(&mut merged, file_value);
         }
         let mut problems = Vec::new();
@@ -49,12 +56,12 @@ impl Config {
             };
             let (section, key) = (section.to_ascii_lowercase(), key.to_ascii_lowercase());
             let path = format!("{section}.{key}");
-            let known = defaults.get(&section).and_then(|s| s.get(&key)).is_some()
+            let known = schema.get(&section).and_then(|s| s.get(&key)).is_some()
                 || OPTIONAL_KEYS.contains(&path.as_str());
             if !known {
                 warnings.push(format!(
                     "unknown config key {path} (from {k}) ignored{}",
-                    did_you_mean(&defaults, &path, |p| format!(
+                    did_you_mean(&schema, &path, |p| format!(
                         "TURND_{}",
                         p.to_ascii_uppercase().replacen('.', "__", 1)
                     ))

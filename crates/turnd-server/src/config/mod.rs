@@ -43,6 +43,10 @@ pub struct Config {
     pub log: LogConfig,
     /// The iii endpoint (`docs/iii.md`): off unless `iii.listen` is set.
     pub iii: turnd_iii::IiiConfig,
+    /// turnd across machines (`docs/cluster.md`): one node on its local commit log
+    /// unless the table is there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<crate::cluster_config::ClusterConfig>,
     /// Values of keys with a fixed set of values (`storage.sync`, `log.format`) that
     /// were none of them, by key, with the problem to report; the default stands in
     /// for each. [`Config::validate`] reports them with every other problem.
@@ -272,6 +276,7 @@ impl Config {
             turns: self.turns.clone(),
             retention_terminal_ms: self.retention.terminal_ms,
             retention_sweep_interval_ms: self.retention.sweep_interval_ms,
+            partition: None,
         }
     }
 

@@ -194,3 +194,45 @@ fn validate_reports_every_problem() {
     c.turns.max_steps = 5;
     c.validate().expect("valid with allow_unauthenticated");
 }
+
+/// `[cluster]` is off unless the table is there; its keys are known keys (no
+/// warning), settable from the environment, and validated with the rest.
+#[test]
+fn the_cluster_table_is_off_unless_given() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let l = Config::load(None, Vec::<(String, String)>::new()).expect("loads");
+    assert_eq!(l.config.cluster, None);
+    assert!(!l.config.to_toml_redacted().contains("[cluster]"));
+    let f = dir.path().join("c.toml");
+    std::fs::write(
+        &f,
+        "[cluster]\nnode_id = \"n1\"\nnats = [\"nats://127.0.0.1:4222\"]\npartitions = 8\nlease_ms = 900\n",
+    )
+    .expect("write");
+    let env = vec![("TURND_CLUSTER__STANDBYS".to_string(), "2".to_string())];
+    let l = Config::load(Some(&f), env).expect("loads");
+    assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+    let c = l.config.cluster.clone().expect("the table");
+    assert_eq!(
+        (
+            c.node_id.as_str(),
+            c.partitions,
+            c.lease_ms,
+            c.standbys,
+            c.replicas
+        ),
+        ("n1", 8, 900, 2, 3)
+    );
+    l.config.validate().expect("valid");
+    assert!(l.config.to_toml_redacted().contains("[cluster]"));
+    // A table with a misspelt key: the warning names the key meant, and the
+    // missing servers are a problem.
+    std::fs::write(&f, "[cluster]\nnode_id = \"n1\"\nnats_urls = []\n").expect("write");
+    let l = Config::load(Some(&f), Vec::<(String, String)>::new()).expect("loads");
+    assert_eq!(
+        l.warnings,
+        vec!["unknown config key cluster.nats_urls ignored; did you mean cluster.nats?"]
+    );
+    let e = l.config.validate().expect_err("no servers");
+    assert!(e.to_string().contains("cluster.nats must list"), "{e}");
+}

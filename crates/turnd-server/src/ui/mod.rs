@@ -30,7 +30,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use turnd_engine::EngineError;
 
-use crate::ws::Shared;
 pub use render::pct_encode;
 
 /// A request's query parameters (sorted, so that a screen's key and feed URL are
@@ -40,7 +39,7 @@ type Params = BTreeMap<String, String>;
 /// The page's state beside the daemon's: sign-in sessions, open feeds, shared
 /// renders, the store check.
 pub struct Ui {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<crate::admin::Admin>,
     logins: access::Logins,
     feeds: live::Feeds,
     renders: live::Renders,
@@ -48,7 +47,7 @@ pub struct Ui {
 }
 
 impl Ui {
-    pub fn new(shared: Arc<Shared>) -> Arc<Ui> {
+    pub fn new(shared: Arc<crate::admin::Admin>) -> Arc<Ui> {
         Arc::new(Ui {
             shared,
             logins: access::Logins::new(),

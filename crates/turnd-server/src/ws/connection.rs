@@ -146,9 +146,9 @@ where
 async fn ended(conn: &Conn) {
     let shared = &conn.shared;
     let conn_id = &conn.outbox.conn_id;
-    shared.engine.connection_closed(conn_id);
+    shared.backend.connection_closed(conn_id);
     if let Some(w) = conn.auth.get().and_then(|c| c.worker_id.as_deref()) {
-        shared.engine.worker_disconnected(w, conn_id).await;
+        shared.backend.worker_disconnected(w, conn_id).await;
     }
     shared
         .connections

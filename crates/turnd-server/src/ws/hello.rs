@@ -49,7 +49,7 @@ impl Conn {
         let reconciled = if serves {
             Some(
                 self.shared
-                    .engine
+                    .backend
                     .worker_hello(&h, self.outbox.clone())
                     .await?,
             )
@@ -71,7 +71,7 @@ impl Conn {
         router::encode(&HelloOk {
             server: "turnd".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            boot_id: self.shared.engine.boot_id().to_string(),
+            boot_id: self.shared.backend.boot_id().to_string(),
             connection_id: self.outbox.conn_id.clone(),
             heartbeat_ms: cfg.heartbeat_ms,
             max_frame_bytes: cfg.max_frame_bytes,

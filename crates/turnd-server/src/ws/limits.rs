@@ -177,7 +177,7 @@ impl Exempted {
         let Ok(a) = serde_json::from_str::<Id<'_>>(req.args_text()) else {
             return false;
         };
-        let engine = &conn.shared.engine;
+        let engine = &conn.shared.backend;
         if self.ids.contains(a.invocation_id.as_ref())
             || !engine.is_assigned(worker_id, &a.invocation_id)
         {

@@ -28,7 +28,7 @@ use std::sync::{Arc, OnceLock};
 
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use turnd_engine::{Caller, Engine, Outbox};
+use turnd_engine::{Caller, Outbox};
 use turnd_proto::frame::{encode_error, encode_ok_text};
 use turnd_proto::{ErrorBody, Role};
 
@@ -39,7 +39,7 @@ pub use connection::serve_connection;
 
 /// State shared by every connection.
 pub struct Shared {
-    pub engine: Engine,
+    pub backend: crate::backend::Backend,
     pub config: Config,
     /// Cancelled when the daemon starts draining: new requests get `shutting_down`.
     pub draining: CancellationToken,

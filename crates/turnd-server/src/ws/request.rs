@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use turnd_engine::CloseReason;
 use turnd_proto::{ErrorBody, ErrorCode, Op, RawRequest};
 
 use super::limits::InFlight;
@@ -48,10 +49,16 @@ pub(super) fn start(conn: &Arc<Conn>, req: &RawRequest<'_>) -> Result<(), ErrorB
             max_watches: conn.shared.config.server.max_watches_per_connection as usize,
             request_id: id,
         };
-        let engine = &conn.shared.engine;
-        let answer = match router::run(engine, &caller, op, &args, Some(&origin)).await {
+        let backend = &conn.shared.backend;
+        let answer = match backend.run(&caller, op, &args, Some(&origin)).await {
             Ok(Answer::Reply(r)) => Some(Ok(r)),
             Ok(Answer::Queued) => None,
+            // No answer may say what happened: the connection ends instead.
+            Err(e) if e.in_doubt => {
+                tracing::warn!(op = op.name(), "closing a connection: {}", e.message);
+                conn.outbox.close_with(CloseReason::InDoubt);
+                None
+            }
             Err(e) => Some(Err(e)),
         };
         if let Some(r) = answer {

@@ -32,6 +32,11 @@ fn engine_close_frame(r: CloseReason) -> Close {
             "a watch's events could not be read from the store; watch again with `after`",
         ),
         CloseReason::ServerClosing => (1001, "server closing"),
+        CloseReason::InDoubt => (
+            1011,
+            "a request's outcome is in doubt (its partition changed leader): reconnect and \
+             read it back (turn.get, or resubmit with the same idempotency_key)",
+        ),
         CloseReason::ReaderEnded => return None,
     };
     Some((code, reason.to_string()))

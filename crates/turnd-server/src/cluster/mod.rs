@@ -1,0 +1,287 @@
+//! A node of a turnd cluster (`docs/cluster.md`): the engines of the partitions it
+//! leads, on one worker registry, and the way every request reaches the engine of
+//! its partition, here or on the node that leads it.
+//!
+//! - [`slots`]: the node's loop: membership, leases, takeovers, standbys, hand-overs;
+//! - [`route`]: which partition a request is for, and running it there (locally, or
+//!   over NATS request/reply on the leader's `turnd.p.<p>.rpc`), cluster-wide reads
+//!   gathered from every partition;
+//! - [`rpc`]: the leader's side of a forwarded request;
+//! - [`placement`]: where each partition would rather be;
+//! - [`status`]: what a node shows of the cluster (`GET /cluster`, `/metrics`);
+//! - [`view`]: the cluster read from NATS by any machine (`turnd cluster status`).
+//!
+//! Safety rests on the log (`turnd-cluster`): a deposed leader's appends never count,
+//! so the lease and the placement only decide who tries.
+
+pub mod placement;
+mod route;
+mod rpc;
+mod slots;
+pub mod status;
+pub mod view;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use anyhow::Context;
+use parking_lot::{Mutex, RwLock};
+use tokio_util::sync::CancellationToken;
+use turnd_cluster::lease::{Lease, Owners};
+use turnd_cluster::marks::Marks;
+use turnd_cluster::members::Members;
+use turnd_cluster::standby::Standby;
+use turnd_cluster::{JetStreamLog, Nats};
+use turnd_engine::{Clock, Engine, Outbox, WorkerCaps, Workers};
+use turnd_proto::{ErrorBody, HelloArgs, Reconciled};
+
+use crate::cluster_config::ClusterConfig;
+use crate::config::Config;
+
+/// A partition this node leads.
+pub(crate) struct Led {
+    pub engine: Engine,
+    pub log: JetStreamLog,
+    pub lease: Mutex<Lease>,
+    /// Serves forwarded requests; aborted when the node stops leading.
+    pub rpc: tokio::task::JoinHandle<()>,
+    pub kv: Arc<turnd_store::LoggedKv>,
+}
+
+/// A running node. See the module documentation.
+pub struct Node {
+    pub(crate) id: String,
+    pub(crate) cfg: Config,
+    pub(crate) cluster: ClusterConfig,
+    pub(crate) nats: Arc<Nats>,
+    pub(crate) owners: Owners,
+    pub(crate) marks: Marks,
+    pub(crate) members: Members,
+    pub(crate) workers: Workers,
+    pub(crate) clock: Clock,
+    pub(crate) led: RwLock<HashMap<u32, Arc<Led>>>,
+    /// The members that take partitions, as the last round read them.
+    pub(crate) live: RwLock<Vec<String>>,
+    pub(crate) standbys: Mutex<HashMap<u32, Standby>>,
+    /// Partitions being taken over or handed over now (the loop skips them).
+    pub(crate) busy: Mutex<std::collections::HashSet<u32>>,
+    pub(crate) boot_id: String,
+    /// Set when the node drains: it gives up its partitions and takes no more.
+    pub(crate) draining: CancellationToken,
+    /// Ends the node's loop.
+    pub(crate) stop: CancellationToken,
+    /// Where this node's listeners are, as members show them.
+    pub(crate) endpoints: (String, String),
+    /// Forwarded requests, takeovers and hand-overs counted for `/metrics`.
+    pub(crate) counters: status::Counters,
+    /// The node's loop, awaited by a drain (so that a takeover in progress ends, and
+    /// is handed over, before the node stops).
+    pub(crate) looping: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Node {
+    /// Connect to NATS, check that its servers sync before they acknowledge (or that
+    /// the operator allowed otherwise), bind the cluster's buckets and start the
+    /// node's loop. `endpoints`: this node's WebSocket and admin URLs.
+    pub async fn start(cfg: Config, endpoints: (String, String)) -> anyhow::Result<Arc<Node>> {
+        let cluster = cfg
+            .cluster
+            .clone()
+            .context("no [cluster] table in the config")?;
+        let replicas = cluster.replicas as usize;
+        let sys = match cluster.nats_system.as_str() {
+            "" => None,
+            url => Some(
+                turnd_cluster::nats::connect_one(url)
+                    .await
+                    .context("connect to NATS's system account (cluster.nats_system)")?,
+            ),
+        };
+        let report = turnd_cluster::checks::check_servers(
+            &cluster.nats,
+            sys.as_ref(),
+            cluster.allow_unsafe_nats,
+        )
+        .await
+        .context("check the NATS servers (cluster.nats)")?;
+        tracing::info!(
+            servers = report.servers.len(),
+            "cluster: NATS servers checked"
+        );
+        if let Some(sys) = sys {
+            if let Err(e) = sys.drain().await {
+                tracing::debug!("close the system account's connection: {e}");
+            }
+        }
+        let nats = Nats::connect(&cluster.nats, &format!("turnd-{}", cluster.node_id))
+            .await
+            .context("connect to NATS (cluster.nats)")?;
+        let owners = Owners::open(&nats, replicas)
+            .await
+            .context("owners bucket")?;
+        let marks = Marks::open(&nats, replicas).await.context("marks bucket")?;
+        let members = Members::open(&nats, replicas)
+            .await
+            .context("members bucket")?;
+        slots::check_partitions(&nats, &cluster).await?;
+        let node = Arc::new(Node {
+            id: cluster.node_id.clone(),
+            cluster,
+            cfg,
+            nats,
+            owners,
+            marks,
+            members,
+            workers: Workers::new(),
+            clock: Clock::new(),
+            led: RwLock::new(HashMap::new()),
+            live: RwLock::new(Vec::new()),
+            standbys: Mutex::new(HashMap::new()),
+            busy: Mutex::new(Default::default()),
+            boot_id: uuid::Uuid::new_v4().simple().to_string(),
+            draining: CancellationToken::new(),
+            stop: CancellationToken::new(),
+            endpoints,
+            counters: status::Counters::default(),
+            looping: Mutex::new(None),
+        });
+        node.wake_engines();
+        *node.looping.lock() = Some(slots::spawn(&node));
+        Ok(node)
+    }
+
+    /// The registry hands each session it wakes to the engine of its partition.
+    fn wake_engines(self: &Arc<Self>) {
+        let weak: Weak<Node> = Arc::downgrade(self);
+        self.workers.on_wake(Arc::new(move |session_id: Arc<str>| {
+            let Some(node) = weak.upgrade() else { return };
+            let p = turnd_proto::session_partition(&session_id, node.cluster.partitions);
+            if let Some(led) = node.led(p) {
+                tokio::spawn(async move { led.engine.drive(&session_id).await });
+            }
+        }));
+    }
+
+    /// The marks a partition's log trims by: they wait for the partition's preferred
+    /// leader and standbys by the placement, even before those wrote a mark.
+    pub(crate) fn trim_marks(self: &Arc<Self>) -> Marks {
+        let weak: Weak<Node> = Arc::downgrade(self);
+        self.marks.clone().requiring(Arc::new(move |p| {
+            weak.upgrade()
+                .and_then(|n| {
+                    let live = n.live.read().clone();
+                    placement::place(p, &live, n.cluster.standbys as usize)
+                })
+                .map(|pl| {
+                    let mut nodes = pl.standbys;
+                    nodes.push(pl.leader);
+                    nodes
+                })
+                .unwrap_or_default()
+        }))
+    }
+
+    /// Partition `p`'s engine, when this node leads it.
+    pub(crate) fn led(&self, p: u32) -> Option<Arc<Led>> {
+        self.led.read().get(&p).cloned()
+    }
+
+    /// Every partition this node leads.
+    pub(crate) fn all_led(&self) -> Vec<(u32, Arc<Led>)> {
+        let mut v: Vec<_> = self
+            .led
+            .read()
+            .iter()
+            .map(|(p, l)| (*p, l.clone()))
+            .collect();
+        v.sort_by_key(|(p, _)| *p);
+        v
+    }
+
+    /// Where partition `p`'s local store lives.
+    pub(crate) fn dir(&self, p: u32) -> PathBuf {
+        self.cfg.storage.data_dir.join(format!("p{p}"))
+    }
+
+    pub fn boot_id(&self) -> &str {
+        &self.boot_id
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The worker registry every engine of the node dispatches to.
+    pub fn workers(&self) -> &Workers {
+        &self.workers
+    }
+
+    /// A worker's `hello`: attached once, then reconciled by each engine for the
+    /// invocations of its own partitions.
+    pub async fn worker_hello(
+        &self,
+        hello: &HelloArgs,
+        outbox: Outbox,
+    ) -> Result<Reconciled, ErrorBody> {
+        let attached = self
+            .workers
+            .attach(hello, outbox, WorkerCaps::V1, self.clock.now_ms())?;
+        let mut rec = Reconciled::default();
+        for (_, led) in self.all_led() {
+            match led.engine.reconcile_worker(&attached).await {
+                Ok(r) => {
+                    rec.kept.extend(r.kept);
+                    rec.redispatched.extend(r.redispatched);
+                    rec.unknown.extend(r.unknown);
+                }
+                Err(e) => {
+                    self.worker_disconnected(&attached.worker_id, &attached.conn_id)
+                        .await;
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(rec)
+    }
+
+    /// A worker connection ended: detached once, driven by each engine.
+    pub async fn worker_disconnected(&self, worker_id: &str, conn_id: &str) {
+        let Some(sessions) = self.workers.detach(worker_id, conn_id, self.clock.now_ms()) else {
+            return;
+        };
+        for (_, led) in self.all_led() {
+            led.engine.drive_owned(&sessions).await;
+        }
+    }
+
+    /// A connection ended: its watches on every engine end.
+    pub fn connection_closed(&self, conn_id: &str) {
+        for (_, led) in self.all_led() {
+            led.engine.connection_closed(conn_id);
+        }
+    }
+
+    /// Hand every partition over and leave the cluster: partitions are given up one
+    /// by one (each engine stopped, its log stopped, its lease released) so that the
+    /// nodes that rank next take them at once; waits at most
+    /// `cluster.drain_timeout_ms`.
+    pub async fn drain(self: &Arc<Self>) {
+        self.draining.cancel();
+        self.stop.cancel();
+        let limit = Duration::from_millis(self.cluster.drain_timeout_ms);
+        let looping = self.looping.lock().take();
+        let drained = async {
+            if let Some(l) = looping {
+                if let Err(e) = l.await {
+                    tracing::warn!("cluster: the node's loop ended with: {e}");
+                }
+            }
+            slots::drain(self).await;
+        };
+        if tokio::time::timeout(limit, drained).await.is_err() {
+            tracing::warn!("cluster: drain took over {limit:?}; stopping anyway");
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! Which partition a request is for, and running it there.
+//!
+//! Session-keyed ops go to `session_partition(session_id)`; turn- and
+//! invocation-keyed ops to the partition their id carries (an id that carries none
+//! cannot name a turn of this cluster, and partition 0 answers it `not_found`).
+//! The op runs on the local engine when this node leads the partition, else it is
+//! forwarded to the leader over NATS request/reply and answered with the leader's
+//! reply, byte for byte. Cluster-wide reads (`stats`, `sessions.list`,
+//! `store.check`) are gathered from every partition; `workers.list`,
+//! `functions.list` and `function.(un)register` are this node's registry (workers
+//! connect to every node). A watch is served by the node that leads its session's
+//! partition (elsewhere it is refused with `unavailable` naming that node).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use serde::Deserialize;
+use turnd_engine::Caller;
+use turnd_proto::*;
+
+use super::rpc::{ForwardReply, Forwarded};
+use super::Node;
+use crate::router::{self, decode, encode, worker_id, Answer, Origin};
+
+/// The ids a request's arguments may name.
+#[derive(Deserialize, Default)]
+struct Keys {
+    session_id: Option<String>,
+    turn_id: Option<String>,
+    invocation_id: Option<String>,
+}
+
+/// Where an op runs.
+enum Target {
+    One(u32),
+    Every,
+    Node,
+}
+
+/// The longest a forwarded request waits for the leader beyond its own wait.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Node {
+    /// Run an admitted op (see the module documentation).
+    pub async fn run(
+        &self,
+        caller: &Caller,
+        op: Op,
+        args: &str,
+        origin: Option<&Origin<'_>>,
+    ) -> Result<Answer, ErrorBody> {
+        match self.target(op, args) {
+            Target::One(p) => self.on_partition(p, caller, op, args, origin).await,
+            Target::Node => self.on_node(caller, op, args, origin).await,
+            Target::Every => self.gather(caller, op, args).await.map(Answer::Reply),
+        }
+    }
+
+    fn target(&self, op: Op, args: &str) -> Target {
+        let count = self.cluster.partitions;
+        match op {
+            Op::Stats | Op::SessionsList | Op::StoreCheck => return Target::Every,
+            Op::Hello
+            | Op::Ping
+            | Op::Unwatch
+            | Op::WorkersList
+            | Op::FunctionsList
+            | Op::FunctionRegister
+            | Op::FunctionUnregister => return Target::Node,
+            _ => {}
+        }
+        let k: Keys = serde_json::from_str(args).unwrap_or_default();
+        let p = if let Some(s) = k.session_id {
+            Some(session_partition(&s, count))
+        } else if let Some(t) = k.turn_id {
+            turn_partition(&t)
+        } else if let Some(i) = k.invocation_id {
+            invocation_partition(&i)
+        } else {
+            None
+        };
+        Target::One(p.filter(|p| *p < count).unwrap_or(0))
+    }
+
+    /// Ops of this node alone.
+    async fn on_node(
+        &self,
+        caller: &Caller,
+        op: Op,
+        args: &str,
+        origin: Option<&Origin<'_>>,
+    ) -> Result<Answer, ErrorBody> {
+        let reply = match op {
+            Op::FunctionRegister => {
+                let worker = worker_id(caller)?;
+                let a: RegisterArgs = decode(args)?;
+                encode(
+                    &self
+                        .workers
+                        .register(&worker, &a, self.cfg.turns.default_timeout_ms)?,
+                )
+            }
+            Op::FunctionUnregister => {
+                let worker = worker_id(caller)?;
+                let a: FunctionIdArgs = decode(args)?;
+                self.workers.unregister(&worker, &a.function_id)?;
+                Ok("{}".to_string())
+            }
+            Op::WorkersList => encode(&WorkersOk {
+                workers: self.workers.workers(),
+            }),
+            Op::FunctionsList => encode(&FunctionsOk {
+                functions: self.workers.functions(),
+            }),
+            Op::Unwatch => {
+                let a: WatchIdArgs = decode(args)?;
+                let Some(origin) = origin else {
+                    return Err(ErrorBody::new(
+                        ErrorCode::BadRequest,
+                        "unwatch needs a connection",
+                    ));
+                };
+                let mut last = None;
+                for (_, led) in self.all_led() {
+                    match led.engine.unwatch(&origin.outbox.conn_id, &a.watch_id) {
+                        Ok(()) => return Ok(Answer::Reply("{}".into())),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                return Err(last.map(ErrorBody::from).unwrap_or_else(|| {
+                    ErrorBody::new(ErrorCode::NotFound, format!("no watch {}", a.watch_id))
+                }));
+            }
+            Op::Ping => Ok("{}".to_string()),
+            _ => Err(ErrorBody::new(
+                ErrorCode::Conflict,
+                "this connection already said hello",
+            )),
+        };
+        reply.map(Answer::Reply)
+    }
+
+    /// Run `op` on partition `p`'s engine: here, or on its leader.
+    pub(crate) async fn on_partition(
+        &self,
+        p: u32,
+        caller: &Caller,
+        op: Op,
+        args: &str,
+        origin: Option<&Origin<'_>>,
+    ) -> Result<Answer, ErrorBody> {
+        if let Some(led) = self.led(p) {
+            return router::run(&led.engine, caller, op, args, origin).await;
+        }
+        if op == Op::Watch {
+            return Err(ErrorBody::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "this session's partition ({p}) is led by another node: watch it there \
+                     (turnd cluster status names the node)"
+                ),
+            ));
+        }
+        self.forward(p, caller, op, args).await.map(Answer::Reply)
+    }
+
+    /// Forward `op` to partition `p`'s leader and return its reply.
+    async fn forward(
+        &self,
+        p: u32,
+        caller: &Caller,
+        op: Op,
+        args: &str,
+    ) -> Result<String, ErrorBody> {
+        let body = serde_json::to_vec(&Forwarded {
+            role: caller.role,
+            worker_id: caller.worker_id.clone(),
+            op: op.name().to_string(),
+            args: args.to_string(),
+        })
+        .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode a forward: {e}")))?;
+        let wait = match op {
+            Op::TurnWait => serde_json::from_str::<WaitArgs>(args)
+                .ok()
+                .and_then(|a| a.timeout_ms)
+                .map_or(Duration::ZERO, Duration::from_millis),
+            _ => Duration::ZERO,
+        };
+        self.counters.forwarded.inc();
+        let req = async_nats::Request::new()
+            .payload(Bytes::from(body))
+            .timeout(Some(FORWARD_TIMEOUT + wait));
+        let msg = match self
+            .nats
+            .client()
+            .send_request(super::rpc::subject(p), req)
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => return Err(forward_failed(p, op, &e)),
+        };
+        match serde_json::from_slice::<ForwardReply>(&msg.payload) {
+            Ok(ForwardReply::Ok(text)) => Ok(text),
+            Ok(ForwardReply::Error(e)) => Err(e),
+            Ok(ForwardReply::InDoubt(m)) => Err(ErrorBody::in_doubt(m)),
+            Err(e) => Err(ErrorBody::in_doubt(format!(
+                "partition {p}'s leader sent an unreadable answer: {e}"
+            ))),
+        }
+    }
+
+    /// A cluster-wide read: the op on every partition, the answers combined. Any
+    /// partition that cannot answer fails the whole read (a partial answer would
+    /// say less than it seems to).
+    async fn gather(&self, caller: &Caller, op: Op, args: &str) -> Result<String, ErrorBody> {
+        let count = self.cluster.partitions;
+        let answers =
+            join_all((0..count).map(|p| self.on_partition(p, caller, op, args, None))).await;
+        let mut texts = Vec::with_capacity(answers.len());
+        for a in answers {
+            match a? {
+                Answer::Reply(t) => texts.push(t),
+                Answer::Queued => {
+                    return Err(ErrorBody::new(
+                        ErrorCode::Internal,
+                        "a gathered read was queued",
+                    ))
+                }
+            }
+        }
+        match op {
+            Op::Stats => encode(&StatsOk {
+                stats: super::status::sum_stats(&texts, self.workers.workers().len() as u64)?,
+            }),
+            Op::SessionsList => encode(&super::status::merge_sessions(&texts, decode(args)?)?),
+            _ => {
+                let mut violations = Vec::new();
+                for t in &texts {
+                    violations.extend(decode::<CheckOk>(t)?.violations);
+                }
+                encode(&CheckOk { violations })
+            }
+        }
+    }
+}
+
+/// Ops that change nothing: a forward of one that got no answer changed nothing.
+fn reads(op: Op) -> bool {
+    matches!(
+        op,
+        Op::TurnGet
+            | Op::TurnWait
+            | Op::TurnList
+            | Op::SessionInspect
+            | Op::SessionEvents
+            | Op::SessionsList
+            | Op::Stats
+            | Op::StoreCheck
+    )
+}
+
+/// The answer to a forward that failed.
+fn forward_failed(p: u32, op: Op, e: &async_nats::RequestError) -> ErrorBody {
+    use async_nats::RequestErrorKind as K;
+    match e.kind() {
+        // Nobody received it: nothing changed.
+        K::NoResponders => ErrorBody::new(
+            ErrorCode::Unavailable,
+            format!(
+                "partition {p} has no leader now (it is being taken over); nothing was changed"
+            ),
+        ),
+        K::MaxPayloadExceeded => ErrorBody::new(
+            ErrorCode::TooLarge,
+            format!("the request is larger than the NATS servers' max_payload: {e}"),
+        ),
+        _ if reads(op) => ErrorBody::new(
+            ErrorCode::Unavailable,
+            format!("partition {p}'s leader did not answer: {e}"),
+        ),
+        // Sent, and maybe done: no answer may say it was not.
+        _ => ErrorBody::in_doubt(format!("partition {p}'s leader did not answer: {e}")),
+    }
+}

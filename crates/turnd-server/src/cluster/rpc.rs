@@ -1,0 +1,103 @@
+//! The leader's side of a forwarded request: partition `p`'s leader subscribes to
+//! `turnd.p.<p>.rpc` in the queue group of the partition (so that, while a deposed
+//! leader has not yet noticed, a request still reaches one engine, never two), runs
+//! each request through the router on its engine as the caller that sent it, and
+//! replies with the answer, a coded error, or "in doubt".
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use turnd_engine::{Caller, Engine};
+use turnd_proto::{ErrorBody, ErrorCode, Role};
+
+use super::Node;
+use crate::router::{self, Answer};
+
+/// A request carried to a partition's leader.
+#[derive(Serialize, Deserialize)]
+pub(super) struct Forwarded {
+    pub role: Role,
+    pub worker_id: Option<String>,
+    pub op: String,
+    /// The request's `args`, as JSON text.
+    pub args: String,
+}
+
+/// The leader's reply.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum ForwardReply {
+    /// The op's answer as JSON text.
+    Ok(String),
+    Error(ErrorBody),
+    /// The request's write is in doubt: the forwarding node must not answer it.
+    InDoubt(String),
+}
+
+/// Partition `p`'s subject.
+pub(super) fn subject(p: u32) -> String {
+    format!("turnd.p.{p}.rpc")
+}
+
+/// Serve partition `p`'s forwarded requests on `engine` until aborted.
+pub(super) async fn serve(
+    node: &Arc<Node>,
+    p: u32,
+    engine: Engine,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let client = node.nats.client().clone();
+    let mut sub = client
+        .queue_subscribe(subject(p), format!("turnd-p{p}"))
+        .await
+        .map_err(|e| anyhow::anyhow!("subscribe to {}: {e}", subject(p)))?;
+    Ok(tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            let Some(reply_to) = msg.reply.clone() else {
+                continue;
+            };
+            let (client, engine) = (client.clone(), engine.clone());
+            tokio::spawn(async move {
+                let reply = answer(&engine, &msg.payload).await;
+                match serde_json::to_vec(&reply) {
+                    Ok(body) => {
+                        if let Err(e) = client.publish(reply_to, body.into()).await {
+                            tracing::debug!("cluster: reply to a forward: {e}");
+                        }
+                    }
+                    Err(e) => tracing::warn!("cluster: encode a forward's reply: {e}"),
+                }
+            });
+        }
+    }))
+}
+
+/// Run one forwarded request.
+async fn answer(engine: &Engine, payload: &[u8]) -> ForwardReply {
+    let f: Forwarded = match serde_json::from_slice(payload) {
+        Ok(f) => f,
+        Err(e) => {
+            return ForwardReply::Error(ErrorBody::new(
+                ErrorCode::BadRequest,
+                format!("unreadable forwarded request: {e}"),
+            ))
+        }
+    };
+    let caller = Caller {
+        role: f.role,
+        worker_id: f.worker_id,
+    };
+    let op = match router::admit(&caller, &f.op) {
+        Ok(op) => op,
+        Err(e) => return ForwardReply::Error(e),
+    };
+    match router::run(engine, &caller, op, &f.args, None).await {
+        Ok(Answer::Reply(text)) => ForwardReply::Ok(text),
+        Ok(Answer::Queued) => ForwardReply::Error(ErrorBody::new(
+            ErrorCode::Internal,
+            "a forwarded request cannot be queued on a connection",
+        )),
+        Err(e) if e.in_doubt => ForwardReply::InDoubt(e.message),
+        Err(e) => ForwardReply::Error(e),
+    }
+}

@@ -1,0 +1,402 @@
+//! The node's loop, every third of `cluster.lease_ms`: renew its membership; for
+//! each partition, renew the lease it holds (or stop leading when it lost it),
+//! take over a partition whose lease is free when the placement ranks this node
+//! first (or when its lease ran out a whole lease ago and this node is one of its
+//! standbys), hand a partition over to its preferred leader when that node is back,
+//! and keep the standbys the placement gives this node.
+//!
+//! A takeover stops the partition's standby here (its store is then warm), opens
+//! the store on the partition's stream as its leader (`JetStreamLog::lead` appends
+//! the fence that deposes any other writer), opens an engine on it with the node's
+//! worker registry, records its epoch in the lease, and serves forwarded requests.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use turnd_cluster::lease::{Lease, Owner};
+use turnd_cluster::members::{self, Member};
+use turnd_cluster::standby::Standby;
+use turnd_cluster::{JetStreamLog, LogConfig, Nats};
+use turnd_engine::{Engine, Partition};
+use turnd_store::{LoggedKv, Store};
+
+use super::placement::{place, Placement};
+use super::{Led, Node};
+use crate::cluster_config::ClusterConfig;
+
+/// Refuse to join a cluster created with another number of partitions.
+pub(super) async fn check_partitions(nats: &Arc<Nats>, c: &ClusterConfig) -> anyhow::Result<()> {
+    let owners = turnd_cluster::lease::Owners::open(nats, c.replicas as usize).await?;
+    let stored = owners.partitions(c.partitions).await?;
+    if stored != c.partitions {
+        anyhow::bail!(
+            "cluster.partitions is {} but the cluster was created with {stored}: the number of \
+             partitions is fixed when a cluster is created; set cluster.partitions = {stored}",
+            c.partitions
+        );
+    }
+    Ok(())
+}
+
+/// Start the node's loop.
+pub(super) fn spawn(node: &Arc<Node>) -> tokio::task::JoinHandle<()> {
+    let node = node.clone();
+    tokio::spawn(async move {
+        let tick = Duration::from_millis((node.cluster.lease_ms / 3).max(50));
+        loop {
+            if let Err(e) = round(&node).await {
+                tracing::warn!("cluster: {e:#}");
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(tick) => {}
+                _ = node.stop.cancelled() => break,
+            }
+        }
+    })
+}
+
+/// One round of the loop.
+async fn round(node: &Arc<Node>) -> anyhow::Result<()> {
+    let now = members::now_ms();
+    let draining = node.draining.is_cancelled();
+    node.members
+        .put(&Member {
+            node: node.id.clone(),
+            until_ms: now + node.cluster.lease_ms,
+            ws: node.endpoints.0.clone(),
+            admin: node.endpoints.1.clone(),
+            draining,
+        })
+        .await
+        .context("renew membership")?;
+    let all = node.members.all().await.context("read the members")?;
+    let live = members::placeable(&all, now);
+    *node.live.write() = live.clone();
+    put_marks(node).await;
+    for p in 0..node.cluster.partitions {
+        if node.busy.lock().contains(&p) {
+            continue;
+        }
+        let placement = place(p, &live, node.cluster.standbys as usize);
+        if let Err(e) = partition_round(node, p, placement, now).await {
+            tracing::warn!(partition = p, "cluster: {e:#}");
+        }
+    }
+    Ok(())
+}
+
+/// What this node does for partition `p` this round.
+async fn partition_round(
+    node: &Arc<Node>,
+    p: u32,
+    placement: Option<Placement>,
+    now: u64,
+) -> anyhow::Result<()> {
+    let me = node.id.as_str();
+    if let Some(led) = node.led(p) {
+        // Deposed (a node that took the partition wrote after us) or failed: give
+        // it up, so that the lease goes to a node that can write.
+        if let Some(why) = led.log.status().failure {
+            step_down(node, p, &format!("its log takes no more appends: {why}")).await;
+            return Ok(());
+        }
+        if !renew(node, &led, now).await {
+            step_down(node, p, "its lease was lost").await;
+            return Ok(());
+        }
+        // Its preferred leader is back and has caught up as a standby: hand it over.
+        if let Some(pl) = placement.as_ref().filter(|pl| pl.leader != me) {
+            if caught_up(node, &led, p, &pl.leader).await {
+                step_down(node, p, "handed over to its preferred leader").await;
+            }
+        }
+        return Ok(());
+    }
+    let Some(pl) = placement else { return Ok(()) };
+    if node.draining.is_cancelled() {
+        return Ok(());
+    }
+    let held = node.owners.get(p).await?;
+    // How long the lease has been free (a lease this node held before it restarted
+    // is free to it at once); None while another node holds it.
+    let free_for = match &held {
+        None => Some(u64::MAX),
+        Some(l) if l.owner.node == me => Some(u64::MAX),
+        Some(l) => match l.owner.until_ms {
+            Some(u) if u <= now => Some(now - u),
+            _ => None,
+        },
+    };
+    // The preferred leader keeps a standby too while another node leads, so that it
+    // is warm when it takes the partition back.
+    let standby_here = pl.holds(me);
+    let should_lead = match free_for {
+        Some(f) => pl.leader == me || (standby_here && f >= node.cluster.lease_ms),
+        None => false,
+    };
+    if should_lead {
+        take_over(node, p, held, now).await?;
+    } else if standby_here {
+        keep_standby(node, p)?;
+    } else if let Some(s) = node.standbys.lock().remove(&p) {
+        stop_standby(s);
+    }
+    Ok(())
+}
+
+/// Whether `node_id`'s standby of partition `p` has applied nearly everything this
+/// node's log holds (so that a hand-over to it starts warm and the stream it needs
+/// is still there).
+async fn caught_up(node: &Arc<Node>, led: &Led, p: u32, node_id: &str) -> bool {
+    let Ok(marks) = node.marks.all(p).await else {
+        return false;
+    };
+    let last = led.log.status().last_seq;
+    marks
+        .iter()
+        .find(|m| m.node == node_id)
+        .is_some_and(|m| turnd_cluster::log::seq_of(m.mark) + HANDOVER_LAG >= last)
+}
+
+/// How far (in messages) a preferred leader's standby may be behind for a hand-over.
+const HANDOVER_LAG: u64 = 16;
+
+/// Renew `led`'s lease; whether it is still this node's.
+async fn renew(node: &Arc<Node>, led: &Led, now: u64) -> bool {
+    let lease = led.lease.lock().clone();
+    let owner = Owner {
+        node: node.id.clone(),
+        epoch: led.log.epoch(),
+        until_ms: Some(now + node.cluster.lease_ms),
+    };
+    match node.owners.renew(&lease, owner).await {
+        Ok(Some(l)) => {
+            *led.lease.lock() = l;
+            true
+        }
+        Ok(None) => false,
+        // NATS unreachable: keep leading while the lease can still be ours (the
+        // log's fence makes a deposed leader harmless anyway).
+        Err(e) => {
+            tracing::warn!(partition = lease.partition, "cluster: renew the lease: {e}");
+            lease.owner.until_ms.is_some_and(|u| u > now)
+        }
+    }
+}
+
+/// Take partition `p`'s lease and lead it.
+async fn take_over(node: &Arc<Node>, p: u32, held: Option<Lease>, now: u64) -> anyhow::Result<()> {
+    let owner = Owner {
+        node: node.id.clone(),
+        epoch: 0,
+        until_ms: Some(now + node.cluster.lease_ms),
+    };
+    let lease = match held {
+        None => node.owners.acquire(p, owner, now).await?,
+        Some(h) => node.owners.take(p, owner, h.revision).await?,
+    };
+    let Some(lease) = lease else { return Ok(()) };
+    node.busy.lock().insert(p);
+    let started = std::time::Instant::now();
+    let r = lead(node, p, lease.clone()).await;
+    node.busy.lock().remove(&p);
+    match r {
+        Ok(()) => {
+            node.counters.takeovers.inc();
+            tracing::info!(
+                partition = p,
+                millis = started.elapsed().as_millis() as u64,
+                "cluster: leading partition"
+            );
+            Ok(())
+        }
+        Err(e) => {
+            if let Err(r) = node.owners.release(&lease).await {
+                tracing::warn!(
+                    partition = p,
+                    "cluster: release after a failed takeover: {r}"
+                );
+            }
+            Err(e.context(format!("take over partition {p}")))
+        }
+    }
+}
+
+/// Open partition `p`'s store as its leader, and its engine; serve it.
+async fn lead(node: &Arc<Node>, p: u32, lease: Lease) -> anyhow::Result<()> {
+    let standby = node.standbys.lock().remove(&p);
+    let (kv, log) = open_leading(node, p, standby).await?;
+    let kv = Arc::new(kv);
+    let mut ecfg = node.cfg.engine_config();
+    ecfg.partition = Some(Partition {
+        index: p,
+        count: node.cluster.partitions,
+    });
+    let engine = Engine::open_with(Store::new(kv.clone()), ecfg, node.workers.clone())
+        .await
+        .context("recover the partition's turns")?;
+    let rpc = super::rpc::serve(node, p, engine.clone())
+        .await
+        .context("serve forwarded requests")?;
+    let led = Arc::new(Led {
+        engine,
+        log,
+        lease: parking_lot::Mutex::new(lease),
+        rpc,
+        kv,
+    });
+    // The epoch into the lease at once, for `cluster status`.
+    if !renew(node, &led, members::now_ms()).await {
+        led.rpc.abort();
+        led.log.stop();
+        led.engine.shutdown();
+        anyhow::bail!("lost the lease while opening");
+    }
+    node.led.write().insert(p, led);
+    Ok(())
+}
+
+/// The store of partition `p` in its directory, on its stream, led by this node.
+async fn open_leading(
+    node: &Arc<Node>,
+    p: u32,
+    standby: Option<Standby>,
+) -> anyhow::Result<(LoggedKv, JetStreamLog)> {
+    let nats = node.nats.clone();
+    let lcfg = log_config(node, p);
+    let me = node.id.clone();
+    let dir = node.dir(p);
+    let marks = node.trim_marks();
+    let opts = store_options(node)?;
+    tokio::task::spawn_blocking(move || -> anyhow::Result<(LoggedKv, JetStreamLog)> {
+        if let Some(s) = standby {
+            if let Err(e) = s.stop() {
+                tracing::warn!(partition = p, "cluster: the standby had stopped: {e}");
+            }
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        let mut handle = None;
+        let (kv, replayed) = LoggedKv::open_with_log(&dir, opts, |applied| {
+            let opened = JetStreamLog::lead(&nats, &lcfg, &me, applied, Some(marks))?;
+            handle = Some(opened.log.clone());
+            Ok(opened.boxed())
+        })
+        .with_context(|| format!("open {} on its stream", dir.display()))?;
+        tracing::info!(
+            partition = p,
+            records = replayed.records,
+            "cluster: replayed the stream past the local store"
+        );
+        let log = handle.context("the log was not opened")?;
+        Ok((kv, log))
+    })
+    .await
+    .context("the takeover's thread")?
+}
+
+/// Partition `p`'s log settings from the config.
+fn log_config(node: &Node, p: u32) -> LogConfig {
+    LogConfig {
+        replicas: node.cluster.replicas as usize,
+        max_bytes: i64::try_from(node.cluster.stream_max_mb.saturating_mul(1 << 20))
+            .unwrap_or(i64::MAX),
+        replica_timeout: Duration::from_millis(node.cluster.replica_timeout_ms),
+        ..LogConfig::new(p)
+    }
+}
+
+/// The store's options in a cluster: as configured, without windows (a window's
+/// files are local, and do not carry to the node that takes over).
+fn store_options(node: &Node) -> anyhow::Result<turnd_store::LoggedOptions> {
+    let mut o = crate::store_options(&node.cfg)?;
+    o.windows.window_ms = 0;
+    Ok(o)
+}
+
+/// Write each standby's durable applied mark (every round, so that its revision
+/// moves and the leader counts it live while it runs).
+async fn put_marks(node: &Arc<Node>) {
+    let marks: Vec<(u32, u64)> = node
+        .standbys
+        .lock()
+        .iter()
+        .filter(|(_, s)| s.status().error.is_none())
+        .map(|(p, s)| (*p, s.status().applied))
+        .collect();
+    for (p, applied) in marks {
+        if let Err(e) = node.marks.put(p, &node.id, applied).await {
+            tracing::warn!(partition = p, "cluster: put the standby's mark: {e}");
+        }
+    }
+}
+
+/// Keep a standby of partition `p` running here.
+fn keep_standby(node: &Arc<Node>, p: u32) -> anyhow::Result<()> {
+    let mut standbys = node.standbys.lock();
+    if let Some(s) = standbys.get(&p) {
+        if s.status().error.is_none() {
+            return Ok(());
+        }
+    }
+    if let Some(old) = standbys.remove(&p) {
+        stop_standby(old);
+    }
+    let dir = node.dir(p);
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    let s = Standby::start(&node.nats, &log_config(node, p), &dir, store_options(node)?)
+        .with_context(|| format!("start the standby of partition {p}"))?;
+    standbys.insert(p, s);
+    Ok(())
+}
+
+/// Stop a standby off the async threads (it joins its thread).
+fn stop_standby(s: Standby) {
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = s.stop() {
+            tracing::debug!("cluster: standby stopped with: {e}");
+        }
+    });
+}
+
+/// Stop leading partition `p`: no more forwarded requests, the log stopped (an
+/// append in flight is in doubt, and its connection is closed rather than
+/// answered), the engine shut down, the store closed, the lease released.
+pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str) {
+    let Some(led) = node.led.write().remove(&p) else {
+        return;
+    };
+    node.busy.lock().insert(p);
+    tracing::info!(partition = p, "cluster: stepping down: {why}");
+    led.rpc.abort();
+    led.engine.shutdown();
+    led.log.stop();
+    let lease = led.lease.lock().clone();
+    let kv = led.kv.clone();
+    drop(led);
+    let closed = tokio::task::spawn_blocking(move || kv.close()).await;
+    if !matches!(closed, Ok(Ok(()))) {
+        tracing::debug!(partition = p, "cluster: close the store: {closed:?}");
+    }
+    if let Err(e) = node.owners.release(&lease).await {
+        tracing::warn!(partition = p, "cluster: release the lease: {e}");
+    }
+    node.counters.handovers.inc();
+    node.busy.lock().remove(&p);
+}
+
+/// Give up every partition and every standby, then leave the members.
+pub(super) async fn drain(node: &Arc<Node>) {
+    let led: HashSet<u32> = node.led.read().keys().copied().collect();
+    for p in led {
+        step_down(node, p, "the node is draining").await;
+    }
+    let standbys: Vec<Standby> = node.standbys.lock().drain().map(|(_, s)| s).collect();
+    for s in standbys {
+        stop_standby(s);
+    }
+    if let Err(e) = node.members.remove(&node.id).await {
+        tracing::warn!("cluster: leave the members: {e}");
+    }
+}

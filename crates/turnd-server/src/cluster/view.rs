@@ -1,0 +1,117 @@
+//! The cluster as its buckets and streams show it, read by any machine that has the
+//! config (`turnd cluster status`), with no node running: each partition's leader,
+//! epoch and lease, its stream's last message, and each node's applied mark and lag.
+
+use serde::{Deserialize, Serialize};
+use turnd_cluster::lease::Owners;
+use turnd_cluster::marks::Marks;
+use turnd_cluster::members::{Member, Members};
+use turnd_cluster::Nats;
+
+use crate::cluster_config::ClusterConfig;
+
+/// One partition.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PartitionView {
+    pub partition: u32,
+    pub leader: Option<String>,
+    pub epoch: u64,
+    pub lease_until_ms: Option<u64>,
+    /// The stream's last message (0: none, or no stream yet).
+    pub last_seq: u64,
+    /// Each node's applied mark: messages of the stream it has not applied.
+    pub lag: Vec<(String, u64)>,
+}
+
+/// `turnd cluster status --json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ClusterView {
+    pub partitions: Vec<PartitionView>,
+    pub members: Vec<Member>,
+}
+
+/// Read the cluster of `c` from its NATS servers.
+pub async fn read(c: &ClusterConfig) -> anyhow::Result<ClusterView> {
+    let nats = Nats::connect(&c.nats, "turnd-cluster-status").await?;
+    let replicas = c.replicas as usize;
+    let owners = Owners::open(&nats, replicas).await?;
+    let marks = Marks::open(&nats, replicas).await?;
+    let members = Members::open(&nats, replicas).await?;
+    let count = owners.partitions(c.partitions).await?;
+    let mut partitions = Vec::new();
+    for p in 0..count {
+        let lease = owners.get(p).await?;
+        let last_seq = match nats
+            .jetstream()
+            .get_stream(turnd_cluster::log::stream_name(p))
+            .await
+        {
+            Ok(mut s) => s.info().await.map_or(0, |i| i.state.last_sequence),
+            Err(_) => 0,
+        };
+        let lag = marks
+            .all(p)
+            .await?
+            .into_iter()
+            .map(|m| {
+                let applied = turnd_cluster::log::seq_of(m.mark);
+                (m.node, last_seq.saturating_sub(applied))
+            })
+            .collect();
+        partitions.push(PartitionView {
+            partition: p,
+            leader: lease.as_ref().map(|l| l.owner.node.clone()),
+            epoch: lease.as_ref().map_or(0, |l| l.owner.epoch),
+            lease_until_ms: lease.and_then(|l| l.owner.until_ms),
+            last_seq,
+            lag,
+        });
+    }
+    Ok(ClusterView {
+        partitions,
+        members: members.all().await?,
+    })
+}
+
+/// The view as a table.
+pub fn render(v: &ClusterView, now_ms: u64) -> String {
+    let mut out = String::from("NODE        STATE     WS\n");
+    for m in &v.members {
+        let state = if m.until_ms <= now_ms {
+            "gone"
+        } else if m.draining {
+            "draining"
+        } else {
+            "live"
+        };
+        out.push_str(&format!("{:<11} {:<9} {}\n", m.node, state, m.ws));
+    }
+    out.push_str("\nPARTITION  LEADER      EPOCH   LEASE     LAST_SEQ  STANDBY LAG\n");
+    for p in &v.partitions {
+        let lease = match p.lease_until_ms {
+            Some(u) if u > now_ms => format!("{} ms", u - now_ms),
+            Some(_) => "expired".into(),
+            None => "-".into(),
+        };
+        let lag: Vec<String> = p
+            .lag
+            .iter()
+            .filter(|(n, _)| Some(n) != p.leader.as_ref())
+            .map(|(n, l)| format!("{n}:{l}"))
+            .collect();
+        out.push_str(&format!(
+            "{:<10} {:<11} {:<7} {:<9} {:<9} {}\n",
+            p.partition,
+            p.leader.as_deref().unwrap_or("-"),
+            p.epoch,
+            lease,
+            p.last_seq,
+            if lag.is_empty() {
+                "-".into()
+            } else {
+                lag.join(" ")
+            }
+        ));
+    }
+    out
+}

@@ -1,0 +1,181 @@
+//! `[cluster]`: turnd across machines on NATS JetStream ([cluster](../../../docs/cluster.md)).
+//! Without the table the daemon is one node on its local commit log, exactly as
+//! without this module; with it, sessions are spread over a fixed number of
+//! partitions, each with its own replicated stream, one leading node and standbys.
+
+use serde::{Deserialize, Serialize};
+
+/// The `[cluster]` table. Absent: one node, no NATS.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ClusterConfig {
+    /// This node's name in the cluster: 1 to 64 letters, digits, `-` or `_`, unique
+    /// among the nodes and the same across its restarts (its stores and marks are
+    /// kept under it).
+    pub node_id: String,
+    /// URLs of the NATS servers (`nats://HOST:PORT`, `tls://…`); the client connects
+    /// to one and fails over to the others.
+    pub nats: Vec<String>,
+    /// A URL of NATS's system account (`nats://USER:PASS@HOST:PORT`), through which the
+    /// node reads each server's settings to prove that it syncs to disk before it
+    /// acknowledges. Without it that cannot be shown, and the node refuses to start
+    /// unless `allow_unsafe_nats` is set.
+    pub nats_system: String,
+    /// Partitions the sessions are spread over, fixed when the cluster is created
+    /// (stored in the cluster; a node configured otherwise refuses to start).
+    pub partitions: u32,
+    /// JetStream replicas of each partition's stream: 3 in production (a majority of
+    /// 3 servers survives the loss of one), 1 for tests on one server.
+    pub replicas: u32,
+    /// The size limit of each partition's stream on each server (MB); past it,
+    /// appends are refused (`unavailable`) until trims make room. The servers'
+    /// JetStream storage must hold `partitions` times this.
+    pub stream_max_mb: u64,
+    /// Nodes besides the leader that apply each partition's stream to their own store,
+    /// so that a takeover starts warm.
+    pub standbys: u32,
+    /// How long a partition's lease lasts without renewal (ms); renewed every third of
+    /// it. The lease decides who tries to lead, never what counts (the stream's
+    /// validity rule does).
+    pub lease_ms: u64,
+    /// How long a graceful stop waits for the node's partitions to be taken over by
+    /// others before it ends anyway (ms).
+    pub drain_timeout_ms: u64,
+    /// A node whose applied mark was not renewed for this long no longer holds back
+    /// the trimming of a stream (ms).
+    pub replica_timeout_ms: u64,
+    /// Run on NATS servers that cannot be shown to sync to disk before they
+    /// acknowledge (older than 2.10.23, or unknown): an acknowledged turn may then be
+    /// lost to a power failure of a majority of them.
+    pub allow_unsafe_nats: bool,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            node_id: String::new(),
+            nats: Vec::new(),
+            nats_system: String::new(),
+            partitions: 16,
+            replicas: 3,
+            stream_max_mb: 1024,
+            standbys: 1,
+            lease_ms: 3_000,
+            drain_timeout_ms: 10_000,
+            replica_timeout_ms: 60_000,
+            allow_unsafe_nats: false,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Every problem of the table, each naming its key.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        let id_ok = (1..=64).contains(&self.node_id.len())
+            && self
+                .node_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !id_ok {
+            p.push(format!(
+                "cluster.node_id {:?} must be 1 to 64 letters, digits, '-' or '_' (a name for \
+                 this node, unique in the cluster and the same across its restarts)",
+                self.node_id
+            ));
+        }
+        if self.nats.is_empty() {
+            p.push(
+                "cluster.nats must list the NATS servers' URLs, such as [\"nats://10.0.0.1:4222\"]"
+                    .into(),
+            );
+        }
+        for url in &self.nats {
+            if !["nats://", "tls://", "ws://", "wss://"]
+                .iter()
+                .any(|s| url.starts_with(s))
+            {
+                p.push(format!(
+                    "cluster.nats {url:?} is not a NATS URL (nats://HOST:PORT or tls://HOST:PORT)"
+                ));
+            }
+        }
+        if !(1..=turnd_proto::MAX_PARTITIONS).contains(&self.partitions) {
+            p.push(format!(
+                "cluster.partitions must be between 1 and {}, not {}",
+                turnd_proto::MAX_PARTITIONS,
+                self.partitions
+            ));
+        }
+        if ![1, 3, 5].contains(&self.replicas) {
+            p.push(format!(
+                "cluster.replicas must be 1, 3 or 5 (JetStream's replica counts), not {}",
+                self.replicas
+            ));
+        }
+        if self.standbys > 16 {
+            p.push(format!(
+                "cluster.standbys must be between 0 and 16, not {}",
+                self.standbys
+            ));
+        }
+        for (key, v, lo, hi) in [
+            ("cluster.lease_ms", self.lease_ms, 300, 600_000),
+            ("cluster.stream_max_mb", self.stream_max_mb, 1, 1 << 20),
+            (
+                "cluster.drain_timeout_ms",
+                self.drain_timeout_ms,
+                0,
+                3_600_000,
+            ),
+            (
+                "cluster.replica_timeout_ms",
+                self.replica_timeout_ms,
+                1_000,
+                30 * 86_400_000,
+            ),
+        ] {
+            if !(lo..=hi).contains(&v) {
+                p.push(format!("{key} must be between {lo} and {hi}, not {v}"));
+            }
+        }
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_without_a_node_or_servers_says_what_to_write() {
+        let p = ClusterConfig::default().problems();
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(p[0].contains("cluster.node_id"), "{p:?}");
+        assert!(p[1].contains("cluster.nats"), "{p:?}");
+        let ok = ClusterConfig {
+            node_id: "n-1".into(),
+            nats: vec!["nats://127.0.0.1:4222".into()],
+            ..ClusterConfig::default()
+        };
+        assert!(ok.problems().is_empty(), "{:?}", ok.problems());
+        let bad = ClusterConfig {
+            node_id: "n 1".into(),
+            nats: vec!["127.0.0.1:4222".into()],
+            partitions: 0,
+            replicas: 2,
+            lease_ms: 10,
+            ..ok
+        };
+        let p = bad.problems();
+        for key in [
+            "cluster.node_id",
+            "not a NATS URL",
+            "cluster.partitions",
+            "cluster.replicas",
+            "cluster.lease_ms",
+        ] {
+            assert!(p.iter().any(|x| x.contains(key)), "{key} in {p:?}");
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! turnd across machines, through the real binaries: three NATS servers (JetStream,
+//! R=3, `sync_interval: always`) and three turnd nodes on loopback, each process
+//! started here and ended by its PID. A turn submitted to any node runs on the
+//! leader of its session's partition; a node killed with SIGKILL has its partitions
+//! taken over by the others, and no acknowledged turn is lost; a node stopped with
+//! SIGTERM hands its partitions over. Every wait is bounded in count and time.
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+use turnd_client::{Caller, ClientError, FunctionSpec, Worker, WorkerHandle};
+use turnd_cluster::testing::Rig;
+use turnd_proto::Outcome;
+use turnd_proto::{SubmitArgs, TurnStatus};
+use turnd_tests::{http_get, worker_options, BinDaemon};
+
+/// Partitions of the test cluster.
+const PARTITIONS: u32 = 6;
+
+/// Skip (loudly) when there is no nats-server to run.
+macro_rules! need_nats {
+    () => {
+        if Rig::binary().is_none() {
+            eprintln!("SKIPPED: no nats-server binary (run `make venv`, or set NATS_SERVER)");
+            return Ok(());
+        }
+    };
+}
+
+/// Start node `i` of the cluster on `rig`, its data in `root/n<i>`.
+/// The rig's URLs as the value of `TURND_CLUSTER__NATS`.
+fn nats_list(rig: &Rig) -> String {
+    let urls = rig
+        .urls()
+        .iter()
+        .map(|u| format!("{u:?}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    format!("[{urls}]")
+}
+
+async fn node(rig: &Rig, root: &std::path::Path, i: usize) -> anyhow::Result<BinDaemon> {
+    let nats = nats_list(rig);
+    let id = format!("n{i}");
+    let sys = rig.sys_url(i % 3);
+    let partitions = PARTITIONS.to_string();
+    let env = [
+        ("TURND_CLUSTER__NODE_ID", id.as_str()),
+        ("TURND_CLUSTER__NATS", nats.as_str()),
+        ("TURND_CLUSTER__NATS_SYSTEM", sys.as_str()),
+        ("TURND_CLUSTER__PARTITIONS", partitions.as_str()),
+        ("TURND_CLUSTER__REPLICAS", "3"),
+        ("TURND_CLUSTER__STREAM_MAX_MB", "32"),
+        ("TURND_CLUSTER__STANDBYS", "2"),
+        ("TURND_CLUSTER__LEASE_MS", "900"),
+        ("TURND_CLUSTER__DRAIN_TIMEOUT_MS", "5000"),
+        ("TURND_LOG__LEVEL", "info"),
+    ];
+    BinDaemon::start(&root.join(&id), &env).await
+}
+
+/// The cluster as node `admin` shows it (`GET /cluster`).
+async fn status(admin: &str) -> anyhow::Result<Value> {
+    let (code, body) = http_get(admin, "/cluster").await?;
+    if code != 200 {
+        bail!("GET /cluster answered {code}: {body}");
+    }
+    Ok(serde_json::from_str(&body)?)
+}
+
+/// A worker serving `echo` (completes with its input), connected to every node.
+async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
+    let mut o = worker_options(&urls[0], "w");
+    o.also = urls[1..].to_vec();
+    let w = Worker::new(o).function(
+        FunctionSpec::new("echo").concurrency(16),
+        |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
+    );
+    let h = w.spawn(tokio_util::sync::CancellationToken::new());
+    h.connected().await;
+    h
+}
+
+/// Wait until every partition is led by one of `alive` with a lease that runs;
+/// how long it took.
+async fn all_led(admin: &str, alive: &[&str], secs: u64) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(secs);
+    loop {
+        if let Ok(st) = status(admin).await {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_millis() as u64;
+            let ok = st["partitions"].as_array().is_some_and(|ps| {
+                ps.len() == PARTITIONS as usize
+                    && ps.iter().all(|p| {
+                        p["leader"].as_str().is_some_and(|l| alive.contains(&l))
+                            && p["lease_until_ms"].as_u64().is_some_and(|u| u > now)
+                            && p["epoch"].as_u64().is_some_and(|e| e > 0)
+                    })
+            });
+            if ok {
+                return Ok(start.elapsed());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "not every partition led by {alive:?} within {secs} s: {:?}",
+                status(admin).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Run `f` until it does not fail with a retryable error (a partition between
+/// leaders, a connection closed on a write in doubt), at most `secs`.
+async fn retrying<T, F, Fut>(secs: u64, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() < deadline && retryable(&e) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn retryable(e: &ClientError) -> bool {
+    e.is_retryable()
+}
+
+/// Submit `turn_id`-keyed echo turns to `n` sessions through `url`, one new caller
+/// per try (a connection closed on a write in doubt is not reused), with an
+/// idempotency key each: the acknowledged turn ids.
+async fn submit_all(url: &str, tag: &str, n: usize) -> anyhow::Result<Vec<(String, String)>> {
+    let mut acked = Vec::new();
+    for i in 0..n {
+        let session = format!("s{}", i % 12);
+        let key = format!("{tag}-{i}");
+        let ok = retrying(20, || {
+            let (session, key) = (session.clone(), key.clone());
+            async move {
+                let c = Caller::connect(url, None).await?;
+                c.submit(SubmitArgs {
+                    session_id: session,
+                    function_id: "echo".into(),
+                    input: json!({ "i": i }),
+                    idempotency_key: Some(key),
+                    turn_timeout_ms: None,
+                })
+                .await
+            }
+        })
+        .await
+        .with_context(|| format!("submit {key}"))?;
+        acked.push((ok.turn.turn_id, session));
+    }
+    Ok(acked)
+}
+
+/// Wait through `url` until every turn of `acked` completed.
+async fn all_completed(url: &str, acked: &[(String, String)]) -> anyhow::Result<()> {
+    for (turn_id, _) in acked {
+        let t = retrying(30, || async move {
+            let c = Caller::connect(url, None).await?;
+            c.wait_terminal(turn_id, Duration::from_secs(20)).await
+        })
+        .await
+        .with_context(|| format!("wait for {turn_id}"))?;
+        if t.status != TurnStatus::Completed {
+            bail!("turn {turn_id} ended {:?}: {t:?}", t.status);
+        }
+    }
+    Ok(())
+}
+
+/// `store.check` through `url`: no violation on any partition.
+async fn check_clean(url: &str) -> anyhow::Result<()> {
+    let v = retrying(20, || async move {
+        let c = Caller::connect_as(url, turnd_proto::Role::Operator, None).await?;
+        c.store_check().await
+    })
+    .await?;
+    if !v.is_empty() {
+        bail!("store.check found {v:?}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_run_on_any_node_and_survive_a_killed_leader() -> anyhow::Result<()> {
+    need_nats!();
+    let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+    eprintln!("nats-server pids {:?}", rig.pids());
+    let root = tempfile::tempdir()?;
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        nodes.push(Some(node(&rig, root.path(), i).await?));
+    }
+    let pids: Vec<_> = nodes.iter().flatten().map(|n| n.child.id()).collect();
+    eprintln!("turnd pids {pids:?}");
+    let urls: Vec<String> = nodes.iter().flatten().map(|n| n.url.clone()).collect();
+    let admins: Vec<String> = nodes.iter().flatten().map(|n| n.admin.clone()).collect();
+    let took = all_led(&admins[0], &["n0", "n1", "n2"], 30).await?;
+    eprintln!("every partition led {took:?} after the nodes were ready");
+    // `turnd cluster status` reads the same from NATS, with no node of its own.
+    let out = tokio::process::Command::new(turnd_tests::turnd_bin()?)
+        .args(["cluster", "status", "--json"])
+        .env("TURND_CLUSTER__NATS", nats_list(&rig))
+        .env("TURND_CLUSTER__PARTITIONS", PARTITIONS.to_string())
+        .output()
+        .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let view: Value = serde_json::from_slice(&out.stdout)?;
+    let leaders: Vec<&str> = view["partitions"]
+        .as_array()
+        .context("partitions")?
+        .iter()
+        .filter_map(|p| p["leader"].as_str())
+        .collect();
+    assert_eq!(leaders.len(), PARTITIONS as usize, "{view}");
+    assert!(
+        leaders.iter().all(|l| ["n0", "n1", "n2"].contains(l)),
+        "{view}"
+    );
+    assert_eq!(view["members"].as_array().map(Vec::len), Some(3), "{view}");
+
+    // One worker, connected to every node.
+    let worker = echo_worker_on_all(&urls).await;
+
+    // Through every node: the same sessions, forwarded where another node leads.
+    let mut acked = Vec::new();
+    for (i, u) in urls.iter().enumerate() {
+        acked.extend(submit_all(u, &format!("a{i}"), 12).await?);
+    }
+    all_completed(&urls[0], &acked).await?;
+    let forwarded: u64 = {
+        let mut f = 0;
+        for a in &admins {
+            f += status(a).await?["forwarded"].as_u64().unwrap_or(0);
+        }
+        f
+    };
+    assert!(
+        forwarded > 0,
+        "some requests were forwarded to another node's partition"
+    );
+    // Kill the node that leads the most partitions but is not node 0.
+    let st = status(&admins[0]).await?;
+    let leads = |n: &str| {
+        st["partitions"]
+            .as_array()
+            .map_or(0, |ps| ps.iter().filter(|p| p["leader"] == n).count())
+    };
+    let victim = if leads("n1") >= leads("n2") { 1 } else { 2 };
+    eprintln!(
+        "killing n{victim} (pid {:?}), leading {} partitions",
+        pids[victim],
+        leads(&format!("n{victim}"))
+    );
+    // Turns in flight on its partitions as it dies.
+    let inflight = submit_all(&urls[0], "b", 12).await?;
+    if let Some(n) = nodes[victim].take() {
+        n.kill().await?;
+    }
+    let killed = Instant::now();
+    let alive: Vec<&str> = ["n0", "n1", "n2"]
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i != victim)
+        .map(|(_, n)| n)
+        .collect();
+    all_led(&admins[0], &alive, 30).await?;
+    eprintln!(
+        "failover: every partition led again {:?} after the kill",
+        killed.elapsed()
+    );
+    let after = submit_all(&urls[0], "c", 12).await?;
+    all_completed(&urls[0], &acked).await?;
+    all_completed(&urls[0], &inflight).await?;
+    all_completed(&urls[0], &after).await?;
+    // The same key again answers the first turn (the acknowledged write survived).
+    let again = submit_all(&urls[0], "b", 1).await?;
+    assert_eq!(
+        again[0].0, inflight[0].0,
+        "an idempotent resubmit finds the first turn"
+    );
+    check_clean(&urls[0]).await?;
+
+    // A graceful stop hands the partitions over.
+    let other = if victim == 1 { 2 } else { 1 };
+    if let Some(n) = nodes[other].take() {
+        let status = n.terminate().await?;
+        assert!(status.success(), "drained node exited {status}");
+    }
+    all_led(&admins[0], &["n0"], 30).await?;
+    let last = submit_all(&urls[0], "d", 6).await?;
+    all_completed(&urls[0], &last).await?;
+    check_clean(&urls[0]).await?;
+    worker.shutdown();
+    Ok(())
+}
+
+/// A node configured with another number of partitions than the cluster was
+/// created with is refused, saying what to set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_other_partitions_is_refused() -> anyhow::Result<()> {
+    need_nats!();
+    let rig = Rig::start(1).await.map_err(anyhow::Error::msg)?;
+    let root = tempfile::tempdir()?;
+    let url = format!("[{:?}]", rig.urls()[0]);
+    let sys = rig.sys_url(0);
+    let start = |id: &'static str, partitions: &'static str| {
+        let dir = root.path().join(id);
+        let (url, sys) = (url.clone(), sys.clone());
+        async move {
+            BinDaemon::start(
+                &dir,
+                &[
+                    ("TURND_CLUSTER__NODE_ID", id),
+                    ("TURND_CLUSTER__NATS", url.as_str()),
+                    ("TURND_CLUSTER__NATS_SYSTEM", sys.as_str()),
+                    ("TURND_CLUSTER__PARTITIONS", partitions),
+                    ("TURND_CLUSTER__REPLICAS", "1"),
+                    ("TURND_CLUSTER__STREAM_MAX_MB", "32"),
+                ],
+            )
+            .await
+        }
+    };
+    let first = start("a", "4").await?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(turnd_tests::turnd_bin()?)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(root.path().join("b"))
+            .env("TURND_CLUSTER__NODE_ID", "b")
+            .env("TURND_CLUSTER__NATS", &url)
+            .env("TURND_CLUSTER__NATS_SYSTEM", &sys)
+            .env("TURND_CLUSTER__PARTITIONS", "8")
+            .env("TURND_CLUSTER__REPLICAS", "1")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .context("the refused node did not exit")??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a node with 8 partitions joined a cluster of 4"
+    );
+    assert!(
+        stderr.contains("cluster.partitions is 8 but the cluster was created with 4"),
+        "{stderr}"
+    );
+    first.kill().await?;
+    Ok(())
+}
