@@ -115,3 +115,71 @@ pub fn render(v: &ClusterView, now_ms: u64) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table names each member's state and each partition's leader, lease and
+    /// the lag of its nodes other than the leader.
+    #[test]
+    fn the_table_shows_leaders_leases_and_lag() {
+        let member = |node: &str, until_ms: u64, draining: bool| Member {
+            node: node.into(),
+            until_ms,
+            ws: format!("ws://{node}/v1"),
+            admin: String::new(),
+            draining,
+        };
+        let v = ClusterView {
+            members: vec![
+                member("n1", 2_000, false),
+                member("n2", 500, false),
+                member("n3", 2_000, true),
+            ],
+            partitions: vec![
+                PartitionView {
+                    partition: 0,
+                    leader: Some("n1".into()),
+                    epoch: 7,
+                    lease_until_ms: Some(1_900),
+                    last_seq: 40,
+                    lag: vec![("n1".into(), 0), ("n3".into(), 5)],
+                },
+                PartitionView {
+                    partition: 1,
+                    leader: None,
+                    epoch: 0,
+                    lease_until_ms: Some(900),
+                    last_seq: 0,
+                    lag: vec![],
+                },
+            ],
+        };
+        let t = render(&v, 1_000);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[1].starts_with("n1") && lines[1].contains("live"),
+            "{t}"
+        );
+        assert!(lines[2].contains("gone"), "{t}");
+        assert!(lines[3].contains("draining"), "{t}");
+        let p0 = lines
+            .iter()
+            .find(|l| l.starts_with("0 "))
+            .expect("partition 0");
+        assert!(
+            p0.contains("n1") && p0.contains("900 ms") && p0.contains("n3:5"),
+            "{t}"
+        );
+        assert!(
+            !p0.contains("n1:0"),
+            "the leader's own lag is not a standby's: {t}"
+        );
+        let p1 = lines
+            .iter()
+            .find(|l| l.starts_with("1 "))
+            .expect("partition 1");
+        assert!(p1.contains("expired"), "{t}");
+    }
+}
