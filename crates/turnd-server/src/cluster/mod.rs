@@ -62,6 +62,8 @@ pub struct Node {
     pub(crate) workers: Workers,
     pub(crate) clock: Clock,
     pub(crate) led: RwLock<HashMap<u32, Arc<Led>>>,
+    /// Each partition's leader as the last round (or a forward) saw its lease.
+    pub(crate) leaders: RwLock<HashMap<u32, String>>,
     /// The members that take partitions, as the last round read them.
     pub(crate) live: RwLock<Vec<String>>,
     pub(crate) standbys: Mutex<HashMap<u32, Standby>>,
@@ -138,6 +140,7 @@ impl Node {
             clock: Clock::new(),
             led: RwLock::new(HashMap::new()),
             live: RwLock::new(Vec::new()),
+            leaders: RwLock::new(HashMap::new()),
             standbys: Mutex::new(HashMap::new()),
             busy: Mutex::new(Default::default()),
             boot_id: uuid::Uuid::new_v4().simple().to_string(),

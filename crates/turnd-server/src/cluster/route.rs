@@ -38,8 +38,9 @@ enum Target {
     Node,
 }
 
-/// The longest a forwarded request waits for the leader beyond its own wait.
-const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest a forwarded request waits for the leader beyond its own wait (a
+/// write not answered by then is in doubt, and its connection is closed).
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Node {
     /// Run an admitted op (see the module documentation).
@@ -188,17 +189,32 @@ impl Node {
             _ => Duration::ZERO,
         };
         self.counters.forwarded.inc();
-        let req = async_nats::Request::new()
-            .payload(Bytes::from(body))
-            .timeout(Some(FORWARD_TIMEOUT + wait));
-        let msg = match self
-            .nats
-            .client()
-            .send_request(super::rpc::subject(p), req)
-            .await
-        {
-            Ok(m) => m,
-            Err(e) => return Err(forward_failed(p, op, &e)),
+        let body = Bytes::from(body);
+        let mut leader = self.leader_of(p, false).await;
+        let msg = loop {
+            let Some(to) = leader.clone() else {
+                return Err(no_leader(p));
+            };
+            let req = async_nats::Request::new()
+                .payload(body.clone())
+                .timeout(Some(FORWARD_TIMEOUT + wait));
+            match self
+                .nats
+                .client()
+                .send_request(super::rpc::subject(p, &to), req)
+                .await
+            {
+                Ok(m) => break m,
+                // The leader it knew is gone: once more, to the lease's holder now.
+                Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                    let now = self.leader_of(p, true).await;
+                    if now == leader {
+                        return Err(no_leader(p));
+                    }
+                    leader = now;
+                }
+                Err(e) => return Err(forward_failed(p, op, &e)),
+            }
         };
         match serde_json::from_slice::<ForwardReply>(&msg.payload) {
             Ok(ForwardReply::Ok(text)) => Ok(text),
@@ -208,6 +224,25 @@ impl Node {
                 "partition {p}'s leader sent an unreadable answer: {e}"
             ))),
         }
+    }
+
+    /// The node that holds partition `p`'s lease, as the last round saw it, or as
+    /// the owners bucket says now (`fresh`, or when the round saw none).
+    async fn leader_of(&self, p: u32, fresh: bool) -> Option<String> {
+        if !fresh {
+            if let Some(l) = self.leaders.read().get(&p) {
+                return Some(l.clone());
+            }
+        }
+        let now = turnd_cluster::members::now_ms();
+        let lease = self.owners.get(p).await.ok().flatten()?;
+        let live = lease.owner.until_ms.is_some_and(|u| u > now);
+        let leader = live.then_some(lease.owner.node);
+        match &leader {
+            Some(l) => self.leaders.write().insert(p, l.clone()),
+            None => self.leaders.write().remove(&p),
+        };
+        leader
     }
 
     /// A cluster-wide read: the op on every partition, the answers combined. Any
@@ -260,17 +295,20 @@ fn reads(op: Op) -> bool {
     )
 }
 
+/// Nobody leads partition `p` now: nothing was sent, nothing changed.
+fn no_leader(p: u32) -> ErrorBody {
+    ErrorBody::new(
+        ErrorCode::Unavailable,
+        format!("partition {p} has no leader now (it is being taken over); nothing was changed"),
+    )
+}
+
 /// The answer to a forward that failed.
 fn forward_failed(p: u32, op: Op, e: &async_nats::RequestError) -> ErrorBody {
     use async_nats::RequestErrorKind as K;
     match e.kind() {
         // Nobody received it: nothing changed.
-        K::NoResponders => ErrorBody::new(
-            ErrorCode::Unavailable,
-            format!(
-                "partition {p} has no leader now (it is being taken over); nothing was changed"
-            ),
-        ),
+        K::NoResponders => no_leader(p),
         K::MaxPayloadExceeded => ErrorBody::new(
             ErrorCode::TooLarge,
             format!("the request is larger than the NATS servers' max_payload: {e}"),

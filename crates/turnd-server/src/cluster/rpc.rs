@@ -1,6 +1,6 @@
 //! The leader's side of a forwarded request: partition `p`'s leader subscribes to
-//! `turnd.p.<p>.rpc` in the queue group of the partition (so that, while a deposed
-//! leader has not yet noticed, a request still reaches one engine, never two), runs
+//! `turnd.p.<p>.rpc.<node>` (in the queue group of the partition, so that a request
+//! reaches one engine even if a node subscribed twice), runs
 //! each request through the router on its engine as the caller that sent it, and
 //! replies with the answer, a coded error, or "in doubt".
 
@@ -35,9 +35,11 @@ pub(super) enum ForwardReply {
     InDoubt(String),
 }
 
-/// Partition `p`'s subject.
-pub(super) fn subject(p: u32) -> String {
-    format!("turnd.p.{p}.rpc")
+/// The subject of partition `p`'s requests to `node`, its leader: a request goes
+/// to the leader the sender knows, never to whichever node still listens (a leader
+/// paused past its lease keeps its subscriptions until it wakes).
+pub(super) fn subject(p: u32, node: &str) -> String {
+    format!("turnd.p.{p}.rpc.{node}")
 }
 
 /// Serve partition `p`'s forwarded requests on `engine` until aborted.
@@ -48,9 +50,9 @@ pub(super) async fn serve(
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let client = node.nats.client().clone();
     let mut sub = client
-        .queue_subscribe(subject(p), format!("turnd-p{p}"))
+        .queue_subscribe(subject(p, &node.id), format!("turnd-p{p}"))
         .await
-        .map_err(|e| anyhow::anyhow!("subscribe to {}: {e}", subject(p)))?;
+        .map_err(|e| anyhow::anyhow!("subscribe to {}: {e}", subject(p, &node.id)))?;
     Ok(tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
             let Some(reply_to) = msg.reply.clone() else {

@@ -119,6 +119,13 @@ async fn partition_round(
         return Ok(());
     }
     let held = node.owners.get(p).await?;
+    match held
+        .as_ref()
+        .filter(|l| l.owner.until_ms.is_some_and(|u| u > now))
+    {
+        Some(l) => node.leaders.write().insert(p, l.owner.node.clone()),
+        None => node.leaders.write().remove(&p),
+    };
     // How long the lease has been free (a lease this node held before it restarted
     // is free to it at once); None while another node holds it.
     let free_for = match &held {
