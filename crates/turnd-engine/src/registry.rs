@@ -135,7 +135,7 @@ pub struct Registry {
 pub struct Attached {
     /// The superseded connection, if the worker_id was connected.
     pub superseded: Option<Outbox>,
-    /// Live invocations assigned to this worker_id, to reconcile.
+    /// Live invocations assigned to this worker_id, to reconcile, by invocation id.
     pub assigned: Vec<(String, Assignment)>,
 }
 
@@ -170,11 +170,14 @@ impl Registry {
         entry.instance_id = instance_id.to_string();
         entry.outbox = Some(outbox);
         entry.since_ms = now_ms;
-        let assigned = entry
+        let mut assigned: Vec<(String, Assignment)> = entry
             .assigned
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        // In a stable order, whatever the map's: the reconcile that follows writes
+        // and pushes in this order, which a seeded simulation replays.
+        assigned.sort_by(|a, b| a.0.cmp(&b.0));
         Attached {
             superseded,
             assigned,
