@@ -17,7 +17,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use turnd_proto::frame::{decode_server_frame, ServerFrame};
-use turnd_proto::Push;
+use turnd_proto::{Invoke, Push};
 use turnd_store::MemLog;
 
 use crate::caller::CallerPeer;
@@ -179,12 +179,15 @@ impl World {
     fn pump(&mut self) -> Checked {
         let quiet = self.quiet_since.is_some();
         let outs = self.daemon.as_mut().map(Daemon::drain).unwrap_or_default();
+        let mut invokes = Vec::new();
         for out in outs {
             match out {
                 Out::Frame(conn, text) => {
                     self.trace
                         .push(self.now, || format!("c{conn} <- {}", short(&text)));
-                    self.sent_by_daemon(&text)?;
+                    if let Some(inv) = self.sent_by_daemon(&text)? {
+                        invokes.push(inv);
+                    }
                     let fate = self.fate(quiet);
                     self.net.send(self.now, conn, Dir::ToPeer, text, fate);
                 }
@@ -194,6 +197,7 @@ impl World {
                 }
             }
         }
+        self.check_invokes(invokes)?;
         while let Some((conn, d)) = self.net.next_due(self.now) {
             self.counts.frames += 1;
             match d {
@@ -223,8 +227,9 @@ impl World {
         Ok(())
     }
 
-    /// A frame the daemon sent: an `invoke` is checked against the store.
-    fn sent_by_daemon(&mut self, text: &str) -> Checked {
+    /// A frame the daemon sent goes into the digest; an `invoke` is returned, to be
+    /// checked.
+    fn sent_by_daemon(&mut self, text: &str) -> Result<Option<Invoke>, String> {
         let boot = self
             .daemon
             .as_ref()
@@ -234,24 +239,38 @@ impl World {
             _ => self.mix(text),
         }
         if !text.starts_with("{\"push\":\"invoke\"") {
-            return Ok(());
+            return Ok(None);
         }
         let Ok(ServerFrame::Push(Push::Invoke(inv))) = decode_server_frame(text) else {
             return Err(format!("an invoke push does not decode: {text}"));
         };
-        self.trace.push(self.now, || {
-            format!(
-                "daemon invokes {} ({} step {} attempt {})",
-                inv.invocation_id, inv.turn_id, inv.step, inv.attempt
-            )
-        });
-        let Some(d) = self.daemon.as_ref() else {
-            return Ok(());
-        };
-        if d.kv().stopped() {
-            return Ok(());
+        Ok(Some(inv))
+    }
+
+    /// The `invoke`s of one tick, checked against the store in the order they were
+    /// dispatched. A tick's frames come out connection by connection, so two
+    /// dispatches of one session in one tick (a turn dispatched, its deadline passed,
+    /// the next one dispatched) may come out in the other order; the invocation ids
+    /// this thread mints grow with every id (`run_seed`), so their order is the
+    /// dispatches' order.
+    fn check_invokes(&mut self, mut invokes: Vec<Invoke>) -> Checked {
+        invokes.sort_by(|a, b| a.invocation_id.cmp(&b.invocation_id));
+        for inv in invokes {
+            self.trace.push(self.now, || {
+                format!(
+                    "daemon invokes {} ({} step {} attempt {})",
+                    inv.invocation_id, inv.turn_id, inv.step, inv.attempt
+                )
+            });
+            let Some(d) = self.daemon.as_ref() else {
+                return Ok(());
+            };
+            if d.kv().stopped() {
+                return Ok(());
+            }
+            self.tracking.on_invoke(d.engine().store(), &inv)?;
         }
-        self.tracking.on_invoke(d.engine().store(), &inv)
+        Ok(())
     }
 
     fn deliver_to_peer(&mut self, conn: u64, text: Option<&str>) -> Checked {
