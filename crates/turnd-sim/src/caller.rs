@@ -1,14 +1,18 @@
 //! A simulated caller: submits turns to sessions of its own, each with an
 //! idempotency key, and submits again with the same key until it is answered (after a
-//! lost answer, a refusal, a reconnect); stops turns and sessions now and then; goes
-//! away for a while and comes back. Every answer goes into the ledger.
+//! lost answer, a refusal, a reconnect); stops turns and sessions now and then; looks
+//! at a session (`session.inspect`) now and then and stops its lock holder when that
+//! waits without an invocation (for a worker, backing off, held) with turns queued
+//! behind it, as an operator clearing a stuck session would; goes away for a while and
+//! comes back. Every answer goes into the ledger.
 
 use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 use turnd_proto::frame::{decode_server_frame, ServerFrame};
 use turnd_proto::{
-    HelloArgs, Role, SessionStopArgs, StopArgs, SubmitArgs, SubmitOk, TurnOk, PROTOCOL_VERSION,
+    HelloArgs, Role, SessionIdArgs, SessionOk, SessionStopArgs, StopArgs, SubmitArgs, SubmitOk,
+    TurnOk, WaitState, PROTOCOL_VERSION,
 };
 
 use crate::ledger::Admitted;
@@ -24,6 +28,7 @@ enum Req {
     Submit(usize),
     Stop(String),
     SessionStop,
+    Inspect,
 }
 
 struct Submit {
@@ -39,6 +44,8 @@ pub struct Pace {
     pub submit: f64,
     pub stop: f64,
     pub session_stop: f64,
+    /// Chance per step of a `session.inspect` (and a stop of a waiting holder).
+    pub inspect: f64,
     pub with_timeout: f64,
 }
 
@@ -122,6 +129,12 @@ impl CallerPeer {
             };
             self.send(env, conn, Req::SessionStop, "session.stop", &args);
         }
+        if env.chance(pace.inspect) {
+            let session_id =
+                self.sessions[env.range(0, self.sessions.len() as u64) as usize].clone();
+            let args = SessionIdArgs { session_id };
+            self.send(env, conn, Req::Inspect, "session.inspect", &args);
+        }
     }
 
     fn new_turn(&mut self, env: &mut Env, conn: u64, pace: Pace) {
@@ -164,12 +177,37 @@ impl CallerPeer {
             return;
         }
         let turn_id = known[env.range(0, known.len() as u64) as usize].clone();
+        self.stop(env, conn, turn_id);
+    }
+
+    fn stop(&mut self, env: &mut Env, conn: u64, turn_id: String) {
         env.ledger.stops_sent.insert(turn_id.clone());
         let args = StopArgs {
             turn_id: turn_id.clone(),
             reason: Some("simulated stop".into()),
         };
         self.send(env, conn, Req::Stop(turn_id), "turn.stop", &args);
+    }
+
+    /// A `session.inspect` answer: a lock holder that waits without an invocation,
+    /// with turns queued behind it, is stopped.
+    fn inspected(&mut self, env: &mut Env, conn: u64, v: Value) {
+        let Ok(ok) = serde_json::from_value::<SessionOk>(v) else {
+            env.ledger
+                .violations
+                .push("a session.inspect answer does not decode".into());
+            return;
+        };
+        let Some(lock) = ok.session.lock else {
+            return;
+        };
+        let waiting = matches!(
+            lock.wait.state,
+            WaitState::AwaitingWorker | WaitState::BackingOff | WaitState::Held
+        );
+        if waiting && !ok.session.queued.is_empty() {
+            self.stop(env, conn, lock.turn_id);
+        }
     }
 
     fn connect(&mut self, env: &mut Env) {
@@ -239,6 +277,7 @@ impl CallerPeer {
             (Req::Hello, Ok(_)) => self.link = Link::Ready(conn),
             (Req::Hello, Err(_)) => self.lose(env, conn),
             (Req::Submit(i), Ok(v)) => self.admitted(env, i, v),
+            (Req::Inspect, Ok(v)) => self.inspected(env, conn, v),
             (Req::Stop(t), Ok(v)) => {
                 if let Ok(ok) = serde_json::from_value::<TurnOk>(v) {
                     if ok.turn.stop.is_some() {

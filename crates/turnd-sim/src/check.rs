@@ -5,6 +5,9 @@
 //!   (every turn of the session before it is terminal, and no earlier turn is
 //!   dispatched after a later one) and at most one step in flight (the session's
 //!   previous invocation is no longer active);
+//! - as the daemon answers a `turn.stop` or `session.stop` ([`lock_handed_over`]):
+//!   the session's first unfinished turn, if any, has taken the lock (a stop that
+//!   ended the holder made the next turn the holder in the same write);
 //! - after every start of the daemon and at the end ([`acked_kept`]): every
 //!   acknowledged admission, result and stop is on record;
 //! - at the end, once the quiet tail let every turn finish ([`truthful`],
@@ -18,7 +21,7 @@ use std::collections::HashMap;
 
 use turnd_engine::Engine;
 use turnd_proto::{invocation_turn_id, Accepted, ErrorCause, Invoke, Outcome, TurnStatus};
-use turnd_store::{check_store, InvState, SessionKeys, Store, StoreError, TurnRecord};
+use turnd_store::{check_store, InvState, Phase, SessionKeys, Store, StoreError, TurnRecord};
 
 use crate::ledger::Ledger;
 
@@ -82,6 +85,31 @@ impl Tracking {
         }
         self.verified.insert(s.clone(), from.max(t.seq));
         Ok(())
+    }
+}
+
+/// Lock hand-over (`docs/semantics.md`, "Lock hand-over" and "Stop"): the first unfinished
+/// turn of `session_id` holds the lock, dispatched or waiting as the holder; none is
+/// left queued with no holder before it. Checked as a stop is answered, when its
+/// write is durable and nothing else has run since.
+pub fn lock_handed_over(store: &Store, session_id: &str) -> Checked {
+    let Some(meta) = store.session_meta(session_id).map_err(read)? else {
+        return Ok(());
+    };
+    if meta.active_from.is_none() {
+        return Ok(());
+    }
+    let first = store
+        .unfinished_turns(&meta)
+        .map_err(read)?
+        .into_iter()
+        .next();
+    match first {
+        Some(t) if t.phase == Phase::Queued => Err(format!(
+            "lock hand-over: turn {} (seq {}) is the first unfinished turn of {session_id} and has not taken the lock",
+            t.turn_id, t.seq
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -89,6 +89,7 @@ impl Default for Config {
                 submit: 0.08,
                 stop: 0.004,
                 session_stop: 0.0004,
+                inspect: 0.01,
                 with_timeout: 0.1,
             },
             faults: Faults::MIXED,
@@ -124,6 +125,7 @@ impl Config {
         Pace {
             stop: 0.0,
             session_stop: 0.0,
+            inspect: 0.0,
             ..self.pace
         }
     }

@@ -14,6 +14,11 @@
 //! `worker_hello`, which reconciles), then each request in a task of its own through
 //! [`router::dispatch`], its answer queued on the same outbox; when either end closes
 //! it, `connection_closed` and `worker_disconnected`, as the connection's end does.
+//!
+//! One invariant is checked here, where the daemon answers: as a `turn.stop` or
+//! `session.stop` is answered, before any other task runs, the session's lock was
+//! handed over ([`check::lock_handed_over`]). What breaks is kept for the simulation
+//! to take ([`Daemon::take_broken`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -26,11 +31,15 @@ use turnd_engine::{Caller, Clock, Engine, EngineConfig, Outbox, Workers};
 use turnd_proto::frame::{
     decode_raw_request, encode_error, encode_ok_text, to_json_text, FRAME_CAPACITY,
 };
-use turnd_proto::{ErrorBody, ErrorCode, HelloArgs, HelloOk, Role};
+use turnd_proto::{ErrorBody, ErrorCode, HelloArgs, HelloOk, Role, SessionStopArgs, StopArgs};
 use turnd_server::router::{self, Answer, Origin};
 use turnd_store::{Store, StoreError};
 
+use crate::check;
 use crate::disk::SimKv;
+
+/// Invariants broken where the daemon answers, for the simulation to take.
+type Broken = Arc<Mutex<Vec<String>>>;
 
 /// Frames one connection's outbox holds before the daemon closes it as a slow reader.
 const OUTBOX_FRAMES: usize = 4096;
@@ -50,6 +59,7 @@ pub struct Daemon {
     engine: Engine,
     kv: Arc<SimKv>,
     conns: BTreeMap<u64, Conn>,
+    broken: Broken,
 }
 
 /// What the daemon sent on a connection, or that it closed one.
@@ -94,6 +104,7 @@ impl Daemon {
                 engine,
                 kv,
                 conns: BTreeMap::new(),
+                broken: Broken::default(),
             },
             took.as_millis() as u64,
         ))
@@ -105,6 +116,11 @@ impl Daemon {
 
     pub fn kv(&self) -> &Arc<SimKv> {
         &self.kv
+    }
+
+    /// The invariants broken as the daemon answered, since the last call.
+    pub fn take_broken(&self) -> Vec<String> {
+        std::mem::take(&mut *self.broken.lock())
     }
 
     /// Run the daemon for `ms` of simulated time; returns the milliseconds passed.
@@ -155,12 +171,18 @@ impl Daemon {
         let engine = self.engine.clone();
         let outbox = c.outbox.clone();
         let caller = c.caller.clone();
+        let broken = self.broken.clone();
         self.rt.spawn(async move {
             let answer = if op == "hello" {
                 hello(&engine, &outbox, &caller, &args).await
             } else {
                 request(&engine, &outbox, &caller, id, &op, &args).await
             };
+            if answer.is_ok() {
+                if let Err(v) = answered(&engine, &op, &args) {
+                    broken.lock().push(v);
+                }
+            }
             let frame = match answer {
                 Ok(Some(text)) => encode_ok_text(id, &text),
                 Ok(None) => return,
@@ -262,6 +284,28 @@ async fn hello(
     )
     .map(Some)
     .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))
+}
+
+/// The checks of an answered request: after a stop, the lock was handed over.
+fn answered(engine: &Engine, op: &str, args: &str) -> check::Checked {
+    let store = engine.store();
+    let session_id = match op {
+        "session.stop" => router::decode::<SessionStopArgs>(args)
+            .ok()
+            .map(|a| a.session_id),
+        "turn.stop" => match router::decode::<StopArgs>(args) {
+            Ok(a) => store
+                .turn(&a.turn_id)
+                .map_err(|e| format!("store read failed: {e}"))?
+                .map(|t| t.session_id),
+            Err(_) => None,
+        },
+        _ => None,
+    };
+    match session_id {
+        Some(s) => check::lock_handed_over(store, &s),
+        None => Ok(()),
+    }
 }
 
 /// Any other request, through the router.

@@ -179,6 +179,9 @@ impl World {
     fn pump(&mut self) -> Checked {
         let quiet = self.quiet_since.is_some();
         let outs = self.daemon.as_mut().map(Daemon::drain).unwrap_or_default();
+        if let Some(d) = self.daemon.as_ref() {
+            self.ledger.violations.extend(d.take_broken());
+        }
         let mut invokes = Vec::new();
         for out in outs {
             match out {
