@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync powerloss fuzz clean ui-screenshots sdk test-cluster
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -185,6 +185,18 @@ powerloss: ## Power-loss exploration of the real binary: every sync point of a s
 	$(CARGO) build -p turnd-faultfs
 	$(TEST_ENV) POWERLOSS_SEEDS=$(POWERLOSS_SEEDS) POWERLOSS_CUTS=$(POWERLOSS_CUTS) POWERLOSS_BUDGET_S=$(POWERLOSS_BUDGET_S) \
 		$(CARGO) test -p turnd-tests --test powerloss -- --nocapture --test-threads=1
+
+SEEDS ?= 0..1000
+SIM_PLANTED := planted-ack-before-commit planted-reconcile-skips-finished planted-stop-keeps-lock
+
+sim: ## Explore simulator seeds SEEDS (default 0..1000, e.g. make sim SEEDS=0..100000) on every core, release build; SIM_ARGS="…" go to turnd-sim (docs/simulator.md)
+	$(CARGO) run --release -p turnd-sim -- --seeds $(SEEDS) $(SIM_ARGS)
+
+sim-planted: ## The simulator against each of its planted bugs: the seeds named for each must break an invariant (docs/simulator.md)
+	@for f in $(SIM_PLANTED); do \
+		echo "== turnd-sim --features $$f"; \
+		$(CARGO) test -p turnd-sim --features $$f --test seeds -- --nocapture || exit 1; \
+	done
 
 fuzz: ## Run the cargo-fuzz targets (FUZZ_SECONDS each, default 60; see docs/fuzzing.md)
 	scripts/fuzz.sh

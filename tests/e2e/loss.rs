@@ -27,7 +27,7 @@ use turnd_server::Config;
 use turnd_testkit::{
     Act, Dir, Gate, Instance, KitWorker, Match, Proxy, Rule, Runs, Script, SplitMix64,
 };
-use turnd_tests::{all_events, event_kinds, eventually, BinDaemon, Raw, TestDaemon};
+use turnd_tests::{all_events, event_kinds, eventually, wait_done, BinDaemon, Raw, TestDaemon};
 
 /// Timers of the test config (tests/support `test_config`), named for the reports.
 const PROBE_TIMEOUT_MS: u64 = 300;
@@ -2178,5 +2178,52 @@ async fn visibly_waiting(c: &Caller, sessions: usize) -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// A worker opened a connection, gave it up before its `hello` arrived and attached a
+/// second one; the first connection's `hello` reaches the daemon last. It is refused
+/// (`conflict`) and changes nothing: the second connection keeps its invocation and
+/// its result is applied. Taken, that `hello` would supersede the second connection
+/// and, listing nothing in flight, have the running invocation dispatched again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_hello_is_refused_and_the_newer_connection_keeps_its_work() -> anyhow::Result<()> {
+    let d = TestDaemon::start(|_| {}).await?;
+    let mut stale = Raw::connect(&d.url).await?;
+    // Answered (refused: no hello yet) once the daemon holds the connection, so it
+    // was opened before the next one.
+    stale.request("ping", json!({})).await?;
+    let me = json!({"worker_id": "w-stale", "instance_id": "i-1"});
+    let (mut fresh, _) = Raw::hello(&d.url, "worker", me.clone()).await?;
+    fresh
+        .ok(
+            "function.register",
+            json!({"function_id": "f-stale", "delivery": "at_most_once"}),
+        )
+        .await?;
+    let caller = d.caller().await?;
+    let t = caller.submit_simple("s-stale", "f-stale", json!(1)).await?;
+    let invoke = fresh.next_push().await?;
+    let inv = invoke["invocation_id"]
+        .as_str()
+        .context("invoke")?
+        .to_string();
+
+    let hello = json!({"protocol": 1, "role": "worker", "token": "t",
+        "worker_id": "w-stale", "instance_id": "i-1", "inflight": [], "finished": []});
+    ensure!(stale.error_code("hello", hello).await? == "conflict");
+
+    let r = fresh
+        .ok(
+            "invocation.result",
+            json!({"invocation_id": inv, "outcome": {"complete": 2}}),
+        )
+        .await?;
+    ensure!(r["accepted"] == json!("applied"), "{r}");
+    let done = wait_done(&caller, &t.turn_id, 5).await?;
+    ensure!(
+        done.status == TurnStatus::Completed && done.attempt == 1,
+        "{done:?}"
+    );
     Ok(())
 }

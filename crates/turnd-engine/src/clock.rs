@@ -25,6 +25,12 @@ impl Clock {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
+        Clock::starting_at(base_ms)
+    }
+
+    /// A clock that reads `base_ms` now, whatever the machine's wall clock says: a
+    /// simulated world's time, or one a test sets. Must be called inside a runtime.
+    pub fn starting_at(base_ms: u64) -> Clock {
         Clock {
             base_ms,
             base: Instant::now(),
@@ -102,6 +108,10 @@ mod tests {
         let at = c.instant_at(c.now_ms() + 500);
         assert_eq!(at - Instant::now(), Duration::from_millis(500));
         assert!(c.instant_at(0) <= Instant::now());
+        let pinned = Clock::starting_at(5_000);
+        assert_eq!(pinned.now_ms(), 5_000);
+        tokio::time::advance(Duration::from_millis(7)).await;
+        assert_eq!(pinned.now_ms(), 5_007);
     }
 
     #[test]

@@ -149,12 +149,23 @@ impl Engine {
         cfg: EngineConfig,
         workers: Workers,
     ) -> Result<Engine, StoreError> {
+        Engine::open_at(store, cfg, workers, Clock::new()).await
+    }
+
+    /// [`Engine::open_with`] on `clock` rather than one pinned to the machine's wall
+    /// clock: the simulator's engine reads its simulated world's time.
+    pub async fn open_at(
+        store: Store,
+        cfg: EngineConfig,
+        workers: Workers,
+        clock: Clock,
+    ) -> Result<Engine, StoreError> {
         let engine = Engine {
             inner: Arc::new(Inner {
                 cfg,
                 sessions: Arc::new(Sessions::new(store.clone())),
                 store,
-                clock: Clock::new(),
+                clock,
                 boot_id: uuid::Uuid::new_v4().simple().to_string(),
                 workers,
                 waiters: Waiters::default(),

@@ -61,6 +61,10 @@ pub enum EngineError {
         "idempotency key {key:?} was used for turn {turn_id} with a different function_id or input"
     )]
     IdempotencyConflict { key: String, turn_id: String },
+    /// A worker `hello` on a connection opened before the one the worker attached
+    /// last: the worker gave this connection up, and its lists are out of date.
+    #[error("worker {0} attached a newer connection; this hello is stale")]
+    StaleHello(String),
     /// The session already holds `turns.max_queued_per_session` unfinished turns.
     #[error("session {session_id} already holds {held} unfinished turns (max_queued_per_session)")]
     QueueFull { session_id: String, held: usize },
@@ -121,7 +125,9 @@ impl EngineError {
             | EngineError::NotRegistered { .. }
             | EngineError::NotCurrent { .. } => ErrorCode::NotFound,
             EngineError::NotYourInvocation { .. } => ErrorCode::Forbidden,
-            EngineError::IdempotencyConflict { .. } => ErrorCode::Conflict,
+            EngineError::IdempotencyConflict { .. } | EngineError::StaleHello(_) => {
+                ErrorCode::Conflict
+            }
             EngineError::QueueFull { .. } | EngineError::TooManyWatches { .. } => {
                 ErrorCode::RateLimited
             }
@@ -242,6 +248,11 @@ mod tests {
                 "idempotency key \"k\" was used for turn t1 with a different function_id or input",
             ),
             (
+                EngineError::StaleHello("w".into()),
+                ErrorCode::Conflict,
+                "worker w attached a newer connection; this hello is stale",
+            ),
+            (
                 EngineError::QueueFull {
                     session_id: "s1".into(),
                     held: 3,
@@ -296,6 +307,7 @@ mod tests {
             EngineError::NotWritten(_) => 16,
             EngineError::ReadFailed(_) => 17,
             EngineError::Invariant(_) => 18,
+            EngineError::StaleHello(_) => 19,
         }
     }
 
@@ -303,7 +315,7 @@ mod tests {
     fn every_engine_error_has_its_protocol_code_and_message() {
         let mut seen: Vec<usize> = every_error().iter().map(|(e, _, _)| variant(e)).collect();
         seen.sort_unstable();
-        assert_eq!(seen, (0..=18).collect::<Vec<_>>(), "one case per variant");
+        assert_eq!(seen, (0..=19).collect::<Vec<_>>(), "one case per variant");
         for (e, want, message) in every_error() {
             let body = ErrorBody::from(e.clone());
             assert_eq!(e.code(), want, "{e:?}");

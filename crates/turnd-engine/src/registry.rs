@@ -32,6 +32,9 @@ pub struct WorkerEntry {
     pub name: String,
     pub instance_id: String,
     pub outbox: Option<Outbox>,
+    /// [`Outbox::opened`] of the last connection attached, kept after it ends: a
+    /// `hello` on a connection opened before it is stale.
+    pub opened: u64,
     pub since_ms: u64,
     /// Function → concurrency of this worker's registration.
     pub functions: BTreeMap<String, u32>,
@@ -135,7 +138,7 @@ pub struct Registry {
 pub struct Attached {
     /// The superseded connection, if the worker_id was connected.
     pub superseded: Option<Outbox>,
-    /// Live invocations assigned to this worker_id, to reconcile.
+    /// Live invocations assigned to this worker_id, to reconcile, by invocation id.
     pub assigned: Vec<(String, Assignment)>,
 }
 
@@ -158,6 +161,7 @@ impl Registry {
                 name: name.to_string(),
                 instance_id: instance_id.to_string(),
                 outbox: None,
+                opened: 0,
                 since_ms: now_ms,
                 functions: BTreeMap::new(),
                 inflight: HashMap::new(),
@@ -168,17 +172,31 @@ impl Registry {
         entry.functions.clear();
         entry.name = name.to_string();
         entry.instance_id = instance_id.to_string();
+        entry.opened = outbox.opened();
         entry.outbox = Some(outbox);
         entry.since_ms = now_ms;
-        let assigned = entry
+        let mut assigned: Vec<(String, Assignment)> = entry
             .assigned
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        // In a stable order, whatever the map's: the reconcile that follows writes
+        // and pushes in this order, which a seeded simulation replays.
+        assigned.sort_by(|a, b| a.0.cmp(&b.0));
         Attached {
             superseded,
             assigned,
         }
+    }
+
+    /// Whether a `hello` of `worker_id` on `outbox` is stale: the worker attached a
+    /// connection opened after this one, so it has moved on (this `hello` was
+    /// delayed on a connection it gave up), and its lists are older than those it
+    /// reconciled with since.
+    pub fn is_stale(&self, worker_id: &str, outbox: &Outbox) -> bool {
+        self.workers
+            .get(worker_id)
+            .is_some_and(|e| e.opened > outbox.opened())
     }
 
     /// Set what a worker_id can do (kept across its connections).
@@ -235,6 +253,7 @@ impl Registry {
                 name: String::new(),
                 instance_id: instance_id.to_string(),
                 outbox: None,
+                opened: 0,
                 since_ms: now_ms,
                 functions: BTreeMap::new(),
                 inflight: HashMap::new(),

@@ -83,6 +83,9 @@ impl Workers {
         let conn_id = outbox.conn_id.clone();
         let attached = {
             let mut reg = self.registry();
+            if reg.is_stale(worker_id, &outbox) {
+                return Err(EngineError::StaleHello(worker_id.to_string()));
+            }
             reg.set_caps(worker_id, caps);
             reg.attach(worker_id, &name, &instance_id, outbox, now_ms)
         };

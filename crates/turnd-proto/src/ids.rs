@@ -2,9 +2,49 @@
 //!
 //! Ids are UUIDv7 (time ordered) with a short kind prefix, so they sort by creation
 //! in the store and a human can tell a turn id from an invocation id at a glance.
+//!
+//! A thread may mint from a source of its own instead of the clock and the random
+//! generator ([`mint_from`]): the simulator (`crates/turnd-sim`) runs a whole daemon
+//! on one thread and needs every id to follow from its seed.
+
+use std::cell::RefCell;
+
+/// Where a thread's ids come from when not from the clock and the random generator:
+/// the 128 bits of the next id.
+pub type IdSource = Box<dyn FnMut() -> u128>;
+
+thread_local! {
+    static SOURCE: RefCell<Option<IdSource>> = const { RefCell::new(None) };
+}
+
+/// Mint the ids of this thread from `source` until the returned guard is dropped (a
+/// source set before is put back then). The bits should be a UUIDv7's (time first)
+/// so that ids still sort by creation.
+pub fn mint_from(source: IdSource) -> MintGuard {
+    MintGuard(SOURCE.with(|s| s.borrow_mut().replace(source)))
+}
+
+/// Ends a [`mint_from`] when dropped.
+pub struct MintGuard(Option<IdSource>);
+
+impl Drop for MintGuard {
+    fn drop(&mut self) {
+        let before = self.0.take();
+        SOURCE.with(|s| *s.borrow_mut() = before);
+    }
+}
+
+/// The 32 hex digits of a new id: from the thread's source, or a UUIDv7.
+fn fresh_hex() -> String {
+    let own = SOURCE.with(|s| s.borrow_mut().as_mut().map(|next| next()));
+    match own {
+        Some(bits) => format!("{bits:032x}"),
+        None => uuid::Uuid::now_v7().simple().to_string(),
+    }
+}
 
 fn mint(prefix: &str) -> String {
-    format!("{prefix}{}", uuid::Uuid::now_v7().simple())
+    format!("{prefix}{}", fresh_hex())
 }
 
 /// A new turn id, `t_…`.
@@ -35,7 +75,7 @@ pub fn new_invocation_id_of(turn_id: &str) -> String {
         .strip_prefix("t_")
         .filter(|h| turn_id_bits(turn_id).is_some() && h.len() == 32)
     {
-        Some(hex) => format!("inv_{}_{hex}", uuid::Uuid::now_v7().simple()),
+        Some(hex) => format!("inv_{}_{hex}", fresh_hex()),
         None => new_invocation_id(),
     }
 }
@@ -86,5 +126,25 @@ mod tests {
         assert_eq!(invocation_turn_id("inv_x"), None);
         assert!(new_invocation_id_of("t-other").starts_with("inv_"));
         assert_eq!(invocation_turn_id(&new_invocation_id_of("t-other")), None);
+    }
+
+    #[test]
+    fn a_thread_mints_from_its_own_source_while_the_guard_lives() {
+        let mut n = 0u128;
+        let guard = mint_from(Box::new(move || {
+            n += 1;
+            n
+        }));
+        assert_eq!(new_turn_id(), format!("t_{:032x}", 1));
+        let turn = new_turn_id();
+        assert_eq!(
+            new_invocation_id_of(&turn),
+            format!("inv_{:032x}_{:032x}", 3, 2)
+        );
+        // Another thread is not affected.
+        let other = std::thread::spawn(new_turn_id).join().expect("thread");
+        assert_ne!(other, format!("t_{:032x}", 4));
+        drop(guard);
+        assert_ne!(new_turn_id(), format!("t_{:032x}", 4));
     }
 }

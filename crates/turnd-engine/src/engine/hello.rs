@@ -126,15 +126,14 @@ impl Engine {
     ) -> ApiResult<Option<machine::Verdict>> {
         let cell = self.sessions().cell(session_id);
         let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
+        // The planted bug of the feature `planted-reconcile-skips-finished`: the
+        // worker's `finished` list is not looked at.
+        #[cfg(feature = "planted-reconcile-skips-finished")]
+        let finished: &[String] = &[];
+        #[cfg(not(feature = "planted-reconcile-skips-finished"))]
+        let finished = &hello.finished;
         let (settled, verdict) = self.transition(&st, self.now_ms(), |cx, tx| {
-            machine::reconcile(
-                cx,
-                tx,
-                inv_id,
-                instance_id,
-                &hello.inflight,
-                &hello.finished,
-            )
+            machine::reconcile(cx, tx, inv_id, instance_id, &hello.inflight, finished)
         });
         if verdict.is_some() {
             self.commit(&cell, &mut st, settled)

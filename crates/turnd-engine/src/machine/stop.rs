@@ -58,6 +58,9 @@ pub fn stop_turn(cx: &Ctx, tx: &mut Tx, seq: u64, reason: String) {
                 cancel_turn(cx, tx, t, None);
             }
         }
+        #[cfg(feature = "planted-stop-keeps-lock")]
+        _ if is_holder => cancelled_in_place(cx, tx, t),
+        #[cfg(not(feature = "planted-stop-keeps-lock"))]
         _ if is_holder => cancel_turn(cx, tx, t, None),
         _ => {
             // A queued turn behind the holder: cancelled at once, never dispatched.
@@ -69,6 +72,18 @@ pub fn stop_turn(cx: &Ctx, tx: &mut Tx, seq: u64, reason: String) {
             tx.put_turn(st, t);
         }
     }
+}
+
+/// The planted bug of the feature `planted-stop-keeps-lock`: the holder is cancelled
+/// as a queued turn is, and no next turn takes the lock.
+#[cfg(feature = "planted-stop-keeps-lock")]
+fn cancelled_in_place(cx: &Ctx, tx: &mut Tx, mut t: turnd_store::TurnRecord) {
+    let detail = json!({"stop": t.stop, "step": t.step});
+    t.status = TurnStatus::Cancelled;
+    t.phase = Phase::Done;
+    t.finished_at_ms = Some(tx.now);
+    tx.event(&cx.st.id, &t.turn_id, EventKind::Cancelled, detail);
+    tx.put_turn(cx.st, t);
 }
 
 /// Event "stop" of every non-terminal turn of the session.

@@ -1,5 +1,7 @@
 //! The sending side of a connection, why it is closed, and the text of a push.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use turnd_proto::Push;
@@ -31,11 +33,16 @@ pub enum CloseReason {
     InDoubt,
 }
 
+/// Connections opened so far in this process.
+static OPENED: AtomicU64 = AtomicU64::new(0);
+
 /// The sending side of one connection: a bounded queue of text frames. A peer that
 /// cannot keep up is disconnected instead of making the daemon buffer without bound.
 #[derive(Debug, Clone)]
 pub struct Outbox {
     pub conn_id: String,
+    /// Its place in the order connections were opened in this process.
+    opened: u64,
     tx: mpsc::Sender<String>,
     close: CancellationToken,
     reason: std::sync::Arc<parking_lot::Mutex<Option<CloseReason>>>,
@@ -48,6 +55,7 @@ impl Outbox {
         (
             Outbox {
                 conn_id,
+                opened: OPENED.fetch_add(1, Ordering::Relaxed) + 1,
                 tx,
                 close: CancellationToken::new(),
                 reason: Default::default(),
@@ -77,6 +85,12 @@ impl Outbox {
     /// Queue a frame, waiting for room (responses: the request task may wait).
     pub async fn send(&self, frame: String) -> bool {
         self.tx.send(frame).await.is_ok()
+    }
+
+    /// Its place in the order connections were opened: a later connection's is
+    /// higher.
+    pub fn opened(&self) -> u64 {
+        self.opened
     }
 
     pub fn close_with(&self, reason: CloseReason) {

@@ -63,3 +63,24 @@ fn what_nothing_refers_to_is_forgotten_after_the_linger() {
     r.gc(1_002_600, 500);
     assert_eq!(r.sizes(), (0, 0));
 }
+
+#[test]
+fn a_hello_on_a_connection_older_than_the_attached_one_is_stale() {
+    let mut r = Registry::default();
+    // The worker opened a connection, gave it up before its hello arrived, and
+    // attached a second one; the first one's hello comes last.
+    let (first, _rx1) = Outbox::new("c_1".into(), 4);
+    let (second, _rx2) = Outbox::new("c_2".into(), 4);
+    assert!(
+        !r.is_stale("w-1", &first),
+        "an unknown worker's hello is never stale"
+    );
+    r.attach("w-1", "w", "i-1", second.clone(), 1_000);
+    assert!(r.is_stale("w-1", &first));
+    assert!(!r.is_stale("w-1", &second));
+    // Still stale once the newer connection ended: the worker moved on from it.
+    assert!(r.detach("w-1", "c_2", 2_000));
+    assert!(r.is_stale("w-1", &first));
+    let (third, _rx3) = Outbox::new("c_3".into(), 4);
+    assert!(!r.is_stale("w-1", &third));
+}
