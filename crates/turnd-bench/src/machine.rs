@@ -403,13 +403,22 @@ mod tests {
     fn a_thread_kept_off_its_core_is_seen_waiting() {
         // Three threads that each need 100 ms of CPU on one core: on it, each
         // waits for the others about two thirds of the time.
+        // The watch reads each thread every WAITS_EVERY and counts what grew
+        // between two reads: the spinners start once it has seen them, and stay
+        // until it has read them after they finished, however late a busy machine
+        // runs the watch.
         let pid = std::process::id();
         let w = MachineWatch::start(vec![("self".into(), pid)]);
+        let go = Arc::new(std::sync::Barrier::new(4));
+        let done = Arc::new(std::sync::Barrier::new(4));
+        let end = Arc::new(std::sync::Barrier::new(4));
         let spin: Vec<_> = (0..3)
             .map(|_| {
+                let (go, done, end) = (go.clone(), done.clone(), end.clone());
                 std::thread::Builder::new()
                     .name("spinner".into())
                     .spawn(move || {
+                        go.wait();
                         // SAFETY: a zeroed cpu_set_t is an empty set, CPU_SET writes
                         // within it, and sched_setaffinity only reads it.
                         let pinned = unsafe {
@@ -426,13 +435,20 @@ mod tests {
                         {
                             std::hint::spin_loop();
                         }
+                        done.wait();
+                        end.wait();
                     })
             })
             .collect();
+        std::thread::sleep(WAITS_EVERY * 20);
+        go.wait();
+        done.wait();
+        std::thread::sleep(WAITS_EVERY * 20);
+        let seen = w.stop();
+        end.wait();
         for t in spin {
             t.expect("spawn").join().expect("spinner");
         }
-        let seen = w.stop();
         let spinners = |spans: &[ThreadSpan]| -> f64 {
             spans
                 .iter()
