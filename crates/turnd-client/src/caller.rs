@@ -196,6 +196,7 @@ impl Caller {
             input,
             idempotency_key: None,
             turn_timeout_ms: None,
+            on_busy: None,
         };
         Ok(self.submit(args).await?.turn)
     }

@@ -123,6 +123,7 @@ pub async fn submit(c: &Conn, a: &SubmitCmd) -> Result<i32, Failure> {
         input: a.input.clone(),
         idempotency_key: a.idempotency_key.clone(),
         turn_timeout_ms: a.turn_timeout_ms,
+        on_busy: None,
     };
     let ok = c.caller.submit(args).await.at(&c.url)?;
     if ok.deduplicated {
@@ -427,6 +428,7 @@ async fn follow(c: &Conn, a: &EventsCmd) -> Result<i32, Failure> {
             session_id: Some(a.session.clone()),
             turn_id: None,
             after: Some(p.last),
+            progress: false,
         };
         match conn.caller.watch(args).await.at(&conn.url) {
             Ok(mut stream) => {

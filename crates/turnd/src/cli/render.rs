@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use turnd_proto::{
-    Delivery, Event, Function, OnDeadline, Session, Stats, Turn, TurnCounts, TurnStatus, Violation,
-    Wait, WaitState, Worker,
+    Delivery, Event, Function, Session, Stats, Turn, TurnCounts, TurnStatus, Violation, Wait,
+    WaitState, Worker,
 };
 
 use super::fmt::{compact, duration, log_time, relative, truncate, when, width, Fields, Table};
@@ -21,15 +21,8 @@ const KIND_WIDTH: usize = 15;
 /// Column width of a turn id (`t_` + 32 hex digits).
 const TURN_ID_WIDTH: usize = 34;
 
-pub fn on_deadline(o: OnDeadline) -> &'static str {
-    match o {
-        OnDeadline::Probe => "probe",
-        OnDeadline::Redispatch => "redispatch",
-        OnDeadline::Fail => "fail",
-        OnDeadline::Cancel => "cancel",
-        OnDeadline::Retry => "retry",
-        OnDeadline::Dispatch => "dispatch",
-    }
+pub fn on_deadline(o: turnd_proto::OnDeadline) -> &'static str {
+    o.as_str()
 }
 
 fn delivery(d: Delivery) -> &'static str {
@@ -516,7 +509,7 @@ mod tests {
             reason: "no connected worker serving echo has free capacity".into(),
             since_ms: 10_000,
             deadline_ms: Some(40_000),
-            on_deadline: Some(OnDeadline::Fail),
+            on_deadline: Some(turnd_proto::OnDeadline::Fail),
             invocation_id: None,
             worker_id: None,
             ahead: None,
