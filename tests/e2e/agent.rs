@@ -181,6 +181,11 @@ async fn progress_reaches_the_watchers_that_asked_in_order_and_only_while_curren
     assert!(seen.iter().all(|p| p["push"] == "event"), "{seen:?}");
     let rest = pushes_until(&mut asked, "cancelled").await?;
     assert!(rest.iter().all(|p| p["push"] != "progress"), "{rest:?}");
+    let (_, m) = turnd_tests::http_get(&d.admin, "/metrics").await?;
+    for (outcome, n) in [("accepted", 4.0), ("refused", 4.0), ("pushed", 4.0)] {
+        let sample = format!("turnd_progress_frames_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(turnd_tests::metric(&m, &sample), Some(n), "{sample}");
+    }
     store_clean(&d.url).await?;
     d.shutdown().await
 }
@@ -510,6 +515,8 @@ async fn reject_refuses_busy_and_stores_nothing_not_even_its_key() -> Result<()>
     assert_eq!(queued["deduplicated"], false, "{queued}");
     assert_ne!(queued["turn"]["turn_id"], t);
     assert_eq!(queued["turn"]["status"], "queued");
+    let (_, m) = turnd_tests::http_get(&d.admin, "/metrics").await?;
+    assert_eq!(turnd_tests::metric(&m, "turnd_busy_rejected_total"), Some(1.0));
     store_clean(&d.url).await?;
     d.shutdown().await
 }
