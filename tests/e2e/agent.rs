@@ -516,7 +516,10 @@ async fn reject_refuses_busy_and_stores_nothing_not_even_its_key() -> Result<()>
     assert_ne!(queued["turn"]["turn_id"], t);
     assert_eq!(queued["turn"]["status"], "queued");
     let (_, m) = turnd_tests::http_get(&d.admin, "/metrics").await?;
-    assert_eq!(turnd_tests::metric(&m, "turnd_busy_rejected_total"), Some(1.0));
+    assert_eq!(
+        turnd_tests::metric(&m, "turnd_busy_rejected_total"),
+        Some(1.0)
+    );
     store_clean(&d.url).await?;
     d.shutdown().await
 }
@@ -610,6 +613,114 @@ async fn rollback_marks_the_stopped_turns_superseded() -> Result<()> {
     assert_eq!(rolled["status"], "cancelled", "{rolled}");
     result(&mut w, &next["invocation_id"], json!({"complete": 1})).await?;
     until_status(&mut c, &b, "completed").await?;
+    store_clean(&d.url).await?;
+    d.shutdown().await
+}
+
+/// The Rust SDK's calls for agent turns against the real daemon: `ctx.progress` and
+/// a returned suspend in a worker; a watch of a turn's progress and events,
+/// `resume` and `on_busy` in a caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_sdk_streams_progress_suspends_and_resumes() -> Result<()> {
+    use turnd_client::turnd_proto::{ErrorCode, EventKind, OnBusy, Outcome, Suspend};
+    use turnd_client::{FunctionSpec, WatchItem, Worker};
+    let d = TestDaemon::start(|_| {}).await?;
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let worker = Worker::new(turnd_tests::worker_options(&d.url, "w-sdk"))
+        .function(FunctionSpec::new(F), move |ctx| {
+            let mut go = go_rx.clone();
+            async move {
+                if ctx.invoke.step == 1 {
+                    return Outcome::Complete(ctx.invoke.input.clone());
+                }
+                // Streams once the caller watches.
+                if go.wait_for(|g| *g).await.is_err() {
+                    return Outcome::Cancelled(Default::default());
+                }
+                for tok in ["a", "b"] {
+                    if ctx.progress(json!(tok)).await.is_err() {
+                        return Outcome::Cancelled(Default::default());
+                    }
+                }
+                Suspend::new(json!("kept")).prompt("ok?").into()
+            }
+        })
+        .spawn(shutdown.clone());
+    worker.connected().await;
+    let c = d.caller().await?;
+    let t = c.submit_simple("sdk", F, json!(1)).await?;
+    let mut watch = c.watch_turn(&t.turn_id).await?;
+    go_tx.send(true)?;
+    let mut items = Vec::new();
+    while let Some(item) = tokio::time::timeout(Duration::from_secs(5), watch.next_item()).await? {
+        let done = matches!(&item, WatchItem::Event(e) if e.kind == EventKind::Suspended);
+        items.push(item);
+        if done {
+            break;
+        }
+    }
+    let progress: Vec<(u64, Value)> = items
+        .iter()
+        .filter_map(|i| match i {
+            WatchItem::Progress(p) => Some((p.seq, p.data.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(progress, [(1, json!("a")), (2, json!("b"))], "{items:?}");
+    let busy = c.submit_on_busy("sdk", F, json!(2), OnBusy::Reject).await;
+    assert_eq!(busy.err().and_then(|e| e.code()), Some(ErrorCode::Busy));
+    let waiting = c.get(&t.turn_id).await?;
+    assert_eq!(
+        waiting.input_request.and_then(|r| r.prompt),
+        Some(json!("ok?"))
+    );
+    let r = c.resume(&t.turn_id, json!("yes"), Some("k")).await?;
+    assert!(!r.deduplicated);
+    let done = c.wait_terminal(&t.turn_id, Duration::from_secs(10)).await?;
+    assert_eq!(done.output, Some(json!({"state": "kept", "input": "yes"})));
+    let again = c.resume(&t.turn_id, json!("yes"), Some("k")).await?;
+    assert!(again.deduplicated);
+    let e = c.resume(&t.turn_id, json!("no"), None).await;
+    assert_eq!(e.err().and_then(|e| e.code()), Some(ErrorCode::Conflict));
+    shutdown.cancel();
+    worker.join().await?;
+    store_clean(&d.url).await?;
+    d.shutdown().await
+}
+
+/// The `agent` example (a streaming echo model, an approval step, a chat that
+/// interrupts) runs its conversation against the daemon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_example_runs_its_conversation() -> Result<()> {
+    let bin = tokio::task::spawn_blocking(|| turnd_tests::client_example("agent")).await??;
+    let d = TestDaemon::start(|_| {}).await?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(bin)
+            .arg(&d.url)
+            .env_remove("TURND_TOKEN")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "token 1: \"hello\"",
+        "token 3: \"agent\"",
+        "second: cancelled",
+    ] {
+        ensure!(stdout.contains(line), "no {line:?} in {stdout}");
+    }
+    ensure!(
+        stdout.contains("(after t_"),
+        "the third turn saw previous: {stdout}"
+    );
     store_clean(&d.url).await?;
     d.shutdown().await
 }

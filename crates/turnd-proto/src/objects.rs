@@ -521,6 +521,35 @@ pub struct Suspend {
     pub on_timeout: OnTimeout,
 }
 
+impl Suspend {
+    /// A suspend keeping `state` for the next step, without prompt or deadline.
+    pub fn new(state: Value) -> Suspend {
+        Suspend {
+            state,
+            ..Suspend::default()
+        }
+    }
+
+    /// What is asked, shown to whoever resumes.
+    pub fn prompt(mut self, prompt: impl Into<Value>) -> Suspend {
+        self.prompt = Some(prompt.into());
+        self
+    }
+
+    /// How long the turn waits, and what the end of the wait does.
+    pub fn timeout(mut self, timeout_ms: u64, on_timeout: OnTimeout) -> Suspend {
+        self.timeout_ms = Some(timeout_ms);
+        self.on_timeout = on_timeout;
+        self
+    }
+}
+
+impl From<Suspend> for Outcome {
+    fn from(s: Suspend) -> Outcome {
+        Outcome::Suspend(s)
+    }
+}
+
 /// The outcome of one invocation, as a worker reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
