@@ -145,6 +145,16 @@ async fn progress_reaches_the_watchers_that_asked_in_order_and_only_while_curren
     let got = turn(&mut c, &t).await?;
     assert_eq!(got["progress"]["seq"], 3, "{got}");
     assert_eq!(got["progress"]["data"], json!({"token": "c"}));
+    let (status, page) = turnd_tests::http_get(
+        &d.admin,
+        &format!("/ui/turn?id={}", got["turn_id"].as_str().unwrap_or("")),
+    )
+    .await?;
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("#3 of step 0"),
+        "the page shows the progress: {page}"
+    );
     // Too large, another worker's: refused, reaching no one.
     let big = progress(&mut w, &inv, json!("x".repeat(1000))).await?;
     assert_eq!(code(&big), "too_large", "{big}");
@@ -326,6 +336,16 @@ async fn a_suspended_turn_waits_for_input_in_every_view_and_resumes_with_it() ->
     assert_eq!(
         stats["stats"]["sessions"]["blocked"]["awaiting_input"], 1,
         "{stats}"
+    );
+    let (status, page) = turnd_tests::http_get(
+        &d.admin,
+        &format!("/ui/turn?id={}", t.as_str().unwrap_or("")),
+    )
+    .await?;
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("awaiting_input") && page.contains("run it?"),
+        "{page}"
     );
     // The worker's slot is free: the invocation ended.
     let workers = c.ok("workers.list", json!({})).await?;
@@ -722,5 +742,86 @@ async fn the_agent_example_runs_its_conversation() -> Result<()> {
         "the third turn saw previous: {stdout}"
     );
     store_clean(&d.url).await?;
+    d.shutdown().await
+}
+
+/// `turnd ARGS` against `url`, with a clean environment.
+fn turnd_cmd(bin: &std::path::Path, url: &str, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(bin);
+    cmd.args(args)
+        .args(["--url", url])
+        .env_remove("TURND_URL")
+        .env_remove("TURND_TOKEN")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// The CLI: `turnd watch --progress` prints a turn's tokens and events until it is
+/// finished, `turnd resume` gives a suspended turn its input, `turnd submit
+/// --on-busy reject` is refused `busy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_watches_progress_and_resumes() -> Result<()> {
+    let bin = tokio::task::spawn_blocking(turnd_tests::turnd_bin).await??;
+    let d = TestDaemon::start(|_| {}).await?;
+    let mut w = worker(&d.url, "w1").await?;
+    let mut c = client(&d.url).await?;
+    let t = submit(&mut c, "cli", json!("go"), json!({})).await?["turn"]["turn_id"].clone();
+    let tid = t.as_str().context("turn id")?.to_string();
+    let inv = next_of(&mut w, "invoke").await?["invocation_id"].clone();
+    let watcher = turnd_cmd(&bin, &d.url, &["watch", &tid, "--progress"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    // The watch is registered, then replays the turn's two events (progress meanwhile
+    // would count as lost for it) and goes live.
+    turnd_tests::eventually(10, "the CLI's watch", || async {
+        (d.engine().watch_count() == 1).then_some(())
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for tok in ["tok1", "tok2"] {
+        assert_eq!(code(&progress(&mut w, &inv, json!(tok)).await?), "ok");
+    }
+    suspend(&mut w, &inv, json!({})).await?;
+    let busy = turnd_cmd(
+        &bin,
+        &d.url,
+        &[
+            "submit",
+            "--session",
+            "cli",
+            "--function",
+            F,
+            "--on-busy",
+            "reject",
+        ],
+    )
+    .output()
+    .await?;
+    let err = String::from_utf8_lossy(&busy.stderr);
+    ensure!(!busy.status.success() && err.contains("busy"), "{err}");
+    let resumed = turnd_cmd(&bin, &d.url, &["resume", &tid, "--input", "\"yes\""])
+        .output()
+        .await?;
+    ensure!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    let next = next_of(&mut w, "invoke").await?;
+    assert_eq!(next["input"]["input"], "yes");
+    result(&mut w, &next["invocation_id"], json!({"complete": 1})).await?;
+    let out = tokio::time::timeout(Duration::from_secs(10), watcher.wait_with_output()).await??;
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.success(), "{text}");
+    for line in [
+        "progress step 0 #1: tok1",
+        "progress step 0 #2: tok2",
+        "suspended",
+        "resumed",
+        "completed",
+    ] {
+        ensure!(text.contains(line), "no {line:?} in {text}");
+    }
     d.shutdown().await
 }

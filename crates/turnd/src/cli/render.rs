@@ -97,7 +97,15 @@ pub fn turn(t: &Turn, note: Option<&str>, now: u64) -> String {
     } else {
         ""
     };
-    f.add("status", format!("{}{recovered}", t.status.as_str()));
+    let superseded = if t.superseded {
+        " (superseded by a later message)"
+    } else {
+        ""
+    };
+    f.add(
+        "status",
+        format!("{}{recovered}{superseded}", t.status.as_str()),
+    );
     f.add("step", t.step.to_string());
     f.add("attempt", t.attempt.to_string());
     f.add("created", when(t.created_at_ms, now));
@@ -136,10 +144,41 @@ pub fn turn(t: &Turn, note: Option<&str>, now: u64) -> String {
         );
         f.sub("reason", s.reason.clone());
     }
+    agent_fields(&mut f, t, now);
     if let Some(w) = &t.wait {
         wait_fields(&mut f, 0, w, note, now);
     }
     f.render()
+}
+
+/// What a turn of an agent shows beyond the rest: the input it waits for, and its
+/// step's last progress.
+fn agent_fields(f: &mut Fields, t: &Turn, now: u64) {
+    if let Some(r) = &t.input_request {
+        let asks = r
+            .prompt
+            .as_ref()
+            .map_or("(no prompt)".to_string(), |p| match p {
+                serde_json::Value::String(s) => s.clone(),
+                other => compact(other),
+            });
+        f.add("asks", truncate(&asks, MAX_INLINE_JSON));
+        f.sub(
+            "resume with",
+            format!("turnd resume {} --input JSON", t.turn_id),
+        );
+    }
+    if let Some(p) = &t.progress {
+        f.add(
+            "progress",
+            format!(
+                "#{} {}",
+                p.seq,
+                truncate(&compact(&p.data), MAX_INLINE_JSON)
+            ),
+        );
+        f.sub("at", when(p.at_ms, now));
+    }
 }
 
 /// Several turns, one line each (e.g. what `session.stop` answered).
