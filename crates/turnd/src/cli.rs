@@ -140,14 +140,21 @@ pub struct SubmitCmd {
     /// superseded (`rollback`).
     #[arg(long, value_parser = parse_on_busy)]
     pub on_busy: Option<OnBusy>,
+    #[command(flatten)]
+    pub waiting: WaitOpts,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+/// `--wait` and `--timeout-secs` of a command that may wait for its turn to finish.
+#[derive(Args, Debug)]
+pub struct WaitOpts {
     /// Wait until the turn is finished.
     #[arg(long)]
     pub wait: bool,
     /// With --wait: give up waiting after this long (exit 3).
     #[arg(long, default_value_t = 30, requires = "wait")]
     pub timeout_secs: u64,
-    #[command(flatten)]
-    pub common: Common,
 }
 
 #[derive(Args, Debug)]
@@ -161,12 +168,8 @@ pub struct ResumeCmd {
     /// Makes a resend of this resume harmless: answered with the turn it resumed.
     #[arg(long)]
     pub idempotency_key: Option<String>,
-    /// Wait until the turn is finished.
-    #[arg(long)]
-    pub wait: bool,
-    /// With --wait: give up waiting after this long (exit 3).
-    #[arg(long, default_value_t = 30, requires = "wait")]
-    pub timeout_secs: u64,
+    #[command(flatten)]
+    pub waiting: WaitOpts,
     #[command(flatten)]
     pub common: Common,
 }

@@ -21,9 +21,10 @@ pub async fn resume(c: &Conn, a: &ResumeCmd) -> Result<i32, Failure> {
             a.idempotency_key.as_deref().unwrap_or("")
         );
     }
-    let (turn, code) = if a.wait {
-        let (turn, timed_out) = wait_for(c, &a.turn_id, a.timeout_secs).await?;
-        let code = turn_exit(&turn, timed_out, a.timeout_secs);
+    let (turn, code) = if a.waiting.wait {
+        let secs = a.waiting.timeout_secs;
+        let (turn, timed_out) = wait_for(c, &a.turn_id, secs).await?;
+        let code = turn_exit(&turn, timed_out, secs);
         (turn, code)
     } else {
         (ok.turn, 0)

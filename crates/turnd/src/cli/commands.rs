@@ -133,9 +133,10 @@ pub async fn submit(c: &Conn, a: &SubmitCmd) -> Result<i32, Failure> {
             a.session
         );
     }
-    let (turn, code) = if a.wait {
-        let (turn, timed_out) = wait_for(c, &ok.turn.turn_id, a.timeout_secs).await?;
-        let code = turn_exit(&turn, timed_out, a.timeout_secs);
+    let (turn, code) = if a.waiting.wait {
+        let secs = a.waiting.timeout_secs;
+        let (turn, timed_out) = wait_for(c, &ok.turn.turn_id, secs).await?;
+        let code = turn_exit(&turn, timed_out, secs);
         (turn, code)
     } else {
         (ok.turn, 0)
