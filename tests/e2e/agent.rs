@@ -241,6 +241,10 @@ async fn a_slow_watcher_loses_progress_with_a_marker_but_never_an_event() -> Res
     let d = TestDaemon::start(|c| {
         c.server.outbox_frames = 16;
         c.server.max_frame_bytes = 2 * 1024 * 1024;
+        // The watcher and the client read nothing while the frames are sent: on a
+        // busy machine that may take longer than the 3 heartbeats of silence after
+        // which the daemon closes a connection.
+        c.server.heartbeat_ms = 60_000;
     })
     .await?;
     let mut w = worker(&d.url, "w1").await?;
