@@ -160,6 +160,7 @@ async fn submit_all(url: &str, tag: &str, n: usize) -> anyhow::Result<Vec<(Strin
                     input: json!({ "i": i }),
                     idempotency_key: Some(key),
                     turn_timeout_ms: None,
+                    on_busy: None,
                 })
                 .await
             }

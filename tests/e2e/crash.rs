@@ -418,6 +418,7 @@ async fn session_load(
             input: json!({"steps": steps, "n": n, "pad": PAD.as_str()}),
             idempotency_key: Some(format!("{session_id}-k{n}")),
             turn_timeout_ms: None,
+            on_busy: None,
         };
         match caller.submit(args.clone()).await {
             Ok(ok) => {

@@ -78,6 +78,7 @@ async fn admission_write_fails_then_nothing_exists() -> anyhow::Result<()> {
         input: json!(1),
         idempotency_key: Some("k1".into()),
         turn_timeout_ms: None,
+        on_busy: None,
     };
     unavailable(c.submit(args.clone()).await.expect_err("write refused"));
     // Nothing was admitted: no session, no idempotency key taken.
@@ -112,6 +113,7 @@ async fn a_refused_submit_leaves_no_waiting_session_behind() -> anyhow::Result<(
         input: json!(1),
         idempotency_key: None,
         turn_timeout_ms: None,
+        on_busy: None,
     };
     unavailable(c.submit(args.clone()).await.expect_err("write refused"));
     let listed = c.functions().await?;

@@ -507,16 +507,7 @@ async fn a_slow_worker_is_disconnected_and_its_work_awaits_the_reconnect() -> an
     let c = td.caller().await?;
     // A worker that never reads after registering, with a tiny receive buffer: its
     // socket fills up and the daemon's outgoing queue with it.
-    let sock = tokio::net::TcpSocket::new_v4()?;
-    sock.set_recv_buffer_size(4096)?;
-    let addr = td
-        .url
-        .trim_start_matches("ws://")
-        .trim_end_matches("/v1")
-        .parse()?;
-    let stream = sock.connect(addr).await?;
-    let (ws, _) = tokio_tungstenite::client_async(td.url.as_str(), stream).await?;
-    let mut w = Raw::from_stream(ws);
+    let mut w = turnd_tests::small_buffer_peer(&td.url).await?;
     w.ok("hello", json!({"protocol": 1, "role": "worker", "token": "t", "worker_id": "slow", "instance_id": "i1"})).await?;
     w.ok(
         "function.register",

@@ -273,6 +273,7 @@ async fn an_unanswered_invocation_is_an_unknown_outcome_at_its_deadline_without_
             input: json!({"k": 1}),
             idempotency_key: None,
             turn_timeout_ms: None,
+            on_busy: None,
         })
         .await?;
     let inv = recv_type(&mut ws, "invokefunction").await?;

@@ -1831,10 +1831,13 @@ fn event_checker_catches_violations() {
         output: None,
         error: None,
         stop: None,
+        superseded: false,
         recovered: false,
         created_at_ms: 0,
         updated_at_ms: 0,
         finished_at_ms: None,
+        input_request: None,
+        progress: None,
         wait: None,
     };
     let turns = [turn("t1", 1), turn("t2", 2)];

@@ -134,16 +134,7 @@ async fn a_connection_that_never_reads_is_closed() -> anyhow::Result<()> {
     })
     .await?;
     // A tiny receive buffer, so the daemon's writes stall soon.
-    let sock = tokio::net::TcpSocket::new_v4()?;
-    sock.set_recv_buffer_size(4096)?;
-    let addr = td
-        .url
-        .trim_start_matches("ws://")
-        .trim_end_matches("/v1")
-        .parse()?;
-    let stream = sock.connect(addr).await?;
-    let (ws, _) = tokio_tungstenite::client_async(td.url.as_str(), stream).await?;
-    let mut r = Raw::from_stream(ws);
+    let mut r = turnd_tests::small_buffer_peer(&td.url).await?;
     r.ok(
         "hello",
         json!({"protocol": 1, "role": "client", "token": "t"}),
@@ -494,16 +485,7 @@ async fn fill_session(r: &mut Raw, session_id: &str, n: usize, reason: &str) -> 
 
 /// A client with a tiny receive buffer, on a plain TCP socket.
 async fn small_buffer_client(td: &TestDaemon) -> anyhow::Result<turnd_tests::RawTcp> {
-    let sock = tokio::net::TcpSocket::new_v4()?;
-    sock.set_recv_buffer_size(4096)?;
-    let addr = td
-        .url
-        .trim_start_matches("ws://")
-        .trim_end_matches("/v1")
-        .parse()?;
-    let stream = sock.connect(addr).await?;
-    let (ws, _) = tokio_tungstenite::client_async(td.url.as_str(), stream).await?;
-    let mut r = Raw::from_stream(ws);
+    let mut r = turnd_tests::small_buffer_peer(&td.url).await?;
     r.ok(
         "hello",
         json!({"protocol": 1, "role": "client", "token": "t"}),

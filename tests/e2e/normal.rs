@@ -48,6 +48,7 @@ fn submit_args(session: &str, function: &str, input: Value, key: Option<&str>) -
         input,
         idempotency_key: key.map(str::to_string),
         turn_timeout_ms: None,
+        on_busy: None,
     }
 }
 
@@ -915,6 +916,7 @@ async fn retryable_failures_retry_and_exhaust_non_retryable_fail_at_once() -> Re
             session_id: Some("s-flaky".into()),
             turn_id: None,
             after: None,
+            progress: false,
         })
         .await?;
     let flaky = c.submit_simple("s-flaky", "flaky", json!({})).await?;

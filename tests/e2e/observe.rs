@@ -340,6 +340,7 @@ async fn watch_delivers_every_event_once_in_order_across_a_reconnect() -> anyhow
             session_id: Some("wt".into()),
             turn_id: None,
             after: Some(0),
+            progress: false,
         })
         .await?;
     let mut seen: Vec<u64> = Vec::new();
@@ -365,6 +366,7 @@ async fn watch_delivers_every_event_once_in_order_across_a_reconnect() -> anyhow
             session_id: Some("wt".into()),
             turn_id: None,
             after: Some(last),
+            progress: false,
         })
         .await?;
     for id in &ids {
@@ -386,6 +388,7 @@ async fn watch_delivers_every_event_once_in_order_across_a_reconnect() -> anyhow
             session_id: Some("wt".into()),
             turn_id: None,
             after: None,
+            progress: false,
         })
         .await?;
     let t = c.submit_simple("wt", "echo", json!("x")).await?;

@@ -46,6 +46,7 @@ fn submit(session: &str, function: &str, key: Option<&str>, n: u64) -> SubmitArg
         input: json!({"n": n}),
         idempotency_key: key.map(str::to_string),
         turn_timeout_ms: None,
+        on_busy: None,
     }
 }
 
@@ -486,6 +487,7 @@ async fn equal_rounds_of_work_leave_the_windows_flat() -> anyhow::Result<()> {
                             input: json!({"n": i, "round": round, "pad": big}),
                             idempotency_key: Some(format!("r{round}-{i}")),
                             turn_timeout_ms: None,
+                            on_busy: None,
                         };
                         ids.push(c.submit(args).await?.turn.turn_id);
                     }

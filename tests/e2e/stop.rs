@@ -1611,6 +1611,7 @@ async fn a_stop_wins_over_the_turns_own_deadline_during_the_grace() -> anyhow::R
             input: json!(null),
             idempotency_key: None,
             turn_timeout_ms: Some(400),
+            on_busy: None,
         })
         .await?
         .turn;

@@ -415,6 +415,21 @@ impl RawTcp {
     }
 }
 
+/// A connection to the daemon at `url` with a tiny receive buffer (4 KiB), for a
+/// peer that stops reading: its socket fills up soon, and the daemon's outgoing
+/// queue with it.
+pub async fn small_buffer_peer(url: &str) -> anyhow::Result<RawTcp> {
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    sock.set_recv_buffer_size(4096)?;
+    let addr = url
+        .trim_start_matches("ws://")
+        .trim_end_matches("/v1")
+        .parse()?;
+    let stream = sock.connect(addr).await?;
+    let (ws, _) = tokio_tungstenite::client_async(url, stream).await?;
+    Ok(Raw::from_stream(ws))
+}
+
 /// The built `turnd` binary, built once per test run if missing.
 pub fn turnd_bin() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();

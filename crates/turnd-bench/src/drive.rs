@@ -26,6 +26,7 @@ pub async fn drive(url: &str, sessions: usize, turns: usize, steps: u64) -> anyh
                 input: json!({"steps": steps, "j": j}),
                 idempotency_key: Some(format!("k-{s}-{j}")),
                 turn_timeout_ms: None,
+                on_busy: None,
             };
             let ok = caller.submit(args.clone()).await.context("submit")?;
             submitted += 1;

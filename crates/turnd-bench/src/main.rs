@@ -8,7 +8,8 @@
 //! daemon, workers and callers share the process and its two cores, CPU and memory
 //! figures are for all of them together.
 //!
-//! Scenarios: `sessions`, `sequential`, `multistep`, `idle`, `recovery`, `ui`. `drive` runs
+//! Scenarios: `sessions`, `sequential`, `multistep`, `idle`, `recovery`, `ui`,
+//! `progress` (on the real binary). `drive` runs
 //! a small known load against an external daemon (used by `scripts/check-fsync.sh`),
 //! `reopen` is the fresh process `recovery` times, and `sled-batching` times sled
 //! alone with daemon-shaped batches (where a group commit's time goes).
@@ -35,6 +36,7 @@ mod daemon;
 mod drive;
 mod machine;
 mod measure;
+mod progress;
 mod scenarios;
 mod sled_probe;
 mod soak;
@@ -199,6 +201,10 @@ enum Cmd {
     /// A sustained closed-loop load on a real `turnd` binary: throughput per second,
     /// the longest interval with no completion, p50/p99/p99.9, disk per turn, RSS.
     Soak(soak::SoakArgs),
+    /// What streamed progress costs the real `turnd` binary: K sessions each
+    /// streaming F frames/s to a watcher for S seconds, beside the same turns without
+    /// progress; the daemon's CPU and the worker → watcher latency.
+    Progress(progress::ProgressArgs),
     /// A small known load against an external daemon (for scripts/check-fsync.sh).
     Drive {
         /// The daemon's WebSocket URL, e.g. ws://127.0.0.1:7420/v1.
@@ -353,6 +359,7 @@ fn run_tool(cmd: Cmd) -> anyhow::Result<()> {
             keys,
             value_bytes,
         }),
+        Cmd::Progress(args) => runtime()?.block_on(progress::progress(&args)),
         Cmd::Soak(args) => {
             init_tracing("warn");
             runtime()?.block_on(soak::soak(args))

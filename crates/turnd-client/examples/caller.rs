@@ -36,6 +36,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             input,
             idempotency_key: None,
             turn_timeout_ms: None,
+            on_busy: None,
         })
         .await?;
     eprintln!(

@@ -1,11 +1,12 @@
 //! The caller side: a client- or operator-role connection with one typed helper per
-//! client op, and per-watch event streams.
+//! client op, and per-watch streams of events (and progress).
 //!
-//! A `Caller` takes its connection's push stream and routes every `event` push to the
-//! [`WatchStream`] of its `watch_id`, so several watches on one connection each see only
-//! their own events, in order. An event can arrive before the `watch` answer has been
-//! handed to the code that asked (the server may push right after answering), so events
-//! for a watch id nobody has claimed yet are held (bounded) until it is claimed.
+//! A `Caller` takes its connection's push stream and routes every `event`,
+//! `progress` and `progress_dropped` push to the [`WatchStream`] of its `watch_id`, so
+//! several watches on one connection each see only their own, in order. A push can
+//! arrive before the `watch` answer has been handed to the code that asked (the server
+//! may push right after answering), so pushes for a watch id nobody has claimed yet are
+//! held (bounded) until it is claimed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,7 +22,7 @@ use turnd_proto::{
     SubmitArgs, SubmitOk, TurnIdArgs, TurnOk, TurnsOk, WaitArgs, WatchArgs, WatchIdArgs, WatchOk,
     WorkersOk, PROTOCOL_VERSION, WAIT_MAX_MS,
 };
-use turnd_proto::{Event, Function, Stats, Turn, Violation};
+use turnd_proto::{Event, Function, OnBusy, ProgressPush, ResumeArgs, Stats, Turn, Violation};
 
 use crate::connection::{lock, Connection};
 use crate::error::ClientError;
@@ -33,33 +34,47 @@ const MAX_UNCLAIMED_EVENTS: usize = 4096;
 /// [`Caller::wait_terminal`] before the client gives up on it.
 const WAIT_ANSWER_GRACE: Duration = Duration::from_millis(1000);
 
+/// What a watch delivers: its events and, when it asked for them, the progress of
+/// the live invocations it watches and the count of progress frames it lost.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WatchItem {
+    Event(Event),
+    Progress(ProgressPush),
+    /// Progress frames of `invocation_id` this watch lost (it read too slowly).
+    ProgressDropped {
+        turn_id: String,
+        invocation_id: String,
+        count: u64,
+    },
+}
+
 #[derive(Default)]
 struct Routes {
-    streams: HashMap<String, mpsc::UnboundedSender<Event>>,
-    unclaimed: HashMap<String, Vec<Event>>,
+    streams: HashMap<String, mpsc::UnboundedSender<WatchItem>>,
+    unclaimed: HashMap<String, Vec<WatchItem>>,
     unclaimed_total: usize,
     /// The push stream ended: no more events will come.
     ended: bool,
 }
 
 impl Routes {
-    fn route(&mut self, watch_id: String, event: Event) {
+    fn route(&mut self, watch_id: String, item: WatchItem) {
         if let Some(tx) = self.streams.get(&watch_id) {
-            if tx.send(event).is_err() {
+            if tx.send(item).is_err() {
                 debug!(%watch_id, "watch stream dropped; no longer routing its events");
                 self.streams.remove(&watch_id);
             }
             return;
         }
         if self.unclaimed_total >= MAX_UNCLAIMED_EVENTS {
-            warn!(%watch_id, seq = event.seq, "dropping an event for an unclaimed watch (too many held)");
+            warn!(%watch_id, ?item, "dropping a push for an unclaimed watch (too many held)");
             return;
         }
         self.unclaimed_total += 1;
-        self.unclaimed.entry(watch_id).or_default().push(event);
+        self.unclaimed.entry(watch_id).or_default().push(item);
     }
 
-    fn claim(&mut self, watch_id: &str) -> mpsc::UnboundedReceiver<Event> {
+    fn claim(&mut self, watch_id: &str) -> mpsc::UnboundedReceiver<WatchItem> {
         let (tx, rx) = mpsc::unbounded_channel();
         if let Some(held) = self.unclaimed.remove(watch_id) {
             self.unclaimed_total -= held.len();
@@ -83,18 +98,28 @@ impl Routes {
     }
 }
 
-/// The events of one watch, in order. Ends (`next` returns `None`) when the watch is
-/// removed with [`Caller::unwatch`] or the connection ends.
+/// The events (and progress) of one watch, in order. Ends (`next` returns `None`)
+/// when the watch is removed with [`Caller::unwatch`] or the connection ends.
 #[derive(Debug)]
 pub struct WatchStream {
     /// The id the server gave this watch.
     pub watch_id: String,
-    rx: mpsc::UnboundedReceiver<Event>,
+    rx: mpsc::UnboundedReceiver<WatchItem>,
 }
 
 impl WatchStream {
-    /// The next event of this watch, or `None` once the watch or connection ended.
+    /// The next event of this watch (its progress skipped), or `None` once the watch
+    /// or connection ended.
     pub async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let WatchItem::Event(e) = self.rx.recv().await? {
+                return Some(e);
+            }
+        }
+    }
+
+    /// The next event or progress of this watch, or `None` once it ended.
+    pub async fn next_item(&mut self) -> Option<WatchItem> {
         self.rx.recv().await
     }
 }
@@ -190,14 +215,58 @@ impl Caller {
         function_id: &str,
         input: Value,
     ) -> Result<Turn, ClientError> {
+        let ok = self
+            .submit_on_busy(session_id, function_id, input, OnBusy::Enqueue)
+            .await?;
+        Ok(ok.turn)
+    }
+
+    /// `turn.submit` with `on_busy`: what to do when the session has an unfinished
+    /// turn (`reject` fails with the `busy` code and stores nothing).
+    pub async fn submit_on_busy(
+        &self,
+        session_id: &str,
+        function_id: &str,
+        input: Value,
+        on_busy: OnBusy,
+    ) -> Result<SubmitOk, ClientError> {
         let args = SubmitArgs {
             session_id: session_id.to_string(),
             function_id: function_id.to_string(),
             input,
             idempotency_key: None,
             turn_timeout_ms: None,
+            on_busy: Some(on_busy),
         };
-        Ok(self.submit(args).await?.turn)
+        self.submit(args).await
+    }
+
+    /// `turn.resume`: the input a turn suspended for input waits for; answered once
+    /// durable. `conflict` when the turn is not awaiting input.
+    pub async fn resume(
+        &self,
+        turn_id: &str,
+        input: Value,
+        idempotency_key: Option<&str>,
+    ) -> Result<SubmitOk, ClientError> {
+        let args = ResumeArgs {
+            turn_id: turn_id.to_string(),
+            input,
+            idempotency_key: idempotency_key.map(str::to_string),
+        };
+        self.conn.call("turn.resume", &args).await
+    }
+
+    /// A watch of one turn with its progress: its events and progress frames as they
+    /// come ([`WatchStream::next_item`]).
+    pub async fn watch_turn(&self, turn_id: &str) -> Result<WatchStream, ClientError> {
+        self.watch(WatchArgs {
+            session_id: None,
+            turn_id: Some(turn_id.to_string()),
+            after: None,
+            progress: true,
+        })
+        .await
     }
 
     /// `turn.get`.
@@ -381,7 +450,23 @@ fn to_args<A: serde::Serialize>(args: &A) -> Result<Value, ClientError> {
 async fn route_pushes(mut rx: mpsc::UnboundedReceiver<Push>, routes: Arc<Mutex<Routes>>) {
     while let Some(push) = rx.recv().await {
         match push {
-            Push::Event { watch_id, event } => lock(&routes).route(watch_id, event),
+            Push::Event { watch_id, event } => {
+                lock(&routes).route(watch_id, WatchItem::Event(event))
+            }
+            Push::Progress(p) => lock(&routes).route(p.watch_id.clone(), WatchItem::Progress(p)),
+            Push::ProgressDropped {
+                watch_id,
+                turn_id,
+                invocation_id,
+                count,
+            } => lock(&routes).route(
+                watch_id,
+                WatchItem::ProgressDropped {
+                    turn_id,
+                    invocation_id,
+                    count,
+                },
+            ),
             other => debug!(?other, "ignoring a non-event push on a caller connection"),
         }
     }

@@ -3,10 +3,13 @@
 //! - [`Connection`]: one WebSocket connection with requests multiplexed by id and a
 //!   push stream; the building block of everything else.
 //! - [`Caller`]: a client- or operator-role connection with a typed helper per op and
-//!   per-watch event streams.
+//!   per-watch streams of events and progress ([`Caller::watch_turn`]), `turn.resume`
+//!   and `on_busy` ([`Caller::resume`], [`Caller::submit_on_busy`]).
 //! - [`Worker`]: serves functions and does the worker's part of loss handling (stable
 //!   instance id, `inflight`/`finished` lists on reconnect, result resend until
-//!   acknowledged, truthful `probe` answers, `cancel` delivered to the handler).
+//!   acknowledged, truthful `probe` answers, `cancel` delivered to the handler); a
+//!   handler streams progress with [`InvocationCtx::progress`] and asks for input by
+//!   returning `Outcome::Suspend`.
 //!
 //! The CLI, the end-to-end tests and the benchmarks all talk to the daemon through
 //! this crate, so it is also the reference for what a well-behaved peer does.
@@ -58,7 +61,7 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-pub use caller::{Caller, WatchStream};
+pub use caller::{Caller, WatchItem, WatchStream};
 pub use connection::Connection;
 pub use error::ClientError;
 pub use worker::{

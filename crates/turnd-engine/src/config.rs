@@ -32,6 +32,8 @@ pub struct TurnsConfig {
     pub max_queued_per_session: u64,
     /// Largest `input` (and step output/state) in bytes of JSON.
     pub max_value_bytes: u64,
+    /// Largest `data` of `invocation.progress`, in bytes of JSON.
+    pub max_progress_bytes: u64,
     /// How long a worker that disconnected, and the functions only it registered,
     /// stay in the registry (and in `workers.list`/`functions.list`) once nothing
     /// else refers to them.
@@ -51,6 +53,7 @@ impl Default for TurnsConfig {
             retry_backoff_max_ms: 60_000,
             max_queued_per_session: 10_000,
             max_value_bytes: 512 * 1024,
+            max_progress_bytes: 64 * 1024,
             worker_linger_ms: 600_000,
         }
     }

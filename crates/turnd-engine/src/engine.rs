@@ -30,6 +30,7 @@ use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::error::{EngineError, EngineResult};
 use crate::metrics::Counters;
+use crate::progress::ProgressTable;
 use crate::registry::Registry;
 use crate::sessions::Sessions;
 use crate::timers::TimerQueue;
@@ -41,9 +42,11 @@ use crate::workers::Workers;
 mod drive;
 mod hello;
 mod operator;
+mod progress;
 mod queries;
 mod recovery;
 mod results;
+mod resume;
 mod retention;
 mod sessions_list;
 mod stop;
@@ -102,6 +105,8 @@ struct Inner {
     workers: Workers,
     waiters: Waiters,
     watches: Watches,
+    /// The progress of every session's live invocation.
+    progress: ProgressTable,
     /// What every session's lock holder waits for, ordered for `sessions.list`.
     waits: Mutex<WaitIndex>,
     /// Every session's next deadline.
@@ -170,6 +175,7 @@ impl Engine {
                 workers,
                 waiters: Waiters::default(),
                 watches: Watches::default(),
+                progress: ProgressTable::default(),
                 waits: Mutex::new(WaitIndex::default()),
                 timers: Arc::default(),
                 counts: Mutex::new(TurnCounts::default()),
@@ -308,6 +314,11 @@ impl Engine {
     /// Watches held by every connection (for `/metrics`).
     pub fn watch_count(&self) -> usize {
         self.inner.watches.count()
+    }
+
+    /// Live invocations that may send progress (for `/metrics`).
+    pub fn progress_live_count(&self) -> usize {
+        self.inner.progress.len()
     }
 
     /// `turn.wait` requests registered for a turn's end (for `/metrics`).

@@ -71,6 +71,22 @@ pub enum EngineError {
     /// The connection already holds `server.max_watches_per_connection` watches.
     #[error("at most {max} watches per connection")]
     TooManyWatches { max: usize },
+    /// A submit with `on_busy: "reject"` found unfinished turns in its session.
+    #[error("session {session_id} has {unfinished} unfinished turn(s) (lock holder {holder}); on_busy is reject")]
+    Busy {
+        session_id: String,
+        unfinished: usize,
+        holder: String,
+    },
+    /// A `turn.resume` of a turn that is not awaiting input.
+    #[error("turn {turn_id} is not awaiting input: {doing}")]
+    NotAwaitingInput { turn_id: String, doing: String },
+    /// A resume's idempotency key given again with another input.
+    #[error("idempotency key {key:?} resumed turn {turn_id} with a different input")]
+    ResumeKeyConflict { key: String, turn_id: String },
+    /// Progress `data` over `turns.max_progress_bytes`.
+    #[error("progress `data` is larger than max_progress_bytes ({max})")]
+    ProgressTooLarge { max: u64 },
     /// The request's write failed: nothing was changed and it may be sent again.
     #[error("{0}; nothing was changed, retry later")]
     NotWritten(StoreError),
@@ -117,7 +133,10 @@ impl EngineError {
             | EngineError::NoWorkerId
             | EngineError::WatchTarget
             | EngineError::BadCursor => ErrorCode::BadRequest,
-            EngineError::InputTooLarge { .. } => ErrorCode::TooLarge,
+            EngineError::InputTooLarge { .. } | EngineError::ProgressTooLarge { .. } => {
+                ErrorCode::TooLarge
+            }
+            EngineError::Busy { .. } => ErrorCode::Busy,
             EngineError::NoTurn(_)
             | EngineError::NoSession(_)
             | EngineError::NoInvocation(_)
@@ -125,9 +144,10 @@ impl EngineError {
             | EngineError::NotRegistered { .. }
             | EngineError::NotCurrent { .. } => ErrorCode::NotFound,
             EngineError::NotYourInvocation { .. } => ErrorCode::Forbidden,
-            EngineError::IdempotencyConflict { .. } | EngineError::StaleHello(_) => {
-                ErrorCode::Conflict
-            }
+            EngineError::IdempotencyConflict { .. }
+            | EngineError::StaleHello(_)
+            | EngineError::NotAwaitingInput { .. }
+            | EngineError::ResumeKeyConflict { .. } => ErrorCode::Conflict,
             EngineError::QueueFull { .. } | EngineError::TooManyWatches { .. } => {
                 ErrorCode::RateLimited
             }
@@ -266,6 +286,36 @@ mod tests {
                 "at most 64 watches per connection",
             ),
             (
+                EngineError::Busy {
+                    session_id: "s1".into(),
+                    unfinished: 2,
+                    holder: "t1".into(),
+                },
+                ErrorCode::Busy,
+                "session s1 has 2 unfinished turn(s) (lock holder t1); on_busy is reject",
+            ),
+            (
+                EngineError::NotAwaitingInput {
+                    turn_id: "t1".into(),
+                    doing: "it is completed".into(),
+                },
+                ErrorCode::Conflict,
+                "turn t1 is not awaiting input: it is completed",
+            ),
+            (
+                EngineError::ResumeKeyConflict {
+                    key: "k".into(),
+                    turn_id: "t1".into(),
+                },
+                ErrorCode::Conflict,
+                "idempotency key \"k\" resumed turn t1 with a different input",
+            ),
+            (
+                EngineError::ProgressTooLarge { max: 10 },
+                ErrorCode::TooLarge,
+                "progress `data` is larger than max_progress_bytes (10)",
+            ),
+            (
                 EngineError::NotWritten(disk.clone()),
                 ErrorCode::Unavailable,
                 "storage write failed: commit log: write: No space left on device; \
@@ -308,6 +358,10 @@ mod tests {
             EngineError::ReadFailed(_) => 17,
             EngineError::Invariant(_) => 18,
             EngineError::StaleHello(_) => 19,
+            EngineError::Busy { .. } => 20,
+            EngineError::NotAwaitingInput { .. } => 21,
+            EngineError::ResumeKeyConflict { .. } => 22,
+            EngineError::ProgressTooLarge { .. } => 23,
         }
     }
 
@@ -315,7 +369,7 @@ mod tests {
     fn every_engine_error_has_its_protocol_code_and_message() {
         let mut seen: Vec<usize> = every_error().iter().map(|(e, _, _)| variant(e)).collect();
         seen.sort_unstable();
-        assert_eq!(seen, (0..=19).collect::<Vec<_>>(), "one case per variant");
+        assert_eq!(seen, (0..=23).collect::<Vec<_>>(), "one case per variant");
         for (e, want, message) in every_error() {
             let body = ErrorBody::from(e.clone());
             assert_eq!(e.code(), want, "{e:?}");

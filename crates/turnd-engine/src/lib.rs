@@ -8,7 +8,7 @@
 //! `workers`, the handle engines share); one session's state (`session`); the
 //! machine's pure transitions and the overlay they build (`machine`); how a turn is
 //! shown (`view`); the parts the engine composes (`sessions`, `waiters`, `watches`,
-//! `wait_index`, `timers`); and the engine itself (`engine`), the shell that runs
+//! `wait_index`, `timers`, `progress`); and the engine itself (`engine`), the shell that runs
 //! the transitions and answers every operation.
 
 #![cfg_attr(
@@ -25,6 +25,7 @@ mod engine;
 mod error;
 mod machine;
 pub mod metrics;
+mod progress;
 pub mod registry;
 mod session;
 mod sessions;

@@ -36,6 +36,20 @@ pub struct Counters {
     /// Of that, the time a sweep waited because the store was behind (its deletes
     /// give way to live commits), in microseconds.
     pub retention_held_back_micros: AtomicU64,
+    /// Steps that suspended their turn for input, and suspended turns let go (by
+    /// `turn.resume` or a deadline with `on_timeout: "continue"`).
+    pub suspends: AtomicU64,
+    pub resumes: AtomicU64,
+    /// `turn.submit`s refused `busy` (`on_busy: "reject"`), and turns stopped by a
+    /// submit with `on_busy` `interrupt` or `rollback`.
+    pub busy_rejected: AtomicU64,
+    pub interrupted: AtomicU64,
+    /// `invocation.progress` frames accepted, refused (not current, too large), pushed
+    /// to watches, and dropped for slow or replaying watches.
+    pub progress_accepted: AtomicU64,
+    pub progress_refused: AtomicU64,
+    pub progress_pushed: AtomicU64,
+    pub progress_dropped: AtomicU64,
     /// Probe answers by state.
     pub probe_answers: Mutex<BTreeMap<&'static str, u64>>,
     /// Terminal transitions to `completed` and `cancelled` (counted apart from the
@@ -49,6 +63,10 @@ pub struct Counters {
 impl Counters {
     pub fn inc(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
     }
 
     pub fn get(c: &AtomicU64) -> u64 {
@@ -119,6 +137,8 @@ impl Counters {
                     .unwrap_or("unknown");
                 c.terminal(format!("failed:{cause}"));
             }
+            EventKind::Suspended => Counters::inc(&c.suspends),
+            EventKind::Resumed => Counters::inc(&c.resumes),
             EventKind::Result | EventKind::LateResult => {}
         }
     }
@@ -139,7 +159,9 @@ fn log_event(e: &Event) {
         | EventKind::StopRequested
         | EventKind::ProbeSent
         | EventKind::CancelSent
-        | EventKind::RetryScheduled => tracing::enabled!(tracing::Level::INFO),
+        | EventKind::RetryScheduled
+        | EventKind::Suspended
+        | EventKind::Resumed => tracing::enabled!(tracing::Level::INFO),
         EventKind::Admitted | EventKind::Dispatched | EventKind::Result => {
             tracing::enabled!(tracing::Level::DEBUG)
         }
@@ -179,7 +201,9 @@ fn log_event(e: &Event) {
         | EventKind::StopRequested
         | EventKind::ProbeSent
         | EventKind::CancelSent
-        | EventKind::RetryScheduled => log!(info),
+        | EventKind::RetryScheduled
+        | EventKind::Suspended
+        | EventKind::Resumed => log!(info),
         EventKind::Admitted | EventKind::Dispatched | EventKind::Result => log!(debug),
     }
 }

@@ -2,8 +2,8 @@
 //! unfinished one: why it is not moving and what happens next, computed from the
 //! session's state and, for a turn waiting for a worker, who could run it.
 
-use turnd_proto::{Delivery, OnDeadline, Turn, Wait, WaitState};
-use turnd_store::{Held, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
+use turnd_proto::{Delivery, InputRequest, OnDeadline, OnTimeout, Turn, Wait, WaitState};
+use turnd_store::{Held, InputWait, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
 
 use crate::machine::held_until;
 use crate::registry::Supply;
@@ -23,12 +23,55 @@ pub fn to_turn(t: &TurnRecord, wait: Option<Wait>) -> Turn {
         output: t.output.as_ref().map(RawJson::to_value),
         error: t.error.as_deref().cloned(),
         stop: t.stop.as_deref().cloned(),
+        superseded: t.superseded,
         recovered: t.recovered,
         created_at_ms: t.created_at_ms,
         updated_at_ms: t.updated_at_ms,
         finished_at_ms: t.finished_at_ms,
+        input_request: t
+            .input_request
+            .as_deref()
+            .filter(|_| t.phase == Phase::AwaitingInput)
+            .map(|w| InputRequest {
+                prompt: w.prompt.as_ref().map(RawJson::to_value),
+                since_ms: w.since_ms,
+                deadline_ms: w.deadline_ms,
+                on_timeout: w.on_timeout,
+            }),
+        progress: None,
         wait: if t.status.is_terminal() { None } else { wait },
     }
+}
+
+/// A prompt as a line of text: a string as it is, any other value as its JSON.
+pub fn prompt_text(prompt: Option<&RawJson>) -> String {
+    match prompt.map(RawJson::to_value) {
+        None => "no prompt".into(),
+        Some(serde_json::Value::String(s)) => s,
+        Some(v) => v.to_string(),
+    }
+}
+
+/// The wait of a lock holder whose last step suspended it for input.
+fn input_wait(t: &TurnRecord, w: &InputWait, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
+    let mut wait = base_wait(
+        WaitState::AwaitingInput,
+        format!(
+            "awaiting input after step {} (since {}): {}",
+            t.step,
+            fmt_ms(w.since_ms),
+            prompt_text(w.prompt.as_ref())
+        ),
+        w.since_ms,
+    );
+    if let Some(d) = w.deadline_ms {
+        wait.deadline_ms = Some(d);
+        wait.on_deadline = Some(match w.on_timeout {
+            OnTimeout::Fail => OnDeadline::Fail,
+            OnTimeout::Continue => OnDeadline::Continue,
+        });
+    }
+    wait
 }
 
 fn base_wait(state: WaitState, reason: String, since_ms: u64) -> Wait {
@@ -177,6 +220,14 @@ pub fn wait_of(
             w.last_error = t.last_error.clone();
             w
         }
+        (None, Phase::AwaitingInput) => match t.input_request.as_deref() {
+            Some(w) => input_wait(t, w, fmt_ms),
+            None => base_wait(
+                WaitState::AwaitingInput,
+                "awaiting input (its request is missing)".into(),
+                t.phase_since_ms,
+            ),
+        },
         (None, Phase::Invoked) => match &st.inv {
             Some(inv) => inv_wait(t, inv, fmt_ms),
             None => base_wait(

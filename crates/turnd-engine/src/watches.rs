@@ -7,14 +7,50 @@
 //! (`engine/watch.rs`). Events committed meanwhile are not pushed to it but noted;
 //! once its replay has read everything noted, it goes live in one step under this
 //! table's lock, and from then on gets only events after the last one replayed.
+//!
+//! A watch that asked for progress also gets the progress frames of its session (or
+//! turn) as they are taken, and loses them before it loses events: while its
+//! connection's queue is more than half full, or while it still replays, its
+//! progress frames are dropped and counted per invocation, and the count goes out
+//! as a `progress_dropped` push before the next frame it is sent on that watch.
 
 use std::collections::HashMap;
 
 use parking_lot::Mutex;
+use serde::Serialize;
+use serde_json::value::RawValue;
 use turnd_proto::{new_watch_id, Event, Push};
 
 use crate::error::EngineError;
+use crate::progress::Taken;
 use crate::registry::{push_frame, Outbox};
+
+/// Progress frames a watch lost, of one invocation.
+struct Dropped {
+    turn_id: String,
+    invocation_id: String,
+    count: u64,
+}
+
+/// The `progress` push, with its data as the worker sent it.
+#[derive(Serialize)]
+struct ProgressFrame<'a> {
+    push: &'static str,
+    watch_id: &'a str,
+    turn_id: &'a str,
+    invocation_id: &'a str,
+    step: u32,
+    attempt: u32,
+    seq: u64,
+    data: &'a RawValue,
+}
+
+/// What became of a progress frame, over the watches it was for.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fanout {
+    pub pushed: u64,
+    pub dropped: u64,
+}
 
 struct Watch {
     watch_id: String,
@@ -27,6 +63,40 @@ struct Watch {
     /// While the watch replays stored events: the last `seq` published meanwhile,
     /// which the replay reads back from the store. `None` once the watch is live.
     replaying: Option<u64>,
+    /// Whether it asked for progress frames.
+    progress: bool,
+    /// Progress frames it lost, to announce before its next frame.
+    dropped: Vec<Dropped>,
+}
+
+impl Watch {
+    /// Queue the `progress_dropped` pushes it owes.
+    fn announce_dropped(&mut self) {
+        for d in self.dropped.drain(..) {
+            self.outbox.push(push_frame(&Push::ProgressDropped {
+                watch_id: self.watch_id.clone(),
+                turn_id: d.turn_id,
+                invocation_id: d.invocation_id,
+                count: d.count,
+            }));
+        }
+    }
+
+    /// Count a progress frame it lost.
+    fn drop_progress(&mut self, p: &Taken) {
+        match self
+            .dropped
+            .iter_mut()
+            .find(|d| d.invocation_id == p.invocation_id)
+        {
+            Some(d) => d.count += 1,
+            None => self.dropped.push(Dropped {
+                turn_id: p.turn_id.clone(),
+                invocation_id: p.invocation_id.clone(),
+                count: 1,
+            }),
+        }
+    }
 }
 
 /// How a page of a replay ended.
@@ -58,14 +128,15 @@ pub(crate) struct Watches {
 }
 
 impl Watches {
-    /// Register a watch of `session_id` (of one turn of it with `turn_id`) on the
-    /// connection of `outbox`, replaying from after `start`, at the session's last
-    /// event `watermark`; at most `max` per connection. Its new id.
+    /// Register a watch of `session_id` (of one turn of it with `turn_id`; with
+    /// progress frames when `progress`) on the connection of `outbox`, replaying from
+    /// after `start`, at the session's last event `watermark`; at most `max` per
+    /// connection. Its new id.
     pub(crate) fn add(
         &self,
         session_id: &str,
         outbox: &Outbox,
-        turn_id: Option<String>,
+        (turn_id, progress): (Option<String>, bool),
         (start, watermark): (u64, u64),
         max: usize,
     ) -> Result<String, EngineError> {
@@ -86,6 +157,8 @@ impl Watches {
             turn_id,
             sent: start,
             replaying: Some(watermark),
+            progress,
+            dropped: Vec::new(),
         });
         Ok(watch_id)
     }
@@ -161,6 +234,7 @@ impl Watches {
             }
             for e in events {
                 if e.seq > sub.sent && sub.turn_id.as_ref().is_none_or(|t| *t == e.turn_id) {
+                    sub.announce_dropped();
                     sub.outbox.push(push_frame(&Push::Event {
                         watch_id: sub.watch_id.clone(),
                         event: e.clone(),
@@ -169,6 +243,45 @@ impl Watches {
             }
             sub.sent = sub.sent.max(last);
         }
+    }
+
+    /// Push a progress frame to the session's watches that asked for progress (of
+    /// its turn, for a watch of one turn); a watch that replays, or whose connection's
+    /// queue is more than half full, loses it (counted, announced later).
+    pub(crate) fn publish_progress(&self, p: &Taken, data: &RawValue) -> Fanout {
+        let mut out = Fanout::default();
+        let mut w = self.by_session.lock();
+        let Some(subs) = w.get_mut(&*p.session_id) else {
+            return out;
+        };
+        for sub in subs {
+            if !sub.progress || sub.turn_id.as_ref().is_some_and(|t| *t != p.turn_id) {
+                continue;
+            }
+            if sub.replaying.is_some() || sub.outbox.crowded() {
+                sub.drop_progress(p);
+                out.dropped += 1;
+                continue;
+            }
+            sub.announce_dropped();
+            let frame = ProgressFrame {
+                push: "progress",
+                watch_id: &sub.watch_id,
+                turn_id: &p.turn_id,
+                invocation_id: &p.invocation_id,
+                step: p.step,
+                attempt: p.attempt,
+                seq: p.seq,
+                data,
+            };
+            let sent = serde_json::to_string(&frame).is_ok_and(|text| sub.outbox.push(text));
+            if sent {
+                out.pushed += 1;
+            } else {
+                out.dropped += 1;
+            }
+        }
+        out
     }
 
     /// A connection ended: drop its watches.

@@ -84,6 +84,7 @@ async fn run(
                 session_id: Some("s".into()),
                 turn_id: None,
                 after: Some(after),
+                progress: false,
             };
             e.watch(args, &ob, 8, |ok| {
                 serde_json::json!({"id": 1, "ok": true, "result": {"watch_id": ok.watch_id}})

@@ -681,6 +681,7 @@ mod tests {
             attempt: 2,
             input: json!({"x": 1}),
             deadline_ms: 99,
+            previous: None,
         }));
         let f = translate_push(&invoke).expect("an invokefunction");
         let v: Value = serde_json::from_str(&f).expect("json");

@@ -16,6 +16,8 @@ pub enum ErrorCode {
     Forbidden,
     NotFound,
     Conflict,
+    /// A submit with `on_busy: "reject"` found the session busy.
+    Busy,
     TooLarge,
     RateLimited,
     Unavailable,
@@ -46,6 +48,7 @@ impl ErrorCode {
             ErrorCode::Forbidden => "forbidden",
             ErrorCode::NotFound => "not_found",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::Busy => "busy",
             ErrorCode::TooLarge => "too_large",
             ErrorCode::RateLimited => "rate_limited",
             ErrorCode::Unavailable => "unavailable",
@@ -450,6 +453,27 @@ pub enum Push {
         watch_id: String,
         event: crate::objects::Event,
     },
+    /// A live invocation's progress, to a watch that asked for it.
+    Progress(ProgressPush),
+    /// Progress frames a slow watch lost, sent before its next frame.
+    ProgressDropped {
+        watch_id: String,
+        turn_id: String,
+        invocation_id: String,
+        count: u64,
+    },
+}
+
+/// The `progress` push.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressPush {
+    pub watch_id: String,
+    pub turn_id: String,
+    pub invocation_id: String,
+    pub step: u32,
+    pub attempt: u32,
+    pub seq: u64,
+    pub data: Value,
 }
 
 /// Any frame a server sends, as a client sees it.
@@ -613,6 +637,7 @@ mod tests {
             ErrorCode::Forbidden,
             ErrorCode::NotFound,
             ErrorCode::Conflict,
+            ErrorCode::Busy,
             ErrorCode::TooLarge,
             ErrorCode::RateLimited,
             ErrorCode::Unavailable,

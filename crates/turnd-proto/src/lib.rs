@@ -21,7 +21,8 @@ pub mod ops;
 pub mod partition;
 
 pub use frame::{
-    decode_raw_request, decode_request, ErrorBody, ErrorCode, FrameError, Push, RawRequest, Request,
+    decode_raw_request, decode_request, ErrorBody, ErrorCode, FrameError, ProgressPush, Push,
+    RawRequest, Request,
 };
 pub use ids::{
     invocation_turn_id, new_connection_id, new_invocation_id, new_invocation_id_of, new_turn_id,

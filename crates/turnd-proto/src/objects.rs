@@ -58,10 +58,12 @@ pub enum ErrorCause {
     AttemptsExhausted,
     StepLimit,
     InvalidResult,
+    /// A suspended turn's input did not come by its deadline.
+    InputTimeout,
 }
 
 impl ErrorCause {
-    pub const ALL: [ErrorCause; 7] = [
+    pub const ALL: [ErrorCause; 8] = [
         ErrorCause::HandlerFailed,
         ErrorCause::OutcomeUnknown,
         ErrorCause::TimedOut,
@@ -69,6 +71,7 @@ impl ErrorCause {
         ErrorCause::AttemptsExhausted,
         ErrorCause::StepLimit,
         ErrorCause::InvalidResult,
+        ErrorCause::InputTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -80,6 +83,7 @@ impl ErrorCause {
             ErrorCause::AttemptsExhausted => "attempts_exhausted",
             ErrorCause::StepLimit => "step_limit",
             ErrorCause::InvalidResult => "invalid_result",
+            ErrorCause::InputTimeout => "input_timeout",
         }
     }
 }
@@ -118,10 +122,12 @@ pub enum WaitState {
     BackingOff,
     Cancelling,
     Finalizing,
+    /// The holder's last step suspended it: it waits for `turn.resume`.
+    AwaitingInput,
 }
 
 impl WaitState {
-    pub const ALL: [WaitState; 8] = [
+    pub const ALL: [WaitState; 9] = [
         WaitState::QueuedBehind,
         WaitState::AwaitingWorker,
         WaitState::Held,
@@ -130,6 +136,7 @@ impl WaitState {
         WaitState::BackingOff,
         WaitState::Cancelling,
         WaitState::Finalizing,
+        WaitState::AwaitingInput,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -142,6 +149,7 @@ impl WaitState {
             WaitState::BackingOff => "backing_off",
             WaitState::Cancelling => "cancelling",
             WaitState::Finalizing => "finalizing",
+            WaitState::AwaitingInput => "awaiting_input",
         }
     }
 }
@@ -157,6 +165,22 @@ pub enum OnDeadline {
     Retry,
     /// The wait ends and the turn is dispatched (or waits for a worker).
     Dispatch,
+    /// A suspended turn's next step is dispatched without input.
+    Continue,
+}
+
+impl OnDeadline {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnDeadline::Probe => "probe",
+            OnDeadline::Redispatch => "redispatch",
+            OnDeadline::Fail => "fail",
+            OnDeadline::Cancel => "cancel",
+            OnDeadline::Retry => "retry",
+            OnDeadline::Dispatch => "dispatch",
+            OnDeadline::Continue => "continue",
+        }
+    }
 }
 
 /// Why a non-terminal turn is not moving, and what happens next.
@@ -194,14 +218,75 @@ pub struct Turn {
     pub error: Option<TurnError>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop: Option<StopInfo>,
+    /// Stopped by a later submit with `on_busy: "rollback"`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub superseded: bool,
     #[serde(default)]
     pub recovered: bool,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at_ms: Option<u64>,
+    /// While the turn awaits input: what its step asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_request: Option<InputRequest>,
+    /// The last progress of the turn's live invocation (in memory only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<ProgressView>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait: Option<Wait>,
+}
+
+/// What ends a suspended turn's wait for input at its deadline.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// The turn fails with cause `input_timeout`.
+    #[default]
+    Fail,
+    /// The next step runs with `input: null`.
+    Continue,
+}
+
+impl OnTimeout {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnTimeout::Fail => "fail",
+            OnTimeout::Continue => "continue",
+        }
+    }
+}
+
+/// `Turn.input_request`: what a suspended turn waits for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InputRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<Value>,
+    pub since_ms: u64,
+    pub deadline_ms: Option<u64>,
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+}
+
+/// `Turn.progress`: the last progress frame of a live invocation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressView {
+    pub invocation_id: String,
+    pub step: u32,
+    pub attempt: u32,
+    pub seq: u64,
+    pub data: Value,
+    pub at_ms: u64,
+}
+
+/// The `previous` of an interrupting turn's first step: the lock holder it stopped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreviousTurn {
+    pub turn_id: String,
+    pub status: TurnStatus,
+    /// Its last durable state: its last `continue` (or `suspend`) state, or its
+    /// input at step 0.
+    pub state: Value,
 }
 
 /// `Session.lock`.
@@ -290,6 +375,10 @@ pub enum EventKind {
     Cancelled,
     LateResult,
     Amended,
+    /// A step suspended the turn for input.
+    Suspended,
+    /// A suspended turn's next step was let go (`turn.resume`, or its deadline).
+    Resumed,
 }
 
 /// A durable, ordered session event.
@@ -392,6 +481,9 @@ pub struct Invoke {
     pub attempt: u32,
     pub input: Value,
     pub deadline_ms: u64,
+    /// At step 0 of a turn that interrupted another: the lock holder it stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<PreviousTurn>,
 }
 
 /// A worker-reported failure.
@@ -412,6 +504,52 @@ pub struct Cancelled {
     pub message: String,
 }
 
+/// A step that asks for input: the turn keeps its session's lock and waits for
+/// `turn.resume`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Suspend {
+    /// Kept for the next step, which gets `{"state", "input"}`.
+    #[serde(default)]
+    pub state: Value,
+    /// What is asked (shown to whoever resumes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<Value>,
+    /// How long the turn waits for input; none: for good.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+}
+
+impl Suspend {
+    /// A suspend keeping `state` for the next step, without prompt or deadline.
+    pub fn new(state: Value) -> Suspend {
+        Suspend {
+            state,
+            ..Suspend::default()
+        }
+    }
+
+    /// What is asked, shown to whoever resumes.
+    pub fn prompt(mut self, prompt: impl Into<Value>) -> Suspend {
+        self.prompt = Some(prompt.into());
+        self
+    }
+
+    /// How long the turn waits, and what the end of the wait does.
+    pub fn timeout(mut self, timeout_ms: u64, on_timeout: OnTimeout) -> Suspend {
+        self.timeout_ms = Some(timeout_ms);
+        self.on_timeout = on_timeout;
+        self
+    }
+}
+
+impl From<Suspend> for Outcome {
+    fn from(s: Suspend) -> Outcome {
+        Outcome::Suspend(s)
+    }
+}
+
 /// The outcome of one invocation, as a worker reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -420,6 +558,7 @@ pub enum Outcome {
     Continue(Value),
     Fail(Failure),
     Cancelled(Cancelled),
+    Suspend(Suspend),
 }
 
 impl Outcome {
@@ -429,6 +568,7 @@ impl Outcome {
             Outcome::Continue(_) => "continue",
             Outcome::Fail(_) => "fail",
             Outcome::Cancelled(_) => "cancelled",
+            Outcome::Suspend(_) => "suspend",
         }
     }
 }
@@ -457,6 +597,24 @@ mod tests {
         ));
         let o: Outcome = serde_json::from_value(json!({"cancelled": {}})).expect("cancelled");
         assert_eq!(o.kind(), "cancelled");
+        let o: Outcome = serde_json::from_value(
+            json!({"suspend": {"state": [1], "prompt": "ok?", "timeout_ms": 5, "on_timeout": "continue"}}),
+        )
+        .expect("suspend");
+        assert_eq!(
+            o,
+            Outcome::Suspend(Suspend {
+                state: json!([1]),
+                prompt: Some(json!("ok?")),
+                timeout_ms: Some(5),
+                on_timeout: OnTimeout::Continue,
+            })
+        );
+        let o: Outcome = serde_json::from_value(json!({"suspend": {}})).expect("bare suspend");
+        assert_eq!(o, Outcome::Suspend(Suspend::default()));
+        assert!(
+            serde_json::from_value::<Outcome>(json!({"suspend": {"on_timeout": "later"}})).is_err()
+        );
         assert!(serde_json::from_value::<Outcome>(json!({"nope": 1})).is_err());
         assert!(serde_json::from_value::<Outcome>(json!({"complete": 1, "fail": {}})).is_err());
     }
@@ -475,14 +633,20 @@ mod tests {
             output: None,
             error: None,
             stop: None,
+            superseded: false,
             recovered: false,
             created_at_ms: 1,
             updated_at_ms: 1,
             finished_at_ms: None,
+            input_request: None,
+            progress: None,
             wait: None,
         };
         let v = serde_json::to_value(&t).expect("serialize");
         assert!(v.get("error").is_none());
+        assert!(v.get("superseded").is_none());
+        assert!(v.get("input_request").is_none());
+        assert!(v.get("progress").is_none());
         assert_eq!(v["status"], "queued");
     }
 }

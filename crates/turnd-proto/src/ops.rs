@@ -49,10 +49,12 @@ pub enum Op {
     FunctionsList,
     StoreCheck,
     SessionsList,
+    InvocationProgress,
+    TurnResume,
 }
 
 impl Op {
-    pub const ALL: [Op; 22] = [
+    pub const ALL: [Op; 24] = [
         Op::Hello,
         Op::Ping,
         Op::FunctionRegister,
@@ -75,6 +77,8 @@ impl Op {
         Op::FunctionsList,
         Op::StoreCheck,
         Op::SessionsList,
+        Op::InvocationProgress,
+        Op::TurnResume,
     ];
 
     pub fn name(self) -> &'static str {
@@ -101,6 +105,8 @@ impl Op {
             Op::FunctionsList => "functions.list",
             Op::StoreCheck => "store.check",
             Op::SessionsList => "sessions.list",
+            Op::InvocationProgress => "invocation.progress",
+            Op::TurnResume => "turn.resume",
         }
     }
 
@@ -117,12 +123,14 @@ impl Op {
             | Op::FunctionUnregister
             | Op::InvocationResult
             | Op::InvocationHeartbeat
-            | Op::InvocationStatus => matches!(role, Role::Worker | Role::Operator),
+            | Op::InvocationStatus
+            | Op::InvocationProgress => matches!(role, Role::Worker | Role::Operator),
             Op::StoreCheck => role == Role::Operator,
             Op::TurnSubmit
             | Op::TurnGet
             | Op::TurnWait
             | Op::TurnStop
+            | Op::TurnResume
             | Op::TurnList
             | Op::SessionInspect
             | Op::SessionStop
@@ -245,6 +253,51 @@ pub struct StatusArgs {
     pub state: InvocationState,
 }
 
+/// `invocation.progress`: a live invocation's partial output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressArgs {
+    pub invocation_id: String,
+    pub data: Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressOk {
+    /// The frame's number among its invocation's progress, from 1.
+    pub seq: u64,
+}
+
+/// What `turn.submit` does when the session has an unfinished turn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBusy {
+    /// Queue behind it.
+    #[default]
+    Enqueue,
+    /// Refuse with `busy`; nothing is stored.
+    Reject,
+    /// Stop every unfinished turn (reason `interrupted`); the new turn gets the
+    /// holder's last state as `previous`.
+    Interrupt,
+    /// As `Interrupt`, and the stopped turns are marked superseded.
+    Rollback,
+}
+
+impl OnBusy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnBusy::Enqueue => "enqueue",
+            OnBusy::Reject => "reject",
+            OnBusy::Interrupt => "interrupt",
+            OnBusy::Rollback => "rollback",
+        }
+    }
+
+    /// Whether the session's unfinished turns are stopped for the new one.
+    pub fn interrupts(self) -> bool {
+        matches!(self, OnBusy::Interrupt | OnBusy::Rollback)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SubmitArgs {
     pub session_id: String,
@@ -255,6 +308,18 @@ pub struct SubmitArgs {
     pub idempotency_key: Option<String>,
     #[serde(default)]
     pub turn_timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_busy: Option<OnBusy>,
+}
+
+/// `turn.resume`: the input a suspended turn waits for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResumeArgs {
+    pub turn_id: String,
+    #[serde(default)]
+    pub input: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -358,6 +423,9 @@ pub struct WatchArgs {
     /// Resume: replay events with `seq` greater than this before live ones.
     #[serde(default)]
     pub after: Option<u64>,
+    /// Also push the progress of the session's (or turn's) live invocations.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub progress: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -91,7 +91,8 @@ pub async fn run(
         | Op::FunctionUnregister
         | Op::InvocationResult
         | Op::InvocationHeartbeat
-        | Op::InvocationStatus => worker_op(engine, caller, op, args).await,
+        | Op::InvocationStatus
+        | Op::InvocationProgress => worker_op(engine, caller, op, args).await,
         Op::Watch => return watch(engine, decode(args)?, origin).await,
         Op::Unwatch => {
             let a: WatchIdArgs = decode(args)?;
@@ -142,6 +143,7 @@ async fn worker_op(
             engine.status(caller, &decode(args)?).await?;
             Ok(EMPTY.to_string())
         }
+        Op::InvocationProgress => encode(&engine.progress(caller, &decode(args)?)?),
         other => Err(not_routed(other)),
     }
 }
@@ -150,6 +152,7 @@ async fn worker_op(
 async fn caller_op(engine: &Engine, op: Op, args: &str) -> Result<Reply, ErrorBody> {
     match op {
         Op::TurnSubmit => encode(&engine.submit(decode(args)?).await?),
+        Op::TurnResume => encode(&engine.resume(decode(args)?).await?),
         Op::TurnGet => {
             let a: TurnIdArgs = decode(args)?;
             encode(&TurnOk {

@@ -151,6 +151,7 @@ impl CallerPeer {
                 input: json!({ "steps": steps }),
                 idempotency_key: Some(key),
                 turn_timeout_ms,
+                on_busy: None,
             },
             turn_id: None,
             sent_at: 0,

@@ -269,7 +269,11 @@ fn failure_attributed(l: &Ledger, t: &TurnRecord) -> Checked {
         ErrorCause::AttemptsExhausted => failed_with(&e.code) || names_own,
         ErrorCause::OutcomeUnknown => names_own,
         ErrorCause::TimedOut => t.deadline_ms.is_some() || names_own,
-        ErrorCause::NoWorker | ErrorCause::StepLimit | ErrorCause::InvalidResult => false,
+        // The simulated workers never suspend: no turn waits for input.
+        ErrorCause::NoWorker
+        | ErrorCause::StepLimit
+        | ErrorCause::InvalidResult
+        | ErrorCause::InputTimeout => false,
     };
     if !ok {
         return Err(format!(

@@ -339,7 +339,7 @@ impl Worker {
                     self.finish(env, &invocation_id, Some(o));
                 }
             }
-            Push::Event { .. } => {}
+            Push::Event { .. } | Push::Progress(_) | Push::ProgressDropped { .. } => {}
         }
     }
 

@@ -14,6 +14,7 @@
 //! cannot be reached (or the connection was lost), bad usage, or an offline store
 //! cannot be opened; 3 a wait timed out with the turn still unfinished.
 
+mod agent;
 mod commands;
 mod fmt;
 mod render;
@@ -25,7 +26,9 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use serde_json::Value;
 use turnd_client::{Caller, ClientError, Connection};
-use turnd_proto::{ErrorBody, ErrorCode, HelloArgs, HelloOk, Role, TurnStatus, PROTOCOL_VERSION};
+use turnd_proto::{
+    ErrorBody, ErrorCode, HelloArgs, HelloOk, OnBusy, Role, TurnStatus, PROTOCOL_VERSION,
+};
 
 /// Where the daemon listens unless told otherwise (its embedded default).
 pub const DEFAULT_URL: &str = "ws://127.0.0.1:7420/v1";
@@ -73,6 +76,17 @@ pub enum ClientCommand {
     /// Exit 0 when it completed, 1 when it failed or was cancelled, 3 when
     /// --timeout-secs passed with the turn still unfinished.
     Wait(WaitCmd),
+    /// Give a turn that waits for input (its step suspended it) the input.
+    ///
+    /// Prints the turn once the resume is durable; with --wait, waits until it is
+    /// finished (exit codes as `wait`). Exit 1 (`conflict`) when the turn is not
+    /// awaiting input.
+    Resume(ResumeCmd),
+    /// Follow one turn's events as they come until it is finished; with --progress
+    /// also the progress its steps stream (a model's tokens).
+    ///
+    /// Exit 0 when it completed, 1 when it failed or was cancelled.
+    Watch(WatchCmd),
     /// Stop a turn, or every unfinished turn of a session (--session).
     ///
     /// Stopping a turn that had already finished changes nothing; the command says so
@@ -120,12 +134,53 @@ pub struct SubmitCmd {
     /// The whole turn's time limit (the daemon's default when absent).
     #[arg(long)]
     pub turn_timeout_ms: Option<u64>,
+    /// When the session already has an unfinished turn: queue behind it
+    /// (`enqueue`, the default), fail with `busy` storing nothing (`reject`), stop
+    /// it and run this one with what it had (`interrupt`), or the same, marking it
+    /// superseded (`rollback`).
+    #[arg(long, value_parser = parse_on_busy)]
+    pub on_busy: Option<OnBusy>,
+    #[command(flatten)]
+    pub waiting: WaitOpts,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+/// `--wait` and `--timeout-secs` of a command that may wait for its turn to finish.
+#[derive(Args, Debug)]
+pub struct WaitOpts {
     /// Wait until the turn is finished.
     #[arg(long)]
     pub wait: bool,
     /// With --wait: give up waiting after this long (exit 3).
     #[arg(long, default_value_t = 30, requires = "wait")]
     pub timeout_secs: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct ResumeCmd {
+    /// The turn's id (`t_…`).
+    pub turn_id: String,
+    /// The input, as JSON (a string with its quotes); the next step gets
+    /// `{"state", "input"}`.
+    #[arg(long, value_parser = parse_json, default_value = "null")]
+    pub input: Value,
+    /// Makes a resend of this resume harmless: answered with the turn it resumed.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    #[command(flatten)]
+    pub waiting: WaitOpts,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args, Debug)]
+pub struct WatchCmd {
+    /// The turn's id (`t_…`).
+    pub turn_id: String,
+    /// Also print the progress of its steps (with --json, each `progress` push).
+    #[arg(long)]
+    pub progress: bool,
     #[command(flatten)]
     pub common: Common,
 }
@@ -233,6 +288,11 @@ fn parse_json(s: &str) -> Result<Value, String> {
              --input '{quoted}'"
         )
     })
+}
+
+fn parse_on_busy(s: &str) -> Result<OnBusy, String> {
+    serde_json::from_value(Value::String(s.to_string()))
+        .map_err(|_| "one of enqueue, reject, interrupt, rollback".to_string())
 }
 
 fn parse_status(s: &str) -> Result<TurnStatus, String> {
@@ -452,6 +512,8 @@ async fn run(c: ClientCommand) -> Result<i32, Failure> {
         ClientCommand::Turns(a) => (&a.common, Role::Client),
         ClientCommand::Wait(a) => (&a.common, Role::Client),
         ClientCommand::Stop(a) => (&a.common, Role::Client),
+        ClientCommand::Resume(a) => (&a.common, Role::Client),
+        ClientCommand::Watch(a) => (&a.common, Role::Client),
         ClientCommand::Inspect(a) => (&a.common, Role::Client),
         ClientCommand::Events(a) => (&a.common, Role::Client),
         ClientCommand::Workers(a)
@@ -468,6 +530,8 @@ async fn run(c: ClientCommand) -> Result<i32, Failure> {
         ClientCommand::Turns(a) => commands::turns(&conn, a).await,
         ClientCommand::Wait(a) => commands::wait(&conn, a).await,
         ClientCommand::Stop(a) => commands::stop(&conn, a).await,
+        ClientCommand::Resume(a) => agent::resume(&conn, a).await,
+        ClientCommand::Watch(a) => agent::watch(&conn, a).await,
         ClientCommand::Inspect(a) => commands::inspect(&conn, a).await,
         ClientCommand::Events(a) => commands::events(&conn, a).await,
         ClientCommand::Workers(a) => commands::workers(&conn, &a.common).await,

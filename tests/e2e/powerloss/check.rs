@@ -282,6 +282,7 @@ pub async fn work_goes_on(
             input: json!({"steps": 2}),
             idempotency_key: None,
             turn_timeout_ms: None,
+            on_busy: None,
         })
         .await
         .context("a new turn after the restart")?;

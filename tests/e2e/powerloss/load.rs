@@ -322,6 +322,7 @@ pub async fn caller(
             input: json!({"steps": prng.range(1, 3), "n": n, "pad": pad}),
             idempotency_key: Some(format!("{session_id}-{seed}-{n}")),
             turn_timeout_ms: None,
+            on_busy: None,
         };
         match caller.submit(args).await {
             Ok(ok) => {

@@ -13,6 +13,7 @@ fn watch_session() -> WatchArgs {
         session_id: Some("s-1".into()),
         turn_id: None,
         after: None,
+        progress: false,
     }
 }
 

@@ -215,8 +215,10 @@ async fn serve(
                 reason,
             } => on_cancel(shared, invocation_id, &reason),
             Push::Probe { invocation_id } => on_probe(shared, conn, invocation_id),
-            Push::Event { watch_id, .. } => {
-                debug!(%watch_id, "ignoring an event push on a worker connection")
+            Push::Event { watch_id, .. }
+            | Push::Progress(turnd_proto::ProgressPush { watch_id, .. })
+            | Push::ProgressDropped { watch_id, .. } => {
+                debug!(%watch_id, "ignoring a watch's push on a worker connection")
             }
         }
     }

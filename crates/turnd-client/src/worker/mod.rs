@@ -144,19 +144,42 @@ impl InvocationCtx {
         let args = InvocationIdArgs {
             invocation_id: self.invoke.invocation_id.clone(),
         };
-        match conn
+        let r = conn
             .call::<_, HeartbeatOk>("invocation.heartbeat", &args)
-            .await
-        {
-            Ok(ok) => Ok(ok.deadline_ms),
-            Err(e) => {
-                if e.code() == Some(turnd_proto::ErrorCode::NotFound) {
-                    info!(invocation_id = %self.invoke.invocation_id, "invocation no longer current; cancelling its handler");
-                    self.cancel.cancel();
-                }
-                Err(e)
+            .await;
+        self.cancel_if_stale(r.map(|ok| ok.deadline_ms))
+    }
+
+    /// Stream partial output of this step to the turn's watchers that asked for
+    /// progress; returns its `seq` (from 1 per invocation). Not durable, and answered
+    /// without waiting for any write. On `not_found` (the invocation is no longer
+    /// current, or its turn is being stopped) the cancel token is cancelled as well,
+    /// and the error returned.
+    pub async fn progress(&self, data: serde_json::Value) -> Result<u64, ClientError> {
+        let conn = self
+            .shared
+            .current_connection()
+            .ok_or(ClientError::Closed)?;
+        let args = turnd_proto::ProgressArgs {
+            invocation_id: self.invoke.invocation_id.clone(),
+            data,
+        };
+        let r = conn
+            .call::<_, turnd_proto::ProgressOk>("invocation.progress", &args)
+            .await;
+        self.cancel_if_stale(r.map(|ok| ok.seq))
+    }
+
+    /// An answer about this invocation: `not_found` means it is no longer current, so
+    /// its handler is told to stop.
+    fn cancel_if_stale<T>(&self, r: Result<T, ClientError>) -> Result<T, ClientError> {
+        if let Err(e) = &r {
+            if e.code() == Some(turnd_proto::ErrorCode::NotFound) {
+                info!(invocation_id = %self.invoke.invocation_id, "invocation no longer current; cancelling its handler");
+                self.cancel.cancel();
             }
         }
+        r
     }
 
     /// Whether the handler has been asked to stop.

@@ -308,6 +308,10 @@ impl Engine {
                 Some(self.registry().supply(&t.function_id)),
             ))
         };
-        to_turn(t, wait)
+        let mut turn = to_turn(t, wait);
+        if t.phase == turnd_store::Phase::Invoked {
+            turn.progress = self.inner.progress.last(&st.id, &t.turn_id);
+        }
+        turn
     }
 }

@@ -1,7 +1,7 @@
-//! `turn.submit`: the checks of its arguments, the idempotency key, then the
-//! machine's `submit` under the session's lock.
+//! `turn.submit`: the checks of its arguments, the idempotency key, `on_busy`, then
+//! the machine's `submit` under the session's lock.
 
-use turnd_proto::{new_turn_id, new_turn_id_in, SubmitArgs, SubmitOk, Turn};
+use turnd_proto::{new_turn_id, new_turn_id_in, OnBusy, SubmitArgs, SubmitOk, Turn};
 use turnd_store::{RawJson, TurnDispatch};
 
 use super::{check_id, read_failed, unavailable, ApiResult, Engine};
@@ -53,12 +53,8 @@ impl Engine {
                 deduplicated: true,
             });
         }
-        if st.active.len() as u64 >= self.inner.cfg.turns.max_queued_per_session {
-            return Err(EngineError::QueueFull {
-                session_id: st.id.to_string(),
-                held: st.active.len(),
-            });
-        }
+        let on_busy = args.on_busy.unwrap_or_default();
+        self.check_busy(&st, on_busy)?;
         let turn_id = match self.config().partition {
             Some(p) => new_turn_id_in(p.index),
             None => new_turn_id(),
@@ -71,13 +67,16 @@ impl Engine {
             turn_timeout_ms: args.turn_timeout_ms,
             dispatch: opts.dispatch,
             retry_backoff_ms: opts.retry_backoff_ms,
+            on_busy,
         };
-        let (admitted, ()) = self.transition(&st, self.now_ms(), |cx, tx| {
+        let (admitted, interrupted) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::submit(cx, tx, submission)
         });
         self.commit(&cell, &mut st, admitted)
             .await
             .map_err(unavailable)?;
+        let stopped = interrupted.turn_ids.len() as u64;
+        Counters::add(&self.inner.counters.interrupted, stopped);
         let t = self
             .turn_record_locked(&st, &turn_id)
             .map_err(read_failed)?
@@ -88,19 +87,56 @@ impl Engine {
         })
     }
 
+    /// What the session's unfinished turns mean for a submit with `on_busy`: with
+    /// `reject`, any is `busy` (nothing is stored); with `enqueue`, the session must
+    /// have room for one more. An interrupting submit stops them all, so it always
+    /// has room.
+    fn check_busy(&self, st: &SessionState, on_busy: OnBusy) -> ApiResult<()> {
+        let held = st.active.len();
+        match on_busy {
+            OnBusy::Reject if held > 0 => {
+                Counters::inc(&self.inner.counters.busy_rejected);
+                Err(EngineError::Busy {
+                    session_id: st.id.to_string(),
+                    unfinished: held,
+                    holder: st.holder().map(|t| t.turn_id.clone()).unwrap_or_default(),
+                })
+            }
+            OnBusy::Interrupt | OnBusy::Rollback => Ok(()),
+            _ if held as u64 >= self.inner.cfg.turns.max_queued_per_session => {
+                Err(EngineError::QueueFull {
+                    session_id: st.id.to_string(),
+                    held,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// A caller's `input` as stored, and its idempotency key, checked: `too_large`
+    /// over `turns.max_value_bytes` (a submit's and a resume's alike).
+    pub(super) fn checked_input(
+        &self,
+        input: &serde_json::Value,
+        key: Option<&str>,
+    ) -> ApiResult<RawJson> {
+        if let Some(k) = key {
+            check_id("idempotency_key", k)?;
+        }
+        let max = self.inner.cfg.turns.max_value_bytes;
+        let input = RawJson::from_value(input);
+        if input.len() as u64 > max {
+            return Err(EngineError::InputTooLarge { max });
+        }
+        Ok(input)
+    }
+
     /// Check a submit's arguments; its input as stored.
     fn check_submit(&self, args: &SubmitArgs, opts: &SubmitOptions) -> ApiResult<RawJson> {
         opts.check()?;
         check_id("session_id", &args.session_id)?;
         check_id("function_id", &args.function_id)?;
-        if let Some(k) = &args.idempotency_key {
-            check_id("idempotency_key", k)?;
-        }
-        let max = self.inner.cfg.turns.max_value_bytes;
-        let input = RawJson::from_value(&args.input);
-        if input.len() as u64 > max {
-            return Err(EngineError::InputTooLarge { max });
-        }
+        let input = self.checked_input(&args.input, args.idempotency_key.as_deref())?;
         if args.turn_timeout_ms == Some(0) {
             return Err(EngineError::out_of_range("turn_timeout_ms", "positive"));
         }

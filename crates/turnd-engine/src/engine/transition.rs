@@ -202,6 +202,9 @@ impl Engine {
                     .map(|r| r.function_id.clone())
                     .collect();
                 let applied = tx.apply(st);
+                // Before its events go out: a frame of an invocation that just ended
+                // must not reach a watcher after them.
+                self.inner.progress.sync(st);
                 // The session's write succeeded: a retried one is no longer pending.
                 st.pending = None;
                 {
@@ -268,6 +271,7 @@ impl Engine {
         for f in freed {
             self.inner.workers.wake(&f);
         }
+        self.inner.progress.sync(st);
         let entry = WaitEntry::of(st, self.inner.cfg.turns.dispatch_timeout_ms);
         self.inner.waits.lock().set(&st.id, entry);
         note_waiting(&mut self.registry(), st);

@@ -53,7 +53,7 @@ impl Engine {
             let id = watches.add(
                 &session_id,
                 outbox,
-                turn_id.clone(),
+                (turn_id.clone(), args.progress),
                 (start, watermark),
                 max_watches,
             )?;

@@ -6,6 +6,7 @@ use turnd_proto::{Delivery, ErrorCause, EventKind};
 use turnd_store::{FunctionSettings, Held, InvState, InvWait, InvocationRecord, Phase, TurnRecord};
 
 use super::dispatch::{dispatch, send_cancel};
+use super::input::input_due;
 use super::outcomes::{cancel_turn, fail, schedule_retry};
 use super::{held_until, Ctx, Effect, Slot, Tx};
 use crate::config::EngineConfig;
@@ -31,6 +32,7 @@ pub fn due(cx: &Ctx, tx: &mut Tx) {
             }
         }
         Phase::Invoked => invoked_due(cx, tx, h),
+        Phase::AwaitingInput => input_due(cx, tx, h),
         Phase::Done => {}
     }
 }
@@ -361,6 +363,7 @@ pub fn next_due(st: &SessionState, cfg: &EngineConfig) -> Option<u64> {
         }
         Phase::BackingOff => h.retry_at_ms,
         Phase::Invoked => st.inv.as_ref().map(|i| i.deadline_ms),
+        Phase::AwaitingInput => h.input_request.as_ref().and_then(|w| w.deadline_ms),
         Phase::Done => None,
     };
     earliest(h.deadline_ms, phase_due)

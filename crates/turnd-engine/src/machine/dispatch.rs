@@ -2,7 +2,7 @@
 //! refused), promoting the next queued turn, and cancels sent to workers.
 
 use serde_json::{json, Value};
-use turnd_proto::{ErrorCause, EventKind, Invoke, TurnStatus};
+use turnd_proto::{ErrorCause, EventKind, Invoke, PreviousTurn, TurnStatus};
 use turnd_store::{InvState, InvWait, InvocationRecord, Phase, TurnRecord};
 
 use super::outcomes::fail;
@@ -115,6 +115,7 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
             attempt,
             input: h.state().to_value(),
             deadline_ms: inv.deadline_ms,
+            previous: previous_of(&h),
         },
     });
     h.status = TurnStatus::Running;
@@ -193,4 +194,14 @@ pub(super) fn dispatch_detail(
         d["reason"] = json!(r);
     }
     d
+}
+
+/// The `previous` of an invoke of `h`: the turn it interrupted, at its step 0.
+fn previous_of(h: &TurnRecord) -> Option<PreviousTurn> {
+    let p = h.previous.as_deref().filter(|_| h.step == 0)?;
+    Some(PreviousTurn {
+        turn_id: p.turn_id.clone(),
+        status: p.status,
+        state: p.state.to_value(),
+    })
 }

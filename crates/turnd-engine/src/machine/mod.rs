@@ -23,6 +23,8 @@
 //! | the session's next deadline, a disconnect, freed capacity | [`due`] |
 //! | a worker's `hello` (its in-flight and finished lists) | [`reconcile`] |
 //! | `turn.stop`, `session.stop` | [`stop_turn`], [`stop_session`] |
+//! | `turn.resume` of a turn suspended for input | [`resume`] (a [`ResumeVerdict`]) |
+//! | `turn.submit` with `on_busy` `interrupt` or `rollback` | [`submit`] (which stops the session's unfinished turns first) |
 //! | the daemon started with an invocation in flight | [`recovered`] |
 //! | retention deleted finished turns | [`expired`] (an [`ExpiryVerdict`]) |
 //!
@@ -42,6 +44,7 @@ use crate::session::SessionState;
 mod admission;
 mod deadlines;
 mod dispatch;
+mod input;
 mod lifecycle;
 mod outcomes;
 mod reconcile;
@@ -51,6 +54,8 @@ mod tx;
 
 #[cfg(test)]
 mod hold_tests;
+#[cfg(test)]
+mod input_tests;
 #[cfg(test)]
 mod lifecycle_tests;
 #[cfg(test)]
@@ -63,6 +68,7 @@ mod tests;
 pub use admission::{submit, Submission};
 pub use deadlines::{due, next_due};
 pub use dispatch::grant;
+pub use input::{resume, resume_key_verdict, ResumeVerdict};
 pub use lifecycle::{expired, recovered, total, uncount, Expiry, ExpiryVerdict};
 pub use reconcile::{reconcile, Verdict};
 pub use results::{

@@ -7,6 +7,7 @@ use turnd_store::{InvState, InvWait, InvocationRecord, Phase, RawJson, TurnRecor
 
 use super::deadlines::{attempt_timed_out, give_up};
 use super::dispatch::{dispatch, promote};
+use super::input::suspend;
 use super::{Ctx, Tx};
 
 /// End the turn `h` with `status`, then promote the next queued turn.
@@ -27,6 +28,7 @@ pub(super) fn terminal(
     h.phase_since_ms = tx.now;
     h.finished_at_ms = Some(tx.now);
     h.retry_at_ms = None;
+    h.input_request = None;
     tx.event(&cx.st.id, &h.turn_id, kind, detail);
     tx.put_turn(cx.st, h);
     promote(cx, tx);
@@ -166,6 +168,7 @@ pub(super) fn apply_outcome(
             attempt_timed_out(cx, tx, h, &inv_id, attempt, settings, message);
         }
         Outcome::Cancelled(c) => cancel_turn(cx, tx, h, Some(&c.message)),
+        Outcome::Suspend(s) => suspend(cx, tx, h, inv_id, s),
     }
 }
 

@@ -232,6 +232,7 @@ fn check(sim: &Sim, terminal_seen: &mut HashMap<String, TurnStatus>) {
                 Phase::AwaitingWorker => true,
                 Phase::BackingOff => h.retry_at_ms.is_some(),
                 Phase::Invoked => live.is_some(),
+                Phase::AwaitingInput => h.input_request.is_some() && live.is_none(),
                 Phase::Queued | Phase::Done => false,
             };
             assert!(path, "running turn without a path: {:?}", h.phase);

@@ -134,6 +134,20 @@ impl Sim {
         turn_timeout_ms: Option<u64>,
         dispatch: Option<turnd_store::TurnDispatch>,
     ) -> String {
+        self.submit_full(turn_timeout_ms, dispatch, turnd_proto::OnBusy::Enqueue)
+    }
+
+    /// Submit with `on_busy` (the shell's `reject` never reaches the machine).
+    pub fn submit_on_busy(&mut self, on_busy: turnd_proto::OnBusy) -> String {
+        self.submit_full(None, None, on_busy)
+    }
+
+    fn submit_full(
+        &mut self,
+        turn_timeout_ms: Option<u64>,
+        dispatch: Option<turnd_store::TurnDispatch>,
+        on_busy: turnd_proto::OnBusy,
+    ) -> String {
         let turn_id = format!("t_{}", self.st.meta.last_turn_seq + 1);
         let s = Submission {
             turn_id: turn_id.clone(),
@@ -143,6 +157,7 @@ impl Sim {
             turn_timeout_ms,
             dispatch,
             retry_backoff_ms: None,
+            on_busy,
         };
         self.run(|cx, tx| submit(cx, tx, s));
         turn_id

@@ -71,6 +71,7 @@ fn the_invoke_effect_carries_the_step_and_goes_to_the_granted_connection() {
                 turn_timeout_ms: None,
                 dispatch: None,
                 retry_backoff_ms: None,
+                on_busy: turnd_proto::OnBusy::Enqueue,
             },
         )
     });

@@ -93,6 +93,17 @@ impl Outbox {
         self.opened
     }
 
+    /// Frames queued and not yet written.
+    pub fn queued(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
+    }
+
+    /// Whether more than half of the queue is taken: frames that may be lost
+    /// (progress) are dropped rather than queued.
+    pub fn crowded(&self) -> bool {
+        self.queued() * 2 > self.tx.max_capacity()
+    }
+
     pub fn close_with(&self, reason: CloseReason) {
         {
             let mut r = self.reason.lock();

@@ -31,7 +31,9 @@ fn pushed(rx: &mut Receiver<String>) -> Vec<u64> {
 fn a_live_watch_gets_each_new_event_once() {
     let w = Watches::default();
     let (outbox, mut rx) = Outbox::new("c1".into(), 16);
-    let id = w.add("s", &outbox, None, (0, 0), 8).expect("added");
+    let id = w
+        .add("s", &outbox, (None, false), (0, 0), 8)
+        .expect("added");
     assert_eq!(w.after_page("s", &id, 0, PageEnd::Empty), Replay::Live);
     w.publish("s", &[event(1, "t_a"), event(2, "t_a")]);
     w.publish("s", &[event(2, "t_a"), event(3, "t_a")]);
@@ -43,7 +45,9 @@ fn a_live_watch_gets_each_new_event_once() {
 fn a_replaying_watch_notes_what_is_published_and_goes_live_once_it_read_it() {
     let w = Watches::default();
     let (outbox, mut rx) = Outbox::new("c1".into(), 16);
-    let id = w.add("s", &outbox, None, (5, 5), 8).expect("added");
+    let id = w
+        .add("s", &outbox, (None, false), (5, 5), 8)
+        .expect("added");
     w.publish("s", &[event(6, "t_a"), event(7, "t_a")]);
     assert!(pushed(&mut rx).is_empty(), "the replay reads them");
     assert_eq!(w.after_page("s", &id, 5, PageEnd::Full), Replay::More);
@@ -59,7 +63,7 @@ fn a_replaying_watch_notes_what_is_published_and_goes_live_once_it_read_it() {
 fn a_watch_of_a_turn_gets_only_that_turns_events() {
     let w = Watches::default();
     let (outbox, mut rx) = Outbox::new("c1".into(), 16);
-    let id = w.add("s", &outbox, Some("t_a".into()), (0, 0), 8);
+    let id = w.add("s", &outbox, (Some("t_a".into()), false), (0, 0), 8);
     let id = id.expect("added");
     w.after_page("s", &id, 0, PageEnd::Empty);
     w.publish("s", &[event(1, "t_a"), event(2, "t_b"), event(3, "t_a")]);
@@ -71,13 +75,13 @@ fn watches_are_bounded_per_connection_and_dropped_only_by_their_own() {
     let w = Watches::default();
     let (one, _rx1) = Outbox::new("c1".into(), 4);
     let (two, _rx2) = Outbox::new("c2".into(), 4);
-    let a = w.add("s", &one, None, (0, 0), 1).expect("added");
-    let refused = w.add("t", &one, None, (0, 0), 1);
+    let a = w.add("s", &one, (None, false), (0, 0), 1).expect("added");
+    let refused = w.add("t", &one, (None, false), (0, 0), 1);
     assert!(matches!(
         refused,
         Err(EngineError::TooManyWatches { max: 1 })
     ));
-    w.add("s", &two, None, (0, 0), 1)
+    w.add("s", &two, (None, false), (0, 0), 1)
         .expect("another connection's");
     assert_eq!(w.count(), 2);
     assert!(!w.unwatch("c2", &a), "not its watch");

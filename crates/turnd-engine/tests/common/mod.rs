@@ -47,6 +47,7 @@ pub fn submit(session: &str, function_id: &str) -> SubmitArgs {
         input: json!({"n": 1}),
         idempotency_key: None,
         turn_timeout_ms: None,
+        on_busy: None,
     }
 }
 

@@ -214,6 +214,7 @@ impl Conn {
             input: i.data.clone(),
             idempotency_key: i.invocation_id.clone(),
             turn_timeout_ms: None,
+            on_busy: None,
         };
         self.iii
             .engine

@@ -70,6 +70,7 @@ pub(super) async fn metrics(State(s): State<Arc<super::Admin>>) -> impl IntoResp
     register_connections(&mut reg, &s);
     register_transitions(&mut reg, s.engine.counters());
     register_recovery(&mut reg, s.engine.counters());
+    register_agent(&mut reg, s.engine.counters());
     let cs = s.engine.store().kv().commit_stats();
     register_storage(&mut reg, &cs);
     register_commit_log(&mut reg, &cs);
@@ -332,6 +333,51 @@ fn register_recovery(reg: &mut Registry, c: &Counters) {
         "retention_held_back_seconds",
         "Of the sweeps' time, the time they waited because the store was behind",
         Counters::get(&c.retention_held_back_micros),
+    );
+}
+
+/// Counters of agent turns: suspends and resumes, `on_busy` refusals and
+/// interrupts, and progress frames by what became of them.
+fn register_agent(reg: &mut Registry, c: &Counters) {
+    for (name, help, v) in [
+        (
+            "suspends",
+            "Steps that suspended their turn for input",
+            &c.suspends,
+        ),
+        (
+            "resumes",
+            "Suspended turns let go (turn.resume, or an input deadline with on_timeout continue)",
+            &c.resumes,
+        ),
+        (
+            "busy_rejected",
+            "turn.submit refused busy (on_busy reject): nothing stored",
+            &c.busy_rejected,
+        ),
+        (
+            "interrupted_turns",
+            "Turns stopped by a submit with on_busy interrupt or rollback",
+            &c.interrupted,
+        ),
+    ] {
+        counter(reg, name, help, Counters::get(v));
+    }
+    let progress = Family::<Labels, Counter>::default();
+    for (k, v) in [
+        ("accepted", &c.progress_accepted),
+        ("refused", &c.progress_refused),
+        ("pushed", &c.progress_pushed),
+        ("dropped", &c.progress_dropped),
+    ] {
+        progress
+            .get_or_create(&vec![("outcome".into(), k.into())])
+            .inc_by(Counters::get(v));
+    }
+    reg.register(
+        "progress_frames",
+        "invocation.progress frames: accepted or refused from workers, pushed to or dropped for watches (one per watch)",
+        progress,
     );
 }
 

@@ -172,6 +172,7 @@ impl Config {
             ("turns.retry_backoff_max_ms", t.retry_backoff_max_ms),
             ("turns.max_queued_per_session", t.max_queued_per_session),
             ("turns.max_value_bytes", t.max_value_bytes),
+            ("turns.max_progress_bytes", t.max_progress_bytes),
         ] {
             if v == 0 {
                 p.push(format!("{name} must be positive"));

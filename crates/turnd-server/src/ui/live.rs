@@ -379,6 +379,7 @@ async fn watch(
         session_id: Some(session_id),
         turn_id: None,
         after: Some(after),
+        progress: false,
     };
     // The watch replays stored events as the feed takes them, so it runs beside the
     // stream; its answer (accepted, or why not) comes first.

@@ -104,15 +104,7 @@ pub fn empty_row(cols: u32, text: &str) -> Markup {
 }
 
 pub fn on_deadline(o: turnd_proto::OnDeadline) -> &'static str {
-    use turnd_proto::OnDeadline::*;
-    match o {
-        Probe => "probe",
-        Redispatch => "redispatch",
-        Fail => "fail",
-        Cancel => "cancel",
-        Retry => "retry",
-        Dispatch => "dispatch",
-    }
+    o.as_str()
 }
 
 /// The whole document around a screen's body.

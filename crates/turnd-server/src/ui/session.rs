@@ -115,7 +115,7 @@ fn turns_table(id: &str, runs: &TurnRuns, before: Option<u64>, now: Now) -> Mark
                         td.num { (t.seq) }
                         td { a href=(turn_href(&t.turn_id)) { (t.turn_id) } }
                         td { (t.function_id) }
-                        td.status { (t.status.as_str()) }
+                        td.status { (t.status.as_str()) @if t.superseded { " (superseded)" } }
                         td.wrap { (outcome(r)) }
                         td { @match &r.worker_id { Some(w) => { (w) } None => { span.muted { "-" } } } }
                         td.num { (t.step) " / " (t.attempt) }
@@ -168,6 +168,9 @@ fn blocked_details(b: &BlockedOn, now: Now) -> Markup {
                         None => { "none (waits until something changes)" }
                     }
                 }
+            }
+            @if let Some(p) = &t.progress {
+                dt { "Progress" } dd #progress.wrap { "#" (p.seq) ": " (p.data.to_string()) " (" (time(p.at_ms, now)) ")" }
             }
             dt { "Attempt" } dd #attempt {
                 (t.attempt)

@@ -81,7 +81,7 @@ fn turn_card(t: &Turn, workers: &[String], now: Now) -> Markup {
         div.card { dl {
             dt { "Session" } dd { a href=(session_href(&t.session_id)) { (t.session_id) } " (seq " (t.seq) ")" }
             dt { "Function" } dd { (t.function_id) }
-            dt { "Status" } dd #status { (t.status.as_str()) }
+            dt { "Status" } dd #status { (t.status.as_str()) @if t.superseded { span #superseded { " (superseded by a later message)" } } }
             dt { "Step / attempt" } dd { (t.step) " / " (t.attempt) }
             dt { "Worker" } dd #turn-workers {
                 @if workers.is_empty() { "none yet (never dispatched)" } @else { (workers.join(", ")) }
@@ -91,6 +91,16 @@ fn turn_card(t: &Turn, workers: &[String], now: Now) -> Markup {
             dt { "Recovered" } dd #recovered { (if t.recovered { "yes (its outcome was decided after a restart or a lost result)" } else { "no" }) }
             @if let Some(w) = &t.wait {
                 dt { "Wait" } dd.wrap { (w.state.as_str()) ": " (w.reason) }
+            }
+            @if let Some(r) = &t.input_request {
+                dt { "Asks" } dd #input-request.wrap {
+                    (r.prompt.as_ref().map_or("(no prompt)".to_string(), |p| p.as_str().map_or_else(|| p.to_string(), str::to_string)))
+                    " — since " (time(r.since_ms, now))
+                    @if let Some(d) = r.deadline_ms { ", until " (time(d, now)) ", then " (r.on_timeout.as_str()) }
+                }
+            }
+            @if let Some(p) = &t.progress {
+                dt { "Progress" } dd #progress.wrap { "#" (p.seq) " of step " (p.step) ": " (p.data.to_string()) " (" (time(p.at_ms, now)) ")" }
             }
             @if let Some(err) = &t.error {
                 dt { "Error" } dd #error.bad.wrap { (err.cause.as_str()) ": " (err.code) " — " (err.message) " (step " (err.step) @if let Some(i) = &err.invocation_id { ", " (i) } ")" }

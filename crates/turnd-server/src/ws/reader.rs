@@ -1,8 +1,9 @@
 //! The reader task of a connection: it waits for the next frame (the peer's silence
 //! for 3 heartbeats, the daemon closing and the engine closing the connection end
 //! it), answers frames that are not requests and counts them (too many in a row
-//! close the connection), holds the request rate, runs `hello` in line and starts
-//! every other request ([`super::request::start`]).
+//! close the connection), holds the request rate, runs `hello` and
+//! `invocation.progress` in line and starts every other request
+//! ([`super::request::start`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -160,6 +161,8 @@ impl Reader {
         } else if req.op == Op::Hello.name() {
             let r = conn.hello(req.args_text()).await;
             conn.respond(req.id, r).await
+        } else if request::in_line(&req) {
+            request::run_in_line(conn, &req).await
         } else {
             match request::start(conn, &req) {
                 Ok(()) => true,

@@ -5,16 +5,16 @@
 
 use std::sync::Arc;
 
-use turnd_engine::CloseReason;
+use turnd_engine::{Caller, CloseReason};
 use turnd_proto::{ErrorBody, ErrorCode, Op, RawRequest};
 
 use super::limits::InFlight;
 use super::Conn;
 use crate::router::{self, Answer, Origin};
 
-/// Start a request as a task of its own, or say why it is refused (answered by the
-/// reader at once).
-pub(super) fn start(conn: &Arc<Conn>, req: &RawRequest<'_>) -> Result<(), ErrorBody> {
+/// Who sent a request and which op it is, once the connection said `hello`, the
+/// router admits the op for its role and the daemon is not draining.
+fn admit<'c>(conn: &'c Conn, req: &RawRequest<'_>) -> Result<(&'c Caller, Op), ErrorBody> {
     let Some(caller) = conn.auth.get() else {
         return Err(ErrorBody::new(
             ErrorCode::NotAuthenticated,
@@ -22,13 +22,51 @@ pub(super) fn start(conn: &Arc<Conn>, req: &RawRequest<'_>) -> Result<(), ErrorB
         ));
     };
     let op = router::admit(caller, &req.op)?;
-    let shared = &conn.shared;
-    if shared.draining.is_cancelled() && op != Op::Ping {
+    if conn.shared.draining.is_cancelled() && op != Op::Ping {
         return Err(ErrorBody::new(
             ErrorCode::ShuttingDown,
             "the server is shutting down; nothing was changed",
         ));
     }
+    Ok((caller, op))
+}
+
+/// Whether a request is run in line by the reader rather than as a task of its own:
+/// `invocation.progress`, which waits for nothing (no session lock, no write), so
+/// that a worker's frames are taken in the order it sent them.
+pub(super) fn in_line(req: &RawRequest<'_>) -> bool {
+    req.op == Op::InvocationProgress.name()
+}
+
+/// Run a request in line ([`in_line`]) and queue its answer; false when the
+/// connection is closed.
+pub(super) async fn run_in_line(conn: &Arc<Conn>, req: &RawRequest<'_>) -> bool {
+    let answer = match admit(conn, req) {
+        Ok((caller, op)) => {
+            match conn
+                .shared
+                .backend
+                .run(caller, op, req.args_text(), None)
+                .await
+            {
+                Ok(Answer::Reply(r)) => Ok(r),
+                Ok(Answer::Queued) => Err(ErrorBody::new(
+                    ErrorCode::Internal,
+                    "an op run in line queued its answer",
+                )),
+                Err(e) => Err(e),
+            }
+        }
+        Err(e) => Err(e),
+    };
+    conn.respond(req.id, answer).await
+}
+
+/// Start a request as a task of its own, or say why it is refused (answered by the
+/// reader at once).
+pub(super) fn start(conn: &Arc<Conn>, req: &RawRequest<'_>) -> Result<(), ErrorBody> {
+    let (caller, op) = admit(conn, req)?;
+    let shared = &conn.shared;
     let max_inflight = shared.config.server.max_inflight_per_connection;
     let Some(counted) = InFlight::take(conn, max_inflight) else {
         return Err(ErrorBody::new(

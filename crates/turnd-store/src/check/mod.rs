@@ -33,6 +33,7 @@ pub fn check_store(store: &Store) -> Result<Vec<Violation>, StoreError> {
     let sessions = Sessions::new(&metas);
     let marks = sessions::recovery_marks(store, &sessions, &turns, &mut out)?;
     let unfinished = turns::turn_states(store, &turns, &invs, &sessions, &marks, &mut out)?;
+    turns::suspended_turns(&unfinished, &invs, &mut out);
     turns::lock_holders(unfinished, &mut out);
     turns::live_invocations(&turns, &invs, &mut out);
     let windows = kv.windows()?;

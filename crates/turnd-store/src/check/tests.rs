@@ -67,3 +67,95 @@ async fn leftovers_of_deleted_turns_are_reported() {
         ]
     );
 }
+
+/// A turn suspended for input holds its session's lock with no live invocation: a
+/// session with one is clean; a live invocation beside it, or an unfinished turn
+/// before it, is reported.
+#[tokio::test]
+async fn a_suspended_turn_is_the_lock_holder_without_an_invocation() {
+    use crate::model::records::{FunctionSettings, InputWait, InvState, InvWait, InvocationRecord};
+    use turnd_proto::{Delivery, OnTimeout};
+    let store = Store::new(Arc::new(MemKv::new()));
+    let input = RawJson::from_value(&json!("hi"));
+    let suspended = |id: &str, seq: u64| {
+        let mut t = TurnRecord::admitted(id.into(), "s", seq, "f", input.clone(), 0);
+        t.status = TurnStatus::Running;
+        t.phase = Phase::AwaitingInput;
+        t.invocation_id = Some(format!("inv-{id}"));
+        t.input_request = Some(Box::new(InputWait {
+            prompt: Some(RawJson::from_value(&json!("approve?"))),
+            since_ms: 1,
+            deadline_ms: None,
+            on_timeout: OnTimeout::Fail,
+        }));
+        t
+    };
+    let t1 = suspended("t1", 1);
+    let mut meta = SessionMeta::new("s");
+    meta.last_turn_seq = 1;
+    meta.counts.running = 1;
+    meta.active_from = Some(1);
+    let mut b = Batch::new();
+    b.put_admission(&t1);
+    b.put_new_turn(&t1);
+    b.put_session_meta(&meta);
+    store.commit(b).await.expect("commit");
+    assert!(invariants(&store).is_empty(), "{:?}", invariants(&store));
+
+    // A live invocation of the suspended turn.
+    let inv = InvocationRecord {
+        invocation_id: "inv-t1".into(),
+        turn_id: "t1".into(),
+        session_id: "s".into(),
+        function_id: "f".into(),
+        step: 0,
+        attempt: 1,
+        worker_id: "w".into(),
+        instance_id: "i".into(),
+        settings: FunctionSettings {
+            timeout_ms: 1000,
+            delivery: Delivery::AtMostOnce,
+            max_attempts: 1,
+        },
+        state: InvState::Active,
+        wait: InvWait::AwaitingResult,
+        wait_since_ms: 0,
+        deadline_ms: 1000,
+        attempt_deadline_ms: 1000,
+        dispatched_at_ms: 0,
+        ended_at_ms: None,
+        outcome: None,
+        late: false,
+    };
+    let mut b = Batch::new();
+    b.put_new_invocation(&inv);
+    store.commit(b).await.expect("commit");
+    assert!(
+        invariants(&store).contains(&"suspended_with_invocation".to_string()),
+        "{:?}",
+        invariants(&store)
+    );
+
+    // A suspended turn behind an unfinished one, in another session.
+    let mut q = TurnRecord::admitted("u1".into(), "s2", 1, "f", input.clone(), 0);
+    q.phase = Phase::AwaitingWorker;
+    let mut u2 = suspended("u2", 2);
+    u2.session_id = "s2".into();
+    let mut meta2 = SessionMeta::new("s2");
+    meta2.last_turn_seq = 2;
+    meta2.counts.queued = 1;
+    meta2.counts.running = 1;
+    meta2.active_from = Some(1);
+    let mut b = Batch::new();
+    for t in [&q, &u2] {
+        b.put_admission(t);
+        b.put_new_turn(t);
+    }
+    b.put_session_meta(&meta2);
+    store.commit(b).await.expect("commit");
+    let found = invariants(&store);
+    assert!(
+        found.contains(&"suspended_not_holder".to_string()),
+        "{found:?}"
+    );
+}

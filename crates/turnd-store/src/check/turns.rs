@@ -2,8 +2,9 @@
 //! is stored in one form, a folded turn is finished with its own ended invocations,
 //! a dropped window left no files, a failed turn has its cause and a cancelled one
 //! its stop, an unfinished turn is where recovery looks for it, a running turn has a
-//! way forward, a session has one lock holder with no queued turn ahead of it, and a
-//! live invocation is its running turn's current one, one per session.
+//! way forward, a session has one lock holder with no queued turn ahead of it, a
+//! turn suspended for input is its session's lock holder with no live invocation,
+//! and a live invocation is its running turn's current one, one per session.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -242,6 +243,8 @@ fn running_has_path(t: &TurnRecord, invs: &Invocations, out: &mut Vec<Violation>
     let live = match t.phase {
         Phase::AwaitingWorker => true,
         Phase::BackingOff => t.retry_at_ms.is_some(),
+        // Waits for `turn.resume` (or its input deadline).
+        Phase::AwaitingInput => t.input_request.is_some(),
         Phase::Invoked => t
             .invocation_id
             .as_ref()
@@ -260,6 +263,48 @@ fn running_has_path(t: &TurnRecord, invs: &Invocations, out: &mut Vec<Violation>
                 t.phase, t.invocation_id
             ),
         ));
+    }
+}
+
+/// `suspended_not_holder`, `suspended_with_invocation`: a turn suspended for input
+/// holds its session's lock (no unfinished turn before it), and the session has no
+/// live invocation while it waits: its step ended with the suspend.
+pub(super) fn suspended_turns(
+    unfinished: &BTreeMap<String, Vec<&TurnRecord>>,
+    invs: &Invocations,
+    out: &mut Vec<Violation>,
+) {
+    for (sid, ts) in unfinished {
+        let Some(s) = ts.iter().find(|t| t.phase == Phase::AwaitingInput) else {
+            continue;
+        };
+        if let Some(before) = ts.iter().filter(|t| t.seq < s.seq).min_by_key(|t| t.seq) {
+            out.push(violation(
+                "suspended_not_holder",
+                Some(s),
+                sid,
+                format!(
+                    "turn awaiting input (seq {}) is behind unfinished turn {} (seq {})",
+                    s.seq, before.turn_id, before.seq
+                ),
+            ));
+        }
+        let live: Vec<&str> = invs
+            .values()
+            .filter(|i| i.is_active() && i.session_id == *sid)
+            .map(|i| i.invocation_id.as_str())
+            .collect();
+        if !live.is_empty() {
+            out.push(violation(
+                "suspended_with_invocation",
+                Some(s),
+                sid,
+                format!(
+                    "turn awaiting input while the session has live invocation(s): {}",
+                    live.join(", ")
+                ),
+            ));
+        }
     }
 }
 

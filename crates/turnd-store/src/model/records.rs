@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
-use turnd_proto::{Delivery, StopInfo, TurnCounts, TurnError, TurnStatus};
+use turnd_proto::{Delivery, OnTimeout, StopInfo, TurnCounts, TurnError, TurnStatus};
 
 use crate::error::StoreError;
 
@@ -168,6 +168,9 @@ pub enum Phase {
     /// Holds the lock; a retryable failure is waiting out its backoff until
     /// `retry_at_ms`.
     BackingOff,
+    /// Holds the lock; its last step suspended it and it waits for `turn.resume` (or
+    /// its input deadline): see [`TurnRecord::input_request`].
+    AwaitingInput,
     /// Terminal.
     Done,
 }
@@ -235,6 +238,64 @@ pub struct TurnRecord {
     /// Dispatch settings the turn was admitted with, in place of its function's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch: Option<Box<TurnDispatch>>,
+    /// With `AwaitingInput`: what the suspended step asked, and until when. The
+    /// suspend's state is the record's `state`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_request: Option<Box<InputWait>>,
+    /// The lock holder this turn interrupted (`on_busy` `interrupt` or `rollback`),
+    /// given to every dispatch of its step 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<Box<PreviousState>>,
+    /// Stopped by a later submit with `on_busy: "rollback"`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub superseded: bool,
+    /// The idempotency keys of the resumes that let its suspended steps go.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume_keys: Vec<ResumeKey>,
+}
+
+/// What a suspended turn waits for ([`Phase::AwaitingInput`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InputWait {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<RawJson>,
+    pub since_ms: u64,
+    /// When the wait ends by itself (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+}
+
+/// The lock holder a turn interrupted: its id, its status after the interrupt and
+/// its last durable state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreviousState {
+    pub turn_id: String,
+    pub status: TurnStatus,
+    pub state: RawJson,
+}
+
+/// A resume's idempotency key, with the CRC-32 of the input it came with: the same
+/// key with another input is a conflict.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumeKey {
+    pub key: String,
+    pub input_crc: u32,
+}
+
+impl ResumeKey {
+    pub fn new(key: String, input: &RawJson) -> ResumeKey {
+        ResumeKey {
+            key,
+            input_crc: crc32fast::hash(input.as_str().as_bytes()),
+        }
+    }
+
+    /// Whether `input` is the one this key came with.
+    pub fn same_input(&self, input: &RawJson) -> bool {
+        self.input_crc == crc32fast::hash(input.as_str().as_bytes())
+    }
 }
 
 /// Dispatch settings given to one turn at admission (by the iii endpoint: a queue's
@@ -314,6 +375,10 @@ impl TurnRecord {
             settings: None,
             backoff_ms: 0,
             dispatch: None,
+            input_request: None,
+            previous: None,
+            superseded: false,
+            resume_keys: Vec::new(),
         }
     }
 }

@@ -50,7 +50,7 @@ pub(super) fn emit_json<T: Serialize>(v: &T) -> Result<(), Failure> {
 
 /// Print a turn: its JSON, or the human view, which says why a turn awaiting a
 /// worker has none (from `functions.list`, best effort).
-async fn emit_turn(c: &Conn, t: &Turn, json: bool) -> Result<(), Failure> {
+pub(super) async fn emit_turn(c: &Conn, t: &Turn, json: bool) -> Result<(), Failure> {
     if json {
         return emit_json(t);
     }
@@ -70,7 +70,7 @@ async fn worker_note(c: &Conn, function_id: &str) -> Option<String> {
 
 /// Exit code for a finished (or not) turn: 0 completed, 1 failed/cancelled,
 /// 3 still unfinished after the wait.
-fn turn_exit(t: &Turn, timed_out: bool, waited_secs: u64) -> i32 {
+pub(super) fn turn_exit(t: &Turn, timed_out: bool, waited_secs: u64) -> i32 {
     if !t.status.is_terminal() || timed_out {
         eprintln!(
             "turnd: turn {} is still {} after waiting {waited_secs}s",
@@ -90,7 +90,7 @@ fn turn_exit(t: &Turn, timed_out: bool, waited_secs: u64) -> i32 {
 
 /// Repeat `turn.wait` until the turn is terminal or `secs` pass. Returns the turn as
 /// last seen and whether time ran out first.
-async fn wait_for(c: &Conn, turn_id: &str, secs: u64) -> Result<(Turn, bool), Failure> {
+pub(super) async fn wait_for(c: &Conn, turn_id: &str, secs: u64) -> Result<(Turn, bool), Failure> {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -123,6 +123,7 @@ pub async fn submit(c: &Conn, a: &SubmitCmd) -> Result<i32, Failure> {
         input: a.input.clone(),
         idempotency_key: a.idempotency_key.clone(),
         turn_timeout_ms: a.turn_timeout_ms,
+        on_busy: a.on_busy,
     };
     let ok = c.caller.submit(args).await.at(&c.url)?;
     if ok.deduplicated {
@@ -132,9 +133,10 @@ pub async fn submit(c: &Conn, a: &SubmitCmd) -> Result<i32, Failure> {
             a.session
         );
     }
-    let (turn, code) = if a.wait {
-        let (turn, timed_out) = wait_for(c, &ok.turn.turn_id, a.timeout_secs).await?;
-        let code = turn_exit(&turn, timed_out, a.timeout_secs);
+    let (turn, code) = if a.waiting.wait {
+        let secs = a.waiting.timeout_secs;
+        let (turn, timed_out) = wait_for(c, &ok.turn.turn_id, secs).await?;
+        let code = turn_exit(&turn, timed_out, secs);
         (turn, code)
     } else {
         (ok.turn, 0)
@@ -338,14 +340,14 @@ pub async fn events(c: &Conn, a: &EventsCmd) -> Result<i32, Failure> {
 
 /// Prints events as they come, remembering the last sequence number printed so that
 /// nothing is printed twice and, after a reconnect, nothing is missed.
-struct Printer {
-    json: bool,
-    cols: Option<EventColumns>,
-    last: u64,
+pub(super) struct Printer {
+    pub(super) json: bool,
+    pub(super) cols: Option<EventColumns>,
+    pub(super) last: u64,
 }
 
 impl Printer {
-    fn print(&mut self, events: &[Event]) -> Result<(), Failure> {
+    pub(super) fn print(&mut self, events: &[Event]) -> Result<(), Failure> {
         let fresh: Vec<&Event> = events.iter().filter(|e| e.seq > self.last).collect();
         if fresh.is_empty() {
             return Ok(());
@@ -427,6 +429,7 @@ async fn follow(c: &Conn, a: &EventsCmd) -> Result<i32, Failure> {
             session_id: Some(a.session.clone()),
             turn_id: None,
             after: Some(p.last),
+            progress: false,
         };
         match conn.caller.watch(args).await.at(&conn.url) {
             Ok(mut stream) => {

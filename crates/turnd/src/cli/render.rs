@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use turnd_proto::{
-    Delivery, Event, Function, OnDeadline, Session, Stats, Turn, TurnCounts, TurnStatus, Violation,
-    Wait, WaitState, Worker,
+    Delivery, Event, Function, Session, Stats, Turn, TurnCounts, TurnStatus, Violation, Wait,
+    WaitState, Worker,
 };
 
 use super::fmt::{compact, duration, log_time, relative, truncate, when, width, Fields, Table};
@@ -21,15 +21,8 @@ const KIND_WIDTH: usize = 15;
 /// Column width of a turn id (`t_` + 32 hex digits).
 const TURN_ID_WIDTH: usize = 34;
 
-pub fn on_deadline(o: OnDeadline) -> &'static str {
-    match o {
-        OnDeadline::Probe => "probe",
-        OnDeadline::Redispatch => "redispatch",
-        OnDeadline::Fail => "fail",
-        OnDeadline::Cancel => "cancel",
-        OnDeadline::Retry => "retry",
-        OnDeadline::Dispatch => "dispatch",
-    }
+pub fn on_deadline(o: turnd_proto::OnDeadline) -> &'static str {
+    o.as_str()
 }
 
 fn delivery(d: Delivery) -> &'static str {
@@ -104,7 +97,15 @@ pub fn turn(t: &Turn, note: Option<&str>, now: u64) -> String {
     } else {
         ""
     };
-    f.add("status", format!("{}{recovered}", t.status.as_str()));
+    let superseded = if t.superseded {
+        " (superseded by a later message)"
+    } else {
+        ""
+    };
+    f.add(
+        "status",
+        format!("{}{recovered}{superseded}", t.status.as_str()),
+    );
     f.add("step", t.step.to_string());
     f.add("attempt", t.attempt.to_string());
     f.add("created", when(t.created_at_ms, now));
@@ -143,10 +144,41 @@ pub fn turn(t: &Turn, note: Option<&str>, now: u64) -> String {
         );
         f.sub("reason", s.reason.clone());
     }
+    agent_fields(&mut f, t, now);
     if let Some(w) = &t.wait {
         wait_fields(&mut f, 0, w, note, now);
     }
     f.render()
+}
+
+/// What a turn of an agent shows beyond the rest: the input it waits for, and its
+/// step's last progress.
+fn agent_fields(f: &mut Fields, t: &Turn, now: u64) {
+    if let Some(r) = &t.input_request {
+        let asks = r
+            .prompt
+            .as_ref()
+            .map_or("(no prompt)".to_string(), |p| match p {
+                serde_json::Value::String(s) => s.clone(),
+                other => compact(other),
+            });
+        f.add("asks", truncate(&asks, MAX_INLINE_JSON));
+        f.sub(
+            "resume with",
+            format!("turnd resume {} --input JSON", t.turn_id),
+        );
+    }
+    if let Some(p) = &t.progress {
+        f.add(
+            "progress",
+            format!(
+                "#{} {}",
+                p.seq,
+                truncate(&compact(&p.data), MAX_INLINE_JSON)
+            ),
+        );
+        f.sub("at", when(p.at_ms, now));
+    }
 }
 
 /// Several turns, one line each (e.g. what `session.stop` answered).
@@ -516,7 +548,7 @@ mod tests {
             reason: "no connected worker serving echo has free capacity".into(),
             since_ms: 10_000,
             deadline_ms: Some(40_000),
-            on_deadline: Some(OnDeadline::Fail),
+            on_deadline: Some(turnd_proto::OnDeadline::Fail),
             invocation_id: None,
             worker_id: None,
             ahead: None,

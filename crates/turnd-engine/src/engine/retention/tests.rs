@@ -17,6 +17,7 @@ fn submit(session: &str, key: Option<&str>) -> SubmitArgs {
         input: json!({"n": 1}),
         idempotency_key: key.map(str::to_string),
         turn_timeout_ms: None,
+        on_busy: None,
     }
 }
 
