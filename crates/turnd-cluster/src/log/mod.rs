@@ -208,6 +208,9 @@ impl JetStreamLog {
     /// anchor at or before `applied` (this node's mark). Returns the messages purged.
     fn trim_to(&self, applied: u64) -> Result<usize, LogError> {
         let p = self.inner.cfg.partition;
+        if self.inner.cfg.keep_all {
+            return Ok(0);
+        }
         let mut least = applied;
         if let Some(marks) = &self.inner.marks {
             let seen = self.inner.nats.block_on(marks.all(p))?;

@@ -46,6 +46,10 @@ pub struct LogConfig {
     pub trim_interval: Duration,
     /// A node whose mark did not move for this long is not waited for by a trim.
     pub replica_timeout: Duration,
+    /// Never purge the stream: every node can then open the partition from the
+    /// stream's start, whatever its store holds (until a node can copy a peer's
+    /// checkpoint, a node behind a trimmed stream cannot take the partition over).
+    pub keep_all: bool,
 }
 
 impl LogConfig {
@@ -63,6 +67,7 @@ impl LogConfig {
             trim_every: 1024,
             trim_interval: Duration::from_secs(5),
             replica_timeout: Duration::from_secs(60),
+            keep_all: false,
         }
     }
 

@@ -310,6 +310,9 @@ fn log_config(node: &Node, p: u32) -> LogConfig {
         max_bytes: i64::try_from(node.cluster.stream_max_mb.saturating_mul(1 << 20))
             .unwrap_or(i64::MAX),
         replica_timeout: Duration::from_millis(node.cluster.replica_timeout_ms),
+        // A node whose store is behind a trimmed stream cannot take the partition
+        // over until checkpoints can be copied: the node keeps whole streams.
+        keep_all: true,
         ..LogConfig::new(p)
     }
 }
