@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from types import ModuleType
 
 import pytest
 
+import turnd
 from turnd import WorkerState
 from turnd.testing import TurndServer
 
@@ -43,3 +45,58 @@ async def test_agent_worker_and_caller(
     }
     printed = capsys.readouterr().out
     assert printed.count(" dispatched ") == 5 and " completed " in printed
+
+
+async def test_streaming_echo_prints_tokens_as_they_come(
+    server: TurndServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    echo = load("streaming_echo")
+    echo.worker.url = server.url
+    async with echo.worker:
+        await echo.worker.wait_state(WorkerState.CONNECTED, 10)
+        turn = await echo.ask(server.url, "echo", "the quick brown fox")
+    assert turn.status == "completed" and turn.output == {"text": "the quick brown fox"}
+    assert capsys.readouterr().out == "the quick brown fox\n"
+    assert echo.worker.stats.progress_sent == 4
+
+
+async def test_approval_waits_for_the_answer_without_a_worker(server: TurndServer) -> None:
+    approval = load("approval")
+    approval.worker.url = server.url
+    async with approval.worker:
+        await approval.worker.wait_state(WorkerState.CONNECTED, 10)
+        asked = await approval.request(server.url, "deploys", "billing")
+        refused = await approval.request(server.url, "deploys-2", "search")
+        assert asked.wait is not None and asked.wait.state == "awaiting_input"
+        assert asked.input_request.prompt == "Deploy billing latest to production? (yes/no)"
+        await approval.worker.settled(5)  # no handler holds the wait
+        done = await approval.answer(server.url, asked.turn_id, True)
+        no = await approval.answer(server.url, refused.turn_id, False)
+    assert done.status == "completed"
+    assert done.output == {
+        "deployed": True,
+        "plan": {"service": "billing", "version": "latest"},
+        "by": "cli",
+    }
+    assert no.status == "completed" and no.output["deployed"] is False
+
+
+async def test_chat_second_message_interrupts_the_first(
+    server: TurndServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chat = load("chat")
+    chat.worker.url = server.url
+    async with turnd.Client(server.url) as c, chat.worker:
+        await chat.worker.wait_state(WorkerState.CONNECTED, 10)
+        first = asyncio.create_task(chat.say(server.url, "chat", "tell me a story"))
+        # Interrupt once the first answer has said its first sentence.
+        while not [t for t in (await c.list("chat")).turns if t.step >= 2]:
+            await asyncio.sleep(0.02)
+        second = await chat.say(server.url, "chat", "a short one")
+        stopped = await first
+    assert stopped.status == "cancelled" and stopped.stop is not None
+    assert stopped.stop.reason == "interrupted"
+    assert second.status == "completed"
+    assert second.output["reply"].startswith("(You cut me off after: 'You said: tell me a story.'")
+    printed = capsys.readouterr().out
+    assert "You said: a short one. That is worth a long answer." in printed

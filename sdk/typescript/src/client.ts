@@ -1,6 +1,8 @@
 /**
- * The caller side: `connect()` gives a {@link Client} with one method per client op,
- * and `watch()` streams that survive reconnects.
+ * The caller side: `connect()` gives a {@link Client} with one method per client op
+ * (`submit` with what to do when the session is busy, `resume` of a turn awaiting
+ * input), and `watch()` / `stream()` streams of events and progress that survive
+ * reconnects.
  *
  * The client reconnects on its own (capped, jittered backoff). A request cut by a
  * lost connection is sent again on the next connection when that is safe: every op
@@ -16,6 +18,8 @@ import {
   eventFromWire,
   type FunctionInfo,
   functionFromWire,
+  isProgress,
+  isProgressDropped,
   isTerminal,
   type Session,
   type SessionPage,
@@ -29,7 +33,9 @@ import {
   type TurnPage,
   type TurnStatus,
   turnFromWire,
+  type WatchItem,
   type WorkerInfo,
+  watchItemFromWire,
   workerFromWire,
 } from "./types.js";
 
@@ -60,6 +66,23 @@ export interface SubmitOptions {
   idempotencyKey?: string;
   /** Fail the turn (`timed_out`) when it is not finished this long after admission. */
   turnTimeoutMs?: number;
+  /**
+   * When the session has an unfinished turn: `enqueue` (the daemon's default) queues
+   * behind it; `reject` throws {@link BusyError} and stores nothing; `interrupt` stops
+   * the unfinished turns (reason `interrupted`) and gives this turn's step 0 the
+   * stopped one as `ctx.previous`; `rollback` does the same and marks them `superseded`.
+   */
+  onBusy?: OnBusy;
+}
+
+export type OnBusy = "enqueue" | "reject" | "interrupt" | "rollback";
+
+export interface ResumeOptions {
+  /**
+   * The same key with the same input returns the winner's turn (`deduplicated: true`)
+   * and makes the resume safe to send again after a lost connection.
+   */
+  idempotencyKey?: string;
 }
 
 export type WatchTarget = { sessionId: string; turnId?: never } | { turnId: string; sessionId?: never };
@@ -70,6 +93,22 @@ export interface WatchOptions {
    * the time of the call, i.e. only new events.
    */
   after?: number;
+  /**
+   * Also yield the `progress` frames of the watched turns and `progress_dropped`
+   * markers (default false). Progress is not stored: frames sent while the watch
+   * replays or reconnects come as a marker, never as a silent gap.
+   */
+  progress?: boolean;
+}
+
+/** What the client routes a watch's pushes to, whatever the stream yields. */
+interface WatchRoute {
+  watchId: string | undefined;
+  generation: number;
+  deliver(item: WatchItem): void;
+  reopen(generation: number, first?: boolean): Promise<void>;
+  fail(err: unknown): void;
+  end(): void;
 }
 
 export type ClientState = "connected" | "disconnected" | "closed";
@@ -99,9 +138,9 @@ export class Client extends EventEmitter {
   private closedByUser = false;
   private generation = 0;
   /** Watch streams by watch id on the current connection. */
-  private routes = new Map<string, WatchStream>();
+  private routes = new Map<string, WatchRoute>();
   /** Every open watch stream (re-opened after a reconnect). */
-  private readonly watches = new Set<WatchStream>();
+  private readonly watches = new Set<WatchRoute>();
   private lastHello: HelloOk | undefined;
 
   constructor(options: ClientOptions) {
@@ -186,9 +225,10 @@ export class Client extends EventEmitter {
   }
 
   private onPush(push: PushFrame, conn: Connection): void {
-    if (push.push !== "event" || conn !== this.conn) return;
-    const stream = this.routes.get(String(push.watch_id));
-    stream?.deliver(eventFromWire(push.event));
+    if (conn !== this.conn) return;
+    const item = watchItemFromWire(push);
+    if (item === undefined) return;
+    this.routes.get(String(push.watch_id))?.deliver(item);
   }
 
   /**
@@ -217,11 +257,26 @@ export class Client extends EventEmitter {
     const args: Record<string, unknown> = { session_id: sessionId, function_id: functionId, input };
     if (options.idempotencyKey !== undefined) args.idempotency_key = options.idempotencyKey;
     if (options.turnTimeoutMs !== undefined) args.turn_timeout_ms = options.turnTimeoutMs;
+    if (options.onBusy !== undefined) args.on_busy = options.onBusy;
     // Without a key a repeat could admit the turn twice: only a keyed submit is resent.
-    const ok = (await this.request("turn.submit", args, options.idempotencyKey !== undefined)) as {
-      turn: unknown;
-      deduplicated: boolean;
-    };
+    return this.submitted(await this.request("turn.submit", args, options.idempotencyKey !== undefined));
+  }
+
+  /**
+   * `turn.resume`: answer a turn awaiting input; its next step runs with
+   * `{ state: <the suspend's state>, input }`. Resolves once the resume is durable.
+   * A turn that is not awaiting input rejects with `conflict` and nothing changes;
+   * of two resumes exactly one wins. Only a resume with an idempotency key is sent
+   * again after a lost connection.
+   */
+  async resume(turnId: string, input: unknown = null, options: ResumeOptions = {}): Promise<SubmittedTurn> {
+    const args: Record<string, unknown> = { turn_id: turnId, input };
+    if (options.idempotencyKey !== undefined) args.idempotency_key = options.idempotencyKey;
+    return this.submitted(await this.request("turn.resume", args, options.idempotencyKey !== undefined));
+  }
+
+  private submitted(answer: unknown): SubmittedTurn {
+    const ok = answer as { turn: unknown; deduplicated: boolean };
     return { ...turnFromWire(ok.turn), deduplicated: ok.deduplicated === true };
   }
 
@@ -292,16 +347,41 @@ export class Client extends EventEmitter {
   }
 
   /**
-   * Stream the events of a session or of one turn. The stream resumes after a
+   * Stream the events of a session or of one turn (with `progress: true`, also its
+   * progress frames and `progress_dropped` markers). The stream resumes after a
    * reconnect from the last event it delivered, so it has no gap and no repeat.
    * End it with `close()` or by leaving a `for await` loop.
    */
-  async watch(target: WatchTarget, options: WatchOptions = {}): Promise<WatchStream> {
+  watch(target: WatchTarget, options?: WatchOptions & { progress?: false }): Promise<WatchStream<Event>>;
+  watch(target: WatchTarget, options: WatchOptions & { progress: true }): Promise<WatchStream<WatchItem>>;
+  watch(target: WatchTarget, options?: WatchOptions): Promise<WatchStream<WatchItem>>;
+  async watch(target: WatchTarget, options: WatchOptions = {}): Promise<WatchStream<Event> | WatchStream<WatchItem>> {
     let after = options.after;
     if (after === undefined) after = await this.lastEventOf(target);
+    const stream = await this.openStream(target, after, options.progress === true, false);
+    // Without progress the daemon pushes events only.
+    return options.progress === true ? stream : (stream as unknown as WatchStream<Event>);
+  }
+
+  /**
+   * One turn's events and progress from its first event (or `after`), ending after
+   * the event that makes the turn terminal (`completed`, `failed`, `cancelled`); at
+   * once for a turn already done. Resumes after a reconnect like {@link watch}.
+   */
+  stream(turnId: string, options: { after?: number } = {}): Promise<WatchStream<WatchItem>> {
+    return this.openStream({ turnId }, options.after ?? 0, true, true);
+  }
+
+  private async openStream(
+    target: WatchTarget,
+    after: number,
+    progress: boolean,
+    untilDone: boolean,
+  ): Promise<WatchStream<WatchItem>> {
     const args: Record<string, unknown> =
       target.turnId !== undefined ? { turn_id: target.turnId } : { session_id: target.sessionId };
-    const stream = new WatchStream(this, args, after);
+    if (progress) args.progress = true;
+    const stream = new WatchStream<WatchItem>(this, args, after, untilDone);
     this.watches.add(stream);
     try {
       await stream.reopen(this.generation, true);
@@ -324,7 +404,7 @@ export class Client extends EventEmitter {
   }
 
   /** Send `watch` on the current connection and route its events to `stream`. */
-  async openWatch(stream: WatchStream, args: Record<string, unknown>): Promise<void> {
+  async openWatch(stream: WatchRoute, args: Record<string, unknown>): Promise<void> {
     const conn = await this.connection();
     const generation = this.generation;
     await conn.request("watch", args, (ok) => {
@@ -344,7 +424,7 @@ export class Client extends EventEmitter {
   }
 
   /** Stop routing to `stream` and tell the daemon. */
-  async closeWatch(stream: WatchStream): Promise<void> {
+  async closeWatch(stream: WatchRoute): Promise<void> {
     this.watches.delete(stream);
     const watchId = stream.watchId;
     if (watchId === undefined || stream.generation !== this.generation) return;
@@ -413,26 +493,31 @@ export class Client extends EventEmitter {
 }
 
 /**
- * The events of one watch, in `seq` order, as an async iterator. Ends when closed,
- * or when the client is closed.
+ * The items of one watch as an async iterator: events in `seq` order and, when the
+ * watch asked for progress, progress frames (in `seq` order per invocation) and
+ * `progress_dropped` markers. Ends when closed, when the client is closed, or (a
+ * `stream()`) after the turn's terminal event.
  */
-export class WatchStream implements AsyncIterableIterator<Event> {
+export class WatchStream<T extends WatchItem = Event> implements AsyncIterableIterator<T>, WatchRoute {
   /** The watch id on the current connection. */
   watchId: string | undefined;
   /** The connection generation `watchId` belongs to. */
   generation = -1;
   private lastSeq: number;
-  private readonly queue: Event[] = [];
-  private waiter: ((r: IteratorResult<Event>) => void) | undefined;
+  private readonly queue: T[] = [];
+  private waiter: ((r: IteratorResult<T>) => void) | undefined;
   private failWaiter: ((err: unknown) => void) | undefined;
   private error: unknown;
   private done = false;
   private closed = false;
+  /** Per invocation, the progress `seq` this watch expects next. */
+  private readonly expected = new Map<string, number>();
 
   constructor(
     private readonly client: Client,
     private readonly args: Record<string, unknown>,
     after: number,
+    private readonly untilDone = false,
   ) {
     this.lastSeq = after;
   }
@@ -454,17 +539,44 @@ export class WatchStream implements AsyncIterableIterator<Event> {
     }
   }
 
-  /** An event pushed for this watch. Repeats (seq already delivered) are dropped. */
-  deliver(event: Event): void {
-    if (this.done || event.seq <= this.lastSeq) return;
-    this.lastSeq = event.seq;
+  /**
+   * An item pushed for this watch. Events already delivered (a replay after a
+   * reconnect) are dropped; a progress frame past the one expected, with no marker
+   * from the daemon for the frames between (sent while the watch was away), is
+   * preceded by a `progress_dropped` marker for them.
+   */
+  deliver(item: WatchItem): void {
+    if (this.done) return;
+    if (isProgress(item)) {
+      const expected = this.expected.get(item.invocationId);
+      this.expected.set(item.invocationId, item.seq + 1);
+      if (expected !== undefined && item.seq > expected) {
+        const { turnId, invocationId } = item;
+        this.push({ kind: "progress_dropped", turnId, invocationId, count: item.seq - expected });
+      }
+    } else if (isProgressDropped(item)) {
+      const expected = this.expected.get(item.invocationId);
+      if (expected !== undefined) this.expected.set(item.invocationId, expected + item.count);
+    } else {
+      if (item.seq <= this.lastSeq) return;
+      this.lastSeq = item.seq;
+      if (this.untilDone && isTerminal(item.kind as TurnStatus)) {
+        this.push(item);
+        void this.close();
+        return;
+      }
+    }
+    this.push(item);
+  }
+
+  private push(item: WatchItem): void {
     if (this.waiter) {
       const w = this.waiter;
       this.waiter = undefined;
       this.failWaiter = undefined;
-      w({ value: event, done: false });
+      w({ value: item as T, done: false });
     } else {
-      this.queue.push(event);
+      this.queue.push(item as T);
     }
   }
 
@@ -492,9 +604,9 @@ export class WatchStream implements AsyncIterableIterator<Event> {
     }
   }
 
-  next(): Promise<IteratorResult<Event>> {
-    const event = this.queue.shift();
-    if (event) return Promise.resolve({ value: event, done: false });
+  next(): Promise<IteratorResult<T>> {
+    const item = this.queue.shift();
+    if (item) return Promise.resolve({ value: item, done: false });
     if (this.error !== undefined) return Promise.reject(this.error);
     if (this.done) return Promise.resolve({ value: undefined, done: true });
     return new Promise((resolve, reject) => {
@@ -511,12 +623,12 @@ export class WatchStream implements AsyncIterableIterator<Event> {
     await this.client.closeWatch(this);
   }
 
-  async return(): Promise<IteratorResult<Event>> {
+  async return(): Promise<IteratorResult<T>> {
     await this.close();
     return { value: undefined, done: true };
   }
 
-  [Symbol.asyncIterator](): AsyncIterableIterator<Event> {
+  [Symbol.asyncIterator](): AsyncIterableIterator<T> {
     return this;
   }
 }

@@ -9,7 +9,7 @@
  */
 import type { IncomingMessage } from "node:http";
 import WebSocket from "ws";
-import { BadUrl, ConnectionError, TurndError } from "./errors.js";
+import { BadUrl, ConnectionError, errorFromWire, TurndError } from "./errors.js";
 import type { Reconciled } from "./types.js";
 
 export const PROTOCOL_VERSION = 1;
@@ -39,7 +39,7 @@ export interface HelloOk {
   reconciled?: Reconciled;
 }
 
-/** A push frame: `{"push": "invoke" | "cancel" | "probe" | "event", ...}`. */
+/** A push frame: `{"push": "invoke" | "cancel" | "probe" | "event" | "progress" | "progress_dropped", ...}`. */
 export type PushFrame = { push: string } & Record<string, unknown>;
 
 export interface ConnectOptions {
@@ -218,6 +218,11 @@ export class Connection {
     });
   }
 
+  /** Bytes queued by `send` and not yet written to the socket. */
+  get bufferedAmount(): number {
+    return this.ws.bufferedAmount;
+  }
+
   /** Whether the connection is still usable. */
   get isOpen(): boolean {
     return !this.ended && this.ws.readyState === WebSocket.OPEN;
@@ -331,14 +336,7 @@ export class Connection {
     this.pending.delete(frame.id);
     if ("error" in frame && frame.error && typeof frame.error === "object") {
       const e = frame.error as Record<string, unknown>;
-      p.reject(
-        new TurndError(
-          String(e.code ?? "internal"),
-          String(e.message ?? ""),
-          e.retryable === true,
-          p.op,
-        ),
-      );
+      p.reject(errorFromWire(e, p.op));
       return;
     }
     const ok = frame.ok ?? {};

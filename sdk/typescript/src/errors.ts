@@ -15,6 +15,7 @@ export type ErrorCode =
   | "forbidden"
   | "not_found"
   | "conflict"
+  | "busy"
   | "too_large"
   | "rate_limited"
   | "unavailable"
@@ -37,6 +38,25 @@ export class TurndError extends Error {
     this.retryable = retryable;
     this.op = op;
   }
+}
+
+/**
+ * `busy`: a submit with `onBusy: "reject"` while the session has an unfinished turn.
+ * Nothing was stored; not retryable (the session stays busy until its turns end).
+ */
+export class BusyError extends TurndError {
+  constructor(message: string, op?: string) {
+    super("busy", message, false, op);
+    this.name = "BusyError";
+  }
+}
+
+/** The error of an error answer: a {@link BusyError} for `busy`, else a {@link TurndError}. */
+export function errorFromWire(e: Record<string, unknown>, op?: string): TurndError {
+  const code = String(e.code ?? "internal");
+  const message = String(e.message ?? "");
+  if (code === "busy") return new BusyError(message, op);
+  return new TurndError(code, message, e.retryable === true, op);
 }
 
 /**

@@ -16,9 +16,10 @@ export type WaitState =
   | "backing_off"
   | "cancelling"
   | "finalizing"
-  | "held";
+  | "held"
+  | "awaiting_input";
 
-export type OnDeadline = "probe" | "redispatch" | "fail" | "cancel" | "retry" | "dispatch";
+export type OnDeadline = "probe" | "redispatch" | "fail" | "cancel" | "retry" | "dispatch" | "continue";
 
 /** Why a turn is not finished yet, and what happens at `deadlineMs`. */
 export interface Wait {
@@ -35,7 +36,10 @@ export interface Wait {
 
 /** The error of a failed turn. */
 export interface TurnError {
-  /** `handler_failed`, `outcome_unknown`, `timed_out`, `no_worker`, `attempts_exhausted`, `step_limit`, `invalid_result`. */
+  /**
+   * `handler_failed`, `outcome_unknown`, `timed_out`, `no_worker`, `attempts_exhausted`,
+   * `step_limit`, `invalid_result`, `input_timeout` (a suspended turn not resumed in time).
+   */
   cause: string;
   code: string;
   message: string;
@@ -47,6 +51,26 @@ export interface TurnError {
 export interface TurnStop {
   requestedAtMs: number;
   reason: string;
+}
+
+/** The last progress frame of a turn's live invocation; in the daemon's memory only. */
+export interface TurnProgress {
+  invocationId: string;
+  step: number;
+  attempt: number;
+  /** Counts the invocation's accepted frames from 1. */
+  seq: number;
+  data: unknown;
+  atMs: number;
+}
+
+/** What a turn awaiting input asks; answer it with `Client.resume`. */
+export interface InputRequest {
+  /** The suspend's `prompt` (`undefined` when it gave none). */
+  prompt?: unknown;
+  sinceMs: number;
+  deadlineMs: number | null;
+  onTimeout: "fail" | "continue";
 }
 
 export interface Turn {
@@ -70,6 +94,12 @@ export interface Turn {
   finishedAtMs?: number;
   /** Present while the turn is not terminal. */
   wait?: Wait;
+  /** The live invocation's last progress frame, while there is one. */
+  progress?: TurnProgress;
+  /** Present while the turn is awaiting input. */
+  inputRequest?: InputRequest;
+  /** `true` when a submit with `onBusy: "rollback"` stopped the turn. */
+  superseded: boolean;
 }
 
 /** `turn.submit`'s answer: the turn, and whether an earlier submit with the same idempotency key made it. */
@@ -106,7 +136,9 @@ export type EventKind =
   | "failed"
   | "cancelled"
   | "late_result"
-  | "amended";
+  | "amended"
+  | "suspended"
+  | "resumed";
 
 /** One entry of a session's event log. `seq` counts per session, from 1. */
 export interface Event {
@@ -116,6 +148,46 @@ export interface Event {
   atMs: number;
   kind: EventKind | (string & {});
   detail: Record<string, unknown>;
+}
+
+/**
+ * A progress frame pushed to a watch that asked for progress: partial output of the
+ * invocation `invocationId`, whose frames `seq` counts from 1.
+ */
+export interface Progress {
+  kind: "progress";
+  turnId: string;
+  invocationId: string;
+  step: number;
+  attempt: number;
+  seq: number;
+  data: unknown;
+}
+
+/** `count` progress frames of `invocationId` the watch did not get (it read too slowly, replayed, or reconnected). */
+export interface ProgressDropped {
+  kind: "progress_dropped";
+  turnId: string;
+  invocationId: string;
+  count: number;
+}
+
+/** What a watch that asked for progress yields; tell them apart with {@link isEvent}, {@link isProgress}, {@link isProgressDropped}. */
+export type WatchItem = Event | Progress | ProgressDropped;
+
+/** Whether a watch item is an event (of the session's log). */
+export function isEvent(item: WatchItem): item is Event {
+  return "sessionId" in item;
+}
+
+/** Whether a watch item is a progress frame. */
+export function isProgress(item: WatchItem): item is Progress {
+  return !isEvent(item) && item.kind === "progress";
+}
+
+/** Whether a watch item is a `progress_dropped` marker. */
+export function isProgressDropped(item: WatchItem): item is ProgressDropped {
+  return !isEvent(item) && item.kind === "progress_dropped";
 }
 
 export interface TurnPage {
@@ -282,6 +354,7 @@ export function turnFromWire(v: unknown): Turn {
     attempt: t.attempt as number,
     input: t.input,
     recovered: t.recovered === true,
+    superseded: t.superseded === true,
     createdAtMs: t.created_at_ms as number,
     updatedAtMs: t.updated_at_ms as number,
   };
@@ -306,7 +379,57 @@ export function turnFromWire(v: unknown): Turn {
   if (typeof t.finished_at_ms === "number") turn.finishedAtMs = t.finished_at_ms;
   const wait = optional(t.wait, waitFromWire);
   if (wait) turn.wait = wait;
+  const progress = optional(t.progress, (p) => {
+    const w = obj(p, "turn.progress");
+    return {
+      invocationId: w.invocation_id as string,
+      step: w.step as number,
+      attempt: w.attempt as number,
+      seq: w.seq as number,
+      data: w.data,
+      atMs: w.at_ms as number,
+    };
+  });
+  if (progress) turn.progress = progress;
+  const asked = optional(t.input_request, (r) => {
+    const w = obj(r, "turn.input_request");
+    const out: InputRequest = {
+      sinceMs: w.since_ms as number,
+      deadlineMs: (w.deadline_ms ?? null) as number | null,
+      onTimeout: w.on_timeout === "continue" ? "continue" : "fail",
+    };
+    if ("prompt" in w) out.prompt = w.prompt;
+    return out;
+  });
+  if (asked) turn.inputRequest = asked;
   return turn;
+}
+
+/** The item of an `event`, `progress` or `progress_dropped` push; `undefined` for others. */
+export function watchItemFromWire(push: Record<string, unknown>): WatchItem | undefined {
+  switch (push.push) {
+    case "event":
+      return eventFromWire(push.event);
+    case "progress":
+      return {
+        kind: "progress",
+        turnId: push.turn_id as string,
+        invocationId: push.invocation_id as string,
+        step: push.step as number,
+        attempt: push.attempt as number,
+        seq: push.seq as number,
+        data: push.data,
+      };
+    case "progress_dropped":
+      return {
+        kind: "progress_dropped",
+        turnId: push.turn_id as string,
+        invocationId: push.invocation_id as string,
+        count: push.count as number,
+      };
+    default:
+      return undefined;
+  }
 }
 
 export function sessionFromWire(v: unknown): Session {

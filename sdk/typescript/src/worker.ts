@@ -26,7 +26,17 @@ import {
   type PushFrame,
 } from "./connection.js";
 import { BadUrl, ConnectionError, TurndError } from "./errors.js";
-import { Cancelled, Continue, Fail, type FunctionOptions, type Handler, type TurnContext } from "./handler.js";
+import {
+  Cancelled,
+  Continue,
+  Fail,
+  type FunctionOptions,
+  type Handler,
+  type Previous,
+  Suspend,
+  type TurnContext,
+} from "./handler.js";
+import { Live, type LiveCounters, type Running } from "./live.js";
 import type { Reconciled } from "./types.js";
 
 export type WorkerState = "idle" | "connecting" | "connected" | "disconnected" | "draining" | "stopped";
@@ -53,6 +63,11 @@ export interface WorkerOptions {
   /** How long `stop()` (and SIGTERM under `run()`) waits for handlers and results (default 30000). */
   drainTimeoutMs?: number;
   /**
+   * `ctx.progress` drops frames while the connection's send buffer holds more than
+   * this many bytes (default 1 MiB): a slow daemon never makes a handler wait.
+   */
+  progressBufferBytes?: number;
+  /**
    * Diagnostic messages; default: warnings and errors written to stderr
    * (`console.error`). Pass `() => {}` for none.
    */
@@ -60,19 +75,19 @@ export interface WorkerOptions {
 }
 
 /** Counters of a running worker. */
-export interface WorkerStats {
+export interface WorkerStats extends LiveCounters {
   invocationsStarted: number;
   resultsSent: number;
   resultsResent: number;
   resultsAcked: number;
   resultsDropped: number;
   connections: number;
-  heartbeats: number;
 }
 
 type Outcome =
   | { complete: unknown }
   | { continue: unknown }
+  | { suspend: Record<string, unknown> }
   | { fail: { code: string; message: string; retryable: boolean } }
   | { cancelled: { message: string } };
 
@@ -80,11 +95,6 @@ interface Registered {
   functionId: string;
   options: FunctionOptions;
   handler: Handler;
-}
-
-interface Running {
-  controller: AbortController;
-  autoHeartbeat: boolean;
 }
 
 interface Held {
@@ -140,6 +150,21 @@ function message(err: unknown): string {
   return err instanceof Error ? err.message : String(err);
 }
 
+/** What a handler's return value says: another step, a wait for input, or the output. */
+function outcomeOf(value: unknown): Outcome {
+  if (value instanceof Continue) return { continue: value.state ?? null };
+  if (value instanceof Suspend) return { suspend: value.toWire() };
+  return { complete: value ?? null };
+}
+
+/** The invoke's `previous` member (an interrupted turn), when it has one. */
+function previousFromWire(v: unknown): Previous | undefined {
+  if (v === null || typeof v !== "object") return undefined;
+  const p = v as Record<string, unknown>;
+  if (typeof p.turn_id !== "string") return undefined;
+  return { turnId: p.turn_id, status: String(p.status ?? ""), state: p.state ?? null };
+}
+
 /**
  * A worker: declare functions with {@link Worker.function}, then `await run()`.
  *
@@ -180,7 +205,11 @@ export class Worker extends EventEmitter {
     resultsDropped: 0,
     connections: 0,
     heartbeats: 0,
+    progressSent: 0,
+    progressDropped: 0,
+    progressRefused: 0,
   };
+  private readonly live: Live;
 
   constructor(options: WorkerOptions) {
     super();
@@ -197,8 +226,16 @@ export class Worker extends EventEmitter {
       maxReconnectDelayMs: options.maxReconnectDelayMs ?? 5000,
       connectTimeoutMs: options.connectTimeoutMs ?? 10_000,
       drainTimeoutMs: options.drainTimeoutMs ?? 30_000,
+      progressBufferBytes: options.progressBufferBytes ?? 1_048_576,
     };
     this.logFn = options.log ?? logToStderr(options.workerId);
+    this.live = new Live({
+      conn: () => this.link?.conn,
+      running: this.running,
+      counters: this.counters,
+      log: (level, msg) => this.log(level, msg),
+      progressBufferBytes: this.opts.progressBufferBytes,
+    });
     let resolve!: () => void;
     let reject!: (e: Error) => void;
     const promise = new Promise<void>((res, rej) => {
@@ -482,7 +519,7 @@ export class Worker extends EventEmitter {
   private resumeAfterConnect(conn: Connection): void {
     for (const held of this.unacked.values()) held.wake();
     for (const [invocationId, r] of this.running) {
-      if (r.autoHeartbeat) void this.sendHeartbeat(conn, invocationId).catch(() => {});
+      if (r.autoHeartbeat) void this.live.heartbeat(conn, invocationId).catch(() => {});
     }
   }
 
@@ -533,7 +570,7 @@ export class Worker extends EventEmitter {
     const registered = this.functions.get(functionId);
     const controller = new AbortController();
     const autoHeartbeat = registered?.options.autoHeartbeat ?? true;
-    this.running.set(invocationId, { controller, autoHeartbeat });
+    this.running.set(invocationId, { controller, autoHeartbeat, stale: false });
     this.counters.invocationsStarted += 1;
     const turnId = String(push.turn_id);
     const step = Number(push.step);
@@ -551,8 +588,10 @@ export class Worker extends EventEmitter {
       heartbeat: () => {
         const link = this.link;
         if (!link) return Promise.reject(new ConnectionError("not connected"));
-        return this.sendHeartbeat(link.conn, invocationId);
+        return this.live.heartbeat(link.conn, invocationId);
       },
+      progress: (data) => this.live.progress(invocationId, data),
+      previous: previousFromWire(push.previous),
     };
     void this.runHandler(registered, ctx, push.input);
   }
@@ -569,10 +608,13 @@ export class Worker extends EventEmitter {
         },
       };
     } else {
-      const stopBeats = registered.options.autoHeartbeat === false ? () => {} : this.heartbeatLoop(ctx, registered);
+      const timeoutMs = registered.options.timeoutMs ?? Math.max(ctx.deadlineMs - Date.now(), 300);
+      const stopBeats =
+        registered.options.autoHeartbeat === false
+          ? () => {}
+          : this.live.heartbeatLoop(invocationId, timeoutMs, ctx.signal);
       try {
-        const value = await registered.handler(ctx, input);
-        outcome = value instanceof Continue ? { continue: value.state ?? null } : { complete: value ?? null };
+        outcome = outcomeOf(await registered.handler(ctx, input));
       } catch (err) {
         if (err instanceof Fail) {
           outcome = { fail: { code: err.code, message: err.message, retryable: err.retryable } };
@@ -587,37 +629,6 @@ export class Worker extends EventEmitter {
       }
     }
     this.holdResult(invocationId, this.sendable(invocationId, outcome));
-  }
-
-  /** Heartbeats at a third of the attempt timeout while the handler runs; returns the stopper. */
-  private heartbeatLoop(ctx: TurnContext, registered: Registered): () => void {
-    const timeoutMs = registered.options.timeoutMs ?? Math.max(ctx.deadlineMs - Date.now(), 300);
-    const every = Math.max(50, Math.floor(timeoutMs / 3));
-    const timer = setInterval(() => {
-      const link = this.link;
-      if (!link || ctx.signal.aborted) return;
-      this.sendHeartbeat(link.conn, ctx.invocationId).catch(() => {});
-    }, every);
-    return () => clearInterval(timer);
-  }
-
-  private async sendHeartbeat(conn: Connection, invocationId: string): Promise<number> {
-    try {
-      const ok = (await conn.request("invocation.heartbeat", { invocation_id: invocationId })) as {
-        deadline_ms: number;
-      };
-      this.counters.heartbeats += 1;
-      return ok.deadline_ms;
-    } catch (err) {
-      if (err instanceof TurndError && err.code === "not_found") {
-        const r = this.running.get(invocationId);
-        if (r && !r.controller.signal.aborted) {
-          this.log("info", `${invocationId} is no longer current; aborting its handler`);
-          r.controller.abort(new Cancelled("the invocation is no longer current"));
-        }
-      }
-      throw err;
-    }
   }
 
   private onCancel(invocationId: string, reason: string): void {
@@ -642,7 +653,7 @@ export class Worker extends EventEmitter {
       // A heartbeat answers a pending probe and moves the deadline: the truth that
       // the handler is still working, without turning into a cancel.
       const answer = running.autoHeartbeat
-        ? this.sendHeartbeat(conn, invocationId).catch(() =>
+        ? this.live.heartbeat(conn, invocationId).catch(() =>
             conn.request("invocation.status", { invocation_id: invocationId, state: "running" }),
           )
         : conn.request("invocation.status", { invocation_id: invocationId, state: "running" });

@@ -76,13 +76,15 @@ export type Filter = (frame: Frame) => boolean;
 
 /**
  * A WebSocket proxy in front of the daemon. Every text frame is parsed, recorded and
- * passed on unless a filter drops it. `cut()` breaks every proxied connection
+ * passed on unless a filter drops it (or, towards the client, `editToClient` gives
+ * another frame to pass on instead). `cut()` breaks every proxied connection
  * without a close frame; while `refuse` is set, new connections are dropped at once.
  */
 export class FrameProxy {
   url = "";
   toServer: Filter = () => false;
   toClient: Filter = () => false;
+  editToClient: (frame: Frame) => Frame | undefined = () => undefined;
   refuse = false;
   readonly sentToServer: Frame[] = [];
   readonly sentToClient: Frame[] = [];
@@ -156,11 +158,16 @@ export class FrameProxy {
     });
     up.on("message", (data) => {
       if (pair.stalled) return;
-      const text = data.toString();
-      const frame = JSON.parse(text) as Frame;
+      let text = data.toString();
+      let frame = JSON.parse(text) as Frame;
       if (this.toClient(frame)) {
         this.dropped.push(frame);
         return;
+      }
+      const edited = this.editToClient(frame);
+      if (edited !== undefined) {
+        frame = edited;
+        text = JSON.stringify(edited);
       }
       this.sentToClient.push(frame);
       if (down.readyState === WebSocket.OPEN) down.send(text);

@@ -5,11 +5,13 @@ Workers serve functions (:class:`Worker`), callers submit and follow turns
 """
 
 from ._connection import PROTOCOL_VERSION
-from .client import Client, Watch
+from ._handler import Previous, Resumed
+from .client import Client, OnBusy, Watch
 from .errors import (
     BadEndpoint,
     BadFrame,
     BadRequest,
+    Busy,
     Conflict,
     ConnectionLost,
     Forbidden,
@@ -30,6 +32,9 @@ from .types import (
     Event,
     EventPage,
     FunctionInfo,
+    InputRequest,
+    Progress,
+    ProgressDropped,
     Reconciled,
     Session,
     SessionPage,
@@ -38,10 +43,12 @@ from .types import (
     Turn,
     TurnError,
     TurnPage,
+    TurnProgress,
     Wait,
+    WatchItem,
     WorkerInfo,
 )
-from .worker import Continue, Fail, TurnContext, Worker, WorkerState, WorkerStats
+from .worker import Continue, Fail, Suspend, TurnContext, Worker, WorkerState, WorkerStats
 
 __version__ = "0.1.0"
 
@@ -50,6 +57,7 @@ __all__ = [
     "BadEndpoint",
     "BadFrame",
     "BadRequest",
+    "Busy",
     "Client",
     "Conflict",
     "ConnectionLost",
@@ -59,28 +67,37 @@ __all__ = [
     "Fail",
     "Forbidden",
     "FunctionInfo",
+    "InputRequest",
     "Internal",
     "NotAuthenticated",
     "NotFound",
+    "OnBusy",
+    "Previous",
+    "Progress",
+    "ProgressDropped",
     "ProtocolError",
     "RateLimited",
     "Reconciled",
+    "Resumed",
     "Session",
     "SessionPage",
     "SessionRow",
     "ShuttingDown",
     "Submitted",
+    "Suspend",
     "TooLarge",
     "Turn",
     "TurnContext",
     "TurnError",
     "TurnPage",
+    "TurnProgress",
     "TurndError",
     "Unavailable",
     "UnknownOp",
     "UnsupportedProtocol",
     "Wait",
     "Watch",
+    "WatchItem",
     "Worker",
     "WorkerInfo",
     "WorkerState",

@@ -192,25 +192,39 @@ class Connection:
 
     async def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
         """Send one request and return its ``ok`` member, or raise its error."""
+        fut = await self.send(op, args)
+        try:
+            return await fut
+        finally:
+            fut.cancel()  # a caller that stops waiting leaves nothing pending
+
+    async def send(self, op: str, args: dict[str, Any] | None = None) -> asyncio.Future[Any]:
+        """Send one request without waiting for its answer: returns the future of its
+        ``ok`` member, which fails with the error answer or :class:`ConnectionLost`.
+
+        Requests sent one after the other by one task reach the daemon in that order.
+        Cancelled while the socket's buffer drains, the frame still goes out and its
+        answer is ignored.
+        """
         if self.closed.is_set():
             raise ConnectionLost(self._lost_message(), self.close_code)
         rid = next(self._ids)
         frame = self.encode(rid, op, args)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = (fut, len(frame))
+        fut.add_done_callback(lambda _: self._pending.pop(rid, None))
         try:
-            try:
-                await self._ws.send(frame)
-            except ConnectionClosed as e:
-                # The daemon may have refused this very frame as too large: the
-                # reader, which still has that answer to read, settles the future.
-                await asyncio.wait({fut}, timeout=_READER_GRACE_S)
-                if fut.done():
-                    return fut.result()
-                raise ConnectionLost(f"connection closed: {e}", self.close_code) from e
-            return await fut
-        finally:
-            self._pending.pop(rid, None)
+            await self._ws.send(frame)
+        except ConnectionClosed as e:
+            # The daemon may have refused this very frame as too large: the reader,
+            # which still has that answer to read, settles the future.
+            await asyncio.wait({fut}, timeout=_READER_GRACE_S)
+            if not fut.done():
+                fut.set_exception(ConnectionLost(f"connection closed: {e}", self.close_code))
+        except BaseException:
+            fut.cancel()
+            raise
+        return fut
 
     async def close(self) -> None:
         """Close the socket and wait for the reader to finish."""

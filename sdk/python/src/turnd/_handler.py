@@ -1,6 +1,8 @@
-"""What a handler sees and what it returns: :class:`TurnContext`, :class:`Continue`,
-:class:`Fail`, a served function's :class:`FunctionSpec`, and :func:`run_handler`,
-which calls a handler and turns whatever it did into the outcome the daemon takes.
+"""What a handler sees and what it returns: :class:`TurnContext` (with the
+:class:`Previous` turn an interrupting submit stopped), :class:`Continue`,
+:class:`Suspend`, :class:`Fail`, :class:`Resumed` (the input of a step after a
+suspend), a served function's :class:`FunctionSpec`, and :func:`run_handler`, which
+calls a handler and turns whatever it did into the outcome the daemon takes.
 
 Kept apart from the worker's connection and loss handling (``worker.py``), which
 only needs the outcome.
@@ -39,6 +41,98 @@ class Continue:
 
     def __repr__(self) -> str:
         return f"Continue({self.state!r})"
+
+
+OnTimeout = Literal["fail", "continue"]
+
+
+class Suspend:
+    """Return ``Suspend(state, prompt=..., timeout_ms=..., on_timeout=...)`` from a
+    handler to wait for input from a caller without holding a worker.
+
+    The invocation ends (the worker's slot is free) and the turn waits in the wait
+    state ``awaiting_input``, keeping its session's lock, until a caller's
+    ``resume(turn_id, input)``; the next step then gets ``{"state": state, "input":
+    input}`` (read it with :meth:`Resumed.parse`). ``prompt`` (any JSON) says what is
+    asked and is shown in the turn's ``input_request``. Past ``timeout_ms`` the turn
+    fails with cause ``input_timeout`` (``on_timeout="fail"``, the default) or its
+    next step runs with ``input`` ``None`` (``on_timeout="continue"``).
+    """
+
+    __slots__ = ("on_timeout", "prompt", "state", "timeout_ms")
+
+    def __init__(
+        self,
+        state: Any = None,
+        *,
+        prompt: Any = None,
+        timeout_ms: int | None = None,
+        on_timeout: OnTimeout = "fail",
+    ) -> None:
+        if timeout_ms is not None and (isinstance(timeout_ms, bool) or timeout_ms <= 0):
+            raise ValueError("timeout_ms must be a positive number of milliseconds")
+        if on_timeout not in ("fail", "continue"):
+            raise ValueError(f"on_timeout must be fail or continue, not {on_timeout!r}")
+        self.state = state
+        self.prompt = prompt
+        self.timeout_ms = timeout_ms
+        self.on_timeout = on_timeout
+
+    def __repr__(self) -> str:
+        return (
+            f"Suspend({self.state!r}, prompt={self.prompt!r}, timeout_ms={self.timeout_ms!r},"
+            f" on_timeout={self.on_timeout!r})"
+        )
+
+    def outcome(self) -> dict[str, Any]:
+        """The ``suspend`` outcome: members left at their default are not sent."""
+        suspend: dict[str, Any] = {"state": _to_json(self.state)}
+        if self.prompt is not None:
+            suspend["prompt"] = _to_json(self.prompt)
+        if self.timeout_ms is not None:
+            suspend["timeout_ms"] = self.timeout_ms
+        if self.on_timeout != "fail":
+            suspend["on_timeout"] = self.on_timeout
+        return {"suspend": suspend}
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The input of the step after a :class:`Suspend`: the suspend's ``state`` and the
+    ``input`` a caller resumed it with (``None`` when the wait timed out with
+    ``on_timeout="continue"``)."""
+
+    state: Any
+    input: Any
+
+    @classmethod
+    def parse(cls, value: Any) -> Resumed | None:
+        """``Resumed`` when ``value`` has the shape ``{"state", "input"}`` a resumed step
+        gets, else ``None``. The daemon does not mark a resumed step: a handler that
+        suspends should say in its state that it waits, so that a ``Continue`` state
+        of the same shape is not taken for an answer."""
+        if isinstance(value, dict) and set(value) == {"state", "input"}:
+            return cls(value["state"], value["input"])
+        return None
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The turn a submit with ``on_busy="interrupt"`` (or ``"rollback"``) stopped, as
+    step 0 of the new turn sees it: ``status`` after the stop (``cancelled``) and its
+    last durable ``state`` (its last ``Continue`` or ``Suspend`` state, the
+    ``{"state", "input"}`` of its last resume, or its input when it never left step 0).
+    """
+
+    turn_id: str
+    status: str
+    state: Any
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Previous | None:
+        if not isinstance(obj, dict) or not isinstance(obj.get("turn_id"), str):
+            return None
+        return cls(obj["turn_id"], str(obj.get("status", "")), obj.get("state"))
 
 
 class Fail(Exception):
@@ -89,6 +183,14 @@ class TurnContext:
     log: logging.LoggerAdapter[logging.Logger]
     _worker: Worker = field(repr=False)
     _loop: asyncio.AbstractEventLoop = field(repr=False)
+    previous: Previous | None = None
+    """At step 0 of a turn submitted with ``on_busy="interrupt"`` or ``"rollback"``
+    that stopped a running turn: that turn and its last durable state; else ``None``."""
+    progress_seq: int = 0
+    """The ``seq`` the daemon gave the last progress frame it accepted (0: none yet)."""
+    stale: bool = field(default=False, repr=False)
+    """The daemon said this invocation is no longer current (to a heartbeat or a
+    progress frame): later progress is not sent."""
 
     @property
     def idempotency_key(self) -> str:
@@ -112,12 +214,31 @@ class TurnContext:
         ``cancelled``) when the invocation is no longer current, and
         :class:`ConnectionLost` while the worker is disconnected.
         """
-        return await self._worker._heartbeat(self)
+        return await self._worker._live.heartbeat(self)
 
     def heartbeat_threadsafe(self, timeout: float = 10.0) -> int:
         """:meth:`heartbeat` for a plain ``def`` handler running on the thread pool."""
         future = asyncio.run_coroutine_threadsafe(self.heartbeat(), self._loop)
         return future.result(timeout)
+
+    async def progress(self, data: Any) -> None:
+        """Stream partial output (a model's tokens) to the watchers of this turn.
+
+        Sent as ``invocation.progress`` in call order, without waiting for the
+        daemon's answer: the handler is held at most ``Worker(progress_timeout=…)``
+        when the connection cannot take more, and never raises for what the daemon
+        does with the frame. A frame sent while the worker is disconnected, or that
+        the daemon refuses (``too_large``), is dropped and counted in
+        ``worker.stats``; when the daemon answers ``not_found`` (the invocation is no
+        longer current) ``cancelled`` is set and later frames are not sent. Raises
+        ``TypeError`` or ``ValueError`` at once for ``data`` that is not JSON.
+        """
+        await self._worker._live.progress(self, data)
+
+    def progress_threadsafe(self, data: Any, timeout: float = 10.0) -> None:
+        """:meth:`progress` for a plain ``def`` handler running on the thread pool."""
+        future = asyncio.run_coroutine_threadsafe(self.progress(data), self._loop)
+        future.result(timeout)
 
 
 Handler = Callable[..., Any]
@@ -205,6 +326,8 @@ def _to_json(value: Any) -> Any:
 def _outcome_of(value: Any) -> dict[str, Any]:
     if isinstance(value, Continue):
         return {"continue": _to_json(value.state)}
+    if isinstance(value, Suspend):
+        return value.outcome()
     return {"complete": _to_json(value)}
 
 
@@ -216,7 +339,7 @@ async def run_handler(
     stopping: asyncio.Event | None,
 ) -> dict[str, Any]:
     """Call the handler of ``spec`` and return its outcome: ``complete``, ``continue``,
-    ``fail`` or ``cancelled``. A cancellation while ``stopping`` is set is raised."""
+    ``suspend``, ``fail`` or ``cancelled``. A cancellation while ``stopping`` is set is raised."""
     if spec is None:
         return {
             "fail": {

@@ -1,4 +1,6 @@
-"""The caller side: submit turns, read them, stop them, watch their events."""
+"""The caller side: submit turns (with what to do when the session is busy), resume
+turns that wait for input, read them, stop them, and watch their events and progress
+(one turn's until it ends, with :meth:`Client.stream`)."""
 
 from __future__ import annotations
 
@@ -8,22 +10,27 @@ import contextlib
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from ._connection import PROTOCOL_VERSION, Connection
 from .errors import ConnectionLost, NotFound, ShuttingDown, TurndError
 from .types import (
     JSON,
+    TERMINAL_STATUSES,
     Event,
     EventPage,
     FunctionInfo,
+    Progress,
+    ProgressDropped,
     Session,
     SessionPage,
     SessionRow,
     Submitted,
     Turn,
     TurnPage,
+    WatchItem,
     WorkerInfo,
 )
 
@@ -31,6 +38,8 @@ log = logging.getLogger("turnd.client")
 
 Role = Literal["client", "operator"]
 SessionOrder = Literal["wait", "id"]
+OnBusy = Literal["enqueue", "reject", "interrupt", "rollback"]
+T = TypeVar("T", Event, WatchItem)
 
 # turn.wait takes at most this per request.
 _WAIT_MAX_MS = 300_000
@@ -45,32 +54,42 @@ class _Lost:
 _LOST = _Lost()
 
 
+def _watch_item(frame: dict[str, Any]) -> WatchItem | None:
+    """The item of an ``event``, ``progress`` or ``progress_dropped`` push."""
+    kind = frame.get("push")
+    if kind == "event":
+        raw = frame.get("event")
+        return Event.from_wire(raw) if isinstance(raw, dict) else None
+    if kind == "progress":
+        return Progress.from_wire(frame)
+    if kind == "progress_dropped":
+        return ProgressDropped.from_wire(frame)
+    return None
+
+
 class _Link:
     """One connection of a client and the watch routes that live on it."""
 
     def __init__(self) -> None:
         self.conn: Connection | None = None
-        self.routes: dict[str, asyncio.Queue[Event | _Lost]] = {}
-        self.unclaimed: dict[str, list[Event]] = {}
+        self.routes: dict[str, asyncio.Queue[WatchItem | _Lost]] = {}
+        self.unclaimed: dict[str, list[WatchItem]] = {}
 
     def on_push(self, conn: Connection, frame: dict[str, Any]) -> None:
-        if frame.get("push") != "event":
-            return
         watch_id = frame.get("watch_id")
-        raw = frame.get("event")
-        if not isinstance(watch_id, str) or not isinstance(raw, dict):
+        item = _watch_item(frame)
+        if not isinstance(watch_id, str) or item is None:
             return
-        event = Event.from_wire(raw)
         queue = self.routes.get(watch_id)
         if queue is not None:
-            queue.put_nowait(event)
+            queue.put_nowait(item)
         else:
             # The push can be read before the code that asked for the watch has
             # seen its answer: hold it until the watch is claimed.
-            self.unclaimed.setdefault(watch_id, []).append(event)
+            self.unclaimed.setdefault(watch_id, []).append(item)
 
-    def claim(self, watch_id: str) -> asyncio.Queue[Event | _Lost]:
-        queue: asyncio.Queue[Event | _Lost] = asyncio.Queue()
+    def claim(self, watch_id: str) -> asyncio.Queue[WatchItem | _Lost]:
+        queue: asyncio.Queue[WatchItem | _Lost] = asyncio.Queue()
         for event in self.unclaimed.pop(watch_id, []):
             queue.put_nowait(event)
         if self.conn is None or self.conn.closed.is_set():
@@ -92,8 +111,8 @@ class Client:
     Reads (``get``, ``wait``, ``list``, ``inspect``, ``events``, ``stats``, ...),
     stops, ``watch`` and submits with an ``idempotency_key`` are repeated on a new
     connection when the connection is lost, for up to ``reconnect_timeout`` seconds.
-    A submit without a key is not repeated (it could run twice): it raises
-    :class:`ConnectionLost` and the caller decides.
+    A submit (or resume) without a key is not repeated (it could run twice): it
+    raises :class:`ConnectionLost` and the caller decides.
     """
 
     def __init__(
@@ -217,8 +236,16 @@ class Client:
         *,
         idempotency_key: str | None = None,
         turn_timeout_ms: int | None = None,
+        on_busy: OnBusy | None = None,
     ) -> Submitted:
-        """Admit a turn to a session (``turn.submit``)."""
+        """Admit a turn to a session (``turn.submit``).
+
+        ``on_busy`` says what to do when the session has an unfinished turn:
+        ``"enqueue"`` (the daemon's default) queues behind it, ``"reject"`` raises
+        :class:`Busy` and stores nothing, ``"interrupt"`` stops the unfinished turns
+        (reason ``interrupted``) and gives this turn's step 0 the stopped one as
+        ``ctx.previous``, ``"rollback"`` does the same and marks them ``superseded``.
+        """
         args: dict[str, Any] = {
             "session_id": session_id,
             "function_id": function_id,
@@ -228,7 +255,25 @@ class Client:
             args["idempotency_key"] = idempotency_key
         if turn_timeout_ms is not None:
             args["turn_timeout_ms"] = turn_timeout_ms
+        if on_busy is not None:
+            args["on_busy"] = on_busy
         ok = await self._call("turn.submit", args, repeatable=idempotency_key is not None)
+        return Submitted(Turn.from_wire(ok["turn"]), bool(ok.get("deduplicated", False)))
+
+    async def resume(
+        self, turn_id: str, input: JSON = None, *, idempotency_key: str | None = None
+    ) -> Submitted:
+        """Answer a turn awaiting input (``turn.resume``): its next step runs with
+        ``{"state": <the suspend's state>, "input": input}``. Returns once the resume is
+        durable. A turn that is not awaiting input raises :class:`Conflict` and
+        nothing changes; of two resumes exactly one wins. The same
+        ``idempotency_key`` with the same ``input`` returns the winner's turn with
+        ``deduplicated=True`` (and makes the call safe to repeat after a lost
+        connection, which the client then does on its own)."""
+        args: dict[str, Any] = {"turn_id": turn_id, "input": input}
+        if idempotency_key is not None:
+            args["idempotency_key"] = idempotency_key
+        ok = await self._call("turn.resume", args, repeatable=idempotency_key is not None)
         return Submitted(Turn.from_wire(ok["turn"]), bool(ok.get("deduplicated", False)))
 
     async def run(
@@ -239,6 +284,7 @@ class Client:
         *,
         idempotency_key: str | None = None,
         turn_timeout_ms: int | None = None,
+        on_busy: OnBusy | None = None,
         timeout: float | None = None,
     ) -> Turn:
         """Submit a turn and wait until it is terminal (or ``timeout`` seconds pass)."""
@@ -248,6 +294,7 @@ class Client:
             input,
             idempotency_key=idempotency_key,
             turn_timeout_ms=turn_timeout_ms,
+            on_busy=on_busy,
         )
         return await self.wait(submitted.turn_id, timeout)
 
@@ -335,23 +382,54 @@ class Client:
                 return out
             after = page.next
 
+    @overload
     def watch(
         self,
         session_id: str | None = None,
         *,
         turn_id: str | None = None,
         after: int | None = None,
-    ) -> Watch:
+        progress: Literal[False] = False,
+    ) -> Watch[Event]: ...
+
+    @overload
+    def watch(
+        self,
+        session_id: str | None = None,
+        *,
+        turn_id: str | None = None,
+        after: int | None = None,
+        progress: Literal[True],
+    ) -> Watch[WatchItem]: ...
+
+    def watch(
+        self,
+        session_id: str | None = None,
+        *,
+        turn_id: str | None = None,
+        after: int | None = None,
+        progress: bool = False,
+    ) -> Watch[Event] | Watch[WatchItem]:
         """Events of a session (or of one turn) as an async iterator.
 
         ``after``: replay events with ``seq > after`` first. ``None`` starts at the
         present for a session and at the turn's first event for a turn. After a lost
         connection the watch is opened again from the last event it yielded, so the
         stream has no gap and no repeat. Use ``async with`` (or ``aclose()``) to end it.
+        With ``progress=True`` it also yields :class:`Progress` frames and
+        :class:`ProgressDropped` markers (progress is not stored: what was sent while
+        the watch replayed or reconnected comes as a marker, never as a silent gap).
         """
         if (session_id is None) == (turn_id is None):
             raise ValueError("give exactly one of session_id and turn_id")
-        return Watch(self, session_id, turn_id, after)
+        return Watch(self, session_id, turn_id, after, progress=progress)
+
+    def stream(self, turn_id: str, *, after: int = 0) -> Watch[WatchItem]:
+        """One turn's events and progress, from its first event (``after=0``), as an
+        async iterator that ends after the event that makes the turn terminal
+        (``completed``, ``failed``, ``cancelled``), at once for a turn already done.
+        It resumes after a lost connection like :meth:`watch`."""
+        return Watch(self, None, turn_id, after, progress=True, until_done=True)
 
     # ------------------------------------------------------------------ daemon
 
@@ -441,8 +519,9 @@ class Client:
         return violations
 
 
-class Watch:
-    """An async iterator of :class:`Event`, resumed across reconnects."""
+class Watch(Generic[T]):
+    """An async iterator of :class:`Event` (and, when it asked for progress, of
+    :class:`Progress` and :class:`ProgressDropped`), resumed across reconnects."""
 
     def __init__(
         self,
@@ -450,14 +529,24 @@ class Watch:
         session_id: str | None,
         turn_id: str | None,
         after: int | None,
+        *,
+        progress: bool = False,
+        until_done: bool = False,
     ) -> None:
         self._client = client
         self._session_id = session_id
         self._turn_id = turn_id
         self._last: int | None = after
-        self._queue: asyncio.Queue[Event | _Lost] | None = None
+        self._progress = progress
+        self._until_done = until_done
+        self._queue: asyncio.Queue[WatchItem | _Lost] | None = None
         self._watch: tuple[_Link, str] | None = None
         self._closed = False
+        self._ending = False
+        # Per invocation, the progress seq this watch expects next; and items to
+        # yield before the next one read (a marker put before a frame).
+        self._expected: dict[str, int] = {}
+        self._ready: deque[WatchItem] = deque()
         self.starts = 0
         """How many times the watch was opened (1 + resumes after a lost connection)."""
 
@@ -466,20 +555,24 @@ class Watch:
         """The ``seq`` of the last event yielded (or the starting point)."""
         return self._last
 
-    async def __aenter__(self) -> Watch:
+    async def __aenter__(self) -> Watch[T]:
         await self._start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __aiter__(self) -> AsyncIterator[Event]:
+    def __aiter__(self) -> AsyncIterator[T]:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> T:
         while True:
+            if self._ending:
+                await self.aclose()
             if self._closed:
                 raise StopAsyncIteration
+            if self._ready:
+                return self._yield(self._ready.popleft())
             if self._queue is None:
                 await self._start()
             assert self._queue is not None
@@ -488,10 +581,27 @@ class Watch:
                 self._queue = None
                 self._watch = None
                 continue
-            if self._last is not None and item.seq <= self._last:
-                continue  # already yielded before a resume
-            self._last = item.seq
-            return item
+            if isinstance(item, Event):
+                if self._last is not None and item.seq <= self._last:
+                    continue  # already yielded before a resume
+                self._last = item.seq
+            elif isinstance(item, ProgressDropped):
+                if item.invocation_id in self._expected:
+                    self._expected[item.invocation_id] += item.count
+            else:
+                expected = self._expected.get(item.invocation_id)
+                self._expected[item.invocation_id] = item.seq + 1
+                if expected is not None and item.seq > expected:
+                    # Frames sent while this watch was away (a lost connection) were
+                    # counted by no one: say so, as the daemon would.
+                    self._ready.append(item)
+                    item = ProgressDropped(item.turn_id, item.invocation_id, item.seq - expected)
+            return self._yield(item)
+
+    def _yield(self, item: WatchItem) -> T:
+        if self._until_done and isinstance(item, Event) and item.kind in TERMINAL_STATUSES:
+            self._ending = True  # the next call ends the iteration (and unwatches)
+        return item  # type: ignore[return-value]  # T is Event unless progress was asked
 
     async def _start(self) -> None:
         client = self._client
@@ -509,6 +619,8 @@ class Watch:
             args["turn_id"] = self._turn_id
         else:
             args["session_id"] = self._session_id
+        if self._progress:
+            args["progress"] = True
         deadline = time.monotonic() + client.reconnect_timeout
         while True:
             link = await client._ensure(deadline)

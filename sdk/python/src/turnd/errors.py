@@ -102,7 +102,13 @@ class NotFound(ProtocolError):
 
 
 class Conflict(ProtocolError):
-    """``conflict``: an idempotency key reused with another function or input."""
+    """``conflict``: an idempotency key reused with another function or input; a
+    ``resume`` of a turn that is not awaiting input."""
+
+
+class Busy(ProtocolError):
+    """``busy``: a submit with ``on_busy="reject"`` while the session has an unfinished
+    turn. Nothing was stored; not retryable (the session is busy until its turns end)."""
 
 
 class TooLarge(ProtocolError):
@@ -134,6 +140,7 @@ ERRORS_BY_CODE: dict[str, type[ProtocolError]] = {
     "forbidden": Forbidden,
     "not_found": NotFound,
     "conflict": Conflict,
+    "busy": Busy,
     "too_large": TooLarge,
     "rate_limited": RateLimited,
     "unavailable": Unavailable,

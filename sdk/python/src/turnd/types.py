@@ -7,12 +7,13 @@ a newer daemon are still reachable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 JSON = Any
 """A JSON value as ``json.loads`` returns it."""
 
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+"""Turn statuses that are final, and the kinds of the events that make them."""
 
 
 def _opt_int(value: Any) -> int | None:
@@ -80,6 +81,50 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class TurnProgress:
+    """The last progress frame of a turn's live invocation (``turn.progress``): kept in
+    the daemon's memory only, gone when the invocation ends."""
+
+    invocation_id: str
+    step: int
+    attempt: int
+    seq: int
+    data: JSON
+    at_ms: int
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> TurnProgress:
+        return cls(
+            invocation_id=str(obj.get("invocation_id", "")),
+            step=int(obj.get("step", 0)),
+            attempt=int(obj.get("attempt", 0)),
+            seq=int(obj.get("seq", 0)),
+            data=obj.get("data"),
+            at_ms=int(obj.get("at_ms", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class InputRequest:
+    """What a turn awaiting input asks (``turn.input_request``): answer it with
+    ``Client.resume``. ``on_timeout`` is ``fail`` or ``continue``."""
+
+    prompt: JSON
+    since_ms: int
+    deadline_ms: int | None
+    on_timeout: str
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> InputRequest:
+        return cls(
+            prompt=obj.get("prompt"),
+            since_ms=int(obj.get("since_ms", 0)),
+            deadline_ms=_opt_int(obj.get("deadline_ms")),
+            on_timeout=str(obj.get("on_timeout", "fail")),
+        )
+
+
+@dataclass(frozen=True)
 class Turn:
     """A turn as the daemon reports it."""
 
@@ -99,6 +144,12 @@ class Turn:
     updated_at_ms: int = 0
     finished_at_ms: int | None = None
     wait: Wait | None = None
+    progress: TurnProgress | None = field(default=None, compare=False)
+    """The live invocation's last progress frame (not durable, so not compared)."""
+    input_request: InputRequest | None = None
+    """What the turn asks while it is awaiting input."""
+    superseded: bool = False
+    """Stopped by a submit with ``on_busy="rollback"``."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -111,6 +162,8 @@ class Turn:
         error = obj.get("error")
         stop = obj.get("stop")
         wait = obj.get("wait")
+        progress = obj.get("progress")
+        asked = obj.get("input_request")
         return cls(
             turn_id=str(obj["turn_id"]),
             session_id=str(obj["session_id"]),
@@ -132,13 +185,17 @@ class Turn:
             updated_at_ms=int(obj.get("updated_at_ms", 0)),
             finished_at_ms=_opt_int(obj.get("finished_at_ms")),
             wait=Wait.from_wire(wait) if isinstance(wait, dict) else None,
+            progress=TurnProgress.from_wire(progress) if isinstance(progress, dict) else None,
+            input_request=InputRequest.from_wire(asked) if isinstance(asked, dict) else None,
+            superseded=bool(obj.get("superseded", False)),
             raw=obj,
         )
 
 
 @dataclass(frozen=True)
 class Submitted:
-    """The answer of ``turn.submit``: the turn, and whether an earlier submit made it."""
+    """The answer of ``turn.submit`` (and ``turn.resume``): the turn, and whether an
+    earlier request with the same idempotency key made it."""
 
     turn: Turn
     deduplicated: bool
@@ -230,6 +287,60 @@ class Event:
             kind=str(obj["kind"]),
             detail=detail if isinstance(detail, dict) else {},
         )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A progress frame pushed to a watch that asked for progress: partial output of
+    the invocation ``invocation_id``; ``seq`` counts that invocation's frames from 1."""
+
+    turn_id: str
+    invocation_id: str
+    step: int
+    attempt: int
+    seq: int
+    data: JSON
+
+    @property
+    def kind(self) -> Literal["progress"]:
+        return "progress"
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Progress:
+        return cls(
+            turn_id=str(obj.get("turn_id", "")),
+            invocation_id=str(obj.get("invocation_id", "")),
+            step=int(obj.get("step", 0)),
+            attempt=int(obj.get("attempt", 0)),
+            seq=int(obj.get("seq", 0)),
+            data=obj.get("data"),
+        )
+
+
+@dataclass(frozen=True)
+class ProgressDropped:
+    """``count`` progress frames of ``invocation_id`` this watch did not get (it read
+    too slowly, was still replaying, or was reconnecting)."""
+
+    turn_id: str
+    invocation_id: str
+    count: int
+
+    @property
+    def kind(self) -> Literal["progress_dropped"]:
+        return "progress_dropped"
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> ProgressDropped:
+        return cls(
+            turn_id=str(obj.get("turn_id", "")),
+            invocation_id=str(obj.get("invocation_id", "")),
+            count=int(obj.get("count", 0)),
+        )
+
+
+WatchItem: TypeAlias = Event | Progress | ProgressDropped
+"""What a watch with ``progress=True`` yields."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ import enum
 import logging
 import random
 import signal
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -43,13 +42,15 @@ from ._handler import (
     FunctionSpec,
     Handler,
     InvocationLog,
+    Previous,
+    Suspend,
     TurnContext,
     run_handler,
 )
+from ._live import Live
 from .errors import (
     BadEndpoint,
     ConnectionLost,
-    NotFound,
     ProtocolError,
     TooLarge,
     TurndError,
@@ -81,6 +82,13 @@ class WorkerStats:
     results_acked: int = 0
     results_dropped: int = 0
     heartbeats_sent: int = 0
+    progress_sent: int = 0
+    """Progress frames the daemon accepted."""
+    progress_dropped: int = 0
+    """Progress frames not sent (disconnected, no longer current, a connection that
+    took no more within ``progress_timeout``) or lost with the connection."""
+    progress_refused: int = 0
+    """Progress frames the daemon refused (``not_found``, ``too_large``)."""
     probes_answered: int = 0
     cancels_received: int = 0
     connections: int = 0
@@ -138,6 +146,7 @@ class Worker:
         drain_timeout: float = 30.0,
         max_threads: int | None = None,
         on_state: Callable[[WorkerState], None] | None = None,
+        progress_timeout: float = 1.0,
     ) -> None:
         self.url = url
         self.worker_id = worker_id
@@ -151,7 +160,9 @@ class Worker:
         self.auto_heartbeat = auto_heartbeat
         self.drain_timeout = drain_timeout
         self.on_state = on_state
+        self.progress_timeout = progress_timeout
         self.stats = WorkerStats()
+        self._live = Live(self)
         self.reconciled: Reconciled | None = None
         """What the daemon did with this worker's invocations at the last ``hello``."""
         self._functions: dict[str, FunctionSpec] = {}
@@ -187,9 +198,11 @@ class Worker:
         ``async def`` handlers run on the event loop; plain ``def`` handlers on a
         thread pool. The return value completes the turn (dicts, lists, strings,
         numbers, ``None``, dataclasses, pydantic models), :class:`Continue` runs the
-        next step, :class:`Fail` fails the step, ``asyncio.CancelledError`` answers
-        ``cancelled``, and any other exception fails the step with the exception's
-        type name as ``code`` and its text as ``message``. When the ``input``
+        next step, :class:`Suspend` waits for a caller's input (the next step gets
+        ``{"state", "input"}``, see :class:`Resumed`), :class:`Fail` fails the step,
+        ``asyncio.CancelledError`` answers ``cancelled``, and any other exception
+        fails the step with the exception's type name as ``code`` and its text as
+        ``message``. When the ``input``
         parameter is annotated with a pydantic model, the input is validated into it
         (a validation error fails the step with code ``invalid_input``).
         """
@@ -578,6 +591,7 @@ class Worker:
             ),
             _worker=self,
             _loop=self._loop,
+            previous=Previous.from_wire(frame.get("previous")),
         )
         running = _Running(ctx)
         self._running[invocation_id] = running
@@ -588,7 +602,7 @@ class Worker:
         spec = self._functions.get(ctx.function_id)
         heartbeats = None
         if spec is not None and self.auto_heartbeat:
-            heartbeats = self._spawn(self._heartbeat_loop(ctx, spec))
+            heartbeats = self._spawn(self._live.heartbeat_loop(ctx, spec))
         try:
             outcome = await run_handler(spec, ctx, input, self._pool, self._stopping)
         finally:
@@ -646,47 +660,6 @@ class Worker:
         # Status first, then the result the status promised.
         if held is not None:
             held.resend_now.set()
-
-    # ------------------------------------------------------------------ heartbeats
-
-    async def _heartbeat(self, ctx: TurnContext) -> int:
-        link = self._link
-        if link is None:
-            raise ConnectionLost("worker not connected")
-        try:
-            ok = await link.conn.call("invocation.heartbeat", {"invocation_id": ctx.invocation_id})
-        except NotFound:
-            if ctx.invocation_id in self._running:
-                ctx.log.info("invocation no longer current; cancelling its handler")
-                running = self._running[ctx.invocation_id]
-                self._cancel_running(running)
-            raise
-        self.stats.heartbeats_sent += 1
-        deadline = int(ok.get("deadline_ms", 0)) if isinstance(ok, dict) else 0
-        if deadline:
-            ctx.deadline_ms = deadline
-        return deadline
-
-    async def _heartbeat_loop(self, ctx: TurnContext, spec: FunctionSpec) -> None:
-        """Renew the deadline at a third of the attempt timeout while the handler runs."""
-        if spec.timeout_ms is not None:
-            timeout_s = spec.timeout_ms / 1000
-        else:
-            # Registered without timeout_ms: the daemon's default applies, seen in the
-            # first deadline. A clock far off the daemon's gives nothing usable; then
-            # assume the daemon's built-in default (30 s).
-            timeout_s = ctx.deadline_ms / 1000 - time.time()
-            if timeout_s <= 0.15:
-                timeout_s = 30.0
-        interval = max(0.05, timeout_s / 3)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self._heartbeat(ctx)
-            except NotFound:
-                return
-            except TurndError as e:
-                ctx.log.debug("heartbeat failed: %s", e)
 
     # ------------------------------------------------------------------ results
 
@@ -780,4 +753,4 @@ class Worker:
             return
 
 
-__all__ = ["Continue", "Fail", "TurnContext", "Worker", "WorkerState", "WorkerStats"]
+__all__ = ["Continue", "Fail", "Suspend", "TurnContext", "Worker", "WorkerState", "WorkerStats"]

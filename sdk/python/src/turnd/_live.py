@@ -1,0 +1,128 @@
+"""What a running invocation tells the daemon while its handler works: heartbeats
+(``invocation.heartbeat``, sent on their own and on request) and progress frames
+(``invocation.progress``, the partial output a handler streams to watchers).
+
+Both answer ``not_found`` once the invocation is no longer current (a stop, a
+reconcile, a retry); this module owns what the worker then does: the handler's
+``ctx.cancelled`` is set and no more progress is sent for it. Kept apart from the
+worker's connection and result handling (``worker.py``), which only starts the
+heartbeats and hands out the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._handler import FunctionSpec, TurnContext, _to_json
+from .errors import ConnectionLost, NotFound, TooLarge, TurndError
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+log = logging.getLogger("turnd.worker")
+
+
+class Live:
+    """Heartbeats and progress of one worker's running invocations."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    def no_longer_current(self, ctx: TurnContext) -> None:
+        """The daemon answered ``not_found`` for ``ctx``'s invocation: tell its handler."""
+        if ctx.stale:
+            return
+        ctx.stale = True
+        running = self._worker._running.get(ctx.invocation_id)
+        if running is not None:
+            ctx.log.info("invocation no longer current; cancelling its handler")
+            self._worker._cancel_running(running)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def heartbeat(self, ctx: TurnContext) -> int:
+        link = self._worker._link
+        if link is None:
+            raise ConnectionLost("worker not connected")
+        try:
+            ok = await link.conn.call("invocation.heartbeat", {"invocation_id": ctx.invocation_id})
+        except NotFound:
+            self.no_longer_current(ctx)
+            raise
+        self._worker.stats.heartbeats_sent += 1
+        deadline = int(ok.get("deadline_ms", 0)) if isinstance(ok, dict) else 0
+        if deadline:
+            ctx.deadline_ms = deadline
+        return deadline
+
+    async def heartbeat_loop(self, ctx: TurnContext, spec: FunctionSpec) -> None:
+        """Renew the deadline at a third of the attempt timeout while the handler runs."""
+        if spec.timeout_ms is not None:
+            timeout_s = spec.timeout_ms / 1000
+        else:
+            # Registered without timeout_ms: the daemon's default applies, seen in the
+            # first deadline. A clock far off the daemon's gives nothing usable; then
+            # assume the daemon's built-in default (30 s).
+            timeout_s = ctx.deadline_ms / 1000 - time.time()
+            if timeout_s <= 0.15:
+                timeout_s = 30.0
+        interval = max(0.05, timeout_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.heartbeat(ctx)
+            except NotFound:
+                return
+            except TurndError as e:
+                ctx.log.debug("heartbeat failed: %s", e)
+
+    # ------------------------------------------------------------------ progress
+
+    async def progress(self, ctx: TurnContext, data: Any) -> None:
+        """Send one progress frame in call order; its answer is taken when it comes."""
+        worker = self._worker
+        payload = _to_json(data)
+        link = worker._link
+        if ctx.stale or link is None:
+            json.dumps(payload, allow_nan=False)  # not JSON is the caller's error, always
+            worker.stats.progress_dropped += 1
+            return
+        args = {"invocation_id": ctx.invocation_id, "data": payload}
+        try:
+            answer = await asyncio.wait_for(
+                link.conn.send("invocation.progress", args), worker.progress_timeout
+            )
+        except TooLarge as e:  # over max_frame_bytes: measured before sending
+            self._refused(ctx, e)
+            return
+        except (ConnectionLost, asyncio.TimeoutError) as e:
+            ctx.log.debug("progress not sent: %s", e or "the connection takes no more")
+            worker.stats.progress_dropped += 1
+            return
+        answer.add_done_callback(functools.partial(self._answered, ctx))
+
+    def _answered(self, ctx: TurnContext, answer: asyncio.Future[Any]) -> None:
+        if answer.cancelled():
+            return
+        error = answer.exception()
+        if error is None:
+            self._worker.stats.progress_sent += 1
+            result = answer.result()
+            if isinstance(result, dict) and isinstance(result.get("seq"), int):
+                ctx.progress_seq = result["seq"]
+        elif isinstance(error, NotFound):
+            self._worker.stats.progress_refused += 1
+            self.no_longer_current(ctx)
+        elif isinstance(error, ConnectionLost):
+            self._worker.stats.progress_dropped += 1
+        else:
+            self._refused(ctx, error)
+
+    def _refused(self, ctx: TurnContext, error: BaseException) -> None:
+        self._worker.stats.progress_refused += 1
+        ctx.log.warning("progress refused: %s", error)
