@@ -40,8 +40,12 @@ import {
 } from "./types.js";
 
 export interface ClientOptions {
-  /** Daemon URL, e.g. `ws://127.0.0.1:7420/v1`. */
-  url: string;
+  /**
+   * Daemon URL, e.g. `ws://127.0.0.1:7420/v1`; or the URLs of a cluster's nodes: the
+   * client connects to the first that answers, and moves on to the next when a
+   * connection cannot be opened, when reconnecting too.
+   */
+  url: string | readonly string[];
   /** Token for the role, when the daemon requires one. */
   token?: string;
   /** `client` (default) or `operator`. */
@@ -133,6 +137,10 @@ export async function connect(options: ClientOptions): Promise<Client> {
  */
 export class Client extends EventEmitter {
   private readonly opts: ClientOptions;
+  /** Every URL the client may connect to, in the order it tries them. */
+  readonly urls: readonly string[];
+  /** The index in `urls` of the current connection's URL (or of the next one tried). */
+  private at = 0;
   private conn: Connection | null = null;
   private connecting: Promise<Connection> | null = null;
   private closedByUser = false;
@@ -146,6 +154,13 @@ export class Client extends EventEmitter {
   constructor(options: ClientOptions) {
     super();
     this.opts = options;
+    this.urls = typeof options.url === "string" ? [options.url] : [...options.url];
+    if (this.urls.length === 0) throw new TypeError("a client needs at least one URL");
+  }
+
+  /** The URL of the current connection (or of the next one tried). */
+  get url(): string {
+    return this.urls[this.at] as string;
   }
 
   /** The `hello` answer of the current (or last) connection. */
@@ -170,6 +185,7 @@ export class Client extends EventEmitter {
     const cap = Math.max(base, this.opts.maxReconnectDelayMs ?? 5000);
     const giveUp = Date.now() + (this.opts.reconnectTimeoutMs ?? 30_000);
     let delay = base;
+    let failed = 0; // URLs that failed since the last wait
     for (;;) {
       const hello: HelloArgs = {
         protocol: PROTOCOL_VERSION,
@@ -179,7 +195,7 @@ export class Client extends EventEmitter {
       if (this.opts.token !== undefined) hello.token = this.opts.token;
       try {
         let opened: Connection | undefined;
-        const { conn, hello: ok } = await Connection.open(this.opts.url, hello, {
+        const { conn, hello: ok } = await Connection.open(this.url, hello, {
           connectTimeoutMs: this.opts.connectTimeoutMs ?? 10_000,
           onPush: (push, c) => this.onPush(push, c),
           onClose: () => {
@@ -204,6 +220,10 @@ export class Client extends EventEmitter {
         if (!isRetryable(err)) throw err;
         if (this.closedByUser) throw new ConnectionError("client closed");
         if (Date.now() >= giveUp) throw err;
+        this.at = (this.at + 1) % this.urls.length;
+        failed += 1;
+        if (failed < this.urls.length) continue; // the next URL at once
+        failed = 0;
         await sleep(Math.min(delay / 2 + (Math.random() * delay) / 2, Math.max(0, giveUp - Date.now())));
         delay = Math.min(delay * 2, cap);
       }

@@ -5,12 +5,14 @@
  *
  * Both are answered `not_found` once the invocation is no longer current (a stop, a
  * reconcile, a retry); this module owns what the worker does then: the handler's
- * `signal` is aborted and no more progress is sent for it. Kept apart from the
- * worker's connection and result handling, which only starts the heartbeats and
- * hands out the connection.
+ * `signal` is aborted and no more progress is sent for it. Only the daemon that
+ * dispatched the invocation can say so: with several URLs, a `not_found` on another
+ * connection (a daemon that never stored it, while the invocation's own connection
+ * is down) ends nothing. Kept apart from the worker's connection and result handling
+ * (`worker.ts`, `links.ts`), which start the heartbeats and hand out the connection.
  */
 import type { Connection } from "./connection.js";
-import { TurndError } from "./errors.js";
+import { ConnectionError, TurndError } from "./errors.js";
 import { Cancelled } from "./handler.js";
 
 /** A handler that runs, as the worker tracks it. */
@@ -19,6 +21,14 @@ export interface Running {
   autoHeartbeat: boolean;
   /** The daemon answered `not_found` for this invocation: no more progress is sent. */
   stale: boolean;
+  /** The index of the URL whose daemon last pushed about the invocation. */
+  home: number;
+}
+
+/** The connection an invocation's requests go on, and whether it is its home's. */
+export interface Route {
+  conn: Connection;
+  atHome: boolean;
 }
 
 /** The counters this module keeps (part of the worker's stats). */
@@ -33,8 +43,8 @@ export interface LiveCounters {
 }
 
 export interface LiveHost {
-  /** The connection, when connected. */
-  conn(): Connection | undefined;
+  /** The connection an invocation's requests go on now, when one is up. */
+  route(invocationId: string): Route | undefined;
   running: ReadonlyMap<string, Running>;
   counters: LiveCounters;
   log(level: "debug" | "info" | "warn" | "error", message: string): void;
@@ -64,14 +74,14 @@ export class Live {
   heartbeatLoop(invocationId: string, timeoutMs: number, signal: AbortSignal): () => void {
     const every = Math.max(50, Math.floor(timeoutMs / 3));
     const timer = setInterval(() => {
-      const conn = this.host.conn();
-      if (!conn || signal.aborted) return;
-      this.heartbeat(conn, invocationId).catch(() => {});
+      const route = this.host.route(invocationId);
+      if (!route || signal.aborted) return;
+      this.heartbeat(route, invocationId).catch(() => {});
     }, every);
     return () => clearInterval(timer);
   }
 
-  async heartbeat(conn: Connection, invocationId: string): Promise<number> {
+  async heartbeat({ conn, atHome }: Route, invocationId: string): Promise<number> {
     try {
       const ok = (await conn.request("invocation.heartbeat", { invocation_id: invocationId })) as {
         deadline_ms: number;
@@ -79,7 +89,10 @@ export class Live {
       this.host.counters.heartbeats += 1;
       return ok.deadline_ms;
     } catch (err) {
-      if (err instanceof TurndError && err.code === "not_found") this.noLongerCurrent(invocationId);
+      if (err instanceof TurndError && err.code === "not_found") {
+        if (!atHome) throw new ConnectionError(`the daemon that dispatched ${invocationId} is not connected`);
+        this.noLongerCurrent(invocationId);
+      }
       throw err;
     }
   }
@@ -88,7 +101,8 @@ export class Live {
   progress(invocationId: string, data: unknown): void {
     const counters = this.host.counters;
     const args = { invocation_id: invocationId, data: data === undefined ? null : data };
-    const conn = this.host.conn();
+    const route = this.host.route(invocationId);
+    const conn = route?.conn;
     const r = this.host.running.get(invocationId);
     if (!conn?.isOpen || !r || r.stale || conn.bufferedAmount > this.host.progressBufferBytes) {
       JSON.stringify(args); // data that is not JSON is the caller's error, always
@@ -101,8 +115,8 @@ export class Live {
         counters.progressSent += 1;
       },
       (err: unknown) => {
-        if (!(err instanceof TurndError)) {
-          counters.progressDropped += 1; // the connection ended first
+        if (!(err instanceof TurndError) || (err.code === "not_found" && !route?.atHome)) {
+          counters.progressDropped += 1; // the connection ended first, or reached another daemon
           return;
         }
         counters.progressRefused += 1;

@@ -12,20 +12,15 @@
  * - `probe` is answered from what this worker knows (`running`, `finished`,
  *   `unknown`), and `cancel` aborts the handler's `AbortSignal`;
  * - heartbeats are sent on their own while a handler runs;
- * - any end of the connection is a disconnect: the worker reconnects with capped,
- *   jittered backoff while handlers keep running, and registers its functions again.
+ * - any end of a connection is a disconnect: the worker reconnects with capped,
+ *   jittered backoff while handlers keep running, and registers its functions again;
+ * - given several URLs (a cluster's nodes) it keeps a connection to each
+ *   (`links.ts`) with these same tables: a probe on any of them is answered from all.
  */
 import { randomUUID } from "node:crypto";
 import { EventEmitter } from "node:events";
-import {
-  CLOSE_SUPERSEDED,
-  Connection,
-  DEFAULT_MAX_FRAME_BYTES,
-  type HelloArgs,
-  PROTOCOL_VERSION,
-  type PushFrame,
-} from "./connection.js";
-import { BadUrl, ConnectionError, TurndError } from "./errors.js";
+import { Connection, DEFAULT_MAX_FRAME_BYTES, type HelloArgs, PROTOCOL_VERSION, type PushFrame } from "./connection.js";
+import { ConnectionError, TurndError } from "./errors.js";
 import {
   Cancelled,
   Continue,
@@ -36,14 +31,18 @@ import {
   Suspend,
   type TurnContext,
 } from "./handler.js";
-import { Live, type LiveCounters, type Running } from "./live.js";
+import { type Link, Links, message, sleep } from "./links.js";
+import { Live, type LiveCounters, type Route, type Running } from "./live.js";
 import type { Reconciled } from "./types.js";
 
 export type WorkerState = "idle" | "connecting" | "connected" | "disconnected" | "draining" | "stopped";
 
 export interface WorkerOptions {
-  /** Daemon URL, e.g. `ws://127.0.0.1:7420/v1`. */
-  url: string;
+  /**
+   * Daemon URL, e.g. `ws://127.0.0.1:7420/v1`; or the URLs of a cluster's nodes: the
+   * worker then keeps a connection to each, with one `workerId` and one `instanceId`.
+   */
+  url: string | readonly string[];
   /** Stable across restarts of this worker. */
   workerId: string;
   /** Token for role `worker`, when the daemon requires one. */
@@ -99,27 +98,10 @@ interface Registered {
 
 interface Held {
   outcome: Outcome;
+  /** The index of the URL whose daemon last pushed about the invocation. */
+  home: number;
   /** Makes the pump send the result again now. */
   wake: () => void;
-}
-
-interface Link {
-  generation: number;
-  conn: Connection;
-}
-
-/** Refusals of `hello` or `function.register` that no retry can fix. */
-const FATAL: ReadonlySet<string> = new Set([
-  "not_authenticated",
-  "unsupported_protocol",
-  "bad_request",
-  "forbidden",
-  "too_large",
-]);
-
-/** Whether a failed connect (or registration) would fail the same way every time. */
-function fatal(err: unknown): boolean {
-  return err instanceof BadUrl || (err instanceof TurndError && FATAL.has(err.code));
 }
 
 type LogLevel = "debug" | "info" | "warn" | "error";
@@ -129,25 +111,6 @@ function logToStderr(workerId: string): (level: LogLevel, message: string) => vo
   return (level, message) => {
     if (level === "warn" || level === "error") console.error(`turnd worker ${workerId}: ${level}: ${message}`);
   };
-}
-
-function sleep(ms: number, signal?: AbortSignal): Promise<void> {
-  return new Promise((resolve) => {
-    if (signal?.aborted) return resolve();
-    const onAbort = () => {
-      clearTimeout(timer);
-      resolve();
-    };
-    const timer = setTimeout(() => {
-      signal?.removeEventListener("abort", onAbort);
-      resolve();
-    }, ms);
-    signal?.addEventListener("abort", onAbort, { once: true });
-  });
-}
-
-function message(err: unknown): string {
-  return err instanceof Error ? err.message : String(err);
 }
 
 /** What a handler's return value says: another step, a wait for input, or the output. */
@@ -174,14 +137,14 @@ function previousFromWire(v: unknown): Previous | undefined {
 export class Worker extends EventEmitter {
   readonly workerId: string;
   readonly instanceId: string;
+  /** Every URL the worker connects to. */
+  readonly urls: readonly string[];
   private readonly opts: Required<Omit<WorkerOptions, "token" | "log">> & Pick<WorkerOptions, "token">;
   private readonly logFn: NonNullable<WorkerOptions["log"]>;
   private readonly functions = new Map<string, Registered>();
   private readonly running = new Map<string, Running>();
   private readonly unacked = new Map<string, Held>();
-  private link: Link | null = null;
-  private linkWaiters: Array<() => void> = [];
-  private generation = 0;
+  private readonly links: Links;
   private currentState: WorkerState = "idle";
   private lastReconciled: Reconciled | undefined;
   /** Aborted at the hard stop: no more reconnects, pumps end. */
@@ -228,9 +191,22 @@ export class Worker extends EventEmitter {
       drainTimeoutMs: options.drainTimeoutMs ?? 30_000,
       progressBufferBytes: options.progressBufferBytes ?? 1_048_576,
     };
+    this.urls = typeof options.url === "string" ? [options.url] : [...options.url];
+    if (this.urls.length === 0) throw new TypeError("a worker needs at least one URL");
     this.logFn = options.log ?? logToStderr(options.workerId);
+    this.links = new Links({
+      urls: this.urls,
+      halt: this.halt,
+      halted: this.halted,
+      reconnectDelayMs: this.opts.reconnectDelayMs,
+      maxReconnectDelayMs: this.opts.maxReconnectDelayMs,
+      open: (index, url) => this.connectAndRegister(index, url),
+      up: (link) => this.linkUp(link),
+      down: (trying) => this.setState(trying ? "connecting" : "disconnected"),
+      log: (level, msg) => this.log(level, msg),
+    });
     this.live = new Live({
-      conn: () => this.link?.conn,
+      route: (invocationId) => this.route(invocationId),
       running: this.running,
       counters: this.counters,
       log: (level, msg) => this.log(level, msg),
@@ -288,7 +264,7 @@ export class Worker extends EventEmitter {
   }
 
   /**
-   * Start serving in the background. Resolves once the first connection is up and
+   * Start serving in the background. Resolves once every URL's connection is up and
    * every function is registered (the worker keeps trying while the daemon cannot be
    * reached); rejects if the worker stops before that, at once when it cannot serve
    * (see `run()`).
@@ -355,20 +331,18 @@ export class Worker extends EventEmitter {
     this.draining = true;
     this.setState("draining");
     this.log("info", "draining: no new invocations");
-    const conn = this.link?.conn;
-    if (conn) {
-      await Promise.allSettled(
-        [...this.functions.keys()].map((functionId) => conn.request("function.unregister", { function_id: functionId })),
-      );
-    }
+    const unregistered = [...this.links.live.values()].flatMap(({ conn }) =>
+      [...this.functions.keys()].map((functionId) => conn.request("function.unregister", { function_id: functionId })),
+    );
+    await Promise.allSettled(unregistered);
     if (!(await this.waitDrained(drainMs))) {
       this.log("warn", `drain: ${this.running.size} handlers still running after ${drainMs} ms; aborting them`);
       for (const r of this.running.values()) r.controller.abort(new Cancelled("worker stopping"));
       await this.waitDrained(Math.min(1000, this.opts.resultAckTimeoutMs));
     }
     this.halt.abort();
-    this.wakeLinkWaiters();
-    await this.link?.conn.close(1000, "worker stopping");
+    this.links.wake();
+    await Promise.all([...this.links.live.values()].map(({ conn }) => conn.close(1000, "worker stopping")));
     await this.supervisor?.catch(() => {});
     this.setState("stopped");
   }
@@ -398,68 +372,14 @@ export class Worker extends EventEmitter {
   }
 
   private async supervise(): Promise<void> {
-    const base = this.opts.reconnectDelayMs;
-    const cap = Math.max(base, this.opts.maxReconnectDelayMs);
-    let delay = base;
-    let failure: Error | undefined;
-    while (!this.halt.signal.aborted) {
-      this.setState("connecting");
-      let conn: Connection;
-      try {
-        const attempt = this.connectAndRegister();
-        const first = await Promise.race([attempt, this.halted.then(() => null)]);
-        if (first === null) {
-          // Stopped while connecting: drop that connection when it comes.
-          attempt.then((c) => c.terminate(), () => {});
-          break;
-        }
-        conn = first;
-      } catch (err) {
-        if (fatal(err)) {
-          // A URL that can never work, a hello or registration refused for its
-          // arguments: the same again fails again, so stop instead of retrying forever.
-          failure = err as Error;
-          this.log("error", `cannot serve: ${message(err)}; this worker stops`);
-          break;
-        }
-        this.log("warn", `connect failed: ${message(err)}`);
-        this.setState("disconnected");
-        await sleep(delay / 2 + (Math.random() * delay) / 2, this.halt.signal);
-        delay = Math.min(delay * 2, cap);
-        continue;
-      }
-      delay = base;
-      this.counters.connections += 1;
-      this.generation += 1;
-      this.link = { generation: this.generation, conn };
-      this.wakeLinkWaiters();
-      this.setState("connected");
-      this.firstConnect.resolve();
-      this.resumeAfterConnect(conn);
-      await Promise.race([conn.closed, this.halted]);
-      this.link = null;
-      this.wakeLinkWaiters();
-      if (this.halt.signal.aborted) {
-        await conn.close(1000, "worker stopping");
-        break;
-      }
-      if (conn.closeCode === CLOSE_SUPERSEDED) {
-        failure = new ConnectionError(
-          `superseded: another connection took worker_id ${this.workerId}; this worker stops`,
-        );
-        this.log("error", failure.message);
-        break;
-      }
-      this.log("warn", `connection lost (code ${conn.closeCode}); reconnecting`);
-      this.setState("disconnected");
-      await sleep(delay / 2 + (Math.random() * delay) / 2, this.halt.signal);
-      delay = Math.min(delay * 2, cap);
-    }
-    if (failure) {
+    try {
+      await this.links.supervise();
+    } catch (err) {
       // Nothing more can be delivered: stop every handler and pump.
+      const failure = err instanceof Error ? err : new Error(String(err));
       for (const r of this.running.values()) r.controller.abort(new Cancelled(failure.message));
       this.halt.abort();
-      this.wakeLinkWaiters();
+      this.links.wake();
       this.notifyDrain();
       this.setState("stopped");
       this.firstConnect.reject(failure);
@@ -468,7 +388,18 @@ export class Worker extends EventEmitter {
     this.firstConnect.reject(new Error("worker stopped before it connected"));
   }
 
-  private async connectAndRegister(): Promise<Connection> {
+  /** A connection is up: count it, resume what waits for it, and say when all are. */
+  private linkUp(link: Link): void {
+    this.counters.connections += 1;
+    if (this.links.allUp) {
+      this.setState("connected");
+      this.firstConnect.resolve();
+    }
+    this.resumeAfterConnect(link);
+  }
+
+  private async connectAndRegister(index: number, url: string): Promise<Connection> {
+    // Every invocation of the worker's, whichever connection it came on.
     const hello: HelloArgs = {
       protocol: PROTOCOL_VERSION,
       role: "worker",
@@ -479,9 +410,9 @@ export class Worker extends EventEmitter {
       finished: [...this.unacked.keys()].sort(),
     };
     if (this.opts.token !== undefined) hello.token = this.opts.token;
-    const { conn, hello: ok } = await Connection.open(this.opts.url, hello, {
+    const { conn, hello: ok } = await Connection.open(url, hello, {
       connectTimeoutMs: this.opts.connectTimeoutMs,
-      onPush: (push, c) => this.onPush(push, c),
+      onPush: (push, c) => this.onPush(index, push, c),
     });
     if (ok.reconciled) {
       this.lastReconciled = ok.reconciled;
@@ -515,41 +446,39 @@ export class Worker extends EventEmitter {
     return conn;
   }
 
-  /** After a reconnect: every held result goes out again, running handlers heartbeat. */
-  private resumeAfterConnect(conn: Connection): void {
+  /** After a reconnect: every held result goes out again, the handlers it dispatched heartbeat. */
+  private resumeAfterConnect(link: Link): void {
     for (const held of this.unacked.values()) held.wake();
     for (const [invocationId, r] of this.running) {
-      if (r.autoHeartbeat) void this.live.heartbeat(conn, invocationId).catch(() => {});
+      if (r.autoHeartbeat && r.home === link.index) {
+        void this.live.heartbeat({ conn: link.conn, atHome: true }, invocationId).catch(() => {});
+      }
     }
   }
 
-  private wakeLinkWaiters(): void {
-    const waiters = this.linkWaiters;
-    this.linkWaiters = [];
-    for (const w of waiters) w();
-  }
-
-  /** The current link if it is not `dead`; waits for one; `null` after the hard stop. */
-  private async liveLink(dead: number): Promise<Link | null> {
-    for (;;) {
-      if (this.halt.signal.aborted) return null;
-      const link = this.link;
-      if (link && link.generation !== dead && link.conn.isOpen) return link;
-      await new Promise<void>((resolve) => this.linkWaiters.push(resolve));
-    }
+  /** The connection an invocation's requests go on now (`links.ts`). */
+  private route(invocationId: string): Route | undefined {
+    const home = (this.running.get(invocationId) ?? this.unacked.get(invocationId))?.home;
+    const link = this.links.pick(home);
+    return link && { conn: link.conn, atHome: link.index === home };
   }
 
   // ---- pushes ----------------------------------------------------------------------
 
-  private onPush(push: PushFrame, conn: Connection): void {
+  /** A push on the connection to `this.urls[index]`. */
+  private onPush(index: number, push: PushFrame, conn: Connection): void {
     const invocationId = push.invocation_id;
     if (typeof invocationId !== "string") return;
+    // The daemon that pushes about an invocation is the one that waits for it (after
+    // a cluster's takeover, the partition's new leader).
+    const known = this.running.get(invocationId) ?? this.unacked.get(invocationId);
+    if (known) known.home = index;
     switch (push.push) {
       case "invoke":
-        this.onInvoke(push, invocationId);
+        this.onInvoke(push, invocationId, index);
         break;
       case "cancel":
-        this.onCancel(invocationId, String(push.reason ?? ""));
+        this.onCancel(invocationId, String(push.reason ?? ""), index);
         break;
       case "probe":
         this.onProbe(conn, invocationId);
@@ -559,7 +488,7 @@ export class Worker extends EventEmitter {
     }
   }
 
-  private onInvoke(push: PushFrame, invocationId: string): void {
+  private onInvoke(push: PushFrame, invocationId: string, home: number): void {
     if (this.running.has(invocationId)) return;
     const held = this.unacked.get(invocationId);
     if (held) {
@@ -570,7 +499,7 @@ export class Worker extends EventEmitter {
     const registered = this.functions.get(functionId);
     const controller = new AbortController();
     const autoHeartbeat = registered?.options.autoHeartbeat ?? true;
-    this.running.set(invocationId, { controller, autoHeartbeat, stale: false });
+    this.running.set(invocationId, { controller, autoHeartbeat, stale: false, home });
     this.counters.invocationsStarted += 1;
     const turnId = String(push.turn_id);
     const step = Number(push.step);
@@ -586,9 +515,9 @@ export class Worker extends EventEmitter {
       deadlineMs,
       signal: controller.signal,
       heartbeat: () => {
-        const link = this.link;
-        if (!link) return Promise.reject(new ConnectionError("not connected"));
-        return this.live.heartbeat(link.conn, invocationId);
+        const route = this.route(invocationId);
+        if (!route) return Promise.reject(new ConnectionError("not connected"));
+        return this.live.heartbeat(route, invocationId);
       },
       progress: (data) => this.live.progress(invocationId, data),
       previous: previousFromWire(push.previous),
@@ -631,7 +560,7 @@ export class Worker extends EventEmitter {
     this.holdResult(invocationId, this.sendable(invocationId, outcome));
   }
 
-  private onCancel(invocationId: string, reason: string): void {
+  private onCancel(invocationId: string, reason: string, index: number): void {
     const running = this.running.get(invocationId);
     if (running) {
       this.log("info", `cancel ${invocationId}: ${reason}`);
@@ -644,7 +573,7 @@ export class Worker extends EventEmitter {
       return;
     }
     // Not running here (never received, or already delivered): say so.
-    this.holdResult(invocationId, { cancelled: { message: "not running" } });
+    this.holdResult(invocationId, { cancelled: { message: "not running" } }, index);
   }
 
   private onProbe(conn: Connection, invocationId: string): void {
@@ -653,7 +582,7 @@ export class Worker extends EventEmitter {
       // A heartbeat answers a pending probe and moves the deadline: the truth that
       // the handler is still working, without turning into a cancel.
       const answer = running.autoHeartbeat
-        ? this.live.heartbeat(conn, invocationId).catch(() =>
+        ? this.live.heartbeat({ conn, atHome: true }, invocationId).catch(() =>
             conn.request("invocation.status", { invocation_id: invocationId, state: "running" }),
           )
         : conn.request("invocation.status", { invocation_id: invocationId, state: "running" });
@@ -695,11 +624,13 @@ export class Worker extends EventEmitter {
     return outcome;
   }
 
-  private holdResult(invocationId: string, outcome: Outcome): void {
+  private holdResult(invocationId: string, outcome: Outcome, home = 0): void {
+    const running = this.running.get(invocationId);
     this.running.delete(invocationId);
     let wake: () => void = () => {};
     const held: Held = {
       outcome,
+      home: running?.home ?? home,
       wake: () => wake(),
     };
     const wakeup = () =>
@@ -719,10 +650,11 @@ export class Worker extends EventEmitter {
   private async pump(invocationId: string, held: Held, wakeup: () => Promise<void>): Promise<void> {
     const ackMs = this.opts.resultAckTimeoutMs;
     const args: { invocation_id: string; outcome: Outcome } = { invocation_id: invocationId, outcome: held.outcome };
-    let dead = -1;
+    // Generations of connections gone, or whose daemon never stored the invocation.
+    const dead = new Set<number>();
     let first = true;
     for (;;) {
-      const link = await this.liveLink(dead);
+      const link = await this.links.wait(() => held.home, dead);
       if (!link) return;
       if (first) this.counters.resultsSent += 1;
       else this.counters.resultsResent += 1;
@@ -742,11 +674,19 @@ export class Worker extends EventEmitter {
       ]);
       clearTimeout(timer);
       switch (result.kind) {
-        case "ok":
+        case "ok": {
+          const accepted = (result.ok as { accepted?: string }).accepted;
+          if (accepted === "unknown" && link.index !== held.home) {
+            // Not a node of one cluster with the daemon that dispatched it (that one
+            // would have forwarded it): wait for that daemon's connection.
+            dead.add(link.generation);
+            continue;
+          }
           this.counters.resultsAcked += 1;
-          this.log("debug", `${invocationId}: result ${(result.ok as { accepted?: string }).accepted}`);
+          this.log("debug", `${invocationId}: result ${accepted}`);
           this.release(invocationId, held);
           return;
+        }
         case "halt":
           return;
         case "wake":
@@ -755,7 +695,7 @@ export class Worker extends EventEmitter {
         case "err": {
           const err = result.err;
           if (err instanceof ConnectionError) {
-            dead = link.generation;
+            dead.add(link.generation);
             continue;
           }
           if (err instanceof TurndError && err.code === "too_large" && !("fail" in args.outcome)) {

@@ -28,7 +28,7 @@ export function daemon(): Promise<Turnd> {
 let workerSeq = 0;
 
 /** A worker with fast resend and reconnect timers. */
-export function worker(url: string, opts: Partial<WorkerOptions> = {}): Worker {
+export function worker(url: string | readonly string[], opts: Partial<WorkerOptions> = {}): Worker {
   workerSeq += 1;
   return new Worker({
     url,

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -57,6 +57,14 @@ _CLOSED_TOO_BIG = {
 }
 
 PushHandler = Callable[["Connection", dict[str, Any]], None]
+
+
+def url_list(url: str | Sequence[str]) -> list[str]:
+    """One URL, or a cluster's nodes' URLs, as a list (never empty)."""
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise ValueError("at least one URL is needed")
+    return urls
 
 
 def check_url(url: str) -> None:

@@ -4,9 +4,11 @@
 
 Both answer ``not_found`` once the invocation is no longer current (a stop, a
 reconcile, a retry); this module owns what the worker then does: the handler's
-``ctx.cancelled`` is set and no more progress is sent for it. Kept apart from the
-worker's connection and result handling (``worker.py``), which only starts the
-heartbeats and hands out the link.
+``ctx.cancelled`` is set and no more progress is sent for it. Only the daemon that
+dispatched the invocation can say so: with several URLs, a ``not_found`` on another
+connection (a daemon that never stored it, while the invocation's own connection is
+down) ends nothing. Kept apart from the worker's connection and result handling
+(``worker.py``, ``_links.py``), which start the heartbeats and hand out the link.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ._handler import FunctionSpec, TurnContext, _to_json
 from .errors import ConnectionLost, NotFound, TooLarge, TurndError
 
 if TYPE_CHECKING:
+    from ._links import Link
     from .worker import Worker
 
 log = logging.getLogger("turnd.worker")
@@ -45,13 +48,21 @@ class Live:
 
     # ------------------------------------------------------------------ heartbeats
 
+    def _at_home(self, ctx: TurnContext, link: Link) -> bool:
+        """Whether ``link`` reaches the daemon that last pushed about ``ctx``'s invocation."""
+        return link.index == self._worker._home(ctx.invocation_id)
+
     async def heartbeat(self, ctx: TurnContext) -> int:
-        link = self._worker._link
+        link = self._worker._link_for(ctx.invocation_id)
         if link is None:
             raise ConnectionLost("worker not connected")
         try:
             ok = await link.conn.call("invocation.heartbeat", {"invocation_id": ctx.invocation_id})
-        except NotFound:
+        except NotFound as e:
+            if not self._at_home(ctx, link):
+                raise ConnectionLost(
+                    f"the daemon that dispatched {ctx.invocation_id} is not connected ({e})"
+                ) from e
             self.no_longer_current(ctx)
             raise
         self._worker.stats.heartbeats_sent += 1
@@ -87,7 +98,7 @@ class Live:
         """Send one progress frame in call order; its answer is taken when it comes."""
         worker = self._worker
         payload = _to_json(data)
-        link = worker._link
+        link = worker._link_for(ctx.invocation_id)
         if ctx.stale or link is None:
             json.dumps(payload, allow_nan=False)  # not JSON is the caller's error, always
             worker.stats.progress_dropped += 1
@@ -104,9 +115,9 @@ class Live:
             ctx.log.debug("progress not sent: %s", e or "the connection takes no more")
             worker.stats.progress_dropped += 1
             return
-        answer.add_done_callback(functools.partial(self._answered, ctx))
+        answer.add_done_callback(functools.partial(self._answered, ctx, self._at_home(ctx, link)))
 
-    def _answered(self, ctx: TurnContext, answer: asyncio.Future[Any]) -> None:
+    def _answered(self, ctx: TurnContext, at_home: bool, answer: asyncio.Future[Any]) -> None:
         if answer.cancelled():
             return
         error = answer.exception()
@@ -115,10 +126,10 @@ class Live:
             result = answer.result()
             if isinstance(result, dict) and isinstance(result.get("seq"), int):
                 ctx.progress_seq = result["seq"]
-        elif isinstance(error, NotFound):
+        elif isinstance(error, NotFound) and at_home:
             self._worker.stats.progress_refused += 1
             self.no_longer_current(ctx)
-        elif isinstance(error, ConnectionLost):
+        elif isinstance(error, (ConnectionLost, NotFound)):
             self._worker.stats.progress_dropped += 1
         else:
             self._refused(ctx, error)

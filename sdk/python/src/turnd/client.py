@@ -11,10 +11,10 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from ._connection import PROTOCOL_VERSION, Connection
+from ._connection import PROTOCOL_VERSION, Connection, url_list
 from .errors import ConnectionLost, NotFound, ShuttingDown, TurndError
 from .types import (
     JSON,
@@ -113,11 +113,18 @@ class Client:
     connection when the connection is lost, for up to ``reconnect_timeout`` seconds.
     A submit (or resume) without a key is not repeated (it could run twice): it
     raises :class:`ConnectionLost` and the caller decides.
+
+    ``url`` may be a list (a cluster's nodes): the client connects to the first
+    that answers, and moves on to the next when a connection cannot be opened,
+    when reconnecting too.
     """
+
+    urls: list[str]
+    """Every URL the client may connect to, in the order it tries them."""
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         token: str | None = None,
         role: Role = "client",
@@ -156,6 +163,17 @@ class Client:
             link.lost()
 
     @property
+    def url(self) -> str:
+        """The URL of the current connection (or of the next one tried)."""
+        return self.urls[self._at]
+
+    @url.setter
+    def url(self, url: str | Sequence[str]) -> None:
+        """Set every URL the client may connect to, in the order it tries them."""
+        self.urls = url_list(url)
+        self._at = 0
+
+    @property
     def hello(self) -> dict[str, Any]:
         """The daemon's ``hello`` answer on the current connection."""
         if self._link is None or self._link.conn is None:
@@ -171,7 +189,7 @@ class Client:
         if self.name is not None:
             hello["name"] = self.name
         link = _Link()
-        link.conn = await Connection.open(self.url, hello, link.on_push, self.open_timeout)
+        link.conn = await self._open_any(hello, link)
         conn = link.conn
 
         async def watch_close() -> None:
@@ -181,6 +199,24 @@ class Client:
         self._watcher = asyncio.get_running_loop().create_task(watch_close())
         self.connections += 1
         return link
+
+    async def _open_any(self, hello: dict[str, Any], link: _Link) -> Connection:
+        """Open a connection to the current URL, else to the next ones in turn (each
+        once); the last retryable failure when none answers."""
+        start = self._at
+        failure: TurndError | None = None
+        for step in range(len(self.urls)):
+            self._at = (start + step) % len(self.urls)
+            try:
+                return await Connection.open(self.url, hello, link.on_push, self.open_timeout)
+            except TurndError as e:
+                if not e.retryable:
+                    raise
+                log.debug("cannot connect to %s (%s); trying the next URL", self.url, e)
+                failure = e
+        self._at = (start + 1) % len(self.urls)  # the next round starts there
+        assert failure is not None
+        raise failure
 
     async def _ensure(self, deadline: float) -> _Link:
         """The current link, opening a new connection (with backoff) when needed."""

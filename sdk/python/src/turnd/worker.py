@@ -15,9 +15,11 @@ does its part, and this module is that part:
   ``cancel_grace``, cancels the handler's task;
 - while a handler runs the worker sends ``invocation.heartbeat`` on its own, so a
   long step outlives its ``timeout_ms`` as long as the process is alive;
-- any close of the connection, clean or not, is a disconnect: the worker reconnects
+- any close of a connection, clean or not, is a disconnect: the worker reconnects
   for good with capped, jittered backoff while handlers keep running, and registers
-  its functions again.
+  its functions again;
+- given several URLs (a cluster's nodes) it keeps a connection to each (``_links.py``)
+  with these same tables: a probe on any connection is answered from all of them.
 """
 
 from __future__ import annotations
@@ -27,14 +29,13 @@ import concurrent.futures
 import contextlib
 import enum
 import logging
-import random
 import signal
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._connection import CLOSE_SUPERSEDED, PROTOCOL_VERSION, Connection
+from ._connection import Connection, url_list
 from ._handler import (
     Continue,
     Delivery,
@@ -47,15 +48,9 @@ from ._handler import (
     TurnContext,
     run_handler,
 )
+from ._links import Link, Links
 from ._live import Live
-from .errors import (
-    BadEndpoint,
-    ConnectionLost,
-    ProtocolError,
-    TooLarge,
-    TurndError,
-    WorkerSuperseded,
-)
+from .errors import ConnectionLost, ProtocolError, TooLarge, TurndError
 from .types import JSON, Reconciled
 
 log = logging.getLogger("turnd.worker")
@@ -97,6 +92,8 @@ class WorkerStats:
 @dataclass
 class _Running:
     ctx: TurnContext
+    home: int
+    """The index of the URL whose daemon last pushed about the invocation."""
     task: asyncio.Task[None] | None = None
     hard_cancel: asyncio.TimerHandle | None = None
 
@@ -104,13 +101,8 @@ class _Running:
 @dataclass
 class _Held:
     outcome: dict[str, Any]
+    home: int
     resend_now: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class _Link:
-    generation: int
-    conn: Connection
 
 
 class Worker:
@@ -128,11 +120,17 @@ class Worker:
 
     ``instance_id`` defaults to a fresh id per ``Worker`` object: keep the object
     (the SDK does, across reconnects) to be recognised as the same instance.
+
+    ``url`` may be a list: the URLs of a cluster's nodes. The worker then keeps a
+    connection to each, with one ``worker_id`` and one ``instance_id``.
     """
+
+    urls: list[str]
+    """Every URL the worker connects to (``url`` sets them)."""
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         worker_id: str,
         *,
         token: str | None = None,
@@ -174,8 +172,7 @@ class Worker:
         self._held: dict[str, _Held] = {}
         # Set whenever a handler ends or a result is acknowledged.
         self._changed = asyncio.Event()
-        self._link: _Link | None = None
-        self._link_changed: asyncio.Condition | None = None
+        self._links: Links | None = None
         self._stopping: asyncio.Event | None = None
         self._draining = False
         self._fatal: TurndError | None = None
@@ -227,6 +224,16 @@ class Worker:
             return handler
 
         return register
+
+    @property
+    def url(self) -> str:
+        """The first of :attr:`urls` (the only one, for one daemon)."""
+        return self.urls[0]
+
+    @url.setter
+    def url(self, url: str | Sequence[str]) -> None:
+        """Set every URL the worker connects to (before it serves)."""
+        self.urls = url_list(url)
 
     @property
     def state(self) -> WorkerState:
@@ -333,8 +340,7 @@ class Worker:
         self._spawn(self._drain())
 
     async def _drain(self) -> None:
-        link = self._link
-        if link is not None:
+        for link in list(self._links.live.values()) if self._links is not None else []:
             for function_id in sorted(self._functions):
                 with contextlib.suppress(TurndError):
                     await link.conn.call("function.unregister", {"function_id": function_id})
@@ -367,12 +373,12 @@ class Worker:
         self._draining = False
         self._fatal = None
         self._stopping = asyncio.Event()
-        self._link_changed = asyncio.Condition()
+        self._links = Links(self)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self._max_threads, thread_name_prefix=f"turnd-{self.worker_id}"
         )
         try:
-            await self._supervise()
+            await self._links.supervise()
         except TurndError as e:
             self._fatal = e
             raise
@@ -407,39 +413,14 @@ class Worker:
             if exc[0] is None:
                 raise
 
-    async def _supervise(self) -> None:
-        assert self._stopping is not None
-        delay = self.reconnect_delay
-        generation = 0
-        while not self._stopping.is_set():
-            self._set_state(WorkerState.CONNECTING)
-            conn = await self._until_stopped(self._connect())
-            if isinstance(conn, Connection):
-                delay = self.reconnect_delay
-                generation += 1
-                self.stats.connections += 1
-                log.info("worker %s connected (generation %d)", self.worker_id, generation)
-                await self._set_link(_Link(generation, conn))
-                self._set_state(WorkerState.DRAINING if self._draining else WorkerState.CONNECTED)
-                await self._until_stopped(conn.closed.wait())
-                await self._set_link(None)
-                if self._stopping.is_set():
-                    await conn.close()
-                    return
-                if conn.close_code == CLOSE_SUPERSEDED:
-                    log.error("worker %s superseded by another connection", self.worker_id)
-                    raise WorkerSuperseded(
-                        f"another connection took worker_id {self.worker_id} (close 4001)"
-                    )
-                log.warning(
-                    "worker %s lost its connection (close %s); reconnecting",
-                    self.worker_id,
-                    conn.close_code,
-                )
-            self._set_state(WorkerState.DISCONNECTED)
-            # Equal jitter: half the delay fixed, half random.
-            await self._until_stopped(asyncio.sleep(delay / 2 + random.uniform(0, delay / 2)))
-            delay = min(delay * 2, self.reconnect_max_delay)
+    def _refresh_state(self, *, trying: bool = False) -> None:
+        """The state the connections make: connected when every URL's is up."""
+        if self._stopping is None or self._stopping.is_set() or self._links is None:
+            return
+        if self._links.all_up:
+            self._set_state(WorkerState.DRAINING if self._draining else WorkerState.CONNECTED)
+        else:
+            self._set_state(WorkerState.CONNECTING if trying else WorkerState.DISCONNECTED)
 
     async def _until_stopped(self, aw: Awaitable[Any]) -> Any:
         """Await ``aw`` unless the worker stops first (then ``None``)."""
@@ -457,77 +438,10 @@ class Worker:
             await task
         return None
 
-    async def _connect(self) -> Connection | None:
-        hello: dict[str, Any] = {
-            "protocol": PROTOCOL_VERSION,
-            "role": "worker",
-            "worker_id": self.worker_id,
-            "name": self.name,
-            "instance_id": self.instance_id,
-            "inflight": sorted(self._running),
-            "finished": sorted(self._held),
-        }
-        if self.token is not None:
-            hello["token"] = self.token
-        try:
-            conn = await Connection.open(self.url, hello, self._on_push)
-        except (BadEndpoint, ProtocolError) as e:
-            if e.retryable:
-                log.warning("worker %s: hello failed: %s", self.worker_id, e)
-                return None
-            # A wrong URL or a refused token fails the same way on every attempt.
-            log.error("worker %s cannot serve: %s", self.worker_id, e)
-            self._fatal = e
-            self.stop()
-            return None
-        except (ConnectionLost, OSError, asyncio.TimeoutError) as e:
-            log.warning("worker %s: cannot connect: %s", self.worker_id, e)
-            return None
-        self.reconciled = Reconciled.from_wire(conn.hello.get("reconciled"))
-        if self.reconciled.redispatched or self.reconciled.unknown:
-            log.info(
-                "daemon reconciled worker %s: kept %s, redispatched %s, unknown %s",
-                self.worker_id,
-                self.reconciled.kept,
-                self.reconciled.redispatched,
-                self.reconciled.unknown,
-            )
-        try:
-            # A draining worker reconnects only to report and deliver what it holds.
-            specs = [] if self._draining else self._functions.values()
-            for spec in sorted(specs, key=lambda s: s.function_id):
-                await conn.call("function.register", spec.register_args())
-        except ProtocolError as e:
-            await conn.close()
-            if not e.retryable:
-                # The same registration would be refused again on every reconnect.
-                log.error("worker %s: the daemon refused a registration: %s", self.worker_id, e)
-                self._fatal = e
-                self.stop()
-                return None
-            log.warning("worker %s: registering failed: %s", self.worker_id, e)
-            return None
-        except TurndError as e:
-            log.warning("worker %s: registering failed: %s", self.worker_id, e)
-            await conn.close()
-            return None
-        # Results held across the reconnect are resent now (the daemon kept them
-        # waiting for that, "finished" in hello).
-        for held in self._held.values():
-            held.resend_now.set()
-        return conn
-
-    async def _set_link(self, link: _Link | None) -> None:
-        self._link = link
-        assert self._link_changed is not None
-        async with self._link_changed:
-            self._link_changed.notify_all()
-
     async def _shutdown(self) -> None:
         self._set_state(WorkerState.STOPPED)
-        link, self._link = self._link, None
-        if link is not None:
-            await link.conn.close()
+        if self._links is not None:
+            await self._links.close()
         for running in list(self._running.values()):
             if running.task is not None:
                 running.task.cancel()
@@ -548,24 +462,42 @@ class Worker:
 
     # ------------------------------------------------------------------ pushes
 
-    def _on_push(self, conn: Connection, frame: dict[str, Any]) -> None:
+    def _on_push(self, index: int, conn: Connection, frame: dict[str, Any]) -> None:
+        """A push on the connection to ``self.urls[index]``."""
         kind = frame.get("push")
         invocation_id = frame.get("invocation_id")
         if not isinstance(invocation_id, str):
             log.debug("ignoring push %r without invocation_id", kind)
             return
+        if kind not in ("invoke", "cancel", "probe"):
+            log.debug("ignoring push %r on a worker connection", kind)
+            return
+        # The daemon that pushes about an invocation is the one that waits for it
+        # (after a cluster's takeover, the partition's new leader).
+        known = self._running.get(invocation_id) or self._held.get(invocation_id)
+        if known is not None:
+            known.home = index
         if kind == "invoke":
-            self._on_invoke(frame, invocation_id)
+            self._on_invoke(frame, invocation_id, index)
         elif kind == "cancel":
-            self._on_cancel(invocation_id, str(frame.get("reason", "")))
-        elif kind == "probe":
+            self._on_cancel(invocation_id, str(frame.get("reason", "")), index)
+        else:
             # Answered on the connection it came on, even before registration is done
             # (a probe can follow hello at once).
             self._on_probe(conn, invocation_id)
-        else:
-            log.debug("ignoring push %r on a worker connection", kind)
 
-    def _on_invoke(self, frame: dict[str, Any], invocation_id: str) -> None:
+    def _home(self, invocation_id: str) -> int | None:
+        """The URL index of the daemon that last pushed about an invocation."""
+        known = self._running.get(invocation_id) or self._held.get(invocation_id)
+        return known.home if known is not None else None
+
+    def _link_for(self, invocation_id: str) -> Link | None:
+        """The connection an invocation's requests go on now (``_links.py``)."""
+        if self._links is None:
+            return None
+        return self._links.pick(self._home(invocation_id))
+
+    def _on_invoke(self, frame: dict[str, Any], invocation_id: str, index: int) -> None:
         if invocation_id in self._running:
             log.debug("invoke %s already running; ignored", invocation_id)
             return
@@ -593,7 +525,7 @@ class Worker:
             _loop=self._loop,
             previous=Previous.from_wire(frame.get("previous")),
         )
-        running = _Running(ctx)
+        running = _Running(ctx, index)
         self._running[invocation_id] = running
         self.stats.invocations_started += 1
         running.task = self._loop.create_task(self._invoke(ctx, frame.get("input")))
@@ -613,7 +545,7 @@ class Worker:
                 running.hard_cancel.cancel()
         self._hold(ctx.invocation_id, outcome)
 
-    def _on_cancel(self, invocation_id: str, reason: str) -> None:
+    def _on_cancel(self, invocation_id: str, reason: str, index: int) -> None:
         self.stats.cancels_received += 1
         running = self._running.get(invocation_id)
         if running is not None:
@@ -626,7 +558,7 @@ class Worker:
             held.resend_now.set()
             return
         log.info("cancel %s for an invocation this worker is not running", invocation_id)
-        self._hold(invocation_id, {"cancelled": {"message": "not running"}})
+        self._hold(invocation_id, {"cancelled": {"message": "not running"}}, index)
 
     def _cancel_running(self, running: _Running) -> None:
         running.ctx.cancelled.set()
@@ -663,13 +595,13 @@ class Worker:
 
     # ------------------------------------------------------------------ results
 
-    def _hold(self, invocation_id: str, outcome: dict[str, Any]) -> None:
+    def _hold(self, invocation_id: str, outcome: dict[str, Any], home: int = 0) -> None:
         """Keep a result until the daemon acknowledges it, and start delivering it."""
-        self._running.pop(invocation_id, None)
+        running = self._running.pop(invocation_id, None)
         self._changed.set()
         if self._stopping is None or self._stopping.is_set():
             return
-        held = _Held(outcome)
+        held = _Held(outcome, running.home if running is not None else home)
         self._held[invocation_id] = held
         self._spawn(self._pump(invocation_id, held))
 
@@ -678,22 +610,15 @@ class Worker:
             del self._held[invocation_id]
             self._changed.set()
 
-    async def _wait_link(self, dead: int | None) -> _Link:
-        assert self._link_changed is not None
-        async with self._link_changed:
-            await self._link_changed.wait_for(
-                lambda: self._link is not None and self._link.generation != dead
-            )
-            assert self._link is not None
-            return self._link
-
     async def _pump(self, invocation_id: str, held: _Held) -> None:
         """Deliver one result until the daemon acknowledges it (or refuses it for good)."""
         args = {"invocation_id": invocation_id, "outcome": held.outcome}
-        dead: int | None = None
+        assert self._links is not None
+        # Generations of connections gone, or whose daemon never stored the invocation.
+        dead: set[int] = set()
         first = True
         while True:
-            link = await self._wait_link(dead)
+            link = await self._links.wait(lambda: held.home, dead)
             if first:
                 self.stats.results_sent += 1
                 first = False
@@ -720,7 +645,7 @@ class Worker:
             try:
                 ok = call.result()
             except ConnectionLost:
-                dead = link.generation
+                dead.add(link.generation)
                 continue
             except TooLarge as e:
                 if "fail" in held.outcome and held.outcome["fail"].get("code") == "too_large":
@@ -746,8 +671,14 @@ class Worker:
                 self.stats.results_dropped += 1
                 self._release(invocation_id, held)
                 return
-            self.stats.results_acked += 1
             accepted = ok.get("accepted") if isinstance(ok, dict) else None
+            if accepted == "unknown" and link.index != held.home:
+                # Not a node of one cluster with the daemon that dispatched it (that
+                # one would have forwarded it): wait for that daemon's connection.
+                log.debug("result %s unknown to %s; waiting", invocation_id, link.index)
+                dead.add(link.generation)
+                continue
+            self.stats.results_acked += 1
             log.debug("result %s acknowledged: %s", invocation_id, accepted)
             self._release(invocation_id, held)
             return
