@@ -9,7 +9,7 @@
  * free ports with a fresh data directory and the default config (durable commits),
  * runs the worker in a child process of its own (so its CPU is its own), and drives
  * the load from this process over `--connections` caller connections (at least 8, one
- * per 40 sessions by default, so that a connection's waits stay within the daemon's
+ * per 800 turns by default, so that a connection's waits stay within the daemon's
  * `server.max_inflight_per_connection` of 1024): every session submits its
  * turns one after another (each as soon as the previous submit is acknowledged) and
  * waits for each in the background. The daemon's CPU is read from /proc before and
@@ -113,7 +113,7 @@ async function main(): Promise<void> {
   const concurrency = arg("concurrency", 128);
   const warmup = arg("warmup", 200);
   const single = arg("single", 500);
-  const connections = arg("connections", Math.max(8, Math.ceil(sessions / 40)));
+  const connections = arg("connections", Math.max(8, Math.ceil((sessions * turns) / 800)));
   const binary = argStr("binary");
   const turnd = await startTurnd(binary ? { binary } : {});
   const script = fileURLToPath(import.meta.url);
