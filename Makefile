@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -158,6 +158,28 @@ bench-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## One Node worker's thro
 	$(CARGO) build --release -p turnd --bin turnd
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
 	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(CURDIR)/target/release/turnd --sessions 100 --turns 20
+
+# The external driver: a release daemon started by the bench, Node callers and one Node
+# worker process (the TypeScript SDK), the daemon's CPU read from /proc. BENCH_TURND
+# names another build to measure (an older binary for an A/B comparison).
+SESSIONS ?= 1000
+TURNS ?= 20
+BENCH_TURND ?= $(CURDIR)/target/release/turnd
+bench-external: $(TS_SDK)/node_modules/.ci-stamp ## Turns/s, the daemon's and the driver's CPU per turn, one session's p50/p99: SESSIONS (1000) x TURNS (20) from Node callers and worker against a release turnd (or BENCH_TURND)
+	@if [ "$(BENCH_TURND)" = "$(CURDIR)/target/release/turnd" ]; then $(CARGO) build --release -p turnd --bin turnd; fi
+	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
+	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(BENCH_TURND) --sessions $(SESSIONS) --turns $(TURNS)
+
+# The same load shape against Restate (bench/restate/drive.mjs: the npm restate-server
+# and the Restate TypeScript SDK, pinned in its package-lock.json), for a comparison
+# with bench-external in the same hour of the machine.
+RESTATE_BENCH := bench/restate
+$(RESTATE_BENCH)/node_modules/.ci-stamp: $(RESTATE_BENCH)/package-lock.json $(RESTATE_BENCH)/package.json
+	cd $(RESTATE_BENCH) && $(NPM) ci --no-audit --no-fund
+	touch $@
+
+bench-restate: $(RESTATE_BENCH)/node_modules/.ci-stamp ## bench-external's load (SESSIONS x TURNS) against Restate 1.7 (npm restate-server), its server's CPU from /proc
+	cd $(RESTATE_BENCH) && node drive.mjs --sessions $(SESSIONS) --turns $(TURNS)
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -18,13 +18,13 @@ import sys
 
 # (thread name prefix, part, frame substring); first match wins.
 PARTS = [
-    ("tokio-rt-worker", "engine: records' JSON (Tx::batch)", "session::Tx::batch"),
+    ("tokio-rt-worker", "engine: records' JSON (Tx::batch)", "machine::tx::Tx::batch"),
     ("tokio-rt-worker", "engine: store commit: LZ4 of the log record", "lz4_flex::block::compress"),
-    ("tokio-rt-worker", "engine: store commit (log record, overlay writes)", "turnd_store::store::Store::commit"),
+    ("tokio-rt-worker", "engine: store commit (log record, overlay writes)", "LoggedKv as turnd_store::kv::Kv>::commit"),
     ("tokio-rt-worker", "engine: wait index and timers (after_change)", "Engine>::after_change"),
-    ("tokio-rt-worker", "engine: applying the change in memory (Tx::apply)", "session::Tx::apply"),
+    ("tokio-rt-worker", "engine: applying the change in memory (Tx::apply)", "machine::tx::Tx::apply"),
     ("tokio-rt-worker", "engine: the rest of a commit", "Engine>::commit::{{closure}}"),
-    ("tokio-rt-worker", "daemon: the rest of its request tasks", "turnd_server::ws::Conn::run"),
+    ("tokio-rt-worker", "daemon: the rest of its request tasks", "turnd_server::router::run"),
     ("tokio-rt-worker", "daemon: connection reading and writing", "turnd_server::ws::"),
     ("tokio-rt-worker", "bench's SDK callers and workers", "turnd_client::"),
     ("tokio-rt-worker", "bench's own tasks", "turnd_bench::"),
@@ -32,7 +32,7 @@ PARTS = [
     ("turnd-store-app", "applier: LZ4 of values (pack)", "turnd_store::logged::codec::pack"),
     ("turnd-store-app", "applier: value file appends", "turnd_store::sled::values::ValueFile::append"),
     ("turnd-log-write", "log writer: write and fdatasync", "SegmentWriter::append_group"),
-    ("turnd-log-write", "log writer: overlay insert", "btree::map"),
+    ("turnd-log-write", "log writer: overlay insert", "Overlay::put_group"),
     ("sled-io", "sled's IO threads", ""),
 ]
 

@@ -13,19 +13,22 @@ use turnd_store::{InvocationRecord, SessionMeta, TurnRecord};
 
 /// A session's non-terminal turns in `seq` order; the first is the lock holder.
 ///
-/// A sorted vector of boxed records: most sessions hold one or two live turns, and
-/// this costs a pointer per turn where a `BTreeMap` node reserves eleven slots.
-/// Turns are admitted in `seq` order and usually leave from the front.
+/// A sorted vector of boxed records, each beside its `seq`: most sessions hold one
+/// or two live turns, and this costs a pointer and a `seq` per turn where a
+/// `BTreeMap` node reserves eleven slots. Turns are admitted in `seq` order and
+/// usually leave from the front. The `seq` is kept beside the box so that finding a
+/// turn reads the vector alone: read through the boxes, each step of the search was
+/// a cache miss, and with 20 turns queued per session the search took 1.6 % of the
+/// daemon's CPU (`docs/benchmarks.md`).
 #[derive(Debug, Default)]
 // Boxed on purpose: a vector of records reserves room for four records on its first
-// push (about 1.7 KB), a vector of boxes 32 bytes, and 8 with the first turn's exact
+// push (about 1.7 KB), a vector of boxes 64 bytes, and 16 with the first turn's exact
 // reservation in `insert` (most sessions never hold a second).
-#[allow(clippy::vec_box)]
-pub struct ActiveTurns(Vec<Box<TurnRecord>>);
+pub struct ActiveTurns(Vec<(u64, Box<TurnRecord>)>);
 
 impl ActiveTurns {
     fn position(&self, seq: u64) -> Result<usize, usize> {
-        self.0.binary_search_by_key(&seq, |t| t.seq)
+        self.0.binary_search_by_key(&seq, |(s, _)| *s)
     }
 
     pub fn len(&self) -> usize {
@@ -33,18 +36,18 @@ impl ActiveTurns {
     }
 
     pub fn get(&self, seq: u64) -> Option<&TurnRecord> {
-        self.position(seq).ok().map(|i| &*self.0[i])
+        self.position(seq).ok().map(|i| &*self.0[i].1)
     }
 
     /// Insert or replace the turn with `t.seq`.
     pub fn insert(&mut self, t: TurnRecord) {
         match self.position(t.seq) {
-            Ok(i) => *self.0[i] = t,
+            Ok(i) => *self.0[i].1 = t,
             Err(i) => {
                 if self.0.capacity() == 0 {
                     self.0.reserve_exact(1);
                 }
-                self.0.insert(i, Box::new(t))
+                self.0.insert(i, (t.seq, Box::new(t)))
             }
         }
     }
@@ -57,11 +60,11 @@ impl ActiveTurns {
 
     /// The turns in `seq` order.
     pub fn iter(&self) -> impl Iterator<Item = &TurnRecord> {
-        self.0.iter().map(|t| &**t)
+        self.0.iter().map(|(_, t)| &**t)
     }
 
     pub fn seqs(&self) -> impl Iterator<Item = u64> + '_ {
-        self.0.iter().map(|t| t.seq)
+        self.0.iter().map(|(s, _)| *s)
     }
 
     /// How many turns come before `seq`.

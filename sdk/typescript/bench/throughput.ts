@@ -1,15 +1,21 @@
 /**
- * Throughput of one Node worker process: S sessions × M one-step echo turns.
+ * Throughput of one Node worker process: S sessions × M one-step echo turns, measured
+ * from outside the daemon (`make bench-external`, `make bench-sdk-typescript`).
  *
  *     node build/sdk/typescript/bench/throughput.js [--sessions 100] [--turns 20] [--concurrency 128]
- *                                    [--warmup 200] [--binary PATH]
+ *                                    [--warmup 200] [--single 500] [--connections N] [--binary PATH]
  *
  * Starts a real daemon (`--binary`, else $TURND_BIN, else `turnd` on the PATH) on
  * free ports with a fresh data directory and the default config (durable commits),
  * runs the worker in a child process of its own (so its CPU is its own), and drives
- * the load from this process over 8 caller connections: every session submits its
+ * the load from this process over `--connections` caller connections (at least 8, one
+ * per 800 turns by default, so that a connection's waits stay within the daemon's
+ * `server.max_inflight_per_connection` of 1024): every session submits its
  * turns one after another (each as soon as the previous submit is acknowledged) and
- * waits for each in the background. Prints one markdown row.
+ * waits for each in the background. The daemon's CPU is read from /proc before and
+ * after the load, the driver's (callers and worker) from the processes themselves.
+ * Then one session alone runs `--single` turns, each submitted once the previous one
+ * completed: the latency of a turn on an idle daemon. Prints one markdown row.
  */
 import { spawn } from "node:child_process";
 import { readFileSync } from "node:fs";
@@ -39,11 +45,13 @@ async function runWorker(): Promise<void> {
   let mark = process.cpuUsage();
   process.stdin.on("data", async (text: string) => {
     if (text.includes("mark")) mark = process.cpuUsage();
+    if (text.includes("report")) {
+      const cpu = process.cpuUsage(mark);
+      const rss = process.memoryUsage().rss;
+      process.stdout.write(`${JSON.stringify({ cpu, rss, stats: worker.stats })}\n`);
+    }
     if (!text.includes("stop")) return;
-    const cpu = process.cpuUsage(mark);
-    const rss = process.memoryUsage().rss;
     await worker.stop(1000);
-    process.stdout.write(`${JSON.stringify({ cpu, rss, stats: worker.stats })}\n`);
     process.exit(0);
   });
 }
@@ -70,6 +78,19 @@ async function drive(clients: Client[], sessions: number, turns: number, tag: st
   return latencies;
 }
 
+/** One session alone: each turn submitted once the previous one completed; sorted latencies (ms). */
+async function sequential(client: Client, turns: number): Promise<number[]> {
+  const latencies: number[] = [];
+  for (let t = 0; t < turns; t++) {
+    const start = performance.now();
+    const turn = await client.submit("alone", "bench.echo", { t });
+    const done = await client.wait(turn.turnId);
+    if (done.status !== "completed") throw new Error(`turn ${done.turnId} ${done.status}`);
+    latencies.push(performance.now() - start);
+  }
+  return latencies.sort((a, b) => a - b);
+}
+
 function pct(sorted: number[], p: number): string {
   const v = sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] ?? 0;
   return v.toFixed(1);
@@ -91,6 +112,8 @@ async function main(): Promise<void> {
   const turns = arg("turns", 20);
   const concurrency = arg("concurrency", 128);
   const warmup = arg("warmup", 200);
+  const single = arg("single", 500);
+  const connections = arg("connections", Math.max(8, Math.ceil((sessions * turns) / 800)));
   const binary = argStr("binary");
   const turnd = await startTurnd(binary ? { binary } : {});
   const script = fileURLToPath(import.meta.url);
@@ -109,33 +132,41 @@ async function main(): Promise<void> {
   };
   try {
     await lines(1);
-    const clients = await Promise.all(Array.from({ length: 8 }, () => connect({ url: turnd.url })));
+    const clients = await Promise.all(Array.from({ length: connections }, () => connect({ url: turnd.url })));
     if (warmup > 0) await drive(clients, Math.min(sessions, warmup), 1, "warmup");
     child.stdin.write("mark\n");
     await new Promise((r) => setTimeout(r, 50));
     const load0 = loadavg()[0] ?? 0;
     const daemonCpu0 = cpuOf(turnd.pid);
+    const callerCpu0 = process.cpuUsage();
     const t0 = performance.now();
     const latencies = await drive(clients, sessions, turns, "bench");
     const wall = (performance.now() - t0) / 1000;
+    const callerCpu = process.cpuUsage(callerCpu0);
     const load1 = loadavg()[0] ?? 0;
     const daemonCpu = cpuOf(turnd.pid) - daemonCpu0;
-    child.stdin.write("stop\n");
+    child.stdin.write("report\n");
     const report = JSON.parse((await lines(2))[1] ?? "{}") as {
       cpu: { user: number; system: number };
       rss: number;
       stats: { invocationsStarted: number };
     };
+    const alone = await sequential(clients[0] as Client, single);
+    child.stdin.write("stop\n");
     await Promise.all(clients.map((c) => c.close()));
     latencies.sort((a, b) => a - b);
     const total = sessions * turns;
+    const perTurn = (s: number) => ((s / total) * 1e6).toFixed(0);
     const cpuS = (report.cpu.user + report.cpu.system) / 1e6;
+    const callerS = (callerCpu.user + callerCpu.system) / 1e6;
     const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}`;
     console.log(
       `| \`${cmd}\` | ${sessions} × ${turns} | ${wall.toFixed(2)} s | ${Math.round(total / wall)} turns/s | ` +
-        `${pct(latencies, 50)} / ${pct(latencies, 99)} ms | worker CPU ${cpuS.toFixed(2)} s ` +
-        `(${((cpuS / total) * 1e6).toFixed(0)} µs per turn), RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
-        `daemon CPU ${daemonCpu.toFixed(2)} s (${((daemonCpu / total) * 1e6).toFixed(0)} µs per turn) | ` +
+        `${pct(latencies, 50)} / ${pct(latencies, 99)} ms | ` +
+        `daemon CPU ${daemonCpu.toFixed(2)} s (${perTurn(daemonCpu)} µs per turn) | ` +
+        `driver CPU ${(cpuS + callerS).toFixed(2)} s (${perTurn(cpuS + callerS)} µs per turn: ` +
+        `worker ${perTurn(cpuS)}, callers ${perTurn(callerS)}), worker RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
+        `one session alone, ${single} turns: ${pct(alone, 50)} / ${pct(alone, 99)} ms | ` +
         `load ${load0.toFixed(1)} → ${load1.toFixed(1)} |`,
     );
   } finally {
