@@ -465,3 +465,87 @@ async fn a_paused_leader_wakes_deposed_and_gives_up() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Not a check: what a sequential turn costs on the cluster (`make bench-cluster`,
+/// with `TURND_BIN` a release build). One session, one turn at a time through the
+/// node that leads its partition and through another node (forwarded), printed as
+/// p50 / p99 / max in ms; the numbers go to `docs/benchmarks.md`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: make bench-cluster"]
+async fn measure_sequential_turns() -> anyhow::Result<()> {
+    need_nats!();
+    let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+    let root = tempfile::tempdir()?;
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        nodes.push(node(&rig, root.path(), i).await?);
+    }
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    all_led(&nodes[0].admin, &["n0", "n1", "n2"], 30).await?;
+    let worker = echo_worker_on_all(&urls).await;
+    // Partitions move to their preferred leaders once those caught up: measure
+    // after that (a few leases), and on a placement that no longer changes.
+    let mut last = String::new();
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let st = status(&nodes[0].admin).await?;
+        let now: String = st["partitions"]
+            .as_array()
+            .map(|ps| ps.iter().map(|p| p["leader"].to_string()).collect())
+            .unwrap_or_default();
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let turns: usize = std::env::var("TURNS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(500);
+    // The session's partition, and which node leads it.
+    let session = "bench-seq";
+    let p = turnd_proto::session_partition(session, PARTITIONS);
+    let st = status(&nodes[0].admin).await?;
+    let leader = st["partitions"][p as usize]["leader"]
+        .as_str()
+        .context("a leader")?
+        .to_string();
+    let li: usize = leader.trim_start_matches('n').parse()?;
+    for (label, url) in [("leader", &urls[li]), ("forwarded", &urls[(li + 1) % 3])] {
+        let c = Caller::connect(url, None).await?;
+        let mut ms = Vec::with_capacity(turns);
+        for i in 0..turns {
+            let t = Instant::now();
+            let ok = c
+                .submit(SubmitArgs {
+                    session_id: session.into(),
+                    function_id: "echo".into(),
+                    input: json!({ "i": i }),
+                    idempotency_key: None,
+                    turn_timeout_ms: None,
+                    on_busy: None,
+                })
+                .await?;
+            let done = c
+                .wait_terminal(&ok.turn.turn_id, Duration::from_secs(30))
+                .await?;
+            if done.status != TurnStatus::Completed {
+                bail!("turn ended {:?}", done.status);
+            }
+            ms.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        ms.sort_by(f64::total_cmp);
+        let at = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+        println!(
+            "cluster sequential ({label}, {turns} turns): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+            at(0.5),
+            at(0.99),
+            ms[ms.len() - 1]
+        );
+    }
+    worker.shutdown();
+    for n in nodes {
+        n.kill().await?;
+    }
+    Ok(())
+}
