@@ -38,6 +38,13 @@ pub struct Lease {
     pub revision: u64,
 }
 
+impl Lease {
+    /// Whether the lease still runs at `now_ms` (wall clock), as its holder wrote it.
+    pub fn runs_at(&self, now_ms: u64) -> bool {
+        self.owner.until_ms.is_some_and(|u| u > now_ms)
+    }
+}
+
 /// The owners bucket.
 #[derive(Clone)]
 pub struct Owners {

@@ -186,6 +186,19 @@ impl Node {
         }))
     }
 
+    /// Record who leads partition `p` by its lease as read at `now_ms` (nobody when
+    /// there is none or it ran out), for forwards; that node.
+    pub(crate) fn note_leader(&self, p: u32, lease: Option<&Lease>, now_ms: u64) -> Option<String> {
+        let leader = lease
+            .filter(|l| l.runs_at(now_ms))
+            .map(|l| l.owner.node.clone());
+        match &leader {
+            Some(l) => self.leaders.write().insert(p, l.clone()),
+            None => self.leaders.write().remove(&p),
+        };
+        leader
+    }
+
     /// Partition `p`'s engine, when this node leads it.
     pub(crate) fn led(&self, p: u32) -> Option<Arc<Led>> {
         self.led.read().get(&p).cloned()

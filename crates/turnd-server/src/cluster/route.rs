@@ -234,15 +234,8 @@ impl Node {
                 return Some(l.clone());
             }
         }
-        let now = turnd_cluster::members::now_ms();
-        let lease = self.owners.get(p).await.ok().flatten()?;
-        let live = lease.owner.until_ms.is_some_and(|u| u > now);
-        let leader = live.then_some(lease.owner.node);
-        match &leader {
-            Some(l) => self.leaders.write().insert(p, l.clone()),
-            None => self.leaders.write().remove(&p),
-        };
-        leader
+        let lease = self.owners.get(p).await.ok().flatten();
+        self.note_leader(p, lease.as_ref(), turnd_cluster::members::now_ms())
     }
 
     /// A cluster-wide read: the op on every partition, the answers combined. Any

@@ -119,22 +119,15 @@ async fn partition_round(
         return Ok(());
     }
     let held = node.owners.get(p).await?;
-    match held
-        .as_ref()
-        .filter(|l| l.owner.until_ms.is_some_and(|u| u > now))
-    {
-        Some(l) => node.leaders.write().insert(p, l.owner.node.clone()),
-        None => node.leaders.write().remove(&p),
-    };
+    node.note_leader(p, held.as_ref(), now);
     // How long the lease has been free (a lease this node held before it restarted
     // is free to it at once); None while another node holds it.
     let free_for = match &held {
         None => Some(u64::MAX),
         Some(l) if l.owner.node == me => Some(u64::MAX),
-        Some(l) => match l.owner.until_ms {
-            Some(u) if u <= now => Some(now - u),
-            _ => None,
-        },
+        Some(l) if l.runs_at(now) => None,
+        // A lease without an end is never free by time.
+        Some(l) => l.owner.until_ms.map(|u| now - u),
     };
     // The preferred leader keeps a standby too while another node leads, so that it
     // is warm when it takes the partition back.
@@ -188,7 +181,7 @@ async fn renew(node: &Arc<Node>, led: &Led, now: u64) -> bool {
         // log's fence makes a deposed leader harmless anyway).
         Err(e) => {
             tracing::warn!(partition = lease.partition, "cluster: renew the lease: {e}");
-            lease.owner.until_ms.is_some_and(|u| u > now)
+            lease.runs_at(now)
         }
     }
 }

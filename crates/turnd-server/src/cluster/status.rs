@@ -4,7 +4,6 @@
 //! partition to a cluster-wide read are combined.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 use turnd_proto::{
@@ -16,17 +15,7 @@ use super::Node;
 use crate::router::decode;
 
 /// A count for `/metrics`.
-#[derive(Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    pub fn inc(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
-    }
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
+pub type Counter = prometheus_client::metrics::counter::Counter;
 
 /// The node's counts.
 #[derive(Default)]
