@@ -28,6 +28,7 @@ use turnd_store::{Store, StoreError};
 
 use crate::clock::Clock;
 use crate::config::EngineConfig;
+pub(crate) use crate::error::check_id;
 use crate::error::{EngineError, EngineResult};
 use crate::metrics::Counters;
 use crate::progress::ProgressTable;
@@ -69,8 +70,6 @@ fn read_failed(e: StoreError) -> EngineError {
     EngineError::ReadFailed(e)
 }
 
-const MAX_ID_BYTES: usize = 256;
-
 /// A page size asked for (`limit`), or the default: 1 to `PAGE_MAX`.
 fn page_limit(limit: Option<u64>) -> ApiResult<u64> {
     match limit.unwrap_or(PAGE_DEFAULT) {
@@ -80,17 +79,6 @@ fn page_limit(limit: Option<u64>) -> ApiResult<u64> {
             format!("1 to {PAGE_MAX}"),
         )),
     }
-}
-
-/// Validate a caller-chosen id (session, function, worker, idempotency key).
-pub(crate) fn check_id(what: &'static str, s: &str) -> ApiResult<()> {
-    if s.is_empty() || s.len() > MAX_ID_BYTES || s.chars().any(|c| c.is_control()) {
-        return Err(EngineError::BadId {
-            what,
-            max: MAX_ID_BYTES,
-        });
-    }
-    Ok(())
 }
 
 struct Inner {

@@ -172,6 +172,19 @@ impl From<EngineError> for ErrorBody {
 /// What a request to the engine returns.
 pub type EngineResult<T> = Result<T, EngineError>;
 
+const MAX_ID_BYTES: usize = 256;
+
+/// Validate a caller-chosen id (session, function, worker, idempotency key).
+pub(crate) fn check_id(what: &'static str, s: &str) -> EngineResult<()> {
+    if s.is_empty() || s.len() > MAX_ID_BYTES || s.chars().any(|c| c.is_control()) {
+        return Err(EngineError::BadId {
+            what,
+            max: MAX_ID_BYTES,
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -74,7 +74,7 @@ impl Workers {
         now_ms: u64,
     ) -> EngineResult<AttachedWorker> {
         let worker_id = hello.worker_id.as_deref().ok_or(EngineError::NoWorkerId)?;
-        crate::engine::check_id("worker_id", worker_id)?;
+        crate::error::check_id("worker_id", worker_id)?;
         let instance_id = hello
             .instance_id
             .clone()
@@ -128,7 +128,7 @@ impl Workers {
         args: &RegisterArgs,
         default_timeout_ms: u64,
     ) -> EngineResult<RegisterOk> {
-        crate::engine::check_id("function_id", &args.function_id)?;
+        crate::error::check_id("function_id", &args.function_id)?;
         let concurrency = args.concurrency.unwrap_or(1);
         if concurrency == 0 || concurrency > 10_000 {
             return Err(EngineError::out_of_range("concurrency", "1 to 10000"));

@@ -7,18 +7,15 @@
 //! `Referer` leaving the page.
 
 mod cluster;
-mod config;
 mod metrics;
+pub(crate) mod state;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::connect_info::Connected;
 use axum::extract::State;
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use axum::serve::IncomingStream;
 use axum::Router;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -26,27 +23,10 @@ use tower_http::set_header::SetResponseHeaderLayer;
 
 use crate::tls::TlsListener;
 
-pub use config::AdminConfig;
-
 use crate::backend::Backend;
 use crate::ws::Shared;
-use turnd_engine::Engine;
 
-/// The client's address, as the admin listener accepted it (plain or TLS).
-#[derive(Debug, Clone, Copy)]
-pub struct ClientAddr(pub SocketAddr);
-
-impl Connected<IncomingStream<'_, TcpListener>> for ClientAddr {
-    fn connect_info(stream: IncomingStream<'_, TcpListener>) -> Self {
-        ClientAddr(*stream.remote_addr())
-    }
-}
-
-impl Connected<IncomingStream<'_, TlsListener>> for ClientAddr {
-    fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Self {
-        ClientAddr(*stream.remote_addr())
-    }
-}
+pub use state::{Admin, ClientAddr};
 
 /// The page's policy: its own stylesheet, script, feeds and forms, nothing else.
 pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
@@ -70,20 +50,6 @@ fn security_headers() -> [(HeaderName, HeaderValue); 4] {
             HeaderValue::from_static("no-referrer"),
         ),
     ]
-}
-
-/// What the admin listener of a daemon on its own serves from: the state its
-/// connections share, and its engine.
-pub struct Admin {
-    pub engine: Engine,
-    pub shared: Arc<Shared>,
-}
-
-impl std::ops::Deref for Admin {
-    type Target = Shared;
-    fn deref(&self) -> &Shared {
-        &self.shared
-    }
 }
 
 pub fn router(shared: Arc<Shared>) -> Router {

@@ -10,8 +10,10 @@
 //! - `load`: reading the file and the environment, merging them over the defaults,
 //!   warning about unknown keys (with a "did you mean"), the token file;
 //! - `choice`: keys with a fixed set of values (`storage.sync`, `log.format`);
-//! - `check`: [`Config::validate`], one function per table's problems.
+//! - `check`: [`Config::validate`], one function per table's problems;
+//! - `admin`: `[admin]`, the operator page's exposure, and its problems.
 
+mod admin;
 mod check;
 mod choice;
 mod load;
@@ -25,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use turnd_engine::{EngineConfig, TurnsConfig};
 use turnd_proto::Role;
 
+pub use admin::AdminConfig;
 pub use check::address_problem;
 pub use choice::{Choice, LogFormat, StorageSync};
 
@@ -34,7 +37,7 @@ pub use choice::{Choice, LogFormat, StorageSync};
 pub struct Config {
     pub server: ServerConfig,
     /// The operator page on the admin listener: allowed hosts, sign-in, live feeds.
-    pub admin: crate::admin::AdminConfig,
+    pub admin: AdminConfig,
     pub storage: StorageConfig,
     /// The engine's own type: every key of `[turns]` is defined once, there.
     pub turns: TurnsConfig,

@@ -24,7 +24,7 @@ use turnd_proto::Role;
 
 use super::render::{page, redirect};
 use super::Ui;
-use crate::admin::ClientAddr;
+use crate::admin::state::ClientAddr;
 
 pub const COOKIE: &str = "turnd_ui";
 /// Sign-in sessions held at once; the one closest to its end makes room for a new one.

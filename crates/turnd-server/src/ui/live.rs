@@ -30,7 +30,7 @@ use turnd_proto::{new_connection_id, WatchArgs};
 
 use super::render::{error_page, Now};
 use super::{screens, session, turn, Failure, Params, Ui};
-use crate::admin::ClientAddr;
+use crate::admin::state::ClientAddr;
 
 /// Frames a session feed may have queued before the browser is taken to be gone.
 const FEED_QUEUE: usize = 1024;

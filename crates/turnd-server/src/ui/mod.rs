@@ -39,7 +39,7 @@ type Params = BTreeMap<String, String>;
 /// The page's state beside the daemon's: sign-in sessions, open feeds, shared
 /// renders, the store check.
 pub struct Ui {
-    pub(crate) shared: Arc<crate::admin::Admin>,
+    pub(crate) shared: Arc<crate::admin::state::Admin>,
     logins: access::Logins,
     feeds: live::Feeds,
     renders: live::Renders,
@@ -47,7 +47,7 @@ pub struct Ui {
 }
 
 impl Ui {
-    pub fn new(shared: Arc<crate::admin::Admin>) -> Arc<Ui> {
+    pub fn new(shared: Arc<crate::admin::state::Admin>) -> Arc<Ui> {
         Arc::new(Ui {
             shared,
             logins: access::Logins::new(),
