@@ -1,6 +1,8 @@
 //! Test support: start the real daemon in-process on `127.0.0.1:0` (optionally on a
 //! fault-injecting store) or as the built binary when process death matters, and
-//! talk raw frames to it.
+//! talk raw frames to it; [`cluster`]: what the cluster's tests share.
+
+pub mod cluster;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};

@@ -8,6 +8,8 @@
 //! - [`envelope`]: what a message carries; [`fence`]: the validity rule;
 //! - [`standby`]: a warm standby tailing a partition into a local store;
 //! - [`marks`]: nodes' durable applied marks (`turnd_marks`), for trims;
+//! - [`checkpoint`]: checkpoints of stores on their way between nodes
+//!   (`turnd_checkpoints`), for a node behind a trimmed stream;
 //! - [`lease`]: who tries to lead (`turnd_owners`), liveness only;
 //! - [`members`]: who is in the cluster now (`turnd_nodes`), for placement;
 //! - [`checks`]: what the NATS servers must do (sync before they acknowledge);
@@ -16,6 +18,7 @@
 //!
 //! `docs/cluster.md`, "The log", is this crate's map.
 
+pub mod checkpoint;
 pub mod checks;
 pub mod envelope;
 mod error;

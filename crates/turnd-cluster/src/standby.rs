@@ -37,6 +37,9 @@ pub struct StandbyStatus {
     pub void_records: u64,
     /// Why it stopped, when it stopped by itself.
     pub error: Option<String>,
+    /// It stopped because the stream no longer holds the records after its mark
+    /// ([`LogError::Behind`]): the store must be copied from a peer's checkpoint.
+    pub behind: bool,
 }
 
 /// A running standby. See the module documentation.
@@ -130,6 +133,7 @@ impl Run {
             );
             if let Ok(mut s) = self.status.lock() {
                 s.error = Some(e.to_string());
+                s.behind = matches!(e, LogError::Behind { .. });
             }
         }
         r

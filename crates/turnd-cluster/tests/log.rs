@@ -230,7 +230,8 @@ async fn an_append_no_server_answers_waits_until_the_node_stops() {
 
 /// A trim purges only below the least mark of the nodes seen within the replica
 /// timeout, at a group's start; a node whose mark stood still longer is not
-/// waited for; a store behind the stream's first message is told to copy a peer's.
+/// waited for; a store behind the stream's first message is told to copy a peer's;
+/// a log that was stopped trims nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trim_waits_for_a_lagging_mark() {
     need_nats!();
@@ -286,6 +287,23 @@ async fn a_trim_waits_for_a_lagging_mark() {
     );
     let last = read_valid(&nats, &c, applied - 1).await.expect("read");
     assert_eq!(last.records.len(), 1, "the record past the mark is kept");
+
+    // A log that was stopped (its node hands the partition over) trims nothing.
+    let more = append(&log, vec![record("y", 5)]).await.expect("append");
+    let kept = log.status().first_seq;
+    log.stop();
+    let purged = {
+        let log = log.clone();
+        tokio::task::spawn_blocking(move || log.trim(more))
+            .await
+            .expect("thread")
+            .expect("trim")
+    };
+    assert_eq!(
+        (purged, log.status().first_seq),
+        (0, kept),
+        "nothing trimmed"
+    );
 }
 
 /// A full stream refuses a group as a full disk does, with nothing written; the log

@@ -44,6 +44,11 @@ pub struct ClusterConfig {
     /// A node whose applied mark was not renewed for this long no longer holds back
     /// the trimming of a stream (ms).
     pub replica_timeout_ms: u64,
+    /// A partition's leader trims its stream once more than this many groups are
+    /// held past the last trim.
+    pub trim_every: u64,
+    /// At most this often (ms).
+    pub trim_interval_ms: u64,
     /// Run on NATS servers that cannot be shown to sync to disk before they
     /// acknowledge (older than 2.10.23, or unknown): an acknowledged turn may then be
     /// lost to a power failure of a majority of them.
@@ -63,6 +68,8 @@ impl Default for ClusterConfig {
             lease_ms: 3_000,
             drain_timeout_ms: 10_000,
             replica_timeout_ms: 60_000,
+            trim_every: 1024,
+            trim_interval_ms: 5_000,
             allow_unsafe_nats: false,
         }
     }
@@ -134,6 +141,13 @@ impl ClusterConfig {
                 1_000,
                 30 * 86_400_000,
             ),
+            ("cluster.trim_every", self.trim_every, 1, 1 << 30),
+            (
+                "cluster.trim_interval_ms",
+                self.trim_interval_ms,
+                10,
+                86_400_000,
+            ),
         ] {
             if !(lo..=hi).contains(&v) {
                 p.push(format!("{key} must be between {lo} and {hi}, not {v}"));
@@ -165,6 +179,8 @@ mod tests {
             partitions: 0,
             replicas: 2,
             lease_ms: 10,
+            trim_every: 0,
+            trim_interval_ms: 1,
             ..ok
         };
         let p = bad.problems();
@@ -174,6 +190,8 @@ mod tests {
             "cluster.partitions",
             "cluster.replicas",
             "cluster.lease_ms",
+            "cluster.trim_every",
+            "cluster.trim_interval_ms",
         ] {
             assert!(p.iter().any(|x| x.contains(key)), "{key} in {p:?}");
         }

@@ -208,7 +208,9 @@ impl JetStreamLog {
     /// anchor at or before `applied` (this node's mark). Returns the messages purged.
     fn trim_to(&self, applied: u64) -> Result<usize, LogError> {
         let p = self.inner.cfg.partition;
-        if self.inner.cfg.keep_all {
+        // A leader that stops (hands over, lost its lease) or was deposed no longer
+        // knows what the partition's next leader needs: it leaves the stream alone.
+        if self.inner.cfg.keep_all || self.inner.stop.is_cancelled() || self.is_failed() {
             return Ok(0);
         }
         let mut least = applied;

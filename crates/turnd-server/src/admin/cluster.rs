@@ -75,24 +75,31 @@ async fn metrics(State(s): State<NodeState>) -> Response {
     );
     register_partitions(&mut reg, &s.node, &led);
     let c = &s.node.counters;
-    gauge(
-        &mut reg,
-        "forwarded",
-        "Requests forwarded to another node's partition",
-        c.forwarded.get() as i64,
-    );
-    gauge(
-        &mut reg,
-        "takeovers",
-        "Partitions this node took over",
-        c.takeovers.get() as i64,
-    );
-    gauge(
-        &mut reg,
-        "handovers",
-        "Partitions this node stopped leading",
-        c.handovers.get() as i64,
-    );
+    for (name, help, counter) in [
+        (
+            "forwarded",
+            "Requests forwarded to another node's partition",
+            &c.forwarded,
+        ),
+        ("takeovers", "Partitions this node took over", &c.takeovers),
+        (
+            "handovers",
+            "Partitions this node stopped leading",
+            &c.handovers,
+        ),
+        (
+            "checkpoints_copied",
+            "Checkpoints of a partition's store this node copied from its leader",
+            &c.checkpoints_copied,
+        ),
+        (
+            "checkpoints_served",
+            "Checkpoints of a led partition's store this node put for another node",
+            &c.checkpoints_served,
+        ),
+    ] {
+        gauge(&mut reg, name, help, counter.get() as i64);
+    }
     let mut body = String::new();
     if let Err(e) = encode(&mut body, &reg) {
         return (

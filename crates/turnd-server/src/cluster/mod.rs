@@ -7,6 +7,8 @@
 //!   over NATS request/reply on the leader's `turnd.p.<p>.rpc`), cluster-wide reads
 //!   gathered from every partition;
 //! - [`rpc`]: the leader's side of a forwarded request;
+//! - [`checkpoint`]: a partition's store copied from its leader by a node behind
+//!   its trimmed stream;
 //! - [`placement`]: where each partition would rather be;
 //! - [`status`]: what a node shows of the cluster (`GET /cluster`, `/metrics`);
 //! - [`view`]: the cluster read from NATS by any machine (`turnd cluster status`).
@@ -14,6 +16,7 @@
 //! Safety rests on the log (`turnd-cluster`): a deposed leader's appends never count,
 //! so the lease and the placement only decide who tries.
 
+mod checkpoint;
 pub mod placement;
 mod route;
 mod rpc;
@@ -29,6 +32,7 @@ use std::time::Duration;
 use anyhow::Context;
 use parking_lot::{Mutex, RwLock};
 use tokio_util::sync::CancellationToken;
+use turnd_cluster::checkpoint::Checkpoints;
 use turnd_cluster::lease::{Lease, Owners};
 use turnd_cluster::marks::Marks;
 use turnd_cluster::members::Members;
@@ -58,6 +62,8 @@ pub struct Node {
     pub(crate) nats: Arc<Nats>,
     pub(crate) owners: Owners,
     pub(crate) marks: Marks,
+    /// Checkpoints of stores on their way between nodes.
+    pub(crate) checkpoints: Checkpoints,
     pub(crate) members: Members,
     pub(crate) workers: Workers,
     pub(crate) clock: Clock,
@@ -67,6 +73,9 @@ pub struct Node {
     /// The members that take partitions, as the last round read them.
     pub(crate) live: RwLock<Vec<String>>,
     pub(crate) standbys: Mutex<HashMap<u32, Standby>>,
+    /// Partitions whose stream no longer holds what this node's store lacks: the
+    /// node copies the leader's checkpoint before it leads or keeps a standby.
+    pub(crate) behind: Mutex<std::collections::HashSet<u32>>,
     /// Partitions being taken over or handed over now (the loop skips them).
     pub(crate) busy: Mutex<std::collections::HashSet<u32>>,
     pub(crate) boot_id: String,
@@ -124,6 +133,9 @@ impl Node {
             .await
             .context("owners bucket")?;
         let marks = Marks::open(&nats, replicas).await.context("marks bucket")?;
+        let checkpoints = Checkpoints::open(&nats, replicas)
+            .await
+            .context("checkpoints bucket")?;
         let members = Members::open(&nats, replicas)
             .await
             .context("members bucket")?;
@@ -135,6 +147,7 @@ impl Node {
             nats,
             owners,
             marks,
+            checkpoints,
             members,
             workers: Workers::new(),
             clock: Clock::new(),
@@ -142,6 +155,7 @@ impl Node {
             live: RwLock::new(Vec::new()),
             leaders: RwLock::new(HashMap::new()),
             standbys: Mutex::new(HashMap::new()),
+            behind: Mutex::new(Default::default()),
             busy: Mutex::new(Default::default()),
             boot_id: uuid::Uuid::new_v4().simple().to_string(),
             draining: CancellationToken::new(),
@@ -151,6 +165,9 @@ impl Node {
             looping: Mutex::new(None),
         });
         node.wake_engines();
+        checkpoint::serve(&node)
+            .await
+            .context("serve checkpoints")?;
         *node.looping.lock() = Some(slots::spawn(&node));
         Ok(node)
     }

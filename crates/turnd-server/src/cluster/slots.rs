@@ -18,7 +18,7 @@ use anyhow::Context;
 use turnd_cluster::lease::{Lease, Owner};
 use turnd_cluster::members::{self, Member};
 use turnd_cluster::standby::Standby;
-use turnd_cluster::{JetStreamLog, LogConfig, Nats};
+use turnd_cluster::{JetStreamLog, LogConfig, LogError, Nats};
 use turnd_engine::{Engine, Partition};
 use turnd_store::{LoggedKv, Store};
 
@@ -132,16 +132,22 @@ async fn partition_round(
     // The preferred leader keeps a standby too while another node leads, so that it
     // is warm when it takes the partition back.
     let standby_here = pl.holds(me);
+    // A store behind the stream cannot lead: it copies the leader's checkpoint first.
+    let behind = node.behind.lock().contains(&p);
     let should_lead = match free_for {
         Some(f) => pl.leader == me || (standby_here && f >= node.cluster.lease_ms),
         None => false,
     };
-    if should_lead {
+    if should_lead && !behind {
         take_over(node, p, held, now).await?;
     } else if standby_here {
         keep_standby(node, p)?;
-    } else if let Some(s) = node.standbys.lock().remove(&p) {
-        stop_standby(s);
+    } else {
+        // Not placed here: no standby, and nothing to copy.
+        node.behind.lock().remove(&p);
+        if let Some(s) = node.standbys.lock().remove(&p) {
+            stop_standby(s);
+        }
     }
     Ok(())
 }
@@ -213,6 +219,9 @@ async fn take_over(node: &Arc<Node>, p: u32, held: Option<Lease>, now: u64) -> a
             Ok(())
         }
         Err(e) => {
+            if is_behind(&e) {
+                node.behind.lock().insert(p);
+            }
             if let Err(r) = node.owners.release(&lease).await {
                 tracing::warn!(
                     partition = p,
@@ -222,6 +231,14 @@ async fn take_over(node: &Arc<Node>, p: u32, held: Option<Lease>, now: u64) -> a
             Err(e.context(format!("take over partition {p}")))
         }
     }
+}
+
+/// Whether `e` says the store is behind the stream ([`LogError::Behind`]).
+fn is_behind(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<LogError>()
+            .is_some_and(|l| matches!(l, LogError::Behind { .. }))
+    })
 }
 
 /// Open partition `p`'s store as its leader, and its engine; serve it.
@@ -278,12 +295,20 @@ async fn open_leading(
         }
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         let mut handle = None;
-        let (kv, replayed) = LoggedKv::open_with_log(&dir, opts, |applied| {
-            let opened = JetStreamLog::lead(&nats, &lcfg, &me, applied, Some(marks))?;
+        let mut behind = None;
+        let opened = LoggedKv::open_with_log(&dir, opts, |applied| {
+            let opened =
+                JetStreamLog::lead(&nats, &lcfg, &me, applied, Some(marks)).inspect_err(|e| {
+                    behind = Some(e.clone()).filter(|e| matches!(e, LogError::Behind { .. }))
+                })?;
             handle = Some(opened.log.clone());
             Ok(opened.boxed())
-        })
-        .with_context(|| format!("open {} on its stream", dir.display()))?;
+        });
+        if let Some(b) = behind {
+            return Err(anyhow::Error::new(b));
+        }
+        let (kv, replayed) =
+            opened.with_context(|| format!("open {} on its stream", dir.display()))?;
         tracing::info!(
             partition = p,
             records = replayed.records,
@@ -303,16 +328,15 @@ fn log_config(node: &Node, p: u32) -> LogConfig {
         max_bytes: i64::try_from(node.cluster.stream_max_mb.saturating_mul(1 << 20))
             .unwrap_or(i64::MAX),
         replica_timeout: Duration::from_millis(node.cluster.replica_timeout_ms),
-        // A node whose store is behind a trimmed stream cannot take the partition
-        // over until checkpoints can be copied: the node keeps whole streams.
-        keep_all: true,
+        trim_every: node.cluster.trim_every as usize,
+        trim_interval: Duration::from_millis(node.cluster.trim_interval_ms),
         ..LogConfig::new(p)
     }
 }
 
 /// The store's options in a cluster: as configured, without windows (a window's
 /// files are local, and do not carry to the node that takes over).
-fn store_options(node: &Node) -> anyhow::Result<turnd_store::LoggedOptions> {
+pub(super) fn store_options(node: &Node) -> anyhow::Result<turnd_store::LoggedOptions> {
     let mut o = crate::store_options(&node.cfg)?;
     o.windows.window_ms = 0;
     Ok(o)
@@ -335,9 +359,17 @@ async fn put_marks(node: &Arc<Node>) {
     }
 }
 
-/// Keep a standby of partition `p` running here.
+/// Keep a standby of partition `p` running here (copying the leader's checkpoint
+/// first when the stream no longer holds what this node's store lacks).
 fn keep_standby(node: &Arc<Node>, p: u32) -> anyhow::Result<()> {
     let mut standbys = node.standbys.lock();
+    let behind = standbys.get(&p).is_some_and(|s| s.status().behind);
+    if behind || node.behind.lock().contains(&p) {
+        let old = standbys.remove(&p);
+        drop(standbys);
+        copy_checkpoint(node, p, old);
+        return Ok(());
+    }
     if let Some(s) = standbys.get(&p) {
         if s.status().error.is_none() {
             return Ok(());
@@ -352,6 +384,34 @@ fn keep_standby(node: &Arc<Node>, p: u32) -> anyhow::Result<()> {
         .with_context(|| format!("start the standby of partition {p}"))?;
     standbys.insert(p, s);
     Ok(())
+}
+
+/// Copy partition `p`'s store from its leader, in the background (the loop passes
+/// the partition by meanwhile), after the standby `old` stopped; a standby starts
+/// from it in a later round.
+fn copy_checkpoint(node: &Arc<Node>, p: u32, old: Option<Standby>) {
+    node.behind.lock().insert(p);
+    node.busy.lock().insert(p);
+    let node = node.clone();
+    tokio::spawn(async move {
+        if let Some(s) = old {
+            let stopped = tokio::task::spawn_blocking(move || s.stop()).await;
+            tracing::debug!(
+                partition = p,
+                "cluster: the standby behind stopped: {stopped:?}"
+            );
+        }
+        match super::checkpoint::copy(&node, p).await {
+            Ok(_) => {
+                node.behind.lock().remove(&p);
+            }
+            Err(e) => tracing::warn!(
+                partition = p,
+                "cluster: copy the leader's checkpoint: {e:#}"
+            ),
+        }
+        node.busy.lock().remove(&p);
+    });
 }
 
 /// Stop a standby off the async threads (it joins its thread).

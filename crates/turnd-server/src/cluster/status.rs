@@ -26,6 +26,10 @@ pub struct Counters {
     pub takeovers: Counter,
     /// Partitions this node stopped leading.
     pub handovers: Counter,
+    /// Checkpoints of a partition's store this node copied from a leader.
+    pub checkpoints_copied: Counter,
+    /// Checkpoints of its partitions' stores this node put for another node.
+    pub checkpoints_served: Counter,
 }
 
 /// One partition as the cluster's owners bucket shows it.
@@ -61,6 +65,8 @@ pub struct ClusterStatus {
     pub forwarded: u64,
     pub takeovers: u64,
     pub handovers: u64,
+    pub checkpoints_copied: u64,
+    pub checkpoints_served: u64,
 }
 
 impl Node {
@@ -100,6 +106,8 @@ impl Node {
             forwarded: self.counters.forwarded.get(),
             takeovers: self.counters.takeovers.get(),
             handovers: self.counters.handovers.get(),
+            checkpoints_copied: self.counters.checkpoints_copied.get(),
+            checkpoints_served: self.counters.checkpoints_served.get(),
         })
     }
 }

@@ -17,7 +17,9 @@ pub struct PartitionView {
     pub leader: Option<String>,
     pub epoch: u64,
     pub lease_until_ms: Option<u64>,
-    /// The stream's last message (0: none, or no stream yet).
+    /// The stream's first message held (past it, trimmed) and its last (0: none,
+    /// or no stream yet).
+    pub first_seq: u64,
     pub last_seq: u64,
     /// Each node's applied mark: messages of the stream it has not applied.
     pub lag: Vec<(String, u64)>,
@@ -41,13 +43,16 @@ pub async fn read(c: &ClusterConfig) -> anyhow::Result<ClusterView> {
     let mut partitions = Vec::new();
     for p in 0..count {
         let lease = owners.get(p).await?;
-        let last_seq = match nats
+        let (first_seq, last_seq) = match nats
             .jetstream()
             .get_stream(turnd_cluster::log::stream_name(p))
             .await
         {
-            Ok(mut s) => s.info().await.map_or(0, |i| i.state.last_sequence),
-            Err(_) => 0,
+            Ok(mut s) => s
+                .info()
+                .await
+                .map_or((0, 0), |i| (i.state.first_sequence, i.state.last_sequence)),
+            Err(_) => (0, 0),
         };
         let lag = marks
             .all(p)
@@ -63,6 +68,7 @@ pub async fn read(c: &ClusterConfig) -> anyhow::Result<ClusterView> {
             leader: lease.as_ref().map(|l| l.owner.node.clone()),
             epoch: lease.as_ref().map_or(0, |l| l.owner.epoch),
             lease_until_ms: lease.and_then(|l| l.owner.until_ms),
+            first_seq,
             last_seq,
             lag,
         });
@@ -86,7 +92,7 @@ pub fn render(v: &ClusterView, now_ms: u64) -> String {
         };
         out.push_str(&format!("{:<11} {:<9} {}\n", m.node, state, m.ws));
     }
-    out.push_str("\nPARTITION  LEADER      EPOCH   LEASE     LAST_SEQ  STANDBY LAG\n");
+    out.push_str("\nPARTITION  LEADER      EPOCH   LEASE     FIRST_SEQ LAST_SEQ  STANDBY LAG\n");
     for p in &v.partitions {
         let lease = match p.lease_until_ms {
             Some(u) if u > now_ms => format!("{} ms", u - now_ms),
@@ -100,11 +106,12 @@ pub fn render(v: &ClusterView, now_ms: u64) -> String {
             .map(|(n, l)| format!("{n}:{l}"))
             .collect();
         out.push_str(&format!(
-            "{:<10} {:<11} {:<7} {:<9} {:<9} {}\n",
+            "{:<10} {:<11} {:<7} {:<9} {:<9} {:<9} {}\n",
             p.partition,
             p.leader.as_deref().unwrap_or("-"),
             p.epoch,
             lease,
+            p.first_seq,
             p.last_seq,
             if lag.is_empty() {
                 "-".into()
@@ -143,6 +150,7 @@ mod tests {
                     leader: Some("n1".into()),
                     epoch: 7,
                     lease_until_ms: Some(1_900),
+                    first_seq: 12,
                     last_seq: 40,
                     lag: vec![("n1".into(), 0), ("n3".into(), 5)],
                 },
@@ -151,6 +159,7 @@ mod tests {
                     leader: None,
                     epoch: 0,
                     lease_until_ms: Some(900),
+                    first_seq: 0,
                     last_seq: 0,
                     lag: vec![],
                 },

@@ -100,3 +100,67 @@ async fn a_follower_holds_what_the_leader_holds_and_a_takeover_replays_the_rest(
     assert!(lead_keys.len() > 40);
     assert_eq!(first_difference(&lead_keys, &every_key(&standby)), None);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_installed_elsewhere_replays_only_what_came_after_it() {
+    let lead_dir = tempfile::tempdir().expect("tempdir");
+    let other = tempfile::tempdir().expect("tempdir");
+    let log = MemLog::new();
+    let (leader, _) =
+        LoggedKv::open_with_log(lead_dir.path(), slow(), |a| log.open(a).map(Opened::boxed))
+            .expect("open the leader");
+    for i in 0..30 {
+        leader
+            .commit(batch(i))
+            .await
+            .expect("answered")
+            .expect("committed");
+    }
+    let mut records = log.read_range(0, log.next_lsn() - 1).expect("read the log");
+    // Applied to sled; the log is trimmed.
+    leader.flush_now().expect("apply to sled");
+    let mut ckpt = Vec::new();
+    let info = leader
+        .write_checkpoint(&mut ckpt)
+        .expect("write a checkpoint");
+    assert_eq!(info.mark, log.next_lsn() - 1, "the mark sled was at");
+    for i in 30..50 {
+        leader
+            .commit(batch(i))
+            .await
+            .expect("answered")
+            .expect("committed");
+    }
+    let after = records.last().map_or(0, |r| r.lsn);
+    records.extend(
+        log.read_range(after, log.next_lsn() - 1)
+            .expect("read the log"),
+    );
+
+    // A cut checkpoint is refused, and what the directory held stays.
+    let dir = other.path().join("p0");
+    let mut f = Follower::open(&dir, slow()).expect("open a follower");
+    f.apply(&records[..3]).expect("apply");
+    f.close();
+    let cut = &ckpt[..ckpt.len() - 9];
+    let e = super::install_checkpoint(&dir, &mut &cut[..], slow()).expect_err("cut short");
+    assert!(e.to_string().contains("checkpoint"), "{e}");
+    let f = Follower::open(&dir, slow()).expect("the old store");
+    assert_eq!(f.applied(), records[2].lsn);
+    f.close();
+
+    let got = super::install_checkpoint(&dir, &mut &ckpt[..], slow()).expect("install");
+    assert_eq!(got, info);
+    let copy = log_of(&records);
+    let (installed, replayed) =
+        LoggedKv::open_with_log(&dir, slow(), |a| copy.open(a).map(Opened::boxed))
+            .expect("open the installed store");
+    assert_eq!(
+        replayed.records, 20,
+        "only the records after the checkpoint"
+    );
+    assert_eq!(
+        first_difference(&every_key(&leader), &every_key(&installed)),
+        None
+    );
+}

@@ -46,6 +46,10 @@
 //! unexpectedly makes [`Kv::health`] fail, and so does sled failing for 10 ×
 //! `heal_interval` while the disk takes writes.
 //!
+//! **Checkpoints** ([`checkpoint`]). A store's sled written out at its applied
+//! mark, and put in place of another store's, so that a node behind what a commit
+//! log still holds starts from a peer's store.
+//!
 //! **Follow** ([`follow`]). A warm standby applies a leader's records to a store of
 //! its own with the start's code, so that a takeover opens that store and replays
 //! only the rest.
@@ -55,6 +59,7 @@
 
 mod applier;
 mod apply;
+mod checkpoint;
 mod codec;
 mod committer;
 #[cfg(test)]
@@ -85,6 +90,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 pub use apply::APPLIED_KEY;
+pub use checkpoint::{install_checkpoint, CheckpointInfo};
 pub use codec::{decode, encode};
 pub use follow::Follower;
 pub use options::{

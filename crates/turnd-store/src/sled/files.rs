@@ -140,7 +140,7 @@ pub(super) fn sync_blobs(
     Ok(fresh)
 }
 
-pub(super) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| StoreError::io(IoOp::Sync, format_args!("fsync dir {dir:?}"), &e))

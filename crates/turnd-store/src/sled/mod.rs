@@ -20,6 +20,7 @@ pub(crate) mod values;
 pub(crate) use checkpoints::Checkpoints;
 #[cfg(test)]
 pub(crate) use files::remove_unfinished_snapshots;
+pub(crate) use files::sync_dir;
 pub(crate) use files::{making_path, MAKING_SUFFIX};
 pub(crate) use handle::{Handle, Shared};
 
