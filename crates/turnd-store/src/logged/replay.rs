@@ -17,7 +17,7 @@ use super::LoggedOptions;
 use crate::error::StoreError;
 use crate::log::{CommitLog, Record};
 use crate::model::KvOp;
-use crate::sled::{Shared, SledOptions};
+use crate::sled::{open_when_unlocked, Shared, SledOptions};
 use crate::windows::store::{split_cache, Windows};
 
 /// sled's main database and the time windows, opened in `dir`, with the last lsn
@@ -27,13 +27,13 @@ pub(super) fn open_databases(
     opts: &LoggedOptions,
 ) -> Result<(Arc<Shared>, Windows, u64), StoreError> {
     let (main_mb, hot_mb) = split_cache(opts.sled.cache_mb, &opts.windows);
-    let sled = Arc::new(Shared::open(
-        dir,
-        SledOptions {
-            cache_mb: main_mb,
-            ..opts.sled
-        },
-    )?);
+    // A store closed a moment ago in this process (a standby stopped for a
+    // takeover, a follower reopened) may hold sled's lock for a moment longer.
+    let main = SledOptions {
+        cache_mb: main_mb,
+        ..opts.sled
+    };
+    let sled = Arc::new(open_when_unlocked(|| Shared::open(dir, main))?);
     let applied = applied_mark(&sled)?;
     let wins = Windows::open(
         dir,
