@@ -2,6 +2,8 @@
 //! fault-injecting store) or as the built binary when process death matters, and
 //! talk raw frames to it.
 
+pub mod cluster;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
