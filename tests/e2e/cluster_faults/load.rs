@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use turnd_client::{Caller, ClientError};
 use turnd_proto::SubmitArgs;
 use turnd_testkit::SplitMix64;
+use turnd_tests::cluster::PARTITIONS;
 
 use crate::checker::{Acked, History};
 
@@ -48,7 +49,7 @@ impl Load {
         let tasks = (0..sessions)
             .map(|s| {
                 let caller = SessionCaller {
-                    session: format!("fs{s}"),
+                    session: session_name(s),
                     urls: urls.to_vec(),
                     rng: SplitMix64::new(seed ^ (s as u64 + 1).wrapping_mul(0x9E37_79B9)),
                     history: h.clone(),
@@ -94,6 +95,16 @@ impl Load {
             .map(|v| v.iter().filter(|s| !s.retryable).cloned().collect())
             .unwrap_or_default()
     }
+}
+
+/// The name of session `s`: one of partition `s % PARTITIONS`, so that the load
+/// reaches every partition.
+fn session_name(s: usize) -> String {
+    let p = (s as u32) % PARTITIONS;
+    (0..10_000)
+        .map(|k| format!("fs{s}-{k}"))
+        .find(|name| turnd_proto::session_partition(name, PARTITIONS) == p)
+        .unwrap_or_else(|| format!("fs{s}"))
 }
 
 /// `errors` counted by kind: refused by a node that stops (`shutting_down`),
