@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster bench-cluster
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster test-cluster-long bench-cluster bench-failover
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -87,9 +87,19 @@ bench-cluster: venv ## What a sequential turn costs on a 3-node cluster (3 nats-
 	$(CARGO) build --release -p turnd --bin turnd
 	TURND_BIN=$(CURDIR)/target/release/turnd TURNS=$(or $(TURNS),500) $(CARGO) nextest run -p turnd-tests --test cluster --run-ignored only --no-capture measure_sequential_turns
 
-test-cluster: venv ## The cluster's end-to-end tests alone: three nats-server and three turnd processes on loopback (also part of test-rust)
+test-cluster: venv ## The cluster's end-to-end tests alone: three nats-server and three turnd processes on loopback, a node behind trimmed streams copying a checkpoint, and one seeded fault schedule with the history checker (also part of test-rust); CLUSTER_SEED=n replays a seed
 	$(BUILD_DAEMON)
-	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --test cluster_trim --no-fail-fast
+	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --test cluster_trim --test cluster_faults --no-fail-fast
+
+SEEDS ?= 1,2,3
+FAULTS ?= 12
+test-cluster-long: venv ## Longer seeded fault schedules on the cluster, each checked: SEEDS=1,2,3 (or SEEDS=random:N), FAULTS=12 per seed
+	$(BUILD_DAEMON)
+	$(TEST_ENV) SEEDS=$(SEEDS) FAULTS=$(FAULTS) $(CARGO) nextest run -p turnd-tests --test cluster_faults --run-ignored only --no-capture seeded_faults_long
+
+bench-failover: venv ## How long a killed node's partitions take to serve again (alone, and with a NATS server killed too), and what a rolling restart fails; RUNS=10
+	$(BUILD_DAEMON)
+	$(TEST_ENV) RUNS=$(or $(RUNS),10) $(CARGO) nextest run -p turnd-tests --test cluster_faults --run-ignored only --no-capture measure_failover
 
 venv: $(VENV)/.ready ## The project's Python environment (target/venv) with every Python test dependency
 

@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
-use turnd_client::{Caller, ClientError, FunctionSpec, Worker, WorkerHandle};
+use turnd_client::{Caller, FunctionSpec, Worker, WorkerHandle};
 use turnd_cluster::testing::Rig;
 use turnd_proto::Outcome;
 use turnd_proto::{SubmitArgs, TurnStatus};
-use turnd_tests::{http_get, worker_options, BinDaemon};
-
-/// Partitions of the test cluster.
-const PARTITIONS: u32 = 6;
+use turnd_tests::cluster::{
+    all_led, check_clean, nats_list, retrying, signal, start_node, status, PARTITIONS,
+};
+use turnd_tests::{worker_options, BinDaemon};
 
 /// Skip (loudly) when there is no nats-server to run.
 macro_rules! need_nats {
@@ -34,112 +34,8 @@ macro_rules! need_nats {
 }
 
 /// Start node `i` of the cluster on `rig`, its data in `root/n<i>`.
-/// The rig's URLs as the value of `TURND_CLUSTER__NATS`.
-fn nats_list(rig: &Rig) -> String {
-    let urls = rig
-        .urls()
-        .iter()
-        .map(|u| format!("{u:?}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    format!("[{urls}]")
-}
-
 async fn node(rig: &Rig, root: &std::path::Path, i: usize) -> anyhow::Result<BinDaemon> {
-    let nats = nats_list(rig);
-    let id = format!("n{i}");
-    let sys = rig.sys_url(i % 3);
-    let partitions = PARTITIONS.to_string();
-    let env = [
-        ("TURND_CLUSTER__NODE_ID", id.as_str()),
-        ("TURND_CLUSTER__NATS", nats.as_str()),
-        ("TURND_CLUSTER__NATS_SYSTEM", sys.as_str()),
-        ("TURND_CLUSTER__PARTITIONS", partitions.as_str()),
-        ("TURND_CLUSTER__REPLICAS", "3"),
-        ("TURND_CLUSTER__STREAM_MAX_MB", "32"),
-        ("TURND_CLUSTER__STANDBYS", "2"),
-        ("TURND_CLUSTER__LEASE_MS", "900"),
-        ("TURND_CLUSTER__DRAIN_TIMEOUT_MS", "5000"),
-        ("TURND_LOG__LEVEL", "info"),
-    ];
-    BinDaemon::start(&root.join(&id), &env).await
-}
-
-/// The cluster as node `admin` shows it (`GET /cluster`).
-async fn status(admin: &str) -> anyhow::Result<Value> {
-    let (code, body) = http_get(admin, "/cluster").await?;
-    if code != 200 {
-        bail!("GET /cluster answered {code}: {body}");
-    }
-    Ok(serde_json::from_str(&body)?)
-}
-
-/// A worker serving `echo` (completes with its input), connected to every node.
-async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
-    let mut o = worker_options(&urls[0], "w");
-    o.also = urls[1..].to_vec();
-    let w = Worker::new(o).function(
-        FunctionSpec::new("echo").concurrency(16),
-        |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
-    );
-    let h = w.spawn(tokio_util::sync::CancellationToken::new());
-    h.connected().await;
-    h
-}
-
-/// Wait until every partition is led by one of `alive` with a lease that runs;
-/// how long it took.
-async fn all_led(admin: &str, alive: &[&str], secs: u64) -> anyhow::Result<Duration> {
-    let start = Instant::now();
-    let deadline = start + Duration::from_secs(secs);
-    loop {
-        if let Ok(st) = status(admin).await {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)?
-                .as_millis() as u64;
-            let ok = st["partitions"].as_array().is_some_and(|ps| {
-                ps.len() == PARTITIONS as usize
-                    && ps.iter().all(|p| {
-                        p["leader"].as_str().is_some_and(|l| alive.contains(&l))
-                            && p["lease_until_ms"].as_u64().is_some_and(|u| u > now)
-                            && p["epoch"].as_u64().is_some_and(|e| e > 0)
-                    })
-            });
-            if ok {
-                return Ok(start.elapsed());
-            }
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "not every partition led by {alive:?} within {secs} s: {:?}",
-                status(admin).await
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Run `f` until it does not fail with a retryable error (a partition between
-/// leaders, a connection closed on a write in doubt), at most `secs`.
-async fn retrying<T, F, Fut>(secs: u64, mut f: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, ClientError>>,
-{
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        match f().await {
-            Ok(v) => return Ok(v),
-            Err(e) if Instant::now() < deadline && retryable(&e) => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-fn retryable(e: &ClientError) -> bool {
-    e.is_retryable()
+    start_node(root, i, &rig.urls(), &rig.sys_url(i % 3), "127.0.0.1:0").await
 }
 
 /// Submit `turn_id`-keyed echo turns to `n` sessions through `url`, one new caller
@@ -188,19 +84,6 @@ async fn all_completed(url: &str, acked: &[(String, String)]) -> anyhow::Result<
     Ok(())
 }
 
-/// `store.check` through `url`: no violation on any partition.
-async fn check_clean(url: &str) -> anyhow::Result<()> {
-    let v = retrying(20, || async move {
-        let c = Caller::connect_as(url, turnd_proto::Role::Operator, None).await?;
-        c.store_check().await
-    })
-    .await?;
-    if !v.is_empty() {
-        bail!("store.check found {v:?}");
-    }
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_run_on_any_node_and_survive_a_killed_leader() -> anyhow::Result<()> {
     need_nats!();
@@ -223,7 +106,7 @@ async fn turns_run_on_any_node_and_survive_a_killed_leader() -> anyhow::Result<(
     let view = loop {
         let out = tokio::process::Command::new(turnd_tests::turnd_bin()?)
             .args(["cluster", "status", "--json"])
-            .env("TURND_CLUSTER__NATS", nats_list(&rig))
+            .env("TURND_CLUSTER__NATS", nats_list(&rig.urls()))
             .env("TURND_CLUSTER__PARTITIONS", PARTITIONS.to_string())
             .output()
             .await?;
@@ -388,17 +271,6 @@ async fn a_node_with_other_partitions_is_refused() -> anyhow::Result<()> {
         "{stderr}"
     );
     first.kill().await?;
-    Ok(())
-}
-
-/// Send `sig` (`STOP`, `CONT`) to the process `pid`.
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let status = std::process::Command::new("kill")
-        .args([format!("-{sig}"), pid.to_string()])
-        .status()?;
-    if !status.success() {
-        bail!("kill -{sig} {pid} failed");
-    }
     Ok(())
 }
 

@@ -1,17 +1,61 @@
-//! What the cluster's end-to-end tests share: a node's `GET /cluster`, an echo
-//! worker on every node, a request retried while a partition moves, a signal to a
-//! process by its PID.
+//! Test support for a cluster of real `turnd` processes on NATS JetStream: a node
+//! started on a list of NATS URLs (the rig's, or proxies in front of them), what a
+//! node shows (`GET /cluster`), waits for every partition to be led, and retries of
+//! requests that a failover answers with a retryable error, an echo worker on
+//! every node. Every wait is bounded.
 
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use serde_json::Value;
-use turnd_client::{ClientError, FunctionSpec, Worker, WorkerHandle};
+use turnd_client::{Caller, ClientError, FunctionSpec, Worker, WorkerHandle};
 use turnd_proto::Outcome;
 
-use crate::{http_get, worker_options};
+use crate::{http_get, worker_options, BinDaemon};
 
-/// The cluster as the node with admin URL `admin` shows it (`GET /cluster`).
+/// Partitions of the test clusters.
+pub const PARTITIONS: u32 = 6;
+
+/// `urls` as the value of `TURND_CLUSTER__NATS` (a TOML list).
+pub fn nats_list(urls: &[String]) -> String {
+    let urls = urls
+        .iter()
+        .map(|u| format!("{u:?}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    format!("[{urls}]")
+}
+
+/// Start node `n<i>` in `root/n<i>` on the NATS servers `nats` (its system-account
+/// connection to `sys`), its WebSocket listener on `listen` (`127.0.0.1:0`, or the
+/// address it had, so that workers reconnect to a restarted node by themselves).
+/// Leases of 900 ms, every node warm for every partition.
+pub async fn start_node(
+    root: &std::path::Path,
+    i: usize,
+    nats: &[String],
+    sys: &str,
+    listen: &str,
+) -> anyhow::Result<BinDaemon> {
+    let nats = nats_list(nats);
+    let id = format!("n{i}");
+    let partitions = PARTITIONS.to_string();
+    let env = [
+        ("TURND_CLUSTER__NODE_ID", id.as_str()),
+        ("TURND_CLUSTER__NATS", nats.as_str()),
+        ("TURND_CLUSTER__NATS_SYSTEM", sys),
+        ("TURND_CLUSTER__PARTITIONS", partitions.as_str()),
+        ("TURND_CLUSTER__REPLICAS", "3"),
+        ("TURND_CLUSTER__STREAM_MAX_MB", "32"),
+        ("TURND_CLUSTER__STANDBYS", "2"),
+        ("TURND_CLUSTER__LEASE_MS", "900"),
+        ("TURND_CLUSTER__DRAIN_TIMEOUT_MS", "5000"),
+        ("TURND_LOG__LEVEL", "info"),
+    ];
+    BinDaemon::start_on(&root.join(&id), listen, &env).await
+}
+
+/// The cluster as the node with admin address `admin` shows it (`GET /cluster`).
 pub async fn status(admin: &str) -> anyhow::Result<Value> {
     let (code, body) = http_get(admin, "/cluster").await?;
     if code != 200 {
@@ -33,9 +77,50 @@ pub async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
     h
 }
 
+/// The node leading each partition, as `st` (a [`status`]) shows it.
+pub fn leaders(st: &Value) -> Vec<Option<String>> {
+    st["partitions"].as_array().map_or_else(Vec::new, |ps| {
+        ps.iter()
+            .map(|p| p["leader"].as_str().map(str::to_string))
+            .collect()
+    })
+}
+
+/// Wait until every partition is led by one of `alive` with a lease that runs;
+/// how long it took.
+pub async fn all_led(admin: &str, alive: &[&str], secs: u64) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(secs);
+    loop {
+        if let Ok(st) = status(admin).await {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_millis() as u64;
+            let ok = st["partitions"].as_array().is_some_and(|ps| {
+                ps.len() == PARTITIONS as usize
+                    && ps.iter().all(|p| {
+                        p["leader"].as_str().is_some_and(|l| alive.contains(&l))
+                            && p["lease_until_ms"].as_u64().is_some_and(|u| u > now)
+                            && p["epoch"].as_u64().is_some_and(|e| e > 0)
+                    })
+            });
+            if ok {
+                return Ok(start.elapsed());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "not every partition led by {alive:?} within {secs} s: {:?}",
+                status(admin).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Run `f` until it does not fail with a retryable error (a partition between
 /// leaders, a connection closed on a write in doubt), at most `secs`.
-pub async fn retrying<T, F, Fut>(secs: u64, mut f: F) -> Result<T, ClientError>
+pub async fn retrying<T, F, Fut>(secs: u64, mut f: F) -> anyhow::Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ClientError>>,
@@ -47,12 +132,25 @@ where
             Err(e) if Instant::now() < deadline && e.is_retryable() => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
     }
 }
 
-/// `kill -<sig> <pid>`.
+/// `store.check` through `url`: no violation on any partition.
+pub async fn check_clean(url: &str) -> anyhow::Result<()> {
+    let v = retrying(20, || async move {
+        let c = Caller::connect_as(url, turnd_proto::Role::Operator, None).await?;
+        c.store_check().await
+    })
+    .await?;
+    if !v.is_empty() {
+        bail!("store.check found {v:?}");
+    }
+    Ok(())
+}
+
+/// Send `sig` (`STOP`, `CONT`, `TERM`, `KILL`) to the process `pid`.
 pub fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
     let status = std::process::Command::new("kill")
         .args([format!("-{sig}"), pid.to_string()])

@@ -4,6 +4,8 @@
 
 pub mod cluster;
 
+pub mod cluster;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;

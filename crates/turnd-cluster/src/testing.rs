@@ -46,11 +46,18 @@ pub struct RigOptions {
     /// `jetstream { sync_interval: always }` (the default), or the servers' own
     /// default (a sync every two minutes).
     pub sync_always: bool,
+    /// The servers do not tell clients of each other (`no_advertise`), so that a
+    /// client reaches only the addresses it was given (a test that puts a proxy in
+    /// front of each server and cuts it needs that).
+    pub no_advertise: bool,
 }
 
 impl Default for RigOptions {
     fn default() -> Self {
-        RigOptions { sync_always: true }
+        RigOptions {
+            sync_always: true,
+            no_advertise: false,
+        }
     }
 }
 
@@ -77,8 +84,13 @@ fn config(
             .iter()
             .map(|p| format!("nats://127.0.0.1:{p}"))
             .collect();
+        let advertise = if o.no_advertise {
+            "no_advertise: true, "
+        } else {
+            ""
+        };
         c.push_str(&format!(
-            "cluster {{ name: turnd-test, listen: 127.0.0.1:{port}, routes: [ {} ] }}\n",
+            "cluster {{ name: turnd-test, listen: 127.0.0.1:{port}, {advertise}routes: [ {} ] }}\n",
             routes.join(", ")
         ));
     }
@@ -172,6 +184,11 @@ impl Rig {
             .iter()
             .map(|s| format!("nats://turnd:turnd@127.0.0.1:{}", s.client_port))
             .collect()
+    }
+
+    /// Server `i`'s client port.
+    pub fn client_port(&self, i: usize) -> u16 {
+        self.servers[i].client_port
     }
 
     /// A client URL of the system account.

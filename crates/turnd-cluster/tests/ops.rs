@@ -120,9 +120,15 @@ async fn servers_that_sync_before_they_acknowledge_pass_and_others_are_refused()
     assert_eq!(allowed.unproven.len(), 1);
     drop(safe);
 
-    let lazy = Rig::start_with(1, RigOptions { sync_always: false })
-        .await
-        .expect("rig");
+    let lazy = Rig::start_with(
+        1,
+        RigOptions {
+            sync_always: false,
+            ..RigOptions::default()
+        },
+    )
+    .await
+    .expect("rig");
     let sys = turnd_cluster::nats::connect_one(&lazy.sys_url(0))
         .await
         .expect("system account");

@@ -14,6 +14,8 @@
 //!   [`Act`]s (echo, hang and ignore cancel, wait for a [`Gate`], fail, ...), with every
 //!   execution counted in [`Runs`]; a worker can die mid-step and come back as the
 //!   same or as a new instance.
+//! - [`TcpProxy`]: a plain TCP pipe that can cut a path (a cluster node's connection
+//!   to NATS) and heal it.
 //! - [`SplitMix64`]: a tiny seeded PRNG for randomized tests that must replay exactly.
 //!
 //! Nothing here is used by the daemon itself; it only ever talks to the daemon over
@@ -30,12 +32,14 @@
 
 pub mod proxy;
 pub mod rng;
+pub mod tcp;
 pub mod worker;
 
 pub use proxy::{
     Action, Dir, Fate, LoggedFrame, Match, Proxy, ProxyHandle, ProxyStats, Rule, RuleId,
 };
 pub use rng::SplitMix64;
+pub use tcp::TcpProxy;
 pub use worker::{
     fast_options, scripted_handler, Act, Gate, Instance, KitWorker, KitWorkerBuilder, Runs, Script,
 };

@@ -11,7 +11,7 @@
 //! connect to every node). A watch is served by the node that leads its session's
 //! partition (elsewhere it is refused with `unavailable` naming that node).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::future::join_all;
@@ -41,6 +41,9 @@ enum Target {
 /// The longest a forwarded request waits for the leader beyond its own wait (a
 /// write not answered by then is in doubt, and its connection is closed).
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often a forward looks for the leader of a partition that has none.
+const LEADER_POLL: Duration = Duration::from_millis(50);
 
 impl Node {
     /// Run an admitted op (see the module documentation).
@@ -190,10 +193,24 @@ impl Node {
         };
         self.counters.forwarded.inc();
         let body = Bytes::from(body);
+        // A partition between leaders (a hand-over, a drain, a takeover) is
+        // waited for, up to two leases, before the request is refused: nothing has
+        // been sent yet, so the wait changes nothing but the answer's time. A node
+        // that drains does not wait: it is about to close its connections.
+        let patience = if self.draining.is_cancelled() {
+            Instant::now()
+        } else {
+            Instant::now() + Duration::from_millis(2 * self.cluster.lease_ms)
+        };
         let mut leader = self.leader_of(p, false).await;
         let msg = loop {
             let Some(to) = leader.clone() else {
-                return Err(no_leader(p));
+                if Instant::now() >= patience {
+                    return Err(no_leader(p));
+                }
+                tokio::time::sleep(LEADER_POLL).await;
+                leader = self.leader_of(p, true).await;
+                continue;
             };
             let req = async_nats::Request::new()
                 .payload(body.clone())
@@ -209,7 +226,10 @@ impl Node {
                 Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
                     let now = self.leader_of(p, true).await;
                     if now == leader {
-                        return Err(no_leader(p));
+                        if Instant::now() >= patience {
+                            return Err(no_leader(p));
+                        }
+                        tokio::time::sleep(LEADER_POLL).await;
                     }
                     leader = now;
                 }
