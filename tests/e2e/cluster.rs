@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
-use turnd_client::{Caller, FunctionSpec, Worker, WorkerHandle};
+use turnd_client::Caller;
 use turnd_cluster::testing::Rig;
-use turnd_proto::Outcome;
 use turnd_proto::{SubmitArgs, TurnStatus};
 use turnd_tests::cluster::{
-    all_led, check_clean, nats_list, retrying, signal, start_node, status, PARTITIONS,
+    all_led, check_clean, echo_worker_on_all, nats_list, retrying, signal, start_node, status,
+    PARTITIONS,
 };
-use turnd_tests::{worker_options, BinDaemon};
+use turnd_tests::BinDaemon;
 
 /// Skip (loudly) when there is no nats-server to run.
 macro_rules! need_nats {

@@ -4,8 +4,6 @@
 
 pub mod cluster;
 
-pub mod cluster;
-
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
