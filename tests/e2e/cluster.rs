@@ -76,10 +76,15 @@ async fn status(admin: &str) -> anyhow::Result<Value> {
 
 /// A worker serving `echo` (completes with its input), connected to every node.
 async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
+    echo_worker(urls, 16).await
+}
+
+/// [`echo_worker_on_all`] running up to `concurrency` invocations at once.
+async fn echo_worker(urls: &[String], concurrency: u32) -> WorkerHandle {
     let mut o = worker_options(&urls[0], "w");
     o.also = urls[1..].to_vec();
     let w = Worker::new(o).function(
-        FunctionSpec::new("echo").concurrency(16),
+        FunctionSpec::new("echo").concurrency(concurrency),
         |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
     );
     let h = w.spawn(tokio_util::sync::CancellationToken::new());
@@ -117,6 +122,96 @@ async fn all_led(admin: &str, alive: &[&str], secs: u64) -> anyhow::Result<Durat
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Three nats-server and three nodes, every partition led, and an echo worker
+/// (running up to `concurrency` invocations) connected to every node.
+struct Cluster {
+    _rig: Rig,
+    _root: tempfile::TempDir,
+    nodes: Vec<BinDaemon>,
+    urls: Vec<String>,
+    worker: WorkerHandle,
+}
+
+impl Cluster {
+    async fn start(concurrency: u32) -> anyhow::Result<Cluster> {
+        let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+        let root = tempfile::tempdir()?;
+        let mut nodes = Vec::new();
+        for i in 0..3 {
+            nodes.push(node(&rig, root.path(), i).await?);
+        }
+        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+        all_led(&nodes[0].admin, &["n0", "n1", "n2"], 30).await?;
+        let worker = echo_worker(&urls, concurrency).await;
+        Ok(Cluster {
+            _rig: rig,
+            _root: root,
+            nodes,
+            urls,
+            worker,
+        })
+    }
+
+    /// The worker shut down and every node killed.
+    async fn stop(self) -> anyhow::Result<()> {
+        self.worker.shutdown();
+        for n in self.nodes {
+            n.kill().await?;
+        }
+        Ok(())
+    }
+}
+
+/// One echo turn of `session` through `c`, waited for until it completed.
+async fn one_turn(c: &Caller, session: &str, input: Value) -> anyhow::Result<()> {
+    let ok = c
+        .submit(SubmitArgs {
+            session_id: session.into(),
+            function_id: "echo".into(),
+            input,
+            idempotency_key: None,
+            turn_timeout_ms: None,
+            on_busy: None,
+        })
+        .await?;
+    let done = c
+        .wait_terminal(&ok.turn.turn_id, Duration::from_secs(30))
+        .await?;
+    if done.status != TurnStatus::Completed {
+        bail!("turn {} ended {:?}", ok.turn.turn_id, done.status);
+    }
+    Ok(())
+}
+
+/// Each partition's leader and epoch as node `admin` sees them.
+async fn leaders(admin: &str) -> anyhow::Result<Vec<(String, u64)>> {
+    let st = status(admin).await?;
+    Ok(st["partitions"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .map(|p| (p["leader"].to_string(), p["epoch"].as_u64().unwrap_or(0)))
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// Partitions move to their preferred leaders once those caught up: wait (at most
+/// 20 s) until two reads half a second apart show the same leaders and epochs, and
+/// return them.
+async fn settled_leaders(admin: &str) -> anyhow::Result<Vec<(String, u64)>> {
+    let mut last = Vec::new();
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = leaders(admin).await?;
+        if now == last {
+            return Ok(now);
+        }
+        last = now;
+    }
+    bail!("the partitions' leaders did not settle: {last:?}")
 }
 
 /// Run `f` until it does not fail with a retryable error (a partition between
@@ -466,72 +561,93 @@ async fn a_paused_leader_wakes_deposed_and_gives_up() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A worker connected to every node sends each result back on the connection its
+/// invoke came on, so the partition's leader commits it without a forward over
+/// NATS: sessions led by nodes other than the worker's first URL run turns through
+/// their leaders, and no node forwards anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_goes_back_to_the_node_that_invoked_it() -> anyhow::Result<()> {
+    need_nats!();
+    let cl = Cluster::start(16).await?;
+    let admin = &cl.nodes[0].admin;
+    let forwarded = || async {
+        let mut f = 0;
+        for n in &cl.nodes {
+            f += status(&n.admin).await?["forwarded"].as_u64().unwrap_or(0);
+        }
+        anyhow::Ok(f)
+    };
+    // A placement that moves during a round may forward a request: try again then.
+    for round in 0..5 {
+        let before = settled_leaders(admin).await?;
+        let sent = forwarded().await?;
+        let mut turns = 0;
+        for s in 0..24 {
+            let session = format!("r{round}-{s}");
+            let p = turnd_proto::session_partition(&session, PARTITIONS) as usize;
+            let li: usize = before[p]
+                .0
+                .trim_matches('"')
+                .trim_start_matches('n')
+                .parse()?;
+            if li == 0 {
+                continue;
+            }
+            let c = Caller::connect(&cl.urls[li], None).await?;
+            one_turn(&c, &session, json!({ "s": s })).await?;
+            turns += 1;
+        }
+        if leaders(admin).await? != before {
+            eprintln!("round {round}: the placement moved; again");
+            continue;
+        }
+        assert!(turns > 0, "no session of another node's partitions");
+        assert_eq!(
+            forwarded().await? - sent,
+            0,
+            "{turns} turns through their leaders, and a node forwarded requests \
+             (a result sent to a node that does not lead its partition)"
+        );
+        return cl.stop().await;
+    }
+    bail!("the placement moved in every round")
+}
+
 /// Not a check: what a sequential turn costs on the cluster (`make bench-cluster`,
-/// with `TURND_BIN` a release build). One session, one turn at a time through the
-/// node that leads its partition and through another node (forwarded), printed as
-/// p50 / p99 / max in ms; the numbers go to `docs/benchmarks.md`.
+/// with `TURND_BIN` a release build). One turn at a time of a session led by each
+/// node, through that node, and of node 0's session through node 1 (forwarded),
+/// printed as p50 / p99 / max in ms; the numbers go to `docs/benchmarks.md`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement: make bench-cluster"]
 async fn measure_sequential_turns() -> anyhow::Result<()> {
     need_nats!();
-    let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
-    let root = tempfile::tempdir()?;
-    let mut nodes = Vec::new();
-    for i in 0..3 {
-        nodes.push(node(&rig, root.path(), i).await?);
-    }
-    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-    all_led(&nodes[0].admin, &["n0", "n1", "n2"], 30).await?;
-    let worker = echo_worker_on_all(&urls).await;
-    // Partitions move to their preferred leaders once those caught up: measure
-    // after that (a few leases), and on a placement that no longer changes.
-    let mut last = String::new();
-    for _ in 0..40 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let st = status(&nodes[0].admin).await?;
-        let now: String = st["partitions"]
-            .as_array()
-            .map(|ps| ps.iter().map(|p| p["leader"].to_string()).collect())
-            .unwrap_or_default();
-        if now == last {
-            break;
+    let cl = Cluster::start(16).await?;
+    let (nodes, urls) = (&cl.nodes, &cl.urls);
+    settled_leaders(&nodes[0].admin).await?;
+    let turns = usize::try_from(env_or("TURNS", 500))?;
+    let led = leaders(&nodes[0].admin).await?;
+    // A session of a partition each node leads, measured through its leader; the
+    // worker's first URL is node 0's, so the sessions of the other two show what a
+    // worker sees of the partitions led elsewhere. Then one forwarded.
+    let mut runs = Vec::new();
+    for li in 0..3 {
+        let Some(session) = (0..1000).map(|k| format!("bench-seq-{k}")).find(|s| {
+            let p = turnd_proto::session_partition(s, PARTITIONS) as usize;
+            led[p].0.trim_matches('"') == format!("n{li}")
+        }) else {
+            continue;
+        };
+        runs.push((format!("through its leader n{li}"), session.clone(), li));
+        if li == 0 {
+            runs.push(("forwarded by n1 to n0".into(), session, 1));
         }
-        last = now;
     }
-    let turns: usize = std::env::var("TURNS")
-        .ok()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(500);
-    // The session's partition, and which node leads it.
-    let session = "bench-seq";
-    let p = turnd_proto::session_partition(session, PARTITIONS);
-    let st = status(&nodes[0].admin).await?;
-    let leader = st["partitions"][p as usize]["leader"]
-        .as_str()
-        .context("a leader")?
-        .to_string();
-    let li: usize = leader.trim_start_matches('n').parse()?;
-    for (label, url) in [("leader", &urls[li]), ("forwarded", &urls[(li + 1) % 3])] {
-        let c = Caller::connect(url, None).await?;
+    for (label, session, via) in runs {
+        let c = Caller::connect(&urls[via], None).await?;
         let mut ms = Vec::with_capacity(turns);
         for i in 0..turns {
             let t = Instant::now();
-            let ok = c
-                .submit(SubmitArgs {
-                    session_id: session.into(),
-                    function_id: "echo".into(),
-                    input: json!({ "i": i }),
-                    idempotency_key: None,
-                    turn_timeout_ms: None,
-                    on_busy: None,
-                })
-                .await?;
-            let done = c
-                .wait_terminal(&ok.turn.turn_id, Duration::from_secs(30))
-                .await?;
-            if done.status != TurnStatus::Completed {
-                bail!("turn ended {:?}", done.status);
-            }
+            one_turn(&c, &session, json!({ "i": i })).await?;
             ms.push(t.elapsed().as_secs_f64() * 1000.0);
         }
         ms.sort_by(f64::total_cmp);
@@ -543,9 +659,13 @@ async fn measure_sequential_turns() -> anyhow::Result<()> {
             ms[ms.len() - 1]
         );
     }
-    worker.shutdown();
-    for n in nodes {
-        n.kill().await?;
-    }
-    Ok(())
+    cl.stop().await
+}
+
+/// `name` from the environment, or `default`.
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }

@@ -204,7 +204,8 @@ pub struct WorkerOptions {
     /// The URLs of a cluster's other nodes: the worker keeps a connection to each as
     /// well, with the same worker_id and instance, since each node dispatches only
     /// the turns of the partitions it leads. Its tables are one: a result is sent on
-    /// any connection (a node forwards it to the partition's leader), a probe on any
+    /// the connection its invoke came on (the partition's leader's) while that one
+    /// lives, else on any (a node forwards it to the partition's leader), a probe on any
     /// connection is answered from them, and each connection's `hello` lists every
     /// invocation the worker runs or holds a result of. Empty for one daemon.
     pub also: Vec<String>,

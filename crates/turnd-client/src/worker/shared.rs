@@ -90,8 +90,14 @@ impl WorkerShared {
     }
 
     /// Take a result for delivery: the invocation is no longer running, its outcome is
-    /// held until acknowledged, and a pump delivers it.
-    pub(super) fn hold_result(self: &Arc<Self>, invocation_id: String, outcome: Outcome) {
+    /// held until acknowledged, and a pump delivers it, on the connection to URL
+    /// `origin` (where the invoke came from) while there is one.
+    pub(super) fn hold_result(
+        self: &Arc<Self>,
+        invocation_id: String,
+        outcome: Outcome,
+        origin: usize,
+    ) {
         let resend_now = Arc::new(Notify::new());
         {
             let mut tables = lock(&self.tables);
@@ -107,8 +113,13 @@ impl WorkerShared {
             }
         }
         let shared = self.clone();
-        self.pumps
-            .spawn(pump_result(shared, invocation_id, outcome, resend_now));
+        self.pumps.spawn(pump_result(
+            shared,
+            invocation_id,
+            outcome,
+            resend_now,
+            origin,
+        ));
     }
 
     /// Forget a held result, but only if it is still the one this pump delivers.
