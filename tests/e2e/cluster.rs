@@ -127,7 +127,7 @@ async fn all_led(admin: &str, alive: &[&str], secs: u64) -> anyhow::Result<Durat
 /// Three nats-server and three nodes, every partition led, and an echo worker
 /// (running up to `concurrency` invocations) connected to every node.
 struct Cluster {
-    _rig: Rig,
+    rig: Rig,
     _root: tempfile::TempDir,
     nodes: Vec<BinDaemon>,
     urls: Vec<String>,
@@ -146,7 +146,7 @@ impl Cluster {
         all_led(&nodes[0].admin, &["n0", "n1", "n2"], 30).await?;
         let worker = echo_worker(&urls, concurrency).await;
         Ok(Cluster {
-            _rig: rig,
+            rig,
             _root: root,
             nodes,
             urls,
@@ -668,4 +668,125 @@ fn env_or(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// A process's CPU time (user and system) in ms, from `/proc/<pid>/stat` (in
+/// USER_HZ, 100 a second); 0 for one that is gone.
+fn cpu_ms(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // The fields after the command's closing parenthesis: state is the first,
+    // utime the 12th and stime the 13th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 * 10.0
+}
+
+/// `sessions` closed loops of one echo turn at a time, each on a caller of its
+/// own connected to `urls[i % urls.len()]`, for a second of warm-up and then `secs`
+/// seconds measured: turns a second, a turn's p50 / p99, and the CPU time per turn
+/// of the turnd processes `turnd`, the nats-servers `nats` and this process (the
+/// callers and the worker), printed under `label`.
+async fn load(
+    label: &str,
+    urls: &[String],
+    turnd: &[u32],
+    nats: &[u32],
+    sessions: u64,
+    secs: u64,
+) -> anyhow::Result<()> {
+    let from = Instant::now() + Duration::from_secs(1);
+    let until = from + Duration::from_secs(secs);
+    let mut tasks = Vec::new();
+    for i in 0..sessions {
+        let url = urls[i as usize % urls.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Caller::connect(&url, None).await?;
+            let session = format!("load-{i}");
+            let mut ms = Vec::new();
+            let mut k = 0u64;
+            while Instant::now() < until {
+                let t = Instant::now();
+                one_turn(&c, &session, json!({ "k": k })).await?;
+                if t >= from && Instant::now() <= until {
+                    ms.push(t.elapsed().as_secs_f64() * 1000.0);
+                }
+                k += 1;
+            }
+            anyhow::Ok(ms)
+        }));
+    }
+    let group = |pids: &[u32]| pids.iter().map(|p| cpu_ms(*p)).sum::<f64>();
+    let me = std::process::id();
+    tokio::time::sleep_until(from.into()).await;
+    let before = (group(turnd), group(nats), cpu_ms(me));
+    tokio::time::sleep_until(until.into()).await;
+    let after = (group(turnd), group(nats), cpu_ms(me));
+    let mut ms = Vec::new();
+    for t in tasks {
+        ms.extend(t.await??);
+    }
+    ms.sort_by(f64::total_cmp);
+    let n = ms.len().max(1);
+    let at = |q: f64| {
+        ms.get(((n as f64 * q) as usize).min(n - 1))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let per_turn = |a: f64, b: f64| (b - a) * 1000.0 / n as f64;
+    println!(
+        "{label}: {sessions} sessions, {} turns in {secs} s: {:.0} turns/s, p50 {:.2} ms, p99 {:.2} ms; \
+         CPU per turn: turnd {:.0} µs, nats-server {:.0} µs, callers and worker {:.0} µs",
+        ms.len(),
+        ms.len() as f64 / secs as f64,
+        at(0.5),
+        at(0.99),
+        per_turn(before.0, after.0),
+        per_turn(before.1, after.1),
+        per_turn(before.2, after.2),
+    );
+    Ok(())
+}
+
+/// Not a check: the three-node cluster's throughput beside one node's on the same
+/// machine (`make bench-cluster-throughput`, with `TURND_BIN` a release build).
+/// `SESSIONS` sessions (64) in closed loops for `SECS` seconds (10): on one node
+/// (no `[cluster]`: its own commit log on the local disk) every caller on it; on
+/// the cluster the callers spread over the three nodes, so that two requests in
+/// three are forwarded to their partition's leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: make bench-cluster-throughput"]
+async fn measure_throughput() -> anyhow::Result<()> {
+    need_nats!();
+    let sessions = env_or("SESSIONS", 64);
+    let secs = env_or("SECS", 10);
+    let concurrency = u32::try_from(sessions)?;
+    if std::env::var_os("ONLY_CLUSTER").is_none() {
+        let root = tempfile::tempdir()?;
+        let d = BinDaemon::start(&root.path().join("one"), &[("TURND_LOG__LEVEL", "info")]).await?;
+        let urls = vec![d.url.clone()];
+        let worker = echo_worker(&urls, concurrency).await;
+        let pids: Vec<u32> = d.child.id().into_iter().collect();
+        load("one node", &urls, &pids, &[], sessions, secs).await?;
+        worker.shutdown();
+        d.kill().await?;
+    }
+    let cl = Cluster::start(concurrency).await?;
+    settled_leaders(&cl.nodes[0].admin).await?;
+    let pids: Vec<u32> = cl.nodes.iter().filter_map(|n| n.child.id()).collect();
+    eprintln!("turnd pids {pids:?}, nats-server pids {:?}", cl.rig.pids());
+    load(
+        "three nodes",
+        &cl.urls,
+        &pids,
+        &cl.rig.pids(),
+        sessions,
+        secs,
+    )
+    .await?;
+    cl.stop().await
 }
