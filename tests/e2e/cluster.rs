@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use turnd_client::{Caller, ClientError, FunctionSpec, Worker, WorkerHandle};
 use turnd_cluster::testing::Rig;
-use turnd_proto::Outcome;
+use turnd_proto::{Failure, Outcome};
 use turnd_proto::{SubmitArgs, TurnStatus};
 use turnd_tests::{http_get, worker_options, BinDaemon};
 
@@ -74,7 +74,8 @@ async fn status(admin: &str) -> anyhow::Result<Value> {
     Ok(serde_json::from_str(&body)?)
 }
 
-/// A worker serving `echo` (completes with its input), connected to every node.
+/// A worker serving `echo` (completes with its input) and `beat` (the same after a
+/// heartbeat and a progress), connected to every node.
 async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
     echo_worker(urls, 16).await
 }
@@ -83,10 +84,26 @@ async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
 async fn echo_worker(urls: &[String], concurrency: u32) -> WorkerHandle {
     let mut o = worker_options(&urls[0], "w");
     o.also = urls[1..].to_vec();
-    let w = Worker::new(o).function(
-        FunctionSpec::new("echo").concurrency(concurrency),
-        |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
-    );
+    let w = Worker::new(o)
+        .function(
+            FunctionSpec::new("echo").concurrency(concurrency),
+            |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
+        )
+        .function(
+            FunctionSpec::new("beat").concurrency(concurrency),
+            // A heartbeat and a progress before the input back; either failing
+            // fails the turn.
+            |ctx| async move {
+                match (ctx.heartbeat().await, ctx.progress(json!("half")).await) {
+                    (Ok(_), Ok(_)) => Outcome::Complete(ctx.invoke.input.clone()),
+                    (h, p) => Outcome::Fail(Failure {
+                        code: "beat".into(),
+                        message: format!("heartbeat {h:?}, progress {p:?}"),
+                        retryable: false,
+                    }),
+                }
+            },
+        );
     let h = w.spawn(tokio_util::sync::CancellationToken::new());
     h.connected().await;
     h
@@ -166,10 +183,15 @@ impl Cluster {
 
 /// One echo turn of `session` through `c`, waited for until it completed.
 async fn one_turn(c: &Caller, session: &str, input: Value) -> anyhow::Result<()> {
+    turn_of(c, session, "echo", input).await
+}
+
+/// One turn of `function` for `session` through `c`, waited for until it completed.
+async fn turn_of(c: &Caller, session: &str, function: &str, input: Value) -> anyhow::Result<()> {
     let ok = c
         .submit(SubmitArgs {
             session_id: session.into(),
-            function_id: "echo".into(),
+            function_id: function.into(),
             input,
             idempotency_key: None,
             turn_timeout_ms: None,
@@ -561,10 +583,11 @@ async fn a_paused_leader_wakes_deposed_and_gives_up() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A worker connected to every node sends each result back on the connection its
-/// invoke came on, so the partition's leader commits it without a forward over
-/// NATS: sessions led by nodes other than the worker's first URL run turns through
-/// their leaders, and no node forwards anything.
+/// A worker connected to every node sends each result, heartbeat and progress back
+/// on the connection its invoke came on, so the partition's leader serves them
+/// without a forward over NATS: sessions led by nodes other than the worker's first
+/// URL run turns that heartbeat and progress through their leaders, and no node
+/// forwards anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_goes_back_to_the_node_that_invoked_it() -> anyhow::Result<()> {
     need_nats!();
@@ -594,7 +617,7 @@ async fn a_result_goes_back_to_the_node_that_invoked_it() -> anyhow::Result<()> 
                 continue;
             }
             let c = Caller::connect(&cl.urls[li], None).await?;
-            one_turn(&c, &session, json!({ "s": s })).await?;
+            turn_of(&c, &session, "beat", json!({ "s": s })).await?;
             turns += 1;
         }
         if leaders(admin).await? != before {
@@ -606,7 +629,7 @@ async fn a_result_goes_back_to_the_node_that_invoked_it() -> anyhow::Result<()> 
             forwarded().await? - sent,
             0,
             "{turns} turns through their leaders, and a node forwarded requests \
-             (a result sent to a node that does not lead its partition)"
+             (an invocation's request sent to a node that does not lead its partition)"
         );
         return cl.stop().await;
     }

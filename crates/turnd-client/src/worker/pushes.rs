@@ -47,6 +47,7 @@ pub(super) fn on_invoke(
         invoke,
         cancel,
         shared: shared.clone(),
+        origin,
     };
     let task_shared = shared.clone();
     shared.handlers.spawn(async move {

@@ -103,12 +103,13 @@ pub(super) async fn pump_result(
     }
 }
 
-/// The connection a result goes on: the one to URL `origin`, where its invoke came
-/// from, while it lives; else any live one. On a cluster the node that pushed the
-/// invoke leads the invocation's partition, so the result is committed there
-/// without being forwarded to it over NATS (a hop of the turn's critical path);
-/// another node still takes it and forwards it.
-fn pick<'a>(
+/// The connection an invocation's requests (its result, heartbeats, progress) go
+/// on: the one to URL `origin`, where its invoke came from, while it lives (and is
+/// not in `dead`); else any live one. On a cluster the node that pushed the invoke
+/// leads the invocation's partition, so they are served there without being
+/// forwarded to it over NATS (for a result, a hop of the turn's critical path);
+/// another node still takes them and forwards them.
+pub(super) fn pick<'a>(
     links: &'a BTreeMap<usize, Link>,
     origin: usize,
     dead: &HashSet<u64>,

@@ -3,7 +3,7 @@
 //! counters, and the trackers of its tasks. Holding a result (and starting its
 //! delivery) and releasing it are the two changes of the tables outside a push.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -13,7 +13,7 @@ use tokio_util::task::TaskTracker;
 use tracing::warn;
 use turnd_proto::{Outcome, Reconciled};
 
-use super::results::pump_result;
+use super::results::{pick, pump_result};
 use super::{WorkerOptions, WorkerStats};
 use crate::connection::{lock, Connection};
 
@@ -78,8 +78,10 @@ pub(super) struct WorkerShared {
 }
 
 impl WorkerShared {
-    pub(super) fn current_connection(&self) -> Option<Connection> {
-        self.link.borrow().values().next().map(|l| l.conn.clone())
+    /// The connection to URL `origin` while it is up, else any live one (see
+    /// [`pick`]).
+    pub(super) fn connection_to(&self, origin: usize) -> Option<Connection> {
+        pick(&self.link.borrow(), origin, &HashSet::new()).map(|l| l.conn.clone())
     }
 
     /// Every URL the worker connects to.
