@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster test-cluster-long bench-cluster bench-failover
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster test-cluster-long bench-cluster bench-cluster-throughput bench-failover
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -86,6 +86,10 @@ endif
 bench-cluster: venv ## What a sequential turn costs on a 3-node cluster (3 nats-server R=3 sync always, release turnd), through the leader and forwarded; TURNS=500
 	$(CARGO) build --release -p turnd --bin turnd
 	TURND_BIN=$(CURDIR)/target/release/turnd TURNS=$(or $(TURNS),500) $(CARGO) nextest run -p turnd-tests --test cluster --run-ignored only --no-capture measure_sequential_turns
+
+bench-cluster-throughput: venv ## The 3-node cluster's throughput beside one node's (release turnd; SESSIONS=64 closed loops for SECS=10), with CPU per turn by process
+	$(CARGO) build --release -p turnd --bin turnd
+	TURND_BIN=$(CURDIR)/target/release/turnd SESSIONS=$(or $(SESSIONS),64) SECS=$(or $(SECS),10) $(CARGO) nextest run -p turnd-tests --test cluster --run-ignored only --no-capture measure_throughput
 
 test-cluster: venv ## The cluster's end-to-end tests alone: three nats-server and three turnd processes on loopback, a node behind trimmed streams copying a checkpoint, and one seeded fault schedule with the history checker (also part of test-rust); CLUSTER_SEED=n replays a seed
 	$(BUILD_DAEMON)

@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
-use turnd_client::Caller;
+use turnd_client::{Caller, WorkerHandle};
 use turnd_cluster::testing::Rig;
 use turnd_proto::{SubmitArgs, TurnStatus};
 use turnd_tests::cluster::{
-    all_led, check_clean, echo_worker_on_all, nats_list, retrying, signal, start_node, status,
-    PARTITIONS,
+    all_led, check_clean, echo_worker, echo_worker_on_all, nats_list, retrying, signal, start_node,
+    status, PARTITIONS,
 };
 use turnd_tests::BinDaemon;
 
@@ -82,6 +82,101 @@ async fn all_completed(url: &str, acked: &[(String, String)]) -> anyhow::Result<
         }
     }
     Ok(())
+}
+
+/// Three nats-server and three nodes, every partition led, and an echo worker
+/// (running up to `concurrency` invocations) connected to every node.
+struct Cluster {
+    rig: Rig,
+    _root: tempfile::TempDir,
+    nodes: Vec<BinDaemon>,
+    urls: Vec<String>,
+    worker: WorkerHandle,
+}
+
+impl Cluster {
+    async fn start(concurrency: u32) -> anyhow::Result<Cluster> {
+        let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+        let root = tempfile::tempdir()?;
+        let mut nodes = Vec::new();
+        for i in 0..3 {
+            nodes.push(node(&rig, root.path(), i).await?);
+        }
+        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+        all_led(&nodes[0].admin, &["n0", "n1", "n2"], 30).await?;
+        let worker = echo_worker(&urls, concurrency).await;
+        Ok(Cluster {
+            rig,
+            _root: root,
+            nodes,
+            urls,
+            worker,
+        })
+    }
+
+    /// The worker shut down and every node killed.
+    async fn stop(self) -> anyhow::Result<()> {
+        self.worker.shutdown();
+        for n in self.nodes {
+            n.kill().await?;
+        }
+        Ok(())
+    }
+}
+
+/// One echo turn of `session` through `c`, waited for until it completed.
+async fn one_turn(c: &Caller, session: &str, input: Value) -> anyhow::Result<()> {
+    turn_of(c, session, "echo", input).await
+}
+
+/// One turn of `function` for `session` through `c`, waited for until it completed.
+async fn turn_of(c: &Caller, session: &str, function: &str, input: Value) -> anyhow::Result<()> {
+    let ok = c
+        .submit(SubmitArgs {
+            session_id: session.into(),
+            function_id: function.into(),
+            input,
+            idempotency_key: None,
+            turn_timeout_ms: None,
+            on_busy: None,
+        })
+        .await?;
+    let done = c
+        .wait_terminal(&ok.turn.turn_id, Duration::from_secs(30))
+        .await?;
+    if done.status != TurnStatus::Completed {
+        bail!("turn {} ended {:?}", ok.turn.turn_id, done.status);
+    }
+    Ok(())
+}
+
+/// Each partition's leader and epoch as node `admin` sees them.
+async fn leaders(admin: &str) -> anyhow::Result<Vec<(String, u64)>> {
+    let st = status(admin).await?;
+    Ok(st["partitions"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .map(|p| (p["leader"].to_string(), p["epoch"].as_u64().unwrap_or(0)))
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// Partitions move to their preferred leaders once those caught up: wait (at most
+/// 20 s) until two reads half a second apart show the same leaders and epochs, and
+/// return them.
+async fn settled_leaders(admin: &str) -> anyhow::Result<Vec<(String, u64)>> {
+    let mut last = Vec::new();
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = leaders(admin).await?;
+        if now == last {
+            return Ok(now);
+        }
+        last = now;
+    }
+    bail!("the partitions' leaders did not settle: {last:?}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,72 +433,94 @@ async fn a_paused_leader_wakes_deposed_and_gives_up() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A worker connected to every node sends each result, heartbeat and progress back
+/// on the connection its invoke came on, so the partition's leader serves them
+/// without a forward over NATS: sessions led by nodes other than the worker's first
+/// URL run turns that heartbeat and progress through their leaders, and no node
+/// forwards anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_goes_back_to_the_node_that_invoked_it() -> anyhow::Result<()> {
+    need_nats!();
+    let cl = Cluster::start(16).await?;
+    let admin = &cl.nodes[0].admin;
+    let forwarded = || async {
+        let mut f = 0;
+        for n in &cl.nodes {
+            f += status(&n.admin).await?["forwarded"].as_u64().unwrap_or(0);
+        }
+        anyhow::Ok(f)
+    };
+    // A placement that moves during a round may forward a request: try again then.
+    for round in 0..5 {
+        let before = settled_leaders(admin).await?;
+        let sent = forwarded().await?;
+        let mut turns = 0;
+        for s in 0..24 {
+            let session = format!("r{round}-{s}");
+            let p = turnd_proto::session_partition(&session, PARTITIONS) as usize;
+            let li: usize = before[p]
+                .0
+                .trim_matches('"')
+                .trim_start_matches('n')
+                .parse()?;
+            if li == 0 {
+                continue;
+            }
+            let c = Caller::connect(&cl.urls[li], None).await?;
+            turn_of(&c, &session, "beat", json!({ "s": s })).await?;
+            turns += 1;
+        }
+        if leaders(admin).await? != before {
+            eprintln!("round {round}: the placement moved; again");
+            continue;
+        }
+        assert!(turns > 0, "no session of another node's partitions");
+        assert_eq!(
+            forwarded().await? - sent,
+            0,
+            "{turns} turns through their leaders, and a node forwarded requests \
+             (an invocation's request sent to a node that does not lead its partition)"
+        );
+        return cl.stop().await;
+    }
+    bail!("the placement moved in every round")
+}
+
 /// Not a check: what a sequential turn costs on the cluster (`make bench-cluster`,
-/// with `TURND_BIN` a release build). One session, one turn at a time through the
-/// node that leads its partition and through another node (forwarded), printed as
-/// p50 / p99 / max in ms; the numbers go to `docs/benchmarks.md`.
+/// with `TURND_BIN` a release build). One turn at a time of a session led by each
+/// node, through that node, and of node 0's session through node 1 (forwarded),
+/// printed as p50 / p99 / max in ms; the numbers go to `docs/benchmarks.md`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement: make bench-cluster"]
 async fn measure_sequential_turns() -> anyhow::Result<()> {
     need_nats!();
-    let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
-    let root = tempfile::tempdir()?;
-    let mut nodes = Vec::new();
-    for i in 0..3 {
-        nodes.push(node(&rig, root.path(), i).await?);
-    }
-    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-    all_led(&nodes[0].admin, &["n0", "n1", "n2"], 30).await?;
-    let worker = echo_worker_on_all(&urls).await;
-    // Partitions move to their preferred leaders once those caught up: measure
-    // after that (a few leases), and on a placement that no longer changes.
-    let mut last = String::new();
-    for _ in 0..40 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let st = status(&nodes[0].admin).await?;
-        let now: String = st["partitions"]
-            .as_array()
-            .map(|ps| ps.iter().map(|p| p["leader"].to_string()).collect())
-            .unwrap_or_default();
-        if now == last {
-            break;
+    let cl = Cluster::start(16).await?;
+    let (nodes, urls) = (&cl.nodes, &cl.urls);
+    settled_leaders(&nodes[0].admin).await?;
+    let turns = usize::try_from(env_or("TURNS", 500))?;
+    let led = leaders(&nodes[0].admin).await?;
+    // A session of a partition each node leads, measured through its leader; the
+    // worker's first URL is node 0's, so the sessions of the other two show what a
+    // worker sees of the partitions led elsewhere. Then one forwarded.
+    let mut runs = Vec::new();
+    for li in 0..3 {
+        let Some(session) = (0..1000).map(|k| format!("bench-seq-{k}")).find(|s| {
+            let p = turnd_proto::session_partition(s, PARTITIONS) as usize;
+            led[p].0.trim_matches('"') == format!("n{li}")
+        }) else {
+            continue;
+        };
+        runs.push((format!("through its leader n{li}"), session.clone(), li));
+        if li == 0 {
+            runs.push(("forwarded by n1 to n0".into(), session, 1));
         }
-        last = now;
     }
-    let turns: usize = std::env::var("TURNS")
-        .ok()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(500);
-    // The session's partition, and which node leads it.
-    let session = "bench-seq";
-    let p = turnd_proto::session_partition(session, PARTITIONS);
-    let st = status(&nodes[0].admin).await?;
-    let leader = st["partitions"][p as usize]["leader"]
-        .as_str()
-        .context("a leader")?
-        .to_string();
-    let li: usize = leader.trim_start_matches('n').parse()?;
-    for (label, url) in [("leader", &urls[li]), ("forwarded", &urls[(li + 1) % 3])] {
-        let c = Caller::connect(url, None).await?;
+    for (label, session, via) in runs {
+        let c = Caller::connect(&urls[via], None).await?;
         let mut ms = Vec::with_capacity(turns);
         for i in 0..turns {
             let t = Instant::now();
-            let ok = c
-                .submit(SubmitArgs {
-                    session_id: session.into(),
-                    function_id: "echo".into(),
-                    input: json!({ "i": i }),
-                    idempotency_key: None,
-                    turn_timeout_ms: None,
-                    on_busy: None,
-                })
-                .await?;
-            let done = c
-                .wait_terminal(&ok.turn.turn_id, Duration::from_secs(30))
-                .await?;
-            if done.status != TurnStatus::Completed {
-                bail!("turn ended {:?}", done.status);
-            }
+            one_turn(&c, &session, json!({ "i": i })).await?;
             ms.push(t.elapsed().as_secs_f64() * 1000.0);
         }
         ms.sort_by(f64::total_cmp);
@@ -415,9 +532,134 @@ async fn measure_sequential_turns() -> anyhow::Result<()> {
             ms[ms.len() - 1]
         );
     }
-    worker.shutdown();
-    for n in nodes {
-        n.kill().await?;
+    cl.stop().await
+}
+
+/// `name` from the environment, or `default`.
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A process's CPU time (user and system) in ms, from `/proc/<pid>/stat` (in
+/// USER_HZ, 100 a second); 0 for one that is gone.
+fn cpu_ms(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // The fields after the command's closing parenthesis: state is the first,
+    // utime the 12th and stime the 13th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 * 10.0
+}
+
+/// `sessions` closed loops of one echo turn at a time, each on a caller of its
+/// own connected to `urls[i % urls.len()]`, for a second of warm-up and then `secs`
+/// seconds measured: turns a second, a turn's p50 / p99, and the CPU time per turn
+/// of the turnd processes `turnd`, the nats-servers `nats` and this process (the
+/// callers and the worker), printed under `label`.
+async fn load(
+    label: &str,
+    urls: &[String],
+    turnd: &[u32],
+    nats: &[u32],
+    sessions: u64,
+    secs: u64,
+) -> anyhow::Result<()> {
+    let from = Instant::now() + Duration::from_secs(1);
+    let until = from + Duration::from_secs(secs);
+    let mut tasks = Vec::new();
+    for i in 0..sessions {
+        let url = urls[i as usize % urls.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Caller::connect(&url, None).await?;
+            let session = format!("load-{i}");
+            let mut ms = Vec::new();
+            let mut k = 0u64;
+            while Instant::now() < until {
+                let t = Instant::now();
+                one_turn(&c, &session, json!({ "k": k })).await?;
+                if t >= from && Instant::now() <= until {
+                    ms.push(t.elapsed().as_secs_f64() * 1000.0);
+                }
+                k += 1;
+            }
+            anyhow::Ok(ms)
+        }));
     }
+    let group = |pids: &[u32]| pids.iter().map(|p| cpu_ms(*p)).sum::<f64>();
+    let me = std::process::id();
+    tokio::time::sleep_until(from.into()).await;
+    let before = (group(turnd), group(nats), cpu_ms(me));
+    tokio::time::sleep_until(until.into()).await;
+    let after = (group(turnd), group(nats), cpu_ms(me));
+    let mut ms = Vec::new();
+    for t in tasks {
+        ms.extend(t.await??);
+    }
+    ms.sort_by(f64::total_cmp);
+    let n = ms.len().max(1);
+    let at = |q: f64| {
+        ms.get(((n as f64 * q) as usize).min(n - 1))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let per_turn = |a: f64, b: f64| (b - a) * 1000.0 / n as f64;
+    println!(
+        "{label}: {sessions} sessions, {} turns in {secs} s: {:.0} turns/s, p50 {:.2} ms, p99 {:.2} ms; \
+         CPU per turn: turnd {:.0} µs, nats-server {:.0} µs, callers and worker {:.0} µs",
+        ms.len(),
+        ms.len() as f64 / secs as f64,
+        at(0.5),
+        at(0.99),
+        per_turn(before.0, after.0),
+        per_turn(before.1, after.1),
+        per_turn(before.2, after.2),
+    );
     Ok(())
+}
+
+/// Not a check: the three-node cluster's throughput beside one node's on the same
+/// machine (`make bench-cluster-throughput`, with `TURND_BIN` a release build).
+/// `SESSIONS` sessions (64) in closed loops for `SECS` seconds (10): on one node
+/// (no `[cluster]`: its own commit log on the local disk) every caller on it; on
+/// the cluster the callers spread over the three nodes, so that two requests in
+/// three are forwarded to their partition's leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: make bench-cluster-throughput"]
+async fn measure_throughput() -> anyhow::Result<()> {
+    need_nats!();
+    let sessions = env_or("SESSIONS", 64);
+    let secs = env_or("SECS", 10);
+    let concurrency = u32::try_from(sessions)?;
+    if std::env::var_os("ONLY_CLUSTER").is_none() {
+        let root = tempfile::tempdir()?;
+        let d = BinDaemon::start(&root.path().join("one"), &[("TURND_LOG__LEVEL", "info")]).await?;
+        let urls = vec![d.url.clone()];
+        let worker = echo_worker(&urls, concurrency).await;
+        let pids: Vec<u32> = d.child.id().into_iter().collect();
+        load("one node", &urls, &pids, &[], sessions, secs).await?;
+        worker.shutdown();
+        d.kill().await?;
+    }
+    let cl = Cluster::start(concurrency).await?;
+    settled_leaders(&cl.nodes[0].admin).await?;
+    let pids: Vec<u32> = cl.nodes.iter().filter_map(|n| n.child.id()).collect();
+    eprintln!("turnd pids {pids:?}, nats-server pids {:?}", cl.rig.pids());
+    load(
+        "three nodes",
+        &cl.urls,
+        &pids,
+        &cl.rig.pids(),
+        sessions,
+        secs,
+    )
+    .await?;
+    cl.stop().await
 }

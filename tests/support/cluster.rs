@@ -7,9 +7,10 @@
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use serde_json::json;
 use serde_json::Value;
 use turnd_client::{Caller, ClientError, FunctionSpec, Worker, WorkerHandle};
-use turnd_proto::Outcome;
+use turnd_proto::{Failure, Outcome};
 
 use crate::{http_get, worker_options, BinDaemon};
 
@@ -64,14 +65,36 @@ pub async fn status(admin: &str) -> anyhow::Result<Value> {
     Ok(serde_json::from_str(&body)?)
 }
 
-/// A worker serving `echo` (completes with its input), connected to every node.
+/// A worker serving `echo` (completes with its input) and `beat` (the same after a
+/// heartbeat and a progress), connected to every node.
 pub async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
+    echo_worker(urls, 16).await
+}
+
+/// [`echo_worker_on_all`] running up to `concurrency` invocations at once.
+pub async fn echo_worker(urls: &[String], concurrency: u32) -> WorkerHandle {
     let mut o = worker_options(&urls[0], "w");
     o.also = urls[1..].to_vec();
-    let w = Worker::new(o).function(
-        FunctionSpec::new("echo").concurrency(16),
-        |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
-    );
+    let w = Worker::new(o)
+        .function(
+            FunctionSpec::new("echo").concurrency(concurrency),
+            |ctx| async move { Outcome::Complete(ctx.invoke.input.clone()) },
+        )
+        .function(
+            FunctionSpec::new("beat").concurrency(concurrency),
+            // A heartbeat and a progress before the input back; either failing
+            // fails the turn.
+            |ctx| async move {
+                match (ctx.heartbeat().await, ctx.progress(json!("half")).await) {
+                    (Ok(_), Ok(_)) => Outcome::Complete(ctx.invoke.input.clone()),
+                    (h, p) => Outcome::Fail(Failure {
+                        code: "beat".into(),
+                        message: format!("heartbeat {h:?}, progress {p:?}"),
+                        retryable: false,
+                    }),
+                }
+            },
+        );
     let h = w.spawn(tokio_util::sync::CancellationToken::new());
     h.connected().await;
     h

@@ -98,7 +98,7 @@ async fn connection_loop(
                         },
                     );
                 });
-                serve(&shared, &functions, &conn, pushes).await;
+                serve(&shared, &functions, index, &conn, pushes).await;
                 shared.link.send_modify(|l| {
                     l.remove(&index);
                 });
@@ -191,10 +191,13 @@ async fn connect_and_register(
     Ok((conn, pushes))
 }
 
-/// Handle pushes until the connection ends or the worker shuts down.
+/// Handle pushes until the connection ends or the worker shuts down. `index` is
+/// the connection's URL (0: `url`, then `also`): the results of the invocations it
+/// pushes go back on it.
 async fn serve(
     shared: &Arc<WorkerShared>,
     functions: &Arc<HashMap<String, Registered>>,
+    index: usize,
     conn: &Connection,
     mut pushes: mpsc::UnboundedReceiver<Push>,
 ) {
@@ -209,11 +212,11 @@ async fn serve(
             },
         };
         match push {
-            Push::Invoke(invoke) => on_invoke(shared, functions, invoke),
+            Push::Invoke(invoke) => on_invoke(shared, functions, invoke, index),
             Push::Cancel {
                 invocation_id,
                 reason,
-            } => on_cancel(shared, invocation_id, &reason),
+            } => on_cancel(shared, invocation_id, &reason, index),
             Push::Probe { invocation_id } => on_probe(shared, conn, invocation_id),
             Push::Event { watch_id, .. }
             | Push::Progress(turnd_proto::ProgressPush { watch_id, .. })

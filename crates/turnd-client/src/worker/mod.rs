@@ -120,6 +120,9 @@ pub struct InvocationCtx {
     /// convention the handler then returns [`Outcome::Cancelled`].
     pub cancel: CancellationToken,
     shared: Arc<WorkerShared>,
+    /// The index of the URL whose connection pushed the invoke: the invocation's
+    /// heartbeats and progress go there while it is up.
+    origin: usize,
 }
 
 impl std::fmt::Debug for InvocationCtx {
@@ -139,7 +142,7 @@ impl InvocationCtx {
     pub async fn heartbeat(&self) -> Result<u64, ClientError> {
         let conn = self
             .shared
-            .current_connection()
+            .connection_to(self.origin)
             .ok_or(ClientError::Closed)?;
         let args = InvocationIdArgs {
             invocation_id: self.invoke.invocation_id.clone(),
@@ -158,7 +161,7 @@ impl InvocationCtx {
     pub async fn progress(&self, data: serde_json::Value) -> Result<u64, ClientError> {
         let conn = self
             .shared
-            .current_connection()
+            .connection_to(self.origin)
             .ok_or(ClientError::Closed)?;
         let args = turnd_proto::ProgressArgs {
             invocation_id: self.invoke.invocation_id.clone(),
@@ -204,7 +207,9 @@ pub struct WorkerOptions {
     /// The URLs of a cluster's other nodes: the worker keeps a connection to each as
     /// well, with the same worker_id and instance, since each node dispatches only
     /// the turns of the partitions it leads. Its tables are one: a result is sent on
-    /// any connection (a node forwards it to the partition's leader), a probe on any
+    /// the connection its invoke came on (the partition's leader's) while that one
+    /// lives, else on any (a node forwards it to the partition's leader), and so are
+    /// an invocation's heartbeats and progress; a probe on any
     /// connection is answered from them, and each connection's `hello` lists every
     /// invocation the worker runs or holds a result of. Empty for one daemon.
     pub also: Vec<String>,

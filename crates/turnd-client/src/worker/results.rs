@@ -3,22 +3,24 @@
 //! when a probe or cancel shows the server waits for it, until the server
 //! acknowledges it or refuses it for good.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
 use tracing::{debug, error, warn};
 use turnd_proto::{Outcome, ResultArgs, ResultOk};
 
-use super::shared::{bump, WorkerShared};
+use super::shared::{bump, Link, WorkerShared};
 use crate::error::ClientError;
 
-/// Deliver one result until the server acknowledges it (or refuses it for good).
+/// Deliver one result until the server acknowledges it (or refuses it for good),
+/// on the connection to URL `origin` while it lives (see [`pick`]).
 pub(super) async fn pump_result(
     shared: Arc<WorkerShared>,
     invocation_id: String,
     outcome: Outcome,
     resend_now: Arc<Notify>,
+    origin: usize,
 ) {
     let ack_timeout = shared.opts.result_ack_timeout;
     let args = ResultArgs {
@@ -33,7 +35,7 @@ pub(super) async fn pump_result(
         let link = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
             link = links.wait_for(|l| l.values().any(|l| !dead.contains(&l.generation))) => match link {
-                Ok(links) => match links.values().find(|l| !dead.contains(&l.generation)) {
+                Ok(links) => match pick(&links, origin, &dead) {
                     Some(link) => link.clone(),
                     None => continue,
                 },
@@ -99,4 +101,22 @@ pub(super) async fn pump_result(
             }
         }
     }
+}
+
+/// The connection an invocation's requests (its result, heartbeats, progress) go
+/// on: the one to URL `origin`, where its invoke came from, while it lives (and is
+/// not in `dead`); else any live one. On a cluster the node that pushed the invoke
+/// leads the invocation's partition, so they are served there without being
+/// forwarded to it over NATS (for a result, a hop of the turn's critical path);
+/// another node still takes them and forwards them.
+pub(super) fn pick<'a>(
+    links: &'a BTreeMap<usize, Link>,
+    origin: usize,
+    dead: &HashSet<u64>,
+) -> Option<&'a Link> {
+    let live = |l: &&Link| !dead.contains(&l.generation);
+    links
+        .get(&origin)
+        .filter(live)
+        .or_else(|| links.values().find(live))
 }

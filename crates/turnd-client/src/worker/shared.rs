@@ -3,7 +3,7 @@
 //! counters, and the trackers of its tasks. Holding a result (and starting its
 //! delivery) and releasing it are the two changes of the tables outside a push.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -13,7 +13,7 @@ use tokio_util::task::TaskTracker;
 use tracing::warn;
 use turnd_proto::{Outcome, Reconciled};
 
-use super::results::pump_result;
+use super::results::{pick, pump_result};
 use super::{WorkerOptions, WorkerStats};
 use crate::connection::{lock, Connection};
 
@@ -78,8 +78,10 @@ pub(super) struct WorkerShared {
 }
 
 impl WorkerShared {
-    pub(super) fn current_connection(&self) -> Option<Connection> {
-        self.link.borrow().values().next().map(|l| l.conn.clone())
+    /// The connection to URL `origin` while it is up, else any live one (see
+    /// [`pick`]).
+    pub(super) fn connection_to(&self, origin: usize) -> Option<Connection> {
+        pick(&self.link.borrow(), origin, &HashSet::new()).map(|l| l.conn.clone())
     }
 
     /// Every URL the worker connects to.
@@ -90,8 +92,14 @@ impl WorkerShared {
     }
 
     /// Take a result for delivery: the invocation is no longer running, its outcome is
-    /// held until acknowledged, and a pump delivers it.
-    pub(super) fn hold_result(self: &Arc<Self>, invocation_id: String, outcome: Outcome) {
+    /// held until acknowledged, and a pump delivers it, on the connection to URL
+    /// `origin` (where the invoke came from) while there is one.
+    pub(super) fn hold_result(
+        self: &Arc<Self>,
+        invocation_id: String,
+        outcome: Outcome,
+        origin: usize,
+    ) {
         let resend_now = Arc::new(Notify::new());
         {
             let mut tables = lock(&self.tables);
@@ -107,8 +115,13 @@ impl WorkerShared {
             }
         }
         let shared = self.clone();
-        self.pumps
-            .spawn(pump_result(shared, invocation_id, outcome, resend_now));
+        self.pumps.spawn(pump_result(
+            shared,
+            invocation_id,
+            outcome,
+            resend_now,
+            origin,
+        ));
     }
 
     /// Forget a held result, but only if it is still the one this pump delivers.
