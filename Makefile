@@ -89,7 +89,7 @@ bench-cluster: venv ## What a sequential turn costs on a 3-node cluster (3 nats-
 
 test-cluster: venv ## The cluster's end-to-end tests alone: three nats-server and three turnd processes on loopback (also part of test-rust)
 	$(BUILD_DAEMON)
-	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --no-fail-fast
+	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --test cluster_watch --no-fail-fast
 
 venv: $(VENV)/.ready ## The project's Python environment (target/venv) with every Python test dependency
 

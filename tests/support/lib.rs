@@ -18,6 +18,8 @@ use turnd_server::{open_store, Config, Daemon, Listeners};
 use turnd_store::faulty::{Faults, FaultyKv};
 use turnd_store::Kv;
 
+pub mod cluster;
+
 /// A config for tests: loopback port 0, a data dir, short timers.
 pub fn test_config(data_dir: &Path) -> Config {
     let mut c = Config::default();

@@ -93,6 +93,18 @@ async fn metrics(State(s): State<NodeState>) -> Response {
         "Partitions this node stopped leading",
         c.handovers.get() as i64,
     );
+    gauge(
+        &mut reg,
+        "watches",
+        "Watches this node's connections hold, each relayed from its partition's leader",
+        s.node.relays.count() as i64,
+    );
+    gauge(
+        &mut reg,
+        "watch_resumes",
+        "Tries to resume a relayed watch on its partition's next leader",
+        c.watch_resumes.get() as i64,
+    );
     let mut body = String::new();
     if let Err(e) = encode(&mut body, &reg) {
         return (

@@ -7,6 +7,8 @@
 //!   over NATS request/reply on the leader's `turnd.p.<p>.rpc`), cluster-wide reads
 //!   gathered from every partition;
 //! - [`rpc`]: the leader's side of a forwarded request;
+//! - [`relay`], [`feed`]: a watch relayed from its partition's leader to the node
+//!   its caller is connected to, resumed on the next leader when the partition moves;
 //! - [`placement`]: where each partition would rather be;
 //! - [`status`]: what a node shows of the cluster (`GET /cluster`, `/metrics`);
 //! - [`view`]: the cluster read from NATS by any machine (`turnd cluster status`).
@@ -14,7 +16,9 @@
 //! Safety rests on the log (`turnd-cluster`): a deposed leader's appends never count,
 //! so the lease and the placement only decide who tries.
 
+mod feed;
 pub mod placement;
+mod relay;
 mod route;
 mod rpc;
 mod slots;
@@ -81,6 +85,8 @@ pub struct Node {
     /// The node's loop, awaited by a drain (so that a takeover in progress ends, and
     /// is handed over, before the node stops).
     pub(crate) looping: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The watches of this node's connections, each relayed from its leader.
+    pub(crate) relays: relay::Relays,
 }
 
 impl Node {
@@ -149,6 +155,7 @@ impl Node {
             endpoints,
             counters: status::Counters::default(),
             looping: Mutex::new(None),
+            relays: relay::Relays::default(),
         });
         node.wake_engines();
         *node.looping.lock() = Some(slots::spawn(&node));
@@ -272,11 +279,9 @@ impl Node {
         }
     }
 
-    /// A connection ended: its watches on every engine end.
+    /// A connection ended: its watches end.
     pub fn connection_closed(&self, conn_id: &str) {
-        for (_, led) in self.all_led() {
-            led.engine.connection_closed(conn_id);
-        }
+        self.relays.connection_closed(conn_id);
     }
 
     /// Hand every partition over and leave the cluster: partitions are given up one

@@ -26,6 +26,8 @@ pub struct Counters {
     pub takeovers: Counter,
     /// Partitions this node stopped leading.
     pub handovers: Counter,
+    /// Tries to resume a relayed watch on its partition's next leader.
+    pub watch_resumes: Counter,
 }
 
 /// One partition as the cluster's owners bucket shows it.
@@ -61,6 +63,11 @@ pub struct ClusterStatus {
     pub forwarded: u64,
     pub takeovers: u64,
     pub handovers: u64,
+    /// Watches this node's connections hold.
+    #[serde(default)]
+    pub watches: u64,
+    #[serde(default)]
+    pub watch_resumes: u64,
 }
 
 impl Node {
@@ -100,6 +107,8 @@ impl Node {
             forwarded: self.counters.forwarded.get(),
             takeovers: self.counters.takeovers.get(),
             handovers: self.counters.handovers.get(),
+            watches: self.relays.count() as u64,
+            watch_resumes: self.counters.watch_resumes.get(),
         })
     }
 }

@@ -1,0 +1,188 @@
+//! Watches on a cluster, through the real binaries (three `nats-server`, three
+//! `turnd` on loopback, each process started here and ended by its PID): a caller
+//! on any node watches any session, relayed from its partition's leader, and the
+//! watch goes on across the leader's death with every event once, in order.
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one scenario from its setup to its last assertion"
+)]
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use turnd_client::{Caller, ClientError};
+use turnd_cluster::testing::Rig;
+use turnd_proto::{Event, SubmitArgs, TurnStatus, WatchArgs};
+use turnd_tests::cluster::{all_led, echo_worker_on_all, leader_of, signal, start_node, status};
+use turnd_tests::{all_events, eventually};
+
+/// Partitions of the test cluster.
+const PARTITIONS: u32 = 6;
+
+/// Submit `n` echo turns to `session` through `url` (each try on a new caller, with
+/// an idempotency key, while the partition has no leader) and wait until each
+/// completed.
+async fn echo_turns(url: &str, session: &str, tag: &str, n: usize) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    for i in 0..n {
+        let key = format!("{tag}-{i}");
+        let turn_id = loop {
+            let tried = async {
+                let c = Caller::connect(url, None).await?;
+                c.submit(SubmitArgs {
+                    session_id: session.to_string(),
+                    function_id: "echo".into(),
+                    input: json!({ "i": i }),
+                    idempotency_key: Some(key.clone()),
+                    turn_timeout_ms: None,
+                    on_busy: None,
+                })
+                .await
+            };
+            match tried.await {
+                Ok(ok) => break ok.turn.turn_id,
+                Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e).context(format!("submit {key}")),
+            }
+        };
+        let c = Caller::connect(url, None).await?;
+        let t = c.wait_terminal(&turn_id, Duration::from_secs(20)).await?;
+        if t.status != TurnStatus::Completed {
+            bail!("turn {turn_id} ended {:?}", t.status);
+        }
+    }
+    Ok(())
+}
+
+/// A session whose partition `leader` leads now.
+async fn session_led_by(admin: &str, leader: &str) -> anyhow::Result<String> {
+    let st = status(admin).await?;
+    (0..1000)
+        .map(|i| format!("w{i}"))
+        .find(|s| {
+            let p = turnd_proto::session_partition(s, PARTITIONS);
+            leader_of(&st, p).as_deref() == Some(leader)
+        })
+        .with_context(|| format!("no session led by {leader}: {st}"))
+}
+
+/// Read `stream` until it delivered the event `seq == last` (at most 30 s).
+async fn events_until(
+    stream: &mut turnd_client::WatchStream,
+    last: u64,
+) -> anyhow::Result<Vec<Event>> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while got.last().is_none_or(|e: &Event| e.seq < last) {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(e)) => got.push(e),
+            Ok(None) => bail!("the watch ended after {} events", got.len()),
+            Err(_) => bail!(
+                "the watch delivered up to seq {:?}, not {last}, within 30 s",
+                got.last().map(|e| e.seq)
+            ),
+        }
+    }
+    Ok(got)
+}
+
+/// A watch made on a node that does not lead its session's partition gets every
+/// event of the session, relayed; its node paused while the leader is killed and
+/// turns commit on the next leader, it resumes from the last event it delivered:
+/// the events it delivers are exactly the session's, each once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_on_any_node_sees_every_event_once_across_a_killed_leader() -> anyhow::Result<()> {
+    turnd_tests::need_nats!();
+    let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+    let root = tempfile::tempdir()?;
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        nodes.push(start_node(&rig, root.path(), i, PARTITIONS, &[]).await?);
+    }
+    let pids: Vec<u32> = nodes.iter().filter_map(|n| n.child.id()).collect();
+    eprintln!("nats-server pids {:?}, turnd pids {pids:?}", rig.pids());
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    let admin = nodes[2].admin.clone();
+    all_led(&admin, PARTITIONS, &["n0", "n1", "n2"], 30).await?;
+    // The worker's first node is the one that lives through the test unpaused.
+    let worker = echo_worker_on_all(&[urls[2].clone(), urls[0].clone(), urls[1].clone()]).await;
+    // Let the placement settle on n0 leading something.
+    let session = {
+        let mut found = None;
+        for _ in 0..100 {
+            if let Ok(s) = session_led_by(&admin, "n0").await {
+                found = Some(s);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        found.context("n0 leads no partition")?
+    };
+    let watcher = Caller::connect(&urls[1], None).await?;
+    let mut stream = watcher
+        .watch(WatchArgs {
+            session_id: Some(session.clone()),
+            turn_id: None,
+            after: None,
+            progress: false,
+        })
+        .await?;
+    echo_turns(&urls[2], &session, "a", 4).await?;
+
+    // The watcher's node stops reading; the leader dies; turns commit on the next
+    // leader (n2) while the watch is not there to see them.
+    signal(pids[1], "STOP")?;
+    let n0 = nodes.remove(0);
+    n0.kill().await?;
+    let killed = std::time::Instant::now();
+    let p = turnd_proto::session_partition(&session, PARTITIONS);
+    eventually(30, "n2 leads the session's partition", || async {
+        let st = status(&admin).await.ok()?;
+        (leader_of(&st, p).as_deref() == Some("n2")).then_some(())
+    })
+    .await?;
+    eprintln!(
+        "partition {p} led by n2 {:?} after the kill",
+        killed.elapsed()
+    );
+    echo_turns(&urls[2], &session, "b", 4).await?;
+    signal(pids[1], "CONT")?;
+    eprintln!("n1 woke {:?} after the kill", killed.elapsed());
+    all_led(&admin, PARTITIONS, &["n1", "n2"], 30).await?;
+    echo_turns(&urls[2], &session, "c", 4).await?;
+
+    let reader = Caller::connect(&urls[2], None).await?;
+    let stored = all_events(&reader, &session).await?;
+    let last = stored.last().map(|e| e.seq).context("no events stored")?;
+    let got = events_until(&mut stream, last).await?;
+    let seqs = |v: &[Event]| v.iter().map(|e| e.seq).collect::<Vec<_>>();
+    assert_eq!(
+        seqs(&got),
+        seqs(&stored),
+        "the watch's events are the session's, each once, in order"
+    );
+    assert_eq!(got, stored, "and the same events");
+    let st = status(&nodes[0].admin).await?;
+    eprintln!(
+        "n1: {} watch(es), {} resume(s)",
+        st["watches"], st["watch_resumes"]
+    );
+    assert!(st["watch_resumes"].as_u64().is_some_and(|n| n >= 1), "{st}");
+
+    // `unwatch` ends it on the node that relays it.
+    watcher.unwatch(&stream.watch_id).await?;
+    let again = watcher.unwatch(&stream.watch_id).await;
+    assert!(
+        matches!(&again, Err(ClientError::Protocol(e)) if e.code == turnd_proto::ErrorCode::NotFound),
+        "{again:?}"
+    );
+    worker.shutdown();
+    for n in nodes {
+        n.kill().await?;
+    }
+    Ok(())
+}
