@@ -108,8 +108,7 @@ async fn a_watch_on_any_node_sees_every_event_once_across_a_killed_leader() -> a
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
     let admin = nodes[2].admin.clone();
     all_led(&admin, PARTITIONS, &["n0", "n1", "n2"], 30).await?;
-    // The worker's first node is the one that lives through the test unpaused.
-    let worker = echo_worker_on_all(&[urls[2].clone(), urls[0].clone(), urls[1].clone()]).await;
+    let worker = echo_worker_on_all(&urls).await;
     // Let the placement settle on n0 leading something.
     let session = {
         let mut found = None;

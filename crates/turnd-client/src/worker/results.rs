@@ -1,16 +1,18 @@
-//! The delivery of one result: sent on the current connection, resent after the
+//! The delivery of one result: sent on its home's connection while that is up (else
+//! on any live one; a result a daemon other than its home does not know waits for
+//! the home's next connection), resent after the
 //! acknowledgement timeout, after a retryable error, after a reconnect, or at once
 //! when a probe or cancel shows the server waits for it, until the server
 //! acknowledges it or refuses it for good.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tracing::{debug, error, warn};
-use turnd_proto::{Outcome, ResultArgs, ResultOk};
+use turnd_proto::{Accepted, Outcome, ResultArgs, ResultOk};
 
-use super::shared::{bump, WorkerShared};
+use super::shared::{bump, Link, WorkerShared};
 use crate::error::ClientError;
 
 /// Deliver one result until the server acknowledges it (or refuses it for good).
@@ -30,15 +32,8 @@ pub(super) async fn pump_result(
     let mut dead: HashSet<u64> = HashSet::new();
     let mut first = true;
     loop {
-        let link = tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            link = links.wait_for(|l| l.values().any(|l| !dead.contains(&l.generation))) => match link {
-                Ok(links) => match links.values().find(|l| !dead.contains(&l.generation)) {
-                    Some(link) => link.clone(),
-                    None => continue,
-                },
-                Err(_) => return,
-            },
+        let Some(link) = next_link(&shared, &mut links, &dead, &invocation_id).await else {
+            return;
         };
         if first {
             bump(&shared.counters.results_sent);
@@ -55,6 +50,15 @@ pub(super) async fn pump_result(
             answer = tokio::time::timeout(ack_timeout, link.conn.call::<_, ResultOk>("invocation.result", &args)) => answer,
         };
         match answer {
+            Ok(Ok(ok))
+                if ok.accepted == Accepted::Unknown
+                    && shared.home(&invocation_id).is_some_and(|h| h != link.index) =>
+            {
+                // Not a node of one cluster with the daemon that dispatched it (that
+                // one would have forwarded it): wait for that daemon's connection.
+                debug!(%invocation_id, index = link.index, "result unknown away from its home; waiting for it");
+                dead.insert(link.generation);
+            }
             Ok(Ok(ok)) => {
                 bump(&shared.counters.results_acked);
                 debug!(%invocation_id, accepted = ?ok.accepted, "result acknowledged");
@@ -97,6 +101,25 @@ pub(super) async fn pump_result(
             Err(_elapsed) => {
                 debug!(%invocation_id, "no acknowledgement within {ack_timeout:?}; resending");
             }
+        }
+    }
+}
+
+/// The connection to send a result on next: its home's while that is up, else any
+/// live one, none of the `dead`; `None` when the worker stops.
+async fn next_link(
+    shared: &WorkerShared,
+    links: &mut watch::Receiver<BTreeMap<usize, Link>>,
+    dead: &HashSet<u64>,
+    invocation_id: &str,
+) -> Option<Link> {
+    loop {
+        let live = tokio::select! {
+            _ = shared.shutdown.cancelled() => return None,
+            live = links.wait_for(|l| l.values().any(|l| !dead.contains(&l.generation))) => live.ok()?,
+        };
+        if let Some(link) = shared.pick(&live, shared.home(invocation_id), dead) {
+            return Some(link);
         }
     }
 }

@@ -1,9 +1,10 @@
 //! What a running worker's tasks share: the invocations still running and the
-//! results not yet acknowledged, the connection it currently serves on, its
+//! results not yet acknowledged, each one's home (the connection its requests go
+//! on while that is up), the connections it serves on, its
 //! counters, and the trackers of its tasks. Holding a result (and starting its
 //! delivery) and releasing it are the two changes of the tables outside a push.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -43,6 +44,9 @@ pub(super) struct Tables {
     pub(super) running: HashMap<String, CancellationToken>,
     /// Results not yet acknowledged.
     pub(super) unacked: HashMap<String, Unacked>,
+    /// Each running or held invocation's home: the index of the URL whose daemon
+    /// last pushed about it (the one that waits for it).
+    pub(super) homes: HashMap<String, usize>,
 }
 /// Failed connection attempts since the last successful one.
 #[derive(Default)]
@@ -55,6 +59,8 @@ pub(super) struct Attempts {
 /// generation is unique among all the worker's connections.
 #[derive(Clone)]
 pub(super) struct Link {
+    /// The index of its URL (0: `url`, then `also`).
+    pub(super) index: usize,
     pub(super) generation: u64,
     pub(super) conn: Connection,
 }
@@ -78,8 +84,41 @@ pub(super) struct WorkerShared {
 }
 
 impl WorkerShared {
-    pub(super) fn current_connection(&self) -> Option<Connection> {
-        self.link.borrow().values().next().map(|l| l.conn.clone())
+    /// The connection an invocation's requests go on now: its home's while that is
+    /// up, else any live one; and whether it is its home's (or it has none).
+    pub(super) fn connection_for(&self, invocation_id: &str) -> Option<(Connection, bool)> {
+        let home = self.home(invocation_id);
+        self.pick(&self.link.borrow(), home, &HashSet::new())
+            .map(|l| (l.conn, home.is_none_or(|h| h == l.index)))
+    }
+
+    /// `home`'s link when it is up, else any live one; none whose generation is in
+    /// `skip`.
+    pub(super) fn pick(
+        &self,
+        links: &BTreeMap<usize, Link>,
+        home: Option<usize>,
+        skip: &HashSet<u64>,
+    ) -> Option<Link> {
+        let ok = |l: &&Link| !skip.contains(&l.generation);
+        home.and_then(|h| links.get(&h).filter(ok))
+            .or_else(|| links.values().find(ok))
+            .cloned()
+    }
+
+    /// The index of the URL whose daemon last pushed about `invocation_id`.
+    pub(super) fn home(&self, invocation_id: &str) -> Option<usize> {
+        lock(&self.tables).homes.get(invocation_id).copied()
+    }
+
+    /// The daemon at URL `index` pushed about `invocation_id`: that is where its
+    /// requests go from now on, while the worker runs it or holds its result.
+    pub(super) fn note_home(&self, invocation_id: &str, index: usize) {
+        let mut tables = lock(&self.tables);
+        if tables.running.contains_key(invocation_id) || tables.unacked.contains_key(invocation_id)
+        {
+            tables.homes.insert(invocation_id.to_string(), index);
+        }
     }
 
     /// Every URL the worker connects to.
@@ -117,6 +156,9 @@ impl WorkerShared {
         if let Some(held) = tables.unacked.get(invocation_id) {
             if Arc::ptr_eq(&held.resend_now, resend_now) {
                 tables.unacked.remove(invocation_id);
+                if !tables.running.contains_key(invocation_id) {
+                    tables.homes.remove(invocation_id);
+                }
             }
         }
     }
