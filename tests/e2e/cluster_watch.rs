@@ -93,7 +93,8 @@ async fn events_until(
 /// A watch made on a node that does not lead its session's partition gets every
 /// event of the session, relayed; its node paused while the leader is killed and
 /// turns commit on the next leader, it resumes from the last event it delivered:
-/// the events it delivers are exactly the session's, each once, in order.
+/// the events it delivers are exactly the session's, each once, in order. A watch
+/// made while the partition has no leader waits for the next one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_on_any_node_sees_every_event_once_across_a_killed_leader() -> anyhow::Result<()> {
     turnd_tests::need_nats!();
@@ -138,6 +139,21 @@ async fn a_watch_on_any_node_sees_every_event_once_across_a_killed_leader() -> a
     let n0 = nodes.remove(0);
     n0.kill().await?;
     let killed = std::time::Instant::now();
+    // A watch made while nobody leads the partition yet (n0's lease still runs)
+    // waits for the next leader rather than being refused.
+    let second = Caller::connect(&urls[2], None).await?;
+    let mut replayed = second
+        .watch(WatchArgs {
+            session_id: Some(session.clone()),
+            turn_id: None,
+            after: Some(0),
+            progress: false,
+        })
+        .await?;
+    eprintln!(
+        "a watch made at the kill answered {:?} after it",
+        killed.elapsed()
+    );
     let p = turnd_proto::session_partition(&session, PARTITIONS);
     eventually(30, "n2 leads the session's partition", || async {
         let st = status(&admin).await.ok()?;
@@ -165,6 +181,12 @@ async fn a_watch_on_any_node_sees_every_event_once_across_a_killed_leader() -> a
         "the watch's events are the session's, each once, in order"
     );
     assert_eq!(got, stored, "and the same events");
+    let again = events_until(&mut replayed, last).await?;
+    assert_eq!(
+        seqs(&again),
+        seqs(&stored),
+        "a watch from the start made during the takeover"
+    );
     let st = status(&nodes[0].admin).await?;
     eprintln!(
         "n1: {} watch(es), {} resume(s)",

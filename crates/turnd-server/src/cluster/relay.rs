@@ -36,6 +36,10 @@ use crate::router::{self, decode, Answer, Origin};
 /// How long a relayed watch tries to resume on its partition's next leader.
 pub(super) const RESUME_FOR: Duration = Duration::from_secs(30);
 
+/// How long a new watch waits for its partition to have a leader (a takeover in
+/// progress) before it is refused `unavailable`.
+const OPEN_FOR: Duration = Duration::from_secs(10);
+
 /// The longest a leader takes to answer a watch (its first page read).
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -151,7 +155,8 @@ impl Node {
             }
             .into());
         };
-        let feed = match self.open_feed(p, caller, &args).await {
+        let until = tokio::time::Instant::now() + OPEN_FOR;
+        let feed = match self.open_until(p, caller, &args, until, &token).await {
             Ok(f) => f,
             Err(e) => {
                 self.relays.take(&conn, &watch_id);
@@ -183,6 +188,35 @@ impl Node {
             self.relays.take(&conn, &relay.watch_id);
         }
         Ok(Answer::Queued)
+    }
+
+    /// [`Node::open_feed`], again while nobody leads the partition (a takeover in
+    /// progress), every 20 ms doubling to 500 ms, until `until` or `stop`.
+    async fn open_until(
+        &self,
+        p: u32,
+        caller: &Caller,
+        args: &WatchArgs,
+        until: tokio::time::Instant,
+        stop: &CancellationToken,
+    ) -> Result<Feed, ErrorBody> {
+        let mut pause = Duration::from_millis(20);
+        loop {
+            match self.open_feed(p, caller, args).await {
+                Err(e) if e.code == ErrorCode::Unavailable || e.in_doubt => {
+                    if tokio::time::Instant::now() + pause > until {
+                        return Err(e);
+                    }
+                    tracing::debug!(partition = p, "cluster: open a watch: {}", e.message);
+                }
+                done => return done,
+            }
+            tokio::select! {
+                () = stop.cancelled() => return Err(ErrorBody::new(ErrorCode::Unavailable, "the watch ended")),
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
     }
 
     /// Ask partition `p`'s leader for a feed of `args`.
@@ -260,36 +294,25 @@ impl Relay {
     /// A new feed from the last event delivered, from the partition's leader now;
     /// none when the watch stopped or no leader answered within [`RESUME_FOR`].
     async fn resume(&mut self) -> Option<Feed> {
-        let deadline = tokio::time::Instant::now() + RESUME_FOR;
-        let mut pause = Duration::from_millis(20);
         self.args.after = Some(self.cursor);
-        loop {
-            let node = self.node.upgrade()?;
-            node.counters.watch_resumes.inc();
-            match node.open_feed(self.p, &self.caller, &self.args).await {
-                Ok(f) => return Some(f),
-                Err(e) if e.code == ErrorCode::Unavailable || e.in_doubt => {
-                    tracing::debug!(partition = self.p, "cluster: resume a watch: {}", e.message);
-                }
-                Err(e) => {
+        let node = self.node.upgrade()?;
+        node.counters.watch_resumes.inc();
+        let until = tokio::time::Instant::now() + RESUME_FOR;
+        let opened = node
+            .open_until(self.p, &self.caller, &self.args, until, &self.token)
+            .await;
+        match opened {
+            Ok(f) => Some(f),
+            Err(e) => {
+                if !self.token.is_cancelled() {
                     tracing::warn!(
                         partition = self.p,
                         "cluster: a watch cannot resume: {}",
                         e.message
                     );
-                    return None;
                 }
+                None
             }
-            drop(node);
-            if tokio::time::Instant::now() + pause > deadline {
-                return None;
-            }
-            tokio::select! {
-                () = self.token.cancelled() => return None,
-                () = self.outbox.closed() => return None,
-                () = tokio::time::sleep(pause) => {}
-            }
-            pause = (pause * 2).min(Duration::from_millis(500));
         }
     }
 
