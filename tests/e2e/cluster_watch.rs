@@ -11,10 +11,12 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use futures_util::StreamExt;
 use serde_json::json;
-use turnd_client::{Caller, ClientError};
+use tokio_tungstenite::tungstenite::Message;
+use turnd_client::{Caller, ClientError, FunctionSpec, Worker};
 use turnd_cluster::testing::Rig;
-use turnd_proto::{Event, SubmitArgs, TurnStatus, WatchArgs};
+use turnd_proto::{Event, Failure, Outcome, SubmitArgs, TurnStatus, WatchArgs};
 use turnd_tests::cluster::{all_led, echo_worker_on_all, leader_of, signal, start_node, status};
 use turnd_tests::{all_events, eventually};
 
@@ -25,6 +27,17 @@ const PARTITIONS: u32 = 6;
 /// an idempotency key, while the partition has no leader) and wait until each
 /// completed.
 async fn echo_turns(url: &str, session: &str, tag: &str, n: usize) -> anyhow::Result<()> {
+    run_turns(url, session, ("echo", TurnStatus::Completed), tag, n).await
+}
+
+/// Submit `n` turns of `function` as [`echo_turns`] does; each must end `status`.
+async fn run_turns(
+    url: &str,
+    session: &str,
+    (function, status): (&str, TurnStatus),
+    tag: &str,
+    n: usize,
+) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     for i in 0..n {
         let key = format!("{tag}-{i}");
@@ -33,7 +46,7 @@ async fn echo_turns(url: &str, session: &str, tag: &str, n: usize) -> anyhow::Re
                 let c = Caller::connect(url, None).await?;
                 c.submit(SubmitArgs {
                     session_id: session.to_string(),
-                    function_id: "echo".into(),
+                    function_id: function.into(),
                     input: json!({ "i": i }),
                     idempotency_key: Some(key.clone()),
                     turn_timeout_ms: None,
@@ -49,9 +62,20 @@ async fn echo_turns(url: &str, session: &str, tag: &str, n: usize) -> anyhow::Re
                 Err(e) => return Err(e).context(format!("submit {key}")),
             }
         };
-        let c = Caller::connect(url, None).await?;
-        let t = c.wait_terminal(&turn_id, Duration::from_secs(20)).await?;
-        if t.status != TurnStatus::Completed {
+        let t = loop {
+            let waited = async {
+                let c = Caller::connect(url, None).await?;
+                c.wait_terminal(&turn_id, Duration::from_secs(20)).await
+            };
+            match waited.await {
+                Ok(t) => break t,
+                Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e).context(format!("wait for {turn_id}")),
+            }
+        };
+        if t.status != status {
             bail!("turn {turn_id} ended {:?}", t.status);
         }
     }
@@ -68,6 +92,24 @@ async fn session_led_by(admin: &str, leader: &str) -> anyhow::Result<String> {
             leader_of(&st, p).as_deref() == Some(leader)
         })
         .with_context(|| format!("no session led by {leader}: {st}"))
+}
+
+/// Wait until the placement stops moving partitions (they go to their preferred
+/// leaders once those caught up): the same leaders twice, half a second apart.
+async fn settled(admin: &str) -> anyhow::Result<()> {
+    let mut last = String::new();
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let st = status(admin).await?;
+        let now: String = (0..PARTITIONS)
+            .map(|p| format!("{:?},", leader_of(&st, p)))
+            .collect();
+        if now == last {
+            return Ok(());
+        }
+        last = now;
+    }
+    bail!("the placement did not settle within 20 s")
 }
 
 /// Read `stream` until it delivered the event `seq == last` (at most 30 s).
@@ -201,6 +243,111 @@ async fn a_watch_on_any_node_sees_every_event_once_across_a_killed_leader() -> a
         matches!(&again, Err(ClientError::Protocol(e)) if e.code == turnd_proto::ErrorCode::NotFound),
         "{again:?}"
     );
+    worker.shutdown();
+    for n in nodes {
+        n.kill().await?;
+    }
+    Ok(())
+}
+
+/// A relayed watcher that stops reading holds bounded buffers: the leader's queue
+/// for it (`server.outbox_frames`, 16 here) overflows and its feed ends; read
+/// again, the watcher gets the events it was sent, from the first with no gap, and
+/// then its connection closes with 1008 as a slow reader's; the relaying node
+/// holds no watch after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_watcher_that_does_not_read_is_closed_as_a_slow_reader() -> anyhow::Result<()> {
+    turnd_tests::need_nats!();
+    let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+    let root = tempfile::tempdir()?;
+    // A small queue per connection; the peer's silence, or a writer that cannot
+    // write, would close it only after a minute or two.
+    let small = [
+        ("TURND_SERVER__OUTBOX_FRAMES", "16"),
+        ("TURND_SERVER__HEARTBEAT_MS", "20000"),
+        ("TURND_SERVER__WRITE_STALL_MS", "120000"),
+    ];
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        nodes.push(start_node(&rig, root.path(), i, PARTITIONS, &small).await?);
+    }
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    let admin = nodes[2].admin.clone();
+    all_led(&admin, PARTITIONS, &["n0", "n1", "n2"], 30).await?;
+    // Its turns fail with a 40 KB message, carried by their `failed` events.
+    let mut o = turnd_tests::worker_options(&urls[0], "w");
+    o.also = urls[1..].to_vec();
+    let worker = Worker::new(o)
+        .function(FunctionSpec::new("big").concurrency(16), |_| async move {
+            Outcome::Fail(Failure {
+                code: "big".into(),
+                message: "x".repeat(40_000),
+                retryable: false,
+            })
+        })
+        .spawn(tokio_util::sync::CancellationToken::new());
+    worker.connected().await;
+    settled(&admin).await?;
+    let session = "w0".to_string();
+    let p = turnd_proto::session_partition(&session, PARTITIONS);
+    let leads = leader_of(&status(&admin).await?, p).context("no leader")?;
+    let l: usize = leads.trim_start_matches('n').parse()?;
+    let relaying = (l + 1) % 3;
+    eprintln!("{leads} leads partition {p}; the watcher is on n{relaying}");
+    let mut slow = turnd_tests::small_buffer_peer(&urls[relaying]).await?;
+    slow.ok(
+        "hello",
+        json!({"protocol": 1, "role": "client", "token": "t"}),
+    )
+    .await?;
+    slow.ok("watch", json!({"session_id": session, "after": 0}))
+        .await?;
+    let feeds = |admin: String| async move { status(&admin).await.ok()?["feeds"].as_u64() };
+    let leader = nodes[l].admin.clone();
+    assert_eq!(feeds(leader.clone()).await, Some(1), "the leader feeds it");
+    // Far more events than the buffers between hold: 16 + 256 frames in flight + 16,
+    // and the sockets' (6 MB of `failed` events).
+    run_turns(&urls[2], &session, ("big", TurnStatus::Failed), "slow", 150).await?;
+    eventually(10, "the leader to end the overflowed feed", || {
+        let leader = leader.clone();
+        async move { (feeds(leader).await == Some(0)).then_some(()) }
+    })
+    .await?;
+    // Read again: events from the first, in order with no gap, then the close.
+    let mut seqs = Vec::new();
+    let code = loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), slow.ws.next())
+            .await
+            .context("no frame or close within 10 s")?;
+        match m {
+            Some(Ok(Message::Text(t))) => {
+                let f: serde_json::Value = serde_json::from_str(t.as_str())?;
+                if let Some(seq) = f["event"]["seq"].as_u64() {
+                    seqs.push(seq);
+                }
+            }
+            Some(Ok(Message::Close(c))) => break c.map(|c| u16::from(c.code)),
+            Some(Ok(_)) => {}
+            Some(Err(e)) => bail!("socket error instead of a close: {e}"),
+            None => break None,
+        }
+    };
+    eprintln!(
+        "the slow watcher got {} events, then close {code:?}",
+        seqs.len()
+    );
+    assert_eq!(code, Some(1008), "closed as a slow reader");
+    assert!(!seqs.is_empty());
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as u64).collect::<Vec<_>>(),
+        "no gap before the close"
+    );
+    eventually(10, "the relaying node to hold no watch", || {
+        let admin = nodes[relaying].admin.clone();
+        async move { (status(&admin).await.ok()?["watches"] == 0).then_some(()) }
+    })
+    .await?;
     worker.shutdown();
     for n in nodes {
         n.kill().await?;

@@ -101,6 +101,12 @@ async fn metrics(State(s): State<NodeState>) -> Response {
     );
     gauge(
         &mut reg,
+        "feeds",
+        "Relayed watches this node feeds as their partition's leader",
+        s.node.feeds.load(std::sync::atomic::Ordering::Relaxed) as i64,
+    );
+    gauge(
+        &mut reg,
         "watch_resumes",
         "Tries to resume a relayed watch on its partition's next leader",
         c.watch_resumes.get() as i64,

@@ -18,6 +18,8 @@
 //! when the watcher fell behind). Acks are the count of frames received, as text,
 //! or `x` to stop.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -46,7 +48,7 @@ pub(super) struct FeedOk {
 }
 
 /// How a leader runs its feeds.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct FeedCfg {
     /// Frames the feed's queue holds (`server.outbox_frames`).
     pub capacity: usize,
@@ -54,6 +56,8 @@ pub(super) struct FeedCfg {
     pub beat: Duration,
     /// The watching node silent this long: the feed ends.
     pub silence: Duration,
+    /// Feeds running on this node now.
+    pub running: Arc<AtomicU64>,
 }
 
 /// One message of a feed, as the watching node reads it.
@@ -161,7 +165,9 @@ struct Feed {
 impl Feed {
     /// Publish until the feed ends, then drop the watch.
     async fn run(mut self) {
+        self.cfg.running.fetch_add(1, Ordering::Relaxed);
         let (sent, end) = self.pump().await;
+        self.cfg.running.fetch_sub(1, Ordering::Relaxed);
         self.engine.connection_closed(&self.outbox.conn_id);
         if let Some(why) = end {
             self.publish(format!("e {sent} {why}")).await;

@@ -87,6 +87,8 @@ pub struct Node {
     pub(crate) looping: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The watches of this node's connections, each relayed from its leader.
     pub(crate) relays: relay::Relays,
+    /// The feeds this node runs as a leader, for watches of any node.
+    pub(crate) feeds: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Node {
@@ -156,6 +158,7 @@ impl Node {
             counters: status::Counters::default(),
             looping: Mutex::new(None),
             relays: relay::Relays::default(),
+            feeds: Arc::default(),
         });
         node.wake_engines();
         *node.looping.lock() = Some(slots::spawn(&node));

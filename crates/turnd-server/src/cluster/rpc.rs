@@ -60,6 +60,7 @@ pub(super) async fn serve(
         capacity: usize::try_from(node.cfg.server.outbox_frames).unwrap_or(usize::MAX),
         beat: lease / 3,
         silence: lease * 3,
+        running: node.feeds.clone(),
     };
     let mut sub = client
         .queue_subscribe(subject(p, &node.id), format!("turnd-p{p}"))
@@ -70,7 +71,7 @@ pub(super) async fn serve(
             let Some(reply_to) = msg.reply.clone() else {
                 continue;
             };
-            let (client, engine) = (client.clone(), engine.clone());
+            let (client, engine, cfg) = (client.clone(), engine.clone(), cfg.clone());
             tokio::spawn(async move {
                 let reply = answer(&client, &engine, &msg.payload, cfg).await;
                 match serde_json::to_vec(&reply) {

@@ -68,6 +68,9 @@ pub struct ClusterStatus {
     pub watches: u64,
     #[serde(default)]
     pub watch_resumes: u64,
+    /// Feeds this node runs as a leader, for watches of any node.
+    #[serde(default)]
+    pub feeds: u64,
 }
 
 impl Node {
@@ -109,6 +112,7 @@ impl Node {
             handovers: self.counters.handovers.get(),
             watches: self.relays.count() as u64,
             watch_resumes: self.counters.watch_resumes.get(),
+            feeds: self.feeds.load(std::sync::atomic::Ordering::Relaxed),
         })
     }
 }
