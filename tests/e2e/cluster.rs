@@ -21,17 +21,7 @@ use turnd_tests::cluster::{
     all_led, check_clean, echo_worker, echo_worker_on_all, nats_list, retrying, signal, start_node,
     status, PARTITIONS,
 };
-use turnd_tests::BinDaemon;
-
-/// Skip (loudly) when there is no nats-server to run.
-macro_rules! need_nats {
-    () => {
-        if Rig::binary().is_none() {
-            eprintln!("SKIPPED: no nats-server binary (run `make venv`, or set NATS_SERVER)");
-            return Ok(());
-        }
-    };
-}
+use turnd_tests::{need_nats, BinDaemon};
 
 /// Start node `i` of the cluster on `rig`, its data in `root/n<i>`.
 async fn node(rig: &Rig, root: &std::path::Path, i: usize) -> anyhow::Result<BinDaemon> {

@@ -14,6 +14,17 @@ use turnd_proto::{Failure, Outcome};
 
 use crate::{http_get, worker_options, BinDaemon};
 
+/// Skip a test (loudly) when there is no nats-server to run.
+#[macro_export]
+macro_rules! need_nats {
+    () => {
+        if ::turnd_cluster::testing::Rig::binary().is_none() {
+            eprintln!("SKIPPED: no nats-server binary (run `make venv`, or set NATS_SERVER)");
+            return Ok(());
+        }
+    };
+}
+
 /// Partitions of the test clusters.
 pub const PARTITIONS: u32 = 6;
 
@@ -38,10 +49,22 @@ pub async fn start_node(
     sys: &str,
     listen: &str,
 ) -> anyhow::Result<BinDaemon> {
+    start_node_with(root, i, nats, sys, listen, &[]).await
+}
+
+/// [`start_node`] with `extra` settings besides.
+pub async fn start_node_with(
+    root: &std::path::Path,
+    i: usize,
+    nats: &[String],
+    sys: &str,
+    listen: &str,
+    extra: &[(&str, &str)],
+) -> anyhow::Result<BinDaemon> {
     let nats = nats_list(nats);
     let id = format!("n{i}");
     let partitions = PARTITIONS.to_string();
-    let env = [
+    let mut env = vec![
         ("TURND_CLUSTER__NODE_ID", id.as_str()),
         ("TURND_CLUSTER__NATS", nats.as_str()),
         ("TURND_CLUSTER__NATS_SYSTEM", sys),
@@ -53,6 +76,7 @@ pub async fn start_node(
         ("TURND_CLUSTER__DRAIN_TIMEOUT_MS", "5000"),
         ("TURND_LOG__LEVEL", "info"),
     ];
+    env.extend_from_slice(extra);
     BinDaemon::start_on(&root.join(&id), listen, &env).await
 }
 
@@ -98,6 +122,16 @@ pub async fn echo_worker(urls: &[String], concurrency: u32) -> WorkerHandle {
     let h = w.spawn(tokio_util::sync::CancellationToken::new());
     h.connected().await;
     h
+}
+
+/// Partition `p`'s leader as `st` (a [`status`]) shows it.
+pub fn leader_of(st: &Value, p: u32) -> Option<String> {
+    st["partitions"]
+        .as_array()?
+        .iter()
+        .find(|x| x["partition"] == p)?["leader"]
+        .as_str()
+        .map(str::to_string)
 }
 
 /// The node leading each partition, as `st` (a [`status`]) shows it.

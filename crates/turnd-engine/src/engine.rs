@@ -253,6 +253,11 @@ impl Engine {
         }
     }
 
+    /// Whether [`Engine::shutdown`] was called.
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.shutdown.is_cancelled()
+    }
+
     /// Run `f` every `every` until shutdown (or until the engine is dropped), each run
     /// after the previous one has finished.
     fn every<F, Fut>(&self, every: Duration, f: F)

@@ -217,7 +217,9 @@ async fn watch(
 
 /// The connection a `watch` or `unwatch` needs; a request carried without one (the
 /// iii endpoint's) is refused.
-fn connection<'o, 'a>(origin: Option<&'o Origin<'a>>) -> Result<&'o Origin<'a>, ErrorBody> {
+pub(crate) fn connection<'o, 'a>(
+    origin: Option<&'o Origin<'a>>,
+) -> Result<&'o Origin<'a>, ErrorBody> {
     origin.ok_or_else(|| {
         ErrorBody::new(
             ErrorCode::BadRequest,

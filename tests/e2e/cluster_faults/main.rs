@@ -30,9 +30,9 @@ mod schedule;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use turnd_cluster::testing::Rig;
 use turnd_testkit::SplitMix64;
 use turnd_tests::cluster::{check_clean, retrying, PARTITIONS};
+use turnd_tests::need_nats;
 
 use checker::History;
 use harness::{recording_worker, Cluster};
@@ -45,16 +45,6 @@ const SESSIONS: usize = 8;
 const STREAM_MAX_BYTES: i64 = 32 << 20;
 /// The seeds of `make test-cluster` when `CLUSTER_SEED` is not set.
 const SHORT_SEEDS: [u64; 1] = [1];
-
-/// Skip (loudly) when there is no nats-server to run.
-macro_rules! need_nats {
-    () => {
-        if Rig::binary().is_none() {
-            eprintln!("SKIPPED: no nats-server binary (run `make venv`, or set NATS_SERVER)");
-            return Ok(());
-        }
-    };
-}
 
 /// Seeds from `var` (comma-separated, decimal or 0x hex), if set.
 fn seeds_from(var: &str) -> anyhow::Result<Option<Vec<u64>>> {

@@ -93,12 +93,13 @@ async fn connection_loop(
                     l.insert(
                         index,
                         Link {
+                            index,
                             generation,
                             conn: conn.clone(),
                         },
                     );
                 });
-                serve(&shared, &functions, index, &conn, pushes).await;
+                serve(&shared, &functions, (index, &conn), pushes).await;
                 shared.link.send_modify(|l| {
                     l.remove(&index);
                 });
@@ -191,14 +192,14 @@ async fn connect_and_register(
     Ok((conn, pushes))
 }
 
-/// Handle pushes until the connection ends or the worker shuts down. `index` is
-/// the connection's URL (0: `url`, then `also`): the results of the invocations it
-/// pushes go back on it.
+/// Handle the pushes of the connection to URL `index` until it ends or the worker
+/// shuts down. The daemon that pushes about an invocation is the one that waits for
+/// it (after a cluster's takeover, the partition's new leader): it becomes the
+/// invocation's home.
 async fn serve(
     shared: &Arc<WorkerShared>,
     functions: &Arc<HashMap<String, Registered>>,
-    index: usize,
-    conn: &Connection,
+    (index, conn): (usize, &Connection),
     mut pushes: mpsc::UnboundedReceiver<Push>,
 ) {
     loop {
@@ -212,12 +213,22 @@ async fn serve(
             },
         };
         match push {
-            Push::Invoke(invoke) => on_invoke(shared, functions, invoke, index),
+            Push::Invoke(invoke) => {
+                let id = invoke.invocation_id.clone();
+                on_invoke(shared, functions, invoke);
+                shared.note_home(&id, index);
+            }
             Push::Cancel {
                 invocation_id,
                 reason,
-            } => on_cancel(shared, invocation_id, &reason, index),
-            Push::Probe { invocation_id } => on_probe(shared, conn, invocation_id),
+            } => {
+                on_cancel(shared, invocation_id.clone(), &reason);
+                shared.note_home(&invocation_id, index);
+            }
+            Push::Probe { invocation_id } => {
+                shared.note_home(&invocation_id, index);
+                on_probe(shared, conn, invocation_id);
+            }
             Push::Event { watch_id, .. }
             | Push::Progress(turnd_proto::ProgressPush { watch_id, .. })
             | Push::ProgressDropped { watch_id, .. } => {

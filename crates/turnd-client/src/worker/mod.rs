@@ -120,9 +120,6 @@ pub struct InvocationCtx {
     /// convention the handler then returns [`Outcome::Cancelled`].
     pub cancel: CancellationToken,
     shared: Arc<WorkerShared>,
-    /// The index of the URL whose connection pushed the invoke: the invocation's
-    /// heartbeats and progress go there while it is up.
-    origin: usize,
 }
 
 impl std::fmt::Debug for InvocationCtx {
@@ -138,11 +135,13 @@ impl InvocationCtx {
     /// Tell the server this invocation is still working; returns the new deadline
     /// (Unix ms). On `not_found` (the invocation is no longer current) the cancel token
     /// is cancelled as well, and the error returned. [`ClientError::Closed`] when the
-    /// worker is not connected right now.
+    /// worker is not connected right now. Like the result and progress, it goes to
+    /// the invocation's home (the daemon that last pushed about it) while that
+    /// connection is up, else on any live one.
     pub async fn heartbeat(&self) -> Result<u64, ClientError> {
-        let conn = self
+        let (conn, home) = self
             .shared
-            .connection_to(self.origin)
+            .connection_for(&self.invoke.invocation_id)
             .ok_or(ClientError::Closed)?;
         let args = InvocationIdArgs {
             invocation_id: self.invoke.invocation_id.clone(),
@@ -150,7 +149,7 @@ impl InvocationCtx {
         let r = conn
             .call::<_, HeartbeatOk>("invocation.heartbeat", &args)
             .await;
-        self.cancel_if_stale(r.map(|ok| ok.deadline_ms))
+        self.cancel_if_stale(r.map(|ok| ok.deadline_ms), home)
     }
 
     /// Stream partial output of this step to the turn's watchers that asked for
@@ -159,9 +158,9 @@ impl InvocationCtx {
     /// current, or its turn is being stopped) the cancel token is cancelled as well,
     /// and the error returned.
     pub async fn progress(&self, data: serde_json::Value) -> Result<u64, ClientError> {
-        let conn = self
+        let (conn, home) = self
             .shared
-            .connection_to(self.origin)
+            .connection_for(&self.invoke.invocation_id)
             .ok_or(ClientError::Closed)?;
         let args = turnd_proto::ProgressArgs {
             invocation_id: self.invoke.invocation_id.clone(),
@@ -170,14 +169,15 @@ impl InvocationCtx {
         let r = conn
             .call::<_, turnd_proto::ProgressOk>("invocation.progress", &args)
             .await;
-        self.cancel_if_stale(r.map(|ok| ok.seq))
+        self.cancel_if_stale(r.map(|ok| ok.seq), home)
     }
 
-    /// An answer about this invocation: `not_found` means it is no longer current, so
-    /// its handler is told to stop.
-    fn cancel_if_stale<T>(&self, r: Result<T, ClientError>) -> Result<T, ClientError> {
+    /// An answer about this invocation: `not_found` from its home means it is no
+    /// longer current, so its handler is told to stop (another daemon than its home
+    /// may just not know it: one that is not a node of the same cluster).
+    fn cancel_if_stale<T>(&self, r: Result<T, ClientError>, home: bool) -> Result<T, ClientError> {
         if let Err(e) = &r {
-            if e.code() == Some(turnd_proto::ErrorCode::NotFound) {
+            if home && e.code() == Some(turnd_proto::ErrorCode::NotFound) {
                 info!(invocation_id = %self.invoke.invocation_id, "invocation no longer current; cancelling its handler");
                 self.cancel.cancel();
             }
@@ -206,12 +206,14 @@ pub struct WorkerOptions {
     pub url: String,
     /// The URLs of a cluster's other nodes: the worker keeps a connection to each as
     /// well, with the same worker_id and instance, since each node dispatches only
-    /// the turns of the partitions it leads. Its tables are one: a result is sent on
-    /// the connection its invoke came on (the partition's leader's) while that one
-    /// lives, else on any (a node forwards it to the partition's leader), and so are
-    /// an invocation's heartbeats and progress; a probe on any
+    /// the turns of the partitions it leads. Its tables are one: a probe on any
     /// connection is answered from them, and each connection's `hello` lists every
-    /// invocation the worker runs or holds a result of. Empty for one daemon.
+    /// invocation the worker runs or holds a result of. Each invocation has a home,
+    /// the connection whose daemon last pushed about it (dispatched, cancelled or
+    /// probed it): its result, heartbeats and progress go there while that
+    /// connection is up, else on any live one (a node forwards them to the
+    /// partition's leader; a result that daemon does not know waits for the home's
+    /// next connection). Empty for one daemon.
     pub also: Vec<String>,
     /// Token for role `worker`, if the daemon requires one.
     pub token: Option<String>,

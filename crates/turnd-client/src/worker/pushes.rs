@@ -15,12 +15,10 @@ use super::shared::{bump, WorkerShared};
 use super::{InvocationCtx, Registered};
 use crate::connection::{lock, Connection};
 
-/// An invoke pushed on the connection to URL `origin`: its result goes back there.
 pub(super) fn on_invoke(
     shared: &Arc<WorkerShared>,
     functions: &Arc<HashMap<String, Registered>>,
     invoke: Invoke,
-    origin: usize,
 ) {
     let invocation_id = invoke.invocation_id.clone();
     let cancel = shared.shutdown.child_token();
@@ -47,7 +45,6 @@ pub(super) fn on_invoke(
         invoke,
         cancel,
         shared: shared.clone(),
-        origin,
     };
     let task_shared = shared.clone();
     shared.handlers.spawn(async move {
@@ -76,16 +73,11 @@ pub(super) fn on_invoke(
             }
         };
         debug!(%invocation_id, outcome = outcome.kind(), "invocation finished");
-        task_shared.hold_result(invocation_id, outcome, origin);
+        task_shared.hold_result(invocation_id, outcome);
     });
 }
 
-pub(super) fn on_cancel(
-    shared: &Arc<WorkerShared>,
-    invocation_id: String,
-    reason: &str,
-    origin: usize,
-) {
+pub(super) fn on_cancel(shared: &Arc<WorkerShared>, invocation_id: String, reason: &str) {
     let known = {
         let tables = lock(&shared.tables);
         if let Some(token) = tables.running.get(&invocation_id) {
@@ -107,7 +99,6 @@ pub(super) fn on_cancel(
             Outcome::Cancelled(Cancelled {
                 message: "not running".into(),
             }),
-            origin,
         );
     }
 }

@@ -1,4 +1,6 @@
-//! The delivery of one result: sent on the current connection, resent after the
+//! The delivery of one result: sent on its home's connection while that is up (else
+//! on any live one; a result a daemon other than its home does not know waits for
+//! the home's next connection), resent after the
 //! acknowledgement timeout, after a retryable error, after a reconnect, or at once
 //! when a probe or cancel shows the server waits for it, until the server
 //! acknowledges it or refuses it for good.
@@ -6,21 +8,19 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tracing::{debug, error, warn};
-use turnd_proto::{Outcome, ResultArgs, ResultOk};
+use turnd_proto::{Accepted, Outcome, ResultArgs, ResultOk};
 
 use super::shared::{bump, Link, WorkerShared};
 use crate::error::ClientError;
 
-/// Deliver one result until the server acknowledges it (or refuses it for good),
-/// on the connection to URL `origin` while it lives (see [`pick`]).
+/// Deliver one result until the server acknowledges it (or refuses it for good).
 pub(super) async fn pump_result(
     shared: Arc<WorkerShared>,
     invocation_id: String,
     outcome: Outcome,
     resend_now: Arc<Notify>,
-    origin: usize,
 ) {
     let ack_timeout = shared.opts.result_ack_timeout;
     let args = ResultArgs {
@@ -32,15 +32,8 @@ pub(super) async fn pump_result(
     let mut dead: HashSet<u64> = HashSet::new();
     let mut first = true;
     loop {
-        let link = tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            link = links.wait_for(|l| l.values().any(|l| !dead.contains(&l.generation))) => match link {
-                Ok(links) => match pick(&links, origin, &dead) {
-                    Some(link) => link.clone(),
-                    None => continue,
-                },
-                Err(_) => return,
-            },
+        let Some(link) = next_link(&shared, &mut links, &dead, &invocation_id).await else {
+            return;
         };
         if first {
             bump(&shared.counters.results_sent);
@@ -57,6 +50,15 @@ pub(super) async fn pump_result(
             answer = tokio::time::timeout(ack_timeout, link.conn.call::<_, ResultOk>("invocation.result", &args)) => answer,
         };
         match answer {
+            Ok(Ok(ok))
+                if ok.accepted == Accepted::Unknown
+                    && shared.home(&invocation_id).is_some_and(|h| h != link.index) =>
+            {
+                // Not a node of one cluster with the daemon that dispatched it (that
+                // one would have forwarded it): wait for that daemon's connection.
+                debug!(%invocation_id, index = link.index, "result unknown away from its home; waiting for it");
+                dead.insert(link.generation);
+            }
             Ok(Ok(ok)) => {
                 bump(&shared.counters.results_acked);
                 debug!(%invocation_id, accepted = ?ok.accepted, "result acknowledged");
@@ -103,20 +105,21 @@ pub(super) async fn pump_result(
     }
 }
 
-/// The connection an invocation's requests (its result, heartbeats, progress) go
-/// on: the one to URL `origin`, where its invoke came from, while it lives (and is
-/// not in `dead`); else any live one. On a cluster the node that pushed the invoke
-/// leads the invocation's partition, so they are served there without being
-/// forwarded to it over NATS (for a result, a hop of the turn's critical path);
-/// another node still takes them and forwards them.
-pub(super) fn pick<'a>(
-    links: &'a BTreeMap<usize, Link>,
-    origin: usize,
+/// The connection to send a result on next: its home's while that is up, else any
+/// live one, none of the `dead`; `None` when the worker stops.
+async fn next_link(
+    shared: &WorkerShared,
+    links: &mut watch::Receiver<BTreeMap<usize, Link>>,
     dead: &HashSet<u64>,
-) -> Option<&'a Link> {
-    let live = |l: &&Link| !dead.contains(&l.generation);
-    links
-        .get(&origin)
-        .filter(live)
-        .or_else(|| links.values().find(live))
+    invocation_id: &str,
+) -> Option<Link> {
+    loop {
+        let live = tokio::select! {
+            _ = shared.shutdown.cancelled() => return None,
+            live = links.wait_for(|l| l.values().any(|l| !dead.contains(&l.generation))) => live.ok()?,
+        };
+        if let Some(link) = shared.pick(&live, shared.home(invocation_id), dead) {
+            return Some(link);
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! What a running worker's tasks share: the invocations still running and the
-//! results not yet acknowledged, the connection it currently serves on, its
+//! results not yet acknowledged, each one's home (the connection its requests go
+//! on while that is up), the connections it serves on, its
 //! counters, and the trackers of its tasks. Holding a result (and starting its
 //! delivery) and releasing it are the two changes of the tables outside a push.
 
@@ -13,7 +14,7 @@ use tokio_util::task::TaskTracker;
 use tracing::warn;
 use turnd_proto::{Outcome, Reconciled};
 
-use super::results::{pick, pump_result};
+use super::results::pump_result;
 use super::{WorkerOptions, WorkerStats};
 use crate::connection::{lock, Connection};
 
@@ -43,6 +44,9 @@ pub(super) struct Tables {
     pub(super) running: HashMap<String, CancellationToken>,
     /// Results not yet acknowledged.
     pub(super) unacked: HashMap<String, Unacked>,
+    /// Each running or held invocation's home: the index of the URL whose daemon
+    /// last pushed about it (the one that waits for it).
+    pub(super) homes: HashMap<String, usize>,
 }
 /// Failed connection attempts since the last successful one.
 #[derive(Default)]
@@ -55,6 +59,8 @@ pub(super) struct Attempts {
 /// generation is unique among all the worker's connections.
 #[derive(Clone)]
 pub(super) struct Link {
+    /// The index of its URL (0: `url`, then `also`).
+    pub(super) index: usize,
     pub(super) generation: u64,
     pub(super) conn: Connection,
 }
@@ -78,10 +84,41 @@ pub(super) struct WorkerShared {
 }
 
 impl WorkerShared {
-    /// The connection to URL `origin` while it is up, else any live one (see
-    /// [`pick`]).
-    pub(super) fn connection_to(&self, origin: usize) -> Option<Connection> {
-        pick(&self.link.borrow(), origin, &HashSet::new()).map(|l| l.conn.clone())
+    /// The connection an invocation's requests go on now: its home's while that is
+    /// up, else any live one; and whether it is its home's (or it has none).
+    pub(super) fn connection_for(&self, invocation_id: &str) -> Option<(Connection, bool)> {
+        let home = self.home(invocation_id);
+        self.pick(&self.link.borrow(), home, &HashSet::new())
+            .map(|l| (l.conn, home.is_none_or(|h| h == l.index)))
+    }
+
+    /// `home`'s link when it is up, else any live one; none whose generation is in
+    /// `skip`.
+    pub(super) fn pick(
+        &self,
+        links: &BTreeMap<usize, Link>,
+        home: Option<usize>,
+        skip: &HashSet<u64>,
+    ) -> Option<Link> {
+        let ok = |l: &&Link| !skip.contains(&l.generation);
+        home.and_then(|h| links.get(&h).filter(ok))
+            .or_else(|| links.values().find(ok))
+            .cloned()
+    }
+
+    /// The index of the URL whose daemon last pushed about `invocation_id`.
+    pub(super) fn home(&self, invocation_id: &str) -> Option<usize> {
+        lock(&self.tables).homes.get(invocation_id).copied()
+    }
+
+    /// The daemon at URL `index` pushed about `invocation_id`: that is where its
+    /// requests go from now on, while the worker runs it or holds its result.
+    pub(super) fn note_home(&self, invocation_id: &str, index: usize) {
+        let mut tables = lock(&self.tables);
+        if tables.running.contains_key(invocation_id) || tables.unacked.contains_key(invocation_id)
+        {
+            tables.homes.insert(invocation_id.to_string(), index);
+        }
     }
 
     /// Every URL the worker connects to.
@@ -92,14 +129,8 @@ impl WorkerShared {
     }
 
     /// Take a result for delivery: the invocation is no longer running, its outcome is
-    /// held until acknowledged, and a pump delivers it, on the connection to URL
-    /// `origin` (where the invoke came from) while there is one.
-    pub(super) fn hold_result(
-        self: &Arc<Self>,
-        invocation_id: String,
-        outcome: Outcome,
-        origin: usize,
-    ) {
+    /// held until acknowledged, and a pump delivers it.
+    pub(super) fn hold_result(self: &Arc<Self>, invocation_id: String, outcome: Outcome) {
         let resend_now = Arc::new(Notify::new());
         {
             let mut tables = lock(&self.tables);
@@ -115,13 +146,8 @@ impl WorkerShared {
             }
         }
         let shared = self.clone();
-        self.pumps.spawn(pump_result(
-            shared,
-            invocation_id,
-            outcome,
-            resend_now,
-            origin,
-        ));
+        self.pumps
+            .spawn(pump_result(shared, invocation_id, outcome, resend_now));
     }
 
     /// Forget a held result, but only if it is still the one this pump delivers.
@@ -130,6 +156,9 @@ impl WorkerShared {
         if let Some(held) = tables.unacked.get(invocation_id) {
             if Arc::ptr_eq(&held.resend_now, resend_now) {
                 tables.unacked.remove(invocation_id);
+                if !tables.running.contains_key(invocation_id) {
+                    tables.homes.remove(invocation_id);
+                }
             }
         }
     }

@@ -152,6 +152,27 @@ impl Engine {
         }
     }
 
+    /// Where a watch of `args` would start: its `after`, or else its session's last
+    /// event `seq` now. A watch given this as `after` misses nothing the watch without
+    /// it would have sent (a node of a cluster relays a watch this way, so that it can
+    /// resume it elsewhere from the last event it delivered).
+    pub async fn watch_cursor(&self, args: &WatchArgs) -> ApiResult<u64> {
+        if let Some(after) = args.after {
+            return Ok(after);
+        }
+        let session_id = match (&args.session_id, &args.turn_id) {
+            (Some(s), None) => {
+                check_id("session_id", s)?;
+                s.clone()
+            }
+            (None, Some(t)) => self.stored_turn(t)?.session_id,
+            _ => return Err(EngineError::WatchTarget),
+        };
+        let cell = self.sessions().cell(&session_id);
+        let st = self.sessions().lock(&cell).await.map_err(read_failed)?;
+        Ok(st.meta.last_event_seq)
+    }
+
     /// `unwatch`.
     pub fn unwatch(&self, conn_id: &str, watch_id: &str) -> ApiResult<()> {
         if self.inner.watches.unwatch(conn_id, watch_id) {

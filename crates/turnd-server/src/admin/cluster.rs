@@ -100,6 +100,24 @@ async fn metrics(State(s): State<NodeState>) -> Response {
     ] {
         gauge(&mut reg, name, help, counter.get() as i64);
     }
+    gauge(
+        &mut reg,
+        "watches",
+        "Watches this node's connections hold, each relayed from its partition's leader",
+        s.node.relays.count() as i64,
+    );
+    gauge(
+        &mut reg,
+        "feeds",
+        "Relayed watches this node feeds as their partition's leader",
+        s.node.feeds.load(std::sync::atomic::Ordering::Relaxed) as i64,
+    );
+    gauge(
+        &mut reg,
+        "watch_resumes",
+        "Tries to resume a relayed watch on its partition's next leader",
+        c.watch_resumes.get() as i64,
+    );
     let mut body = String::new();
     if let Err(e) = encode(&mut body, &reg) {
         return (

@@ -9,6 +9,8 @@
 //! - [`rpc`]: the leader's side of a forwarded request;
 //! - [`checkpoint`]: a partition's store copied from its leader by a node behind
 //!   its trimmed stream;
+//! - [`relay`], [`feed`]: a watch relayed from its partition's leader to the node
+//!   its caller is connected to, resumed on the next leader when the partition moves;
 //! - [`placement`]: where each partition would rather be;
 //! - [`status`]: what a node shows of the cluster (`GET /cluster`, `/metrics`);
 //! - [`view`]: the cluster read from NATS by any machine (`turnd cluster status`).
@@ -17,7 +19,9 @@
 //! so the lease and the placement only decide who tries.
 
 mod checkpoint;
+mod feed;
 pub mod placement;
+mod relay;
 mod route;
 mod rpc;
 mod slots;
@@ -90,6 +94,10 @@ pub struct Node {
     /// The node's loop, awaited by a drain (so that a takeover in progress ends, and
     /// is handed over, before the node stops).
     pub(crate) looping: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The watches of this node's connections, each relayed from its leader.
+    pub(crate) relays: relay::Relays,
+    /// The feeds this node runs as a leader, for watches of any node.
+    pub(crate) feeds: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Node {
@@ -163,6 +171,8 @@ impl Node {
             endpoints,
             counters: status::Counters::default(),
             looping: Mutex::new(None),
+            relays: relay::Relays::default(),
+            feeds: Arc::default(),
         });
         node.wake_engines();
         checkpoint::serve(&node)
@@ -289,11 +299,9 @@ impl Node {
         }
     }
 
-    /// A connection ended: its watches on every engine end.
+    /// A connection ended: its watches end.
     pub fn connection_closed(&self, conn_id: &str) {
-        for (_, led) in self.all_led() {
-            led.engine.connection_closed(conn_id);
-        }
+        self.relays.connection_closed(conn_id);
     }
 
     /// Hand every partition over and leave the cluster: partitions are given up one

@@ -8,15 +8,16 @@
 //! reply, byte for byte. Cluster-wide reads (`stats`, `sessions.list`,
 //! `store.check`) are gathered from every partition; `workers.list`,
 //! `functions.list` and `function.(un)register` are this node's registry (workers
-//! connect to every node). A watch is served by the node that leads its session's
-//! partition (elsewhere it is refused with `unavailable` naming that node).
+//! connect to every node). A watch is relayed from its partition's leader by the
+//! node the caller is connected to ([`super::relay`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::future::join_all;
 use serde::Deserialize;
-use turnd_engine::Caller;
+use turnd_engine::{Caller, EngineError};
 use turnd_proto::*;
 
 use super::rpc::{ForwardReply, Forwarded};
@@ -25,10 +26,10 @@ use crate::router::{self, decode, encode, worker_id, Answer, Origin};
 
 /// The ids a request's arguments may name.
 #[derive(Deserialize, Default)]
-struct Keys {
-    session_id: Option<String>,
-    turn_id: Option<String>,
-    invocation_id: Option<String>,
+pub(super) struct Keys {
+    pub session_id: Option<String>,
+    pub turn_id: Option<String>,
+    pub invocation_id: Option<String>,
 }
 
 /// Where an op runs.
@@ -48,12 +49,15 @@ const LEADER_POLL: Duration = Duration::from_millis(50);
 impl Node {
     /// Run an admitted op (see the module documentation).
     pub async fn run(
-        &self,
+        self: &Arc<Self>,
         caller: &Caller,
         op: Op,
         args: &str,
         origin: Option<&Origin<'_>>,
     ) -> Result<Answer, ErrorBody> {
+        if op == Op::Watch {
+            return self.watch(caller, args, origin).await;
+        }
         match self.target(op, args) {
             Target::One(p) => self.on_partition(p, caller, op, args, origin).await,
             Target::Node => self.on_node(caller, op, args, origin).await,
@@ -62,7 +66,6 @@ impl Node {
     }
 
     fn target(&self, op: Op, args: &str) -> Target {
-        let count = self.cluster.partitions;
         match op {
             Op::Stats | Op::SessionsList | Op::StoreCheck => return Target::Every,
             Op::Hello
@@ -74,17 +77,22 @@ impl Node {
             | Op::FunctionUnregister => return Target::Node,
             _ => {}
         }
-        let k: Keys = serde_json::from_str(args).unwrap_or_default();
-        let p = if let Some(s) = k.session_id {
-            Some(session_partition(&s, count))
-        } else if let Some(t) = k.turn_id {
-            turn_partition(&t)
-        } else if let Some(i) = k.invocation_id {
-            invocation_partition(&i)
+        Target::One(self.partition_of(&serde_json::from_str(args).unwrap_or_default()))
+    }
+
+    /// The partition the ids of a request name (0 when they name none).
+    pub(super) fn partition_of(&self, k: &Keys) -> u32 {
+        let count = self.cluster.partitions;
+        let p = if let Some(s) = &k.session_id {
+            Some(session_partition(s, count))
+        } else if let Some(t) = &k.turn_id {
+            turn_partition(t)
+        } else if let Some(i) = &k.invocation_id {
+            invocation_partition(i)
         } else {
             None
         };
-        Target::One(p.filter(|p| *p < count).unwrap_or(0))
+        p.filter(|p| *p < count).unwrap_or(0)
     }
 
     /// Ops of this node alone.
@@ -119,22 +127,11 @@ impl Node {
             }),
             Op::Unwatch => {
                 let a: WatchIdArgs = decode(args)?;
-                let Some(origin) = origin else {
-                    return Err(ErrorBody::new(
-                        ErrorCode::BadRequest,
-                        "unwatch needs a connection",
-                    ));
-                };
-                let mut last = None;
-                for (_, led) in self.all_led() {
-                    match led.engine.unwatch(&origin.outbox.conn_id, &a.watch_id) {
-                        Ok(()) => return Ok(Answer::Reply("{}".into())),
-                        Err(e) => last = Some(e),
-                    }
+                let origin = router::connection(origin)?;
+                if !self.relays.stop(&origin.outbox.conn_id, &a.watch_id) {
+                    return Err(EngineError::NoWatch(a.watch_id).into());
                 }
-                return Err(last.map(ErrorBody::from).unwrap_or_else(|| {
-                    ErrorBody::new(ErrorCode::NotFound, format!("no watch {}", a.watch_id))
-                }));
+                Ok("{}".to_string())
             }
             Op::Ping => Ok("{}".to_string()),
             _ => Err(ErrorBody::new(
@@ -157,15 +154,6 @@ impl Node {
         if let Some(led) = self.led(p) {
             return router::run(&led.engine, caller, op, args, origin).await;
         }
-        if op == Op::Watch {
-            return Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                format!(
-                    "this session's partition ({p}) is led by another node: watch it there \
-                     (turnd cluster status names the node)"
-                ),
-            ));
-        }
         self.forward(p, caller, op, args).await.map(Answer::Reply)
     }
 
@@ -177,13 +165,6 @@ impl Node {
         op: Op,
         args: &str,
     ) -> Result<String, ErrorBody> {
-        let body = serde_json::to_vec(&Forwarded {
-            role: caller.role,
-            worker_id: caller.worker_id.clone(),
-            op: op.name().to_string(),
-            args: args.to_string(),
-        })
-        .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode a forward: {e}")))?;
         let wait = match op {
             Op::TurnWait => serde_json::from_str::<WaitArgs>(args)
                 .ok()
@@ -192,6 +173,27 @@ impl Node {
             _ => Duration::ZERO,
         };
         self.counters.forwarded.inc();
+        let f = Forwarded {
+            role: caller.role,
+            worker_id: caller.worker_id.clone(),
+            op: op.name().to_string(),
+            args: args.to_string(),
+            relay: None,
+        };
+        self.ask_leader(p, op, &f, FORWARD_TIMEOUT + wait).await
+    }
+
+    /// Send `f` to partition `p`'s leader (once more to the lease's holder now when
+    /// the one it knew is gone) and return its answer.
+    pub(super) async fn ask_leader(
+        &self,
+        p: u32,
+        op: Op,
+        f: &Forwarded,
+        timeout: Duration,
+    ) -> Result<String, ErrorBody> {
+        let body = serde_json::to_vec(f)
+            .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode a forward: {e}")))?;
         let body = Bytes::from(body);
         // A partition between leaders (a hand-over, a drain, a takeover) is
         // waited for, up to two leases, before the request is refused: nothing has
@@ -214,7 +216,7 @@ impl Node {
             };
             let req = async_nats::Request::new()
                 .payload(body.clone())
-                .timeout(Some(FORWARD_TIMEOUT + wait));
+                .timeout(Some(timeout));
             match self
                 .nats
                 .client()

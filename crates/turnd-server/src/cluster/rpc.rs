@@ -2,15 +2,18 @@
 //! `turnd.p.<p>.rpc.<node>` (in the queue group of the partition, so that a request
 //! reaches one engine even if a node subscribed twice), runs
 //! each request through the router on its engine as the caller that sent it, and
-//! replies with the answer, a coded error, or "in doubt".
+//! replies with the answer, a coded error, or "in doubt". A relayed `watch` starts
+//! a feed ([`super::feed`]) and is answered with where it starts.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use turnd_engine::{Caller, Engine};
-use turnd_proto::{ErrorBody, ErrorCode, Role};
+use turnd_proto::{ErrorBody, ErrorCode, Op, Role};
 
+use super::feed::{self, FeedCfg, RelayTo};
 use super::Node;
 use crate::router::{self, Answer};
 
@@ -22,6 +25,9 @@ pub(super) struct Forwarded {
     pub op: String,
     /// The request's `args`, as JSON text.
     pub args: String,
+    /// A `watch`: where its frames go.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<RelayTo>,
 }
 
 /// The leader's reply.
@@ -49,6 +55,13 @@ pub(super) async fn serve(
     engine: Engine,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let client = node.nats.client().clone();
+    let lease = Duration::from_millis(node.cluster.lease_ms);
+    let cfg = FeedCfg {
+        capacity: usize::try_from(node.cfg.server.outbox_frames).unwrap_or(usize::MAX),
+        beat: lease / 3,
+        silence: lease * 3,
+        running: node.feeds.clone(),
+    };
     let mut sub = client
         .queue_subscribe(subject(p, &node.id), format!("turnd-p{p}"))
         .await
@@ -58,9 +71,9 @@ pub(super) async fn serve(
             let Some(reply_to) = msg.reply.clone() else {
                 continue;
             };
-            let (client, engine) = (client.clone(), engine.clone());
+            let (client, engine, cfg) = (client.clone(), engine.clone(), cfg.clone());
             tokio::spawn(async move {
-                let reply = answer(&engine, &msg.payload).await;
+                let reply = answer(&client, &engine, &msg.payload, cfg).await;
                 match serde_json::to_vec(&reply) {
                     Ok(body) => {
                         if let Err(e) = client.publish(reply_to, body.into()).await {
@@ -75,7 +88,12 @@ pub(super) async fn serve(
 }
 
 /// Run one forwarded request.
-async fn answer(engine: &Engine, payload: &[u8]) -> ForwardReply {
+async fn answer(
+    client: &async_nats::Client,
+    engine: &Engine,
+    payload: &[u8],
+    cfg: FeedCfg,
+) -> ForwardReply {
     let f: Forwarded = match serde_json::from_slice(payload) {
         Ok(f) => f,
         Err(e) => {
@@ -93,6 +111,15 @@ async fn answer(engine: &Engine, payload: &[u8]) -> ForwardReply {
         Ok(op) => op,
         Err(e) => return ForwardReply::Error(e),
     };
+    if let Some(to) = f.relay {
+        if op != Op::Watch {
+            return ForwardReply::Error(ErrorBody::new(
+                ErrorCode::BadRequest,
+                format!("{} cannot be relayed", op.name()),
+            ));
+        }
+        return feed::open(client, engine, &f.args, to, cfg).await;
+    }
     match router::run(engine, &caller, op, &f.args, None).await {
         Ok(Answer::Reply(text)) => ForwardReply::Ok(text),
         Ok(Answer::Queued) => ForwardReply::Error(ErrorBody::new(

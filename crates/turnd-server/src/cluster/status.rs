@@ -30,6 +30,8 @@ pub struct Counters {
     pub checkpoints_copied: Counter,
     /// Checkpoints of its partitions' stores this node put for another node.
     pub checkpoints_served: Counter,
+    /// Tries to resume a relayed watch on its partition's next leader.
+    pub watch_resumes: Counter,
 }
 
 /// One partition as the cluster's owners bucket shows it.
@@ -67,6 +69,14 @@ pub struct ClusterStatus {
     pub handovers: u64,
     pub checkpoints_copied: u64,
     pub checkpoints_served: u64,
+    /// Watches this node's connections hold.
+    #[serde(default)]
+    pub watches: u64,
+    #[serde(default)]
+    pub watch_resumes: u64,
+    /// Feeds this node runs as a leader, for watches of any node.
+    #[serde(default)]
+    pub feeds: u64,
 }
 
 impl Node {
@@ -108,6 +118,9 @@ impl Node {
             handovers: self.counters.handovers.get(),
             checkpoints_copied: self.counters.checkpoints_copied.get(),
             checkpoints_served: self.counters.checkpoints_served.get(),
+            watches: self.relays.count() as u64,
+            watch_resumes: self.counters.watch_resumes.get(),
+            feeds: self.feeds.load(std::sync::atomic::Ordering::Relaxed),
         })
     }
 }
