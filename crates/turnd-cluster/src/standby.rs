@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
 use turnd_store::log::Record;
 use turnd_store::logged::Follower;
@@ -22,6 +21,11 @@ use crate::nats::Nats;
 
 /// Most messages a standby takes before it applies them.
 const BATCH: usize = 1024;
+/// How long a standby goes on gathering messages after the first of a batch, so
+/// that a stream written a message at a time is applied, and synced, in groups
+/// rather than once a message. A standby's lag grows by at most this much; no turn
+/// waits for a standby.
+const LINGER: Duration = Duration::from_millis(10);
 /// How long a standby waits for a message before it looks at its stop signal.
 const POLL: Duration = Duration::from_millis(200);
 
@@ -172,8 +176,9 @@ impl Run {
         Ok(())
     }
 
-    /// The records of the messages ready now (waiting up to [`POLL`] for the
-    /// first), and the stream's lag after the last one read.
+    /// The records of the messages ready now or within [`LINGER`] of the first
+    /// (waiting up to [`POLL`] for the first), and the stream's lag after the last
+    /// one read.
     async fn batch(
         &self,
         msgs: &mut async_nats::jetstream::consumer::pull::Ordered,
@@ -189,19 +194,23 @@ impl Run {
             // Nothing came: the lag stays what the last message said.
             return Ok((out, lag));
         };
+        let until = tokio::time::Instant::now() + LINGER;
         for _ in 0..BATCH {
             let (seq, payload, pending) = m;
             lag = Some(pending);
             if let Step::Records(recs) = reader.push(seq, &payload)? {
                 out.extend(recs);
             }
-            if pending == 0 {
-                break;
-            }
-            match stream::next_with_pending(msgs, POLL).now_or_never() {
-                Some(Ok(Some(next))) => m = next,
-                Some(Err(e)) => return Err(e),
-                Some(Ok(None)) | None => break,
+            // What is ready now, and what comes until the batch's linger is over
+            // (a zero wait still takes a message that is already here).
+            let wait = until.saturating_duration_since(tokio::time::Instant::now());
+            let next = tokio::select! {
+                n = stream::next_with_pending(msgs, wait) => n?,
+                () = self.stop.cancelled() => None,
+            };
+            match next {
+                Some(n) => m = n,
+                None => break,
             }
         }
         Ok((out, lag))

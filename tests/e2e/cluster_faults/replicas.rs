@@ -14,8 +14,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use turnd_cluster::log::{read_valid, LogConfig};
+use turnd_cluster::log::{lsn, read_valid, seq_of, LogConfig};
 use turnd_cluster::nats::Nats;
+use turnd_cluster::LogError;
 use turnd_store::log::{CommitLog, Opened, Record};
 use turnd_store::{Kv, LoggedKv, StoreError};
 
@@ -163,11 +164,19 @@ pub async fn check_replicas(
             keep_all: true,
             ..LogConfig::new(p)
         };
-        let valid = read_valid(nats, &cfg, 0)
-            .await
-            .with_context(|| format!("read partition {p}'s stream"))?;
+        // A trimmed stream is read from its first message held: a store behind it
+        // is no replica (its node copies a checkpoint before it may lead).
+        let (valid, first_seq) = match read_valid(nats, &cfg, 0).await {
+            Err(LogError::Behind { first_seq, .. }) => (
+                read_valid(nats, &cfg, lsn(first_seq - 1, 0)).await,
+                first_seq,
+            ),
+            r => (r, 1),
+        };
+        let valid = valid.with_context(|| format!("read partition {p}'s stream"))?;
         let records = Arc::new(valid.records);
         let mut first: Option<(usize, u64, Contents)> = None;
+        let mut compared = 0;
         for (i, root) in roots.iter().enumerate() {
             let dir = root.join(format!("p{p}"));
             if !dir.exists() {
@@ -175,6 +184,14 @@ pub async fn check_replicas(
             }
             let mine = records.clone();
             let (mark, held) = tokio::task::spawn_blocking(move || contents(&dir, &mine)).await??;
+            if seq_of(mark) + 1 < first_seq {
+                eprintln!(
+                    "checker: n{i}'s store of partition {p} (applied {mark:#x}) is behind the \
+                     stream's first message {first_seq}: not a replica"
+                );
+                continue;
+            }
+            compared += 1;
             match &first {
                 None => first = Some((i, mark, held)),
                 Some((j, base_mark, base)) => {
@@ -191,6 +208,11 @@ pub async fn check_replicas(
                     }
                 }
             }
+        }
+        if compared < 2 && !records.is_empty() {
+            return Ok(Err(format!(
+                "partition {p}: {compared} store(s) hold its stream; nothing to compare"
+            )));
         }
         sizes.push(first.map_or(0, |(_, _, m)| m.len()));
     }
