@@ -90,6 +90,11 @@ const ENV: &[(&str, &str)] = &[
     ("TURND_STORAGE__CHECKPOINT_MB", "1"),
     ("TURND_STORAGE__LOG_SEGMENT_KB", "64"),
     ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
+    // Live records wait 50 ms, unfinished turns' records 300 ms: kills land while
+    // records are held out of sled past the applied mark, and the log is trimmed
+    // before the first kill all the same.
+    ("TURND_STORAGE__APPLY_DELAY_MS", "50"),
+    ("TURND_STORAGE__LIVE_HOLD_MS", "300"),
     // A new time window of finished turns every 50 ms of load.
     ("TURND_STORAGE__WINDOW_MS", "50"),
 ];
