@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::apply::{
-    applied_mark, apply_routed, apply_to_sled, drops, sync_windows, take_drop, APPLY_KEYS,
+    apply_routed, apply_to_sled, drops, recorded_marks, sync_windows, take_drop, Marks, APPLY_KEYS,
 };
-use super::overlay::{delays, OKey};
-use super::replay::coalesce;
+use super::overlay::{delays, holds, OKey};
+use super::replay::coalesce_after;
 use super::runs::{drop_applied, event_runs, forget_fresh, sled_writes, Run, Taken};
 use super::{lock_err, Ctl, Inner, LoggedOptions};
 use crate::error::{IoOp, StoreError};
@@ -49,19 +49,25 @@ fn probe_disk(dir: &Path) -> Result<(), StoreError> {
 struct Applier<'a> {
     inner: &'a Inner,
     checkpoints: Checkpoints,
-    /// Everything up to this lsn is in sled (not necessarily on disk).
+    /// Everything up to this lsn is in sled (not necessarily on disk), but for the
+    /// live records held back ([`holds`]).
     applied: u64,
-    /// The applied mark last written to the main database ([`Applier::write_mark`]).
-    marked: u64,
+    /// Everything up to this lsn is in sled, the live records held back included
+    /// ([`Marks::replay`]): before the oldest of them.
+    replay: u64,
+    /// [`LoggedOptions::live_hold`].
+    live_hold: Duration,
+    /// The marks last written to the main database ([`Applier::write_mark`]).
+    marked: Marks,
     /// When it was written.
     marked_at: Instant,
     /// Windows written since they were last synced: synced before the next mark.
     unsynced: Vec<u64>,
     /// [`LoggedOptions::mark_interval`].
     mark_interval: Duration,
-    /// The applied mark when sled's files were last synced: sled holds at least
-    /// this much whatever happens to its handle.
-    synced: u64,
+    /// The marks when sled's files were last synced: sled holds at least this much
+    /// whatever happens to its handle.
+    synced: Marks,
     /// When sled was last opened again after failing (see [`Applier::repair`]).
     last_repair: Option<Instant>,
     heal_interval: Duration,
@@ -89,6 +95,9 @@ struct Walked {
     /// The lowest lsn of the runs that stayed in the overlay: the mark stays before
     /// it (see `runs`).
     kept: Option<u64>,
+    /// The lowest lsn of the live records held back ([`holds`]): the replay mark
+    /// stays before it.
+    held: Option<u64>,
 }
 
 impl Applier<'_> {
@@ -105,15 +114,23 @@ impl Applier<'_> {
     ///
     /// A write of a live record ([`delays`]) is taken only once its group is
     /// `delay` old (*settled*), and the mark is then the last settled lsn: what a
-    /// start replays past it holds every write left waiting. A round that takes a
-    /// window drop takes everything (a drop's window is deleted after the round, and
-    /// a replay from before the drop would route keys to it). A delete of a key only
-    /// the overlay held ([`Pending::fresh`]) is dropped, not written.
+    /// start replays past it holds every write left waiting. A put of a live turn's
+    /// or invocation's record ([`holds`]) waits longer, `live_hold` (none when
+    /// `delay` is zero): the replay mark stays before the oldest one held, and a start
+    /// reads those back from the log. A round that takes a window drop takes
+    /// everything (a drop's window is deleted after the round, and a replay from
+    /// before the drop would route keys to it). A delete of a key only the overlay
+    /// held ([`Pending::fresh`]) is dropped, not written.
     fn apply(&mut self, delay: Duration) -> Result<(), StoreError> {
         let started = Instant::now();
-        let (committed, settled, end) = self.settle(started, delay)?;
+        let hold = if delay.is_zero() {
+            delay
+        } else {
+            self.live_hold.max(delay)
+        };
+        let (committed, (settled, held_out), end) = self.settle(started, delay, hold)?;
         self.switch_window_if_due()?;
-        if committed == self.applied {
+        if committed == self.applied && self.replay == self.applied {
             return self.mark_if_due(false);
         }
         // Drops committed since the last round, taken once this round's writes are in
@@ -121,22 +138,32 @@ impl Applier<'_> {
         // still hold then moves to the main database, where their keys go from now on.
         let pending = self.pending_drops()?;
         let dropping = !pending.is_empty();
-        let mark = if dropping {
-            committed
+        let (mark, live) = if dropping {
+            (committed, committed)
         } else {
-            settled.max(self.applied)
+            (settled.max(self.applied), held_out.max(self.replay))
         };
         let Some(end) = end else {
-            self.applied = committed;
+            (self.applied, self.replay) = (committed, committed);
             return self.mark_if_due(false);
         };
-        let walked = self.walk(&end, mark, dropping)?;
+        let walked = self.walk(
+            &end,
+            Marks {
+                applied: mark,
+                replay: live,
+            },
+            dropping,
+        )?;
         let leftovers = self.take_drops(pending)?;
         // A run that stayed has every value after `applied` (see `event_runs`).
         let mark = walked.kept.map_or(mark, |lsn| {
             mark.min(lsn.saturating_sub(1)).max(self.applied)
         });
         self.applied = mark;
+        self.replay = walked
+            .held
+            .map_or(mark, |lsn| mark.min(lsn.saturating_sub(1)));
         self.mark_if_due(dropping)?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.dropped_deletes += walked.skipped;
@@ -150,18 +177,21 @@ impl Applier<'_> {
     }
 
     /// As a round begins: the last lsn committed, the last one settled (the groups
-    /// `delay` old) and the overlay's last key, where the walk ends.
+    /// `delay` old) with the last one past the hold (`hold` old), and the overlay's
+    /// last key, where the walk ends.
+    #[allow(clippy::type_complexity)]
     fn settle(
         &self,
         now: Instant,
         delay: Duration,
-    ) -> Result<(u64, u64, Option<OKey>), StoreError> {
+        hold: Duration,
+    ) -> Result<(u64, (u64, u64), Option<OKey>), StoreError> {
         let mut o = self
             .inner
             .overlay
             .write()
             .map_err(|_| lock_err("overlay"))?;
-        let settled = o.settle(now, delay);
+        let settled = o.settle(now, delay, hold);
         Ok((o.committed, settled, o.map.keys().next_back().cloned()))
     }
 
@@ -211,15 +241,17 @@ impl Applier<'_> {
     }
 
     /// Walk the overlay up to `end` slice by slice: take each slice (the writes that
-    /// wait for their delay, past `mark`, passed over), write it to sled, and drop
-    /// from the overlay what sled now has.
-    fn walk(&mut self, end: &OKey, mark: u64, dropping: bool) -> Result<Walked, StoreError> {
+    /// wait for their delay, past `marks.applied`, and the live records held, past
+    /// `marks.replay`, passed over), write it to sled, and drop from the overlay what
+    /// sled now has.
+    fn walk(&mut self, end: &OKey, marks: Marks, dropping: bool) -> Result<Walked, StoreError> {
+        let mark = marks.applied;
         // After the first slice, the walk goes on past the last key taken (an
         // exclusive start: past `end` the range is empty, never reversed).
         let mut from: Bound<OKey> = Bound::Unbounded;
         let mut walked = Walked::default();
         loop {
-            let (slice, last) = self.take_slice(&from, end, mark)?;
+            let (slice, last) = self.take_slice(&from, end, marks, &mut walked.held)?;
             // No runs in a round that takes a window drop: its mark must be
             // everything committed, and a run that had to stay would hold it back.
             let runs = if dropping {
@@ -239,13 +271,15 @@ impl Applier<'_> {
     }
 
     /// A slice of up to [`APPLY_KEYS`] entries from `from` on to take (the waiting
-    /// ones passed over), each with whether it is a delete only the overlay knew
-    /// of, and the last key walked when the slice stopped before `end`.
+    /// ones passed over, the lowest lsn of the live records among them kept in
+    /// `held`), each with whether it is a delete only the overlay knew of, and the
+    /// last key walked when the slice stopped before `end`.
     fn take_slice(
         &self,
         from: &Bound<OKey>,
         end: &OKey,
-        mark: u64,
+        marks: Marks,
+        held: &mut Option<u64>,
     ) -> Result<(Vec<Taken>, Option<OKey>), StoreError> {
         let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
         let mut walked = 0usize;
@@ -256,7 +290,14 @@ impl Applier<'_> {
             Bound::Included(end.as_slice()),
         )) {
             walked += 1;
-            if p.lsn <= mark || !delays(k) {
+            let take = if !delays(k) {
+                true
+            } else if holds(k, &p.value) {
+                p.lsn <= marks.replay
+            } else {
+                p.lsn <= marks.applied
+            };
+            if take {
                 slice.push(Taken {
                     key: k.clone(),
                     lsn: p.lsn,
@@ -267,6 +308,9 @@ impl Applier<'_> {
                 });
             } else {
                 gap = true;
+                if holds(k, &p.value) {
+                    *held = Some(held.map_or(p.lsn, |h| h.min(p.lsn)));
+                }
             }
             if slice.len() == APPLY_KEYS || walked == 4 * APPLY_KEYS {
                 return Ok((slice, Some(k.clone())));
@@ -331,8 +375,9 @@ impl Applier<'_> {
                 .write()
                 .map_err(|_| lock_err("overlay"))?;
             let held = self.inner.held_sessions();
-            let (stayed, freed) = drop_applied(&mut o.map, slice, runs, &held);
+            let (stayed, freed, unheld) = drop_applied(&mut o.map, slice, runs, &held);
             o.bytes = o.bytes.saturating_sub(freed);
+            o.held = o.held.saturating_sub(unheld);
             if let Some(lsn) = stayed {
                 walked.kept = Some(walked.kept.map_or(lsn, |k: u64| k.min(lsn)));
             }
@@ -382,13 +427,17 @@ impl Applier<'_> {
     /// what sled already held leaves the same state.
     fn write_mark(&mut self) -> Result<(), StoreError> {
         self.marked_at = Instant::now();
-        if self.marked == self.applied {
+        let marks = Marks {
+            applied: self.applied,
+            replay: self.replay,
+        };
+        if self.marked == marks {
             return Ok(());
         }
         sync_windows(&self.inner.windows, &self.unsynced)?;
         self.unsynced.clear();
-        apply_to_sled(&self.inner.sled, std::iter::empty(), Some(self.applied))?;
-        self.marked = self.applied;
+        apply_to_sled(&self.inner.sled, std::iter::empty(), Some(marks))?;
+        self.marked = marks;
         Ok(())
     }
 
@@ -426,7 +475,7 @@ impl Applier<'_> {
         let sled = &self.inner.sled;
         sled.with(|h| sled.sync_files(h))?;
         self.synced = self.marked;
-        let n = self.inner.log.trim(self.marked)?;
+        let n = self.inner.log.trim(self.marked.replay)?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.log_trims += n as u64;
         }
@@ -540,8 +589,8 @@ impl Applier<'_> {
             .read()
             .map_err(|_| lock_err("overlay"))?
             .committed;
-        let records = self.inner.log.read_range(self.synced, upto)?;
-        let map = coalesce(&records)?;
+        let records = self.inner.log.read_range(self.synced.replay, upto)?;
+        let map = coalesce_after(&records, self.synced.applied)?;
         self.inner
             .overlay
             .write()
@@ -552,8 +601,13 @@ impl Applier<'_> {
             w.reopen_after_failure()?;
         }
         // The next round writes the overlay, and the mark after it.
-        self.applied = self.synced.min(applied_mark(sled)?);
-        self.marked = self.applied;
+        let recorded = recorded_marks(sled)?;
+        self.applied = self.synced.applied.min(recorded.applied);
+        self.replay = self.synced.replay.min(recorded.replay);
+        self.marked = Marks {
+            applied: self.applied,
+            replay: self.replay,
+        };
         self.unsynced.clear();
         Ok(Some(records.len()))
     }
@@ -571,11 +625,13 @@ pub(super) fn applier_loop(
         inner,
         checkpoints: Checkpoints::new(&opts.sled),
         applied,
-        marked: applied,
+        replay: applied,
+        live_hold: opts.live_hold,
+        marked: Marks::at(applied),
         marked_at: Instant::now(),
         unsynced: Vec::new(),
         mark_interval: opts.mark_interval,
-        synced: applied,
+        synced: Marks::at(applied),
         last_repair: None,
         heal_interval: opts.heal_interval,
         closing: Vec::new(),

@@ -15,7 +15,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::replay::{coalesce, open_databases, replay_into};
+use super::replay::{coalesce_after, open_databases, replay_into};
 use super::LoggedOptions;
 use crate::error::StoreError;
 use crate::log::Record;
@@ -26,24 +26,30 @@ use crate::windows::store::Windows;
 pub struct Follower {
     sled: Arc<Shared>,
     windows: Windows,
-    /// The last lsn applied, durable in sled.
+    /// Everything up to this lsn is in sled, durable: its replay mark.
     applied: u64,
+    /// The applied mark of a directory a leader left with live records held past
+    /// its replay mark ([`super::apply::Marks`]): of the records up to it only those
+    /// are applied.
+    held_past: u64,
 }
 
 impl Follower {
     /// Open (or create) the store in `dir`, as [`super::LoggedKv::open`] would, with
     /// no commit log: it takes records from [`Follower::apply`].
     pub fn open(dir: &Path, opts: LoggedOptions) -> Result<Follower, StoreError> {
-        let (sled, windows, applied) = open_databases(dir, &opts)?;
+        let (sled, windows, marks) = open_databases(dir, &opts)?;
         Ok(Follower {
             sled,
             windows,
-            applied,
+            applied: marks.replay,
+            held_past: marks.applied,
         })
     }
 
     /// The last lsn applied (and durable): a log opened on this directory reads from
-    /// the record after it.
+    /// the record after it. (A directory a leader left holds everything only up to
+    /// its replay mark: that is the one given then.)
     pub fn applied(&self) -> u64 {
         self.applied
     }
@@ -57,9 +63,9 @@ impl Follower {
         let Some(last) = fresh.last().map(|r| r.lsn) else {
             return Ok(());
         };
-        let map = coalesce(fresh)?;
+        let map = coalesce_after(fresh, self.held_past)?;
         replay_into(&self.sled, &self.windows, &map, last)?;
-        self.applied = last;
+        (self.applied, self.held_past) = (last, last);
         Ok(())
     }
 
