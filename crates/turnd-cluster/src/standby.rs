@@ -21,11 +21,6 @@ use crate::nats::Nats;
 
 /// Most messages a standby takes before it applies them.
 const BATCH: usize = 1024;
-/// How long a standby goes on gathering messages after the first of a batch, so
-/// that a stream written a message at a time is applied, and synced, in groups
-/// rather than once a message. A standby's lag grows by at most this much; no turn
-/// waits for a standby.
-const LINGER: Duration = Duration::from_millis(10);
 /// How long a standby waits for a message before it looks at its stop signal.
 const POLL: Duration = Duration::from_millis(200);
 
@@ -176,7 +171,7 @@ impl Run {
         Ok(())
     }
 
-    /// The records of the messages ready now or within [`LINGER`] of the first
+    /// The records of the messages ready now or within `standby_linger` of the first
     /// (waiting up to [`POLL`] for the first), and the stream's lag after the last
     /// one read.
     async fn batch(
@@ -194,7 +189,7 @@ impl Run {
             // Nothing came: the lag stays what the last message said.
             return Ok((out, lag));
         };
-        let until = tokio::time::Instant::now() + LINGER;
+        let until = tokio::time::Instant::now() + self.cfg.standby_linger;
         for _ in 0..BATCH {
             let (seq, payload, pending) = m;
             lag = Some(pending);

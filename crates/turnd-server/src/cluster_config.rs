@@ -49,6 +49,10 @@ pub struct ClusterConfig {
     pub trim_every: u64,
     /// At most this often (ms).
     pub trim_interval_ms: u64,
+    /// How long a standby goes on gathering a partition's messages after the first
+    /// of a batch before it applies (and syncs) them as one (ms); 0 applies what
+    /// is there at once.
+    pub standby_linger_ms: u64,
     /// Run on NATS servers that cannot be shown to sync to disk before they
     /// acknowledge (older than 2.10.23, or unknown): an acknowledged turn may then be
     /// lost to a power failure of a majority of them.
@@ -70,6 +74,7 @@ impl Default for ClusterConfig {
             replica_timeout_ms: 60_000,
             trim_every: 1024,
             trim_interval_ms: 5_000,
+            standby_linger_ms: 10,
             allow_unsafe_nats: false,
         }
     }
@@ -148,6 +153,12 @@ impl ClusterConfig {
                 10,
                 86_400_000,
             ),
+            (
+                "cluster.standby_linger_ms",
+                self.standby_linger_ms,
+                0,
+                1_000,
+            ),
         ] {
             if !(lo..=hi).contains(&v) {
                 p.push(format!("{key} must be between {lo} and {hi}, not {v}"));
@@ -181,6 +192,7 @@ mod tests {
             lease_ms: 10,
             trim_every: 0,
             trim_interval_ms: 1,
+            standby_linger_ms: 5_000,
             ..ok
         };
         let p = bad.problems();
@@ -192,6 +204,7 @@ mod tests {
             "cluster.lease_ms",
             "cluster.trim_every",
             "cluster.trim_interval_ms",
+            "cluster.standby_linger_ms",
         ] {
             assert!(p.iter().any(|x| x.contains(key)), "{key} in {p:?}");
         }

@@ -46,6 +46,11 @@ pub struct LogConfig {
     pub trim_interval: Duration,
     /// A node whose mark did not move for this long is not waited for by a trim.
     pub replica_timeout: Duration,
+    /// How long a standby goes on gathering messages after the first of a batch,
+    /// so that a stream written a message at a time is applied, and synced, in
+    /// groups rather than once a message. Its lag grows by at most this much; no
+    /// turn waits for a standby.
+    pub standby_linger: Duration,
     /// Never purge the stream: every node can then open the partition from the
     /// stream's start, whatever its store holds (until a node can copy a peer's
     /// checkpoint, a node behind a trimmed stream cannot take the partition over).
@@ -67,6 +72,7 @@ impl LogConfig {
             trim_every: 1024,
             trim_interval: Duration::from_secs(5),
             replica_timeout: Duration::from_secs(60),
+            standby_linger: Duration::from_millis(10),
             keep_all: false,
         }
     }

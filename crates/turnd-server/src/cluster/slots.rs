@@ -330,6 +330,7 @@ fn log_config(node: &Node, p: u32) -> LogConfig {
         replica_timeout: Duration::from_millis(node.cluster.replica_timeout_ms),
         trim_every: node.cluster.trim_every as usize,
         trim_interval: Duration::from_millis(node.cluster.trim_interval_ms),
+        standby_linger: Duration::from_millis(node.cluster.standby_linger_ms),
         ..LogConfig::new(p)
     }
 }
