@@ -151,7 +151,13 @@ impl Node {
         args: &str,
         origin: Option<&Origin<'_>>,
     ) -> Result<Answer, ErrorBody> {
-        if let Some(led) = self.led(p) {
+        // Served here only while this node's lease runs by its own clock: past it,
+        // another node may lead already, and this engine's reads would be stale
+        // until the next round notices the loss. The lease's holder is then asked.
+        if let Some(led) = self
+            .led(p)
+            .filter(|l| l.lease.lock().runs_at(turnd_cluster::members::now_ms()))
+        {
             return router::run(&led.engine, caller, op, args, origin).await;
         }
         self.forward(p, caller, op, args).await.map(Answer::Reply)

@@ -19,6 +19,7 @@ use super::replay::{coalesce_after, open_databases, replay_into};
 use super::LoggedOptions;
 use crate::error::StoreError;
 use crate::log::Record;
+use crate::sled::open_when_unlocked;
 use crate::sled::Shared;
 use crate::windows::store::Windows;
 
@@ -38,7 +39,11 @@ impl Follower {
     /// Open (or create) the store in `dir`, as [`super::LoggedKv::open`] would, with
     /// no commit log: it takes records from [`Follower::apply`].
     pub fn open(dir: &Path, opts: LoggedOptions) -> Result<Follower, StoreError> {
-        let (sled, windows, marks) = open_databases(dir, &opts)?;
+        // A follower closed a moment ago in this process (a standby stopped and
+        // started again) may hold sled's lock a moment longer. Only here: another
+        // process's store, which closes and reopens sled at each checkpoint, must
+        // be refused at once, never waited for and entered.
+        let (sled, windows, marks) = open_when_unlocked(|| open_databases(dir, &opts))?;
         Ok(Follower {
             sled,
             windows,

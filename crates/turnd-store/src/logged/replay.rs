@@ -19,7 +19,7 @@ use super::LoggedOptions;
 use crate::error::StoreError;
 use crate::log::{CommitLog, Record};
 use crate::model::KvOp;
-use crate::sled::{open_when_unlocked, Shared, SledOptions};
+use crate::sled::{Shared, SledOptions};
 use crate::windows::store::{split_cache, Windows};
 
 /// sled's main database and the time windows, opened in `dir`, with the marks sled
@@ -29,13 +29,11 @@ pub(super) fn open_databases(
     opts: &LoggedOptions,
 ) -> Result<(Arc<Shared>, Windows, Marks), StoreError> {
     let (main_mb, hot_mb) = split_cache(opts.sled.cache_mb, &opts.windows);
-    // A store closed a moment ago in this process (a standby stopped for a
-    // takeover, a follower reopened) may hold sled's lock for a moment longer.
     let main = SledOptions {
         cache_mb: main_mb,
         ..opts.sled
     };
-    let sled = Arc::new(open_when_unlocked(|| Shared::open(dir, main))?);
+    let sled = Arc::new(Shared::open(dir, main)?);
     let marks = recorded_marks(&sled)?;
     let wins = Windows::open(
         dir,
