@@ -153,12 +153,7 @@ impl ClusterConfig {
                 10,
                 86_400_000,
             ),
-            (
-                "cluster.standby_linger_ms",
-                self.standby_linger_ms,
-                0,
-                1_000,
-            ),
+            ("cluster.standby_linger_ms", self.standby_linger_ms, 0, 1000),
         ] {
             if !(lo..=hi).contains(&v) {
                 p.push(format!("{key} must be between {lo} and {hi}, not {v}"));
