@@ -340,9 +340,6 @@ fn log_config(node: &Node, p: u32) -> LogConfig {
 pub(super) fn store_options(node: &Node) -> anyhow::Result<turnd_store::LoggedOptions> {
     let mut o = crate::store_options(&node.cfg)?;
     o.windows.window_ms = 0;
-    // A checkpoint is sled's keys at sled's applied mark: a store of a partition
-    // holds no live record back past that mark, so that a copy lacks nothing.
-    o.live_hold = std::time::Duration::ZERO;
     Ok(o)
 }
 
