@@ -90,11 +90,6 @@ const ENV: &[(&str, &str)] = &[
     ("TURND_STORAGE__CHECKPOINT_MB", "1"),
     ("TURND_STORAGE__LOG_SEGMENT_KB", "64"),
     ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
-    // Live records wait 50 ms, unfinished turns' records 300 ms: kills land while
-    // records are held out of sled past the applied mark, and the log is trimmed
-    // before the first kill all the same.
-    ("TURND_STORAGE__APPLY_DELAY_MS", "50"),
-    ("TURND_STORAGE__LIVE_HOLD_MS", "300"),
     // A new time window of finished turns every 50 ms of load.
     ("TURND_STORAGE__WINDOW_MS", "50"),
 ];
@@ -759,50 +754,6 @@ async fn resend_unanswered(url: &str, record: &Shared) -> anyhow::Result<usize> 
     }
     caller.connection().close().await;
     Ok(pending.len())
-}
-
-/// A turn that waits (for a worker) longer than `storage.apply_delay_ms` but within
-/// `storage.live_hold_ms` is held out of sled while the applied mark passes it: only
-/// the commit log has its record. A SIGKILL then loses nothing: the restarted daemon
-/// reads it back from the log and runs it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_turn_held_out_of_sled_survives_sigkill() -> anyhow::Result<()> {
-    const HELD: &[(&str, &str)] = &[
-        ("TURND_LOG", "error"),
-        ("TURND_STORAGE__APPLY_INTERVAL_MS", "20"),
-        ("TURND_STORAGE__APPLY_DELAY_MS", "20"),
-        ("TURND_STORAGE__LIVE_HOLD_MS", "60000"),
-    ];
-    let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let d = BinDaemon::start(&data, HELD).await?;
-    let c = Caller::connect(&d.url, None).await?;
-    let held = c.submit_simple("held", "echo", json!(1)).await?;
-    // Commits after it, applied while it is held; the applied mark is written at
-    // most a second apart.
-    for i in 0..5 {
-        c.submit_simple(&format!("other-{i}"), "other", json!(i))
-            .await?;
-    }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let (_, body) = http_get(&d.admin, "/metrics").await?;
-    let held_keys = metric(&body, "turnd_storage_unapplied_keys");
-    ensure!(
-        held_keys.is_some_and(|n| n >= 6.0),
-        "the turns' records are held: {held_keys:?}"
-    );
-    c.connection().close().await;
-    d.kill().await?;
-    let d = BinDaemon::start(&data, HELD).await?;
-    let c = Caller::connect(&d.url, None).await?;
-    let _worker = turnd_tests::echo_worker(&d.url, "w-held", 1).await;
-    let done = c
-        .wait_terminal(&held.turn_id, Duration::from_secs(15))
-        .await?;
-    ensure!(done.status == TurnStatus::Completed, "{done:?}");
-    ensure!(done.output == Some(json!(1)), "{done:?}");
-    c.connection().close().await;
-    d.kill().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -95,7 +95,6 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
         segment_bytes: cfg.storage.log_segment_kb.saturating_mul(1024),
         apply_interval: Duration::from_millis(cfg.storage.apply_interval_ms),
         apply_delay: Duration::from_millis(cfg.storage.apply_delay_ms),
-        live_hold: Duration::from_millis(cfg.storage.live_hold_ms),
         heal_interval: Duration::from_millis(cfg.storage.heal_interval_ms),
         windows: turnd_store::WindowOptions {
             window_ms: cfg.window_ms(),

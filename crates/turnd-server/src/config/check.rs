@@ -127,7 +127,6 @@ impl Config {
                 0,
                 10_000,
             ),
-            ("storage.live_hold_ms", self.storage.live_hold_ms, 0, 60_000),
             (
                 "storage.heal_interval_ms",
                 self.storage.heal_interval_ms,

@@ -123,11 +123,6 @@ pub struct StorageConfig {
     /// deleted meanwhile is written once or never, and a session's event values of a
     /// round go as one. 0: at the next round.
     pub apply_delay_ms: u64,
-    /// How long a put of a live turn's or invocation's record waits before it is
-    /// written to sled, when longer than `apply_delay_ms`: a turn that ends within it
-    /// (queued or running) never reaches sled, and the commit log keeps its record
-    /// meanwhile (a start after a crash reads the log back from the oldest one held).
-    pub live_hold_ms: u64,
     /// How often a commit log whose write or sync failed tries to repair itself.
     pub heal_interval_ms: u64,
     /// A new time window of finished turns starts when the newest is this old (ms);
@@ -217,7 +212,6 @@ impl Default for StorageConfig {
             log_segment_kb: turnd_store::logged::DEFAULT_SEGMENT_KB,
             apply_interval_ms: turnd_store::logged::DEFAULT_APPLY_INTERVAL_MS,
             apply_delay_ms: turnd_store::logged::DEFAULT_APPLY_DELAY_MS,
-            live_hold_ms: turnd_store::logged::DEFAULT_LIVE_HOLD_MS,
             heal_interval_ms: turnd_store::logged::DEFAULT_HEAL_INTERVAL_MS,
             window_ms: None,
             window_mb: turnd_store::windows::DEFAULT_WINDOW_MB,

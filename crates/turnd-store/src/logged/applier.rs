@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::apply::{
-    apply_routed, apply_to_sled, drops, recorded_marks, sync_windows, take_drop, Marks, APPLY_KEYS,
+    applied_mark, apply_routed, apply_to_sled, drops, sync_windows, take_drop, APPLY_KEYS,
 };
-use super::overlay::{delays, holds, OKey};
-use super::replay::coalesce_after;
+use super::overlay::{delays, OKey};
+use super::replay::coalesce;
 use super::runs::{drop_applied, event_runs, forget_fresh, sled_writes, Run, Taken};
 use super::{lock_err, Ctl, Inner, LoggedOptions};
 use crate::error::{IoOp, StoreError};
@@ -49,25 +49,19 @@ fn probe_disk(dir: &Path) -> Result<(), StoreError> {
 struct Applier<'a> {
     inner: &'a Inner,
     checkpoints: Checkpoints,
-    /// Everything up to this lsn is in sled (not necessarily on disk), but for the
-    /// live records held back ([`holds`]).
+    /// Everything up to this lsn is in sled (not necessarily on disk).
     applied: u64,
-    /// Everything up to this lsn is in sled, the live records held back included
-    /// ([`Marks::replay`]): before the oldest of them.
-    replay: u64,
-    /// [`LoggedOptions::live_hold`].
-    live_hold: Duration,
-    /// The marks last written to the main database ([`Applier::write_mark`]).
-    marked: Marks,
+    /// The applied mark last written to the main database ([`Applier::write_mark`]).
+    marked: u64,
     /// When it was written.
     marked_at: Instant,
     /// Windows written since they were last synced: synced before the next mark.
     unsynced: Vec<u64>,
     /// [`LoggedOptions::mark_interval`].
     mark_interval: Duration,
-    /// The marks when sled's files were last synced: sled holds at least this much
-    /// whatever happens to its handle.
-    synced: Marks,
+    /// The applied mark when sled's files were last synced: sled holds at least
+    /// this much whatever happens to its handle.
+    synced: u64,
     /// When sled was last opened again after failing (see [`Applier::repair`]).
     last_repair: Option<Instant>,
     heal_interval: Duration,
@@ -95,9 +89,6 @@ struct Walked {
     /// The lowest lsn of the runs that stayed in the overlay: the mark stays before
     /// it (see `runs`).
     kept: Option<u64>,
-    /// The lowest lsn of the live records held back ([`holds`]): the replay mark
-    /// stays before it.
-    held: Option<u64>,
 }
 
 impl Applier<'_> {
@@ -114,23 +105,15 @@ impl Applier<'_> {
     ///
     /// A write of a live record ([`delays`]) is taken only once its group is
     /// `delay` old (*settled*), and the mark is then the last settled lsn: what a
-    /// start replays past it holds every write left waiting. A put of a live turn's
-    /// or invocation's record ([`holds`]) waits longer, `live_hold` (none when
-    /// `delay` is zero): the replay mark stays before the oldest one held, and a start
-    /// reads those back from the log. A round that takes a window drop takes
-    /// everything (a drop's window is deleted after the round, and a replay from
-    /// before the drop would route keys to it). A delete of a key only the overlay
-    /// held ([`Pending::fresh`]) is dropped, not written.
+    /// start replays past it holds every write left waiting. A round that takes a
+    /// window drop takes everything (a drop's window is deleted after the round, and
+    /// a replay from before the drop would route keys to it). A delete of a key only
+    /// the overlay held ([`Pending::fresh`]) is dropped, not written.
     fn apply(&mut self, delay: Duration) -> Result<(), StoreError> {
         let started = Instant::now();
-        let hold = if delay.is_zero() {
-            delay
-        } else {
-            self.live_hold.max(delay)
-        };
-        let (committed, (settled, held_out), end) = self.settle(started, delay, hold)?;
+        let (committed, settled, end) = self.settle(started, delay)?;
         self.switch_window_if_due()?;
-        if committed == self.applied && self.replay == self.applied {
+        if committed == self.applied {
             return self.mark_if_due(false);
         }
         // Drops committed since the last round, taken once this round's writes are in
@@ -138,32 +121,22 @@ impl Applier<'_> {
         // still hold then moves to the main database, where their keys go from now on.
         let pending = self.pending_drops()?;
         let dropping = !pending.is_empty();
-        let (mark, live) = if dropping {
-            (committed, committed)
+        let mark = if dropping {
+            committed
         } else {
-            (settled.max(self.applied), held_out.max(self.replay))
+            settled.max(self.applied)
         };
         let Some(end) = end else {
-            (self.applied, self.replay) = (committed, committed);
+            self.applied = committed;
             return self.mark_if_due(false);
         };
-        let walked = self.walk(
-            &end,
-            Marks {
-                applied: mark,
-                replay: live,
-            },
-            dropping,
-        )?;
+        let walked = self.walk(&end, mark, dropping)?;
         let leftovers = self.take_drops(pending)?;
         // A run that stayed has every value after `applied` (see `event_runs`).
         let mark = walked.kept.map_or(mark, |lsn| {
             mark.min(lsn.saturating_sub(1)).max(self.applied)
         });
         self.applied = mark;
-        self.replay = walked
-            .held
-            .map_or(mark, |lsn| mark.min(lsn.saturating_sub(1)));
         self.mark_if_due(dropping)?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.dropped_deletes += walked.skipped;
@@ -177,21 +150,18 @@ impl Applier<'_> {
     }
 
     /// As a round begins: the last lsn committed, the last one settled (the groups
-    /// `delay` old) with the last one past the hold (`hold` old), and the overlay's
-    /// last key, where the walk ends.
-    #[allow(clippy::type_complexity)]
+    /// `delay` old) and the overlay's last key, where the walk ends.
     fn settle(
         &self,
         now: Instant,
         delay: Duration,
-        hold: Duration,
-    ) -> Result<(u64, (u64, u64), Option<OKey>), StoreError> {
+    ) -> Result<(u64, u64, Option<OKey>), StoreError> {
         let mut o = self
             .inner
             .overlay
             .write()
             .map_err(|_| lock_err("overlay"))?;
-        let settled = o.settle(now, delay, hold);
+        let settled = o.settle(now, delay);
         Ok((o.committed, settled, o.map.keys().next_back().cloned()))
     }
 
@@ -241,17 +211,15 @@ impl Applier<'_> {
     }
 
     /// Walk the overlay up to `end` slice by slice: take each slice (the writes that
-    /// wait for their delay, past `marks.applied`, and the live records held, past
-    /// `marks.replay`, passed over), write it to sled, and drop from the overlay what
-    /// sled now has.
-    fn walk(&mut self, end: &OKey, marks: Marks, dropping: bool) -> Result<Walked, StoreError> {
-        let mark = marks.applied;
+    /// wait for their delay, past `mark`, passed over), write it to sled, and drop
+    /// from the overlay what sled now has.
+    fn walk(&mut self, end: &OKey, mark: u64, dropping: bool) -> Result<Walked, StoreError> {
         // After the first slice, the walk goes on past the last key taken (an
         // exclusive start: past `end` the range is empty, never reversed).
         let mut from: Bound<OKey> = Bound::Unbounded;
         let mut walked = Walked::default();
         loop {
-            let (slice, last) = self.take_slice(&from, end, marks, &mut walked.held)?;
+            let (slice, last) = self.take_slice(&from, end, mark)?;
             // No runs in a round that takes a window drop: its mark must be
             // everything committed, and a run that had to stay would hold it back.
             let runs = if dropping {
@@ -271,15 +239,13 @@ impl Applier<'_> {
     }
 
     /// A slice of up to [`APPLY_KEYS`] entries from `from` on to take (the waiting
-    /// ones passed over, the lowest lsn of the live records among them kept in
-    /// `held`), each with whether it is a delete only the overlay knew of, and the
-    /// last key walked when the slice stopped before `end`.
+    /// ones passed over), each with whether it is a delete only the overlay knew
+    /// of, and the last key walked when the slice stopped before `end`.
     fn take_slice(
         &self,
         from: &Bound<OKey>,
         end: &OKey,
-        marks: Marks,
-        held: &mut Option<u64>,
+        mark: u64,
     ) -> Result<(Vec<Taken>, Option<OKey>), StoreError> {
         let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
         let mut walked = 0usize;
@@ -290,14 +256,7 @@ impl Applier<'_> {
             Bound::Included(end.as_slice()),
         )) {
             walked += 1;
-            let take = if !delays(k) {
-                true
-            } else if holds(k, &p.value) {
-                p.lsn <= marks.replay
-            } else {
-                p.lsn <= marks.applied
-            };
-            if take {
+            if p.lsn <= mark || !delays(k) {
                 slice.push(Taken {
                     key: k.clone(),
                     lsn: p.lsn,
@@ -308,9 +267,6 @@ impl Applier<'_> {
                 });
             } else {
                 gap = true;
-                if holds(k, &p.value) {
-                    *held = Some(held.map_or(p.lsn, |h| h.min(p.lsn)));
-                }
             }
             if slice.len() == APPLY_KEYS || walked == 4 * APPLY_KEYS {
                 return Ok((slice, Some(k.clone())));
@@ -375,9 +331,8 @@ impl Applier<'_> {
                 .write()
                 .map_err(|_| lock_err("overlay"))?;
             let held = self.inner.held_sessions();
-            let (stayed, freed, unheld) = drop_applied(&mut o.map, slice, runs, &held);
+            let (stayed, freed) = drop_applied(&mut o.map, slice, runs, &held);
             o.bytes = o.bytes.saturating_sub(freed);
-            o.held = o.held.saturating_sub(unheld);
             if let Some(lsn) = stayed {
                 walked.kept = Some(walked.kept.map_or(lsn, |k: u64| k.min(lsn)));
             }
@@ -427,17 +382,13 @@ impl Applier<'_> {
     /// what sled already held leaves the same state.
     fn write_mark(&mut self) -> Result<(), StoreError> {
         self.marked_at = Instant::now();
-        let marks = Marks {
-            applied: self.applied,
-            replay: self.replay,
-        };
-        if self.marked == marks {
+        if self.marked == self.applied {
             return Ok(());
         }
         sync_windows(&self.inner.windows, &self.unsynced)?;
         self.unsynced.clear();
-        apply_to_sled(&self.inner.sled, std::iter::empty(), Some(marks))?;
-        self.marked = marks;
+        apply_to_sled(&self.inner.sled, std::iter::empty(), Some(self.applied))?;
+        self.marked = self.applied;
         Ok(())
     }
 
@@ -475,7 +426,7 @@ impl Applier<'_> {
         let sled = &self.inner.sled;
         sled.with(|h| sled.sync_files(h))?;
         self.synced = self.marked;
-        let n = self.inner.log.trim(self.marked.replay)?;
+        let n = self.inner.log.trim(self.marked)?;
         if let Ok(mut s) = self.inner.stats.lock() {
             s.log_trims += n as u64;
         }
@@ -589,8 +540,8 @@ impl Applier<'_> {
             .read()
             .map_err(|_| lock_err("overlay"))?
             .committed;
-        let records = self.inner.log.read_range(self.synced.replay, upto)?;
-        let map = coalesce_after(&records, self.synced.applied)?;
+        let records = self.inner.log.read_range(self.synced, upto)?;
+        let map = coalesce(&records)?;
         self.inner
             .overlay
             .write()
@@ -601,13 +552,8 @@ impl Applier<'_> {
             w.reopen_after_failure()?;
         }
         // The next round writes the overlay, and the mark after it.
-        let recorded = recorded_marks(sled)?;
-        self.applied = self.synced.applied.min(recorded.applied);
-        self.replay = self.synced.replay.min(recorded.replay);
-        self.marked = Marks {
-            applied: self.applied,
-            replay: self.replay,
-        };
+        self.applied = self.synced.min(applied_mark(sled)?);
+        self.marked = self.applied;
         self.unsynced.clear();
         Ok(Some(records.len()))
     }
@@ -625,13 +571,11 @@ pub(super) fn applier_loop(
         inner,
         checkpoints: Checkpoints::new(&opts.sled),
         applied,
-        replay: applied,
-        live_hold: opts.live_hold,
-        marked: Marks::at(applied),
+        marked: applied,
         marked_at: Instant::now(),
         unsynced: Vec::new(),
         mark_interval: opts.mark_interval,
-        synced: Marks::at(applied),
+        synced: applied,
         last_repair: None,
         heal_interval: opts.heal_interval,
         closing: Vec::new(),

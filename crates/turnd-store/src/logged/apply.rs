@@ -19,38 +19,6 @@ use crate::windows::{self, Route};
 /// sorts before every key of the layout ([`keys`]), whose scans never reach it.
 pub const APPLIED_KEY: &[u8] = b"\x00applied";
 
-/// sled key holding where a start reads the commit log from ([`Marks::replay`]),
-/// written only while that is before [`APPLIED_KEY`]'s lsn (u64, big-endian).
-pub const REPLAY_KEY: &[u8] = b"\x00replay";
-
-/// How far sled got, as recorded in the main database.
-///
-/// - `applied`: every write with a lsn at or before it is in sled, but for the puts
-///   of live records the applier still holds back ([`super::overlay::holds`]);
-/// - `replay`: every write at or before it is in sled, those held back included
-///   (never after `applied`).
-///
-/// So a start reads the log from the record after `replay` and takes from the
-/// records up to `applied` only the writes of live records ([`super::replay::coalesce_after`]):
-/// the other keys of those records are in sled already, some of them (a session's
-/// event values written as one, [`super::runs`]) under a key that writing them again
-/// one by one would spoil.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Marks {
-    pub(super) applied: u64,
-    pub(super) replay: u64,
-}
-
-impl Marks {
-    /// Everything up to `lsn` in sled.
-    pub(super) fn at(lsn: u64) -> Marks {
-        Marks {
-            applied: lsn,
-            replay: lsn,
-        }
-    }
-}
-
 /// Most keys in one sled `apply_batch` of the applier.
 pub(super) const APPLY_KEYS: usize = 1024;
 
@@ -151,11 +119,7 @@ pub(super) fn read_range<'h>(
 ) -> impl FnMut(&[u8], &[u8]) -> Result<Vec<Entry>, StoreError> + 'h {
     move |s: &[u8], e: &[u8]| {
         h.db.range(s.to_vec()..e.to_vec())
-            .filter(|kv| {
-                kv.as_ref().map_or(true, |(k, _)| {
-                    k.as_ref() != APPLIED_KEY && k.as_ref() != REPLAY_KEY
-                })
-            })
+            .filter(|kv| kv.as_ref().map_or(true, |(k, _)| k.as_ref() != APPLIED_KEY))
             .map(|kv| {
                 let (k, v) = kv.map_err(|e| StoreError::Read(e.to_string()))?;
                 Ok((k.to_vec(), src.stored(&v)?.into_owned()))
@@ -210,48 +174,35 @@ pub(super) fn take_drop(
     ))
 }
 
-/// The marks the main database records ([`APPLIED_KEY`], [`REPLAY_KEY`]; 0 for a
-/// new store, `replay` the applied lsn when not recorded).
-pub(super) fn recorded_marks(sled: &Shared) -> Result<Marks, StoreError> {
-    let applied = read_lsn(sled, APPLIED_KEY)?.unwrap_or(0);
-    let replay = read_lsn(sled, REPLAY_KEY)?.map_or(applied, |r| r.min(applied));
-    Ok(Marks { applied, replay })
-}
-
 /// The last lsn sled holds (its [`APPLIED_KEY`]; 0 for a new store).
-#[cfg(test)]
 pub(super) fn applied_mark(sled: &Shared) -> Result<u64, StoreError> {
-    Ok(read_lsn(sled, APPLIED_KEY)?.unwrap_or(0))
-}
-
-/// The lsn the main database holds under `key`, if any.
-fn read_lsn(sled: &Shared, key: &[u8]) -> Result<Option<u64>, StoreError> {
-    let v = sled.with(|h| h.db.get(key).map_err(|e| StoreError::Read(e.to_string())))?;
-    v.map(|v| {
-        let b: [u8; 8] = v.as_ref().try_into().map_err(|_| {
-            StoreError::Corrupt(format!(
-                "{} of {} bytes",
-                String::from_utf8_lossy(&key[1..]),
-                v.len()
-            ))
-        })?;
-        Ok(u64::from_be_bytes(b))
-    })
-    .transpose()
+    let v = sled.with(|h| {
+        h.db.get(APPLIED_KEY)
+            .map_err(|e| StoreError::Read(e.to_string()))
+    })?;
+    match v {
+        Some(v) => {
+            let b: [u8; 8] = v
+                .as_ref()
+                .try_into()
+                .map_err(|_| StoreError::Corrupt(format!("applied mark of {} bytes", v.len())))?;
+            Ok(u64::from_be_bytes(b))
+        }
+        None => Ok(0),
+    }
 }
 
 /// A key with its value packed for sled ([`pack`]), or None for a delete.
 type Packed<'a> = (&'a [u8], Option<std::borrow::Cow<'a, [u8]>>);
 
 /// Write `entries` (key order) to sled in bounded batches, the last recording
-/// `marks`, when given, under [`APPLIED_KEY`] and [`REPLAY_KEY`] (removed when it
-/// is the applied lsn). A database with a value file (a time
+/// `lsn`, when given, under [`APPLIED_KEY`]. A database with a value file (a time
 /// window) has the large values of each batch appended to it in one write first,
 /// and holds pointers to them ([`crate::sled::values`]). Returns the bytes written.
 pub(super) fn apply_to_sled<'a>(
     sled: &Shared,
     entries: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
-    marks: Option<Marks>,
+    lsn: Option<u64>,
 ) -> Result<u64, StoreError> {
     let mut bytes = 0u64;
     let mut entries = entries.peekable();
@@ -262,7 +213,7 @@ pub(super) fn apply_to_sled<'a>(
             .map(|(k, v)| (k, v.map(pack)))
             .collect();
         let last = entries.peek().is_none();
-        if chunk.is_empty() && !(last && marks.is_some()) {
+        if chunk.is_empty() && !(last && lsn.is_some()) {
             return Ok(());
         }
         let file = sled.values();
@@ -300,13 +251,8 @@ pub(super) fn apply_to_sled<'a>(
             }
         }
         if last {
-            if let Some(m) = marks {
-                batch.insert(APPLIED_KEY, &m.applied.to_be_bytes());
-                if m.replay < m.applied {
-                    batch.insert(REPLAY_KEY, &m.replay.to_be_bytes());
-                } else {
-                    batch.remove(REPLAY_KEY);
-                }
+            if let Some(lsn) = lsn {
+                batch.insert(APPLIED_KEY, &lsn.to_be_bytes());
             }
         }
         h.db.apply_batch(batch)

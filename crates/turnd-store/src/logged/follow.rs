@@ -15,7 +15,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::replay::{coalesce_after, open_databases, replay_into};
+use super::replay::{coalesce, open_databases, replay_into};
 use super::LoggedOptions;
 use crate::error::StoreError;
 use crate::log::Record;
@@ -27,12 +27,8 @@ use crate::windows::store::Windows;
 pub struct Follower {
     sled: Arc<Shared>,
     windows: Windows,
-    /// Everything up to this lsn is in sled, durable: its replay mark.
+    /// The last lsn applied, durable in sled.
     applied: u64,
-    /// The applied mark of a directory a leader left with live records held past
-    /// its replay mark ([`super::apply::Marks`]): of the records up to it only those
-    /// are applied.
-    held_past: u64,
 }
 
 impl Follower {
@@ -43,18 +39,16 @@ impl Follower {
         // started again) may hold sled's lock a moment longer. Only here: another
         // process's store, which closes and reopens sled at each checkpoint, must
         // be refused at once, never waited for and entered.
-        let (sled, windows, marks) = open_when_unlocked(|| open_databases(dir, &opts))?;
+        let (sled, windows, applied) = open_when_unlocked(|| open_databases(dir, &opts))?;
         Ok(Follower {
             sled,
             windows,
-            applied: marks.replay,
-            held_past: marks.applied,
+            applied,
         })
     }
 
     /// The last lsn applied (and durable): a log opened on this directory reads from
-    /// the record after it. (A directory a leader left holds everything only up to
-    /// its replay mark: that is the one given then.)
+    /// the record after it.
     pub fn applied(&self) -> u64 {
         self.applied
     }
@@ -68,9 +62,9 @@ impl Follower {
         let Some(last) = fresh.last().map(|r| r.lsn) else {
             return Ok(());
         };
-        let map = coalesce_after(fresh, self.held_past)?;
+        let map = coalesce(fresh)?;
         replay_into(&self.sled, &self.windows, &map, last)?;
-        (self.applied, self.held_past) = (last, last);
+        self.applied = last;
         Ok(())
     }
 

@@ -16,10 +16,8 @@
 //! turn's record, rewritten at each transition, reaches sled once), in `apply_batch`
 //! calls of bounded size, the last of which also records the lsn applied under
 //! [`APPLIED_KEY`]. It then drops from the overlay every entry that has not been
-//! written again since. Live records wait `apply_delay` first, and puts of unfinished
-//! turns' and invocations' records `live_hold` (the log keeps them: a start reads it
-//! from the replay mark, [`apply::Marks`]), and a delete of a key sled never got is
-//! dropped, so most turns' live records never reach sled. sled is not
+//! written again since. Live records wait `apply_delay` first, and a delete of a key
+//! sled never got is dropped, so most turns' live records never reach sled. sled is not
 //! synced per apply: when the log has something to trim, the applier flushes sled,
 //! `fdatasync`s its files and only then lets the log trim what sled holds. Checkpoints
 //! ([`crate::sled::Checkpoints`]) run here too, so they pause applies and store reads,
@@ -30,8 +28,7 @@
 //! newest value in sled; scans merge the two.
 //!
 //! **Start** ([`replay`]). sled is opened, the commit log is read from the record after
-//! sled's replay mark (the applied mark, unless live records were held past it), and
-//! those records are written to sled
+//! the lsn sled last recorded as applied, and those records are written to sled
 //! (coalesced by key, as the applier does), flushed and synced before the daemon
 //! serves. A clean close applies and flushes everything, so the next start reads
 //! nothing.
@@ -70,8 +67,6 @@ mod crash_tests;
 mod follow;
 #[cfg(test)]
 mod follow_tests;
-#[cfg(test)]
-mod live_tests;
 mod options;
 mod overlay;
 mod reads;
@@ -80,7 +75,7 @@ mod replay;
 mod route_tests;
 mod runs;
 #[cfg(test)]
-pub(crate) mod runs_tests;
+mod runs_tests;
 #[cfg(test)]
 mod sled_tests;
 #[cfg(test)]
@@ -100,8 +95,8 @@ pub use codec::{decode, encode};
 pub use follow::Follower;
 pub use options::{
     LoggedOptions, DEFAULT_APPLY_DELAY_MS, DEFAULT_APPLY_INTERVAL_MS, DEFAULT_HEAL_INTERVAL_MS,
-    DEFAULT_IDLE_REOPEN, DEFAULT_LIVE_HOLD_MS, DEFAULT_MARK_INTERVAL, DEFAULT_OVERLAY_BYTES,
-    DEFAULT_SEGMENT_KB, DEFAULT_WINDOW_CLOSE_MS,
+    DEFAULT_IDLE_REOPEN, DEFAULT_MARK_INTERVAL, DEFAULT_OVERLAY_BYTES, DEFAULT_SEGMENT_KB,
+    DEFAULT_WINDOW_CLOSE_MS,
 };
 
 use applier::applier_loop;
@@ -210,19 +205,18 @@ impl LoggedKv {
         })
     }
 
-    /// [`LoggedKv::open`] with the commit log `open_log` opens at the last lsn up to
-    /// which sled holds everything, its replay mark (any [`CommitLog`]; `dir` holds
-    /// sled and the windows).
+    /// [`LoggedKv::open`] with the commit log `open_log` opens at the last lsn sled
+    /// holds (any [`CommitLog`]; `dir` holds sled and the windows).
     pub fn open_with_log(
         dir: &Path,
         opts: LoggedOptions,
         open_log: impl FnOnce(u64) -> Result<Opened<Box<dyn CommitLog>>, StoreError>,
     ) -> Result<(LoggedKv, Replayed), StoreError> {
         let started = Instant::now();
-        let (sled, wins, marks) = replay::open_databases(dir, &opts)?;
-        let opened = open_log(marks.replay)?;
+        let (sled, wins, applied) = replay::open_databases(dir, &opts)?;
+        let opened = open_log(applied)?;
         let log: Arc<dyn CommitLog> = Arc::from(opened.log);
-        replay::replay(&sled, &wins, &*log, &opened.records, marks)?;
+        replay::replay(&sled, &wins, &*log, &opened.records)?;
         let committed = log.next_lsn() - 1;
         let replayed = Replayed {
             records: opened.records.len(),
@@ -327,7 +321,7 @@ impl LoggedKv {
     }
 
     /// Bytes of keys and values written but not yet in sled, as counted; checked
-    /// against the overlay's entries (and so is the count of held records).
+    /// against the overlay's entries.
     #[cfg(test)]
     fn overlay_bytes(&self) -> usize {
         let o = self.inner.overlay.read().expect("overlay");
@@ -337,12 +331,6 @@ impl LoggedKv {
             .map(|(k, p)| overlay::weight(k, &p.value))
             .sum();
         assert_eq!(o.bytes, counted, "the overlay's bytes as counted");
-        let held = o.map.iter().filter(|(k, p)| overlay::holds(k, &p.value));
-        assert_eq!(
-            o.held,
-            held.count(),
-            "the overlay's held records as counted"
-        );
         o.bytes
     }
 }

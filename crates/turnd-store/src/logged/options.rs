@@ -21,7 +21,6 @@ pub const DEFAULT_OVERLAY_BYTES: usize = 256 * 1024 * 1024;
 pub const DEFAULT_SEGMENT_KB: u64 = 32 * 1024;
 pub const DEFAULT_APPLY_INTERVAL_MS: u64 = 200;
 pub const DEFAULT_APPLY_DELAY_MS: u64 = 500;
-pub const DEFAULT_LIVE_HOLD_MS: u64 = 5_000;
 pub const DEFAULT_HEAL_INTERVAL_MS: u64 = 1_000;
 
 /// How the store is opened.
@@ -39,12 +38,6 @@ pub struct LoggedOptions {
     /// applier takes it to sled: one rewritten or deleted meanwhile reaches sled once
     /// or never (the keys `delays` names).
     pub apply_delay: Duration,
-    /// How long a put of a live turn's or invocation's record (or of a turn's input
-    /// kept apart) waits in the overlay before the applier takes it to sled, when
-    /// longer than `apply_delay`: a turn that ends within it, queued or running,
-    /// never has its records written to sled, and the commit log keeps them until
-    /// then (a start after a crash reads the log back from the oldest one held).
-    pub live_hold: Duration,
     /// How often a failed log tries to repair itself.
     pub heal_interval: Duration,
     /// When a new time window of finished turns starts.
@@ -83,7 +76,6 @@ impl Default for LoggedOptions {
             segment_bytes: DEFAULT_SEGMENT_KB * 1024,
             apply_interval: Duration::from_millis(DEFAULT_APPLY_INTERVAL_MS),
             apply_delay: Duration::from_millis(DEFAULT_APPLY_DELAY_MS),
-            live_hold: Duration::from_millis(DEFAULT_LIVE_HOLD_MS),
             heal_interval: Duration::from_millis(DEFAULT_HEAL_INTERVAL_MS),
             windows: WindowOptions::default(),
             idle_reopen: DEFAULT_IDLE_REOPEN,

@@ -24,16 +24,8 @@ pub(super) const MAX_OVERLAY_KEYS: usize = 64 * 1024;
 /// [`super::LoggedOptions::apply_delay`]) and rounds follow each other without a
 /// pause: under steady load the delay keeps about 10 – 13k keys waiting here. Past
 /// it the store is behind ([`crate::Kv::busy`]): retention's sweep holds back.
-/// Unfinished turns' records held back ([`holds`]) count only beyond
-/// [`HELD_OVERLAY_KEYS`]: a queue of 20k turns holds 20k of them, each until its
-/// turn ends, and the applier is not behind for that.
 pub(super) const EAGER_OVERLAY_KEYS: usize = 16 * 1024;
 const _: () = assert!(EAGER_OVERLAY_KEYS < MAX_OVERLAY_KEYS);
-
-/// Held records ([`holds`]) the overlay may keep without counting as behind: with
-/// [`EAGER_OVERLAY_KEYS`] of the rest, three quarters of its room.
-pub(super) const HELD_OVERLAY_KEYS: usize = 32 * 1024;
-const _: () = assert!(EAGER_OVERLAY_KEYS + HELD_OVERLAY_KEYS < MAX_OVERLAY_KEYS);
 
 /// A value as the overlay holds it (`None`: deleted).
 pub(super) type Value = Option<Arc<[u8]>>;
@@ -76,15 +68,11 @@ pub(super) struct Overlay {
     max_bytes: usize,
     /// The last lsn whose writes are in `map` (or in sled).
     pub(super) committed: u64,
-    /// When each group not yet past the hold of live records was put in `map`, with
-    /// its last lsn (oldest first): see [`Overlay::settle`].
+    /// When each group not yet settled was put in `map`, with its last lsn (oldest
+    /// first): see [`Overlay::settle`].
     groups: VecDeque<(Instant, u64)>,
     /// The last lsn of the newest group put in `map` at least `apply_delay` ago.
     settled: u64,
-    /// The last lsn of the newest group put in `map` at least `live_hold` ago.
-    held_out: u64,
-    /// How many entries of `map` are held records ([`holds`]).
-    pub(super) held: usize,
 }
 
 impl Overlay {
@@ -97,8 +85,6 @@ impl Overlay {
             committed,
             groups: VecDeque::new(),
             settled: committed,
-            held_out: committed,
-            held: 0,
         }
     }
 
@@ -110,28 +96,20 @@ impl Overlay {
     /// Past the eager share of the room: the applier takes everything at once, and
     /// the store counts as behind.
     pub(super) fn behind(&self) -> bool {
-        let held = self.held.min(HELD_OVERLAY_KEYS);
-        self.map.len().saturating_sub(held) > EAGER_OVERLAY_KEYS || self.bytes > self.max_bytes / 4
+        self.map.len() > EAGER_OVERLAY_KEYS || self.bytes > self.max_bytes / 4
     }
 
-    /// The last lsn of the groups put in the overlay at least `delay` before `now`,
-    /// and of those put at least `hold` before it (all of them when it is zero: the
-    /// newest group's lsn is `committed`). `hold` is at least `delay`.
-    pub(super) fn settle(&mut self, now: Instant, delay: Duration, hold: Duration) -> (u64, u64) {
-        let age = |at: Instant| now.saturating_duration_since(at);
+    /// The last lsn of the groups put in the overlay at least `delay` before `now`
+    /// (all of them when `delay` is zero: the newest group's lsn is `committed`).
+    pub(super) fn settle(&mut self, now: Instant, delay: Duration) -> u64 {
         while let Some(&(at, lsn)) = self.groups.front() {
-            if age(at) < hold.max(delay) {
+            if now.saturating_duration_since(at) < delay {
                 break;
             }
-            self.held_out = lsn;
-            self.settled = self.settled.max(lsn);
+            self.settled = lsn;
             self.groups.pop_front();
         }
-        let n = self.groups.partition_point(|&(at, _)| age(at) >= delay);
-        if let Some(&(_, lsn)) = n.checked_sub(1).and_then(|i| self.groups.get(i)) {
-            self.settled = self.settled.max(lsn);
-        }
-        (self.settled, self.held_out)
+        self.settled
     }
 
     /// Put a durable group in: the writes of its batches, the first batch's record
@@ -163,7 +141,6 @@ impl Overlay {
     /// Put `pending` in as `key`'s newest value; returns the value it replaced.
     fn put(&mut self, key: OKey, mut pending: Pending) -> Value {
         let added = weight(&key, &pending.value);
-        self.held += usize::from(holds(&key, &pending.value));
         let (removed, replaced) = match self.map.entry(key) {
             Entry::Vacant(e) => {
                 e.insert(pending);
@@ -176,7 +153,6 @@ impl Overlay {
                 pending.fresh = e.get().fresh;
                 pending.pristine = false;
                 let replaced = std::mem::replace(e.get_mut(), pending).value;
-                self.held -= usize::from(holds(e.key(), &replaced));
                 (weight(e.key(), &replaced), replaced)
             }
         };
@@ -191,7 +167,6 @@ impl Overlay {
             // A key in the overlay already holds its newest value.
             if let Entry::Vacant(e) = self.map.entry(OKey::from_vec(k)) {
                 let w = weight(e.key(), &value);
-                self.held += usize::from(holds(e.key(), &value));
                 e.insert(Pending {
                     lsn,
                     value,
@@ -222,15 +197,4 @@ impl Overlay {
 /// idempotency keys) and window drops are taken at the next round.
 pub(super) fn delays(key: &[u8]) -> bool {
     matches!(key.first(), Some(b'T' | b'I' | b'N' | b'M' | b'E'))
-}
-
-/// Whether the applier holds a write of `key` back for [`super::LoggedOptions::live_hold`]
-/// rather than [`super::LoggedOptions::apply_delay`]: a put of a live turn's or
-/// invocation's record or of a turn's input kept apart. Each is deleted when its turn
-/// ends (folded), so one that ends within the hold never reaches sled at all, however
-/// long it was queued; the log keeps its record until then (the replay mark,
-/// [`super::apply::Marks`]). Deletes are not held: a delete of a key sled never had
-/// costs nothing, and one of a key sled has must not wait.
-pub(super) fn holds(key: &[u8], value: &Value) -> bool {
-    value.is_some() && matches!(key.first(), Some(b'T' | b'I' | b'N'))
 }

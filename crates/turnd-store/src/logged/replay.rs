@@ -1,8 +1,7 @@
 //! A start: sled and the time windows opened, and what the commit log holds past
-//! the marks sled recorded written to them (coalesced by key, as the applier does;
-//! of the records between the replay mark and the applied mark only the live
-//! records' writes, [`coalesce_after`]), flushed and synced before the store serves. The same coalescing serves
-//! the applier's repair after sled failed ([`coalesce_after`]), and the same writing a
+//! the applied mark sled recorded written to them (coalesced by key, as the applier
+//! does), flushed and synced before the store serves. The same coalescing serves
+//! the applier's repair after sled failed ([`coalesce`]), and the same writing a
 //! warm standby's store ([`super::follow`]).
 
 use std::collections::BTreeMap;
@@ -10,11 +9,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::apply::{
-    apply_routed, apply_to_sled, drops, recorded_drops, recorded_marks, sync_windows, take_drop,
-    Marks,
+    applied_mark, apply_routed, apply_to_sled, drops, recorded_drops, sync_windows, take_drop,
 };
 use super::codec::decode;
-use super::overlay::{holds, Value};
+use super::overlay::Value;
 use super::LoggedOptions;
 use crate::error::StoreError;
 use crate::log::{CommitLog, Record};
@@ -22,19 +20,19 @@ use crate::model::KvOp;
 use crate::sled::{Shared, SledOptions};
 use crate::windows::store::{split_cache, Windows};
 
-/// sled's main database and the time windows, opened in `dir`, with the marks sled
-/// holds.
+/// sled's main database and the time windows, opened in `dir`, with the last lsn
+/// sled holds.
 pub(super) fn open_databases(
     dir: &Path,
     opts: &LoggedOptions,
-) -> Result<(Arc<Shared>, Windows, Marks), StoreError> {
+) -> Result<(Arc<Shared>, Windows, u64), StoreError> {
     let (main_mb, hot_mb) = split_cache(opts.sled.cache_mb, &opts.windows);
     let main = SledOptions {
         cache_mb: main_mb,
         ..opts.sled
     };
     let sled = Arc::new(Shared::open(dir, main)?);
-    let marks = recorded_marks(&sled)?;
+    let applied = applied_mark(&sled)?;
     let wins = Windows::open(
         dir,
         opts.windows,
@@ -45,54 +43,39 @@ pub(super) fn open_databases(
         &recorded_drops(&sled)?,
         opts.window_close_after.is_some(),
     )?;
-    Ok((sled, wins, marks))
+    Ok((sled, wins, applied))
 }
 
-/// Write `records`, read back from `log` at open (from the record after `marks`'
-/// replay mark), to sled and the windows, make them durable, and let the log trim
-/// them.
+/// Write `records`, read back from `log` at open, to sled and the windows, make them
+/// durable, and let the log trim them.
 pub(super) fn replay(
     sled: &Shared,
     wins: &Windows,
     log: &dyn CommitLog,
     records: &[Record],
-    marks: Marks,
 ) -> Result<(), StoreError> {
     let Some(last) = records.last().map(|r| r.lsn) else {
         return Ok(());
     };
-    let map = coalesce_after(records, marks.applied)?;
+    let map = coalesce(records)?;
     replay_into(sled, wins, &map, last)?;
     log.trim(last)?;
     Ok(())
 }
 
 /// The newest value of each key in `records`, with the lsn that wrote it, in key
-/// order; of the records at or before `applied`, only the writes of live records
-/// ([`is_live`]; the rest of them sled has, see [`Marks`]).
-pub(super) fn coalesce_after(
-    records: &[Record],
-    applied: u64,
-) -> Result<BTreeMap<Vec<u8>, (u64, Value)>, StoreError> {
+/// order.
+pub(super) fn coalesce(records: &[Record]) -> Result<BTreeMap<Vec<u8>, (u64, Value)>, StoreError> {
     let mut map = BTreeMap::new();
     for r in records {
-        let all = r.lsn > applied;
         for op in decode(&r.payload)? {
             match op {
-                KvOp::Put(k, v) if all || is_live(&k) => map.insert(k, (r.lsn, Some(Arc::from(v)))),
-                KvOp::Delete(k) if all || is_live(&k) => map.insert(k, (r.lsn, None)),
-                _ => None,
+                KvOp::Put(k, v) => map.insert(k, (r.lsn, Some(Arc::from(v)))),
+                KvOp::Delete(k) => map.insert(k, (r.lsn, None)),
             };
         }
     }
     Ok(map)
-}
-
-/// A key whose puts the applier may hold back past the applied mark
-/// ([`super::overlay::holds`]): its deletes are replayed with them, so that the
-/// newest write of the key wins.
-fn is_live(key: &[u8]) -> bool {
-    holds(key, &Some(Arc::from(&[][..])))
 }
 
 /// Write records read back from the log (coalesced) where they belong, record
@@ -118,7 +101,7 @@ pub(super) fn replay_into(
     ) {
         closing.extend(take_drop(sled, wins, start, lsn)?.0);
     }
-    apply_to_sled(sled, std::iter::empty(), Some(Marks::at(mark)))?;
+    apply_to_sled(sled, std::iter::empty(), Some(mark))?;
     sled.with(|h| sled.sync_files(h))?;
     for (start, w) in closing {
         wins.delete(start, w)?;

@@ -51,7 +51,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use super::overlay::{holds, weight, OKey, Pending, Value};
+use super::overlay::{weight, OKey, Pending, Value};
 use crate::model::{keys, EVENTS_PER_VALUE};
 
 /// An overlay entry a round of the applier took, as it was when taken.
@@ -204,19 +204,17 @@ pub(super) fn sled_writes<'a>(
 /// of its values was committed again, or its session is `held` now, all of them stay
 /// (the last no longer fresh: sled has a value under its key). Returns the lowest lsn
 /// of the runs that stayed (the round's mark must stay before it, so that a start
-/// after a crash replays them), the [`super::weight`] of what left the overlay, and
-/// how many of those were held records ([`holds`]).
+/// after a crash replays them) and the [`super::weight`] of what left the overlay.
 pub(super) fn drop_applied(
     map: &mut BTreeMap<OKey, Pending>,
     slice: &[Taken],
     runs: &[Run],
     held: &HashSet<String>,
-) -> (Option<u64>, usize, usize) {
-    let (mut freed, mut unheld) = (0, 0);
+) -> (Option<u64>, usize) {
+    let mut freed = 0;
     let mut remove = |map: &mut BTreeMap<OKey, Pending>, key: &[u8]| {
         if let Some((k, p)) = map.remove_entry(key) {
             freed += weight(&k, &p.value);
-            unheld += usize::from(holds(&k, &p.value));
         }
     };
     let mut in_run = vec![false; slice.len()];
@@ -251,7 +249,7 @@ pub(super) fn drop_applied(
             p.fresh = false;
         }
     }
-    (kept, freed, unheld)
+    (kept, freed)
 }
 
 /// After a failed write of `slice` to sled: sled may hold any of its writes, whole

@@ -14,7 +14,7 @@ use super::runs::{drop_applied, event_runs, forget_fresh, Taken, MERGE_BYTES};
 use super::{LoggedKv, LoggedOptions};
 use crate::{keys, Batch, Kv, SessionKeys, Store};
 
-pub(super) fn turn_at(ms: u64, n: u8) -> String {
+fn turn_at(ms: u64, n: u8) -> String {
     format!("t_{ms:012x}7000800000000000{n:04x}")
 }
 
@@ -30,21 +30,21 @@ fn event(session: &str, seq: u64, turn_id: &str) -> Event {
 }
 
 /// A transition's events, as the engine writes them.
-pub(super) fn events(session: &str, seqs: std::ops::RangeInclusive<u64>, turn_id: &str) -> Batch {
+fn events(session: &str, seqs: std::ops::RangeInclusive<u64>, turn_id: &str) -> Batch {
     let mut b = Batch::new();
     let evs: Vec<Event> = seqs.map(|s| event(session, s, turn_id)).collect();
     b.put_events(&evs);
     b
 }
 
-pub(super) fn keys_s(session: &str) -> SessionKeys<'_> {
+fn keys_s(session: &str) -> SessionKeys<'_> {
     SessionKeys {
         id: session,
         from_ms: Some(0),
     }
 }
 
-pub(super) fn seqs(store: &Store, session: &str) -> Vec<u64> {
+fn seqs(store: &Store, session: &str) -> Vec<u64> {
     store
         .stored_events(keys_s(session), 0, usize::MAX)
         .expect("events")
@@ -54,7 +54,7 @@ pub(super) fn seqs(store: &Store, session: &str) -> Vec<u64> {
 }
 
 /// The event keys of `session` in the main database's sled, as `seq`s.
-pub(super) fn sled_event_keys(kv: &LoggedKv, session: &str) -> Vec<u64> {
+fn sled_event_keys(kv: &LoggedKv, session: &str) -> Vec<u64> {
     let start = keys::event(session, 0);
     let end = keys::event_end(session);
     kv.inner

@@ -489,13 +489,13 @@ pub(crate) fn commit_during_next_slice(kv: &LoggedKv, batch: Batch) -> Arc<Mutex
     committed
 }
 
-pub(crate) fn put_new(k: &[u8], v: &str) -> Batch {
+fn put_new(k: &[u8], v: &str) -> Batch {
     let mut b = put(k, v);
     b.created_last();
     b
 }
 
-pub(crate) fn delete(k: &[u8]) -> Batch {
+fn delete(k: &[u8]) -> Batch {
     let mut b = Batch::new();
     b.delete(k.to_vec());
     b
