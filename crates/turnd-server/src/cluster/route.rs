@@ -155,7 +155,8 @@ impl Node {
         origin: Option<&Origin<'_>>,
     ) -> Result<Answer, ErrorBody> {
         if let Some(led) = self.led(p) {
-            return router::run(&led.engine, caller, op, args, origin).await;
+            let run = router::run(&led.engine, caller, op, args, origin);
+            return led.inflight.track_future(run).await;
         }
         if op == Op::Watch {
             return Err(ErrorBody::new(
@@ -196,12 +197,9 @@ impl Node {
         // A partition between leaders (a hand-over, a drain, a takeover) is
         // waited for, up to two leases, before the request is refused: nothing has
         // been sent yet, so the wait changes nothing but the answer's time. A node
-        // that drains does not wait: it is about to close its connections.
-        let patience = if self.draining.is_cancelled() {
-            Instant::now()
-        } else {
-            Instant::now() + Duration::from_millis(2 * self.cluster.lease_ms)
-        };
+        // that drains waits too: it closes its connections only once their
+        // requests are answered.
+        let patience = Instant::now() + Duration::from_millis(2 * self.cluster.lease_ms);
         let mut leader = self.leader_of(p, false).await;
         let msg = loop {
             let Some(to) = leader.clone() else {
