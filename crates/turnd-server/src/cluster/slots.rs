@@ -161,8 +161,15 @@ async fn partition_round(
     let standby_here = pl.holds(me);
     // A store behind the stream cannot lead: it copies the leader's checkpoint first.
     let behind = node.behind.lock().contains(&p);
+    // The preferred leader takes a lease that ran out only half a lease later: its
+    // holder, whose renewal was late (NATS slow, a hand-over settling), stops
+    // serving at its next round instead of having its log fenced under the writes
+    // in flight. A standby waits a whole lease.
     let should_lead = match free_for {
-        Some(f) => pl.leader == me || (standby_here && f >= node.cluster.lease_ms),
+        Some(f) => {
+            (pl.leader == me && f >= node.cluster.lease_ms / 2)
+                || (standby_here && f >= node.cluster.lease_ms)
+        }
         None => false,
     };
     if should_lead && !behind {
