@@ -373,13 +373,22 @@ async fn serve(
     }
     let limit = Duration::from_millis(shared.config.server.shutdown_timeout_ms);
     tracing::info!("shutting down: draining requests in progress");
-    shared.draining.cancel();
     drop(listeners.ws);
     // turn.wait requests end at once; every other request finishes its write. A
-    // node of a cluster hands its partitions over.
+    // node of a cluster hands its partitions over first, while its connections'
+    // requests are still taken (forwarded to the partitions' next leaders), and
+    // closes them only once nothing of it is left to serve.
     match &shared.backend {
-        backend::Backend::Single(engine) => engine.shutdown(),
-        backend::Backend::Cluster(node) => node.drain().await,
+        backend::Backend::Single(engine) => {
+            shared.draining.cancel();
+            engine.shutdown();
+        }
+        backend::Backend::Cluster(node) => {
+            node.drain().await;
+            // Each connection stops reading, answers what it started, and closes.
+            shared.closing.cancel();
+            shared.draining.cancel();
+        }
     }
     shared.requests.close();
     if tokio::time::timeout(limit, shared.requests.wait())

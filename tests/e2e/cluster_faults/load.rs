@@ -3,8 +3,9 @@
 //! for each try. A try that fails retryably (no leader yet, a connection closed on
 //! a write in doubt, a node down) goes again with the same key through another
 //! pick, within a bound; every acknowledgement goes to the [`History`] in the order
-//! it came. Every error is kept with its time, so that a window of the run (a
-//! rolling restart) can be asked how many requests failed in it.
+//! it came. Every error is kept with the time its request was sent, so that a
+//! window of the run (a rolling restart) can be asked how many of the requests
+//! sent in it failed.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,7 +28,8 @@ const MAX_PER_SESSION: u64 = 5_000;
 /// An error a caller saw, and when.
 #[derive(Debug, Clone)]
 pub struct Seen {
-    pub at: Instant,
+    /// When the request was sent.
+    pub sent: Instant,
     /// Which node the request went to.
     pub node: usize,
     pub what: String,
@@ -75,13 +77,14 @@ impl Load {
         Ok(())
     }
 
-    /// The errors seen from `from` to `to`.
+    /// The errors of the requests sent between `from` and `to` (one sent before
+    /// `from` failed for what happened before).
     pub fn errors_between(&self, from: Instant, to: Instant) -> Vec<Seen> {
         self.errors
             .lock()
             .map(|v| {
                 v.iter()
-                    .filter(|s| s.at >= from && s.at <= to)
+                    .filter(|s| s.sent >= from && s.sent <= to)
                     .cloned()
                     .collect()
             })
@@ -167,6 +170,7 @@ impl SessionCaller {
                 turn_timeout_ms: None,
                 on_busy: None,
             };
+            let sent = Instant::now();
             match self.try_on(node, args).await {
                 Ok(ok) => {
                     self.history.ack(Acked {
@@ -179,7 +183,7 @@ impl SessionCaller {
                 }
                 Err(e) => {
                     let seen = Seen {
-                        at: Instant::now(),
+                        sent,
                         node,
                         what: e.to_string(),
                         retryable: e.is_retryable() || matches!(e, ClientError::Connect(_)),
@@ -202,6 +206,14 @@ impl SessionCaller {
         node: usize,
         args: SubmitArgs,
     ) -> Result<turnd_proto::SubmitOk, ClientError> {
+        // A connection the node closed (it drained, it stopped) is not sent on: a
+        // caller connects again, as the SDKs do.
+        if self.callers[node]
+            .as_ref()
+            .is_some_and(|c| c.connection().is_closed())
+        {
+            self.callers[node] = None;
+        }
         if self.callers[node].is_none() {
             let c = tokio::time::timeout(
                 Duration::from_secs(3),

@@ -36,7 +36,8 @@ pub(super) fn router(node: Arc<Node>, shared: Arc<Shared>) -> Router {
 }
 
 async fn readyz(State(s): State<NodeState>) -> impl IntoResponse {
-    if s.shared.draining.is_cancelled() {
+    // The node drains (hands its partitions over) before the connections close.
+    if s.shared.draining.is_cancelled() || s.node.draining.is_cancelled() {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n");
     }
     (StatusCode::OK, "ready\n")

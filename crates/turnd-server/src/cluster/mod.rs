@@ -53,8 +53,13 @@ pub(crate) struct Led {
     pub engine: Engine,
     pub log: JetStreamLog,
     pub lease: Mutex<Lease>,
-    /// Serves forwarded requests; aborted when the node stops leading.
+    /// Serves forwarded requests; stopped (`rpc_stop`, then drained) when the node
+    /// hands the partition over, aborted when it must stop at once.
     pub rpc: tokio::task::JoinHandle<()>,
+    pub rpc_stop: CancellationToken,
+    /// The requests running on the engine (local and forwarded): a hand-over waits
+    /// for them before it stops the log.
+    pub inflight: tokio_util::task::TaskTracker,
     pub kv: Arc<turnd_store::LoggedKv>,
 }
 
@@ -304,9 +309,11 @@ impl Node {
         self.relays.connection_closed(conn_id);
     }
 
-    /// Hand every partition over and leave the cluster: partitions are given up one
-    /// by one (each engine stopped, its log stopped, its lease released) so that the
-    /// nodes that rank next take them at once; waits at most
+    /// Hand every partition over and leave the cluster: the node says it drains,
+    /// renews its leases and gives every partition up at once (its requests
+    /// settled, then its log stopped, its engine stopped, its lease released) so
+    /// that the nodes that rank next take them at once; meanwhile this node's
+    /// connections are still served (forwarded). Waits at most
     /// `cluster.drain_timeout_ms`.
     pub async fn drain(self: &Arc<Self>) {
         self.draining.cancel();

@@ -158,7 +158,8 @@ impl Node {
             .led(p)
             .filter(|l| l.lease.lock().runs_at(turnd_cluster::members::now_ms()))
         {
-            return router::run(&led.engine, caller, op, args, origin).await;
+            let run = router::run(&led.engine, caller, op, args, origin);
+            return led.inflight.track_future(run).await;
         }
         self.forward(p, caller, op, args).await.map(Answer::Reply)
     }
@@ -204,12 +205,9 @@ impl Node {
         // A partition between leaders (a hand-over, a drain, a takeover) is
         // waited for, up to two leases, before the request is refused: nothing has
         // been sent yet, so the wait changes nothing but the answer's time. A node
-        // that drains does not wait: it is about to close its connections.
-        let patience = if self.draining.is_cancelled() {
-            Instant::now()
-        } else {
-            Instant::now() + Duration::from_millis(2 * self.cluster.lease_ms)
-        };
+        // that drains waits too: it closes its connections only once their
+        // requests are answered.
+        let patience = Instant::now() + Duration::from_millis(2 * self.cluster.lease_ms);
         let mut leader = self.leader_of(p, false).await;
         let msg = loop {
             let Some(to) = leader.clone() else {

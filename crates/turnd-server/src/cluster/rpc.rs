@@ -3,13 +3,18 @@
 //! reaches one engine even if a node subscribed twice), runs
 //! each request through the router on its engine as the caller that sent it, and
 //! replies with the answer, a coded error, or "in doubt". A relayed `watch` starts
-//! a feed ([`super::feed`]) and is answered with where it starts.
+//! a feed ([`super::feed`]) and is answered with where it starts. A hand-over stops
+//! its intake gracefully: the subscription is drained (the requests NATS already
+//! delivered are still run and answered), and every request in progress is tracked
+//! so that the hand-over can wait for it before the log stops.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use turnd_engine::{Caller, Engine};
 use turnd_proto::{ErrorBody, ErrorCode, Op, Role};
 
@@ -48,11 +53,15 @@ pub(super) fn subject(p: u32, node: &str) -> String {
     format!("turnd.p.{p}.rpc.{node}")
 }
 
-/// Serve partition `p`'s forwarded requests on `engine` until aborted.
+/// Serve partition `p`'s forwarded requests on `engine` until `stop` (then the
+/// subscription is drained: what NATS delivered already is still served) or until
+/// aborted. Each request runs as a task of `inflight`.
 pub(super) async fn serve(
     node: &Arc<Node>,
     p: u32,
     engine: Engine,
+    stop: CancellationToken,
+    inflight: TaskTracker,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let client = node.nats.client().clone();
     let lease = Duration::from_millis(node.cluster.lease_ms);
@@ -67,12 +76,25 @@ pub(super) async fn serve(
         .await
         .map_err(|e| anyhow::anyhow!("subscribe to {}: {e}", subject(p, &node.id)))?;
     Ok(tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
+        let mut draining = false;
+        loop {
+            let next = tokio::select! {
+                m = sub.next() => m,
+                () = stop.cancelled(), if !draining => {
+                    draining = true;
+                    if let Err(e) = sub.drain().await {
+                        tracing::debug!(partition = p, "cluster: drain the forwards' subscription: {e}");
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let Some(msg) = next else { break };
             let Some(reply_to) = msg.reply.clone() else {
                 continue;
             };
             let (client, engine, cfg) = (client.clone(), engine.clone(), cfg.clone());
-            tokio::spawn(async move {
+            inflight.spawn(async move {
                 let reply = answer(&client, &engine, &msg.payload, cfg).await;
                 match serde_json::to_vec(&reply) {
                     Ok(body) => {

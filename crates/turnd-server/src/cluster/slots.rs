@@ -10,11 +10,12 @@
 //! the fence that deposes any other writer), opens an engine on it with the node's
 //! worker registry, records its epoch in the lease, and serves forwarded requests.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use turnd_cluster::lease::{Lease, Owner};
 use turnd_cluster::members::{self, Member};
 use turnd_cluster::standby::Standby;
@@ -60,7 +61,40 @@ pub(super) fn spawn(node: &Arc<Node>) -> tokio::task::JoinHandle<()> {
 /// One round of the loop.
 async fn round(node: &Arc<Node>) -> anyhow::Result<()> {
     let now = members::now_ms();
-    let draining = node.draining.is_cancelled();
+    put_member(node, now, node.draining.is_cancelled())
+        .await
+        .context("renew membership")?;
+    let all = node.members.all().await.context("read the members")?;
+    let live = members::placeable(&all, now);
+    *node.live.write() = live.clone();
+    put_marks(node).await;
+    let mut hand_over = Vec::new();
+    for p in 0..node.cluster.partitions {
+        if node.busy.lock().contains(&p) {
+            continue;
+        }
+        let placement = place(p, &live, node.cluster.standbys as usize);
+        match partition_round(node, p, placement, now).await {
+            Ok(true) => hand_over.push(p),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(partition = p, "cluster: {e:#}"),
+        }
+    }
+    // Hand-overs wait for their partitions' requests to settle: they run once every
+    // lease of the round is renewed, all at once, so that none delays another
+    // partition's renewal past its lease.
+    futures_util::future::join_all(
+        hand_over
+            .iter()
+            .map(|p| step_down(node, *p, "handed over to its preferred leader", true)),
+    )
+    .await;
+    Ok(())
+}
+
+/// Renew this node's membership (whether it drains: a draining node is placed
+/// nowhere).
+async fn put_member(node: &Node, now: u64, draining: bool) -> anyhow::Result<()> {
     node.members
         .put(&Member {
             node: node.id.clone(),
@@ -69,54 +103,47 @@ async fn round(node: &Arc<Node>) -> anyhow::Result<()> {
             admin: node.endpoints.1.clone(),
             draining,
         })
-        .await
-        .context("renew membership")?;
-    let all = node.members.all().await.context("read the members")?;
-    let live = members::placeable(&all, now);
-    *node.live.write() = live.clone();
-    put_marks(node).await;
-    for p in 0..node.cluster.partitions {
-        if node.busy.lock().contains(&p) {
-            continue;
-        }
-        let placement = place(p, &live, node.cluster.standbys as usize);
-        if let Err(e) = partition_round(node, p, placement, now).await {
-            tracing::warn!(partition = p, "cluster: {e:#}");
-        }
-    }
+        .await?;
     Ok(())
 }
 
-/// What this node does for partition `p` this round.
+/// What this node does for partition `p` this round; whether it hands the
+/// partition over to its preferred leader (once the round's leases are renewed).
 async fn partition_round(
     node: &Arc<Node>,
     p: u32,
     placement: Option<Placement>,
     now: u64,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<bool> {
     let me = node.id.as_str();
     if let Some(led) = node.led(p) {
         // Deposed (a node that took the partition wrote after us) or failed: give
         // it up, so that the lease goes to a node that can write.
         if let Some(why) = led.log.status().failure {
-            step_down(node, p, &format!("its log takes no more appends: {why}")).await;
-            return Ok(());
+            step_down(
+                node,
+                p,
+                &format!("its log takes no more appends: {why}"),
+                false,
+            )
+            .await;
+            return Ok(false);
         }
         if !renew(node, &led, now).await {
-            step_down(node, p, "its lease was lost").await;
-            return Ok(());
+            step_down(node, p, "its lease was lost", false).await;
+            return Ok(false);
         }
         // Its preferred leader is back and has caught up as a standby: hand it over.
-        if let Some(pl) = placement.as_ref().filter(|pl| pl.leader != me) {
-            if caught_up(node, &led, p, &pl.leader).await {
-                step_down(node, p, "handed over to its preferred leader").await;
-            }
-        }
-        return Ok(());
+        return Ok(match placement.as_ref().filter(|pl| pl.leader != me) {
+            Some(pl) => caught_up(node, &led, p, &pl.leader).await,
+            None => false,
+        });
     }
-    let Some(pl) = placement else { return Ok(()) };
+    let Some(pl) = placement else {
+        return Ok(false);
+    };
     if node.draining.is_cancelled() {
-        return Ok(());
+        return Ok(false);
     }
     let held = node.owners.get(p).await?;
     node.note_leader(p, held.as_ref(), now);
@@ -134,8 +161,15 @@ async fn partition_round(
     let standby_here = pl.holds(me);
     // A store behind the stream cannot lead: it copies the leader's checkpoint first.
     let behind = node.behind.lock().contains(&p);
+    // The preferred leader takes a lease that ran out only half a lease later: its
+    // holder, whose renewal was late (NATS slow, a hand-over settling), stops
+    // serving at its next round instead of having its log fenced under the writes
+    // in flight. A standby waits a whole lease.
     let should_lead = match free_for {
-        Some(f) => pl.leader == me || (standby_here && f >= node.cluster.lease_ms),
+        Some(f) => {
+            (pl.leader == me && f >= node.cluster.lease_ms / 2)
+                || (standby_here && f >= node.cluster.lease_ms)
+        }
         None => false,
     };
     if should_lead && !behind {
@@ -149,7 +183,7 @@ async fn partition_round(
             stop_standby(s);
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Whether `node_id`'s standby of partition `p` has applied nearly everything this
@@ -254,7 +288,8 @@ async fn lead(node: &Arc<Node>, p: u32, lease: Lease) -> anyhow::Result<()> {
     let engine = Engine::open_with(Store::new(kv.clone()), ecfg, node.workers.clone())
         .await
         .context("recover the partition's turns")?;
-    let rpc = super::rpc::serve(node, p, engine.clone())
+    let (rpc_stop, inflight) = (CancellationToken::new(), TaskTracker::new());
+    let rpc = super::rpc::serve(node, p, engine.clone(), rpc_stop.clone(), inflight.clone())
         .await
         .context("serve forwarded requests")?;
     let led = Arc::new(Led {
@@ -262,6 +297,8 @@ async fn lead(node: &Arc<Node>, p: u32, lease: Lease) -> anyhow::Result<()> {
         log,
         lease: parking_lot::Mutex::new(lease),
         rpc,
+        rpc_stop,
+        inflight,
         kv,
     });
     // The epoch into the lease at once, for `cluster status`.
@@ -424,15 +461,26 @@ fn stop_standby(s: Standby) {
     });
 }
 
-/// Stop leading partition `p`: no more forwarded requests, the log stopped (an
-/// append in flight is in doubt, and its connection is closed rather than
-/// answered), the engine shut down, the store closed, the lease released.
-pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str) {
+/// Stop leading partition `p`, gracefully: it takes no new requests (this node's
+/// own go the forward path, which waits for the next leader; the forwards'
+/// subscription is drained, so that what NATS delivered is still run), the
+/// requests in progress settle and are answered (for at most a third of a lease,
+/// so that the lease still runs when it is released), and only then is the log
+/// stopped (an append still in flight is in doubt, and its connection is closed
+/// rather than answered), the engine shut down, the store closed and the lease
+/// released, so that the next leader takes the partition at once. Without
+/// `settle` (its lease lost, its log deposed: another node may lead it already)
+/// nothing is waited for.
+pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str, settle: bool) {
     let Some(led) = node.led.write().remove(&p) else {
         return;
     };
     node.busy.lock().insert(p);
     tracing::info!(partition = p, "cluster: stepping down: {why}");
+    // A log that takes no more appends has nothing to settle.
+    if settle && led.log.status().failure.is_none() {
+        settled(&led, Duration::from_millis(node.cluster.lease_ms / 3)).await;
+    }
     led.rpc.abort();
     led.engine.shutdown();
     led.log.stop();
@@ -450,12 +498,50 @@ pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str) {
     node.busy.lock().remove(&p);
 }
 
-/// Give up every partition and every standby, then leave the members.
-pub(super) async fn drain(node: &Arc<Node>) {
-    let led: HashSet<u32> = node.led.read().keys().copied().collect();
-    for p in led {
-        step_down(node, p, "the node is draining").await;
+/// Stop `led`'s intake of forwarded requests and wait (at most `limit`) until
+/// every request running on its engine has been answered.
+async fn settled(led: &Led, limit: Duration) {
+    led.rpc_stop.cancel();
+    led.inflight.close();
+    let started = std::time::Instant::now();
+    let drained = async {
+        // The subscription drained: no forwarded request can start after this.
+        while !led.rpc.is_finished() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        led.inflight.wait().await;
+    };
+    if tokio::time::timeout(limit, drained).await.is_err() {
+        tracing::warn!(
+            running = led.inflight.len(),
+            "cluster: requests still running after {limit:?}; stopping the log under them"
+        );
+    } else {
+        tracing::debug!(
+            millis = started.elapsed().as_millis() as u64,
+            "cluster: the partition's requests settled"
+        );
     }
+}
+
+/// Give up every partition and every standby, then leave the members. The leases
+/// are renewed first and the partitions handed over all at once, so that none runs
+/// out while this node still serves it (a lease that ran out lets another node take
+/// the partition and fence its log under the writes in flight here).
+pub(super) async fn drain(node: &Arc<Node>) {
+    let led = node.all_led();
+    let now = members::now_ms();
+    if let Err(e) = put_member(node, now, true).await {
+        tracing::warn!("cluster: say that the node drains: {e}");
+    }
+    futures_util::future::join_all(led.iter().map(|(p, l)| async move {
+        if renew(node, l, now).await {
+            step_down(node, *p, "the node is draining", true).await;
+        } else {
+            step_down(node, *p, "its lease was lost while draining", false).await;
+        }
+    }))
+    .await;
     let standbys: Vec<Standby> = node.standbys.lock().drain().map(|(_, s)| s).collect();
     for s in standbys {
         stop_standby(s);

@@ -1,6 +1,7 @@
 //! The reader task of a connection: it waits for the next frame (the peer's silence
 //! for 3 heartbeats, the daemon closing and the engine closing the connection end
-//! it), answers frames that are not requests and counts them (too many in a row
+//! it; on the daemon's close it stops reading and waits for the answers of the
+//! requests it started, so that none is left unanswered), answers frames that are not requests and counts them (too many in a row
 //! close the connection), holds the request rate, runs `hello` and
 //! `invocation.progress` in line and starts every other request
 //! ([`super::request::start`]).
@@ -90,6 +91,7 @@ impl Reader {
             n = tokio::time::timeout(self.heartbeat * 3, stream.next()) => n,
             _ = conn.outbox.closed() => return Err(None),
             _ = conn.shared.closing.cancelled() => {
+                self.answered().await;
                 return Err(Some((1001, "server shutting down".into())));
             }
         };
@@ -113,6 +115,24 @@ impl Reader {
                 Err(None)
             }
             Ok(Some(Ok(m))) => Ok(m),
+        }
+    }
+
+    /// Wait (for at most `server.shutdown_timeout_ms`) until every request this
+    /// connection started has queued its answer, reading no more frames meanwhile.
+    async fn answered(&self) {
+        let conn = &self.conn;
+        let limit = Duration::from_millis(conn.shared.config.server.shutdown_timeout_ms);
+        let deadline = tokio::time::Instant::now() + limit;
+        while conn.inflight.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    conn_id = conn.outbox.conn_id,
+                    "requests unanswered at close"
+                );
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
