@@ -19,7 +19,7 @@ use turnd_cluster::testing::Rig;
 use turnd_proto::{SubmitArgs, TurnStatus};
 use turnd_tests::cluster::{
     all_led, check_clean, echo_worker, echo_worker_on_all, nats_list, retrying, signal, start_node,
-    status, PARTITIONS,
+    start_three, status, PARTITIONS,
 };
 use turnd_tests::{need_nats, BinDaemon};
 
@@ -88,10 +88,7 @@ impl Cluster {
     async fn start(concurrency: u32) -> anyhow::Result<Cluster> {
         let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
         let root = tempfile::tempdir()?;
-        let mut nodes = Vec::new();
-        for i in 0..3 {
-            nodes.push(node(&rig, root.path(), i).await?);
-        }
+        let nodes = start_three(&rig, root.path(), &[]).await?;
         let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
         all_led(&nodes[0].admin, &["n0", "n1", "n2"], 30).await?;
         let worker = echo_worker(&urls, concurrency).await;
@@ -369,10 +366,7 @@ async fn a_paused_leader_wakes_deposed_and_gives_up() -> anyhow::Result<()> {
     need_nats!();
     let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
     let root = tempfile::tempdir()?;
-    let mut nodes = Vec::new();
-    for i in 0..3 {
-        nodes.push(node(&rig, root.path(), i).await?);
-    }
+    let nodes = start_three(&rig, root.path(), &[]).await?;
     let pids: Vec<u32> = nodes.iter().filter_map(|n| n.child.id()).collect();
     eprintln!("nats-server pids {:?}, turnd pids {pids:?}", rig.pids());
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();

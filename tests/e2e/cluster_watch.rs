@@ -18,7 +18,7 @@ use turnd_client::{Caller, ClientError, FunctionSpec, Worker};
 use turnd_cluster::testing::Rig;
 use turnd_proto::{Event, Failure, Outcome, SubmitArgs, TurnStatus, WatchArgs};
 use turnd_tests::cluster::{
-    all_led, echo_worker_on_all, leader_of, signal, start_node_with, status, PARTITIONS,
+    all_led, echo_worker_on_all, leader_of, signal, start_three, status, PARTITIONS,
 };
 use turnd_tests::{all_events, eventually};
 
@@ -141,20 +141,7 @@ async fn a_watch_on_any_node_sees_every_event_once_across_a_killed_leader() -> a
     turnd_tests::need_nats!();
     let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
     let root = tempfile::tempdir()?;
-    let mut nodes = Vec::new();
-    for i in 0..3 {
-        nodes.push(
-            start_node_with(
-                root.path(),
-                i,
-                &rig.urls(),
-                &rig.sys_url(i % 3),
-                "127.0.0.1:0",
-                &[],
-            )
-            .await?,
-        );
-    }
+    let mut nodes = start_three(&rig, root.path(), &[]).await?;
     let pids: Vec<u32> = nodes.iter().filter_map(|n| n.child.id()).collect();
     eprintln!("nats-server pids {:?}, turnd pids {pids:?}", rig.pids());
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
@@ -276,20 +263,7 @@ async fn a_relayed_watcher_that_does_not_read_is_closed_as_a_slow_reader() -> an
         ("TURND_SERVER__HEARTBEAT_MS", "20000"),
         ("TURND_SERVER__WRITE_STALL_MS", "120000"),
     ];
-    let mut nodes = Vec::new();
-    for i in 0..3 {
-        nodes.push(
-            start_node_with(
-                root.path(),
-                i,
-                &rig.urls(),
-                &rig.sys_url(i % 3),
-                "127.0.0.1:0",
-                &small,
-            )
-            .await?,
-        );
-    }
+    let nodes = start_three(&rig, root.path(), &small).await?;
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
     let admin = nodes[2].admin.clone();
     all_led(&admin, &["n0", "n1", "n2"], 30).await?;

@@ -80,6 +80,21 @@ pub async fn start_node_with(
     BinDaemon::start_on(&root.join(&id), listen, &env).await
 }
 
+/// Nodes `n0`, `n1`, `n2` on `rig`, their data under `root`, each with `extra`
+/// settings besides [`start_node`]'s.
+pub async fn start_three(
+    rig: &turnd_cluster::testing::Rig,
+    root: &std::path::Path,
+    extra: &[(&str, &str)],
+) -> anyhow::Result<Vec<BinDaemon>> {
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let sys = rig.sys_url(i % 3);
+        nodes.push(start_node_with(root, i, &rig.urls(), &sys, "127.0.0.1:0", extra).await?);
+    }
+    Ok(nodes)
+}
+
 /// The cluster as the node with admin address `admin` shows it (`GET /cluster`).
 pub async fn status(admin: &str) -> anyhow::Result<Value> {
     let (code, body) = http_get(admin, "/cluster").await?;

@@ -20,11 +20,12 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use turnd_engine::{CloseReason, Engine, Outbox};
 use turnd_proto::{ErrorBody, ErrorCode, WatchArgs};
 

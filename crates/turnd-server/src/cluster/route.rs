@@ -12,11 +12,12 @@
 //! node the caller is connected to ([`super::relay`]).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::join_all;
 use serde::Deserialize;
+use tokio::time::Instant;
 use turnd_engine::{Caller, EngineError};
 use turnd_proto::*;
 
