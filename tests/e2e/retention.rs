@@ -655,9 +655,21 @@ async fn windows_past_their_writes_run_no_flusher_thread() -> anyhow::Result<()>
     restart_and_read_back(d, &env, &ids).await
 }
 
-/// Open file descriptors of a process.
-fn open_files(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+/// The time windows under `data` (their directory names) whose sled file process
+/// `pid` has open now (a closed window keeps only its value file open).
+fn windows_with_sled_open(pid: u32, data: &std::path::Path) -> std::collections::BTreeSet<String> {
+    let windows = data.join("windows");
+    let windows = std::fs::canonicalize(&windows).unwrap_or(windows);
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return std::collections::BTreeSet::new();
+    };
+    fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| target.file_name().is_some_and(|f| f == "db"))
+        .filter_map(|target| {
+            let window = target.parent()?.strip_prefix(&windows).ok()?;
+            Some(window.to_string_lossy().into_owned())
+        })
+        .collect()
 }
 
 /// A window no read or write used for `storage.window_close_ms` is closed (its sled
@@ -673,7 +685,7 @@ async fn unused_windows_are_closed_and_opened_again_by_a_read() -> anyhow::Resul
     let c = Caller::connect(&d.url, None).await?;
     let ids = turns_for_a_dozen_windows(&c).await?;
     let pid = d.child.id().context("daemon pid")?;
-    let files_before = open_files(pid);
+    let open_before = windows_with_sled_open(pid, &data);
     let closed_gauge = || async {
         let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
         Some((
@@ -695,23 +707,32 @@ async fn unused_windows_are_closed_and_opened_again_by_a_read() -> anyhow::Resul
         Err(e) => anyhow::bail!("{e}: windows, closed, reopens = {:?}", closed_gauge().await),
     };
     assert_eq!(reopens, 0.0, "nothing read them yet");
-    let files_after = open_files(pid);
-    println!("{closed} of {windows} windows closed; open files {files_before} -> {files_after}");
-    assert!(
-        files_after + 2 * (closed as usize - 1) <= files_before,
-        "closing {closed} windows closed their sled files: {files_before} -> {files_after}"
+    // Only the windows still open have their sled files open.
+    let open_after = windows_with_sled_open(pid, &data);
+    println!("{closed} of {windows} windows closed; windows with sled open {open_before:?} -> {open_after:?}");
+    assert!(open_before.len() as f64 >= windows, "{open_before:?}");
+    assert_eq!(
+        open_after.len() as f64,
+        windows - closed,
+        "closing {closed} of {windows} windows closed their sled files: {open_after:?}"
     );
     // The session's list reads the windows its turns are in, each opened again as
     // it is read.
-    let listed = c.list(list("win")).await?;
+    let listed = c
+        .list(list("win"))
+        .await
+        .context("list the session over its closed windows")?;
     assert_eq!(listed.turns.len(), ids.len().min(100));
-    let (_, still_closed, reopens) = closed_gauge().await.context("metrics")?;
+    let (_, still_closed, reopens) = closed_gauge()
+        .await
+        .context("the window gauges after the list")?;
     assert!(
         reopens >= 1.0 && still_closed < closed,
         "{reopens} reopens, {still_closed} of {windows} still closed"
     );
     for id in [&ids[ids.len() / 2], &ids[ids.len() - 1]] {
-        assert_eq!(c.get(id).await?.status, TurnStatus::Completed, "{id}");
+        let got = c.get(id).await.with_context(|| format!("get {id}"))?;
+        assert_eq!(got.status, TurnStatus::Completed, "{id}");
     }
     w.shutdown();
     restart_and_read_back(d, &env, &ids).await

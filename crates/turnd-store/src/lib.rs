@@ -52,7 +52,9 @@ pub use model::{
     event_heads, event_value, keys, next_page, records, Batch, Entry, EventHead, KvOp,
     EVENTS_PER_VALUE,
 };
-pub use sled::{SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB};
+pub use sled::{
+    open_when_unlocked, SledOptions, SyncMode, DEFAULT_CACHE_MB, DEFAULT_CHECKPOINT_MB,
+};
 pub use stats::{CommitStats, SYNC_BUCKETS, SYNC_BUCKET_BOUNDS};
 pub use store::Store;
 pub use windows::{WindowInfo, WindowOptions};

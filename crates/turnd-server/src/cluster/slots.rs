@@ -21,7 +21,7 @@ use turnd_cluster::members::{self, Member};
 use turnd_cluster::standby::Standby;
 use turnd_cluster::{JetStreamLog, LogConfig, LogError, Nats};
 use turnd_engine::{Engine, Partition};
-use turnd_store::{LoggedKv, Store};
+use turnd_store::{open_when_unlocked, LoggedKv, Store};
 
 use super::placement::{place, Placement};
 use super::{Led, Node};
@@ -333,13 +333,17 @@ async fn open_leading(
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         let mut handle = None;
         let mut behind = None;
-        let opened = LoggedKv::open_with_log(&dir, opts, |applied| {
-            let opened =
-                JetStreamLog::lead(&nats, &lcfg, &me, applied, Some(marks)).inspect_err(|e| {
-                    behind = Some(e.clone()).filter(|e| matches!(e, LogError::Behind { .. }))
-                })?;
-            handle = Some(opened.log.clone());
-            Ok(opened.boxed())
+        // The standby just stopped (or a checkpoint was just installed) on this
+        // directory: sled may hold its file lock a moment longer.
+        let opened = open_when_unlocked(|| {
+            LoggedKv::open_with_log(&dir, opts, |applied| {
+                let opened = JetStreamLog::lead(&nats, &lcfg, &me, applied, Some(marks.clone()))
+                    .inspect_err(|e| {
+                        behind = Some(e.clone()).filter(|e| matches!(e, LogError::Behind { .. }))
+                    })?;
+                handle = Some(opened.log.clone());
+                Ok(opened.boxed())
+            })
         });
         if let Some(b) = behind {
             return Err(anyhow::Error::new(b));

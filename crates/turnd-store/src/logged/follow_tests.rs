@@ -88,8 +88,10 @@ async fn a_follower_holds_what_the_leader_holds_and_a_takeover_replays_the_rest(
     // A takeover: the standby's directory opened on the whole log replays only the
     // records past the follower's mark.
     let copy = log_of(&records);
-    let (standby, replayed) = LoggedKv::open_with_log(standby_dir.path(), slow(), |a| {
-        copy.open(a).map(Opened::boxed)
+    let (standby, replayed) = crate::sled::open_when_unlocked(|| {
+        LoggedKv::open_with_log(standby_dir.path(), slow(), |a| {
+            copy.open(a).map(Opened::boxed)
+        })
     })
     .expect("open the standby's store");
     assert_eq!(
@@ -152,9 +154,11 @@ async fn a_checkpoint_installed_elsewhere_replays_only_what_came_after_it() {
     let got = super::install_checkpoint(&dir, &mut &ckpt[..], slow()).expect("install");
     assert_eq!(got, info);
     let copy = log_of(&records);
-    let (installed, replayed) =
+    // The install's own sled handle may hold the file lock a moment after it closed.
+    let (installed, replayed) = crate::sled::open_when_unlocked(|| {
         LoggedKv::open_with_log(&dir, slow(), |a| copy.open(a).map(Opened::boxed))
-            .expect("open the installed store");
+    })
+    .expect("open the installed store");
     assert_eq!(
         replayed.records, 20,
         "only the records after the checkpoint"

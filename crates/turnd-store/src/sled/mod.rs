@@ -119,8 +119,11 @@ const REOPEN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 /// Run `open` until sled's file lock is no longer refused, for up to
 /// `REOPEN_PATIENCE`. The lock goes with the last reference to sled's file, which a
 /// thread of sled's may hold for a moment after a handle on the same directory is
-/// dropped (a checkpoint's close, or a store closed and opened again in one process).
-pub(crate) fn open_when_unlocked<T>(
+/// dropped (a checkpoint's close, a standby stopped before its node takes the
+/// partition over, or a store closed and opened again in one process). Only for a
+/// directory this process itself just closed: another process's lock is waited for
+/// in vain.
+pub fn open_when_unlocked<T>(
     mut open: impl FnMut() -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
     let give_up = std::time::Instant::now() + REOPEN_PATIENCE;
