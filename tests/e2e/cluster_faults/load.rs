@@ -110,24 +110,33 @@ fn session_name(s: usize) -> String {
         .unwrap_or_else(|| format!("fs{s}"))
 }
 
-/// `errors` counted by kind: refused by a node that stops (`shutting_down`),
-/// closed unanswered, refused with no leader, refused otherwise, a node that could
-/// not be reached.
+/// The kind of error `e` is: refused by a node that stops (`shutting_down`),
+/// refused with no leader, refused otherwise, a node that could not be reached,
+/// closed unanswered, or something else.
+pub fn kind(e: &Seen) -> &'static str {
+    if e.what.contains("shutting_down") {
+        "shutting_down"
+    } else if e.what.contains("has no leader now") {
+        "unavailable: no leader"
+    } else if e.what.starts_with("server refused") {
+        "refused otherwise"
+    } else if e.what.starts_with("failed to connect") {
+        "not reached"
+    } else if e
+        .what
+        .contains("connection closed before the answer arrived")
+    {
+        "closed unanswered"
+    } else {
+        "other"
+    }
+}
+
+/// `errors` counted by [`kind`].
 pub fn tally(errors: &[Seen]) -> std::collections::BTreeMap<&'static str, usize> {
     let mut t = std::collections::BTreeMap::new();
     for e in errors {
-        let kind = if e.what.contains("shutting_down") {
-            "shutting_down"
-        } else if e.what.contains("has no leader now") {
-            "unavailable: no leader"
-        } else if e.what.starts_with("server refused") {
-            "refused otherwise"
-        } else if e.what.starts_with("failed to connect") {
-            "not reached"
-        } else {
-            "closed unanswered"
-        };
-        *t.entry(kind).or_insert(0) += 1;
+        *t.entry(kind(e)).or_insert(0) += 1;
     }
     t
 }
