@@ -356,6 +356,62 @@ async fn a_node_with_other_partitions_is_refused() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A node starts while one NATS server of three is down (its system-account URL
+/// the dead server's first): a proven majority answered, so the missing server is
+/// pending, shown in `/cluster` and `/metrics`, not refused; the node leads and
+/// serves; once the server is back, the node checks it and nothing is pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_starts_while_a_nats_server_is_down_and_checks_it_when_it_is_back(
+) -> anyhow::Result<()> {
+    need_nats!();
+    let mut rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+    let root = tempfile::tempdir()?;
+    // The partitions' streams are made while every server is up.
+    let n0 = node(&rig, root.path(), 0).await?;
+    all_led(&n0.admin, &["n0"], 30).await?;
+    rig.kill9(2);
+    let sys = format!("{},{}", rig.sys_url(2), rig.sys_url(1));
+    let n1 = start_node(root.path(), 1, &rig.urls(), &sys, "127.0.0.1:0").await?;
+    let pending = |st: &Value| st["nats"]["pending"].as_array().map_or(0, Vec::len);
+    let st = status(&n1.admin).await?;
+    assert!(pending(&st) > 0, "nothing pending with a server down: {st}");
+    let (_, metrics) = turnd_tests::http_get(&n1.admin, "/metrics").await?;
+    assert!(
+        turnd_tests::metric(&metrics, "turnd_cluster_nats_pending").is_some_and(|v| v > 0.0),
+        "{metrics}"
+    );
+    // It takes its share of the partitions and serves turns of every partition.
+    let urls = vec![n0.url.clone(), n1.url.clone()];
+    let worker = echo_worker_on_all(&urls).await;
+    let acked = submit_all(&n1.url, "down", 2 * PARTITIONS as usize).await?;
+    all_completed(&n1.url, &acked).await?;
+    turnd_tests::eventually(30, "node n1 leads a partition", || async {
+        let st = status(&n1.admin).await.ok()?;
+        st["leading"]
+            .as_array()
+            .filter(|l| !l.is_empty())
+            .map(|_| ())
+    })
+    .await?;
+    // The server back: the node's next check finds it, and nothing is pending.
+    rig.restart(2).map_err(anyhow::Error::msg)?;
+    let began = Instant::now();
+    turnd_tests::eventually(30, "the returned server is checked", || async {
+        let st = status(&n1.admin).await.ok()?;
+        (pending(&st) == 0 && st["nats"]["unproven"].as_array().is_some_and(Vec::is_empty))
+            .then_some(())
+    })
+    .await?;
+    println!(
+        "pending cleared {:?} after the restart began",
+        began.elapsed()
+    );
+    worker.shutdown();
+    n1.kill().await?;
+    n0.kill().await?;
+    Ok(())
+}
+
 /// A leader paused (SIGSTOP) past its leases loses its partitions to the others;
 /// woken (SIGCONT), it finds its logs deposed and its leases gone, gives the
 /// partitions up instead of writing, and later takes back those it should lead

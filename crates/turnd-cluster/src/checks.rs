@@ -22,6 +22,11 @@
 //!
 //! Whatever cannot be proven is refused unless the operator set the explicit unsafe
 //! flag; then it is allowed with a warning naming what was not proven.
+//!
+//! A server that is down does not answer. When a majority of the JetStream cluster
+//! answered and every server that answered is proven, the servers missing are
+//! *pending*, not refused: a node may start while one server of three is down, and
+//! checks the missing ones again ([`check_servers`] once more) until they answer.
 
 use std::time::Duration;
 
@@ -53,6 +58,17 @@ pub struct ServerFacts {
 pub struct Report {
     pub servers: Vec<ServerFacts>,
     pub unproven: Vec<String>,
+    /// Servers that did not answer while a majority of the cluster did and was
+    /// proven: to be checked when they answer.
+    pub pending: Vec<String>,
+}
+
+/// `url` without the user and password it may carry (what errors and logs show).
+pub fn shown(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}{}", &url[..s + 3], &url[at + 1..]),
+        _ => url.to_string(),
+    }
 }
 
 /// `major.minor.patch` of a server's version string (`2.15.1`, `v2.10.23-RC.1`).
@@ -64,40 +80,63 @@ pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
 }
 
 /// Check the servers at `urls` (each connected to in turn) and, with `sys` (a
-/// connection of the system account), their sync setting. Err when something is
-/// not proven safe and `allow_unsafe` is false.
+/// connection of the system account), their sync setting. Err when no server
+/// answers, or when something is not proven safe and `allow_unsafe` is false;
+/// servers missing while a proven majority answered are `pending` in the report.
 pub async fn check_servers(
     urls: &[String],
     sys: Option<&async_nats::Client>,
     allow_unsafe: bool,
 ) -> Result<Report, LogError> {
-    let mut servers = Vec::new();
-    for url in urls {
-        let c = tokio::time::timeout(WAIT, crate::nats::connect_one(url))
-            .await
-            .map_err(|_| LogError::Nats(format!("connect to {url}: timed out")))??;
-        let info = c.server_info();
-        servers.push(ServerFacts {
-            name: info.server_name.clone(),
-            version: info.version.clone(),
-            jetstream: info.jetstream,
-            sync_always: None,
-        });
-        if let Err(e) = c.drain().await {
-            tracing::debug!("close the check's connection to {url}: {e}");
-        }
+    let (mut servers, unreachable) = server_infos(urls).await;
+    if servers.is_empty() {
+        return Err(LogError::Nats(format!(
+            "no NATS server answered: {}",
+            unreachable.join("; ")
+        )));
     }
     let mut unproven = Vec::new();
+    let mut pending = Vec::new();
     match sys {
-        Some(sys) => sync_settings(sys, &mut servers, &mut unproven).await?,
-        None => unproven.push(
-            "the servers' sync setting (no system-account connection to read their varz)".into(),
-        ),
+        Some(sys) => {
+            let heard = sync_settings(sys, &mut servers, &mut unproven).await?;
+            let missing = heard.size.saturating_sub(heard.answered);
+            let to = if heard.majority() {
+                &mut pending
+            } else {
+                &mut unproven
+            };
+            if missing > 0 || heard.answered == 0 {
+                to.push(format!(
+                    "the sync setting of every server ({} of {} answered)",
+                    heard.answered,
+                    heard.size.max(1)
+                ));
+            }
+            to.extend(unreachable.into_iter().map(|u| format!("server {u}")));
+        }
+        None => {
+            unproven.push(
+                "the servers' sync setting (no system-account connection to read their varz)"
+                    .into(),
+            );
+            unproven.extend(unreachable.into_iter().map(|u| format!("server {u}")));
+        }
     }
     for s in &servers {
         unproven.extend(judge(s));
     }
-    let report = Report { servers, unproven };
+    let report = Report {
+        servers,
+        unproven,
+        pending,
+    };
+    if !report.pending.is_empty() && report.unproven.is_empty() {
+        tracing::warn!(
+            "NATS: a majority of the servers is proven to sync before it acknowledges; checked again until they answer: {}",
+            report.pending.join("; ")
+        );
+    }
     if report.unproven.is_empty() {
         return Ok(report);
     }
@@ -112,6 +151,37 @@ pub async fn check_servers(
         "NATS is not proven to sync before it acknowledges (set the unsafe flag to run anyway): {}",
         report.unproven.join("; ")
     )))
+}
+
+/// What each server at `urls` says of itself (connected to in turn), and the URLs
+/// that did not answer, each with why.
+async fn server_infos(urls: &[String]) -> (Vec<ServerFacts>, Vec<String>) {
+    let mut servers = Vec::new();
+    let mut unreachable = Vec::new();
+    for url in urls {
+        let c = match tokio::time::timeout(WAIT, crate::nats::connect_one(url)).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                unreachable.push(format!("{}: {e}", shown(url)));
+                continue;
+            }
+            Err(_) => {
+                unreachable.push(format!("{}: timed out", shown(url)));
+                continue;
+            }
+        };
+        let info = c.server_info();
+        servers.push(ServerFacts {
+            name: info.server_name.clone(),
+            version: info.version.clone(),
+            jetstream: info.jetstream,
+            sync_always: None,
+        });
+        if let Err(e) = c.drain().await {
+            tracing::debug!("close the check's connection to {}: {e}", shown(url));
+        }
+    }
+    (servers, unreachable)
 }
 
 /// What is not proven safe of one server.
@@ -171,13 +241,28 @@ struct VarzMeta {
     cluster_size: usize,
 }
 
+/// How many servers answered a varz request, of the JetStream cluster's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Heard {
+    answered: usize,
+    size: usize,
+}
+
+impl Heard {
+    /// Whether more than half of the cluster answered.
+    fn majority(self) -> bool {
+        self.answered > 0 && self.answered * 2 > self.size
+    }
+}
+
 /// Ask every server for its varz over the system account, and note each one's
-/// sync setting in `servers` (adding those not connected to by URL).
+/// sync setting in `servers` (adding those not connected to by URL); a server
+/// that answered without its setting is `unproven`.
 async fn sync_settings(
     sys: &async_nats::Client,
     servers: &mut Vec<ServerFacts>,
     unproven: &mut Vec<String>,
-) -> Result<(), LogError> {
+) -> Result<Heard, LogError> {
     let inbox = sys.new_inbox();
     let mut sub = sys
         .subscribe(inbox.clone())
@@ -214,16 +299,13 @@ async fn sync_settings(
             break;
         }
     }
-    if answered == 0 || answered < cluster_size {
-        unproven.push(format!(
-            "the sync setting of every server ({answered} of {} answered)",
-            cluster_size.max(1)
-        ));
-    }
     for s in servers.iter().filter(|s| s.sync_always.is_none()) {
         unproven.push(format!("the sync setting of server {}", s.name));
     }
-    Ok(())
+    Ok(Heard {
+        answered,
+        size: cluster_size.max(answered),
+    })
 }
 
 #[cfg(test)]
@@ -244,5 +326,21 @@ mod tests {
         assert_eq!(judge(&s("2.10.23")), Vec::<String>::new());
         assert_eq!(judge(&s("2.10.22")).len(), 1);
         assert_eq!(judge(&s("2.9.10")).len(), 1);
+    }
+
+    #[test]
+    fn a_majority_is_more_than_half_and_urls_lose_their_password() {
+        let h = |answered, size| Heard { answered, size }.majority();
+        assert!(h(2, 3));
+        assert!(h(1, 1));
+        assert!(!h(1, 3));
+        assert!(!h(2, 4));
+        assert!(!h(0, 0));
+        assert_eq!(
+            shown("nats://sys:secret@10.0.0.1:4222"),
+            "nats://10.0.0.1:4222"
+        );
+        assert_eq!(shown("nats://10.0.0.1:4222"), "nats://10.0.0.1:4222");
+        assert_eq!(shown("tls://u:p@w@h:1"), "tls://h:1");
     }
 }

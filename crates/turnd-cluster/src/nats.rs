@@ -37,13 +37,20 @@ pub fn with_url_auth(
 
 /// Connect to `url` alone with the defaults (and the URL's user and password).
 pub async fn connect_one(url: &str) -> Result<async_nats::Client, LogError> {
+    connect_any(&[url.to_string()]).await
+}
+
+/// Connect to the first of `urls` that answers, with the defaults (and the first
+/// URL's user and password).
+pub async fn connect_any(urls: &[String]) -> Result<async_nats::Client, LogError> {
     let opts = with_url_auth(
         async_nats::ConnectOptions::new().connection_timeout(CONNECT_TIMEOUT),
-        &[url.to_string()],
+        urls,
     )?;
-    async_nats::connect_with_options(url, opts)
+    let shown: Vec<String> = urls.iter().map(|u| crate::checks::shown(u)).collect();
+    async_nats::connect_with_options(urls.to_vec(), opts)
         .await
-        .map_err(|e| LogError::nats(&format!("connect to {url}"), e))
+        .map_err(|e| LogError::nats(&format!("connect to {}", shown.join(",")), e))
 }
 
 /// A tokio runtime that shuts down in the background when dropped, so that a
@@ -93,7 +100,10 @@ impl Nats {
             .spawn(async move { async_nats::connect_with_options(addrs, opts).await })
             .await
             .map_err(|e| LogError::nats("connect", e))?
-            .map_err(|e| LogError::nats(&format!("connect to {}", urls.join(",")), e))?;
+            .map_err(|e| {
+                let shown: Vec<String> = urls.iter().map(|u| crate::checks::shown(u)).collect();
+                LogError::nats(&format!("connect to {}", shown.join(",")), e)
+            })?;
         let js = jetstream::new(client.clone());
         Ok(Arc::new(Nats {
             client,

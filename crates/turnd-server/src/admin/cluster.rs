@@ -75,50 +75,9 @@ async fn metrics(State(s): State<NodeState>) -> Response {
         led.len() as i64,
     );
     register_partitions(&mut reg, &s.node, &led);
-    let c = &s.node.counters;
-    for (name, help, counter) in [
-        (
-            "forwarded",
-            "Requests forwarded to another node's partition",
-            &c.forwarded,
-        ),
-        ("takeovers", "Partitions this node took over", &c.takeovers),
-        (
-            "handovers",
-            "Partitions this node stopped leading",
-            &c.handovers,
-        ),
-        (
-            "checkpoints_copied",
-            "Checkpoints of a partition's store this node copied from its leader",
-            &c.checkpoints_copied,
-        ),
-        (
-            "checkpoints_served",
-            "Checkpoints of a led partition's store this node put for another node",
-            &c.checkpoints_served,
-        ),
-    ] {
-        gauge(&mut reg, name, help, counter.get() as i64);
+    for (name, help, v) in node_gauges(&s.node) {
+        gauge(&mut reg, name, help, i64::try_from(v).unwrap_or(i64::MAX));
     }
-    gauge(
-        &mut reg,
-        "watches",
-        "Watches this node's connections hold, each relayed from its partition's leader",
-        s.node.relays.count() as i64,
-    );
-    gauge(
-        &mut reg,
-        "feeds",
-        "Relayed watches this node feeds as their partition's leader",
-        s.node.feeds.load(std::sync::atomic::Ordering::Relaxed) as i64,
-    );
-    gauge(
-        &mut reg,
-        "watch_resumes",
-        "Tries to resume a relayed watch on its partition's next leader",
-        c.watch_resumes.get() as i64,
-    );
     let mut body = String::new();
     if let Err(e) = encode(&mut body, &reg) {
         return (
@@ -140,6 +99,64 @@ async fn metrics(State(s): State<NodeState>) -> Response {
 
 /// The gauges by partition: standbys' lag, and the epoch and active sessions of
 /// each partition led here.
+/// The node's counters and counts, each a gauge: (name, help, value).
+fn node_gauges(node: &Node) -> Vec<(&'static str, &'static str, u64)> {
+    let c = &node.counters;
+    let checks = node.servers.lock().clone();
+    vec![
+        (
+            "forwarded",
+            "Requests forwarded to another node's partition",
+            c.forwarded.get(),
+        ),
+        (
+            "takeovers",
+            "Partitions this node took over",
+            c.takeovers.get(),
+        ),
+        (
+            "handovers",
+            "Partitions this node stopped leading",
+            c.handovers.get(),
+        ),
+        (
+            "checkpoints_copied",
+            "Checkpoints of a partition's store this node copied from its leader",
+            c.checkpoints_copied.get(),
+        ),
+        (
+            "checkpoints_served",
+            "Checkpoints of a led partition's store this node put for another node",
+            c.checkpoints_served.get(),
+        ),
+        (
+            "nats_pending",
+            "Checks of NATS servers that did not answer since this node started, made again until they answer",
+            checks.pending.len() as u64,
+        ),
+        (
+            "nats_unproven",
+            "Findings of a later check that a NATS server is not proven to sync before it acknowledges",
+            checks.unproven.len() as u64,
+        ),
+        (
+            "watches",
+            "Watches this node's connections hold, each relayed from its partition's leader",
+            node.relays.count() as u64,
+        ),
+        (
+            "feeds",
+            "Relayed watches this node feeds as their partition's leader",
+            node.feeds.load(std::sync::atomic::Ordering::Relaxed),
+        ),
+        (
+            "watch_resumes",
+            "Tries to resume a relayed watch on its partition's next leader",
+            c.watch_resumes.get(),
+        ),
+    ]
+}
+
 fn register_partitions(reg: &mut Registry, node: &Node, led: &[(u32, Arc<crate::cluster::Led>)]) {
     let standbys = node.status_standbys();
     gauge(

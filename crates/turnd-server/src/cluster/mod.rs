@@ -24,6 +24,7 @@ pub mod placement;
 mod relay;
 mod route;
 mod rpc;
+pub mod servers;
 mod slots;
 pub mod status;
 pub mod view;
@@ -52,7 +53,8 @@ use crate::config::Config;
 pub(crate) struct Led {
     pub engine: Engine,
     pub log: JetStreamLog,
-    pub lease: Mutex<Lease>,
+    /// Shared with the forwarded requests' server, which serves only while it runs.
+    pub lease: Arc<Mutex<Lease>>,
     /// Serves forwarded requests; stopped (`rpc_stop`, then drained) when the node
     /// hands the partition over, aborted when it must stop at once.
     pub rpc: tokio::task::JoinHandle<()>,
@@ -103,6 +105,8 @@ pub struct Node {
     pub(crate) relays: relay::Relays,
     /// The feeds this node runs as a leader, for watches of any node.
     pub(crate) feeds: Arc<std::sync::atomic::AtomicU64>,
+    /// What is not yet proven of the NATS servers ([`servers`]).
+    pub(crate) servers: servers::Checks,
 }
 
 impl Node {
@@ -115,30 +119,7 @@ impl Node {
             .clone()
             .context("no [cluster] table in the config")?;
         let replicas = cluster.replicas as usize;
-        let sys = match cluster.nats_system.as_str() {
-            "" => None,
-            url => Some(
-                turnd_cluster::nats::connect_one(url)
-                    .await
-                    .context("connect to NATS's system account (cluster.nats_system)")?,
-            ),
-        };
-        let report = turnd_cluster::checks::check_servers(
-            &cluster.nats,
-            sys.as_ref(),
-            cluster.allow_unsafe_nats,
-        )
-        .await
-        .context("check the NATS servers (cluster.nats)")?;
-        tracing::info!(
-            servers = report.servers.len(),
-            "cluster: NATS servers checked"
-        );
-        if let Some(sys) = sys {
-            if let Err(e) = sys.drain().await {
-                tracing::debug!("close the system account's connection: {e}");
-            }
-        }
+        let (sys, report) = servers::at_start(&cluster).await?;
         let nats = Nats::connect(&cluster.nats, &format!("turnd-{}", cluster.node_id))
             .await
             .context("connect to NATS (cluster.nats)")?;
@@ -178,7 +159,14 @@ impl Node {
             looping: Mutex::new(None),
             relays: relay::Relays::default(),
             feeds: Arc::default(),
+            servers: parking_lot::Mutex::new(servers::ServerChecks {
+                pending: report.pending,
+                unproven: Vec::new(),
+            }),
         });
+        if let Some(sys) = sys {
+            servers::recheck(&node, sys);
+        }
         node.wake_engines();
         checkpoint::serve(&node)
             .await

@@ -210,7 +210,7 @@ impl Node {
         // requests are answered.
         let patience = Instant::now() + Duration::from_millis(2 * self.cluster.lease_ms);
         let mut leader = self.leader_of(p, false).await;
-        let msg = loop {
+        loop {
             let Some(to) = leader.clone() else {
                 if Instant::now() >= patience {
                     return Err(no_leader(p));
@@ -222,34 +222,34 @@ impl Node {
             let req = async_nats::Request::new()
                 .payload(body.clone())
                 .timeout(Some(timeout));
-            match self
+            let sent = self
                 .nats
                 .client()
                 .send_request(super::rpc::subject(p, &to), req)
-                .await
-            {
-                Ok(m) => break m,
-                // The leader it knew is gone: once more, to the lease's holder now.
-                Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-                    let now = self.leader_of(p, true).await;
-                    if now == leader {
-                        if Instant::now() >= patience {
-                            return Err(no_leader(p));
-                        }
-                        tokio::time::sleep(LEADER_POLL).await;
-                    }
-                    leader = now;
+                .await;
+            match sent.map(|m| serde_json::from_slice::<ForwardReply>(&m.payload)) {
+                Ok(Ok(ForwardReply::Ok(text))) => return Ok(text),
+                Ok(Ok(ForwardReply::Error(e))) => return Err(e),
+                Ok(Ok(ForwardReply::InDoubt(m))) => return Err(ErrorBody::in_doubt(m)),
+                Ok(Err(e)) => {
+                    return Err(ErrorBody::in_doubt(format!(
+                        "partition {p}'s leader sent an unreadable answer: {e}"
+                    )))
                 }
+                // The leader it knew is gone, or its lease ran out (nothing was run):
+                // once more, to the lease's holder now.
+                Ok(Ok(ForwardReply::NotLeading)) => {}
+                Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {}
                 Err(e) => return Err(forward_failed(p, op, &e)),
             }
-        };
-        match serde_json::from_slice::<ForwardReply>(&msg.payload) {
-            Ok(ForwardReply::Ok(text)) => Ok(text),
-            Ok(ForwardReply::Error(e)) => Err(e),
-            Ok(ForwardReply::InDoubt(m)) => Err(ErrorBody::in_doubt(m)),
-            Err(e) => Err(ErrorBody::in_doubt(format!(
-                "partition {p}'s leader sent an unreadable answer: {e}"
-            ))),
+            let now = self.leader_of(p, true).await;
+            if now == leader {
+                if Instant::now() >= patience {
+                    return Err(no_leader(p));
+                }
+                tokio::time::sleep(LEADER_POLL).await;
+            }
+            leader = now;
         }
     }
 

@@ -6,7 +6,10 @@
 //! a feed ([`super::feed`]) and is answered with where it starts. A hand-over stops
 //! its intake gracefully: the subscription is drained (the requests NATS already
 //! delivered are still run and answered), and every request in progress is tracked
-//! so that the hand-over can wait for it before the log stops.
+//! so that the hand-over can wait for it before the log stops. A request that
+//! arrives once this node's lease has run out by its own clock is not run: another
+//! node may lead already, and this engine's reads would miss its writes. It is
+//! answered "not leading", and the sender asks the lease's holder.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +18,7 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use turnd_cluster::lease::Lease;
 use turnd_engine::{Caller, Engine};
 use turnd_proto::{ErrorBody, ErrorCode, Op, Role};
 
@@ -44,6 +48,22 @@ pub(super) enum ForwardReply {
     Error(ErrorBody),
     /// The request's write is in doubt: the forwarding node must not answer it.
     InDoubt(String),
+    /// This node's lease had run out: nothing was run; ask the lease's holder.
+    NotLeading,
+}
+
+/// What serves a partition's forwarded requests: its engine while `lease` runs,
+/// until `stop`, each request a task of `inflight`.
+pub(super) struct Serving {
+    pub engine: Engine,
+    pub lease: Arc<parking_lot::Mutex<Lease>>,
+    pub stop: CancellationToken,
+    pub inflight: TaskTracker,
+}
+
+/// Whether `lease` still runs now by this node's clock (what a request is run under).
+fn leading(lease: &parking_lot::Mutex<Lease>) -> bool {
+    lease.lock().runs_at(turnd_cluster::members::now_ms())
 }
 
 /// The subject of partition `p`'s requests to `node`, its leader: a request goes
@@ -53,16 +73,20 @@ pub(super) fn subject(p: u32, node: &str) -> String {
     format!("turnd.p.{p}.rpc.{node}")
 }
 
-/// Serve partition `p`'s forwarded requests on `engine` until `stop` (then the
+/// Serve partition `p`'s forwarded requests on `s.engine` until `s.stop` (then the
 /// subscription is drained: what NATS delivered already is still served) or until
-/// aborted. Each request runs as a task of `inflight`.
+/// aborted. Each request runs as a task of `s.inflight`.
 pub(super) async fn serve(
     node: &Arc<Node>,
     p: u32,
-    engine: Engine,
-    stop: CancellationToken,
-    inflight: TaskTracker,
+    s: Serving,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let Serving {
+        engine,
+        lease: held,
+        stop,
+        inflight,
+    } = s;
     let client = node.nats.client().clone();
     let lease = Duration::from_millis(node.cluster.lease_ms);
     let cfg = FeedCfg {
@@ -94,8 +118,13 @@ pub(super) async fn serve(
                 continue;
             };
             let (client, engine, cfg) = (client.clone(), engine.clone(), cfg.clone());
+            let held = held.clone();
             inflight.spawn(async move {
-                let reply = answer(&client, &engine, &msg.payload, cfg).await;
+                let reply = if leading(&held) {
+                    answer(&client, &engine, &msg.payload, cfg).await
+                } else {
+                    ForwardReply::NotLeading
+                };
                 match serde_json::to_vec(&reply) {
                     Ok(body) => {
                         if let Err(e) = client.publish(reply_to, body.into()).await {

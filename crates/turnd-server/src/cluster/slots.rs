@@ -289,13 +289,20 @@ async fn lead(node: &Arc<Node>, p: u32, lease: Lease) -> anyhow::Result<()> {
         .await
         .context("recover the partition's turns")?;
     let (rpc_stop, inflight) = (CancellationToken::new(), TaskTracker::new());
-    let rpc = super::rpc::serve(node, p, engine.clone(), rpc_stop.clone(), inflight.clone())
+    let lease = Arc::new(parking_lot::Mutex::new(lease));
+    let serving = super::rpc::Serving {
+        engine: engine.clone(),
+        lease: lease.clone(),
+        stop: rpc_stop.clone(),
+        inflight: inflight.clone(),
+    };
+    let rpc = super::rpc::serve(node, p, serving)
         .await
         .context("serve forwarded requests")?;
     let led = Arc::new(Led {
         engine,
         log,
-        lease: parking_lot::Mutex::new(lease),
+        lease,
         rpc,
         rpc_stop,
         inflight,

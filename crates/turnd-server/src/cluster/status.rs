@@ -77,6 +77,9 @@ pub struct ClusterStatus {
     /// Feeds this node runs as a leader, for watches of any node.
     #[serde(default)]
     pub feeds: u64,
+    /// The NATS servers not yet checked, or found not proven safe after start.
+    #[serde(default)]
+    pub nats: super::servers::ServerChecks,
 }
 
 impl Node {
@@ -121,6 +124,7 @@ impl Node {
             watches: self.relays.count() as u64,
             watch_resumes: self.counters.watch_resumes.get(),
             feeds: self.feeds.load(std::sync::atomic::Ordering::Relaxed),
+            nats: self.servers.lock().clone(),
         })
     }
 }
