@@ -321,12 +321,7 @@ async fn check_online_and_offline_on_a_stopped_daemon() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_daemon_is_one_line_and_exit_2() -> anyhow::Result<()> {
-    // A port nobody listens on (bound, then released).
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?.port()
-    };
-    let url = format!("ws://127.0.0.1:{port}/v1");
+    let url = dead_url()?;
     for args in [
         vec!["ping", "--url", url.as_str()],
         vec!["inspect", "s-1", "--url", url.as_str()],
@@ -350,6 +345,51 @@ async fn unreachable_daemon_is_one_line_and_exit_2() -> anyhow::Result<()> {
     expect_code(&o, 2, "unreachable via TURND_URL")?;
     assert!(stderr(&o).contains(&url), "{}", stderr(&o));
     Ok(())
+}
+
+/// A port nobody listens on (bound, then released), as a URL.
+fn dead_url() -> anyhow::Result<String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(format!("ws://127.0.0.1:{}/v1", l.local_addr()?.port()))
+}
+
+/// `--url` (and `TURND_URL`) take a cluster's nodes' URLs separated by commas: the
+/// first that answers is used; when none does, the error names each, exit 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_list_uses_the_first_live_url_and_names_each_dead_one() -> anyhow::Result<()> {
+    let d = TestDaemon::start(|_| {}).await?;
+    let (dead1, dead2) = (dead_url()?, dead_url()?);
+    let list = format!("{dead1},{}", d.url);
+    let o = turnd(&["ping", "--json", "--url", &list]).await?;
+    expect_code(&o, 0, "ping over [dead, live]")?;
+    assert_eq!(json_out(&o)?["url"], d.url.as_str());
+    // Through TURND_URL, with spaces after the commas.
+    let o = command(&["ping", "--json"])
+        .await?
+        .env("TURND_URL", format!("{dead1}, {}", d.url))
+        .output()
+        .await?;
+    expect_code(&o, 0, "ping over TURND_URL [dead, live]")?;
+    assert_eq!(json_out(&o)?["url"], d.url.as_str());
+
+    let o = turnd(&["ping", "--url", &format!("{dead1},{dead2}")]).await?;
+    expect_code(&o, 2, "only dead URLs")?;
+    let err = stderr(&o);
+    assert!(
+        err.starts_with(&format!(
+            "turnd: cannot reach the daemon at any of its URLs: {dead1}: "
+        )),
+        "{err}"
+    );
+    assert!(err.contains(&format!("; {dead2}: ")), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    // An empty entry is bad usage, said before anything is tried.
+    let o = turnd(&["ping", "--url", &format!("{dead1},,{}", d.url)]).await?;
+    expect_code(&o, 2, "an empty entry")?;
+    assert!(stderr(&o).contains("URL 2 of 3"), "{}", stderr(&o));
+    assert!(stdout(&o).is_empty());
+    d.shutdown().await
 }
 
 /// Read JSON event lines from `events --follow --json` until `until` holds for one.

@@ -4,13 +4,14 @@
 //!
 //! FUNCTION defaults to `echo`, INPUT_JSON to `{"hello":"world"}`, SESSION to
 //! `s-1` (the session the README's tour then inspects). The daemon's URL comes from `$TURND_URL` (default
-//! `ws://127.0.0.1:7420/v1`), the token from `$TURND_TOKEN` (a client token). Run the
+//! `ws://127.0.0.1:7420/v1`; a cluster's nodes' URLs separated by commas), the token from `$TURND_TOKEN` (a client token). Run the
 //! `worker` example first, or the turn waits for a worker (up to 30 s here).
 //! Exits 0 when the turn completed, 1 otherwise.
 
 use std::time::Duration;
 
 use turnd_client::turnd_proto::{SubmitArgs, TurnStatus};
+use turnd_client::url::parse_url_list;
 use turnd_client::Caller;
 
 #[tokio::main]
@@ -25,10 +26,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let session = args.next().unwrap_or_else(|| "s-1".to_string());
     let url = std::env::var("TURND_URL").unwrap_or_else(|_| "ws://127.0.0.1:7420/v1".to_string());
+    let urls = parse_url_list(&url).map_err(|e| format!("TURND_URL: {e}"))?;
     let token = std::env::var("TURND_TOKEN").ok().filter(|t| !t.is_empty());
 
-    // Fails at once, naming the URL and the reason, when the daemon cannot be reached.
-    let caller = Caller::connect(&url, token.as_deref()).await?;
+    // The first URL that answers; fails at once, naming each URL and the reason, when
+    // no daemon can be reached.
+    let caller = Caller::connect_any(&urls, token.as_deref()).await?;
     let submitted = caller
         .submit(SubmitArgs {
             session_id: session,

@@ -7,6 +7,11 @@
 //! arrive before the `watch` answer has been handed to the code that asked (the server
 //! may push right after answering), so pushes for a watch id nobody has claimed yet are
 //! held (bounded) until it is claimed.
+//!
+//! A `Caller` made from URLs connects again when its connection is lost, at the next
+//! request, along its list of URLs (a cluster's nodes); `dial.rs` walks the list. Watches and their routing belong to one connection and end with it. Only
+//! requests that are safe to repeat are sent again when their connection is lost
+//! with them in flight.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -25,6 +30,7 @@ use turnd_proto::{
 use turnd_proto::{Event, Function, OnBusy, ProgressPush, ResumeArgs, Stats, Turn, Violation};
 
 use crate::connection::{lock, Connection};
+use crate::dial::Dial;
 use crate::error::ClientError;
 
 /// Most events held for watch ids that no [`WatchStream`] has claimed yet.
@@ -125,12 +131,80 @@ impl WatchStream {
 }
 
 /// A client-role (or operator-role) connection with typed helpers for every client op.
+///
+/// Made with [`Caller::connect_any`] it knows several URLs (a cluster's nodes): it
+/// connects to the first that answers, and when its connection is lost the next
+/// request connects again, trying the URLs in order from the one after the lost
+/// one's. A request whose connection was lost while it was in flight is sent again
+/// on the new connection only when that is safe: reads, stops, `watch`, and a
+/// submit or resume with an idempotency key. Any other fails with
+/// [`ClientError::Closed`]: whether the daemon acted on it is unknown.
 #[derive(Debug)]
 pub struct Caller {
+    /// Where to connect again; `None` for a caller made from a given connection,
+    /// which does not reconnect.
+    dial: Option<Dial>,
+    link: Mutex<Link>,
+    /// Held while connecting again, so that concurrent requests open one connection.
+    reconnecting: tokio::sync::Mutex<()>,
+}
+
+/// One connection of a caller, with the routing of its pushes.
+#[derive(Debug)]
+struct Link {
     conn: Connection,
     routes: Arc<Mutex<Routes>>,
     /// Routes pushes; ends by itself with the connection.
     router: Option<JoinHandle<()>>,
+    /// The index of its URL in the caller's list.
+    at: usize,
+}
+
+impl Link {
+    /// Take `conn`'s push stream: when the pushes were taken already, watches get no
+    /// events.
+    fn new(conn: Connection, at: usize) -> Link {
+        let routes = Arc::new(Mutex::new(Routes::default()));
+        let router = match conn.pushes() {
+            Some(rx) => Some(tokio::spawn(route_pushes(rx, routes.clone()))),
+            None => {
+                warn!("push stream already taken; watches on this caller will get no events");
+                lock(&routes).ended = true;
+                None
+            }
+        };
+        Link {
+            conn,
+            routes,
+            router,
+            at,
+        }
+    }
+
+    fn live(&self) -> Live {
+        Live {
+            conn: self.conn.clone(),
+            routes: self.routes.clone(),
+            at: self.at,
+        }
+    }
+}
+
+/// What a request needs of the link it goes on.
+struct Live {
+    conn: Connection,
+    routes: Arc<Mutex<Routes>>,
+    at: usize,
+}
+
+/// Whether a request may be sent again on a new connection after its connection was
+/// lost while it was in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resend {
+    /// It changes nothing, or nothing more the second time.
+    Safe,
+    /// It could act twice.
+    Never,
 }
 
 impl std::fmt::Debug for Routes {
@@ -142,10 +216,10 @@ impl std::fmt::Debug for Routes {
     }
 }
 
-impl Drop for Caller {
+impl Drop for Link {
     fn drop(&mut self) {
         // The router ends with the connection; other clones of the connection may keep
-        // it alive, and nobody can claim streams from a dropped caller.
+        // it alive, and nobody can claim streams from a dropped link.
         if let Some(router) = self.router.take() {
             router.abort();
         }
@@ -164,6 +238,27 @@ impl Caller {
         role: Role,
         token: Option<&str>,
     ) -> Result<Caller, ClientError> {
+        Caller::connect_any_as(&[url], role, token).await
+    }
+
+    /// Connect with role `client` to the first of `urls` that answers (a cluster's
+    /// nodes), and to the next ones when the connection is lost (see [`Caller`]).
+    /// Each URL gets [`OPEN_TIMEOUT`](crate::OPEN_TIMEOUT) to answer. Fails with [`ClientError::Connect`]
+    /// naming every URL when none answers, and at once with the refusal when one
+    /// refuses the `hello` for good (e.g. `not_authenticated`).
+    pub async fn connect_any<S: AsRef<str>>(
+        urls: &[S],
+        token: Option<&str>,
+    ) -> Result<Caller, ClientError> {
+        Caller::connect_any_as(urls, Role::Client, token).await
+    }
+
+    /// [`Caller::connect_any`] with the given role (`client` or `operator`).
+    pub async fn connect_any_as<S: AsRef<str>>(
+        urls: &[S],
+        role: Role,
+        token: Option<&str>,
+    ) -> Result<Caller, ClientError> {
         let hello = HelloArgs {
             protocol: PROTOCOL_VERSION,
             role,
@@ -174,38 +269,107 @@ impl Caller {
             inflight: Vec::new(),
             finished: Vec::new(),
         };
-        let (conn, _hello_ok) = Connection::connect(url, hello).await?;
-        Ok(Caller::from_connection(conn))
+        let urls = urls.iter().map(|u| u.as_ref().to_string()).collect();
+        let dial = Dial::new(urls, hello)?;
+        let opened = dial.open_from(0).await?;
+        Ok(Caller {
+            dial: Some(dial),
+            link: Mutex::new(Link::new(opened.conn, opened.at)),
+            reconnecting: tokio::sync::Mutex::new(()),
+        })
     }
 
     /// Wrap an already greeted connection. Takes its push stream: when the pushes were
-    /// taken already, watches get no events.
+    /// taken already, watches get no events. Such a caller does not reconnect.
     pub fn from_connection(conn: Connection) -> Caller {
-        let routes = Arc::new(Mutex::new(Routes::default()));
-        let router = match conn.pushes() {
-            Some(rx) => Some(tokio::spawn(route_pushes(rx, routes.clone()))),
-            None => {
-                warn!("push stream already taken; watches on this caller will get no events");
-                lock(&routes).ended = true;
-                None
-            }
-        };
         Caller {
-            conn,
-            routes,
-            router,
+            dial: None,
+            link: Mutex::new(Link::new(conn, 0)),
+            reconnecting: tokio::sync::Mutex::new(()),
         }
     }
 
-    /// The underlying connection (for raw requests). Its push stream belongs to the
-    /// caller.
-    pub fn connection(&self) -> &Connection {
-        &self.conn
+    /// The current connection (for raw requests); it may have ended (the next
+    /// request through the caller then connects again). Its push stream belongs to
+    /// the caller.
+    pub fn connection(&self) -> Connection {
+        lock(&self.link).conn.clone()
+    }
+
+    /// The URL of the current connection; `None` for a caller made with
+    /// [`Caller::from_connection`].
+    pub fn url(&self) -> Option<String> {
+        let at = lock(&self.link).at;
+        self.dial.as_ref().and_then(|d| d.urls.get(at).cloned())
+    }
+
+    /// The current link, or, when its connection has ended and the caller knows its
+    /// URLs, a new one to the first URL that answers after the ended one's.
+    async fn live(&self) -> Result<Live, ClientError> {
+        let current = lock(&self.link).live();
+        let Some(dial) = &self.dial else {
+            return Ok(current);
+        };
+        if !current.conn.is_closed() {
+            return Ok(current);
+        }
+        let _one = self.reconnecting.lock().await;
+        let current = lock(&self.link).live();
+        if !current.conn.is_closed() {
+            return Ok(current);
+        }
+        let opened = dial.open_from(current.at + 1).await?;
+        debug!(url = ?dial.urls.get(opened.at), "connected again");
+        let link = Link::new(opened.conn, opened.at);
+        let live = link.live();
+        *lock(&self.link) = link;
+        Ok(live)
+    }
+
+    /// Send `op` on the live connection; when that connection is lost with the
+    /// request in flight and `resend` allows it, once more on a new connection.
+    /// Returns the answer and the link that gave it.
+    async fn exchange<A: serde::Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        op: &str,
+        args: &A,
+        resend: Resend,
+    ) -> Result<(R, Live), ClientError> {
+        let live = self.live().await?;
+        match live.conn.call(op, args).await {
+            Ok(r) => Ok((r, live)),
+            Err(ClientError::Closed) if resend == Resend::Safe && self.dial.is_some() => {
+                debug!(
+                    op,
+                    "connection lost with the request in flight; sending it again"
+                );
+                // The request fails before the connection is marked ended.
+                live.conn.closed().await;
+                let again = self.live().await?;
+                let r = again.conn.call(op, args).await?;
+                Ok((r, again))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`Caller::exchange`] of a request that is safe to send again.
+    async fn call<A: serde::Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        op: &str,
+        args: &A,
+    ) -> Result<R, ClientError> {
+        Ok(self.exchange(op, args, Resend::Safe).await?.0)
     }
 
     /// `turn.submit`.
     pub async fn submit(&self, args: SubmitArgs) -> Result<SubmitOk, ClientError> {
-        self.conn.call("turn.submit", &args).await
+        let resend = if args.idempotency_key.is_some() {
+            Resend::Safe
+        } else {
+            Resend::Never
+        };
+        Ok(self.exchange("turn.submit", &args, resend).await?.0)
     }
 
     /// `turn.submit` without idempotency key or turn timeout; returns the turn.
@@ -254,7 +418,12 @@ impl Caller {
             input,
             idempotency_key: idempotency_key.map(str::to_string),
         };
-        self.conn.call("turn.resume", &args).await
+        let resend = if args.idempotency_key.is_some() {
+            Resend::Safe
+        } else {
+            Resend::Never
+        };
+        Ok(self.exchange("turn.resume", &args, resend).await?.0)
     }
 
     /// A watch of one turn with its progress: its events and progress frames as they
@@ -274,7 +443,7 @@ impl Caller {
         let args = TurnIdArgs {
             turn_id: turn_id.to_string(),
         };
-        Ok(self.conn.call::<_, TurnOk>("turn.get", &args).await?.turn)
+        Ok(self.call::<_, TurnOk>("turn.get", &args).await?.turn)
     }
 
     /// `turn.wait`: the turn as soon as it is terminal, or as it is when `timeout_ms`
@@ -284,7 +453,7 @@ impl Caller {
             turn_id: turn_id.to_string(),
             timeout_ms,
         };
-        Ok(self.conn.call::<_, TurnOk>("turn.wait", &args).await?.turn)
+        Ok(self.call::<_, TurnOk>("turn.wait", &args).await?.turn)
     }
 
     /// Repeat `turn.wait` until the turn is terminal; [`ClientError::Timeout`] when
@@ -320,7 +489,7 @@ impl Caller {
             turn_id: turn_id.to_string(),
             reason: Some(reason.to_string()),
         };
-        Ok(self.conn.call::<_, TurnOk>("turn.stop", &args).await?.turn)
+        Ok(self.call::<_, TurnOk>("turn.stop", &args).await?.turn)
     }
 
     /// `session.stop`: every non-terminal turn of the session, once stopping.
@@ -333,16 +502,12 @@ impl Caller {
             session_id: session_id.to_string(),
             reason: Some(reason.to_string()),
         };
-        Ok(self
-            .conn
-            .call::<_, TurnsOk>("session.stop", &args)
-            .await?
-            .turns)
+        Ok(self.call::<_, TurnsOk>("session.stop", &args).await?.turns)
     }
 
     /// `turn.list`.
     pub async fn list(&self, args: ListArgs) -> Result<ListOk, ClientError> {
-        self.conn.call("turn.list", &args).await
+        self.call("turn.list", &args).await
     }
 
     /// `session.inspect`.
@@ -351,7 +516,6 @@ impl Caller {
             session_id: session_id.to_string(),
         };
         Ok(self
-            .conn
             .call::<_, SessionOk>("session.inspect", &args)
             .await?
             .session)
@@ -369,13 +533,13 @@ impl Caller {
             after,
             limit,
         };
-        self.conn.call("session.events", &args).await
+        self.call("session.events", &args).await
     }
 
     /// `watch`: a stream of the session's (or turn's) new events.
     pub async fn watch(&self, args: WatchArgs) -> Result<WatchStream, ClientError> {
-        let ok: WatchOk = self.conn.call("watch", &args).await?;
-        let rx = lock(&self.routes).claim(&ok.watch_id);
+        let (ok, live): (WatchOk, Live) = self.exchange("watch", &args, Resend::Safe).await?;
+        let rx = lock(&live.routes).claim(&ok.watch_id);
         Ok(WatchStream {
             watch_id: ok.watch_id,
             rx,
@@ -387,26 +551,23 @@ impl Caller {
         let args = WatchIdArgs {
             watch_id: watch_id.to_string(),
         };
-        let result = self.conn.request("unwatch", to_args(&args)?).await;
+        // On the current connection only: a watch ends with its connection.
+        let live = lock(&self.link).live();
+        let result = live.conn.request("unwatch", to_args(&args)?).await;
         // Stop routing either way: after `not_found` there is nothing to route, and
         // after success the server sends no more.
-        lock(&self.routes).forget(watch_id);
+        lock(&live.routes).forget(watch_id);
         result.map(|_| ())
     }
 
     /// `stats`.
     pub async fn stats(&self) -> Result<Stats, ClientError> {
-        Ok(self
-            .conn
-            .call::<_, StatsOk>("stats", &json!({}))
-            .await?
-            .stats)
+        Ok(self.call::<_, StatsOk>("stats", &json!({})).await?.stats)
     }
 
     /// `workers.list`.
     pub async fn workers(&self) -> Result<Vec<turnd_proto::Worker>, ClientError> {
         Ok(self
-            .conn
             .call::<_, WorkersOk>("workers.list", &json!({}))
             .await?
             .workers)
@@ -415,7 +576,6 @@ impl Caller {
     /// `functions.list`.
     pub async fn functions(&self) -> Result<Vec<Function>, ClientError> {
         Ok(self
-            .conn
             .call::<_, FunctionsOk>("functions.list", &json!({}))
             .await?
             .functions)
@@ -423,15 +583,12 @@ impl Caller {
 
     /// `sessions.list`: sessions with unfinished work, filtered and paged.
     pub async fn sessions(&self, args: &SessionsListArgs) -> Result<SessionsListOk, ClientError> {
-        self.conn
-            .call::<_, SessionsListOk>("sessions.list", args)
-            .await
+        self.call::<_, SessionsListOk>("sessions.list", args).await
     }
 
     /// `store.check` (operator role only).
     pub async fn store_check(&self) -> Result<Vec<Violation>, ClientError> {
         Ok(self
-            .conn
             .call::<_, CheckOk>("store.check", &json!({}))
             .await?
             .violations)
@@ -439,7 +596,7 @@ impl Caller {
 
     /// `ping`.
     pub async fn ping(&self) -> Result<(), ClientError> {
-        self.conn.request("ping", json!({})).await.map(|_| ())
+        self.call::<_, Value>("ping", &json!({})).await.map(|_| ())
     }
 }
 

@@ -5,6 +5,12 @@
 //! - [`Caller`]: a client- or operator-role connection with a typed helper per op and
 //!   per-watch streams of events and progress ([`Caller::watch_turn`]), `turn.resume`
 //!   and `on_busy` ([`Caller::resume`], [`Caller::submit_on_busy`]).
+//!   [`Caller::connect_any`] takes a cluster's nodes' URLs: it connects to the first
+//!   that answers and, when that connection is lost, the next request connects to
+//!   the next URL that answers. A request lost in flight is sent again on the new
+//!   connection only when that is safe (reads, stops, `watch`, a submit or resume
+//!   with an idempotency key); any other fails with [`ClientError::Closed`]. Watches
+//!   end with their connection.
 //! - [`Worker`]: serves functions and does the worker's part of loss handling (stable
 //!   instance id, `inflight`/`finished` lists on reconnect, result resend until
 //!   acknowledged, truthful `probe` answers, `cancel` delivered to the handler); a
@@ -55,6 +61,7 @@
 
 mod caller;
 mod connection;
+mod dial;
 mod error;
 mod worker;
 
@@ -63,6 +70,7 @@ mod tests;
 
 pub use caller::{Caller, WatchItem, WatchStream};
 pub use connection::Connection;
+pub use dial::OPEN_TIMEOUT;
 pub use error::ClientError;
 pub use worker::{
     new_instance_id, ConnectionState, FunctionSpec, Handler, InvocationCtx, Worker, WorkerHandle,
@@ -76,6 +84,8 @@ pub mod url {
     //! Daemon URLs.
 
     use std::net::SocketAddr;
+
+    pub use crate::dial::parse_url_list;
 
     /// The protocol v1 WebSocket URL of a daemon listening on `addr`:
     /// `ws://ADDR/v1`.

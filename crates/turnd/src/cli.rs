@@ -4,7 +4,9 @@
 //! data directory).
 //!
 //! Every daemon call goes through the SDK (`turnd-client`), so the CLI is one more
-//! well-behaved peer of protocol v1. This module owns the arguments, the connection
+//! well-behaved peer of protocol v1. `--url` may name a cluster's nodes, separated
+//! by commas: the first that answers is used, and when none does the error names
+//! each and why. This module owns the arguments, the connection
 //! and the mapping of failures to messages and exit codes; [`commands`] has one
 //! function per command, [`render`] the human views and [`fmt`] the text helpers.
 //!
@@ -40,9 +42,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Options every client command takes.
 #[derive(Args, Debug, Clone)]
 pub struct Common {
-    /// The daemon's WebSocket URL.
-    #[arg(long, env = "TURND_URL", default_value = DEFAULT_URL)]
-    pub url: String,
+    /// The daemon's WebSocket URL, or a cluster's nodes' URLs separated by commas:
+    /// the first that answers is used.
+    #[arg(long, env = "TURND_URL", default_value = DEFAULT_URL, value_parser = parse_urls)]
+    pub url: Urls,
     /// Token sent in `hello` (a client token, or an operator token).
     #[arg(long, env = "TURND_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -279,6 +282,14 @@ pub struct CheckCmd {
     pub common: Common,
 }
 
+/// The URLs of `--url`, in the order they are tried (never empty).
+#[derive(Debug, Clone)]
+pub struct Urls(pub Vec<String>);
+
+fn parse_urls(s: &str) -> Result<Urls, String> {
+    turnd_client::url::parse_url_list(s).map(Urls)
+}
+
 fn parse_json(s: &str) -> Result<Value, String> {
     serde_json::from_str(s).map_err(|e| {
         // A bare word is the usual slip: say how to give it as a JSON string.
@@ -311,6 +322,8 @@ fn parse_status(s: &str) -> Result<TurnStatus, String> {
 pub enum Failure {
     /// Connecting failed: refused, unresolvable, timed out, not a WebSocket server.
     Unreachable { url: String, reason: String },
+    /// Connecting to each of several URLs failed: each URL and why.
+    NoneReachable(Vec<(String, String)>),
     /// The connection ended before an answer arrived.
     Lost { url: String },
     /// The daemon refused the request.
@@ -327,7 +340,10 @@ pub enum Failure {
 impl Failure {
     pub fn exit_code(&self) -> i32 {
         match self {
-            Failure::Unreachable { .. } | Failure::Lost { .. } | Failure::Usage(_) => 2,
+            Failure::Unreachable { .. }
+            | Failure::NoneReachable(_)
+            | Failure::Lost { .. }
+            | Failure::Usage(_) => 2,
             Failure::Protocol(_) | Failure::Other(_) => 1,
             Failure::Quiet(code) => *code,
         }
@@ -336,7 +352,7 @@ impl Failure {
     /// Whether reconnecting may help (used by `events --follow`).
     fn is_transient(&self) -> bool {
         match self {
-            Failure::Unreachable { .. } | Failure::Lost { .. } => true,
+            Failure::Unreachable { .. } | Failure::NoneReachable(_) | Failure::Lost { .. } => true,
             Failure::Protocol(body) => body.retryable || body.code.retryable(),
             _ => false,
         }
@@ -370,6 +386,14 @@ impl std::fmt::Display for Failure {
             Failure::Unreachable { url, reason } => {
                 write!(f, "cannot reach the daemon at {url}: {reason}")
             }
+            Failure::NoneReachable(each) => {
+                f.write_str("cannot reach the daemon at any of its URLs: ")?;
+                for (i, (url, reason)) in each.iter().enumerate() {
+                    let sep = if i == 0 { "" } else { "; " };
+                    write!(f, "{sep}{url}: {reason}")?;
+                }
+                Ok(())
+            }
             Failure::Lost { url } => write!(
                 f,
                 "lost the connection to the daemon at {url} before it answered"
@@ -400,9 +424,32 @@ pub struct Conn {
 }
 
 impl Conn {
-    /// Connect to `common.url` and say hello as `role`.
+    /// Connect to the first of `common.url`'s URLs that answers and say hello as
+    /// `role`. A refusal of the `hello` other than a retryable one ends the search:
+    /// every node would give it.
     pub async fn open(common: &Common, role: Role) -> Result<Conn, Failure> {
-        let url = common.url.clone();
+        let mut unreachable = Vec::new();
+        for url in &common.url.0 {
+            match Conn::open_one(common, role, url).await {
+                Ok(conn) => return Ok(conn),
+                Err(Failure::Unreachable { url, reason }) => unreachable.push((url, reason)),
+                Err(f) if f.is_transient() => unreachable.push((url.clone(), f.to_string())),
+                Err(f) => return Err(f),
+            }
+        }
+        // One URL fails as it always did; several name each.
+        if let [(url, reason)] = unreachable.as_slice() {
+            return Err(Failure::Unreachable {
+                url: url.clone(),
+                reason: reason.clone(),
+            });
+        }
+        Err(Failure::NoneReachable(unreachable))
+    }
+
+    /// Connect to `url` and say hello as `role`.
+    async fn open_one(common: &Common, role: Role, url: &str) -> Result<Conn, Failure> {
+        let url = url.to_string();
         let hello = HelloArgs {
             protocol: PROTOCOL_VERSION,
             role,

@@ -42,7 +42,8 @@ use clap::{Parser, Subcommand};
     about,
     propagate_version = true,
     after_help = "Client commands talk to the daemon at --url (TURND_URL, default \
-ws://127.0.0.1:7420/v1) with --token (TURND_TOKEN).
+ws://127.0.0.1:7420/v1) with --token (TURND_TOKEN). A cluster's nodes' URLs may be \
+given separated by commas: the first that answers is used.
 
 Exit codes of the client commands:
   0  done; the turn completed (or, for `turn`, is not finished yet)

@@ -2,5 +2,6 @@
 
 mod caller;
 mod connection;
+mod dial;
 mod fake;
 mod worker;
