@@ -91,7 +91,9 @@ impl Cluster {
             .iter()
             .map(|p| format!("nats://turnd:turnd@{}", p.addr()))
             .collect();
-        start_node(self.root.path(), i, &nats, &self.rig.sys_url(i), listen).await
+        // Two system-account URLs, so that a node starts while one server is down.
+        let sys = format!("{},{}", self.rig.sys_url(i), self.rig.sys_url((i + 1) % 3));
+        start_node(self.root.path(), i, &nats, &sys, listen).await
     }
 
     pub fn pids(&self) -> Vec<Option<u32>> {

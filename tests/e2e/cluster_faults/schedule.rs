@@ -142,10 +142,10 @@ pub async fn apply(c: &mut Cluster, load: &Load, f: Fault) -> anyhow::Result<App
             c.kill(node).await?;
             out.failover = Some(c.settled(SETTLE_SECS).await?);
             sleep_ms(down_ms).await;
-            restart_server(c, server).await?;
-            // A node starts only once every server it names answers (it must
-            // prove that they sync before they acknowledge).
+            // The node starts while the server is still down: a proven majority
+            // answers, and the server is checked once it is back.
             c.restart(node).await?;
+            restart_server(c, server).await?;
         }
         Fault::CutNode { node, ms } => {
             c.cut(node);
