@@ -21,7 +21,9 @@ use tokio_util::sync::CancellationToken;
 use turnd_client::{Caller, ClientError};
 use turnd_cluster::testing::Rig;
 use turnd_proto::{SubmitArgs, TurnStatus};
-use turnd_tests::cluster::{all_led, check_clean, echo_worker, retrying, start_node, status};
+use turnd_tests::cluster::{
+    all_led, check_clean, echo_worker, retrying, signal, start_node, status,
+};
 use turnd_tests::{need_nats, BinDaemon};
 
 /// At most this many submits in a run.
@@ -168,7 +170,27 @@ async fn a_node_added_and_one_removed_under_load_move_partitions_and_fail_nothin
         .map_err(|_| anyhow::anyhow!("poisoned"))?
         .retain(|u| *u != n0.url);
     let left = Instant::now();
-    let exit = tokio::time::timeout(Duration::from_secs(30), n0.terminate())
+    let mut n0 = n0;
+    signal(n0.child.id().context("n0's pid")?, "TERM")?;
+    // While it drains it says so: load balancers take it out of rotation.
+    let mut said = None;
+    for _ in 0..1_500 {
+        match turnd_tests::http_get(&n0.admin, "/readyz").await {
+            Ok((503, body)) => {
+                said = Some(body);
+                break;
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        said.as_deref().map(str::trim),
+        Some("draining"),
+        "/readyz while n0 drained"
+    );
+    let exit = tokio::time::timeout(Duration::from_secs(30), n0.child.wait())
         .await
         .context("n0 did not stop within 30 s")??;
     assert!(exit.success(), "n0 exited with {exit}");
