@@ -151,14 +151,14 @@ async fn leaders(admin: &str) -> anyhow::Result<Vec<(String, u64)>> {
 }
 
 /// Partitions move to their preferred leaders once those caught up: wait (at most
-/// 20 s) until two reads half a second apart show the same leaders and epochs, and
-/// return them.
+/// 20 s) until two reads half a second apart show every partition led, by the same
+/// leaders in the same epochs, and return them.
 async fn settled_leaders(admin: &str) -> anyhow::Result<Vec<(String, u64)>> {
     let mut last = Vec::new();
     for _ in 0..40 {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let now = leaders(admin).await?;
-        if now == last {
+        if now == last && now.iter().all(|(leader, _)| leader != "null") {
             return Ok(now);
         }
         last = now;

@@ -22,7 +22,7 @@ use turnd_client::{Caller, ClientError};
 use turnd_cluster::testing::Rig;
 use turnd_proto::{SubmitArgs, TurnStatus};
 use turnd_tests::cluster::{
-    all_led, check_clean, echo_worker, retrying, signal, start_node, status,
+    all_led, check_clean, echo_worker, echo_worker_named, retrying, signal, start_node, status,
 };
 use turnd_tests::{need_nats, BinDaemon};
 
@@ -152,7 +152,10 @@ async fn a_node_added_and_one_removed_under_load_move_partitions_and_fail_nothin
 
     // Added: n2 joins, a worker attaches to it, and it takes partitions over.
     let n2: BinDaemon = start(2).await?;
-    let second = echo_worker(&[n0.url.clone(), n1.url.clone(), n2.url.clone()], 16).await;
+    // Another worker id: the same id with a new instance would be the first worker
+    // restarted, and its outstanding invocations would end.
+    let second =
+        echo_worker_named(&[n0.url.clone(), n1.url.clone(), n2.url.clone()], "w2", 16).await;
     urls.lock()
         .map_err(|_| anyhow::anyhow!("poisoned"))?
         .push(n2.url.clone());

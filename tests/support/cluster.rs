@@ -112,7 +112,13 @@ pub async fn echo_worker_on_all(urls: &[String]) -> WorkerHandle {
 
 /// [`echo_worker_on_all`] running up to `concurrency` invocations at once.
 pub async fn echo_worker(urls: &[String], concurrency: u32) -> WorkerHandle {
-    let mut o = worker_options(&urls[0], "w");
+    echo_worker_named(urls, "w", concurrency).await
+}
+
+/// [`echo_worker`] with its own worker id (a second worker with the same id and a
+/// new instance would be that worker restarted: its outstanding invocations end).
+pub async fn echo_worker_named(urls: &[String], worker_id: &str, concurrency: u32) -> WorkerHandle {
+    let mut o = worker_options(&urls[0], worker_id);
     o.also = urls[1..].to_vec();
     let w = Worker::new(o)
         .function(
