@@ -1,134 +1,38 @@
 //! The caller side: a client- or operator-role connection with one typed helper per
-//! client op, and per-watch streams of events (and progress).
-//!
-//! A `Caller` takes its connection's push stream and routes every `event`,
-//! `progress` and `progress_dropped` push to the [`WatchStream`] of its `watch_id`, so
-//! several watches on one connection each see only their own, in order. A push can
-//! arrive before the `watch` answer has been handed to the code that asked (the server
-//! may push right after answering), so pushes for a watch id nobody has claimed yet are
-//! held (bounded) until it is claimed.
+//! client op.
 //!
 //! A `Caller` made from URLs connects again when its connection is lost, at the next
-//! request, along its list of URLs (a cluster's nodes); `dial.rs` walks the list. Watches and their routing belong to one connection and end with it. Only
-//! requests that are safe to repeat are sent again when their connection is lost
-//! with them in flight.
+//! request, along its list of URLs (a cluster's nodes); `dial.rs` walks the list.
+//! Only requests that are safe to repeat are sent again when their connection is
+//! lost with them in flight. Each connection's pushes are routed to the watches open
+//! on it (`watch.rs`); what a caller and its watch streams share (`Shared`) lives
+//! behind an `Arc`, so a stream can open its watch again through the caller's
+//! reconnecting.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 use turnd_proto::{
-    CheckOk, EventsArgs, EventsOk, FunctionsOk, HelloArgs, ListArgs, ListOk, Push, Role, Session,
-    SessionIdArgs, SessionOk, SessionStopArgs, SessionsListArgs, SessionsListOk, StatsOk, StopArgs,
-    SubmitArgs, SubmitOk, TurnIdArgs, TurnOk, TurnsOk, WaitArgs, WatchArgs, WatchIdArgs, WatchOk,
-    WorkersOk, PROTOCOL_VERSION, WAIT_MAX_MS,
+    CheckOk, ErrorCode, EventsArgs, EventsOk, FunctionsOk, HelloArgs, ListArgs, ListOk, Role,
+    Session, SessionIdArgs, SessionOk, SessionStopArgs, SessionsListArgs, SessionsListOk, StatsOk,
+    StopArgs, SubmitArgs, SubmitOk, TurnIdArgs, TurnOk, TurnsOk, WaitArgs, WatchArgs, WatchIdArgs,
+    WatchOk, WorkersOk, PROTOCOL_VERSION, WAIT_MAX_MS,
 };
-use turnd_proto::{Event, Function, OnBusy, ProgressPush, ResumeArgs, Stats, Turn, Violation};
+use turnd_proto::{Function, OnBusy, ResumeArgs, Stats, Turn, Violation};
 
 use crate::connection::{lock, Connection};
 use crate::dial::Dial;
 use crate::error::ClientError;
-
-/// Most events held for watch ids that no [`WatchStream`] has claimed yet.
-const MAX_UNCLAIMED_EVENTS: usize = 4096;
+use crate::watch::Routes;
+use crate::watch::{Opening, WatchState, WatchStream};
 
 /// Extra time given to the server's own answer of the last `turn.wait` of
 /// [`Caller::wait_terminal`] before the client gives up on it.
 const WAIT_ANSWER_GRACE: Duration = Duration::from_millis(1000);
-
-/// What a watch delivers: its events and, when it asked for them, the progress of
-/// the live invocations it watches and the count of progress frames it lost.
-#[derive(Debug, Clone, PartialEq)]
-pub enum WatchItem {
-    Event(Event),
-    Progress(ProgressPush),
-    /// Progress frames of `invocation_id` this watch lost (it read too slowly).
-    ProgressDropped {
-        turn_id: String,
-        invocation_id: String,
-        count: u64,
-    },
-}
-
-#[derive(Default)]
-struct Routes {
-    streams: HashMap<String, mpsc::UnboundedSender<WatchItem>>,
-    unclaimed: HashMap<String, Vec<WatchItem>>,
-    unclaimed_total: usize,
-    /// The push stream ended: no more events will come.
-    ended: bool,
-}
-
-impl Routes {
-    fn route(&mut self, watch_id: String, item: WatchItem) {
-        if let Some(tx) = self.streams.get(&watch_id) {
-            if tx.send(item).is_err() {
-                debug!(%watch_id, "watch stream dropped; no longer routing its events");
-                self.streams.remove(&watch_id);
-            }
-            return;
-        }
-        if self.unclaimed_total >= MAX_UNCLAIMED_EVENTS {
-            warn!(%watch_id, ?item, "dropping a push for an unclaimed watch (too many held)");
-            return;
-        }
-        self.unclaimed_total += 1;
-        self.unclaimed.entry(watch_id).or_default().push(item);
-    }
-
-    fn claim(&mut self, watch_id: &str) -> mpsc::UnboundedReceiver<WatchItem> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        if let Some(held) = self.unclaimed.remove(watch_id) {
-            self.unclaimed_total -= held.len();
-            for event in held {
-                if tx.send(event).is_err() {
-                    debug!("receiver dropped while replaying held events");
-                }
-            }
-        }
-        if !self.ended {
-            self.streams.insert(watch_id.to_string(), tx);
-        }
-        rx
-    }
-
-    fn forget(&mut self, watch_id: &str) {
-        self.streams.remove(watch_id);
-        if let Some(held) = self.unclaimed.remove(watch_id) {
-            self.unclaimed_total -= held.len();
-        }
-    }
-}
-
-/// The events (and progress) of one watch, in order. Ends (`next` returns `None`)
-/// when the watch is removed with [`Caller::unwatch`] or the connection ends.
-#[derive(Debug)]
-pub struct WatchStream {
-    /// The id the server gave this watch.
-    pub watch_id: String,
-    rx: mpsc::UnboundedReceiver<WatchItem>,
-}
-
-impl WatchStream {
-    /// The next event of this watch (its progress skipped), or `None` once the watch
-    /// or connection ended.
-    pub async fn next(&mut self) -> Option<Event> {
-        loop {
-            if let WatchItem::Event(e) = self.rx.recv().await? {
-                return Some(e);
-            }
-        }
-    }
-
-    /// The next event or progress of this watch, or `None` once it ended.
-    pub async fn next_item(&mut self) -> Option<WatchItem> {
-        self.rx.recv().await
-    }
-}
 
 /// A client-role (or operator-role) connection with typed helpers for every client op.
 ///
@@ -139,14 +43,28 @@ impl WatchStream {
 /// on the new connection only when that is safe: reads, stops, `watch`, and a
 /// submit or resume with an idempotency key. Any other fails with
 /// [`ClientError::Closed`]: whether the daemon acted on it is unknown.
+///
+/// Its watches ([`WatchStream`]) are opened again on the new connection from the
+/// last event they delivered, so they go on with no gap and no repeat; see
+/// [`WatchStream`]. A caller made with [`Caller::from_connection`] does not
+/// reconnect, and its watches end with its connection.
 #[derive(Debug)]
 pub struct Caller {
+    shared: Arc<Shared>,
+}
+
+/// What a caller and its watch streams share: where to connect, the current link,
+/// and the watches open through it.
+#[derive(Debug)]
+pub(crate) struct Shared {
     /// Where to connect again; `None` for a caller made from a given connection,
     /// which does not reconnect.
     dial: Option<Dial>,
     link: Mutex<Link>,
     /// Held while connecting again, so that concurrent requests open one connection.
     reconnecting: tokio::sync::Mutex<()>,
+    /// Each live stream's watch, by the id it was first opened with.
+    watches: Mutex<HashMap<String, Arc<Mutex<WatchState>>>>,
 }
 
 /// One connection of a caller, with the routing of its pushes.
@@ -166,7 +84,7 @@ impl Link {
     fn new(conn: Connection, at: usize) -> Link {
         let routes = Arc::new(Mutex::new(Routes::default()));
         let router = match conn.pushes() {
-            Some(rx) => Some(tokio::spawn(route_pushes(rx, routes.clone()))),
+            Some(rx) => Some(tokio::spawn(crate::watch::route_pushes(rx, routes.clone()))),
             None => {
                 warn!("push stream already taken; watches on this caller will get no events");
                 lock(&routes).ended = true;
@@ -205,15 +123,6 @@ enum Resend {
     Safe,
     /// It could act twice.
     Never,
-}
-
-impl std::fmt::Debug for Routes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Routes")
-            .field("streams", &self.streams.len())
-            .field("unclaimed", &self.unclaimed_total)
-            .finish()
-    }
 }
 
 impl Drop for Link {
@@ -272,20 +181,24 @@ impl Caller {
         let urls = urls.iter().map(|u| u.as_ref().to_string()).collect();
         let dial = Dial::new(urls, hello)?;
         let opened = dial.open_from(0).await?;
-        Ok(Caller {
-            dial: Some(dial),
-            link: Mutex::new(Link::new(opened.conn, opened.at)),
-            reconnecting: tokio::sync::Mutex::new(()),
-        })
+        Ok(Caller::new(Some(dial), Link::new(opened.conn, opened.at)))
     }
 
     /// Wrap an already greeted connection. Takes its push stream: when the pushes were
     /// taken already, watches get no events. Such a caller does not reconnect.
     pub fn from_connection(conn: Connection) -> Caller {
-        Caller {
-            dial: None,
-            link: Mutex::new(Link::new(conn, 0)),
+        Caller::new(None, Link::new(conn, 0))
+    }
+
+    fn new(dial: Option<Dial>, link: Link) -> Caller {
+        let shared = Shared {
+            dial,
+            link: Mutex::new(link),
             reconnecting: tokio::sync::Mutex::new(()),
+            watches: Mutex::new(HashMap::new()),
+        };
+        Caller {
+            shared: Arc::new(shared),
         }
     }
 
@@ -293,73 +206,26 @@ impl Caller {
     /// request through the caller then connects again). Its push stream belongs to
     /// the caller.
     pub fn connection(&self) -> Connection {
-        lock(&self.link).conn.clone()
+        lock(&self.shared.link).conn.clone()
     }
 
     /// The URL of the current connection; `None` for a caller made with
     /// [`Caller::from_connection`].
     pub fn url(&self) -> Option<String> {
-        let at = lock(&self.link).at;
-        self.dial.as_ref().and_then(|d| d.urls.get(at).cloned())
+        let at = lock(&self.shared.link).at;
+        self.shared
+            .dial
+            .as_ref()
+            .and_then(|d| d.urls.get(at).cloned())
     }
 
-    /// The current link, or, when its connection has ended and the caller knows its
-    /// URLs, a new one to the first URL that answers after the ended one's.
-    async fn live(&self) -> Result<Live, ClientError> {
-        let current = lock(&self.link).live();
-        let Some(dial) = &self.dial else {
-            return Ok(current);
-        };
-        if !current.conn.is_closed() {
-            return Ok(current);
-        }
-        let _one = self.reconnecting.lock().await;
-        let current = lock(&self.link).live();
-        if !current.conn.is_closed() {
-            return Ok(current);
-        }
-        let opened = dial.open_from(current.at + 1).await?;
-        debug!(url = ?dial.urls.get(opened.at), "connected again");
-        let link = Link::new(opened.conn, opened.at);
-        let live = link.live();
-        *lock(&self.link) = link;
-        Ok(live)
-    }
-
-    /// Send `op` on the live connection; when that connection is lost with the
-    /// request in flight and `resend` allows it, once more on a new connection.
-    /// Returns the answer and the link that gave it.
-    async fn exchange<A: serde::Serialize, R: serde::de::DeserializeOwned>(
-        &self,
-        op: &str,
-        args: &A,
-        resend: Resend,
-    ) -> Result<(R, Live), ClientError> {
-        let live = self.live().await?;
-        match live.conn.call(op, args).await {
-            Ok(r) => Ok((r, live)),
-            Err(ClientError::Closed) if resend == Resend::Safe && self.dial.is_some() => {
-                debug!(
-                    op,
-                    "connection lost with the request in flight; sending it again"
-                );
-                // The request fails before the connection is marked ended.
-                live.conn.closed().await;
-                let again = self.live().await?;
-                let r = again.conn.call(op, args).await?;
-                Ok((r, again))
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// [`Caller::exchange`] of a request that is safe to send again.
+    /// [`Shared::exchange`] of a request that is safe to send again.
     async fn call<A: serde::Serialize, R: serde::de::DeserializeOwned>(
         &self,
         op: &str,
         args: &A,
     ) -> Result<R, ClientError> {
-        Ok(self.exchange(op, args, Resend::Safe).await?.0)
+        Ok(self.shared.exchange(op, args, Resend::Safe).await?.0)
     }
 
     /// `turn.submit`.
@@ -369,7 +235,7 @@ impl Caller {
         } else {
             Resend::Never
         };
-        Ok(self.exchange("turn.submit", &args, resend).await?.0)
+        Ok(self.shared.exchange("turn.submit", &args, resend).await?.0)
     }
 
     /// `turn.submit` without idempotency key or turn timeout; returns the turn.
@@ -423,7 +289,7 @@ impl Caller {
         } else {
             Resend::Never
         };
-        Ok(self.exchange("turn.resume", &args, resend).await?.0)
+        Ok(self.shared.exchange("turn.resume", &args, resend).await?.0)
     }
 
     /// A watch of one turn with its progress: its events and progress frames as they
@@ -537,27 +403,42 @@ impl Caller {
     }
 
     /// `watch`: a stream of the session's (or turn's) new events.
-    pub async fn watch(&self, args: WatchArgs) -> Result<WatchStream, ClientError> {
-        let (ok, live): (WatchOk, Live) = self.exchange("watch", &args, Resend::Safe).await?;
-        let rx = lock(&live.routes).claim(&ok.watch_id);
-        Ok(WatchStream {
-            watch_id: ok.watch_id,
-            rx,
-        })
+    ///
+    /// Without `after`, a caller that reconnects starts it at the session's last
+    /// event as it reads it first (`session.inspect`, after `turn.get` for a turn
+    /// watch; 0 for a session with no events yet), so that a reopening after a lost
+    /// connection knows where it started even before it delivered an event.
+    pub async fn watch(&self, mut args: WatchArgs) -> Result<WatchStream, ClientError> {
+        if args.after.is_none() && self.shared.reconnects() {
+            args.after = self.last_event_of(&args).await?;
+        }
+        let opening = self.shared.open_watch(&args).await?;
+        Ok(WatchStream::new(self.shared.clone(), args, opening))
     }
 
-    /// `unwatch`; the watch's stream ends.
-    pub async fn unwatch(&self, watch_id: &str) -> Result<(), ClientError> {
-        let args = WatchIdArgs {
-            watch_id: watch_id.to_string(),
+    /// The last event's `seq` of the session a watch's `args` name (0 when it has
+    /// none); `None` when they name neither a session nor a turn.
+    async fn last_event_of(&self, args: &WatchArgs) -> Result<Option<u64>, ClientError> {
+        let session_id = match (&args.session_id, &args.turn_id) {
+            (Some(s), None) => s.clone(),
+            (None, Some(t)) => self.get(t).await?.session_id,
+            _ => return Ok(None),
         };
-        // On the current connection only: a watch ends with its connection.
-        let live = lock(&self.link).live();
-        let result = live.conn.request("unwatch", to_args(&args)?).await;
-        // Stop routing either way: after `not_found` there is nothing to route, and
-        // after success the server sends no more.
-        lock(&live.routes).forget(watch_id);
-        result.map(|_| ())
+        match self.inspect(&session_id).await {
+            Ok(session) => Ok(Some(session.last_event)),
+            Err(e) if e.code() == Some(ErrorCode::NotFound) => Ok(Some(0)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `unwatch`, by the id the watch was first opened with ([`WatchStream`]'s
+    /// `watch_id`, which stays that id when the watch is opened again on a new
+    /// connection); the watch's stream ends. A watch whose stream is open through
+    /// this caller ends even when its connection is being replaced, and is answered
+    /// `Ok` then; an id of no such stream is sent as it is, on the current
+    /// connection.
+    pub async fn unwatch(&self, watch_id: &str) -> Result<(), ClientError> {
+        self.shared.unwatch(watch_id).await
     }
 
     /// `stats`.
@@ -600,34 +481,119 @@ impl Caller {
     }
 }
 
-fn to_args<A: serde::Serialize>(args: &A) -> Result<Value, ClientError> {
-    serde_json::to_value(args).map_err(|e| ClientError::Decode(format!("encode args: {e}")))
-}
+impl Shared {
+    /// Whether it connects again when its connection is lost.
+    pub(crate) fn reconnects(&self) -> bool {
+        self.dial.is_some()
+    }
 
-async fn route_pushes(mut rx: mpsc::UnboundedReceiver<Push>, routes: Arc<Mutex<Routes>>) {
-    while let Some(push) = rx.recv().await {
-        match push {
-            Push::Event { watch_id, event } => {
-                lock(&routes).route(watch_id, WatchItem::Event(event))
+    pub(crate) fn register(&self, first_id: &str, state: Arc<Mutex<WatchState>>) {
+        lock(&self.watches).insert(first_id.to_string(), state);
+    }
+
+    pub(crate) fn unregister(&self, first_id: &str) {
+        lock(&self.watches).remove(first_id);
+    }
+
+    /// `watch` on the live connection (on a new one when it is lost in flight), its
+    /// events claimed.
+    pub(crate) async fn open_watch(&self, args: &WatchArgs) -> Result<Opening, ClientError> {
+        let (ok, live): (WatchOk, Live) = self.exchange("watch", args, Resend::Safe).await?;
+        let rx = lock(&live.routes).claim(&ok.watch_id);
+        Ok(Opening {
+            watch_id: ok.watch_id,
+            rx,
+            conn: live.conn,
+        })
+    }
+
+    /// [`Caller::unwatch`].
+    pub(crate) async fn unwatch(&self, watch_id: &str) -> Result<(), ClientError> {
+        let state = lock(&self.watches).get(watch_id).cloned();
+        // Whether this unwatch ends a stream of this caller that was not unwatched.
+        let mut ends_stream = false;
+        let current = match &state {
+            Some(state) => {
+                let mut state = lock(state);
+                ends_stream = !state.unwatched;
+                state.unwatched = true;
+                state.current.clone()
             }
-            Push::Progress(p) => lock(&routes).route(p.watch_id.clone(), WatchItem::Progress(p)),
-            Push::ProgressDropped {
-                watch_id,
-                turn_id,
-                invocation_id,
-                count,
-            } => lock(&routes).route(
-                watch_id,
-                WatchItem::ProgressDropped {
-                    turn_id,
-                    invocation_id,
-                    count,
-                },
-            ),
-            other => debug!(?other, "ignoring a non-event push on a caller connection"),
+            None => watch_id.to_string(),
+        };
+        let args = WatchIdArgs {
+            watch_id: current.clone(),
+        };
+        let live = lock(&self.link).live();
+        let result = live.conn.request("unwatch", to_args(&args)?).await;
+        // Stop routing either way: after `not_found` there is nothing to route, and
+        // after success the server sends no more.
+        lock(&live.routes).forget(&current);
+        match result {
+            // The stream ends all the same: its connection is gone, or it is being
+            // opened again and unwatches itself once it is.
+            Err(e)
+                if ends_stream
+                    && (e == ClientError::Closed || e.code() == Some(ErrorCode::NotFound)) =>
+            {
+                debug!(watch_id, error = %e, "unwatch of a watch between connections");
+                Ok(())
+            }
+            r => r.map(|_| ()),
         }
     }
-    let mut routes = lock(&routes);
-    routes.ended = true;
-    routes.streams.clear();
+
+    /// The current link, or, when its connection has ended and the caller knows its
+    /// URLs, a new one to the first URL that answers after the ended one's.
+    async fn live(&self) -> Result<Live, ClientError> {
+        let current = lock(&self.link).live();
+        let Some(dial) = &self.dial else {
+            return Ok(current);
+        };
+        if !current.conn.is_closed() {
+            return Ok(current);
+        }
+        let _one = self.reconnecting.lock().await;
+        let current = lock(&self.link).live();
+        if !current.conn.is_closed() {
+            return Ok(current);
+        }
+        let opened = dial.open_from(current.at + 1).await?;
+        debug!(url = ?dial.urls.get(opened.at), "connected again");
+        let link = Link::new(opened.conn, opened.at);
+        let live = link.live();
+        *lock(&self.link) = link;
+        Ok(live)
+    }
+
+    /// Send `op` on the live connection; when that connection is lost with the
+    /// request in flight and `resend` allows it, once more on a new connection.
+    /// Returns the answer and the link that gave it.
+    async fn exchange<A: serde::Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        op: &str,
+        args: &A,
+        resend: Resend,
+    ) -> Result<(R, Live), ClientError> {
+        let live = self.live().await?;
+        match live.conn.call(op, args).await {
+            Ok(r) => Ok((r, live)),
+            Err(ClientError::Closed) if resend == Resend::Safe && self.dial.is_some() => {
+                debug!(
+                    op,
+                    "connection lost with the request in flight; sending it again"
+                );
+                // The request fails before the connection is marked ended.
+                live.conn.closed().await;
+                let again = self.live().await?;
+                let r = again.conn.call(op, args).await?;
+                Ok((r, again))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn to_args<A: serde::Serialize>(args: &A) -> Result<Value, ClientError> {
+    serde_json::to_value(args).map_err(|e| ClientError::Decode(format!("encode args: {e}")))
 }

@@ -9,8 +9,12 @@
 //!   that answers and, when that connection is lost, the next request connects to
 //!   the next URL that answers. A request lost in flight is sent again on the new
 //!   connection only when that is safe (reads, stops, `watch`, a submit or resume
-//!   with an idempotency key); any other fails with [`ClientError::Closed`]. Watches
-//!   end with their connection.
+//!   with an idempotency key); any other fails with [`ClientError::Closed`].
+//! - [`WatchStream`]: one watch's events (and progress). When its caller reconnects,
+//!   it opens the watch again on the new connection with `after` = the last event
+//!   it delivered, so its reader sees each event once, in order, across lost
+//!   connections; it ends when unwatched, or when no URL lets it open the watch
+//!   again within [`RESUME_TIMEOUT`] (30 s).
 //! - [`Worker`]: serves functions and does the worker's part of loss handling (stable
 //!   instance id, `inflight`/`finished` lists on reconnect, result resend until
 //!   acknowledged, truthful `probe` answers, `cancel` delivered to the handler); a
@@ -63,15 +67,17 @@ mod caller;
 mod connection;
 mod dial;
 mod error;
+mod watch;
 mod worker;
 
 #[cfg(test)]
 mod tests;
 
-pub use caller::{Caller, WatchItem, WatchStream};
+pub use caller::Caller;
 pub use connection::Connection;
 pub use dial::OPEN_TIMEOUT;
 pub use error::ClientError;
+pub use watch::{WatchItem, WatchStream, RESUME_TIMEOUT};
 pub use worker::{
     new_instance_id, ConnectionState, FunctionSpec, Handler, InvocationCtx, Worker, WorkerHandle,
     WorkerOptions, WorkerStats,

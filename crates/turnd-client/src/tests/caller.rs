@@ -1,20 +1,38 @@
-//! Caller: watch routing and wait loops.
+//! Caller: watch routing, a watch opened again after a lost connection, and wait
+//! loops.
 
 use std::time::Duration;
 
 use serde_json::json;
 use turnd_proto::{TurnStatus, WatchArgs};
 
-use super::fake::{event, turn, FakeServer, STEP};
-use crate::{Caller, ClientError};
+use super::fake::{event, turn, FakePeer, FakeServer, STEP};
+use crate::{Caller, ClientError, WatchItem};
 
+/// A watch of session `s-1` from its first event (with `after` given, a caller
+/// sends `watch` alone).
 fn watch_session() -> WatchArgs {
     WatchArgs {
         session_id: Some("s-1".into()),
         turn_id: None,
-        after: None,
+        after: Some(0),
         progress: false,
     }
+}
+
+/// A caller connected to `server`, and the server's side of its connection.
+async fn connected(server: &FakeServer) -> (Caller, FakePeer) {
+    let (caller, peer) = tokio::join!(Caller::connect(&server.url, None), async {
+        let mut peer = server.accept().await;
+        peer.hello(json!(null)).await;
+        peer
+    });
+    (caller.expect("connect"), peer)
+}
+
+fn progress(watch_id: &str, seq: u64) -> serde_json::Value {
+    json!({"push": "progress", "watch_id": watch_id, "turn_id": "t_1",
+           "invocation_id": "inv_1", "step": 0, "attempt": 1, "seq": seq, "data": seq})
 }
 
 #[tokio::test]
@@ -82,16 +100,129 @@ async fn pushes_route_to_their_own_watch() {
         None
     );
 
-    // The other watch still works, and ends with the connection.
+    // The other watch still works.
     peer.send(json!({"push": "event", "watch_id": "w_2", "event": event(12)}))
         .await;
     let e = tokio::time::timeout(STEP, w2.next())
         .await
         .expect("in time");
     assert_eq!(e.expect("event").seq, 12);
+}
+
+#[tokio::test]
+async fn a_watch_is_opened_again_from_its_last_event_after_a_lost_connection() {
+    let server = FakeServer::start().await;
+    let (caller, mut peer) = connected(&server).await;
+    // Without `after`, it starts at the session's last event as read first.
+    let args = WatchArgs {
+        progress: true,
+        after: None,
+        ..watch_session()
+    };
+    let (w, ()) = tokio::join!(caller.watch(args), async {
+        let req = peer.expect("session.inspect").await;
+        let session = turnd_proto::Session {
+            session_id: "s-1".into(),
+            lock: None,
+            queued: vec![],
+            turns: turnd_proto::TurnCounts::default(),
+            last_event: 4,
+        };
+        peer.ok(req.id, json!({"session": session})).await;
+        let req = peer.expect("watch").await;
+        assert_eq!(req.args["after"], 4);
+        assert_eq!(req.args["progress"], true);
+        peer.ok(req.id, json!({"watch_id": "w_1"})).await;
+        for seq in [5, 6] {
+            peer.send(json!({"push": "event", "watch_id": "w_1", "event": event(seq)}))
+                .await;
+        }
+        peer.send(progress("w_1", 0)).await;
+    });
+    let mut w = w.expect("watch");
+    let mut items = vec![];
+    for _ in 0..3 {
+        items.push(
+            tokio::time::timeout(STEP, w.next_item())
+                .await
+                .expect("in time"),
+        );
+    }
+    assert!(
+        matches!(&items[1], Some(WatchItem::Event(e)) if e.seq == 6),
+        "{items:?}"
+    );
+    assert!(
+        matches!(&items[2], Some(WatchItem::Progress(p)) if p.seq == 0),
+        "{items:?}"
+    );
+
+    // The connection is lost: the stream opens the watch again on a new one, from
+    // the last event it delivered; an event it delivered already is not repeated,
+    // and the progress frames it missed are counted.
+    drop(peer);
+    let (next, mut peer) = tokio::join!(tokio::time::timeout(STEP, w.next_item()), async {
+        let mut peer = server.accept().await;
+        peer.hello(json!(null)).await;
+        let req = peer.expect("watch").await;
+        assert_eq!(req.args["after"], 6);
+        assert_eq!(req.args["session_id"], "s-1");
+        peer.ok(req.id, json!({"watch_id": "w_2"})).await;
+        for seq in [6, 7] {
+            peer.send(json!({"push": "event", "watch_id": "w_2", "event": event(seq)}))
+                .await;
+        }
+        peer.send(progress("w_2", 3)).await;
+        peer
+    });
+    assert!(matches!(&next.expect("in time"), Some(WatchItem::Event(e)) if e.seq == 7));
+    let dropped = tokio::time::timeout(STEP, w.next_item())
+        .await
+        .expect("in time");
+    assert_eq!(
+        dropped,
+        Some(WatchItem::ProgressDropped {
+            turn_id: "t_1".into(),
+            invocation_id: "inv_1".into(),
+            count: 2
+        })
+    );
+    let frame = tokio::time::timeout(STEP, w.next_item())
+        .await
+        .expect("in time");
+    assert!(
+        matches!(&frame, Some(WatchItem::Progress(p)) if p.seq == 3),
+        "{frame:?}"
+    );
+    assert_eq!(w.starts(), 2);
+
+    // Unwatched by its first id: the current opening is unwatched, the stream ends.
+    let (unwatched, ()) = tokio::join!(caller.unwatch("w_1"), async {
+        let req = peer.expect("unwatch").await;
+        assert_eq!(req.args["watch_id"], "w_2");
+        peer.ok(req.id, json!({})).await;
+    });
+    unwatched.expect("unwatch");
+    assert_eq!(
+        tokio::time::timeout(STEP, w.next()).await.expect("ends"),
+        None
+    );
+}
+
+#[tokio::test]
+async fn a_watch_of_a_given_connection_ends_with_it() {
+    let server = FakeServer::start().await;
+    let (conn, mut peer) =
+        tokio::join!(crate::Connection::connect_raw(&server.url), server.accept());
+    let caller = Caller::from_connection(conn.expect("connect"));
+    let (w, ()) = tokio::join!(caller.watch(watch_session()), async {
+        let req = peer.expect("watch").await;
+        peer.ok(req.id, json!({"watch_id": "w_1"})).await;
+    });
+    let mut w = w.expect("watch");
     drop(peer);
     assert_eq!(
-        tokio::time::timeout(STEP, w2.next()).await.expect("ends"),
+        tokio::time::timeout(STEP, w.next()).await.expect("ends"),
         None
     );
 }
@@ -99,12 +230,7 @@ async fn pushes_route_to_their_own_watch() {
 #[tokio::test]
 async fn wait_terminal_repeats_wait_until_terminal() {
     let server = FakeServer::start().await;
-    let (caller, mut peer) = tokio::join!(Caller::connect(&server.url, None), async {
-        let mut peer = server.accept().await;
-        peer.hello(json!(null)).await;
-        peer
-    });
-    let caller = caller.expect("connect");
+    let (caller, mut peer) = connected(&server).await;
     let (result, ()) = tokio::join!(caller.wait_terminal("t_1", STEP), async {
         let req = peer.expect("turn.wait").await;
         let ms = req.args["timeout_ms"].as_u64().expect("timeout_ms sent");
@@ -119,12 +245,7 @@ async fn wait_terminal_repeats_wait_until_terminal() {
 #[tokio::test]
 async fn wait_terminal_times_out() {
     let server = FakeServer::start().await;
-    let (caller, mut peer) = tokio::join!(Caller::connect(&server.url, None), async {
-        let mut peer = server.accept().await;
-        peer.hello(json!(null)).await;
-        peer
-    });
-    let caller = caller.expect("connect");
+    let (caller, mut peer) = connected(&server).await;
     let serve = tokio::spawn(async move {
         // Behave like the server: hold each wait for its timeout, turn still running.
         while let Some(req) = peer.try_recv(STEP).await {
