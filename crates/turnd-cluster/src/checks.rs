@@ -34,6 +34,7 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 
 use crate::error::LogError;
+use crate::nats::shown;
 
 /// The first version whose replicated streams sync before acknowledging with
 /// `sync_interval: always`.
@@ -61,14 +62,6 @@ pub struct Report {
     /// Servers that did not answer while a majority of the cluster did and was
     /// proven: to be checked when they answer.
     pub pending: Vec<String>,
-}
-
-/// `url` without the user and password it may carry (what errors and logs show).
-pub fn shown(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}{}", &url[..s + 3], &url[at + 1..]),
-        _ => url.to_string(),
-    }
 }
 
 /// `major.minor.patch` of a server's version string (`2.15.1`, `v2.10.23-RC.1`).

@@ -35,6 +35,14 @@ pub fn with_url_auth(
     })
 }
 
+/// `url` without the user and password it may carry (what errors and logs show).
+pub fn shown(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}{}", &url[..s + 3], &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
 /// Connect to `url` alone with the defaults (and the URL's user and password).
 pub async fn connect_one(url: &str) -> Result<async_nats::Client, LogError> {
     connect_any(&[url.to_string()]).await
@@ -47,7 +55,7 @@ pub async fn connect_any(urls: &[String]) -> Result<async_nats::Client, LogError
         async_nats::ConnectOptions::new().connection_timeout(CONNECT_TIMEOUT),
         urls,
     )?;
-    let shown: Vec<String> = urls.iter().map(|u| crate::checks::shown(u)).collect();
+    let shown: Vec<String> = urls.iter().map(|u| shown(u)).collect();
     async_nats::connect_with_options(urls.to_vec(), opts)
         .await
         .map_err(|e| LogError::nats(&format!("connect to {}", shown.join(",")), e))
@@ -101,7 +109,7 @@ impl Nats {
             .await
             .map_err(|e| LogError::nats("connect", e))?
             .map_err(|e| {
-                let shown: Vec<String> = urls.iter().map(|u| crate::checks::shown(u)).collect();
+                let shown: Vec<String> = urls.iter().map(|u| shown(u)).collect();
                 LogError::nats(&format!("connect to {}", shown.join(",")), e)
             })?;
         let js = jetstream::new(client.clone());
