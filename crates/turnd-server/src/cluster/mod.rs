@@ -65,6 +65,13 @@ pub(crate) struct Led {
     pub kv: Arc<turnd_store::LoggedKv>,
 }
 
+/// Whether `lease` runs now by this node's own clock. A partition's requests, made
+/// here or forwarded here, run on its engine only then: past it another node may
+/// lead already, and this engine's reads would miss that leader's writes.
+pub(crate) fn lease_runs(lease: &Mutex<Lease>) -> bool {
+    lease.lock().runs_at(turnd_cluster::members::now_ms())
+}
+
 /// A running node. See the module documentation.
 pub struct Node {
     pub(crate) id: String,

@@ -155,10 +155,7 @@ impl Node {
         // Served here only while this node's lease runs by its own clock: past it,
         // another node may lead already, and this engine's reads would be stale
         // until the next round notices the loss. The lease's holder is then asked.
-        if let Some(led) = self
-            .led(p)
-            .filter(|l| l.lease.lock().runs_at(turnd_cluster::members::now_ms()))
-        {
+        if let Some(led) = self.led(p).filter(|l| super::lease_runs(&l.lease)) {
             let run = router::run(&led.engine, caller, op, args, origin);
             return led.inflight.track_future(run).await;
         }

@@ -61,11 +61,6 @@ pub(super) struct Serving {
     pub inflight: TaskTracker,
 }
 
-/// Whether `lease` still runs now by this node's clock (what a request is run under).
-fn leading(lease: &parking_lot::Mutex<Lease>) -> bool {
-    lease.lock().runs_at(turnd_cluster::members::now_ms())
-}
-
 /// The subject of partition `p`'s requests to `node`, its leader: a request goes
 /// to the leader the sender knows, never to whichever node still listens (a leader
 /// paused past its lease keeps its subscriptions until it wakes).
@@ -120,7 +115,7 @@ pub(super) async fn serve(
             let (client, engine, cfg) = (client.clone(), engine.clone(), cfg.clone());
             let held = held.clone();
             inflight.spawn(async move {
-                let reply = if leading(&held) {
+                let reply = if super::lease_runs(&held) {
                     answer(&client, &engine, &msg.payload, cfg).await
                 } else {
                     ForwardReply::NotLeading
