@@ -43,3 +43,80 @@ async fn a_caller_skips_a_dead_url_and_fails_over_when_its_daemon_dies() -> anyh
 
     Ok(())
 }
+
+/// Turns `c`'s daemon holds, in any state.
+async fn turns_held(c: &Caller) -> anyhow::Result<u64> {
+    let t = c.stats().await?.turns;
+    Ok(t.queued + t.running + t.completed + t.failed + t.cancelled)
+}
+
+/// A daemon that shuts down answers every request it read and closes with 1001; a
+/// request it never read changed nothing, so the caller sends it again to the next
+/// URL, whatever its op. Callers submitting turns without idempotency keys, many in
+/// flight on each connection, across a SIGTERM of A: no request fails unanswered,
+/// and A (restarted) and B together hold exactly the turns acknowledged: none lost,
+/// none run twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_a_stopping_daemon_never_read_are_sent_again_and_run_once() -> anyhow::Result<()> {
+    const CALLERS: usize = 4;
+    const IN_FLIGHT: usize = 8;
+    let dir = tempfile::tempdir()?;
+    let a = BinDaemon::start(&dir.path().join("a"), &[]).await?;
+    let b = BinDaemon::start(&dir.path().join("b"), &[]).await?;
+    let urls = [a.url.clone(), b.url.clone()];
+    let acked = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let on_b = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..CALLERS {
+        let (urls, acked, on_b) = (urls.clone(), acked.clone(), on_b.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = Caller::connect_any(&[urls[0].as_str(), urls[1].as_str()], None).await?;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            let mut k = 0u64;
+            // Until 40 rounds went to B after A stopped (bounded in time).
+            while on_b.load(std::sync::atomic::Ordering::Relaxed) < 40 {
+                anyhow::ensure!(
+                    tokio::time::Instant::now() < deadline,
+                    "A's shutdown did not move the callers to B within 60 s"
+                );
+                let round = (0..IN_FLIGHT).map(|i| {
+                    // A session per submit: no per-session queue limit is met.
+                    let session = format!("s{t}-{k}-{i}");
+                    let c = &c;
+                    async move { c.submit_simple(&session, "nobody", json!(1)).await }
+                });
+                for r in futures_util::future::join_all(round).await {
+                    match r {
+                        Ok(_) => {
+                            acked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        // An answer: nothing was created; a new submit follows.
+                        Err(e) if e.code() == Some(ErrorCode::ShuttingDown) => {}
+                        Err(e) => anyhow::bail!("caller {t}: a submit failed: {e}"),
+                    }
+                }
+                if c.url().as_deref() == Some(urls[1].as_str()) {
+                    on_b.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                k += 1;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    // Let the callers run on A, then stop it while they send.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let a_dir = a.data_dir.clone();
+    let status = a.terminate().await?;
+    assert!(status.success(), "A exited with {status}");
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(90), t).await???;
+    }
+    let a = BinDaemon::start(&a_dir, &[]).await?;
+    let held_a = turns_held(&Caller::connect(&a.url, None).await?).await?;
+    let held_b = turns_held(&Caller::connect(&b.url, None).await?).await?;
+    let acked = acked.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("acknowledged {acked}: A holds {held_a}, B holds {held_b}");
+    assert!(held_a > 0 && held_b > 0, "both daemons took submits");
+    assert_eq!(held_a + held_b, acked, "turns held = turns acknowledged");
+    Ok(())
+}

@@ -22,7 +22,7 @@ use turnd_proto::{
     StopArgs, SubmitArgs, SubmitOk, TurnIdArgs, TurnOk, TurnsOk, WaitArgs, WatchArgs, WatchIdArgs,
     WatchOk, WorkersOk, PROTOCOL_VERSION, WAIT_MAX_MS,
 };
-use turnd_proto::{Function, OnBusy, ResumeArgs, Stats, Turn, Violation};
+use turnd_proto::{Function, OnBusy, ResumeArgs, Stats, Turn, Violation, CLOSE_GOING_AWAY};
 
 use crate::connection::{lock, Connection};
 use crate::dial::Dial;
@@ -41,7 +41,9 @@ const WAIT_ANSWER_GRACE: Duration = Duration::from_millis(1000);
 /// request connects again, trying the URLs in order from the one after the lost
 /// one's. A request whose connection was lost while it was in flight is sent again
 /// on the new connection only when that is safe: reads, stops, `watch`, and a
-/// submit or resume with an idempotency key. Any other fails with
+/// submit or resume with an idempotency key, and any request at all when the server
+/// closed the connection with 1001 ([`turnd_proto::CLOSE_GOING_AWAY`]: it shuts down,
+/// and it answered every request it read). Any other fails with
 /// [`ClientError::Closed`]: whether the daemon acted on it is unknown.
 ///
 /// Its watches ([`WatchStream`]) are opened again on the new connection from the
@@ -578,9 +580,16 @@ impl Shared {
         let live = self.live().await?;
         match live.conn.call(op, args).await {
             Ok(r) => Ok((r, live)),
-            Err(ClientError::Closed) if resend == Resend::Safe && self.dial.is_some() => {
+            Err(ClientError::Closed)
+                if self.dial.is_some()
+                    && (resend == Resend::Safe
+                        || live.conn.close_code() == Some(CLOSE_GOING_AWAY)) =>
+            {
+                // After a 1001 the server read no request it did not answer: this
+                // one changed nothing, whatever its op.
                 debug!(
                     op,
+                    close_code = live.conn.close_code(),
                     "connection lost with the request in flight; sending it again"
                 );
                 // The request fails before the connection is marked ended.

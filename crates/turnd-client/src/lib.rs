@@ -9,7 +9,8 @@
 //!   that answers and, when that connection is lost, the next request connects to
 //!   the next URL that answers. A request lost in flight is sent again on the new
 //!   connection only when that is safe (reads, stops, `watch`, a submit or resume
-//!   with an idempotency key); any other fails with [`ClientError::Closed`].
+//!   with an idempotency key, or any request after a 1001 close, which says the
+//!   server never read it); any other fails with [`ClientError::Closed`].
 //! - [`WatchStream`]: one watch's events (and progress). When its caller reconnects,
 //!   it opens the watch again on the new connection with `after` = the last event
 //!   it delivered, so its reader sees each event once, in order, across lost

@@ -41,6 +41,12 @@ pub const WS_PATH: &str = "/v1";
 /// Close code sent to a worker connection superseded by a newer `hello` with the
 /// same `worker_id`.
 pub const CLOSE_SUPERSEDED: u16 = 4001;
+/// Close code for a server that shuts down (or a peer silent for 3 heartbeats).
+/// It promises that every request the server read on the connection was answered
+/// before the close frame: a request with no answer was never read and changed
+/// nothing, so a client may send it again, as it was, on another connection.
+/// When the server cannot keep that promise it closes with 1011 instead.
+pub const CLOSE_GOING_AWAY: u16 = 1001;
 /// Close code for a peer that sent too many bad frames in a row (policy violation).
 pub const CLOSE_POLICY: u16 = 1008;
 /// Close code for a frame over `max_frame_bytes`.

@@ -2,7 +2,7 @@
 //! [`WS_PATH`], its place in the connection limits (a refused connection is told why
 //! and closed with 1013), its reader and writer tasks, and what its end lets go of
 //! (its watches, its worker's attachment, its count). A connection closed for a frame
-//! over `max_frame_bytes` lingers ([`linger`]).
+//! over `max_frame_bytes`, or with 1001, lingers ([`linger`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,10 +18,11 @@ use tokio_tungstenite::tungstenite::handshake::server::{
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
-use tokio_util::sync::CancellationToken;
 use turnd_engine::{CloseReason, Outbox};
 use turnd_proto::frame::encode_error;
-use turnd_proto::{new_connection_id, ErrorBody, ErrorCode, CLOSE_TOO_BIG, WS_PATH};
+use turnd_proto::{
+    new_connection_id, ErrorBody, ErrorCode, CLOSE_GOING_AWAY, CLOSE_TOO_BIG, WS_PATH,
+};
 
 use super::reader::Reader;
 use super::writer::write_loop;
@@ -33,8 +34,8 @@ use super::{Conn, Shared};
 /// mostly far smaller, and a larger frame only takes more reads.
 const READ_BUFFER_BYTES: usize = 8 * 1024;
 
-/// How long a connection closed for a frame over `max_frame_bytes` goes on reading
-/// (and dropping) what the peer still sends of it; see [`linger`].
+/// How long a connection closed for a frame over `max_frame_bytes`, or with 1001,
+/// goes on reading (and dropping) what the peer still sends; see [`linger`].
 const LINGER: Duration = Duration::from_secs(1);
 
 /// Serve one accepted TCP connection until it ends.
@@ -79,12 +80,15 @@ where
     // Tag the outbox first, then say which close frame: the writer sends the frame
     // of whichever cause tagged it first, this one or the engine's.
     outbox.close_with(CloseReason::ReaderEnded);
-    let too_big = matches!(close, Some((CLOSE_TOO_BIG, _)));
+    // After these closes the peer may still be sending: the rest of a frame over
+    // the limit, or requests sent before it read the close (1001 says they were
+    // not read: the peer must get the close frame to know to send them again).
+    let lingers = matches!(close, Some((CLOSE_TOO_BIG | CLOSE_GOING_AWAY, _)));
     if close_tx.send(close).is_err() {
         tracing::trace!("writer already gone");
     }
     ended(&conn).await;
-    finish(writer, stream, too_big, &shared.closing, &conn_id).await;
+    finish(writer, stream, lingers, &conn_id).await;
     tracing::debug!(%peer, conn_id, "connection closed");
 }
 
@@ -157,19 +161,18 @@ async fn ended(conn: &Conn) {
 }
 
 /// Wait (2 s at most) for the writer to send its last frames and the close frame,
-/// then linger when the connection closed for a frame over the limit.
+/// then linger when the peer may still be sending (`lingers`).
 async fn finish<S>(
     writer: JoinHandle<SplitSink<WebSocketStream<S>, Message>>,
     stream: SplitStream<WebSocketStream<S>>,
-    too_big: bool,
-    closing: &CancellationToken,
+    lingers: bool,
     conn_id: &str,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     match tokio::time::timeout(Duration::from_secs(2), writer).await {
-        Ok(Ok(sink)) if too_big => match sink.reunite(stream) {
-            Ok(ws) => linger(ws, closing).await,
+        Ok(Ok(sink)) if lingers => match sink.reunite(stream) {
+            Ok(ws) => linger(ws).await,
             Err(e) => tracing::debug!(conn_id, "no socket to linger on: {e}"),
         },
         Ok(Ok(_)) => {}
@@ -178,16 +181,16 @@ async fn finish<S>(
     }
 }
 
-/// After the close for a frame over `max_frame_bytes`, whose rest is still arriving
-/// unread: a socket closed with unread data makes the kernel answer with a reset,
-/// which can reach the peer before the close frame does and make its system drop that
-/// frame unread, so the peer would see a reset instead of close code 1009. The write
-/// side is shut instead (the peer reads the close frame, then the end of the stream),
-/// and what still arrives is read and dropped until the peer closes, for at most
-/// [`LINGER`], and no longer once the daemon closes its connections. (A writer that
-/// took longer than its 2 s to send the close frame has dropped its socket already:
-/// there is nothing to linger on.)
-async fn linger<S>(mut ws: WebSocketStream<S>, closing: &CancellationToken)
+/// After a close whose peer may still be sending (the rest of a frame over
+/// `max_frame_bytes`; requests sent before the peer read a 1001): a socket closed
+/// with unread data makes the kernel answer with a reset, which can reach the peer
+/// before the close frame does and make its system drop that frame unread, so the
+/// peer would see a reset instead of the close code. The write side is shut instead
+/// (the peer reads the close frame, then the end of the stream), and what still
+/// arrives is read and dropped, never run, until the peer closes, for at most
+/// [`LINGER`]. (A writer that took longer than its 2 s to send the close frame has
+/// dropped its socket already: there is nothing to linger on.)
+async fn linger<S>(mut ws: WebSocketStream<S>)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -204,10 +207,10 @@ where
             }
         }
     };
-    tokio::select! {
-        drained = tokio::time::timeout(LINGER, drain) => if drained.is_err() {
-            tracing::debug!("peer still sending {} ms after the close", LINGER.as_millis());
-        },
-        _ = closing.cancelled() => {}
+    if tokio::time::timeout(LINGER, drain).await.is_err() {
+        tracing::debug!(
+            "peer still sending {} ms after the close",
+            LINGER.as_millis()
+        );
     }
 }

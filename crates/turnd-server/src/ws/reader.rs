@@ -13,8 +13,8 @@ use futures_util::{Stream, StreamExt};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use turnd_proto::frame::encode_error;
 use turnd_proto::{
-    decode_raw_request, ErrorBody, ErrorCode, Op, RawRequest, CLOSE_POLICY, CLOSE_TOO_BIG,
-    MAX_BAD_FRAMES,
+    decode_raw_request, ErrorBody, ErrorCode, Op, RawRequest, CLOSE_GOING_AWAY, CLOSE_POLICY,
+    CLOSE_TOO_BIG, MAX_BAD_FRAMES,
 };
 
 use super::limits::{too_deep, Bucket, Exempted};
@@ -91,14 +91,32 @@ impl Reader {
             n = tokio::time::timeout(self.heartbeat * 3, stream.next()) => n,
             _ = conn.outbox.closed() => return Err(None),
             _ = conn.shared.closing.cancelled() => {
-                self.answered().await;
-                return Err(Some((1001, "server shutting down".into())));
+                if self.answered().await {
+                    return Err(Some((CLOSE_GOING_AWAY, "server shutting down".into())));
+                }
+                return Err(Some((
+                    1011,
+                    "server shutting down with requests of this connection unanswered: \
+                     their outcome is unknown"
+                        .into(),
+                )));
             }
         };
         match next {
             Err(_) => {
                 tracing::info!(%peer, conn_id, "peer silent for 3 heartbeats; closing");
-                Err(Some((1001, "no frames for 3 heartbeats".into())))
+                // 1001 promises that every request read was answered: one still
+                // running would be answered on a closed connection.
+                if conn.inflight.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+                    return Err(Some((
+                        1011,
+                        "no frames for 3 heartbeats, with requests unanswered".into(),
+                    )));
+                }
+                Err(Some((
+                    CLOSE_GOING_AWAY,
+                    "no frames for 3 heartbeats".into(),
+                )))
             }
             Ok(None) => Err(None),
             Ok(Some(Err(WsError::Capacity(e)))) => {
@@ -119,8 +137,9 @@ impl Reader {
     }
 
     /// Wait (for at most `server.shutdown_timeout_ms`) until every request this
-    /// connection started has queued its answer, reading no more frames meanwhile.
-    async fn answered(&self) {
+    /// connection started has queued its answer, reading no more frames meanwhile;
+    /// false when some had not by then.
+    async fn answered(&self) -> bool {
         let conn = &self.conn;
         let limit = Duration::from_millis(conn.shared.config.server.shutdown_timeout_ms);
         let deadline = tokio::time::Instant::now() + limit;
@@ -130,10 +149,11 @@ impl Reader {
                     conn_id = conn.outbox.conn_id,
                     "requests unanswered at close"
                 );
-                return;
+                return false;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        true
     }
 
     /// Answer a bad frame and count it; too many in a row end the connection.
