@@ -145,20 +145,18 @@ async fn check_all(
     }
     // A rolling restart fails no request: a draining node forwards its
     // connections' requests to the partitions' next leaders and closes them only
-    // once they are answered; a hand-over lets the writes in flight settle. Two
-    // cases are not prevented yet (docs/cluster.md, "What a node cannot do yet"),
-    // and are counted, not failed: a write refused as deposed (a restarted node
-    // fenced a log whose holder renewed its lease late; nothing changed), and a
-    // request sent on a connection in the instant the draining node closed it (the
-    // node never read it; the caller sends it again with its idempotency key, and
-    // the checker holds every acknowledged turn to once).
-    let (known, failed): (Vec<&load::Seen>, Vec<&load::Seen>) = rolling
-        .iter()
-        .partition(|e| e.what.contains("deposed") || load::kind(e) == "closed unanswered");
+    // once they are answered, with a 1001 that tells the caller to send again what
+    // it sent in the instant of the close (the node never read it); a hand-over
+    // lets the writes in flight settle. One case is not prevented yet
+    // (docs/cluster.md, "What a node cannot do yet"), and is counted, not failed: a
+    // write refused as deposed (a restarted node fenced a log whose holder renewed
+    // its lease late; nothing changed).
+    let (known, failed): (Vec<&load::Seen>, Vec<&load::Seen>) =
+        rolling.iter().partition(|e| e.what.contains("deposed"));
     if !known.is_empty() {
         let known: Vec<load::Seen> = known.iter().map(|e| (*e).clone()).collect();
         eprintln!(
-            "rolling restart: {} requests refused as deposed or closed unanswered (by kind {:?}; each sent again with its key), the first to n{}: {}",
+            "rolling restart: {} requests refused as deposed (by kind {:?}; each sent again with its key), the first to n{}: {}",
             known.len(),
             load::tally(&known),
             known[0].node,
