@@ -93,12 +93,13 @@ class FrameProxy:
         """Pass ``edit(frame)`` on instead of the next ``times`` matching frames."""
         self._rules.append(_Rule(direction, match, times, edit=edit))
 
-    async def cut(self, *, clean: bool = True) -> None:
-        """End every relayed connection: a close handshake, or the TCP stream aborted."""
+    async def cut(self, *, clean: bool = True, code: int = 1001) -> None:
+        """End every relayed connection: a close handshake with ``code``, or the TCP
+        stream aborted."""
         for pair in list(self._pairs):
             if clean:
                 with contextlib.suppress(Exception):
-                    await pair.down.close(1001, "proxy going away")
+                    await pair.down.close(code, "proxy going away")
             else:
                 pair.down.transport.abort()
             with contextlib.suppress(Exception):

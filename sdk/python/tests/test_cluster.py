@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from turnd import Client, TurnContext, Worker, WorkerState
+from turnd import Client, ShuttingDown, TurnContext, Worker, WorkerState
 
 from .conftest import ServerFactory, kinds
 from .proxy import FrameProxy
@@ -167,3 +167,55 @@ async def test_a_client_takes_the_first_url_that_answers_and_moves_on(
             await c.stats()  # reconnects, on the next URL
             assert c.url == to_a.url
             assert c.connections == 2 and to_a.connections == 1
+
+
+async def turns_held(url: str) -> int:
+    """Turns the daemon at ``url`` holds, in any state."""
+    async with Client(url) as c:
+        return sum((await c.stats())["turns"].values())
+
+
+async def test_submits_a_stopping_daemon_never_read_are_sent_again_and_run_once(
+    make_server: ServerFactory,
+) -> None:
+    """A daemon that shuts down answers every request it read and closes with 1001:
+    a request it never read changed nothing, so the client sends it again to the next
+    URL, whatever its op. Clients submitting turns without idempotency keys, many in
+    flight on each connection, across a SIGTERM of A: no submit fails unanswered, and
+    A (restarted) and B together hold exactly the turns acknowledged."""
+    clients, in_flight = 4, 8
+    a, b = await make_server(), await make_server()
+    acked = on_b = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+
+    async def submitter(c: Client, name: str) -> None:
+        nonlocal acked, on_b
+        k = 0
+        # Until 200 submits went to B after A stopped (bounded in time).
+        while on_b < 200:
+            assert loop.time() < deadline, "A's stop did not move the clients to B in 20 s"
+            # A session per submit: no per-session queue limit is met.
+            try:
+                await c.submit(f"{name}-{k}", "nobody", 1)
+                acked += 1
+                if c.url == b.url:
+                    on_b += 1
+            except ShuttingDown:
+                pass  # an answer: nothing was created; a new submit follows
+            k += 1
+
+    async def client(t: int) -> None:
+        async with Client([a.url, b.url], reconnect_timeout=10) as c:
+            await asyncio.gather(*(submitter(c, f"s{t}-{i}") for i in range(in_flight)))
+
+    tasks = asyncio.gather(*(client(t) for t in range(clients)))
+    # Let the clients run on A, then stop it while they send.
+    await asyncio.sleep(0.5)
+    await a.stop()
+    await tasks
+    await a.start()  # on its data directory
+    held_a, held_b = await turns_held(a.url), await turns_held(b.url)
+    print(f"acknowledged {acked}: A holds {held_a}, B holds {held_b}")
+    assert held_a > 0 and held_b > 0, "both daemons took submits"
+    assert held_a + held_b == acked, f"acknowledged {acked}: A holds {held_a}, B {held_b}"

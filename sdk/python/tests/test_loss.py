@@ -359,6 +359,26 @@ async def test_submit_without_key_is_not_repeated_but_with_key_is(
         await c.stop_session(sid)
 
 
+async def test_a_close_other_than_1001_does_not_repeat_a_submit_without_key(
+    server: TurndServer, sid: str
+) -> None:
+    # Only a 1001 says the daemon read no request it did not answer; after a 1011
+    # (outcome unknown) the unanswered submit may have been admitted.
+    async with FrameProxy(server.url) as proxy, Client(proxy.url) as c:
+        proxy.drop("down", lambda f: "turn" in (f.get("ok") or {}))
+        submit = asyncio.ensure_future(c.submit(sid, "f", 1))
+        while not proxy.dropped:
+            await asyncio.sleep(0.01)
+        await proxy.cut(code=1011)
+        with pytest.raises(ConnectionLost) as lost:
+            await submit
+        assert lost.value.close_code == 1011
+        assert c.connections == 1
+    async with Client(server.url) as c:
+        assert [t.input for t in (await c.list(sid)).turns] == [1]  # admitted once
+        await c.stop_session(sid)
+
+
 async def test_probe_right_after_reconnect_is_answered(
     server: TurndServer, client: Client, sid: str
 ) -> None:

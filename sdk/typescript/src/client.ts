@@ -6,11 +6,20 @@
  *
  * The client reconnects on its own (capped, jittered backoff). A request cut by a
  * lost connection is sent again on the next connection when that is safe: every op
- * except a `turn.submit` without an idempotency key, which rejects with
- * {@link ConnectionError} instead (it may or may not have been admitted).
+ * except a `turn.submit` or `turn.resume` without an idempotency key, which rejects
+ * with {@link ConnectionError} instead (it may or may not have been admitted), and
+ * any op at all when the daemon closed the connection with 1001 (it answered every
+ * request it read, so one with no answer was never read).
  */
 import { EventEmitter } from "node:events";
-import { Connection, type HelloArgs, type HelloOk, PROTOCOL_VERSION, type PushFrame } from "./connection.js";
+import {
+  CLOSE_GOING_AWAY,
+  Connection,
+  type HelloArgs,
+  type HelloOk,
+  PROTOCOL_VERSION,
+  type PushFrame,
+} from "./connection.js";
 import { ConnectionError, isRetryable, TurndError } from "./errors.js";
 import {
   type Event,
@@ -122,6 +131,15 @@ const WAIT_MAX_MS = 300_000;
 
 function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/**
+ * Whether `conn` ended with the daemon's 1001 close frame, once it has ended (a
+ * request can fail while the close handshake is still under way).
+ */
+async function wentAway(conn: Connection): Promise<boolean> {
+  await conn.closed;
+  return conn.closeCode === CLOSE_GOING_AWAY;
 }
 
 /** Connect with role `client` (or `operator`) and say `hello`. */
@@ -253,7 +271,9 @@ export class Client extends EventEmitter {
 
   /**
    * Send any request and return its `ok` value. `retry` (default true) sends it again
-   * on the next connection when the connection ends before the answer.
+   * on the next connection when the connection ends before the answer; without it,
+   * the request is sent again only when the daemon closed the connection with 1001
+   * (it had answered every request it read, so this one was never read).
    */
   async request(op: string, args: Record<string, unknown> = {}, retry = true): Promise<unknown> {
     for (;;) {
@@ -261,7 +281,8 @@ export class Client extends EventEmitter {
       try {
         return await conn.request(op, args);
       } catch (err) {
-        if (err instanceof ConnectionError && retry && !this.closedByUser) continue;
+        if (!(err instanceof ConnectionError) || this.closedByUser) throw err;
+        if (retry || (await wentAway(conn))) continue;
         throw err;
       }
     }

@@ -15,6 +15,12 @@ import type { Reconciled } from "./types.js";
 export const PROTOCOL_VERSION = 1;
 /** Close code of a worker connection superseded by a newer `hello` with the same `worker_id`. */
 export const CLOSE_SUPERSEDED = 4001;
+/**
+ * Close code of a daemon that shuts down (or of a cluster node that drains). Every
+ * request it read on the connection was answered before this close frame: one with
+ * no answer was never read and changed nothing.
+ */
+export const CLOSE_GOING_AWAY = 1001;
 
 /** `hello` arguments as sent on the wire. */
 export interface HelloArgs {

@@ -241,4 +241,31 @@ describe("client", () => {
       await proxy.close();
     }
   });
+
+  it("a submit without a key cut by a close other than 1001 is not sent again", async () => {
+    // Only a 1001 says the daemon read no request it did not answer; after a 1011
+    // (outcome unknown) the unanswered submit may have been admitted.
+    const proxy = await FrameProxy.start(turnd.url);
+    const rc = await client(proxy.url);
+    try {
+      // The submit's answer is lost, and the connection closed with 1011.
+      let drops = 1;
+      proxy.toClient = (f) => {
+        if (drops === 0 || typeof f.ok !== "object" || f.ok === null || !("turn" in f.ok)) return false;
+        drops -= 1;
+        setImmediate(() => proxy.cut(1011));
+        return true;
+      };
+      const err = await rc.submit("cut-1011", "cl.echo", "once").catch((e: unknown) => e);
+      assert.ok(
+        err instanceof ConnectionError && /code 1011/.test(err.message),
+        `got ${err instanceof Error ? err.message : JSON.stringify(err)}`,
+      );
+      assert.equal(proxy.hellos().length, 1);
+      assert.equal((await c.list("cut-1011")).turns.length, 1); // admitted once
+    } finally {
+      await rc.close();
+      await proxy.close();
+    }
+  });
 });

@@ -7,7 +7,7 @@
  */
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
-import { type Client, connect, type Worker } from "../src/index.js";
+import { type Client, connect, TurndError, type Worker } from "../src/index.js";
 import type { Turnd } from "../src/testing.js";
 import { allEvents, client, daemon, FrameProxy, sleep, until, worker } from "./helpers.js";
 
@@ -163,5 +163,78 @@ describe("several URLs", () => {
     await c.stats();
     assert.equal(c.url, toA.url);
     assert.equal(toA.hellos().length, 1);
+  });
+
+  it("submits a stopping daemon never read are sent again to the next URL and run once", async (t) => {
+    // A daemon that shuts down answers every request it read and closes with 1001: a
+    // request it never read changed nothing, so the client sends it again, whatever
+    // its op. Clients submitting turns without idempotency keys, many in flight on
+    // each connection, across a SIGTERM of A and then of B (each restarted on its data
+    // directory): no submit fails unanswered, and A and B together hold exactly the
+    // turns acknowledged.
+    const [clients, inFlight] = [4, 8];
+    const [dA, dB] = await Promise.all([daemon(), daemon()]);
+    cleanups.push(() => Promise.all([dA.stop(), dB.stop()]).then(() => undefined));
+    const ackedBy = new Map<string, number>([
+      [dA.url, 0],
+      [dB.url, 0],
+    ]);
+    const acked = () => (ackedBy.get(dA.url) ?? 0) + (ackedBy.get(dB.url) ?? 0);
+    let stop = false;
+    const deadline = Date.now() + 20_000;
+    const submitter = async (c: Client, name: string) => {
+      for (let k = 0; !stop; k++) {
+        assert.ok(Date.now() < deadline, "the SIGTERMs did not move the clients within 20 s");
+        try {
+          // A session per submit: no per-session queue limit is met.
+          await c.submit(`${name}-${k}`, "nobody", 1);
+          ackedBy.set(c.url, (ackedBy.get(c.url) ?? 0) + 1);
+        } catch (err) {
+          // An answer: nothing was created; a new submit follows.
+          if (!(err instanceof TurndError && err.code === "shutting_down")) throw err;
+        }
+      }
+    };
+    const clientsDone = Promise.all(
+      Array.from({ length: clients }, async (_, n) => {
+        const c = await connect({ url: [dA.url, dB.url], reconnectDelayMs: 50, reconnectTimeoutMs: 10_000 });
+        try {
+          await Promise.all(Array.from({ length: inFlight }, (_, i) => submitter(c, `s${n}-${i}`)));
+        } finally {
+          await c.close();
+        }
+      }),
+    );
+    clientsDone.catch(() => undefined); // a failed submit is raised by the race below
+    try {
+      // Each stop is a chance to catch requests in flight unread: take two.
+      for (const [stopped, next] of [
+        [dA, dB],
+        [dB, dA],
+      ] as const) {
+        await sleep(300);
+        const before = ackedBy.get(next.url) ?? 0;
+        await stopped.restart("SIGTERM");
+        await Promise.race([
+          clientsDone,
+          until("submits acknowledged by the other daemon", () => (ackedBy.get(next.url) ?? 0) >= before + 200),
+        ]);
+      }
+    } finally {
+      stop = true;
+    }
+    await clientsDone;
+    const held = async (url: string) => {
+      const c = await client(url);
+      try {
+        return Object.values((await c.stats()).turns).reduce((sum, n) => sum + n, 0);
+      } finally {
+        await c.close();
+      }
+    };
+    const [heldA, heldB] = [await held(dA.url), await held(dB.url)];
+    t.diagnostic(`acknowledged ${acked()}: A holds ${heldA}, B holds ${heldB}`);
+    assert.ok(heldA > 0 && heldB > 0, `both daemons took submits (A ${heldA}, B ${heldB})`);
+    assert.equal(heldA + heldB, acked(), `acknowledged ${acked()}: A holds ${heldA}, B ${heldB}`);
   });
 });

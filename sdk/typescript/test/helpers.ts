@@ -78,7 +78,8 @@ export type Filter = (frame: Frame) => boolean;
  * A WebSocket proxy in front of the daemon. Every text frame is parsed, recorded and
  * passed on unless a filter drops it (or, towards the client, `editToClient` gives
  * another frame to pass on instead). `cut()` breaks every proxied connection
- * without a close frame; while `refuse` is set, new connections are dropped at once.
+ * (without a close frame, or with a given close code); while `refuse` is set, new
+ * connections are dropped at once.
  */
 export class FrameProxy {
   url = "";
@@ -174,10 +175,14 @@ export class FrameProxy {
     });
   }
 
-  /** Break every proxied connection at once (no close frame). */
-  cut(): void {
+  /**
+   * Break every proxied connection at once: with no close frame, or, given `code`,
+   * with a close frame of that code to the client (the daemon's side is dropped).
+   */
+  cut(code?: number): void {
     for (const { a, b } of this.pairs) {
-      a.terminate();
+      if (code === undefined) a.terminate();
+      else a.close(code, "proxy going away");
       b.terminate();
     }
     this.pairs.clear();

@@ -39,6 +39,9 @@ log = logging.getLogger("turnd")
 
 PROTOCOL_VERSION = 1
 CLOSE_SUPERSEDED = 4001
+# The daemon shuts down (or a cluster node drains): every request it read on the
+# connection was answered before this close frame, so one with no answer was never read.
+CLOSE_GOING_AWAY = 1001
 CLOSE_TOO_BIG = 1009
 # Answers (turn.list, session.events) can be far larger than any request the daemon
 # takes; bound them all the same.

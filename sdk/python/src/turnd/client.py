@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from ._connection import PROTOCOL_VERSION, Connection, url_list
+from ._connection import CLOSE_GOING_AWAY, PROTOCOL_VERSION, Connection, url_list
 from .errors import ConnectionLost, NotFound, ShuttingDown, TurndError
 from .types import (
     JSON,
@@ -112,7 +112,10 @@ class Client:
     stops, ``watch`` and submits with an ``idempotency_key`` are repeated on a new
     connection when the connection is lost, for up to ``reconnect_timeout`` seconds.
     A submit (or resume) without a key is not repeated (it could run twice): it
-    raises :class:`ConnectionLost` and the caller decides.
+    raises :class:`ConnectionLost` and the caller decides. Except after a close with
+    code 1001 (the daemon shuts down, or a cluster node drains): the daemon answered
+    every request it read before it, so one with no answer was never read, and every
+    such request is repeated, whatever its op.
 
     ``url`` may be a list (a cluster's nodes): the client connects to the first
     that answers, and moves on to the next when a connection cannot be opened,
@@ -250,8 +253,11 @@ class Client:
             assert link.conn is not None
             try:
                 return await link.conn.call(op, args)
-            except (ConnectionLost, ShuttingDown):
-                if not repeatable or time.monotonic() >= deadline or self._closed:
+            except (ConnectionLost, ShuttingDown) as e:
+                # After a 1001 close the daemon had answered every request it read:
+                # one with no answer was never read and changed nothing, whatever its op.
+                unread = isinstance(e, ConnectionLost) and e.close_code == CLOSE_GOING_AWAY
+                if not (repeatable or unread) or time.monotonic() >= deadline or self._closed:
                     raise
                 log.debug("%s: connection lost; repeating on a new connection", op)
                 if link is self._link:

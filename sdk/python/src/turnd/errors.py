@@ -20,7 +20,9 @@ class ConnectionLost(TurndError):
     """The connection closed (or could not be opened) before an answer arrived.
 
     Whether a request that was in flight took effect is unknown; the SDK only
-    repeats requests on its own where repeating is safe.
+    repeats requests on its own where repeating is safe. ``close_code`` is the code
+    of the daemon's close frame (1006 when none came; ``None`` when the connection
+    was not open): after 1001 every unanswered request was never read.
     """
 
     retryable = True
