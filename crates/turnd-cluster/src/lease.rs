@@ -48,6 +48,7 @@ impl Lease {
 /// The owners bucket.
 #[derive(Clone)]
 pub struct Owners {
+    nats: Arc<Nats>,
     kv: kv::Store,
 }
 
@@ -65,7 +66,10 @@ impl Owners {
     /// Bind the bucket, making it (on `replicas` servers) when there is none.
     pub async fn open(nats: &Arc<Nats>, replicas: usize) -> Result<Owners, LogError> {
         let kv = nats.bucket(OWNERS_BUCKET, replicas).await?;
-        Ok(Owners { kv })
+        Ok(Owners {
+            nats: nats.clone(),
+            kv,
+        })
     }
 
     /// The cluster's number of partitions: `wanted` when this is the first node of
@@ -97,9 +101,9 @@ impl Owners {
     /// was released).
     pub async fn get(&self, p: u32) -> Result<Option<Lease>, LogError> {
         let Some(e) = self
-            .kv
-            .entry(key(p))
-            .await
+            .nats
+            .control("read an owner", self.kv.entry(key(p)))
+            .await?
             .map_err(|e| LogError::nats("read an owner", e))?
         else {
             return Ok(None);
@@ -126,7 +130,11 @@ impl Owners {
         now_ms: u64,
     ) -> Result<Option<Lease>, LogError> {
         let value = encode(&owner)?;
-        match self.kv.create(key(p), value.clone()).await {
+        let created = self
+            .nats
+            .control("create an owner", self.kv.create(key(p), value.clone()))
+            .await?;
+        match created {
             Ok(revision) => {
                 return Ok(Some(Lease {
                     partition: p,
@@ -140,7 +148,9 @@ impl Owners {
         let Some(held) = self.get(p).await? else {
             return Ok(None);
         };
-        if held.owner.until_ms.is_none_or(|u| u > now_ms) {
+        // This node's own key (a create or take of it whose answer was lost, and
+        // that landed) is this node's to take again at once.
+        if held.owner.node != owner.node && held.owner.until_ms.is_none_or(|u| u > now_ms) {
             return Ok(None);
         }
         self.take(p, owner, held.revision).await
@@ -154,7 +164,14 @@ impl Owners {
         owner: Owner,
         revision: u64,
     ) -> Result<Option<Lease>, LogError> {
-        match self.kv.update(key(p), encode(&owner)?, revision).await {
+        let updated = self
+            .nats
+            .control(
+                "take an owner",
+                self.kv.update(key(p), encode(&owner)?, revision),
+            )
+            .await?;
+        match updated {
             Ok(revision) => Ok(Some(Lease {
                 partition: p,
                 owner,
@@ -167,18 +184,39 @@ impl Owners {
 
     /// Renew `lease` (its epoch or `until_ms` changed as the caller wants): None
     /// when its key moved since (another took it).
+    ///
+    /// A key that moved may have moved by this holder's own renewal: one whose
+    /// answer was lost (it was not answered within the control bound) but that
+    /// landed. The key then still names this node in the lease's epoch (or the
+    /// epoch being written), and is renewed from where it is.
     pub async fn renew(&self, lease: &Lease, owner: Owner) -> Result<Option<Lease>, LogError> {
-        self.take(lease.partition, owner, lease.revision).await
+        let p = lease.partition;
+        if let Some(l) = self.take(p, owner.clone(), lease.revision).await? {
+            return Ok(Some(l));
+        }
+        match self.get(p).await? {
+            Some(now)
+                if now.owner.node == owner.node
+                    && (now.owner.epoch == lease.owner.epoch || now.owner.epoch == owner.epoch) =>
+            {
+                self.take(p, owner, now.revision).await
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Hand partition `lease.partition` over at once (a clean stop): its key is
     /// deleted if it is still at the lease's revision. Whether it was.
     pub async fn release(&self, lease: &Lease) -> Result<bool, LogError> {
-        match self
-            .kv
-            .delete_expect_revision(key(lease.partition), Some(lease.revision))
-            .await
-        {
+        let deleted = self
+            .nats
+            .control(
+                "release an owner",
+                self.kv
+                    .delete_expect_revision(key(lease.partition), Some(lease.revision)),
+            )
+            .await?;
+        match deleted {
             Ok(()) => Ok(true),
             // The delete's error does not always say why: the key moved, or not.
             Err(e) => match self.get(lease.partition).await? {

@@ -36,6 +36,7 @@ pub struct Member {
 /// The members bucket.
 #[derive(Clone)]
 pub struct Members {
+    nats: Arc<Nats>,
     kv: kv::Store,
 }
 
@@ -43,6 +44,7 @@ impl Members {
     /// Bind the bucket, making it (on `replicas` servers) when there is none.
     pub async fn open(nats: &Arc<Nats>, replicas: usize) -> Result<Members, LogError> {
         Ok(Members {
+            nats: nats.clone(),
             kv: nats.bucket(NODES_BUCKET, replicas).await?,
         })
     }
@@ -51,19 +53,26 @@ impl Members {
     pub async fn put(&self, m: &Member) -> Result<(), LogError> {
         let value =
             serde_json::to_vec(m).map_err(|e| LogError::Config(format!("encode a member: {e}")))?;
-        self.kv
-            .put(m.node.as_str(), value.into())
-            .await
+        self.nats
+            .control("write a member", self.kv.put(m.node.as_str(), value.into()))
+            .await?
             .map(|_| ())
             .map_err(|e| LogError::nats("write a member", e))
     }
 
     /// Remove `node`'s entry (a clean stop).
     pub async fn remove(&self, node: &str) -> Result<(), LogError> {
-        self.kv
-            .delete(node)
-            .await
+        self.nats
+            .control("remove a member", self.kv.delete(node))
+            .await?
             .map_err(|e| LogError::nats("remove a member", e))
+    }
+
+    /// [`Members::all`] within the control bound: a node's loop goes on with the
+    /// members it read last rather than wait (listing makes a reader of the
+    /// bucket's stream, which takes seconds while a server is down).
+    pub async fn all_bounded(&self) -> Result<Vec<Member>, LogError> {
+        self.nats.control("list the members", self.all()).await?
     }
 
     /// Every entry, live or not, in node order.

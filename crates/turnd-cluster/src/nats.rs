@@ -7,6 +7,7 @@
 //! (the client's calls work from any runtime while this one runs).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,7 +80,14 @@ pub struct Nats {
     client: async_nats::Client,
     js: jetstream::Context,
     rt: Runtime,
+    /// The bound of one request to the control buckets (leases, members), in ms:
+    /// [`Nats::control`].
+    control_ms: AtomicU64,
 }
+
+/// The control buckets' bound until [`Nats::set_control_timeout`]: JetStream's
+/// own request timeout.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Nats {
     /// Connect to any of `urls` (a client reconnects among the servers it learns
@@ -117,7 +125,33 @@ impl Nats {
             client,
             js,
             rt: Runtime(Some(rt)),
+            control_ms: AtomicU64::new(CONTROL_TIMEOUT.as_millis() as u64),
         }))
+    }
+
+    /// Bound each request to the control buckets (a lease's renewal or take, a
+    /// membership's write or read) by `limit`. A request to a stream with no leader
+    /// (JetStream electing one after a server died) is answered by nobody: it waits
+    /// out its whole bound, and the next try starts only then. A node's loop, which
+    /// tries again every third of a lease, sets the bound to that period, so that
+    /// it gets through within about one period of JetStream's election rather than
+    /// within the default 5 s.
+    pub fn set_control_timeout(&self, limit: Duration) {
+        self.control_ms
+            .store(limit.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+
+    /// Run `request` (to a control bucket) within the control bound; an error
+    /// naming `what` when it is not answered by then (its outcome is unknown).
+    pub(crate) async fn control<T>(
+        &self,
+        what: &str,
+        request: impl Future<Output = T>,
+    ) -> Result<T, LogError> {
+        let limit = Duration::from_millis(self.control_ms.load(Ordering::Relaxed));
+        tokio::time::timeout(limit, request)
+            .await
+            .map_err(|_| LogError::nats(what, format!("no answer within {limit:?}")))
     }
 
     /// [`Nats::connect`] from a thread outside any runtime.

@@ -200,8 +200,18 @@ pub(crate) async fn open_tail(
 /// leader being elected, a server just back answering "temporarily unavailable").
 const API_TRIES: u32 = 8;
 
-/// `f` until it works, up to [`API_TRIES`] times with a pause from 100 ms doubling
-/// in between; the last error when none worked.
+/// How long one try of a JetStream API call waits for its answer. A stream whose
+/// leader is being elected answers nothing: a try waits out its whole bound, and
+/// with JetStream's own 5 s a takeover waiting on a new stream leader got through
+/// up to 5 s after the election, once for each call on its way (binding the
+/// stream, its bounds, a reader of it). Those calls read, bind the stream (made
+/// once), or make an ephemeral reader the server drops once unused: a try
+/// abandoned and made again changes nothing that counts.
+const API_TRY_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// `f` until it works, up to [`API_TRIES`] times (each bounded by
+/// [`API_TRY_TIMEOUT`]) with a pause from 100 ms doubling in between; the last
+/// error when none worked.
 async fn again<T, F, Fut>(f: F) -> Result<T, LogError>
 where
     F: Fn() -> Fut,
@@ -210,7 +220,14 @@ where
     let mut pause = Duration::from_millis(100);
     let mut tries = 1;
     loop {
-        match f().await {
+        let tried = tokio::time::timeout(API_TRY_TIMEOUT, f())
+            .await
+            .unwrap_or_else(|_| {
+                Err(LogError::Nats(format!(
+                    "no answer within {API_TRY_TIMEOUT:?}"
+                )))
+            });
+        match tried {
             Ok(v) => return Ok(v),
             Err(e) if tries >= API_TRIES => return Err(e),
             Err(e) => tracing::debug!("tried again after {pause:?}: {e}"),

@@ -130,6 +130,9 @@ impl Node {
         let nats = Nats::connect(&cluster.nats, &format!("turnd-{}", cluster.node_id))
             .await
             .context("connect to NATS (cluster.nats)")?;
+        // The loop tries again every third of a lease: a lease or membership
+        // request not answered by then is tried again rather than waited for.
+        nats.set_control_timeout(Duration::from_millis((cluster.lease_ms / 3).max(100)));
         let owners = Owners::open(&nats, replicas)
             .await
             .context("owners bucket")?;

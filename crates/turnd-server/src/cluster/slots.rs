@@ -61,12 +61,24 @@ pub(super) fn spawn(node: &Arc<Node>) -> tokio::task::JoinHandle<()> {
 /// One round of the loop.
 async fn round(node: &Arc<Node>) -> anyhow::Result<()> {
     let now = members::now_ms();
-    put_member(node, now, node.draining.is_cancelled())
-        .await
-        .context("renew membership")?;
-    let all = node.members.all().await.context("read the members")?;
-    let live = members::placeable(&all, now);
-    *node.live.write() = live.clone();
+    // The members only place partitions: when their bucket does not answer (its
+    // stream electing a leader), the round goes on with the members it last read,
+    // so that the leases (another bucket, another stream) are still renewed and
+    // taken.
+    if let Err(e) = put_member(node, now, node.draining.is_cancelled()).await {
+        tracing::warn!("cluster: renew membership: {e:#}");
+    }
+    let live = match node.members.all_bounded().await {
+        Ok(all) => {
+            let live = members::placeable(&all, now);
+            *node.live.write() = live.clone();
+            live
+        }
+        Err(e) => {
+            tracing::warn!("cluster: read the members (the last read is used): {e:#}");
+            node.live.read().clone()
+        }
+    };
     put_marks(node).await;
     let mut hand_over = Vec::new();
     for p in 0..node.cluster.partitions {
