@@ -8,12 +8,22 @@
 //! and why it looks stuck, the queue, the session's turns, its events), `/ui/turn?id=`
 //! (steps and attempts as a timeline, the workers that ran it), `/ui/workers`
 //! (workers and functions), `/ui/check` (`store.check`, one run at a time, started by
-//! a POST), `/ui/go?id=` (a session or turn by id). Who may see them is checked
-//! first (`access.rs`): the `Host`, the origin of writes, the operator token or
-//! sign-in session.
+//! a POST), `/ui/go?id=` (a session or turn by id), and on a node of a cluster
+//! `/ui/cluster` (`cluster.rs`: partitions, leaders, epochs, members, standbys, NATS
+//! servers). Who may see them is checked first (`access.rs`): the `Host`, the origin
+//! of writes, the operator token or sign-in session.
+//!
+//! On a node, a screen reads through the node ([`Backend::run`], as an operator):
+//! turns, events and `store.check` are forwarded to their partition's leader or
+//! gathered from every partition, the sessions list and the overview's counts are
+//! gathered, workers are the node's own registry (every worker connects to every
+//! node). The session screen reads engine state that is not a protocol op (what
+//! the lock holder is blocked on, each turn's worker, a live watch): on a node it
+//! says which `turnd` commands show it instead.
 
 mod access;
 mod check;
+mod cluster;
 mod live;
 mod render;
 mod screens;
@@ -28,7 +38,15 @@ use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use turnd_engine::EngineError;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use turnd_engine::{Caller, Engine, EngineError};
+use turnd_proto::{ErrorBody, ErrorCode, Op, Role};
+
+use crate::backend::Backend;
+use crate::cluster::Node;
+use crate::router::Answer;
+use crate::ws::Shared;
 
 pub use render::pct_encode;
 
@@ -39,7 +57,7 @@ type Params = BTreeMap<String, String>;
 /// The page's state beside the daemon's: sign-in sessions, open feeds, shared
 /// renders, the store check.
 pub struct Ui {
-    pub(crate) shared: Arc<crate::admin::state::Admin>,
+    pub(crate) shared: Arc<Shared>,
     logins: access::Logins,
     feeds: live::Feeds,
     renders: live::Renders,
@@ -47,7 +65,7 @@ pub struct Ui {
 }
 
 impl Ui {
-    pub fn new(shared: Arc<crate::admin::state::Admin>) -> Arc<Ui> {
+    pub fn new(shared: Arc<Shared>) -> Arc<Ui> {
         Arc::new(Ui {
             shared,
             logins: access::Logins::new(),
@@ -60,6 +78,70 @@ impl Ui {
     /// Whether `[auth]` has tokens (then the page needs an operator).
     fn has_tokens(&self) -> bool {
         !self.shared.config.auth.tokens.is_empty()
+    }
+
+    /// The node, when this daemon is a node of a cluster.
+    fn node(&self) -> Option<&Arc<Node>> {
+        match &self.shared.backend {
+            Backend::Cluster(n) => Some(n),
+            Backend::Single(_) => None,
+        }
+    }
+
+    /// The engine of a daemon on its own. A node has one per partition it leads, so
+    /// a screen that reads an engine is not shown there: the answer says what to
+    /// run instead (`instead`).
+    fn engine(&self, title: &'static str, instead: &str) -> Result<&Engine, Failure> {
+        match &self.shared.backend {
+            Backend::Single(e) => Ok(e),
+            Backend::Cluster(n) => Err(Failure::new(
+                StatusCode::NOT_IMPLEMENTED,
+                title,
+                format!(
+                    "node {} of a cluster does not show this screen: its partitions are led by several nodes. Run {instead} with --url set to any node's WebSocket URL; /ui/cluster shows the partitions and their leaders.",
+                    n.id()
+                ),
+            )),
+        }
+    }
+
+    /// The daemon's clock (Unix ms).
+    fn now_ms(&self) -> u64 {
+        match &self.shared.backend {
+            Backend::Single(e) => e.now_ms(),
+            Backend::Cluster(n) => n.clock.now_ms(),
+        }
+    }
+
+    /// Run a protocol op as an operator would over the WebSocket: on this daemon's
+    /// engine, or on a node forwarded to its partition's leader (or gathered from
+    /// every partition).
+    async fn op<A: Serialize, T: DeserializeOwned>(
+        &self,
+        title: &'static str,
+        op: Op,
+        args: &A,
+    ) -> Result<T, Failure> {
+        let fail = |e: ErrorBody| Failure::from_error(title, &e);
+        let args = serde_json::to_string(args)
+            .map_err(|e| fail(ErrorBody::new(ErrorCode::Internal, e.to_string())))?;
+        let caller = Caller {
+            role: Role::Operator,
+            worker_id: None,
+        };
+        match self.shared.backend.run(&caller, op, &args, None).await {
+            Ok(Answer::Reply(text)) => serde_json::from_str(&text).map_err(|e| {
+                fail(ErrorBody::new(
+                    ErrorCode::Internal,
+                    format!("unreadable answer to {}: {e}", op.name()),
+                ))
+            }),
+            Ok(Answer::Queued) => Err(fail(ErrorBody::new(
+                ErrorCode::Internal,
+                "the op answered on a connection the page does not have",
+            ))),
+            Err(e) => Err(fail(e)),
+        }
     }
 }
 
@@ -93,6 +175,16 @@ impl Failure {
         Failure::new(status, title, e.to_string())
     }
 
+    /// A protocol error as the page answers it, by its code.
+    fn from_error(title: &'static str, e: &ErrorBody) -> Failure {
+        let status = match e.code {
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::BadRequest => StatusCode::BAD_REQUEST,
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        Failure::new(status, title, e.message.clone())
+    }
+
     fn page(&self, ui: &Ui) -> Response {
         render::error_page(ui, self.status, self.title, &self.message)
     }
@@ -112,6 +204,7 @@ pub fn router(ui: Arc<Ui>) -> Router {
         .route("/ui/turn", get(turn::turn))
         .route("/ui/workers", get(turn::workers))
         .route("/ui/check", get(check::check_page).post(check::run))
+        .route("/ui/cluster", get(cluster::cluster))
         .route("/ui/login", get(access::login_form).post(access::login))
         .route("/ui/logout", post(access::logout))
         .route("/ui/assets/ui.css", get(css))
