@@ -200,6 +200,11 @@ async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> 
         assert!(r.head.contains(&format!("location: {to}")), "{}", r.head);
     }
     assert_eq!(get(&td.admin, "/ui/go?id=nosuch").await?.status, 404);
+    // A daemon on its own has no cluster screen, and its header no link to one.
+    let r = get(&td.admin, "/ui/cluster").await?;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.body.contains("not a node of a cluster"), "{}", r.body);
+    assert!(!r.body.contains("Cluster (node"), "{}", r.body);
     // The admin listener's root leads to the page.
     let r = get(&td.admin, "/").await?;
     assert_eq!(r.status, 303);
