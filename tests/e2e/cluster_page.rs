@@ -4,7 +4,8 @@
 //! its cluster screen names each partition's leader and epoch as `GET /cluster` does;
 //! the sessions, turn, workers, go-to and store.check screens read through the node
 //! (forwarded to the partitions' leaders, gathered from every partition); the session
-//! screen says which commands show a session instead.
+//! screen shows a session of a partition the node leads, and names the page of the
+//! node that leads any other.
 
 #![allow(
     clippy::too_many_lines,
@@ -137,14 +138,26 @@ async fn a_node_serves_the_page_and_its_cluster_screen() -> anyhow::Result<()> {
     assert!(data.contains("data-partition=\"0\""), "{data}");
     drop(lines);
 
-    // Sessions of every partition, waiting for a function no worker serves,
+    // A session of every partition, waiting for a function no worker serves,
     // submitted through n0; a worker connected to n0 alone.
     let c = Caller::connect(&nodes[0].url, None).await?;
-    let mut turns = Vec::new();
-    for i in 0..8 {
+    let mut turns: Vec<(String, turnd_proto::Turn)> = Vec::new();
+    for i in 0..1000 {
         let s = format!("page-s{i}");
+        let p = session_partition(&s, PARTITIONS);
+        if turns
+            .iter()
+            .any(|(q, _)| session_partition(q, PARTITIONS) == p)
+        {
+            continue;
+        }
         turns.push((s.clone(), c.submit_simple(&s, "nowork", json!(i)).await?));
+        if turns.len() == PARTITIONS as usize {
+            break;
+        }
     }
+    let n = turns.len();
+    assert_eq!(n, PARTITIONS as usize, "a session of every partition");
     let _worker = echo_worker_named(&[nodes[0].url.clone()], "page-w", 2).await;
     let elsewhere = turns
         .iter()
@@ -153,7 +166,8 @@ async fn a_node_serves_the_page_and_its_cluster_screen() -> anyhow::Result<()> {
 
     let r = get(&n0, "/ui/sessions?order=id").await?;
     assert_eq!(r.status, 200, "{}", r.body);
-    assert!(r.body.contains("<strong>8</strong> matching"), "{}", r.body);
+    let total = format!("<strong>{n}</strong> matching");
+    assert!(r.body.contains(&total), "{}", r.body);
     for (s, _) in &turns {
         assert!(
             r.body.contains(&format!("data-session=\"{s}\"")),
@@ -162,7 +176,8 @@ async fn a_node_serves_the_page_and_its_cluster_screen() -> anyhow::Result<()> {
         );
     }
     let r = get(&n0, "/ui").await?;
-    assert!(r.body.contains(r#"<dd id="active">8</dd>"#), "{}", r.body);
+    let active = format!("<dd id=\"active\">{n}</dd>");
+    assert!(r.body.contains(&active), "{}", r.body);
 
     let t = &elsewhere.1.turn_id;
     let r = get(&n0, &format!("/ui/turn?id={t}")).await?;
@@ -184,9 +199,53 @@ async fn a_node_serves_the_page_and_its_cluster_screen() -> anyhow::Result<()> {
     let r = get(&n0, "/ui/workers").await?;
     assert!(r.body.contains("<td>page-w</td>"), "{}", r.body);
 
-    let r = get(&n0, &format!("/ui/session?id={}", elsewhere.0)).await?;
-    assert_eq!(r.status, 501, "{}", r.body);
-    assert!(r.body.contains("turnd inspect SESSION"), "{}", r.body);
+    // A session of a partition n0 leads: its screen and feed, from n0's engine.
+    let here = turns
+        .iter()
+        .find(|(s, _)| want[&u64::from(session_partition(s, PARTITIONS))].0 == "n0")
+        .context("a session led by n0")?;
+    let r = get(&n0, &format!("/ui/session?id={}", here.0)).await?;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.body
+            .contains(&format!("<span id=\"session-id\">{}</span>", here.0)),
+        "{}",
+        r.body
+    );
+    assert!(
+        r.body.contains("awaiting_worker"),
+        "the holder's wait: {}",
+        r.body
+    );
+    let feed = format!("/ui/session/feed?id={}&after=0", here.0);
+    let (code, lines) = open_feed(&n0, &feed, "127.0.0.1").await?;
+    assert_eq!(code, 200);
+    drop(lines);
+    // One another node leads: n0 names that node's page, which shows it.
+    let (s, leader) = (
+        &elsewhere.0,
+        &want[&u64::from(session_partition(&elsewhere.0, PARTITIONS))].0,
+    );
+    let r = get(&n0, &format!("/ui/session?id={s}")).await?;
+    assert_eq!(r.status, 421, "{}", r.body);
+    let i: usize = leader.trim_start_matches('n').parse()?;
+    let there = format!("{}/ui/session?id={s}", nodes[i].admin);
+    assert!(
+        r.body
+            .contains(&format!("which node {leader} leads: {there}")),
+        "{}",
+        r.body
+    );
+    let path = format!("/ui/session?id={s}");
+    let r = http(
+        &nodes[i].admin,
+        "GET",
+        &path,
+        &[("Authorization", &bearer)],
+        "",
+    )
+    .await?;
+    assert_eq!(r.status, 200, "{}", r.body);
 
     let r = http(&n0, "POST", "/ui/check", &[], "").await?;
     assert_eq!(r.status, 303, "{}", r.body);

@@ -352,8 +352,8 @@ pub async fn session_feed(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map_or(after, |last| last.max(after));
-    let engine = match ui.engine("Feed", super::session::SESSION_CLI) {
-        Ok(e) => e.clone(),
+    let engine = match ui.session_engine("Feed", &id).await {
+        Ok(e) => e,
         Err(f) => return f.page(&ui),
     };
     if let Err(x) = engine.inspect(&id).await {

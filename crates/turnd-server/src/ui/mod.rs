@@ -18,8 +18,9 @@
 //! gathered from every partition, the sessions list and the overview's counts are
 //! gathered, workers are the node's own registry (every worker connects to every
 //! node). The session screen reads engine state that is not a protocol op (what
-//! the lock holder is blocked on, each turn's worker, a live watch): on a node it
-//! says which `turnd` commands show it instead.
+//! the lock holder is blocked on, each turn's worker, a live watch): a node shows
+//! it for the sessions of the partitions it leads, and for another session names
+//! the node that leads it and that node's page.
 
 mod access;
 mod check;
@@ -88,21 +89,36 @@ impl Ui {
         }
     }
 
-    /// The engine of a daemon on its own. A node has one per partition it leads, so
-    /// a screen that reads an engine is not shown there: the answer says what to
-    /// run instead (`instead`).
-    fn engine(&self, title: &'static str, instead: &str) -> Result<&Engine, Failure> {
-        match &self.shared.backend {
-            Backend::Single(e) => Ok(e),
-            Backend::Cluster(n) => Err(Failure::new(
-                StatusCode::NOT_IMPLEMENTED,
-                title,
-                format!(
-                    "node {} of a cluster does not show this screen: its partitions are led by several nodes. Run {instead} with --url set to any node's WebSocket URL; /ui/cluster shows the partitions and their leaders.",
-                    n.id()
-                ),
-            )),
+    /// The engine that holds session `id`: a daemon's own; on a node, the engine of
+    /// the session's partition while this node leads it (its lease running, the
+    /// rule of the requests it runs). A session another node leads is not read
+    /// here: the answer names that node and its page.
+    async fn session_engine(&self, title: &'static str, id: &str) -> Result<Engine, Failure> {
+        let n = match &self.shared.backend {
+            Backend::Single(e) => return Ok(e.clone()),
+            Backend::Cluster(n) => n,
+        };
+        let p = turnd_proto::session_partition(id, n.cluster.partitions);
+        if let Some(led) = n.led(p).filter(|l| crate::cluster::lease_runs(&l.lease)) {
+            return Ok(led.engine.clone());
         }
+        let leader = n.leaders.read().get(&p).cloned();
+        let why = match leader.filter(|l| l != n.id()) {
+            Some(l) => {
+                let members = n.members.all().await.unwrap_or_default();
+                let page = members.iter().find(|m| m.node == l).map_or_else(
+                    || "its operator page".to_string(),
+                    |m| format!("{}{}", m.admin, render::session_href(id)),
+                );
+                format!(
+                    "session {id:?} is in partition {p}, which node {l} leads: {page} shows it (or `turnd inspect`, `turnd turns` and `turnd events` through any node)"
+                )
+            }
+            None => format!(
+                "session {id:?} is in partition {p}, which has no leader here now (it is being taken over): try again in a moment"
+            ),
+        };
+        Err(Failure::new(StatusCode::MISDIRECTED_REQUEST, title, why))
     }
 
     /// The daemon's clock (Unix ms).

@@ -2,8 +2,8 @@
 //! queue behind it, its turns with the worker that ran each (failed and cancelled
 //! ones included, paged), and its events, the newest followed live and older ones
 //! paged. It reads the engine directly (what the holder is blocked on, which
-//! worker ran each turn, a watch of its events), so a node of a cluster does not
-//! show it: it names the `turnd` commands that do.
+//! worker ran each turn, a watch of its events): on a node of a cluster, the
+//! engine of the session's partition when the node leads it.
 
 use std::sync::Arc;
 
@@ -22,9 +22,6 @@ use super::{Failure, Params, Ui};
 const TURN_ROWS: u64 = 20;
 /// Events of a page of the events table (the newest page then follows new ones).
 const EVENT_ROWS: u64 = 50;
-/// What shows a session on a node of a cluster, where this screen is not shown.
-pub const SESSION_CLI: &str =
-    "`turnd inspect SESSION`, `turnd turns SESSION` and `turnd events SESSION --follow`";
 
 fn session_id(q: &Params) -> Result<&str, Failure> {
     q.get("id")
@@ -51,7 +48,7 @@ fn seq_param(q: &Params, name: &str) -> Result<Option<u64>, Failure> {
 pub async fn live_view(ui: &Ui, q: &Params, now: Now) -> Result<Markup, Failure> {
     let id = session_id(q)?;
     let turns_before = seq_param(q, "turns_before")?;
-    let e = ui.engine("Session", SESSION_CLI)?;
+    let e = ui.session_engine("Session", id).await?;
     let fail = |x| Failure::from_engine("Session", x);
     let inspected = e.inspect(id).await.map_err(fail)?;
     let blocked = e.blocked_on(id).await.map_err(fail)?;
@@ -274,7 +271,7 @@ pub async fn session(State(ui): State<Arc<Ui>>, Query(q): Query<Params>) -> Resp
 
 async fn session_page(ui: &Ui, q: &Params) -> Result<Response, Failure> {
     let id = session_id(q)?;
-    let e = ui.engine("Session", SESSION_CLI)?;
+    let e = ui.session_engine("Session", id).await?;
     let now = Now(Some(e.now_ms()));
     let events_before = seq_param(q, "events_before")?;
     let live = live_view(ui, q, now).await?;
@@ -283,7 +280,7 @@ async fn session_page(ui: &Ui, q: &Params) -> Result<Response, Failure> {
         .await
         .map_err(|x| Failure::from_engine("Session", x))?
         .last_event;
-    let (events, after) = events_section(e, id, last, events_before).await?;
+    let (events, after) = events_section(&e, id, last, events_before).await?;
     // The live region depends on the id and the turns page only.
     let mut live_q = q.clone();
     live_q.remove("events_before");
