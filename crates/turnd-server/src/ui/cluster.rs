@@ -1,11 +1,10 @@
 //! The cluster screen of a node (`/ui/cluster`): the cluster as this node sees it,
-//! read by the same call as `GET /cluster` and `turnd cluster status`'s node view
-//! ([`crate::cluster::Node::status`]): each partition's leader, epoch and whether its
-//! lease runs, this node's standbys and their lag, the members (draining or not),
-//! the NATS servers' checks still pending or found unproven, and the node's counts.
-//! It is kept live by its feed like every screen; it shows the state of leases
-//! (running or not), not their end times, so that a steady cluster's screen does
-//! not change at every renewal.
+//! read by the same call as `GET /cluster` ([`crate::cluster::Node::status`]):
+//! each partition's leader, epoch and whether its lease runs, this node's standbys
+//! and their lag, the members (draining or not), the NATS servers' checks still
+//! pending or found unproven, and the node's counts. It is kept live by its feed
+//! like every screen; it shows the state of leases (running or not), not their end
+//! times, so that a steady cluster's screen does not change at every renewal.
 
 use std::sync::Arc;
 
