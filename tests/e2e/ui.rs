@@ -12,76 +12,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use turnd_proto::{Role, SessionsListArgs, TurnStatus};
 use turnd_server::config::TokenConfig;
 use turnd_server::ui::pct_encode;
+use turnd_tests::page::{exchange, get, header, http, next_sse, open_feed, Lines, Reply};
 use turnd_tests::{wait_done, Raw, TestDaemon};
 
 const T: u64 = 15;
-
-struct Reply {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-/// One HTTP/1.1 request to the admin listener (`Connection: close`).
-async fn http(
-    admin: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> anyhow::Result<Reply> {
-    let addr = admin.trim_start_matches("http://");
-    let s = tokio::net::TcpStream::connect(addr).await?;
-    exchange(s, addr, &format!("{method} {path}"), headers, body).await
-}
-
-/// Send one request (`METHOD PATH`) on `s`, to `addr`, and read the whole answer.
-async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
-    mut s: S,
-    addr: &str,
-    line: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> anyhow::Result<Reply> {
-    let mut req = format!("{line} HTTP/1.1\r\nConnection: close\r\n");
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        req.push_str(&format!("Host: {addr}\r\n"));
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    s.write_all(req.as_bytes()).await?;
-    let mut buf = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
-        .await
-        .context("no complete answer within 10s")?;
-    // A TLS peer may close without close_notify once the answer is whole.
-    if let Err(e) = read {
-        if e.kind() != std::io::ErrorKind::UnexpectedEof {
-            return Err(e.into());
-        }
-    }
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .map(|(h, b)| (h.to_string(), b.to_string()))
-        .unwrap_or((text.clone(), String::new()));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("no status line in {head:?}"))?;
-    Ok(Reply { status, head, body })
-}
-
-async fn get(admin: &str, path: &str) -> anyhow::Result<Reply> {
-    http(admin, "GET", path, &[], "").await
-}
 
 /// A page that must render (200) with no unescaped markup taken from the data.
 async fn screen(admin: &str, path: &str) -> anyhow::Result<String> {
@@ -262,6 +200,11 @@ async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> 
         assert!(r.head.contains(&format!("location: {to}")), "{}", r.head);
     }
     assert_eq!(get(&td.admin, "/ui/go?id=nosuch").await?.status, 404);
+    // A daemon on its own has no cluster screen, and its header no link to one.
+    let r = get(&td.admin, "/ui/cluster").await?;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.body.contains("not a node of a cluster"), "{}", r.body);
+    assert!(!r.body.contains("Cluster (node"), "{}", r.body);
     // The admin listener's root leads to the page.
     let r = get(&td.admin, "/").await?;
     assert_eq!(r.status, 303);
@@ -413,16 +356,9 @@ async fn the_feed_streams_new_events_of_the_session() -> anyhow::Result<()> {
     let c = td.caller().await?;
     let first = c.submit_simple("s-feed", "nobody", json!(1)).await?;
     let last = c.inspect("s-feed").await?.last_event;
-    let addr = td.admin.trim_start_matches("http://").to_string();
-    let mut s = tokio::net::TcpStream::connect(&addr).await?;
-    s.write_all(
-        format!("GET /ui/session/feed?id=s-feed&after={last} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n")
-            .as_bytes(),
-    )
-    .await?;
-    let mut lines = BufReader::new(s).lines();
-    let status = lines.next_line().await?.unwrap_or_default();
-    assert!(status.contains(" 200 "), "{status}");
+    let feed = format!("/ui/session/feed?id=s-feed&after={last}");
+    let (status, mut lines) = open_feed(&td.admin, &feed, "127.0.0.1").await?;
+    assert_eq!(status, 200);
     // A new event after the page was loaded arrives on the open stream.
     let second = c.submit_simple("s-feed", "nobody", json!(2)).await?;
     let event = tokio::time::timeout(Duration::from_secs(T), next_event(&mut lines))
@@ -433,6 +369,7 @@ async fn the_feed_streams_new_events_of_the_session() -> anyhow::Result<()> {
     assert_eq!(event["seq"], last + 1);
     // A reconnecting browser sends Last-Event-ID: the feed resumes after it.
     let third = c.submit_simple("s-feed", "nobody", json!(3)).await?;
+    let addr = td.admin.trim_start_matches("http://").to_string();
     let mut again = tokio::net::TcpStream::connect(&addr).await?;
     again
         .write_all(
@@ -461,14 +398,6 @@ async fn the_feed_streams_new_events_of_the_session() -> anyhow::Result<()> {
 }
 
 // ------------------------------------------------------------------ safe on a network
-
-/// A header of an answer, by name (any case).
-fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
-    r.head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case(name).then_some(v.trim())
-    })
-}
 
 /// The security headers every admin answer carries.
 fn assert_hardened(r: &Reply, what: &str) {
@@ -846,58 +775,13 @@ async fn store_check_is_a_post_and_runs_one_at_a_time() -> anyhow::Result<()> {
     td.shutdown().await
 }
 
-/// An open server-sent event stream of the admin listener, from `local` (an address
-/// of the loopback range to connect from).
-async fn open_feed(
-    admin: &str,
-    path: &str,
-    local: &str,
-) -> anyhow::Result<(u16, tokio::io::Lines<BufReader<tokio::net::TcpStream>>)> {
-    let addr: std::net::SocketAddr = admin.trim_start_matches("http://").parse()?;
-    let sock = tokio::net::TcpSocket::new_v4()?;
-    sock.bind(format!("{local}:0").parse()?)?;
-    let mut s = sock.connect(addr).await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n")
-            .as_bytes(),
-    )
-    .await?;
-    let mut lines = BufReader::new(s).lines();
-    let status = lines.next_line().await?.unwrap_or_default();
-    let code = status
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("no status line: {status:?}"))?;
-    Ok((code, lines))
-}
-
 /// The next event of the session on a session feed (its screen's fragments, sent on
 /// the same stream as `refresh` events, passed over).
-async fn next_event(
-    lines: &mut tokio::io::Lines<BufReader<tokio::net::TcpStream>>,
-) -> anyhow::Result<Value> {
+async fn next_event(lines: &mut Lines) -> anyhow::Result<Value> {
     loop {
         let (name, data) = next_sse(lines).await?;
         if name == "message" {
             return Ok(serde_json::from_str(&data)?);
-        }
-    }
-}
-
-/// The next SSE event of a stream: its name (`message` when none) and data.
-async fn next_sse(
-    lines: &mut tokio::io::Lines<BufReader<tokio::net::TcpStream>>,
-) -> anyhow::Result<(String, String)> {
-    let (mut name, mut data) = (String::from("message"), Vec::new());
-    loop {
-        let line = lines.next_line().await?.context("stream ended")?;
-        if let Some(n) = line.strip_prefix("event: ") {
-            name = n.to_string();
-        } else if let Some(d) = line.strip_prefix("data: ") {
-            data.push(d.to_string());
-        } else if line.is_empty() && !data.is_empty() {
-            return Ok((name, data.join("\n")));
         }
     }
 }

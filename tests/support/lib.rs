@@ -1,8 +1,10 @@
 //! Test support: start the real daemon in-process on `127.0.0.1:0` (optionally on a
 //! fault-injecting store) or as the built binary when process death matters, and
-//! talk raw frames to it; [`cluster`]: what the cluster's tests share.
+//! talk raw frames to it; [`cluster`]: what the cluster's tests share; [`page`]:
+//! the operator page's HTTP.
 
 pub mod cluster;
+pub mod page;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};

@@ -2,7 +2,7 @@
 //! `GET /metrics` (the node's partitions, standbys and forwards, with the gauges
 //! of each engine it leads labelled by partition) and `GET /cluster`, the cluster
 //! as this node sees it (what `turnd cluster status` prints). The operator page
-//! of a daemon on its own is not served by a node.
+//! is mounted beside these routes (`crate::ui`).
 
 use std::sync::Arc;
 

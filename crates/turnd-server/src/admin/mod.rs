@@ -1,10 +1,11 @@
 //! The admin HTTP listener: `GET /healthz`, `GET /readyz`, `GET /metrics`
-//! (`metrics.rs`), and the operator page under `/ui` (`crate::ui`), served with the
-//! client's address (for the page's per-address limits) and with security headers on
-//! every response, the page's refusals and errors included: a Content-Security-Policy
-//! that allows the page's own files and nothing else (no inline script or style, no
-//! framing, forms posting only here), `nosniff`, `X-Frame-Options: DENY` and no
-//! `Referer` leaving the page.
+//! (`metrics.rs`; a node of a cluster's in `cluster.rs`), and the operator page
+//! under `/ui` (`crate::ui`, on a node too), served with the client's address (for
+//! the page's per-address limits) and with security headers on every response, the
+//! page's refusals and errors included: a Content-Security-Policy that allows the
+//! page's own files and nothing else (no inline script or style, no framing, forms
+//! posting only here), `nosniff`, `X-Frame-Options: DENY` and no `Referer` leaving
+//! the page.
 
 mod cluster;
 mod metrics;
@@ -64,9 +65,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
                 .route("/readyz", get(readyz))
                 .route("/metrics", get(metrics::metrics))
                 .with_state(admin.clone())
-                .merge(crate::ui::router(crate::ui::Ui::new(admin)))
+                .merge(crate::ui::router(crate::ui::Ui::new(shared.clone())))
         }
-        Backend::Cluster(node) => cluster::router(node.clone(), shared.clone()),
+        Backend::Cluster(node) => cluster::router(node.clone(), shared.clone())
+            .merge(crate::ui::router(crate::ui::Ui::new(shared.clone()))),
     };
     for (name, value) in security_headers() {
         app = app.layer(SetResponseHeaderLayer::overriding(name, value));

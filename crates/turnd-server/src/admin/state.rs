@@ -1,7 +1,8 @@
 //! What the admin listener's routes share with the operator page: the state a
-//! daemon on its own serves from ([`Admin`]) and the client's address as the
-//! listener accepted it ([`ClientAddr`]). A leaf module, so that the page and the
-//! listener that mounts it do not import each other.
+//! daemon on its own serves its health and metrics from ([`Admin`]; the page reads
+//! the daemon's shared state and backend, on a node too) and the client's address
+//! as the listener accepted it ([`ClientAddr`]). A leaf module, so that the page
+//! and the listener that mounts it do not import each other.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! `store.check` from the page: a POST (a write, so the origin check applies, and no
 //! link or image elsewhere can start it) runs it, one run at a time; the page shows
 //! the last run's result. `store.check` reads the whole store, so a second request
-//! while one runs is answered 409 instead of starting another.
+//! while one runs is answered 409 instead of starting another. It runs as the
+//! protocol's `store.check`: on a node of a cluster, on every partition's leader.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
@@ -10,7 +11,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
-use turnd_proto::Violation;
+use serde_json::json;
+use turnd_proto::{CheckOk, Op, Violation};
 
 use super::render::{dur, error_page, page, redirect, time, Now};
 use super::Ui;
@@ -55,7 +57,7 @@ fn result_view(r: &Run, now: Now) -> Markup {
 
 /// `GET /ui/check`: the last run and a button that starts one.
 pub async fn check_page(State(ui): State<Arc<Ui>>) -> Response {
-    let now = Now(Some(ui.shared.engine.now_ms()));
+    let now = Now(Some(ui.now_ms()));
     let started = *ui
         .check
         .started_ms
@@ -86,15 +88,14 @@ pub async fn run(State(ui): State<Arc<Ui>>) -> Response {
             "store.check is already running: its result will be on /ui/check when it ends",
         );
     };
-    let engine = ui.shared.engine.clone();
-    let at_ms = engine.now_ms();
+    let at_ms = ui.now_ms();
     set(&ui.check.started_ms, Some(at_ms));
     let started = Instant::now();
-    let result = match tokio::task::spawn_blocking(move || engine.check()).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(x)) => Err(x.to_string()),
-        Err(j) => Err(format!("the check task failed: {j}")),
-    };
+    let result = ui
+        .op::<_, CheckOk>("store.check", Op::StoreCheck, &json!({}))
+        .await
+        .map(|ok| ok.violations)
+        .map_err(|f| f.message);
     let took_ms = started.elapsed().as_millis() as u64;
     set(
         &ui.check.last,

@@ -45,6 +45,7 @@ pub enum Screen {
     Session,
     Turn,
     Workers,
+    Cluster,
 }
 
 impl Screen {
@@ -55,6 +56,7 @@ impl Screen {
             "session" => Screen::Session,
             "turn" => Screen::Turn,
             "workers" => Screen::Workers,
+            "cluster" => Screen::Cluster,
             _ => return None,
         })
     }
@@ -66,6 +68,7 @@ impl Screen {
             Screen::Session => "session",
             Screen::Turn => "turn",
             Screen::Workers => "workers",
+            Screen::Cluster => "cluster",
         }
     }
 }
@@ -78,6 +81,7 @@ pub async fn render(ui: &Ui, screen: Screen, q: &Params, now: Now) -> Result<Mar
         Screen::Session => session::live_view(ui, q, now).await,
         Screen::Turn => turn::turn_view(ui, q, now).await,
         Screen::Workers => Ok(turn::workers_view(ui, now)),
+        Screen::Cluster => super::cluster::cluster_view(ui).await,
     }
 }
 
@@ -348,14 +352,18 @@ pub async fn session_feed(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map_or(after, |last| last.max(after));
-    if let Err(x) = ui.shared.engine.inspect(&id).await {
+    let engine = match ui.session_engine("Feed", &id).await {
+        Ok(e) => e,
+        Err(f) => return f.page(&ui),
+    };
+    if let Err(x) = engine.inspect(&id).await {
         return Failure::from_engine("Feed", x).page(&ui);
     }
     let permit = match open_feed(&ui, peer.ip()) {
         Ok(p) => p,
         Err(f) => return f.page(&ui),
     };
-    let events = match watch(&ui.shared.engine, id, after).await {
+    let events = match watch(&engine, id, after).await {
         Ok(e) => e,
         Err(m) => return error_page(&ui, StatusCode::BAD_REQUEST, "Feed", &m),
     };

@@ -119,7 +119,7 @@ fn layout(ui: &Ui, title: &str, body: Markup) -> Markup {
                 link rel="stylesheet" href=(format!("/ui/assets/ui.css?v={v}"));
                 script src=(format!("/ui/assets/ui.js?v={v}")) defer {}
             }
-            body data-now=(ui.shared.engine.now_ms()) {
+            body data-now=(ui.now_ms()) {
                 header {
                     a.brand href="/ui" { "turnd" }
                     a href="/ui" { "Overview" }
@@ -127,6 +127,7 @@ fn layout(ui: &Ui, title: &str, body: Markup) -> Markup {
                     a href="/ui/sessions?stuck=1" { "Stuck" }
                     a href="/ui/workers" { "Workers & functions" }
                     a href="/ui/check" { "Store check" }
+                    @if let Some(n) = ui.node() { a #node href="/ui/cluster" { "Cluster (node " (n.id()) ")" } }
                     form.goto method="get" action="/ui/go" {
                         input type="search" name="id" placeholder="session or turn id" aria-label="session or turn id" required;
                         " " button type="submit" { "Go" }

@@ -1,5 +1,8 @@
 //! The overview, the sessions list and the go-to box: what is waiting, for how long,
 //! on which worker, and why a session looks stuck (the engine's own rule, named).
+//! On a node of a cluster the lists are `sessions.list` gathered from every
+//! partition and the counts every partition's `stats` summed; a row then names
+//! its worker but not its heartbeat or stuck rule (`turnd inspect` shows them).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -8,14 +11,20 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
+use serde_json::json;
 use turnd_engine::{RowDetail, SessionsPage};
-use turnd_proto::{SessionOrder, SessionRow, SessionsListArgs, WaitState};
+use turnd_proto::{
+    Op, SessionIdArgs, SessionOk, SessionOrder, SessionRow, SessionsListArgs, StatsOk,
+    StorageHealth, TurnCounts, TurnIdArgs, TurnOk, WaitState,
+};
 
 use super::live::{feed_url, region, Screen};
 use super::render::{
     age, empty_row, on_deadline, page, pct_encode, redirect, session_href, time, turn_href, Now,
 };
+use super::turn::registry;
 use super::{Failure, Params, Ui};
+use crate::backend::Backend;
 
 /// Rows of a sessions page, and of the oldest waits on the overview.
 const PAGE_ROWS: u64 = 50;
@@ -46,6 +55,8 @@ fn deadline_cell(r: &SessionRow, now: Now) -> Markup {
 fn session_row(r: &SessionRow, d: Option<&RowDetail>, now: Now) -> Markup {
     let inv = d.and_then(|d| d.invocation.as_ref());
     let why = d.and_then(|d| d.stuck);
+    // Without the page's details (on a node), the row's own wait names the worker.
+    let worker = inv.map(|i| &i.worker_id).or(r.wait.worker_id.as_ref());
     html! {
         tr class=(if r.stuck { "stuck" } else { "" }) data-session=(r.session_id) {
             td { a href=(session_href(&r.session_id)) { (r.session_id) } }
@@ -59,7 +70,7 @@ fn session_row(r: &SessionRow, d: Option<&RowDetail>, now: Now) -> Markup {
             td { (age(r.wait.since_ms, now)) }
             td { (r.function_id) }
             td.num { (r.attempt) }
-            td { @match inv { Some(i) => { (i.worker_id) } None => { span.muted { "-" } } } }
+            td { @match worker { Some(w) => { (w) } None => { span.muted { "-" } } } }
             td { @match inv { Some(i) => { (age(i.last_sign_ms(), now)) } None => { span.muted { "-" } } } }
             td.num { (r.queued) }
             td { (deadline_cell(r, now)) }
@@ -87,30 +98,94 @@ fn sessions_table(p: &SessionsPage, now: Now, empty: &str) -> Markup {
     }
 }
 
+/// What a node's lists leave out, said under them.
+fn node_note(ui: &Ui) -> Markup {
+    html! {
+        @if ui.node().is_some() {
+            p.muted #node-note { "On a node of a cluster these rows come from every partition's leader, without each invocation's heartbeat or the stuck rule's detail: " code { "turnd inspect SESSION" } " shows them." }
+        }
+    }
+}
+
 // ------------------------------------------------------------------ overview
 
+/// The daemon's facts the overview shows beside its sessions.
+struct Facts {
+    /// Which daemon this is: its boot, and on a node the node's id.
+    node: Option<String>,
+    boot_id: String,
+    ready: bool,
+    storage: StorageHealth,
+    turns: TurnCounts,
+}
+
+/// The facts of a daemon on its own (its engine), or of a node: its own state, and
+/// what every partition's `stats` add up to.
+async fn facts(ui: &Ui) -> Result<Facts, Failure> {
+    let draining = ui.shared.draining.is_cancelled();
+    match &ui.shared.backend {
+        Backend::Single(e) => Ok(Facts {
+            node: None,
+            boot_id: e.boot_id().to_string(),
+            ready: e.ready() && !draining,
+            storage: e.storage_health(),
+            turns: e.turn_counts(),
+        }),
+        Backend::Cluster(n) => {
+            let stats: StatsOk = ui.op("Overview", Op::Stats, &json!({})).await?;
+            Ok(Facts {
+                node: Some(n.id().to_string()),
+                boot_id: n.boot_id().to_string(),
+                ready: !draining && !n.draining.is_cancelled(),
+                storage: stats.stats.storage,
+                turns: stats.stats.turns,
+            })
+        }
+    }
+}
+
+/// A page of `sessions.list` with what the page adds to each row: from the engine
+/// of a daemon on its own; on a node, gathered from every partition, with nothing
+/// added (no row's invocation or stuck rule, and no cursor back).
+async fn sessions_page(
+    ui: &Ui,
+    title: &'static str,
+    args: SessionsListArgs,
+) -> Result<SessionsPage, Failure> {
+    match &ui.shared.backend {
+        Backend::Single(e) => e
+            .sessions_page(args)
+            .await
+            .map_err(|x| Failure::from_engine(title, x)),
+        Backend::Cluster(_) => Ok(SessionsPage {
+            list: ui.op(title, Op::SessionsList, &args).await?,
+            details: Vec::new(),
+            previous: None,
+        }),
+    }
+}
+
 pub async fn overview_view(ui: &Ui, now: Now) -> Result<Markup, Failure> {
-    let s = &ui.shared;
-    let e = &s.engine;
-    let list = e
-        .sessions_page(SessionsListArgs {
-            limit: Some(OVERVIEW_ROWS),
-            ..Default::default()
-        })
-        .await
-        .map_err(|x| Failure::from_engine("Overview", x))?;
-    let health = e.storage_health();
-    let ready = e.ready() && !s.draining.is_cancelled();
-    let workers = e.workers();
+    let args = SessionsListArgs {
+        limit: Some(OVERVIEW_ROWS),
+        ..Default::default()
+    };
+    let list = sessions_page(ui, "Overview", args).await?;
+    let f = facts(ui).await?;
+    let (health, turns) = (&f.storage, &f.turns);
+    let (workers, _) = registry(ui);
     let connected = workers.iter().filter(|w| w.connected).count();
-    let turns = e.turn_counts();
     Ok(html! {
         h1 { "Overview" }
         div.card { dl {
-            dt { "Version" } dd #version { "turnd " (env!("CARGO_PKG_VERSION")) " (boot " (e.boot_id()) ")" }
+            dt { "Version" } dd #version { "turnd " (env!("CARGO_PKG_VERSION")) " (boot " (f.boot_id) ")" }
+            @if let Some(n) = &f.node {
+                dt { "Node" } dd #node-id { (n) " of a cluster · " a href="/ui/cluster" { "partitions and leaders" } }
+            }
             dt { "Readiness" } dd #readiness {
-                @if ready { span.ok { "ready" } }
-                @else if s.draining.is_cancelled() { span.bad { "shutting down" } }
+                @if f.ready { span.ok { "ready" } }
+                @else if f.node.is_some() { span.bad { "draining" } }
+                @else if ui.shared.draining.is_cancelled() { span.bad { "shutting down" } }
                 @else { span.bad { "not ready" } }
             }
             dt { "Storage" } dd #storage {
@@ -132,13 +207,14 @@ pub async fn overview_view(ui: &Ui, now: Now) -> Result<Markup, Failure> {
         (counts_line(&list.list.counts, "/ui/sessions?"))
         h2 { "Oldest waits" }
         (sessions_table(&list, now, "No session has an unfinished turn."))
+        (node_note(ui))
         @if list.list.total > list.list.sessions.len() as u64 { p { a href="/ui/sessions" { "all " (list.list.total) " sessions" } } }
         p.muted { "A finished session (its turns completed, failed or cancelled) is not listed here: open it by id with the box above." }
     })
 }
 
 pub async fn overview(State(ui): State<Arc<Ui>>) -> Response {
-    let now = Now(Some(ui.shared.engine.now_ms()));
+    let now = Now(Some(ui.now_ms()));
     match overview_view(&ui, now).await {
         Ok(body) => page(
             &ui,
@@ -229,12 +305,7 @@ pub async fn sessions_view(ui: &Ui, q: &Params, now: Now) -> Result<Markup, Fail
         f.args.order == Some(SessionOrder::Id),
     );
     let (state, function_id) = (f.args.state, f.args.function_id.clone());
-    let list = ui
-        .shared
-        .engine
-        .sessions_page(f.args)
-        .await
-        .map_err(|x| Failure::from_engine("Sessions", x))?;
+    let list = sessions_page(ui, "Sessions", f.args).await?;
     let this = &f.this;
     Ok(html! {
         h1 { "Sessions" @if stuck { " that look stuck" } }
@@ -252,12 +323,13 @@ pub async fn sessions_view(ui: &Ui, q: &Params, now: Now) -> Result<Markup, Fail
         (counts_line(&list.list.counts, &format!("/ui/sessions?{}", f.base)))
         p #total { strong { (list.list.total) } " matching session(s); showing " (list.list.sessions.len()) }
         (sessions_table(&list, now, "No session matches these filters."))
+        (node_note(ui))
         (paging(&list, this))
     })
 }
 
 pub async fn sessions(State(ui): State<Arc<Ui>>, Query(q): Query<Params>) -> Response {
-    let now = Now(Some(ui.shared.engine.now_ms()));
+    let now = Now(Some(ui.now_ms()));
     match sessions_view(&ui, &q, now).await {
         Ok(body) => page(
             &ui,
@@ -276,11 +348,22 @@ pub async fn go(State(ui): State<Arc<Ui>>, Query(q): Query<Params>) -> Response 
     if id.is_empty() {
         return Failure::new(StatusCode::BAD_REQUEST, "Go to", "no id given").page(&ui);
     }
-    let e = &ui.shared.engine;
-    if e.get_turn(id).await.is_ok() {
+    let turn = TurnIdArgs { turn_id: id.into() };
+    if ui
+        .op::<_, TurnOk>("Go to", Op::TurnGet, &turn)
+        .await
+        .is_ok()
+    {
         return redirect(&turn_href(id));
     }
-    if e.inspect(id).await.is_ok() {
+    let session = SessionIdArgs {
+        session_id: id.into(),
+    };
+    if ui
+        .op::<_, SessionOk>("Go to", Op::SessionInspect, &session)
+        .await
+        .is_ok()
+    {
         return redirect(&session_href(id));
     }
     Failure::new(

@@ -1,7 +1,9 @@
 //! One session: what its lock holder is blocked on (and why it looks stuck), the
 //! queue behind it, its turns with the worker that ran each (failed and cancelled
 //! ones included, paged), and its events, the newest followed live and older ones
-//! paged.
+//! paged. It reads the engine directly (what the holder is blocked on, which
+//! worker ran each turn, a watch of its events): on a node of a cluster, the
+//! engine of the session's partition when the node leads it.
 
 use std::sync::Arc;
 
@@ -9,7 +11,7 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
-use turnd_engine::{fmt_utc, BlockedOn, TurnRun, TurnRuns};
+use turnd_engine::{fmt_utc, BlockedOn, Engine, TurnRun, TurnRuns};
 use turnd_proto::{Event, EventKind, EventsArgs, ListArgs, Session};
 
 use super::live::{query_string, region};
@@ -46,7 +48,7 @@ fn seq_param(q: &Params, name: &str) -> Result<Option<u64>, Failure> {
 pub async fn live_view(ui: &Ui, q: &Params, now: Now) -> Result<Markup, Failure> {
     let id = session_id(q)?;
     let turns_before = seq_param(q, "turns_before")?;
-    let e = &ui.shared.engine;
+    let e = ui.session_engine("Session", id).await?;
     let fail = |x| Failure::from_engine("Session", x);
     let inspected = e.inspect(id).await.map_err(fail)?;
     let blocked = e.blocked_on(id).await.map_err(fail)?;
@@ -212,7 +214,7 @@ fn event_row(ev: &Event) -> Markup {
 /// The events section: the newest page (followed live), or the page before
 /// `events_before`.
 async fn events_section(
-    ui: &Ui,
+    e: &Engine,
     id: &str,
     last: u64,
     before: Option<u64>,
@@ -221,9 +223,7 @@ async fn events_section(
         .unwrap_or(last.saturating_add(1))
         .min(last.saturating_add(1));
     let from = end.saturating_sub(EVENT_ROWS + 1);
-    let events: Vec<Event> = ui
-        .shared
-        .engine
+    let events: Vec<Event> = e
         .events(EventsArgs {
             session_id: id.to_string(),
             after: Some(from),
@@ -271,17 +271,16 @@ pub async fn session(State(ui): State<Arc<Ui>>, Query(q): Query<Params>) -> Resp
 
 async fn session_page(ui: &Ui, q: &Params) -> Result<Response, Failure> {
     let id = session_id(q)?;
-    let now = Now(Some(ui.shared.engine.now_ms()));
+    let e = ui.session_engine("Session", id).await?;
+    let now = Now(Some(e.now_ms()));
     let events_before = seq_param(q, "events_before")?;
     let live = live_view(ui, q, now).await?;
-    let last = ui
-        .shared
-        .engine
+    let last = e
         .inspect(id)
         .await
         .map_err(|x| Failure::from_engine("Session", x))?
         .last_event;
-    let (events, after) = events_section(ui, id, last, events_before).await?;
+    let (events, after) = events_section(&e, id, last, events_before).await?;
     // The live region depends on the id and the turns page only.
     let mut live_q = q.clone();
     live_q.remove("events_before");

@@ -1,5 +1,7 @@
 //! One turn (its steps and attempts as a timeline, the workers that ran it, input,
-//! output, error, stop) and the workers and functions screen.
+//! output, error, stop), read through the protocol's `turn.get` and
+//! `session.events` (on a node, from the turn's partition's leader), and the
+//! workers and functions screen (on a node, the node's own registry).
 
 use std::sync::Arc;
 
@@ -7,31 +9,34 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
-use turnd_engine::{fmt_utc, Engine, EngineError};
-use turnd_proto::{Event, EventKind, EventsArgs, Function, Turn, Worker};
+use turnd_engine::fmt_utc;
+use turnd_proto::{
+    Event, EventKind, EventsArgs, EventsOk, Function, Op, Turn, TurnIdArgs, TurnOk, Worker,
+};
 
 use super::live::{feed_url, region, Screen};
 use super::render::{dur, empty_row, page, pct_encode, session_href, time, value_block, Now};
 use super::session::kind;
 use super::{Failure, Params, Ui};
+use crate::backend::Backend;
 
 /// Events read for one turn's timeline at most.
 const TIMELINE_MAX_EVENTS: usize = 10_000;
 
 /// The turn's events, from the session's stream: up to its terminal event, reading
-/// at most `TIMELINE_MAX_EVENTS` of the session's.
-async fn turn_timeline(e: &Engine, t: &Turn) -> Result<Vec<Event>, EngineError> {
+/// at most `TIMELINE_MAX_EVENTS` of the session's (`session.events`, which a node
+/// forwards to the session's partition's leader).
+async fn turn_timeline(ui: &Ui, t: &Turn) -> Result<Vec<Event>, Failure> {
     let mut timeline = Vec::new();
     let mut after = 0;
     let mut read = 0;
     loop {
-        let page = e
-            .events(EventsArgs {
-                session_id: t.session_id.clone(),
-                after: Some(after),
-                limit: Some(1000),
-            })
-            .await?;
+        let args = EventsArgs {
+            session_id: t.session_id.clone(),
+            after: Some(after),
+            limit: Some(1000),
+        };
+        let page: EventsOk = ui.op("Turn", Op::SessionEvents, &args).await?;
         if page.events.is_empty() {
             break;
         }
@@ -120,10 +125,11 @@ pub async fn turn_view(ui: &Ui, q: &Params, now: Now) -> Result<Markup, Failure>
             "no turn id given",
         ));
     };
-    let e = &ui.shared.engine;
-    let fail = |x| Failure::from_engine("Turn", x);
-    let t: Turn = e.get_turn(id).await.map_err(fail)?;
-    let timeline = turn_timeline(e, &t).await.map_err(fail)?;
+    let args = TurnIdArgs {
+        turn_id: id.clone(),
+    };
+    let t: Turn = ui.op::<_, TurnOk>("Turn", Op::TurnGet, &args).await?.turn;
+    let timeline = turn_timeline(ui, &t).await?;
     let workers = workers_of(&timeline);
     Ok(html! {
         h1 { "Turn " span #turn-id { (t.turn_id) } }
@@ -150,7 +156,7 @@ pub async fn turn_view(ui: &Ui, q: &Params, now: Now) -> Result<Markup, Failure>
 }
 
 pub async fn turn(State(ui): State<Arc<Ui>>, Query(q): Query<Params>) -> Response {
-    let now = Now(Some(ui.shared.engine.now_ms()));
+    let now = Now(Some(ui.now_ms()));
     match turn_view(&ui, &q, now).await {
         Ok(body) => page(&ui, "Turn", region(&feed_url(Screen::Turn, &q), body)),
         Err(f) => f.page(&ui),
@@ -180,10 +186,12 @@ fn workers_table(ws: &[Worker], fs: &[Function], now: Now) -> Markup {
     }
 }
 
-fn functions_table(fs: &[Function]) -> Markup {
+/// `node`: the daemon is a node of a cluster, whose registry counts the waiting
+/// sessions of the partitions it leads only.
+fn functions_table(fs: &[Function], node: bool) -> Markup {
     html! {
         table #functions {
-            thead { tr { th { "Function" } th { "Workers" } th { "Sessions waiting" } th { "Concurrency" } th { "Timeout" } th { "Delivery" } th { "Max attempts" } } }
+            thead { tr { th { "Function" } th { "Workers" } th { @if node { "Sessions waiting (partitions led here)" } @else { "Sessions waiting" } } th { "Concurrency" } th { "Timeout" } th { "Delivery" } th { "Max attempts" } } }
             tbody {
                 @if fs.is_empty() { (empty_row(7, "No function is registered and no turn waits for one.")) }
                 @for f in fs {
@@ -203,19 +211,27 @@ fn functions_table(fs: &[Function]) -> Markup {
     }
 }
 
+/// The workers and functions the daemon knows. A node's registry is the node's
+/// own: every worker connects to every node.
+pub fn registry(ui: &Ui) -> (Vec<Worker>, Vec<Function>) {
+    match &ui.shared.backend {
+        Backend::Single(e) => (e.workers(), e.functions()),
+        Backend::Cluster(n) => (n.workers().workers(), n.workers().functions()),
+    }
+}
+
 pub fn workers_view(ui: &Ui, now: Now) -> Markup {
-    let ws: Vec<Worker> = ui.shared.engine.workers();
-    let fs: Vec<Function> = ui.shared.engine.functions();
+    let (ws, fs) = registry(ui);
     html! {
         h1 { "Workers" }
         (workers_table(&ws, &fs, now))
         h1 { "Functions" }
-        (functions_table(&fs))
+        (functions_table(&fs, ui.node().is_some()))
     }
 }
 
 pub async fn workers(State(ui): State<Arc<Ui>>) -> Response {
-    let now = Now(Some(ui.shared.engine.now_ms()));
+    let now = Now(Some(ui.now_ms()));
     let body = workers_view(&ui, now);
     page(
         &ui,
