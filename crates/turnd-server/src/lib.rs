@@ -176,21 +176,7 @@ impl Daemon {
             .context("recover the store")?;
         let closing = CancellationToken::new();
         let iii = match iii_addr {
-            Some(_) => Some(
-                turnd_iii::Iii::open(
-                    engine.clone(),
-                    cfg.iii.clone(),
-                    cfg.auth
-                        .tokens
-                        .iter()
-                        .map(|t| (t.role, t.token.clone()))
-                        .collect(),
-                    Duration::from_millis(cfg.server.heartbeat_ms),
-                    closing.clone(),
-                )
-                .await
-                .context("open the iii endpoint")?,
-            ),
+            Some(_) => Some(open_iii(&cfg, Arc::new(engine.clone()), &closing).await?),
             None => None,
         };
         let backend = backend::Backend::Single(engine);
@@ -339,6 +325,28 @@ fn accept_connection(
     }
 }
 
+/// The iii endpoint on `daemon` (an engine, or a node of a cluster), its connections
+/// closed when `closing` is cancelled.
+async fn open_iii(
+    cfg: &Config,
+    daemon: Arc<dyn turnd_iii::Daemon>,
+    closing: &CancellationToken,
+) -> anyhow::Result<Arc<turnd_iii::Iii>> {
+    turnd_iii::Iii::open(
+        daemon,
+        cfg.iii.clone(),
+        cfg.auth
+            .tokens
+            .iter()
+            .map(|t| (t.role, t.token.clone()))
+            .collect(),
+        Duration::from_millis(cfg.server.heartbeat_ms),
+        closing.clone(),
+    )
+    .await
+    .context("open the iii endpoint")
+}
+
 async fn serve(
     shared: Arc<Shared>,
     listeners: Listeners,
@@ -348,10 +356,10 @@ async fn serve(
     iii: Option<Arc<turnd_iii::Iii>>,
 ) -> anyhow::Result<()> {
     let conns = TaskTracker::new();
-    let iii_task = match (iii, listeners.iii, &shared.backend) {
-        (Some(iii), Some(l), backend::Backend::Single(engine)) => {
+    let iii_task = match (iii, listeners.iii) {
+        (Some(iii), Some(l)) => {
             let router = Arc::new(router::IiiRouter {
-                engine: engine.clone(),
+                backend: shared.backend.clone(),
             });
             Some(tokio::spawn(iii.serve(l, router)))
         }
