@@ -213,10 +213,11 @@ impl Daemon {
     /// listeners until `shutdown()`: each partition's store and engine are opened
     /// when this node takes the partition over (`docs/cluster.md`).
     pub async fn start_cluster(cfg: Config, listeners: Listeners) -> anyhow::Result<Daemon> {
-        if listeners.iii.is_some() {
-            anyhow::bail!("the iii endpoint (iii.listen) is not served by a node of a cluster");
-        }
         let (ws_addr, admin_addr, tls) = addresses(&cfg, &listeners)?;
+        let iii_addr = match &listeners.iii {
+            Some(l) => Some(l.local_addr().context("iii listener address")?),
+            None => None,
+        };
         let (ws_scheme, admin_scheme) = if tls.is_some() {
             ("wss", "https")
         } else {
@@ -227,6 +228,16 @@ impl Daemon {
             format!("{admin_scheme}://{admin_addr}"),
         );
         let node = cluster::Node::start(cfg.clone(), endpoints).await?;
+        let closing = CancellationToken::new();
+        let iii = match iii_addr {
+            Some(_) => {
+                let daemon = cluster::iii::NodeIii::open(node.clone())
+                    .await
+                    .context("the iii endpoint's records")?;
+                Some(open_iii(&cfg, daemon, &closing).await?)
+            }
+            None => None,
+        };
         let backend = backend::Backend::Cluster(node);
         let shutdown = CancellationToken::new();
         let is_tls = tls.is_some();
@@ -234,15 +245,15 @@ impl Daemon {
             backend: backend.clone(),
             config: cfg,
             draining: CancellationToken::new(),
-            closing: CancellationToken::new(),
+            closing,
             requests: TaskTracker::new(),
             connections: ConnectionCounts::default(),
         });
-        let task = tokio::spawn(serve(shared, listeners, tls, None, shutdown.clone(), None));
+        let task = tokio::spawn(serve(shared, listeners, tls, None, shutdown.clone(), iii));
         Ok(Daemon {
             ws_addr,
             admin_addr,
-            iii_addr: None,
+            iii_addr,
             tls: is_tls,
             backend,
             shutdown,
