@@ -93,7 +93,7 @@ bench-cluster-throughput: venv ## The 3-node cluster's throughput beside one nod
 
 test-cluster: venv ## The cluster's end-to-end tests alone: three nats-server and three turnd processes on loopback, a node behind trimmed streams copying a checkpoint, watches relayed across a failover, a node added and one removed under load, the operator page on a node, and one seeded fault schedule with the history checker (also part of test-rust); CLUSTER_SEED=n replays a seed
 	$(BUILD_DAEMON)
-	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --test cluster_trim --test cluster_watch --test cluster_members --test cluster_page --test cluster_faults --no-fail-fast
+	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --test cluster_trim --test cluster_watch --test cluster_members --test cluster_page --test cluster_iii --test cluster_faults --no-fail-fast
 
 SEEDS ?= 1,2,3
 FAULTS ?= 12

@@ -196,6 +196,26 @@ pub async fn all_led(admin: &str, alive: &[&str], secs: u64) -> anyhow::Result<D
     }
 }
 
+/// Wait until every partition is led by its preferred leader among `nodes` (the
+/// hand-overs that follow the nodes' start are over), at most `secs`.
+pub async fn placed(admin: &str, nodes: &[&str], secs: u64) -> anyhow::Result<()> {
+    let live: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let st = status(admin).await?;
+        let preferred =
+            |p| turnd_server::cluster::placement::place(p, &live, 0).map(|pl| pl.leader);
+        if (0..PARTITIONS).all(|p| leader_of(&st, p).is_some() && leader_of(&st, p) == preferred(p))
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("partitions not on their preferred leaders within {secs} s: {st}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Run `f` until it does not fail with a retryable error (a partition between
 /// leaders, a connection closed on a write in doubt), at most `secs`.
 pub async fn retrying<T, F, Fut>(secs: u64, mut f: F) -> anyhow::Result<T>

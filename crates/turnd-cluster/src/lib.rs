@@ -12,6 +12,8 @@
 //!   (`turnd_checkpoints`), for a node behind a trimmed stream;
 //! - [`lease`]: who tries to lead (`turnd_owners`), liveness only;
 //! - [`members`]: who is in the cluster now (`turnd_nodes`), for placement;
+//! - [`records`]: the endpoints' own records every node shares
+//!   (`turnd_endpoints`): the iii endpoint's reattach secret and queues;
 //! - [`checks`]: what the NATS servers must do (sync before they acknowledge);
 //! - [`nats`]: the connection, on a runtime of its own;
 //! - [`testing`]: a rig of 1 or 3 `nats-server` processes for tests.
@@ -28,6 +30,7 @@ pub mod log;
 pub mod marks;
 pub mod members;
 pub mod nats;
+pub mod records;
 pub mod standby;
 pub mod testing;
 

@@ -188,6 +188,11 @@ impl Workers {
         self.registry().workers()
     }
 
+    /// Who could run `function_id` now, as this registry knows it.
+    pub fn supply(&self, function_id: &str) -> crate::registry::Supply {
+        self.registry().supply(function_id)
+    }
+
     /// `functions.list`, as this registry knows them.
     pub fn functions(&self) -> Vec<Function> {
         self.registry().functions()

@@ -20,7 +20,7 @@ use tokio_tungstenite::tungstenite::http::StatusCode;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
-use turnd_engine::{Caller, CloseReason, Outbox, WorkerCaps};
+use turnd_engine::{Caller, CloseReason, Outbox};
 use turnd_proto::frame::{decode_server_frame, Push, ServerFrame};
 use turnd_proto::{
     new_connection_id, ErrorBody, ErrorCode, Failure, FunctionIdArgs, HelloArgs, Op, Outcome,
@@ -322,10 +322,10 @@ async fn serve_worker(
         }
     }
     conn.done.cancel();
-    iii.engine.connection_closed(&conn_id);
+    iii.daemon.connection_closed(&conn_id);
     if conn.attached.load(Ordering::Acquire) {
         if let Some(w) = conn.worker_id() {
-            iii.engine.worker_disconnected(&w, &conn_id).await;
+            iii.daemon.worker_disconnected(&w, &conn_id).await;
         }
     }
     let mut writer = writer;
@@ -554,8 +554,8 @@ impl Conn {
         };
         match self
             .iii
-            .engine
-            .worker_hello_with(&hello, self.outbox.clone(), WorkerCaps::NO_PROBE)
+            .daemon
+            .worker_hello(&hello, self.outbox.clone())
             .await
         {
             Ok(rec) => {

@@ -7,9 +7,9 @@
 //! `trigger` becomes a turn. An iii frame that is a protocol v1 op (registering a
 //! function, a result, waiting for a call's turn) goes through the daemon's
 //! [`Router`], as that op would from a protocol v1 connection; what only iii has (its
-//! worker attach, a call's turn with its dispatch bound, queues) calls the
-//! [`Engine`]. See `docs/iii.md` for the mapping and for what is and is not
-//! guaranteed.
+//! worker attach, a call's turn with its dispatch bound, queues, its own records)
+//! goes through [`Daemon`]: one engine, or a node of a cluster. See `docs/iii.md`
+//! for the mapping and for what is and is not guaranteed.
 
 #![cfg_attr(
     test,
@@ -21,10 +21,11 @@
 
 pub mod config;
 mod conn;
+pub mod daemon;
 pub mod queue;
 pub mod wire;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,20 +36,11 @@ use ring::hmac;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use turnd_engine::{Caller, Engine};
+use turnd_engine::Caller;
 use turnd_proto::{ErrorBody, Role};
-use turnd_store::Batch;
 
 pub use config::IiiConfig;
-use queue::QueueDef;
-
-/// Store keys of the iii endpoint's own records: the prefix `X` (records kept for
-/// the endpoints, not read by the engine), then `iii/`.
-pub(crate) fn store_key(rest: &str) -> Vec<u8> {
-    let mut k = b"Xiii/".to_vec();
-    k.extend_from_slice(rest.as_bytes());
-    k
-}
+pub use daemon::Daemon;
 
 /// The daemon's router of protocol v1 ops (`turnd-server`'s `router`), which the
 /// endpoint is given when it starts serving: the caller, an op's name and its JSON
@@ -65,13 +57,12 @@ pub trait Router: Send + Sync {
 
 /// State shared by every iii connection.
 pub struct Iii {
-    pub(crate) engine: Engine,
+    pub(crate) daemon: Arc<dyn Daemon>,
     pub(crate) cfg: IiiConfig,
     tokens: Vec<(Role, String)>,
-    /// Signs reattach tokens; kept in the store so tokens verify after a restart.
+    /// Signs reattach tokens; kept in the daemon's records so tokens verify after a
+    /// restart (and, in a cluster, on every node).
     key: hmac::Key,
-    /// Every queue defined with `queue::define` (the store holds them; this is a copy).
-    pub(crate) queues: Mutex<HashMap<String, QueueDef>>,
     /// Functions workers registered as HTTP-invoked (not run by turnd), for the
     /// answer to a call of one.
     pub(crate) http_functions: Mutex<HashSet<String>>,
@@ -83,36 +74,29 @@ pub struct Iii {
 }
 
 impl Iii {
-    /// Load (or create, durably) the reattach secret and the queue definitions.
+    /// Load (or create, durably) the reattach secret.
     pub async fn open(
-        engine: Engine,
+        daemon: Arc<dyn Daemon>,
         cfg: IiiConfig,
         tokens: Vec<(Role, String)>,
         heartbeat: Duration,
         closing: CancellationToken,
     ) -> anyhow::Result<Arc<Iii>> {
-        let store = engine.store().clone();
-        let secret_key = store_key("secret");
-        let secret = match store.kv().get(&secret_key).context("read the iii secret")? {
-            Some(s) if s.len() == 32 => s,
-            Some(s) => anyhow::bail!("the stored iii secret has {} bytes, not 32", s.len()),
-            None => {
-                let mut s = vec![0u8; 32];
-                ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut s)
-                    .map_err(|_| anyhow::anyhow!("no randomness for the iii secret"))?;
-                let mut b = Batch::new();
-                b.put_raw(secret_key, s.clone());
-                store.commit(b).await.context("write the iii secret")?;
-                s
-            }
-        };
-        let queues = queue::load(&store).context("read the iii queue definitions")?;
+        let mut fresh = vec![0u8; 32];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut fresh)
+            .map_err(|_| anyhow::anyhow!("no randomness for the iii secret"))?;
+        let secret = daemon
+            .create_record("secret", fresh)
+            .await
+            .context("read or write the iii secret")?;
+        if secret.len() != 32 {
+            anyhow::bail!("the stored iii secret has {} bytes, not 32", secret.len());
+        }
         Ok(Arc::new(Iii {
-            engine,
+            daemon,
             cfg,
             tokens,
             key: hmac::Key::new(hmac::HMAC_SHA256, &secret),
-            queues: Mutex::new(queues),
             http_functions: Mutex::new(HashSet::new()),
             heartbeat,
             closing,
@@ -204,7 +188,7 @@ pub fn url(addr: SocketAddr) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use turnd_engine::EngineConfig;
+    use turnd_engine::{Engine, EngineConfig};
     use turnd_store::mem::MemKv;
     use turnd_store::Store;
 
@@ -213,7 +197,7 @@ mod tests {
             .await
             .expect("engine");
         Iii::open(
-            engine,
+            Arc::new(engine),
             IiiConfig::default(),
             tokens,
             Duration::from_secs(5),

@@ -1,18 +1,17 @@
-//! iii queues on turnd: `queue::define` keeps a definition in the store; an enqueued
+//! iii queues on turnd: `queue::define` keeps a definition in the daemon's records
+//! (the store of a daemon on its own, a bucket every node of a cluster shares),
+//! read again for each message that names the queue; an enqueued
 //! message becomes a turn in a session derived from the queue (and, for a fifo
 //! queue, its message group), so a group runs one message at a time and groups run
 //! in parallel, with the queue's deadline and retries as the turn's own dispatch
 //! settings; `engine::queue::topic_stats` answers from the engine's live state.
 
-use std::collections::HashMap;
-
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use turnd_engine::SubmitOptions;
 use turnd_proto::{Delivery, SessionOrder, SessionsListArgs, PAGE_MAX};
-use turnd_store::{Batch, Store, StoreError, TurnDispatch};
+use turnd_store::TurnDispatch;
 
-use crate::store_key;
 use crate::wire::IiiError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -124,23 +123,9 @@ struct DefineArgs {
     config: QueueConfig,
 }
 
-const QUEUE_PREFIX: &str = "queue/";
-
-/// Every stored queue definition.
-pub fn load(store: &Store) -> Result<HashMap<String, QueueDef>, StoreError> {
-    let start = store_key(QUEUE_PREFIX);
-    let mut end = start.clone();
-    if let Some(last) = end.last_mut() {
-        *last += 1;
-    }
-    let mut out = HashMap::new();
-    for (k, v) in store.kv().scan(&start, &end, false, usize::MAX)? {
-        let def: QueueDef = serde_json::from_slice(&v).map_err(|e| {
-            StoreError::Corrupt(format!("iii queue {}: {e}", String::from_utf8_lossy(&k)))
-        })?;
-        out.insert(def.queue.clone(), def);
-    }
-    Ok(out)
+/// The record key of queue `name`'s definition.
+fn record_key(name: &str) -> String {
+    format!("queue/{name}")
 }
 
 /// A queue name: 1 to 128 bytes of letters, digits, `_`, `-` and `.` (so the session
@@ -193,25 +178,19 @@ impl crate::Iii {
             queue: args.queue.clone(),
             config: args.config,
         };
-        let changed = self
-            .queues
-            .lock()
-            .map(|m| m.get(&def.queue) != Some(&def))
-            .unwrap_or(true);
+        let changed = self.queue_def(&def.queue).await?.as_ref() != Some(&def);
         if changed {
             let bytes = serde_json::to_vec(&def)
                 .map_err(|e| IiiError::new("internal", format!("encode queue: {e}")))?;
-            let mut b = Batch::new();
-            b.put_raw(store_key(&format!("{QUEUE_PREFIX}{}", def.queue)), bytes);
-            self.engine.store().commit(b).await.map_err(|e| {
-                IiiError::new(
-                    "unavailable",
-                    format!("{e}; the queue was not defined, retry later"),
-                )
-            })?;
-            if let Ok(mut m) = self.queues.lock() {
-                m.insert(def.queue.clone(), def.clone());
-            }
+            self.daemon
+                .put_record(&record_key(&def.queue), bytes)
+                .await
+                .map_err(|e| {
+                    IiiError::new(
+                        "unavailable",
+                        format!("{e:#}; the queue was not defined, retry later"),
+                    )
+                })?;
         }
         Ok(json!({"queue": def.queue, "changed": changed}))
     }
@@ -219,23 +198,18 @@ impl crate::Iii {
     /// The session an enqueued message runs in: `<queue>:<group>` for a fifo queue,
     /// `<queue>:~<invocation>` (one session per message) for a standard one; and the
     /// queue's dispatch settings for it.
-    pub(crate) fn queue_session(
+    pub(crate) async fn queue_session(
         &self,
         queue: &str,
         data: &Value,
         message_id: &str,
     ) -> Result<(String, SubmitOptions), IiiError> {
-        let def = self
-            .queues
-            .lock()
-            .ok()
-            .and_then(|m| m.get(queue).cloned())
-            .ok_or_else(|| {
-                IiiError::new(
-                    "enqueue_error",
-                    format!("queue {queue:?} is not defined: call queue::define before enqueueing"),
-                )
-            })?;
+        let def = self.queue_def(queue).await?.ok_or_else(|| {
+            IiiError::new(
+                "enqueue_error",
+                format!("queue {queue:?} is not defined: call queue::define before enqueueing"),
+            )
+        })?;
         let opts = def.submit_options();
         match def.config.kind {
             QueueType::Standard => Ok((format!("{queue}:~{message_id}"), opts)),
@@ -258,6 +232,22 @@ impl crate::Iii {
         }
     }
 
+    /// Queue `name`'s stored definition, read from the daemon's records.
+    async fn queue_def(&self, name: &str) -> Result<Option<QueueDef>, IiiError> {
+        let bytes = self.daemon.record(&record_key(name)).await.map_err(|e| {
+            IiiError::new(
+                "unavailable",
+                format!("read queue {name:?}: {e:#}; retry later"),
+            )
+        })?;
+        bytes
+            .map(|b| {
+                serde_json::from_slice(&b)
+                    .map_err(|e| IiiError::new("internal", format!("stored queue {name:?}: {e}")))
+            })
+            .transpose()
+    }
+
     /// `engine::queue::topic_stats {topic|queue}`: `depth` counts every unfinished
     /// message (queued and running) from the engine's live sessions.
     pub(crate) async fn topic_stats(&self, data: Value) -> Result<Value, IiiError> {
@@ -268,18 +258,14 @@ impl crate::Iii {
                 IiiError::new("invalid_argument", "topic_stats needs `queue` or `topic`")
             })?
             .to_string();
-        let config = self
-            .queues
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&queue).map(|d| d.config.clone()));
+        let config = self.queue_def(&queue).await?.map(|d| d.config);
         let prefix = format!("{queue}:");
         let (mut depth, mut running) = (0u64, 0u64);
         let mut functions: Vec<String> = Vec::new();
         let mut after = None;
         loop {
             let page = self
-                .engine
+                .daemon
                 .list_sessions(SessionsListArgs {
                     order: Some(SessionOrder::Id),
                     limit: Some(PAGE_MAX),
@@ -287,7 +273,7 @@ impl crate::Iii {
                     ..SessionsListArgs::default()
                 })
                 .await
-                .map_err(|e| IiiError::new("unavailable", e.to_string()))?;
+                .map_err(IiiError::from)?;
             for row in &page.sessions {
                 if row.session_id.starts_with(&prefix) {
                     depth += 1 + row.queued;
@@ -305,7 +291,7 @@ impl crate::Iii {
             }
         }
         let consumers = self
-            .engine
+            .daemon
             .workers()
             .into_iter()
             .filter(|w| w.connected && w.functions.iter().any(|f| functions.contains(f)))

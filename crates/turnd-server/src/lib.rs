@@ -176,21 +176,7 @@ impl Daemon {
             .context("recover the store")?;
         let closing = CancellationToken::new();
         let iii = match iii_addr {
-            Some(_) => Some(
-                turnd_iii::Iii::open(
-                    engine.clone(),
-                    cfg.iii.clone(),
-                    cfg.auth
-                        .tokens
-                        .iter()
-                        .map(|t| (t.role, t.token.clone()))
-                        .collect(),
-                    Duration::from_millis(cfg.server.heartbeat_ms),
-                    closing.clone(),
-                )
-                .await
-                .context("open the iii endpoint")?,
-            ),
+            Some(_) => Some(open_iii(&cfg, Arc::new(engine.clone()), &closing).await?),
             None => None,
         };
         let backend = backend::Backend::Single(engine);
@@ -227,10 +213,11 @@ impl Daemon {
     /// listeners until `shutdown()`: each partition's store and engine are opened
     /// when this node takes the partition over (`docs/cluster.md`).
     pub async fn start_cluster(cfg: Config, listeners: Listeners) -> anyhow::Result<Daemon> {
-        if listeners.iii.is_some() {
-            anyhow::bail!("the iii endpoint (iii.listen) is not served by a node of a cluster");
-        }
         let (ws_addr, admin_addr, tls) = addresses(&cfg, &listeners)?;
+        let iii_addr = match &listeners.iii {
+            Some(l) => Some(l.local_addr().context("iii listener address")?),
+            None => None,
+        };
         let (ws_scheme, admin_scheme) = if tls.is_some() {
             ("wss", "https")
         } else {
@@ -241,6 +228,16 @@ impl Daemon {
             format!("{admin_scheme}://{admin_addr}"),
         );
         let node = cluster::Node::start(cfg.clone(), endpoints).await?;
+        let closing = CancellationToken::new();
+        let iii = match iii_addr {
+            Some(_) => {
+                let daemon = cluster::iii::NodeIii::open(node.clone())
+                    .await
+                    .context("the iii endpoint's records")?;
+                Some(open_iii(&cfg, daemon, &closing).await?)
+            }
+            None => None,
+        };
         let backend = backend::Backend::Cluster(node);
         let shutdown = CancellationToken::new();
         let is_tls = tls.is_some();
@@ -248,15 +245,15 @@ impl Daemon {
             backend: backend.clone(),
             config: cfg,
             draining: CancellationToken::new(),
-            closing: CancellationToken::new(),
+            closing,
             requests: TaskTracker::new(),
             connections: ConnectionCounts::default(),
         });
-        let task = tokio::spawn(serve(shared, listeners, tls, None, shutdown.clone(), None));
+        let task = tokio::spawn(serve(shared, listeners, tls, None, shutdown.clone(), iii));
         Ok(Daemon {
             ws_addr,
             admin_addr,
-            iii_addr: None,
+            iii_addr,
             tls: is_tls,
             backend,
             shutdown,
@@ -339,6 +336,28 @@ fn accept_connection(
     }
 }
 
+/// The iii endpoint on `daemon` (an engine, or a node of a cluster), its connections
+/// closed when `closing` is cancelled.
+async fn open_iii(
+    cfg: &Config,
+    daemon: Arc<dyn turnd_iii::Daemon>,
+    closing: &CancellationToken,
+) -> anyhow::Result<Arc<turnd_iii::Iii>> {
+    turnd_iii::Iii::open(
+        daemon,
+        cfg.iii.clone(),
+        cfg.auth
+            .tokens
+            .iter()
+            .map(|t| (t.role, t.token.clone()))
+            .collect(),
+        Duration::from_millis(cfg.server.heartbeat_ms),
+        closing.clone(),
+    )
+    .await
+    .context("open the iii endpoint")
+}
+
 async fn serve(
     shared: Arc<Shared>,
     listeners: Listeners,
@@ -348,10 +367,10 @@ async fn serve(
     iii: Option<Arc<turnd_iii::Iii>>,
 ) -> anyhow::Result<()> {
     let conns = TaskTracker::new();
-    let iii_task = match (iii, listeners.iii, &shared.backend) {
-        (Some(iii), Some(l), backend::Backend::Single(engine)) => {
+    let iii_task = match (iii, listeners.iii) {
+        (Some(iii), Some(l)) => {
             let router = Arc::new(router::IiiRouter {
-                engine: engine.clone(),
+                backend: shared.backend.clone(),
             });
             Some(tokio::spawn(iii.serve(l, router)))
         }

@@ -261,7 +261,7 @@ pub(crate) fn encode<T: serde::Serialize>(v: &T) -> Result<Reply, ErrorBody> {
 /// The router as the iii endpoint calls it: a request carried without a
 /// connection.
 pub struct IiiRouter {
-    pub engine: Engine,
+    pub backend: crate::backend::Backend,
 }
 
 impl turnd_iii::Router for IiiRouter {
@@ -272,7 +272,8 @@ impl turnd_iii::Router for IiiRouter {
         args: String,
     ) -> BoxFuture<'a, Result<Reply, ErrorBody>> {
         Box::pin(async move {
-            match dispatch(&self.engine, caller, op, &args, None).await? {
+            let op = admit(caller, op)?;
+            match self.backend.run(caller, op, &args, None).await? {
                 Answer::Reply(r) => Ok(r),
                 // Without an origin a watch is refused before it is run.
                 Answer::Queued => Err(not_routed(Op::Watch)),

@@ -14,17 +14,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from iii import InitOptions, TriggerAction, register_worker
-from iii_helpers.observability import ReconnectionConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 from turnd_client import Client
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from iii_support import RECONNECT, registered, until  # noqa: E402
 
 BIN = os.environ.get("TURND_BIN", str(ROOT / "target" / "debug" / "turnd"))
 FAST = {
@@ -34,9 +36,6 @@ FAST = {
     "TURND_TURNS__RECONNECT_GRACE_MS": "3000",
     "TURND_TURNS__CANCEL_GRACE_MS": "600",
 }
-RECONNECT = ReconnectionConfig(
-    initial_delay_ms=100, max_delay_ms=400, jitter_factor=0.0
-)
 
 
 class Turnd:
@@ -84,24 +83,6 @@ class Turnd:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.work.cleanup()
-
-
-def until(what: str, f: Callable[[], Any], secs: float = 8.0) -> Any:
-    deadline = time.time() + secs
-    while True:
-        v = f()
-        if v:
-            return v
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def registered(c: Client, fn: str) -> bool:
-    return any(
-        f["function_id"] == fn and f["workers"] > 0
-        for f in c.request("functions.list")["functions"]
-    )
 
 
 @pytest.fixture(scope="module")

@@ -59,15 +59,15 @@ impl Iii {
     /// Whether a sync or void call of `function_id` is admitted, and with which
     /// dispatch bound.
     fn route_call(&self, function_id: &str) -> Route {
-        let supply = self.engine.supply(function_id);
-        let now = self.engine.now_ms();
+        let supply = self.daemon.supply(function_id);
+        let now = self.daemon.now_ms();
         if supply.connected > 0 {
             return Route::Admit {
                 dispatch_by_ms: now + self.cfg.call_dispatch_timeout_ms,
                 grace: false,
             };
         }
-        let grace = self.engine.config().turns.reconnect_grace_ms;
+        let grace = self.daemon.reconnect_grace_ms();
         let reattaching = supply.registered
             && supply.served_ms > 0
             && now.saturating_sub(supply.served_ms) < grace;
@@ -188,7 +188,7 @@ impl Conn {
                         .invocation_id
                         .clone()
                         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-                    match iii.queue_session(queue, &i.data, &message_id) {
+                    match iii.queue_session(queue, &i.data, &message_id).await {
                         Ok((session, opts)) => self
                             .submit(&i, session, opts)
                             .await
@@ -217,8 +217,8 @@ impl Conn {
             on_busy: None,
         };
         self.iii
-            .engine
-            .submit_with(args, opts)
+            .daemon
+            .submit(args, opts)
             .await
             .map(|ok| ok.turn)
             .map_err(IiiError::from)

@@ -11,6 +11,8 @@
 //!   its trimmed stream;
 //! - [`relay`], [`feed`]: a watch relayed from its partition's leader to the node
 //!   its caller is connected to, resumed on the next leader when the partition moves;
+//! - [`iii`]: what the iii endpoint needs of a node (its worker attach, turns with
+//!   settings of their own, the endpoint's records shared by every node);
 //! - [`placement`]: where each partition would rather be;
 //! - [`status`]: what a node shows of the cluster (`GET /cluster`, `/metrics`);
 //! - [`view`]: the cluster read from NATS by any machine (`turnd cluster status`).
@@ -20,6 +22,7 @@
 
 mod checkpoint;
 mod feed;
+pub mod iii;
 pub mod placement;
 mod relay;
 mod route;
@@ -271,9 +274,19 @@ impl Node {
         hello: &HelloArgs,
         outbox: Outbox,
     ) -> Result<Reconciled, ErrorBody> {
+        self.worker_hello_with(hello, outbox, WorkerCaps::V1).await
+    }
+
+    /// [`Node::worker_hello`] of a worker that can do what `caps` says.
+    pub async fn worker_hello_with(
+        &self,
+        hello: &HelloArgs,
+        outbox: Outbox,
+        caps: WorkerCaps,
+    ) -> Result<Reconciled, ErrorBody> {
         let attached = self
             .workers
-            .attach(hello, outbox, WorkerCaps::V1, self.clock.now_ms())?;
+            .attach(hello, outbox, caps, self.clock.now_ms())?;
         let mut rec = Reconciled::default();
         for (_, led) in self.all_led() {
             match led.engine.reconcile_worker(&attached).await {

@@ -244,6 +244,7 @@ impl Node {
             args: serde_json::to_string(args)
                 .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode a watch: {e}")))?,
             relay: Some(to.clone()),
+            settings: None,
         };
         let text = self.ask_leader(p, Op::Watch, &f, OPEN_TIMEOUT).await?;
         let ok: FeedOk = decode(&text)?;

@@ -42,7 +42,7 @@ enum Target {
 
 /// The longest a forwarded request waits for the leader beyond its own wait (a
 /// write not answered by then is in doubt, and its connection is closed).
-const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often a forward looks for the leader of a partition that has none.
 const LEADER_POLL: Duration = Duration::from_millis(50);
@@ -184,6 +184,7 @@ impl Node {
             op: op.name().to_string(),
             args: args.to_string(),
             relay: None,
+            settings: None,
         };
         self.ask_leader(p, op, &f, FORWARD_TIMEOUT + wait).await
     }

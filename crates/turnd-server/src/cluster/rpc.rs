@@ -37,6 +37,9 @@ pub(super) struct Forwarded {
     /// A `watch`: where its frames go.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub relay: Option<RelayTo>,
+    /// A `turn.submit` with settings of the turn's own (the iii endpoint's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<super::iii::TurnSettings>,
 }
 
 /// The leader's reply.
@@ -166,7 +169,15 @@ async fn answer(
         }
         return feed::open(client, engine, &f.args, to, cfg).await;
     }
-    match router::run(engine, &caller, op, &f.args, None).await {
+    let ran = match f.settings {
+        Some(s) if op == Op::TurnSubmit => super::iii::submit(engine, &f.args, s).await,
+        Some(_) => Err(ErrorBody::new(
+            ErrorCode::BadRequest,
+            format!("{} takes no turn settings", op.name()),
+        )),
+        None => router::run(engine, &caller, op, &f.args, None).await,
+    };
+    match ran {
         Ok(Answer::Reply(text)) => ForwardReply::Ok(text),
         Ok(Answer::Queued) => ForwardReply::Error(ErrorBody::new(
             ErrorCode::Internal,

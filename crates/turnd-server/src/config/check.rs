@@ -16,13 +16,6 @@ impl Config {
         self.exposure_problems(&mut p);
         if let Some(c) = &self.cluster {
             p.extend(c.problems());
-            if self.iii.listen.is_some() {
-                p.push(
-                    "iii.listen: the iii endpoint is not served by a node of a cluster; \
-                     remove it or the [cluster] table"
-                        .into(),
-                );
-            }
         }
         if p.is_empty() {
             Ok(())
