@@ -83,9 +83,9 @@ else
 	$(TEST_ENV) $(CARGO) test --workspace --no-fail-fast
 endif
 
-bench-cluster: venv ## What a sequential turn costs on a 3-node cluster (3 nats-server R=3 sync always, release turnd), through the leader and forwarded; TURNS=500
+bench-cluster: venv ## What a sequential turn costs on a 3-node cluster (3 nats-server R=3 sync always, release turnd, the caller and worker built release too), through the leader and forwarded; TURNS=500
 	$(CARGO) build --release -p turnd --bin turnd
-	TURND_BIN=$(CURDIR)/target/release/turnd TURNS=$(or $(TURNS),500) $(CARGO) nextest run -p turnd-tests --test cluster --run-ignored only --no-capture measure_sequential_turns
+	TURND_BIN=$(CURDIR)/target/release/turnd TURNS=$(or $(TURNS),500) $(CARGO) nextest run --release -p turnd-tests --test cluster --run-ignored only --no-capture measure_sequential_turns
 
 bench-cluster-throughput: venv ## The 3-node cluster's throughput beside one node's (release turnd; SESSIONS=64 closed loops for SECS=10), with CPU per turn by process
 	$(CARGO) build --release -p turnd --bin turnd

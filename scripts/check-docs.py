@@ -61,8 +61,11 @@ def anchors(path, cache={}):
     if path not in cache:
         found = set()
         counts = {}
-        for _, line in prose_lines(path.read_text(encoding="utf-8")):
-            m = HEADING.match(line)
+        text = path.read_text(encoding="utf-8")
+        raw = text.splitlines()
+        # A heading's code spans are part of its anchor (blanked only for links).
+        for n, _ in prose_lines(text):
+            m = HEADING.match(raw[n - 1])
             if not m:
                 continue
             s = slug(m.group(2))

@@ -20,7 +20,9 @@ use serde_json::json;
 use turnd_client::Caller;
 use turnd_cluster::testing::Rig;
 use turnd_proto::session_partition;
-use turnd_tests::cluster::{all_led, echo_worker_named, start_node_with, status, PARTITIONS};
+use turnd_tests::cluster::{
+    all_led, echo_worker_named, placed, start_node_with, status, PARTITIONS,
+};
 use turnd_tests::need_nats;
 use turnd_tests::page::{get, http, next_sse, open_feed, Reply};
 
@@ -100,6 +102,8 @@ async fn a_node_serves_the_page_and_its_cluster_screen() -> anyhow::Result<()> {
     }
     let (n0, n1) = (nodes[0].admin.clone(), nodes[1].admin.clone());
     all_led(&n0, &["n0", "n1", "n2"], 30).await?;
+    // The hand-overs that follow the start are over: the leaders it reads stay.
+    placed(&n0, &["n0", "n1", "n2"], 30).await?;
 
     // Access: the guard of a daemon on its own.
     let r = get(&n0, "/ui").await?;

@@ -18,7 +18,7 @@ use turnd_client::{Caller, ClientError, FunctionSpec, Worker};
 use turnd_cluster::testing::Rig;
 use turnd_proto::{Event, Failure, Outcome, SubmitArgs, TurnStatus, WatchArgs};
 use turnd_tests::cluster::{
-    all_led, echo_worker_on_all, leader_of, signal, start_three, status, PARTITIONS,
+    all_led, echo_worker_on_all, leader_of, placed, signal, start_three, status, PARTITIONS,
 };
 use turnd_tests::{all_events, eventually};
 
@@ -267,6 +267,8 @@ async fn a_relayed_watcher_that_does_not_read_is_closed_as_a_slow_reader() -> an
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
     let admin = nodes[2].admin.clone();
     all_led(&admin, &["n0", "n1", "n2"], 30).await?;
+    // The hand-overs that follow the start are over: the leader it reads stays.
+    placed(&admin, &["n0", "n1", "n2"], 30).await?;
     // Its turns fail with a 40 KB message, carried by their `failed` events.
     let mut o = turnd_tests::worker_options(&urls[0], "w");
     o.also = urls[1..].to_vec();
