@@ -4,9 +4,28 @@
 //! before they acknowledge.
 
 use turnd_cluster::checks::check_servers;
-use turnd_cluster::lease::{Owner, Owners};
+use turnd_cluster::lease::{Lease, Owner, Owners};
 use turnd_cluster::need_nats;
 use turnd_cluster::testing::{Rig, RigOptions};
+
+/// The time the lease tests run at (their leases' ends are set from it).
+const NOW: u64 = 1_000_000;
+
+/// The owners bucket (on `replicas` servers) through `nats`, with partition `p`
+/// taken by `a` until `NOW + 3000`.
+async fn a_holds(
+    nats: &std::sync::Arc<turnd_cluster::Nats>,
+    replicas: usize,
+    p: u32,
+) -> (Owners, Lease) {
+    let owners = Owners::open(nats, replicas).await.expect("owners");
+    let a = owners
+        .acquire(p, owner("a", 0, Some(NOW + 3000)), NOW)
+        .await
+        .expect("acquire")
+        .expect("a takes a free partition");
+    (owners, a)
+}
 
 fn owner(node: &str, epoch: u64, until_ms: Option<u64>) -> Owner {
     Owner {
@@ -21,13 +40,8 @@ async fn a_lease_is_held_by_one_renewed_by_revision_and_handed_over_on_release()
     need_nats!();
     let rig = Rig::start(1).await.expect("rig");
     let nats = rig.connect("a").await.expect("connect");
-    let owners = Owners::open(&nats, 1).await.expect("owners");
-    let now = 1_000_000;
-    let a = owners
-        .acquire(7, owner("a", 0, Some(now + 3000)), now)
-        .await
-        .expect("acquire")
-        .expect("a takes a free partition");
+    let (owners, a) = a_holds(&nats, 1, 7).await;
+    let now = NOW;
     assert!(
         owners
             .acquire(7, owner("b", 0, Some(now + 3000)), now + 10)
@@ -146,13 +160,8 @@ async fn a_lease_request_nobody_answers_fails_within_the_control_bound() {
     need_nats!();
     let rig = Rig::start(3).await.expect("rig");
     let nats = rig.connect_to(0, "a").await.expect("connect");
-    let owners = Owners::open(&nats, 3).await.expect("owners");
-    let now = 1_000_000;
-    let a = owners
-        .acquire(3, owner("a", 0, Some(now + 3000)), now)
-        .await
-        .expect("acquire")
-        .expect("a takes a free partition");
+    let (owners, a) = a_holds(&nats, 3, 3).await;
+    let now = NOW;
     nats.set_control_timeout(std::time::Duration::from_millis(300));
     rig.pause(1);
     rig.pause(2);
@@ -178,13 +187,8 @@ async fn a_renewal_whose_answer_was_lost_keeps_the_lease() {
     need_nats!();
     let rig = Rig::start(1).await.expect("rig");
     let nats = rig.connect("a").await.expect("connect");
-    let owners = Owners::open(&nats, 1).await.expect("owners");
-    let now = 1_000_000;
-    let a = owners
-        .acquire(5, owner("a", 0, Some(now + 3000)), now)
-        .await
-        .expect("acquire")
-        .expect("a takes a free partition");
+    let (owners, a) = a_holds(&nats, 1, 5).await;
+    let now = NOW;
     let landed = owners
         .renew(&a, owner("a", 42, Some(now + 6000)))
         .await
@@ -197,7 +201,7 @@ async fn a_renewal_whose_answer_was_lost_keeps_the_lease() {
         .expect("renew")
         .expect("a's own landed renewal does not lose it its lease");
     assert!(again.revision > landed.revision);
-    let other_life = turnd_cluster::lease::Lease {
+    let other_life = Lease {
         owner: owner("a", 7, None),
         ..a.clone()
     };
