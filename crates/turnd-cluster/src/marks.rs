@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv;
-use futures_util::StreamExt;
 
 use crate::error::LogError;
 use crate::nats::Nats;
@@ -86,24 +85,10 @@ impl Marks {
 
     /// Every node's mark of partition `p`.
     pub async fn all(&self, p: u32) -> Result<Vec<Mark>, LogError> {
-        let prefix = format!("$KV.{MARKS_BUCKET}.");
-        let stream = self
+        let keys = self
             .nats
-            .jetstream()
-            .get_stream(format!("KV_{MARKS_BUCKET}"))
-            .await
-            .map_err(|e| LogError::nats("the marks bucket's stream", e))?;
-        let mut subjects = stream
-            .info_with_subjects(format!("{prefix}p{p}.*"))
-            .await
-            .map_err(|e| LogError::nats("list marks", e))?;
-        let mut keys = Vec::new();
-        while let Some(s) = subjects.next().await {
-            let (subject, _) = s.map_err(|e| LogError::nats("list marks", e))?;
-            if let Some(k) = subject.strip_prefix(&prefix) {
-                keys.push(k.to_string());
-            }
-        }
+            .bucket_keys(MARKS_BUCKET, &format!("p{p}.*"))
+            .await?;
         let mut out = Vec::new();
         for k in keys {
             let Some(e) = self

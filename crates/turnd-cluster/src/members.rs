@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use async_nats::jetstream::kv;
-use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::{LogError, Nats};
@@ -69,24 +68,14 @@ impl Members {
     }
 
     /// [`Members::all`] within the control bound: a node's loop goes on with the
-    /// members it read last rather than wait (listing makes a reader of the
-    /// bucket's stream, which takes seconds while a server is down).
+    /// members it read last rather than wait.
     pub async fn all_bounded(&self) -> Result<Vec<Member>, LogError> {
         self.nats.control("list the members", self.all()).await?
     }
 
     /// Every entry, live or not, in node order.
     pub async fn all(&self) -> Result<Vec<Member>, LogError> {
-        let mut keys = self
-            .kv
-            .keys()
-            .await
-            .map_err(|e| LogError::nats("list the members", e))?;
-        let mut names = Vec::new();
-        while let Some(k) = keys.next().await {
-            names.push(k.map_err(|e| LogError::nats("list the members", e))?);
-        }
-        names.sort();
+        let names = self.nats.bucket_keys(NODES_BUCKET, ">").await?;
         let mut out = Vec::with_capacity(names.len());
         for n in names {
             let Some(e) = self

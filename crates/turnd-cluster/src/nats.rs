@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use futures_util::StreamExt;
 
 use crate::error::LogError;
 
@@ -139,6 +140,34 @@ impl Nats {
     pub fn set_control_timeout(&self, limit: Duration) {
         self.control_ms
             .store(limit.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+
+    /// The keys of KV bucket `bucket` whose subjects match `filter` (after the
+    /// bucket's `$KV.<bucket>.` prefix: `>`, `p3.*`), read from its stream's info:
+    /// one request answered by the stream's leader, where a listing by a reader of
+    /// the stream (`kv::Store::keys`) takes seconds while a server is down. A
+    /// deleted key is listed too (its delete marker is a message): read each entry.
+    pub async fn bucket_keys(&self, bucket: &str, filter: &str) -> Result<Vec<String>, LogError> {
+        let prefix = format!("$KV.{bucket}.");
+        let what = format!("list the keys of {bucket}");
+        let stream = self
+            .js
+            .get_stream(format!("KV_{bucket}"))
+            .await
+            .map_err(|e| LogError::nats(&what, e))?;
+        let mut subjects = stream
+            .info_with_subjects(format!("{prefix}{filter}"))
+            .await
+            .map_err(|e| LogError::nats(&what, e))?;
+        let mut keys = Vec::new();
+        while let Some(s) = subjects.next().await {
+            let (subject, _) = s.map_err(|e| LogError::nats(&what, e))?;
+            if let Some(k) = subject.strip_prefix(&prefix) {
+                keys.push(k.to_string());
+            }
+        }
+        keys.sort();
+        Ok(keys)
     }
 
     /// Run `request` (to a control bucket) within the control bound; an error
