@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use futures_util::future::BoxFuture;
 use turnd_engine::{Caller, Engine, Outbox};
 use turnd_proto::{ErrorBody, HelloArgs, Op, Reconciled};
 
@@ -84,5 +85,29 @@ impl Backend {
             Backend::Single(e) => e.worker_disconnected(worker_id, conn_id).await,
             Backend::Cluster(n) => n.worker_disconnected(worker_id, conn_id).await,
         }
+    }
+}
+
+/// The router as the iii endpoint calls it: a request carried without a
+/// connection.
+pub struct IiiRouter {
+    pub backend: Backend,
+}
+
+impl turnd_iii::Router for IiiRouter {
+    fn dispatch<'a>(
+        &'a self,
+        caller: &'a Caller,
+        op: &'a str,
+        args: String,
+    ) -> BoxFuture<'a, Result<router::Reply, ErrorBody>> {
+        Box::pin(async move {
+            let op = router::admit(caller, op)?;
+            match self.backend.run(caller, op, &args, None).await? {
+                Answer::Reply(r) => Ok(r),
+                // Without an origin a watch is refused before it is run.
+                Answer::Queued => Err(router::not_routed(Op::Watch)),
+            }
+        })
     }
 }

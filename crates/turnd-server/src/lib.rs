@@ -369,7 +369,7 @@ async fn serve(
     let conns = TaskTracker::new();
     let iii_task = match (iii, listeners.iii) {
         (Some(iii), Some(l)) => {
-            let router = Arc::new(router::IiiRouter {
+            let router = Arc::new(backend::IiiRouter {
                 backend: shared.backend.clone(),
             });
             Some(tokio::spawn(iii.serve(l, router)))

@@ -10,7 +10,6 @@
 //! routed; only `watch` and `unwatch` also need the connection they came on
 //! ([`Origin`]), since a watch's events are pushed to it.
 
-use futures_util::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use turnd_engine::{Caller, Engine};
@@ -239,7 +238,7 @@ pub(crate) fn worker_id(caller: &Caller) -> Result<String, ErrorBody> {
 }
 
 /// An op handed to the wrong family of ops: a bug of [`run`].
-fn not_routed(op: Op) -> ErrorBody {
+pub(crate) fn not_routed(op: Op) -> ErrorBody {
     ErrorBody::new(
         ErrorCode::Internal,
         format!("op {} reached no handler", op.name()),
@@ -256,30 +255,6 @@ pub fn decode<T: DeserializeOwned>(args: &str) -> Result<T, ErrorBody> {
 pub(crate) fn encode<T: serde::Serialize>(v: &T) -> Result<Reply, ErrorBody> {
     to_json_text(v, FRAME_CAPACITY)
         .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode response: {e}")))
-}
-
-/// The router as the iii endpoint calls it: a request carried without a
-/// connection.
-pub struct IiiRouter {
-    pub backend: crate::backend::Backend,
-}
-
-impl turnd_iii::Router for IiiRouter {
-    fn dispatch<'a>(
-        &'a self,
-        caller: &'a Caller,
-        op: &'a str,
-        args: String,
-    ) -> BoxFuture<'a, Result<Reply, ErrorBody>> {
-        Box::pin(async move {
-            let op = admit(caller, op)?;
-            match self.backend.run(caller, op, &args, None).await? {
-                Answer::Reply(r) => Ok(r),
-                // Without an origin a watch is refused before it is run.
-                Answer::Queued => Err(not_routed(Op::Watch)),
-            }
-        })
-    }
 }
 
 #[cfg(test)]
