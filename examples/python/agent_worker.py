@@ -83,9 +83,19 @@ async def step(ctx: TurnContext, state: dict[str, Any]) -> dict[str, Any] | Cont
     return {"answer": "; ".join(lines) or "nothing to do", "steps": ctx.step}
 
 
+def url_list(value: str) -> list[str]:
+    """``--url``: one URL, or a cluster's nodes' URLs separated by commas."""
+    return [u.strip() for u in value.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="ws://127.0.0.1:7420/v1")
+    parser.add_argument(
+        "--url",
+        type=url_list,
+        default=url_list("ws://127.0.0.1:7420/v1"),
+        help="one URL, or a cluster's nodes' URLs separated by commas",
+    )
     parser.add_argument("--worker-id", default="agent-1")
     parser.add_argument("--token", default=None)
     args = parser.parse_args()

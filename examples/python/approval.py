@@ -40,7 +40,9 @@ async def deploy(ctx: TurnContext, input: Any) -> Suspend | dict[str, Any]:
     return {"deployed": True, "plan": plan, "by": answer.input.get("by")}
 
 
-async def request(url: str, session_id: str, service: str, token: str | None = None) -> turnd.Turn:
+async def request(
+    url: str | list[str], session_id: str, service: str, token: str | None = None
+) -> turnd.Turn:
     """Submit a deployment and return its turn once it waits for an answer."""
     async with turnd.Client(url, token=token) as client:
         submitted = await client.submit(session_id, "deploy.plan", {"service": service})
@@ -50,7 +52,9 @@ async def request(url: str, session_id: str, service: str, token: str | None = N
         return await client.get(submitted.turn_id)
 
 
-async def answer(url: str, turn_id: str, yes: bool, token: str | None = None) -> turnd.Turn:
+async def answer(
+    url: str | list[str], turn_id: str, yes: bool, token: str | None = None
+) -> turnd.Turn:
     """Resume the waiting turn with the answer and wait for what it did."""
     async with turnd.Client(url, token=token) as client:
         # The key makes a repeated answer (a retry after a lost connection) harmless.
@@ -60,9 +64,19 @@ async def answer(url: str, turn_id: str, yes: bool, token: str | None = None) ->
         return await client.wait(turn_id, timeout=60)
 
 
+def url_list(value: str) -> list[str]:
+    """``--url``: one URL, or a cluster's nodes' URLs separated by commas."""
+    return [u.strip() for u in value.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--url", default="ws://127.0.0.1:7420/v1")
+    parser.add_argument(
+        "--url",
+        type=url_list,
+        default=url_list("ws://127.0.0.1:7420/v1"),
+        help="one URL, or a cluster's nodes' URLs separated by commas",
+    )
     parser.add_argument("--token", default=None)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="serve deploy.plan until SIGTERM / Ctrl-C")

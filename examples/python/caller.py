@@ -13,7 +13,9 @@ import uuid
 import turnd
 
 
-async def ask(url: str, session_id: str, question: str, token: str | None) -> turnd.Turn:
+async def ask(
+    url: str | list[str], session_id: str, question: str, token: str | None
+) -> turnd.Turn:
     async with turnd.Client(url, token=token) as client:
         submitted = await client.submit(
             session_id,
@@ -32,10 +34,20 @@ async def ask(url: str, session_id: str, question: str, token: str | None) -> tu
         return await client.get(turn_id)
 
 
+def url_list(value: str) -> list[str]:
+    """``--url``: one URL, or a cluster's nodes' URLs separated by commas."""
+    return [u.strip() for u in value.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("question")
-    parser.add_argument("--url", default="ws://127.0.0.1:7420/v1")
+    parser.add_argument(
+        "--url",
+        type=url_list,
+        default=url_list("ws://127.0.0.1:7420/v1"),
+        help="one URL, or a cluster's nodes' URLs separated by commas",
+    )
     parser.add_argument("--session", default="conversation-1")
     parser.add_argument("--token", default=None)
     args = parser.parse_args()

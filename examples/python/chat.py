@@ -59,7 +59,9 @@ async def reply(ctx: TurnContext, state: Any) -> Continue | dict[str, Any]:
     return Continue({**state, "todo": todo, "said": said})
 
 
-async def say(url: str, session_id: str, message: str, token: str | None = None) -> turnd.Turn:
+async def say(
+    url: str | list[str], session_id: str, message: str, token: str | None = None
+) -> turnd.Turn:
     """Send a message, interrupting any answer still being written, and print the
     reply as it streams."""
     async with turnd.Client(url, token=token) as client:
@@ -73,9 +75,19 @@ async def say(url: str, session_id: str, message: str, token: str | None = None)
         return await client.get(submitted.turn_id)
 
 
+def url_list(value: str) -> list[str]:
+    """``--url``: one URL, or a cluster's nodes' URLs separated by commas."""
+    return [u.strip() for u in value.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--url", default="ws://127.0.0.1:7420/v1")
+    parser.add_argument(
+        "--url",
+        type=url_list,
+        default=url_list("ws://127.0.0.1:7420/v1"),
+        help="one URL, or a cluster's nodes' URLs separated by commas",
+    )
     parser.add_argument("--token", default=None)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="serve chat.reply until SIGTERM / Ctrl-C")

@@ -41,7 +41,9 @@ async def model(ctx: TurnContext, input: dict[str, Any]) -> dict[str, Any]:
     return {"text": text}
 
 
-async def ask(url: str, session_id: str, prompt: str, token: str | None = None) -> turnd.Turn:
+async def ask(
+    url: str | list[str], session_id: str, prompt: str, token: str | None = None
+) -> turnd.Turn:
     """Submit a prompt and print the answer's tokens as the worker streams them."""
     async with turnd.Client(url, token=token) as client:
         submitted = await client.submit(session_id, "echo.model", {"prompt": prompt})
@@ -54,9 +56,19 @@ async def ask(url: str, session_id: str, prompt: str, token: str | None = None) 
         return await client.get(submitted.turn_id)
 
 
+def url_list(value: str) -> list[str]:
+    """``--url``: one URL, or a cluster's nodes' URLs separated by commas."""
+    return [u.strip() for u in value.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--url", default="ws://127.0.0.1:7420/v1")
+    parser.add_argument(
+        "--url",
+        type=url_list,
+        default=url_list("ws://127.0.0.1:7420/v1"),
+        help="one URL, or a cluster's nodes' URLs separated by commas",
+    )
     parser.add_argument("--token", default=None)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("worker", help="serve echo.model until SIGTERM / Ctrl-C")

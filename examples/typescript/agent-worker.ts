@@ -22,7 +22,8 @@ interface AgentState {
 
 type Input = { question: string } | AgentState;
 
-const url = process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1";
+// One URL, or a cluster's nodes' URLs separated by commas.
+const url = (process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1").split(",").map((u) => u.trim());
 const worker = new Worker({
   url,
   workerId: process.env.WORKER_ID ?? "agent-1",

@@ -12,7 +12,8 @@
  */
 import { connect, isEvent, resumed, Suspend, Worker } from "turnd";
 
-const url = process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1";
+// One URL, or a cluster's nodes' URLs separated by commas.
+const url = (process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1").split(",").map((u) => u.trim());
 const token = process.env.TURND_TOKEN;
 
 interface Plan {

@@ -6,7 +6,8 @@
  */
 import { connect } from "turnd";
 
-const url = process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1";
+// One URL, or a cluster's nodes' URLs separated by commas.
+const url = (process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1").split(",").map((u) => u.trim());
 const question = process.argv[2] ?? "what is 6 * 7?";
 const sessionId = process.env.SESSION_ID ?? "conversation-1";
 

@@ -13,7 +13,8 @@
  */
 import { Continue, connect, isEvent, isProgress, Worker } from "turnd";
 
-const url = process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1";
+// One URL, or a cluster's nodes' URLs separated by commas.
+const url = (process.env.TURND_URL ?? "ws://127.0.0.1:7420/v1").split(",").map((u) => u.trim());
 const token = process.env.TURND_TOKEN;
 const WORD_DELAY_MS = 50;
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -100,3 +101,35 @@ async def test_chat_second_message_interrupts_the_first(
     assert second.output["reply"].startswith("(You cut me off after: 'You said: tell me a story.'")
     printed = capsys.readouterr().out
     assert "You said: a short one. That is worth a long answer." in printed
+
+
+def dead_url() -> str:
+    """A URL nobody listens on (a port bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"ws://127.0.0.1:{port}/v1"
+
+
+async def test_the_caller_takes_a_cluster_list_of_urls(server: TurndServer) -> None:
+    """``--url`` takes a cluster's nodes' URLs: with the first one down, the caller
+    example connects to the next and its turn completes."""
+    agent = load("agent_worker")
+    worker = agent.worker
+    worker.url = server.url
+    async with worker:
+        await worker.wait_state(WorkerState.CONNECTED, 10)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(EXAMPLES / "caller.py"),
+            "what is [6*7]?",
+            "--url",
+            f"{dead_url()},{server.url}",
+            "--session",
+            "listed",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip().splitlines()[-1].startswith("completed"), out.decode()

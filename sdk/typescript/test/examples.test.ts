@@ -1,6 +1,7 @@
 /** The examples in examples/typescript run against the real daemon as documented. */
 import assert from "node:assert/strict";
 import { execFile, spawn } from "node:child_process";
+import { type AddressInfo, createServer } from "node:net";
 import { after, before, it } from "node:test";
 import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
@@ -11,6 +12,15 @@ import { daemon, until } from "./helpers.js";
 const run = promisify(execFile);
 const example = (name: string) =>
   fileURLToPath(new URL(`../../../examples/typescript/${name}.js`, import.meta.url));
+
+/** A URL nobody listens on (a port bound, then released). */
+async function deadUrl(): Promise<string> {
+  const s = createServer();
+  await new Promise<void>((resolve) => s.listen(0, "127.0.0.1", resolve));
+  const { port } = s.address() as AddressInfo;
+  await new Promise<void>((resolve) => s.close(() => resolve()));
+  return `ws://127.0.0.1:${port}/v1`;
+}
 
 let turnd: Turnd;
 before(async () => {
@@ -33,7 +43,8 @@ it("the agent worker answers the caller in several steps, and drains on SIGTERM"
   const exited = new Promise<number | null>((resolve) => worker.once("exit", (code) => resolve(code)));
   try {
     await until("the worker to connect", () => log.includes("[worker] connected"));
-    const env = { ...process.env, TURND_URL: turnd.url, SESSION_ID: "example-1" };
+    // A cluster's list whose first node is down: the caller connects to the next.
+    const env = { ...process.env, TURND_URL: `${await deadUrl()},${turnd.url}`, SESSION_ID: "example-1" };
     const { stdout } = await run(process.execPath, [example("caller"), "what is 6 * 7 and the date?"], { env });
     assert.match(stdout, /^turn t_\S+ \(new\), running\n/);
     assert.match(stdout, /calculator\(6 \* 7\) = 42/);
