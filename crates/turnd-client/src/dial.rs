@@ -106,22 +106,14 @@ async fn open_one(url: &str, hello: HelloArgs) -> Result<(Connection, HelloOk), 
 }
 
 /// A comma-separated list of URLs (as the CLI's `--url` and `TURND_URL` take them),
-/// each trimmed of surrounding whitespace. An empty entry (`a,,b`, a trailing comma)
-/// or an empty list is an error saying so.
+/// each trimmed of surrounding whitespace ([`turnd_proto::url_list::parse`]). An
+/// empty entry (`a,,b`, a trailing comma) or an empty list is an error saying so.
 pub fn parse_url_list(s: &str) -> Result<Vec<String>, String> {
-    if s.trim().is_empty() {
-        return Err(
-            "no URL given: expected ws://HOST:PORT/v1, or several separated by commas".to_string(),
-        );
-    }
-    let urls: Vec<String> = s.split(',').map(|u| u.trim().to_string()).collect();
-    if let Some(i) = urls.iter().position(String::is_empty) {
-        return Err(format!(
-            "URL {} of {} in {s:?} is empty: separate URLs with single commas, \
-             without a trailing one",
-            i + 1,
-            urls.len()
-        ));
-    }
-    Ok(urls)
+    turnd_proto::url_list::parse(s).map_err(|e| {
+        if s.trim().is_empty() {
+            "no URL given: expected ws://HOST:PORT/v1, or several separated by commas".to_string()
+        } else {
+            e
+        }
+    })
 }

@@ -19,6 +19,7 @@ pub mod ids;
 pub mod objects;
 pub mod ops;
 pub mod partition;
+pub mod url_list;
 
 pub use frame::{
     decode_raw_request, decode_request, ErrorBody, ErrorCode, FrameError, ProgressPush, Push,

@@ -81,6 +81,15 @@ impl Default for ClusterConfig {
 }
 
 impl ClusterConfig {
+    /// `cluster.nats_system`'s URLs (none when it is empty: the servers' sync
+    /// setting is then not checked through the system account).
+    pub fn system_urls(&self) -> Result<Vec<String>, String> {
+        if self.nats_system.trim().is_empty() {
+            return Ok(Vec::new());
+        }
+        turnd_proto::url_list::parse(&self.nats_system)
+    }
+
     /// Every problem of the table, each naming its key.
     pub fn problems(&self) -> Vec<String> {
         let mut p = Vec::new();
@@ -111,6 +120,9 @@ impl ClusterConfig {
                     "cluster.nats {url:?} is not a NATS URL (nats://HOST:PORT or tls://HOST:PORT)"
                 ));
             }
+        }
+        if let Err(e) = self.system_urls() {
+            p.push(format!("cluster.nats_system: {e}"));
         }
         if !(1..=turnd_proto::MAX_PARTITIONS).contains(&self.partitions) {
             p.push(format!(
@@ -166,6 +178,25 @@ impl ClusterConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_system_account_lists_urls_and_refuses_an_empty_entry() {
+        let with = |v: &str| ClusterConfig {
+            nats_system: v.into(),
+            ..ClusterConfig::default()
+        };
+        assert_eq!(
+            with(" nats://a:1 ,nats://b:2").system_urls(),
+            Ok(vec!["nats://a:1".to_string(), "nats://b:2".to_string()])
+        );
+        assert_eq!(with("").system_urls(), Ok(Vec::new()));
+        let p = with("nats://a:1, ,nats://b:2").problems();
+        assert!(
+            p.iter()
+                .any(|e| e.starts_with("cluster.nats_system: URL 2 of 3")),
+            "{p:?}"
+        );
+    }
 
     #[test]
     fn a_table_without_a_node_or_servers_says_what_to_write() {

@@ -37,7 +37,9 @@ pub struct ServerChecks {
 pub(super) async fn at_start(
     cluster: &ClusterConfig,
 ) -> anyhow::Result<(Option<async_nats::Client>, Report)> {
-    let urls = system_urls(&cluster.nats_system);
+    let urls = cluster
+        .system_urls()
+        .map_err(|e| anyhow::anyhow!("cluster.nats_system: {e}"))?;
     let sys = if urls.is_empty() {
         None
     } else {
@@ -65,16 +67,6 @@ pub(super) async fn at_start(
         sys => sys,
     };
     Ok((sys, report))
-}
-
-/// `cluster.nats_system`: one URL or several, separated by commas.
-pub(crate) fn system_urls(value: &str) -> Vec<String> {
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|u| !u.is_empty())
-        .map(str::to_string)
-        .collect()
 }
 
 /// Check the servers again every [`RECHECK`] until none is pending (or the node
@@ -126,17 +118,3 @@ pub(super) fn recheck(node: &Arc<Node>, sys: async_nats::Client) {
 
 /// The node's [`ServerChecks`], shared with the checks that run again.
 pub(crate) type Checks = Mutex<ServerChecks>;
-
-#[cfg(test)]
-mod tests {
-    use super::system_urls;
-
-    #[test]
-    fn the_system_account_may_list_several_urls() {
-        assert_eq!(
-            system_urls(" nats://a:1 , ,nats://b:2"),
-            vec!["nats://a:1".to_string(), "nats://b:2".to_string()]
-        );
-        assert!(system_urls("").is_empty());
-    }
-}
