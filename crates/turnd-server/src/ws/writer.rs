@@ -8,7 +8,7 @@ use futures_util::{Sink, SinkExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use turnd_engine::{CloseReason, Outbox};
-use turnd_proto::CLOSE_SUPERSEDED;
+use turnd_proto::{CLOSE_GOING_AWAY, CLOSE_SUPERSEDED};
 
 use super::reader::Close;
 
@@ -31,7 +31,7 @@ fn engine_close_frame(r: CloseReason) -> Close {
             1011,
             "a watch's events could not be read from the store; watch again with `after`",
         ),
-        CloseReason::ServerClosing => (1001, "server closing"),
+        CloseReason::ServerClosing => (CLOSE_GOING_AWAY, "server closing"),
         CloseReason::InDoubt => (
             1011,
             "a request's outcome is in doubt (its partition changed leader): reconnect and \
@@ -50,7 +50,7 @@ async fn close_frame(outbox: &Outbox, from_reader: &mut oneshot::Receiver<Close>
     match outbox.close_reason() {
         Some(CloseReason::ReaderEnded) => from_reader.await.ok().flatten(),
         Some(r) => engine_close_frame(r),
-        None => Some((1001, "server closing".to_string())),
+        None => Some((CLOSE_GOING_AWAY, "server closing".to_string())),
     }
 }
 
