@@ -77,6 +77,16 @@ struct Applier<'a> {
     upkeep_failed: Option<Instant>,
 }
 
+/// What a round reads of the overlay as it begins ([`Applier::settle`]).
+struct Begun {
+    committed: u64,
+    settled: u64,
+    /// The overlay's last key: where the walk ends (None: the overlay is empty).
+    end: Option<OKey>,
+    /// The window drops committed by then: start and lsn of each.
+    drops: Vec<(u64, u64)>,
+}
+
 /// What a round's walk of the overlay took.
 #[derive(Default)]
 struct Walked {
@@ -111,15 +121,29 @@ impl Applier<'_> {
     /// the overlay held ([`Pending::fresh`]) is dropped, not written.
     fn apply(&mut self, delay: Duration) -> Result<(), StoreError> {
         let started = Instant::now();
-        let (committed, settled, end) = self.settle(started, delay)?;
+        let Begun {
+            committed,
+            settled,
+            end,
+            drops: pending,
+        } = self.settle(started, delay)?;
+        #[cfg(test)]
+        if let Some(hook) = self
+            .inner
+            .after_settle
+            .lock()
+            .ok()
+            .and_then(|mut h| h.take())
+        {
+            hook();
+        }
         self.switch_window_if_due()?;
         if committed == self.applied {
             return self.mark_if_due(false);
         }
-        // Drops committed since the last round, taken once this round's writes are in
-        // the windows (retention's deletes of their records among them): what they
+        // Drops committed before this round began, taken once this round's writes are
+        // in the windows (retention's deletes of their records among them): what they
         // still hold then moves to the main database, where their keys go from now on.
-        let pending = self.pending_drops()?;
         let dropping = !pending.is_empty();
         let mark = if dropping {
             committed
@@ -150,19 +174,30 @@ impl Applier<'_> {
     }
 
     /// As a round begins: the last lsn committed, the last one settled (the groups
-    /// `delay` old) and the overlay's last key, where the walk ends.
-    fn settle(
-        &self,
-        now: Instant,
-        delay: Duration,
-    ) -> Result<(u64, u64, Option<OKey>), StoreError> {
+    /// `delay` old), the overlay's last key, where the walk ends, and the window
+    /// drops it holds, all read at once. A drop committed later waits for the next
+    /// round: its key (prefix `W`, the last) lies past this walk's end, so this round
+    /// would not write it to sled, and deleting its window before sled holds the drop
+    /// would leave a start after a power loss a window directory cut in half.
+    fn settle(&self, now: Instant, delay: Duration) -> Result<Begun, StoreError> {
         let mut o = self
             .inner
             .overlay
             .write()
             .map_err(|_| lock_err("overlay"))?;
         let settled = o.settle(now, delay);
-        Ok((o.committed, settled, o.map.keys().next_back().cloned()))
+        let (s, e) = keys::dropped_range();
+        let drops = drops(
+            o.map
+                .range::<[u8], _>((Bound::Included(&s[..]), Bound::Excluded(&e[..])))
+                .map(|(k, p)| (k.as_slice(), p.lsn, p.value.is_some())),
+        );
+        Ok(Begun {
+            committed: o.committed,
+            settled,
+            end: o.map.keys().next_back().cloned(),
+            drops,
+        })
     }
 
     /// Start a new time window when one is due, but only when turns were admitted or
@@ -197,17 +232,6 @@ impl Applier<'_> {
             }
         }
         Ok(())
-    }
-
-    /// The window drops the overlay holds, each with the lsn that committed it.
-    fn pending_drops(&self) -> Result<Vec<(u64, u64)>, StoreError> {
-        let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
-        let (s, e) = keys::dropped_range();
-        Ok(drops(
-            o.map
-                .range::<[u8], _>((Bound::Included(&s[..]), Bound::Excluded(&e[..])))
-                .map(|(k, p)| (k.as_slice(), p.lsn, p.value.is_some())),
-        ))
     }
 
     /// Walk the overlay up to `end` slice by slice: take each slice (the writes that

@@ -152,6 +152,10 @@ struct Inner {
     /// it drops the slice from the overlay (a test's commit between the two).
     #[cfg(test)]
     after_slice: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// Run once by the applier right after its next round read where it begins,
+    /// before anything else (a test's commit between the two).
+    #[cfg(test)]
+    after_settle: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Run once by the next read right after it took its sources (a test's drop of a
     /// window between the two).
     #[cfg(test)]
@@ -236,6 +240,8 @@ impl LoggedKv {
             held: Mutex::new(HashMap::new()),
             #[cfg(test)]
             after_slice: Mutex::new(None),
+            #[cfg(test)]
+            after_settle: Mutex::new(None),
             #[cfg(test)]
             after_sources: Mutex::new(None),
         });

@@ -471,6 +471,25 @@ async fn a_trimmed_segment_is_the_next_spare_and_no_zeros_are_written_meanwhile(
 /// slice to sled and before it drops the slice from the overlay. The answer says
 /// whether the commit was made there (once the round ran).
 pub(crate) fn commit_during_next_slice(kv: &LoggedKv, batch: Batch) -> Arc<Mutex<Option<bool>>> {
+    let (hook, committed) = commit_hook(kv, batch);
+    *kv.inner.after_slice.lock().expect("lock") = Some(hook);
+    committed
+}
+
+/// Commit `batch` from the applier's next round, right after it read where the
+/// round begins. The answer says whether the commit was made there.
+pub(crate) fn commit_as_next_round_begins(kv: &LoggedKv, batch: Batch) -> Arc<Mutex<Option<bool>>> {
+    let (hook, committed) = commit_hook(kv, batch);
+    *kv.inner.after_settle.lock().expect("lock") = Some(hook);
+    committed
+}
+
+/// A hook of the applier's thread that commits `batch` and waits for its answer.
+#[allow(clippy::type_complexity)]
+fn commit_hook(
+    kv: &LoggedKv,
+    batch: Batch,
+) -> (Box<dyn FnOnce() + Send>, Arc<Mutex<Option<bool>>>) {
     let tx = kv
         .tx
         .lock()
@@ -480,13 +499,13 @@ pub(crate) fn commit_during_next_slice(kv: &LoggedKv, batch: Batch) -> Arc<Mutex
     let rt = tokio::runtime::Handle::current();
     let committed = Arc::new(Mutex::new(None));
     let seen = committed.clone();
-    *kv.inner.after_slice.lock().expect("lock") = Some(Box::new(move || {
+    let hook = Box::new(move || {
         let (reply, ticket) = CommitTicket::new();
         let sent = tx.send(LogJob::new(batch, reply)).is_ok();
         let answer = rt.block_on(ticket);
         *seen.lock().expect("lock") = Some(sent && matches!(answer, Ok(Ok(()))));
-    }));
-    committed
+    });
+    (hook, committed)
 }
 
 fn put_new(k: &[u8], v: &str) -> Batch {

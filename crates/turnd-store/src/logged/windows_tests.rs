@@ -12,14 +12,9 @@ use crate::model::{keys, Batch};
 use crate::sled::open_when_unlocked;
 use crate::windows::{self, WindowOptions};
 
-/// Folded records go to the window of their turn id's time, everything else (and
-/// turns minted before the first window) to the main database. A drop moves what
-/// the window still holds to the main database, and its directory goes once the
-/// drop is durable; a start after a crash does not re-create it from the log and
-/// loses nothing committed, before the drop or after it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn windows_route_by_turn_time_and_a_drop_survives_a_replay() {
-    let dir = tempfile::tempdir().expect("tempdir");
+/// A store in `dir` with windows of 1 ms applied by hand, and two windows made: its
+/// options and the first window's start and end.
+async fn two_windows(dir: &std::path::Path) -> (LoggedKv, LoggedOptions, u64, u64) {
     let manual = LoggedOptions {
         apply_interval: Duration::from_secs(3600),
         windows: WindowOptions {
@@ -28,18 +23,29 @@ async fn windows_route_by_turn_time_and_a_drop_survives_a_replay() {
         },
         ..opts()
     };
-    let (kv, _) = LoggedKv::open(dir.path(), manual).expect("open");
+    let (kv, _) = LoggedKv::open(dir, manual).expect("open");
     // Windows are made when finished turns are to be written.
-    let put_f = |id: &str| put(&keys::finished(id), id);
     let far = turn_at(u64::from(u32::MAX) << 8, 9);
-    commit(&kv, put_f(&far)).await;
+    commit(&kv, put(&keys::finished(&far), &far)).await;
     kv.sync().expect("round: first window");
     std::thread::sleep(Duration::from_millis(5));
-    commit(&kv, put_f(&far)).await;
+    commit(&kv, put(&keys::finished(&far), &far)).await;
     kv.sync().expect("round: second window");
     let list = kv.windows().expect("windows");
     assert!(list.len() >= 2, "{list:?}");
-    let (a, b) = (list[0].start_ms, list[0].end_ms.expect("end"));
+    (kv, manual, list[0].start_ms, list[0].end_ms.expect("end"))
+}
+
+/// Folded records go to the window of their turn id's time, everything else (and
+/// turns minted before the first window) to the main database. A drop moves what
+/// the window still holds to the main database, and its directory goes once the
+/// drop is durable; a start after a crash does not re-create it from the log and
+/// loses nothing committed, before the drop or after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_route_by_turn_time_and_a_drop_survives_a_replay() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, manual, a, b) = two_windows(dir.path()).await;
+    let put_f = |id: &str| put(&keys::finished(id), id);
     assert!(dir.path().join("windows").join(a.to_string()).is_dir());
 
     let (old, early, late, after) = (
@@ -172,4 +178,43 @@ async fn windows_route_by_turn_time_and_a_drop_survives_a_replay() {
     std::fs::create_dir_all(&window_a).expect("mkdir");
     std::fs::write(window_a.join("db"), b"left over").expect("write");
     assert!(dropped_on_disk(&store));
+}
+
+/// A drop committed after a round began waits for the next round: that round does
+/// not write it to sled (its key lies past the walk's end), so deleting the window
+/// then would leave a power loss a window directory cut in half and a main
+/// database that does not know it was dropped (a start refused it). Whenever the
+/// window's directory is gone, the main database's files hold the drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_committed_as_a_round_begins_is_taken_by_the_next() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, _, a, _) = two_windows(dir.path()).await;
+    let put_f = |id: &str| put(&keys::finished(id), id);
+    let window_a = dir.path().join("windows").join(a.to_string());
+    commit(&kv, put_f(&turn_at(a, 1))).await;
+    kv.sync().expect("apply");
+    assert!(window_a.is_dir());
+
+    let drops_in_sled = || super::apply::recorded_drops(&kv.inner.sled).expect("drops");
+    let mut drop_a = Batch::new();
+    drop_a.drop_window(a);
+    let made = super::tests::commit_as_next_round_begins(&kv, drop_a);
+    commit(&kv, put(&keys::session_meta("s"), "m")).await;
+    kv.round_with(Duration::ZERO);
+    assert_eq!(
+        *made.lock().expect("lock"),
+        Some(true),
+        "the drop committed"
+    );
+    assert!(
+        window_a.is_dir() || drops_in_sled().contains_key(&a),
+        "the window's directory went before the main database held its drop"
+    );
+    // The next round takes it.
+    kv.round_with(Duration::ZERO);
+    assert!(drops_in_sled().contains_key(&a));
+    assert!(
+        !window_a.exists(),
+        "the dropped window's directory is deleted"
+    );
 }
