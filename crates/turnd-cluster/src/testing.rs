@@ -62,6 +62,7 @@ impl Default for RigOptions {
 }
 
 fn config(
+    cluster: &str,
     name: &str,
     client: u16,
     route: Option<(u16, &[u16])>,
@@ -90,7 +91,7 @@ fn config(
             ""
         };
         c.push_str(&format!(
-            "cluster {{ name: turnd-test, listen: 127.0.0.1:{port}, {advertise}routes: [ {} ] }}\n",
+            "cluster {{ name: {cluster}, listen: 127.0.0.1:{port}, {advertise}routes: [ {} ] }}\n",
             routes.join(", ")
         ));
     }
@@ -112,13 +113,45 @@ impl Rig {
         Rig::start_with(n, RigOptions::default()).await
     }
 
-    /// [`Rig::start`] with `opts`.
+    /// [`Rig::start`] with `opts`. A rig whose servers are not ready within a minute
+    /// (a port taken by another process between [`free_port`] and the server's
+    /// bind) is ended, its servers' last log lines printed, and started once more on
+    /// new ports.
     pub async fn start_with(n: usize, opts: RigOptions) -> Result<Rig, String> {
+        let mut last = String::new();
+        for attempt in 1..=2 {
+            let rig = Rig::spawn_all(n, opts)?;
+            match rig.wait_ready(Duration::from_secs(60)).await {
+                Ok(()) => return Ok(rig),
+                Err(e) => {
+                    eprintln!(
+                        "rig: not ready (attempt {attempt} of 2): {e}\n{}",
+                        rig.log_tails(20)
+                    );
+                    last = e;
+                }
+            }
+        }
+        Err(last)
+    }
+
+    /// Write the configs of `n` servers on new ports and start them.
+    fn spawn_all(n: usize, opts: RigOptions) -> Result<Rig, String> {
         let bin = Rig::binary().ok_or("no nats-server (run `make venv`, or set NATS_SERVER)")?;
         let dir = tempfile::Builder::new()
             .prefix("turnd-nats-")
             .tempdir()
             .map_err(|e| format!("temp dir: {e}"))?;
+        // A cluster name of this rig's own: a server of another rig (another test)
+        // that ends up on a port this one's routes name is refused, not joined.
+        let cluster = dir
+            .path()
+            .file_name()
+            .map(|f| {
+                f.to_string_lossy()
+                    .replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+            })
+            .unwrap_or_else(|| format!("turnd-test-{}", std::process::id()));
         let clients: Vec<u16> = (0..n).map(|_| free_port()).collect::<Result<_, _>>()?;
         let routes: Vec<u16> = (0..n).map(|_| free_port()).collect::<Result<_, _>>()?;
         let mut servers = Vec::new();
@@ -127,8 +160,11 @@ impl Rig {
             let data = dir.path().join(format!("data{}", i + 1));
             let route = (n > 1).then_some((routes[i], &routes[..]));
             let conf = dir.path().join(format!("{name}.conf"));
-            std::fs::write(&conf, config(&name, clients[i], route, &data, opts))
-                .map_err(|e| format!("write {conf:?}: {e}"))?;
+            std::fs::write(
+                &conf,
+                config(&cluster, &name, clients[i], route, &data, opts),
+            )
+            .map_err(|e| format!("write {conf:?}: {e}"))?;
             servers.push(Server {
                 name,
                 client_port: clients[i],
@@ -141,12 +177,27 @@ impl Rig {
             rig.spawn(i)?;
         }
         eprintln!(
-            "rig: {n} nats-server in {:?}, pids {:?}, client ports {clients:?}",
+            "rig: {n} nats-server in {:?}, pids {:?}, client ports {clients:?}, route ports {routes:?}",
             rig.dir.path(),
             rig.pids()
         );
-        rig.wait_ready(Duration::from_secs(60)).await?;
         Ok(rig)
+    }
+
+    /// The last `lines` lines of each server's log.
+    fn log_tails(&self, lines: usize) -> String {
+        let mut out = String::new();
+        for s in &self.servers {
+            let log = self.dir.path().join(format!("{}.log", s.name));
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let all: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {} ({} lines)\n", s.name, all.len()));
+            for l in &all[all.len().saturating_sub(lines)..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
     }
 
     fn spawn(&mut self, i: usize) -> Result<(), String> {
