@@ -137,6 +137,21 @@ async fn turn_of(c: &Caller, session: &str, function: &str, input: Value) -> any
     Ok(())
 }
 
+/// Once `nodes` (n0, n1, n2) lead every partition: their PIDs (printed with the
+/// rig's), their WebSocket URLs, n0's admin address, and an echo worker on all.
+async fn serving(
+    rig: &Rig,
+    nodes: &[BinDaemon],
+) -> anyhow::Result<(Vec<u32>, Vec<String>, String, WorkerHandle)> {
+    let pids: Vec<u32> = nodes.iter().filter_map(|n| n.child.id()).collect();
+    eprintln!("nats-server pids {:?}, turnd pids {pids:?}", rig.pids());
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    let admin = nodes[0].admin.clone();
+    all_led(&admin, &["n0", "n1", "n2"], 30).await?;
+    let worker = echo_worker_on_all(&urls).await;
+    Ok((pids, urls, admin, worker))
+}
+
 /// Each partition's leader and epoch as node `admin` sees them.
 async fn leaders(admin: &str) -> anyhow::Result<Vec<(String, u64)>> {
     let st = status(admin).await?;
@@ -423,12 +438,7 @@ async fn a_paused_leader_wakes_deposed_and_gives_up() -> anyhow::Result<()> {
     let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
     let root = tempfile::tempdir()?;
     let nodes = start_three(&rig, root.path(), &[]).await?;
-    let pids: Vec<u32> = nodes.iter().filter_map(|n| n.child.id()).collect();
-    eprintln!("nats-server pids {:?}, turnd pids {pids:?}", rig.pids());
-    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-    let admin = nodes[0].admin.clone();
-    all_led(&admin, &["n0", "n1", "n2"], 30).await?;
-    let worker = echo_worker_on_all(&urls).await;
+    let (pids, urls, admin, worker) = serving(&rig, &nodes).await?;
     let before = submit_all(&urls[0], "p", 12).await?;
     all_completed(&urls[0], &before).await?;
     // Wait until n1 leads something (the placement gives each node about a third).
@@ -466,6 +476,92 @@ async fn a_paused_leader_wakes_deposed_and_gives_up() -> anyhow::Result<()> {
     all_completed(&urls[1], &during).await?;
     all_completed(&urls[1], &after).await?;
     check_clean(&urls[1]).await?;
+    worker.shutdown();
+    for n in nodes {
+        n.kill().await?;
+    }
+    Ok(())
+}
+
+/// The NATS server leading the owners bucket is paused: no lease can be renewed
+/// until JetStream elects another leader of the bucket, seconds later, past every
+/// lease. Each partition's leader goes on serving all the same, since its own
+/// stream (led by a server still running) says no node fenced it; once the bucket
+/// answers again, its renewal comes before any contender's takeover. Turns run on
+/// every partition throughout, each within 5 s, and no partition changes its leader
+/// or epoch. (The nodes connect to the two other servers only, so that their own
+/// connections stay up.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaders_serve_on_while_the_owners_bucket_elects_a_leader() -> anyhow::Result<()> {
+    need_nats!();
+    let rig = Rig::start(3).await.map_err(anyhow::Error::msg)?;
+    let nats = rig.connect("test").await?;
+    turnd_cluster::lease::Owners::open(&nats, 3).await?;
+    let owners_stream = format!("KV_{}", turnd_cluster::lease::OWNERS_BUCKET);
+    Rig::move_leader(&nats, &owners_stream, |l| l == "n3")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let root = tempfile::tempdir()?;
+    let two = rig.urls()[..2].to_vec();
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        nodes.push(start_node(root.path(), i, &two, &rig.sys_url(i % 2), "127.0.0.1:0").await?);
+    }
+    let (_, urls, admin, worker) = serving(&rig, &nodes).await?;
+    // Hand-overs to the preferred leaders wait for their standbys to catch up: the
+    // leaders read the same over 3 s are where the placement puts them.
+    let mut before = settled_leaders(&admin).await?;
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let now = settled_leaders(&admin).await?;
+        if now == before {
+            break;
+        }
+        before = now;
+    }
+    for p in 0..PARTITIONS {
+        let stream = turnd_cluster::log::stream::stream_name(p);
+        Rig::move_leader(&nats, &stream, |l| l != "n3")
+            .await
+            .map_err(anyhow::Error::msg)?;
+    }
+    let c = Caller::connect(&urls[0], None).await?;
+    for i in 0..12 {
+        one_turn(&c, &format!("s{i}"), json!({ "warm": i })).await?;
+    }
+    rig.pause(2);
+    let paused = Instant::now();
+    let mut turns = 0;
+    let mut bucket_back = None;
+    while paused.elapsed() < Duration::from_secs(10) {
+        let session = format!("s{}", turns % 12);
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            one_turn(&c, &session, json!({ "during": turns })),
+        )
+        .await
+        .with_context(|| {
+            format!(
+                "turn {turns} of {session}, {:?} into the pause",
+                paused.elapsed()
+            )
+        })??;
+        turns += 1;
+        if bucket_back.is_none()
+            && Rig::stream_leader(&nats, &owners_stream)
+                .await
+                .is_some_and(|l| l != "n3")
+        {
+            bucket_back = Some(paused.elapsed());
+        }
+    }
+    eprintln!(
+        "{turns} turns ran in the 10 s the server was paused; the owners bucket had a new leader {bucket_back:?} into it"
+    );
+    rig.resume(2);
+    let after = settled_leaders(&admin).await?;
+    assert_eq!(after, before, "no partition changed its leader or epoch");
+    check_clean(&urls[0]).await?;
     worker.shutdown();
     for n in nodes {
         n.kill().await?;

@@ -309,6 +309,46 @@ impl Rig {
         self.servers.iter().position(|s| s.name == name)
     }
 
+    /// The name of the server leading stream `stream`, as the stream's info says
+    /// (None while it has none, or when the info does not answer within 2 s).
+    pub async fn stream_leader(nats: &Nats, stream: &str) -> Option<String> {
+        let get = async {
+            let s = nats.jetstream().get_stream(stream).await.ok()?;
+            s.get_info().await.ok()?.cluster?.leader
+        };
+        tokio::time::timeout(Duration::from_secs(2), get)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Move stream `stream`'s leader until `wanted` holds of its name: each try asks
+    /// the leader to step down (its servers elect another), at most 30 tries half a
+    /// second apart. The leader it ends with.
+    pub async fn move_leader(
+        nats: &Nats,
+        stream: &str,
+        wanted: impl Fn(&str) -> bool,
+    ) -> Result<String, String> {
+        let mut last = None;
+        for _ in 0..30 {
+            last = Rig::stream_leader(nats, stream).await;
+            if let Some(l) = &last {
+                if wanted(l) {
+                    return Ok(l.clone());
+                }
+                let subject = format!("$JS.API.STREAM.LEADER.STEPDOWN.{stream}");
+                if let Err(e) = nats.client().request(subject, "".into()).await {
+                    eprintln!("rig: step down the leader of {stream}: {e}");
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        Err(format!(
+            "the leader of {stream} did not move (last {last:?})"
+        ))
+    }
+
     /// Wait until every running server's JetStream answers turnd's account.
     pub async fn wait_ready(&self, within: Duration) -> Result<(), String> {
         let until = Instant::now() + within;

@@ -150,6 +150,31 @@ impl JetStreamLog {
         }
     }
 
+    /// Whether the partition's stream still ends at a message this log wrote, so that
+    /// no node fenced it since: the stream's last sequence, read from its leader
+    /// (one request, within [`Nats::control`]'s bound), lies between this log's last
+    /// one before and after the read (an append of its own may land meanwhile). A
+    /// leader whose lease cannot be renewed because the owners bucket does not answer
+    /// goes on leading while this holds: a node that takes the partition over
+    /// appends its fence first.
+    pub async fn still_ends_here(&self) -> Result<bool, LogError> {
+        let before = self.status().last_seq;
+        let stream = self.inner.stream.clone();
+        let what = format!(
+            "stream info of {}",
+            stream::stream_name(self.inner.cfg.partition)
+        );
+        let info = self
+            .inner
+            .nats
+            .control(&what, async move { stream.get_info().await })
+            .await?
+            .map_err(|e| LogError::nats(&what, e))?;
+        let after = self.status().last_seq;
+        let last = info.state.last_sequence;
+        Ok(self.status().failure.is_none() && before <= last && last <= after)
+    }
+
     /// Fail the log for good with `why`.
     fn fail(&self, why: &LogError) {
         if let Ok(mut s) = self.state() {

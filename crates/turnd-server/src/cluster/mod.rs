@@ -99,6 +99,10 @@ pub struct Node {
     pub(crate) behind: Mutex<std::collections::HashSet<u32>>,
     /// Partitions being taken over or handed over now (the loop skips them).
     pub(crate) busy: Mutex<std::collections::HashSet<u32>>,
+    /// When the owners bucket last failed to answer this node (ms, 0: never).
+    pub(crate) owners_silent_at: std::sync::atomic::AtomicU64,
+    /// Since when this node has read each partition's lease absent (ms).
+    pub(crate) absent_since: Mutex<HashMap<u32, u64>>,
     pub(crate) boot_id: String,
     /// Set when the node drains: it gives up its partitions and takes no more.
     pub(crate) draining: CancellationToken,
@@ -164,6 +168,8 @@ impl Node {
             standbys: Mutex::new(HashMap::new()),
             behind: Mutex::new(Default::default()),
             busy: Mutex::new(Default::default()),
+            owners_silent_at: std::sync::atomic::AtomicU64::new(0),
+            absent_since: Mutex::new(HashMap::new()),
             boot_id: uuid::Uuid::new_v4().simple().to_string(),
             draining: CancellationToken::new(),
             stop: CancellationToken::new(),
@@ -230,6 +236,18 @@ impl Node {
             None => self.leaders.write().remove(&p),
         };
         leader
+    }
+
+    /// Note that the owners bucket failed to answer a request at `now_ms`.
+    pub(crate) fn owners_unanswered(&self, now_ms: u64) {
+        self.owners_silent_at
+            .fetch_max(now_ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// When the owners bucket last failed to answer this node (ms, 0: never).
+    pub(crate) fn owners_unanswered_at(&self) -> u64 {
+        self.owners_silent_at
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Partition `p`'s engine, when this node leads it.

@@ -27,6 +27,41 @@ use super::placement::{place, Placement};
 use super::{Led, Node};
 use crate::cluster_config::ClusterConfig;
 
+/// Whether the owners bucket failed to answer this node within the last round.
+fn owners_silent(node: &Node, now: u64) -> bool {
+    now.saturating_sub(node.owners_unanswered_at()) < node.cluster.lease_ms / 3
+}
+
+/// Whether the owners bucket failed to answer this node within `leases` leases.
+fn owners_silent_within(node: &Node, now: u64, leases: u64) -> bool {
+    now.saturating_sub(node.owners_unanswered_at()) < leases * node.cluster.lease_ms
+}
+
+/// Renew every lease this node holds, all at once; give up each partition whose
+/// lease was lost or whose log takes no more appends (a node that took it over
+/// wrote after this one: the lease goes to a node that can write).
+async fn keep_leases(node: &Arc<Node>, now: u64) {
+    let led = node.all_led();
+    let kept = futures_util::future::join_all(led.iter().map(|(p, led)| async move {
+        // Being handed over: the hand-over releases the lease.
+        if node.busy.lock().contains(p) {
+            return None;
+        }
+        if let Some(why) = led.log.status().failure {
+            return Some((*p, format!("its log takes no more appends: {why}")));
+        }
+        if !renew(node, led, now).await {
+            return Some((*p, "its lease was lost".to_string()));
+        }
+        None
+    }))
+    .await;
+    drop(led);
+    for (p, why) in kept.into_iter().flatten() {
+        step_down(node, p, &why, false).await;
+    }
+}
+
 /// Refuse to join a cluster created with another number of partitions.
 pub(super) async fn check_partitions(nats: &Arc<Nats>, c: &ClusterConfig) -> anyhow::Result<()> {
     let owners = turnd_cluster::lease::Owners::open(nats, c.replicas as usize).await?;
@@ -41,11 +76,25 @@ pub(super) async fn check_partitions(nats: &Arc<Nats>, c: &ClusterConfig) -> any
     Ok(())
 }
 
-/// Start the node's loop.
+/// Start the node's loop, and beside it the renewal of the leases it holds.
 pub(super) fn spawn(node: &Arc<Node>) -> tokio::task::JoinHandle<()> {
+    let tick = Duration::from_millis((node.cluster.lease_ms / 3).max(50));
+    // The leases this node holds are renewed on a loop of their own, all at once:
+    // a renewal waits out its bound when the owners bucket does not answer, and
+    // neither that wait nor the main loop's (membership, marks, takeovers) may
+    // delay a renewal past what the partition may serve.
+    let renewing = node.clone();
+    tokio::spawn(async move {
+        loop {
+            keep_leases(&renewing, members::now_ms()).await;
+            tokio::select! {
+                _ = tokio::time::sleep(tick) => {}
+                _ = renewing.stop.cancelled() => break,
+            }
+        }
+    });
     let node = node.clone();
     tokio::spawn(async move {
-        let tick = Duration::from_millis((node.cluster.lease_ms / 3).max(50));
         loop {
             if let Err(e) = round(&node).await {
                 tracing::warn!("cluster: {e:#}");
@@ -129,22 +178,7 @@ async fn partition_round(
 ) -> anyhow::Result<bool> {
     let me = node.id.as_str();
     if let Some(led) = node.led(p) {
-        // Deposed (a node that took the partition wrote after us) or failed: give
-        // it up, so that the lease goes to a node that can write.
-        if let Some(why) = led.log.status().failure {
-            step_down(
-                node,
-                p,
-                &format!("its log takes no more appends: {why}"),
-                false,
-            )
-            .await;
-            return Ok(false);
-        }
-        if !renew(node, &led, now).await {
-            step_down(node, p, "its lease was lost", false).await;
-            return Ok(false);
-        }
+        // Its lease is renewed by [`keep_leases`].
         // Its preferred leader is back and has caught up as a standby: hand it over.
         return Ok(match placement.as_ref().filter(|pl| pl.leader != me) {
             Some(pl) => caught_up(node, &led, p, &pl.leader).await,
@@ -157,14 +191,48 @@ async fn partition_round(
     if node.draining.is_cancelled() {
         return Ok(false);
     }
-    let held = node.owners.get(p).await?;
+    if owners_silent(node, members::now_ms()) {
+        // The owners bucket did not answer lately: its holder may be leading on
+        // ([`renew`]), and a read now would wait out its bound for nothing.
+        return Ok(false);
+    }
+    let held = match node.owners.get(p).await {
+        Ok(h) => h,
+        Err(e) => {
+            node.owners_unanswered(members::now_ms());
+            return Err(e.into());
+        }
+    };
     node.note_leader(p, held.as_ref(), now);
     // How long the lease has been free (a lease this node held before it restarted
-    // is free to it at once); None while another node holds it.
+    // is free to it at once); None while another node holds it. An absent lease
+    // (released by a hand-over, or never taken) is free at once to the preferred
+    // leader, and to a standby once this node has seen it absent for a lease: a
+    // hand-over releases the lease for its preferred leader, and a standby that
+    // took it first would hand it over again.
+    let absent_for = {
+        let mut absent = node.absent_since.lock();
+        match &held {
+            None => now.saturating_sub(*absent.entry(p).or_insert(now)),
+            Some(_) => {
+                absent.remove(&p);
+                0
+            }
+        }
+    };
     let free_for = match &held {
-        None => Some(u64::MAX),
+        None if pl.leader == me => Some(u64::MAX),
+        None => Some(absent_for),
         Some(l) if l.owner.node == me => Some(u64::MAX),
         Some(l) if l.runs_at(now) => None,
+        // Its holder is a live member and the owners bucket did not answer this
+        // node within two leases: the holder may have led on meanwhile ([`renew`]),
+        // and renews the lease within a round of the bucket's answers.
+        Some(l)
+            if node.live.read().contains(&l.owner.node) && owners_silent_within(node, now, 2) =>
+        {
+            None
+        }
         // A lease without an end is never free by time.
         Some(l) => l.owner.until_ms.map(|u| now - u),
     };
@@ -229,11 +297,44 @@ async fn renew(node: &Arc<Node>, led: &Led, now: u64) -> bool {
             true
         }
         Ok(None) => false,
-        // NATS unreachable: keep leading while the lease can still be ours (the
-        // log's fence makes a deposed leader harmless anyway).
+        // The owners bucket does not answer (its stream electing a leader after a
+        // server died, or NATS unreachable). The partition's stream, another stream
+        // led by another server perhaps, tells whether a node fenced it: a node
+        // taking the partition over appends its fence first. While it says none
+        // did, keep leading, and serve for a lease past the read (requests run only
+        // while the lease runs by this node's clock). A contender that met the
+        // bucket silent too waits two leases past that before it takes a live
+        // member's lease ([`partition_round`]), and this node's renewal, the next
+        // round after the bucket answers again, keeps the partition here. When the
+        // stream does not answer either, lead on only while the lease runs.
         Err(e) => {
             tracing::warn!(partition = lease.partition, "cluster: renew the lease: {e}");
-            lease.runs_at(now)
+            let asked = members::now_ms();
+            node.owners_unanswered(asked);
+            match led.log.still_ends_here().await {
+                Ok(true) => {
+                    let mut l = led.lease.lock();
+                    let until = asked + node.cluster.lease_ms;
+                    if l.owner.until_ms.is_some_and(|u| u < until) {
+                        l.owner.until_ms = Some(until);
+                    }
+                    true
+                }
+                Ok(false) => {
+                    tracing::warn!(
+                        partition = lease.partition,
+                        "cluster: the partition's stream no longer ends at this leader's message"
+                    );
+                    false
+                }
+                Err(s) => {
+                    tracing::warn!(
+                        partition = lease.partition,
+                        "cluster: the partition's stream does not answer either: {s}"
+                    );
+                    led.lease.lock().runs_at(now)
+                }
+            }
         }
     }
 }
@@ -245,9 +346,16 @@ async fn take_over(node: &Arc<Node>, p: u32, held: Option<Lease>, now: u64) -> a
         epoch: 0,
         until_ms: Some(now + node.cluster.lease_ms),
     };
-    let lease = match held {
-        None => node.owners.acquire(p, owner, now).await?,
-        Some(h) => node.owners.take(p, owner, h.revision).await?,
+    let taken = match held {
+        None => node.owners.acquire(p, owner, now).await,
+        Some(h) => node.owners.take(p, owner, h.revision).await,
+    };
+    let lease = match taken {
+        Ok(l) => l,
+        Err(e) => {
+            node.owners_unanswered(members::now_ms());
+            return Err(e.into());
+        }
     };
     let Some(lease) = lease else { return Ok(()) };
     node.busy.lock().insert(p);
