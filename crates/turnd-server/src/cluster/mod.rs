@@ -103,6 +103,8 @@ pub struct Node {
     pub(crate) owners_silent_at: std::sync::atomic::AtomicU64,
     /// Since when this node has read each partition's lease absent (ms).
     pub(crate) absent_since: Mutex<HashMap<u32, u64>>,
+    /// The nodes' heartbeats, as this node heard them.
+    pub(crate) beats: slots::Heartbeats,
     pub(crate) boot_id: String,
     /// Set when the node drains: it gives up its partitions and takes no more.
     pub(crate) draining: CancellationToken,
@@ -170,6 +172,7 @@ impl Node {
             busy: Mutex::new(Default::default()),
             owners_silent_at: std::sync::atomic::AtomicU64::new(0),
             absent_since: Mutex::new(HashMap::new()),
+            beats: slots::Heartbeats::default(),
             boot_id: uuid::Uuid::new_v4().simple().to_string(),
             draining: CancellationToken::new(),
             stop: CancellationToken::new(),
@@ -226,10 +229,18 @@ impl Node {
     }
 
     /// Record who leads partition `p` by its lease as read at `now_ms` (nobody when
-    /// there is none or it ran out), for forwards; that node.
+    /// there is none, or it ran out and its holder's heartbeat was not heard within
+    /// a lease), for forwards; that node. A holder whose lease ran out while the
+    /// owners bucket did not answer may lead on ([`slots`]); asked, it answers that
+    /// it does not lead when it does not.
     pub(crate) fn note_leader(&self, p: u32, lease: Option<&Lease>, now_ms: u64) -> Option<String> {
         let leader = lease
-            .filter(|l| l.runs_at(now_ms))
+            .filter(|l| {
+                l.runs_at(now_ms)
+                    || self
+                        .beats
+                        .heard_within(&l.owner.node, now_ms, self.cluster.lease_ms)
+            })
             .map(|l| l.owner.node.clone());
         match &leader {
             Some(l) => self.leaders.write().insert(p, l.clone()),

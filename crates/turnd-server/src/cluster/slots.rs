@@ -23,9 +23,56 @@ use turnd_cluster::{JetStreamLog, LogConfig, LogError, Nats};
 use turnd_engine::{Engine, Partition};
 use turnd_store::{open_when_unlocked, LoggedKv, Store};
 
-use super::placement::{place, Placement};
+use super::placement::{place, should_take, LeaseView, Placement};
 use super::{Led, Node};
 use crate::cluster_config::ClusterConfig;
+
+/// The subject a node's heartbeat goes on: core NATS, routed between the servers
+/// whatever JetStream's streams are doing.
+fn beat_subject(node: &str) -> String {
+    format!("turnd.alive.{node}")
+}
+
+/// When this node last heard each node's heartbeat (its own clock, ms). Every node
+/// sends one every third of a lease, on the loop that renews its leases.
+#[derive(Default)]
+pub(crate) struct Heartbeats {
+    heard: parking_lot::Mutex<std::collections::HashMap<String, u64>>,
+}
+
+impl Heartbeats {
+    /// Whether `node`'s heartbeat was heard within `ms` of `now`.
+    pub(crate) fn heard_within(&self, node: &str, now: u64, ms: u64) -> bool {
+        self.heard
+            .lock()
+            .get(node)
+            .is_some_and(|t| now.saturating_sub(*t) < ms)
+    }
+
+    /// Listen to every node's heartbeat until the node stops.
+    async fn listen(node: Arc<Node>) {
+        let mut sub = match node.nats.client().subscribe(beat_subject("*")).await {
+            Ok(sub) => sub,
+            Err(e) => {
+                tracing::warn!("cluster: listen to the nodes' heartbeats: {e}");
+                return;
+            }
+        };
+        loop {
+            let msg = tokio::select! {
+                m = futures_util::StreamExt::next(&mut sub) => m,
+                _ = node.stop.cancelled() => None,
+            };
+            let Some(msg) = msg else { break };
+            if let Some(from) = msg.subject.as_str().strip_prefix("turnd.alive.") {
+                node.beats
+                    .heard
+                    .lock()
+                    .insert(from.to_string(), members::now_ms());
+            }
+        }
+    }
+}
 
 /// Whether the owners bucket failed to answer this node within the last round.
 fn owners_silent(node: &Node, now: u64) -> bool {
@@ -83,9 +130,14 @@ pub(super) fn spawn(node: &Arc<Node>) -> tokio::task::JoinHandle<()> {
     // a renewal waits out its bound when the owners bucket does not answer, and
     // neither that wait nor the main loop's (membership, marks, takeovers) may
     // delay a renewal past what the partition may serve.
+    tokio::spawn(Heartbeats::listen(node.clone()));
     let renewing = node.clone();
     tokio::spawn(async move {
         loop {
+            let beat = beat_subject(&renewing.id);
+            if let Err(e) = renewing.nats.client().publish(beat, "".into()).await {
+                tracing::debug!("cluster: send a heartbeat: {e}");
+            }
             keep_leases(&renewing, members::now_ms()).await;
             tokio::select! {
                 _ = tokio::time::sleep(tick) => {}
@@ -204,12 +256,6 @@ async fn partition_round(
         }
     };
     node.note_leader(p, held.as_ref(), now);
-    // How long the lease has been free (a lease this node held before it restarted
-    // is free to it at once); None while another node holds it. An absent lease
-    // (released by a hand-over, or never taken) is free at once to the preferred
-    // leader, and to a standby once this node has seen it absent for a lease: a
-    // hand-over releases the lease for its preferred leader, and a standby that
-    // took it first would hand it over again.
     let absent_for = {
         let mut absent = node.absent_since.lock();
         match &held {
@@ -220,38 +266,26 @@ async fn partition_round(
             }
         }
     };
-    let free_for = match &held {
-        None if pl.leader == me => Some(u64::MAX),
-        None => Some(absent_for),
-        Some(l) if l.owner.node == me => Some(u64::MAX),
-        Some(l) if l.runs_at(now) => None,
-        // Its holder is a live member and the owners bucket did not answer this
-        // node within two leases: the holder may have led on meanwhile ([`renew`]),
-        // and renews the lease within a round of the bucket's answers.
-        Some(l)
-            if node.live.read().contains(&l.owner.node) && owners_silent_within(node, now, 2) =>
-        {
-            None
-        }
-        // A lease without an end is never free by time.
-        Some(l) => l.owner.until_ms.map(|u| now - u),
-    };
+    let should_lead = should_take(
+        &pl,
+        &LeaseView {
+            me,
+            now,
+            lease_ms: node.cluster.lease_ms,
+            held: held.as_ref(),
+            absent_for,
+            holder_heard: held.as_ref().is_some_and(|l| {
+                node.beats
+                    .heard_within(&l.owner.node, now, node.cluster.lease_ms)
+            }),
+            owners_silent: owners_silent_within(node, now, 2),
+        },
+    );
     // The preferred leader keeps a standby too while another node leads, so that it
     // is warm when it takes the partition back.
     let standby_here = pl.holds(me);
     // A store behind the stream cannot lead: it copies the leader's checkpoint first.
     let behind = node.behind.lock().contains(&p);
-    // The preferred leader takes a lease that ran out only half a lease later: its
-    // holder, whose renewal was late (NATS slow, a hand-over settling), stops
-    // serving at its next round instead of having its log fenced under the writes
-    // in flight. A standby waits a whole lease.
-    let should_lead = match free_for {
-        Some(f) => {
-            (pl.leader == me && f >= node.cluster.lease_ms / 2)
-                || (standby_here && f >= node.cluster.lease_ms)
-        }
-        None => false,
-    };
     if should_lead && !behind {
         take_over(node, p, held, now).await?;
     } else if standby_here {
