@@ -167,7 +167,7 @@ pub(super) async fn copy(node: &Arc<Node>, p: u32) -> anyhow::Result<CheckpointI
     let got = node.checkpoints.get(&name, file.path()).await?;
     anyhow::ensure!(got == bytes, "read {got} bytes of a checkpoint of {bytes}");
     let dir = node.dir(p);
-    let opts = super::slots::store_options(node)?;
+    let opts = node.store_options()?;
     let info = tokio::task::spawn_blocking(move || -> anyhow::Result<CheckpointInfo> {
         let mut input = file.reopen().context("open the checkpoint's file")?;
         Ok(install_checkpoint(&dir, &mut input, opts)?)

@@ -278,6 +278,14 @@ impl Node {
         v
     }
 
+    /// A partition's store options: as configured, without windows (a window's
+    /// files are local, and do not carry to the node that takes over).
+    pub(crate) fn store_options(&self) -> anyhow::Result<turnd_store::LoggedOptions> {
+        let mut o = crate::store_options(&self.cfg)?;
+        o.windows.window_ms = 0;
+        Ok(o)
+    }
+
     /// Where partition `p`'s local store lives.
     pub(crate) fn dir(&self, p: u32) -> PathBuf {
         self.cfg.storage.data_dir.join(format!("p{p}"))

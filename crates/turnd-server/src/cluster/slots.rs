@@ -484,7 +484,7 @@ async fn open_leading(
     let me = node.id.clone();
     let dir = node.dir(p);
     let marks = node.trim_marks();
-    let opts = store_options(node)?;
+    let opts = node.store_options()?;
     tokio::task::spawn_blocking(move || -> anyhow::Result<(LoggedKv, JetStreamLog)> {
         if let Some(s) = standby {
             if let Err(e) = s.stop() {
@@ -537,14 +537,6 @@ fn log_config(node: &Node, p: u32) -> LogConfig {
     }
 }
 
-/// The store's options in a cluster: as configured, without windows (a window's
-/// files are local, and do not carry to the node that takes over).
-pub(super) fn store_options(node: &Node) -> anyhow::Result<turnd_store::LoggedOptions> {
-    let mut o = crate::store_options(&node.cfg)?;
-    o.windows.window_ms = 0;
-    Ok(o)
-}
-
 /// Write each standby's durable applied mark (every round, so that its revision
 /// moves and the leader counts it live while it runs).
 async fn put_marks(node: &Arc<Node>) {
@@ -583,8 +575,13 @@ fn keep_standby(node: &Arc<Node>, p: u32) -> anyhow::Result<()> {
     }
     let dir = node.dir(p);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    let s = Standby::start(&node.nats, &log_config(node, p), &dir, store_options(node)?)
-        .with_context(|| format!("start the standby of partition {p}"))?;
+    let s = Standby::start(
+        &node.nats,
+        &log_config(node, p),
+        &dir,
+        node.store_options()?,
+    )
+    .with_context(|| format!("start the standby of partition {p}"))?;
     standbys.insert(p, s);
     Ok(())
 }
