@@ -255,10 +255,12 @@ impl Node {
             .fetch_max(now_ms, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// When the owners bucket last failed to answer this node (ms, 0: never).
-    pub(crate) fn owners_unanswered_at(&self) -> u64 {
-        self.owners_silent_at
-            .load(std::sync::atomic::Ordering::Relaxed)
+    /// Whether the owners bucket failed to answer this node within `ms` of `now_ms`.
+    pub(crate) fn owners_silent_within(&self, now_ms: u64, ms: u64) -> bool {
+        let at = self
+            .owners_silent_at
+            .load(std::sync::atomic::Ordering::Relaxed);
+        now_ms.saturating_sub(at) < ms
     }
 
     /// Partition `p`'s engine, when this node leads it.

@@ -27,11 +27,9 @@ use super::placement::{place, should_take, LeaseView, Placement};
 use super::{Led, Node};
 use crate::cluster_config::ClusterConfig;
 
-/// The subject a node's heartbeat goes on: core NATS, routed between the servers
-/// whatever JetStream's streams are doing.
-fn beat_subject(node: &str) -> String {
-    format!("turnd.alive.{node}")
-}
+/// The subjects of the nodes' heartbeats, `turnd.alive.<node>`: core NATS, routed
+/// between the servers whatever JetStream's streams are doing.
+const BEAT_PREFIX: &str = "turnd.alive.";
 
 /// When this node last heard each node's heartbeat (its own clock, ms). Every node
 /// sends one every third of a lease, on the loop that renews its leases.
@@ -51,7 +49,12 @@ impl Heartbeats {
 
     /// Listen to every node's heartbeat until the node stops.
     async fn listen(node: Arc<Node>) {
-        let mut sub = match node.nats.client().subscribe(beat_subject("*")).await {
+        let mut sub = match node
+            .nats
+            .client()
+            .subscribe(format!("{BEAT_PREFIX}*"))
+            .await
+        {
             Ok(sub) => sub,
             Err(e) => {
                 tracing::warn!("cluster: listen to the nodes' heartbeats: {e}");
@@ -64,7 +67,7 @@ impl Heartbeats {
                 _ = node.stop.cancelled() => None,
             };
             let Some(msg) = msg else { break };
-            if let Some(from) = msg.subject.as_str().strip_prefix("turnd.alive.") {
+            if let Some(from) = msg.subject.as_str().strip_prefix(BEAT_PREFIX) {
                 node.beats
                     .heard
                     .lock()
@@ -72,16 +75,6 @@ impl Heartbeats {
             }
         }
     }
-}
-
-/// Whether the owners bucket failed to answer this node within the last round.
-fn owners_silent(node: &Node, now: u64) -> bool {
-    now.saturating_sub(node.owners_unanswered_at()) < node.cluster.lease_ms / 3
-}
-
-/// Whether the owners bucket failed to answer this node within `leases` leases.
-fn owners_silent_within(node: &Node, now: u64, leases: u64) -> bool {
-    now.saturating_sub(node.owners_unanswered_at()) < leases * node.cluster.lease_ms
 }
 
 /// Renew every lease this node holds, all at once; give up each partition whose
@@ -126,15 +119,15 @@ pub(super) async fn check_partitions(nats: &Arc<Nats>, c: &ClusterConfig) -> any
 /// Start the node's loop, and beside it the renewal of the leases it holds.
 pub(super) fn spawn(node: &Arc<Node>) -> tokio::task::JoinHandle<()> {
     let tick = Duration::from_millis((node.cluster.lease_ms / 3).max(50));
-    // The leases this node holds are renewed on a loop of their own, all at once:
-    // a renewal waits out its bound when the owners bucket does not answer, and
-    // neither that wait nor the main loop's (membership, marks, takeovers) may
-    // delay a renewal past what the partition may serve.
     tokio::spawn(Heartbeats::listen(node.clone()));
+    // The heartbeat, and the leases this node holds, renewed on a loop of their
+    // own, all at once: a renewal waits out its bound when the owners bucket does
+    // not answer, and neither that wait nor the main loop's (membership, marks,
+    // takeovers) may delay a renewal past what the partition may serve.
     let renewing = node.clone();
     tokio::spawn(async move {
         loop {
-            let beat = beat_subject(&renewing.id);
+            let beat = format!("{BEAT_PREFIX}{}", renewing.id);
             if let Err(e) = renewing.nats.client().publish(beat, "".into()).await {
                 tracing::debug!("cluster: send a heartbeat: {e}");
             }
@@ -243,7 +236,7 @@ async fn partition_round(
     if node.draining.is_cancelled() {
         return Ok(false);
     }
-    if owners_silent(node, members::now_ms()) {
+    if node.owners_silent_within(members::now_ms(), node.cluster.lease_ms / 3) {
         // The owners bucket did not answer lately: its holder may be leading on
         // ([`renew`]), and a read now would wait out its bound for nothing.
         return Ok(false);
@@ -278,7 +271,7 @@ async fn partition_round(
                 node.beats
                     .heard_within(&l.owner.node, now, node.cluster.lease_ms)
             }),
-            owners_silent: owners_silent_within(node, now, 2),
+            owners_silent: node.owners_silent_within(now, 2 * node.cluster.lease_ms),
         },
     );
     // The preferred leader keeps a standby too while another node leads, so that it
@@ -337,10 +330,11 @@ async fn renew(node: &Arc<Node>, led: &Led, now: u64) -> bool {
         // taking the partition over appends its fence first. While it says none
         // did, keep leading, and serve for a lease past the read (requests run only
         // while the lease runs by this node's clock). A contender that met the
-        // bucket silent too waits two leases past that before it takes a live
-        // member's lease ([`partition_round`]), and this node's renewal, the next
-        // round after the bucket answers again, keeps the partition here. When the
-        // stream does not answer either, lead on only while the lease runs.
+        // bucket silent too and hears this node's heartbeat does not take the
+        // lease within two leases of that silence ([`should_take`]), and this
+        // node's renewal, the next round after the bucket answers again, keeps the
+        // partition here. When the stream does not answer either, lead on only
+        // while the lease runs.
         Err(e) => {
             tracing::warn!(partition = lease.partition, "cluster: renew the lease: {e}");
             let asked = members::now_ms();

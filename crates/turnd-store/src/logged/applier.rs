@@ -77,6 +77,14 @@ struct Applier<'a> {
     upkeep_failed: Option<Instant>,
 }
 
+/// Run once the hook a test left in `slot`, if any.
+#[cfg(test)]
+fn run_test_hook(slot: &std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>) {
+    if let Some(hook) = slot.lock().ok().and_then(|mut h| h.take()) {
+        hook();
+    }
+}
+
 /// What a round reads of the overlay as it begins ([`Applier::settle`]).
 struct Begun {
     committed: u64,
@@ -128,15 +136,7 @@ impl Applier<'_> {
             drops: pending,
         } = self.settle(started, delay)?;
         #[cfg(test)]
-        if let Some(hook) = self
-            .inner
-            .after_settle
-            .lock()
-            .ok()
-            .and_then(|mut h| h.take())
-        {
-            hook();
-        }
+        run_test_hook(&self.inner.after_settle);
         self.switch_window_if_due()?;
         if committed == self.applied {
             return self.mark_if_due(false);
@@ -328,15 +328,7 @@ impl Applier<'_> {
             }
         }
         #[cfg(test)]
-        if let Some(hook) = self
-            .inner
-            .after_slice
-            .lock()
-            .ok()
-            .and_then(|mut h| h.take())
-        {
-            hook();
-        }
+        run_test_hook(&self.inner.after_slice);
         Ok(())
     }
 
