@@ -79,11 +79,13 @@ impl Engine {
         // view: the notice brings the terminal turn. The waiter is registered first,
         // and a turn leaves the index before its waiters are notified, so a turn found
         // here is notified to this waiter when it ends.
+        // What this future holds while it waits is kept small (the rare reads and the
+        // turn seen boxed): a daemon may hold one per unfinished turn.
         let seen = if self.sessions().is_live(turn_id) {
             None
         } else {
-            match self.get_turn(turn_id).await {
-                Ok(t) if !t.status.is_terminal() => Some(t),
+            match Box::pin(self.get_turn(turn_id)).await {
+                Ok(t) if !t.status.is_terminal() => Some(Box::new(t)),
                 other => {
                     // The waiter is pruned once its receiver is gone: the turn ended
                     // before the waiter was registered (or is unknown), and no notice
@@ -105,9 +107,9 @@ impl Engine {
         if let Some(done) = done {
             return Ok(done);
         }
-        match (self.get_turn(turn_id).await, seen) {
+        match (Box::pin(self.get_turn(turn_id)).await, seen) {
             (Ok(t), _) => Ok(t),
-            (Err(EngineError::NoTurn(_)), Some(t)) => Ok(t),
+            (Err(EngineError::NoTurn(_)), Some(t)) => Ok(*t),
             (Err(e), _) => Err(e),
         }
     }

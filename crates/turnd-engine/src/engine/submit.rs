@@ -72,7 +72,9 @@ impl Engine {
         let (admitted, interrupted) = self.transition(&st, self.now_ms(), |cx, tx| {
             machine::submit(cx, tx, submission)
         });
-        self.commit(&cell, &mut st, admitted)
+        // Boxed: a submit may wait long for its session's lock, and what it holds
+        // meanwhile should not include room for the commit.
+        Box::pin(self.commit(&cell, &mut st, admitted))
             .await
             .map_err(unavailable)?;
         let stopped = interrupted.turn_ids.len() as u64;
