@@ -60,7 +60,7 @@ impl Standby {
         let follower = Follower::open(dir, opts).map_err(|e| LogError::Config(e.to_string()))?;
         let stop = CancellationToken::new();
         let status = Arc::new(Mutex::new(StandbyStatus {
-            applied: follower.applied(),
+            applied: follower.durable(),
             ..StandbyStatus::default()
         }));
         let run = Run {
@@ -122,7 +122,14 @@ struct Run {
 
 impl Run {
     fn run(self, mut follower: Follower) -> Result<(), LogError> {
-        let r = self.tail(&mut follower);
+        let r = self.tail(&mut follower).and_then(|()| {
+            follower
+                .sync()
+                .map_err(|e| LogError::Config(format!("sync the standby's store: {e}")))
+        });
+        if let Ok(mut s) = self.status.lock() {
+            s.applied = follower.durable();
+        }
         follower.close();
         if let Err(e) = &r {
             tracing::warn!(
@@ -157,11 +164,18 @@ impl Run {
                 .into_iter()
                 .filter(|r| r.lsn > follower.applied())
                 .collect();
-            follower
-                .apply(&fresh)
-                .map_err(|e| LogError::Config(format!("apply to the standby's store: {e}")))?;
+            let applied = if fresh.is_empty() {
+                // Nothing to apply: what was is made durable now rather than at the
+                // next message.
+                follower.sync()
+            } else {
+                follower.apply(&fresh)
+            };
+            applied.map_err(|e| LogError::Config(format!("apply to the standby's store: {e}")))?;
             if let Ok(mut st) = self.status.lock() {
-                st.applied = follower.applied();
+                // What trims may count on: the durable mark, at most a mark
+                // interval behind what was applied.
+                st.applied = follower.durable();
                 if let Some(lag) = lag {
                     st.lag = lag;
                 }

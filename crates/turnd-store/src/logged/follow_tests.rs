@@ -168,3 +168,47 @@ async fn a_checkpoint_installed_elsewhere_replays_only_what_came_after_it() {
         None
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followers_writes_are_durable_within_a_mark_interval_when_asked_and_at_close() {
+    let lead_dir = tempfile::tempdir().expect("tempdir");
+    let standby_dir = tempfile::tempdir().expect("tempdir");
+    let log = MemLog::new();
+    let (leader, _) =
+        LoggedKv::open_with_log(lead_dir.path(), slow(), |a| log.open(a).map(Opened::boxed))
+            .expect("open the leader");
+    for i in 0..30 {
+        leader
+            .commit(batch(i))
+            .await
+            .expect("answered")
+            .expect("committed");
+    }
+    let records = log.read_range(0, log.next_lsn() - 1).expect("read the log");
+    let hourly = super::LoggedOptions {
+        mark_interval: std::time::Duration::from_secs(3600),
+        ..slow()
+    };
+    let mut f = Follower::open(standby_dir.path(), hourly).expect("open a follower");
+    f.apply(&records[..10]).expect("apply");
+    assert_eq!(f.applied(), records[9].lsn);
+    assert_eq!(f.durable(), 0, "not synced within the mark interval");
+    f.sync().expect("sync");
+    assert_eq!(f.durable(), records[9].lsn, "synced when asked");
+    f.apply(&records[10..20]).expect("apply");
+    assert_eq!(f.durable(), records[9].lsn);
+    f.close();
+    let f = Follower::open(standby_dir.path(), hourly).expect("open it again");
+    assert_eq!(f.durable(), records[19].lsn, "synced as it closed");
+    f.close();
+
+    // With the interval past at every write, each apply is durable on return.
+    let every = super::LoggedOptions {
+        mark_interval: std::time::Duration::ZERO,
+        ..slow()
+    };
+    let mut f = Follower::open(standby_dir.path(), every).expect("open it again");
+    f.apply(&records[20..]).expect("apply");
+    assert_eq!(f.durable(), records[29].lsn);
+    f.close();
+}

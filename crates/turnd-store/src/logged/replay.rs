@@ -86,25 +86,46 @@ pub(super) fn replay_into(
     map: &BTreeMap<Vec<u8>, (u64, Value)>,
     mark: u64,
 ) -> Result<(), StoreError> {
+    let written = write_coalesced(sled, wins, map)?;
+    sync_windows(wins, &written)?;
+    let mut closing = Vec::new();
+    for (start, lsn) in map_drops(map) {
+        closing.extend(take_drop(sled, wins, start, lsn)?.0);
+    }
+    record_mark(sled, mark)?;
+    for (start, w) in closing {
+        wins.delete(start, w)?;
+    }
+    Ok(())
+}
+
+/// Write coalesced records where they belong, durable or not yet; the starts of the
+/// windows written.
+pub(super) fn write_coalesced(
+    sled: &Shared,
+    wins: &Windows,
+    map: &BTreeMap<Vec<u8>, (u64, Value)>,
+) -> Result<Vec<u64>, StoreError> {
     let (_, written) = apply_routed(
         sled,
         wins,
         map.iter()
             .map(|(k, (l, v))| (k.as_slice(), *l, v.as_deref())),
     )?;
-    let written: Vec<u64> = written.into_iter().map(|(w, _)| w).collect();
-    sync_windows(wins, &written)?;
-    let mut closing = Vec::new();
-    for (start, lsn) in drops(
+    Ok(written.into_iter().map(|(w, _)| w).collect())
+}
+
+/// The window drops among coalesced records: (window start, lsn).
+pub(super) fn map_drops(map: &BTreeMap<Vec<u8>, (u64, Value)>) -> Vec<(u64, u64)> {
+    drops(
         map.iter()
             .map(|(k, (l, v))| (k.as_slice(), *l, v.is_some())),
-    ) {
-        closing.extend(take_drop(sled, wins, start, lsn)?.0);
-    }
+    )
+}
+
+/// Record `mark` as applied in the main database and sync it, with everything
+/// written to it before.
+pub(super) fn record_mark(sled: &Shared, mark: u64) -> Result<(), StoreError> {
     apply_to_sled(sled, std::iter::empty(), Some(mark))?;
-    sled.with(|h| sled.sync_files(h))?;
-    for (start, w) in closing {
-        wins.delete(start, w)?;
-    }
-    Ok(())
+    sled.with(|h| sled.sync_files(h))
 }
