@@ -56,21 +56,37 @@ fn log_of(records: &[Record]) -> MemLog {
     log
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_follower_holds_what_the_leader_holds_and_a_takeover_replays_the_rest() {
-    let lead_dir = tempfile::tempdir().expect("tempdir");
-    let standby_dir = tempfile::tempdir().expect("tempdir");
+/// A leader's store on a [`MemLog`] in a directory of its own, after batches
+/// `0..n` were committed.
+struct Leader {
+    _dir: tempfile::TempDir,
+    log: MemLog,
+    kv: LoggedKv,
+}
+
+async fn leader_after(n: u64) -> Leader {
+    let dir = tempfile::tempdir().expect("tempdir");
     let log = MemLog::new();
-    let (leader, _) =
-        LoggedKv::open_with_log(lead_dir.path(), slow(), |a| log.open(a).map(Opened::boxed))
-            .expect("open the leader");
-    for i in 0..60 {
-        leader
-            .commit(batch(i))
+    let (kv, _) = LoggedKv::open_with_log(dir.path(), slow(), |a| log.open(a).map(Opened::boxed))
+        .expect("open the leader");
+    for i in 0..n {
+        kv.commit(batch(i))
             .await
             .expect("answered")
             .expect("committed");
     }
+    Leader { _dir: dir, log, kv }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_holds_what_the_leader_holds_and_a_takeover_replays_the_rest() {
+    let standby_dir = tempfile::tempdir().expect("tempdir");
+    // `_dir` bound, so that the leader's directory lives as long as the test.
+    let Leader {
+        _dir,
+        log,
+        kv: leader,
+    } = leader_after(60).await;
     let records = log.read_range(0, log.next_lsn() - 1).expect("read the log");
     assert_eq!(records.len(), 60);
 
@@ -105,19 +121,13 @@ async fn a_follower_holds_what_the_leader_holds_and_a_takeover_replays_the_rest(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_installed_elsewhere_replays_only_what_came_after_it() {
-    let lead_dir = tempfile::tempdir().expect("tempdir");
     let other = tempfile::tempdir().expect("tempdir");
-    let log = MemLog::new();
-    let (leader, _) =
-        LoggedKv::open_with_log(lead_dir.path(), slow(), |a| log.open(a).map(Opened::boxed))
-            .expect("open the leader");
-    for i in 0..30 {
-        leader
-            .commit(batch(i))
-            .await
-            .expect("answered")
-            .expect("committed");
-    }
+    // `_dir` bound, so that the leader's directory lives as long as the test.
+    let Leader {
+        _dir,
+        log,
+        kv: leader,
+    } = leader_after(30).await;
     let mut records = log.read_range(0, log.next_lsn() - 1).expect("read the log");
     // Applied to sled; the log is trimmed.
     leader.flush_now().expect("apply to sled");
@@ -171,19 +181,9 @@ async fn a_checkpoint_installed_elsewhere_replays_only_what_came_after_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_followers_writes_are_durable_within_a_mark_interval_when_asked_and_at_close() {
-    let lead_dir = tempfile::tempdir().expect("tempdir");
     let standby_dir = tempfile::tempdir().expect("tempdir");
-    let log = MemLog::new();
-    let (leader, _) =
-        LoggedKv::open_with_log(lead_dir.path(), slow(), |a| log.open(a).map(Opened::boxed))
-            .expect("open the leader");
-    for i in 0..30 {
-        leader
-            .commit(batch(i))
-            .await
-            .expect("answered")
-            .expect("committed");
-    }
+    let leader = leader_after(30).await;
+    let log = &leader.log;
     let records = log.read_range(0, log.next_lsn() - 1).expect("read the log");
     let hourly = super::LoggedOptions {
         mark_interval: std::time::Duration::from_secs(3600),
