@@ -31,7 +31,7 @@ PARTS = [
     ("turnd-store-app", "applier: sled's apply_batch", "sled::tree::Tree::apply_batch"),
     ("turnd-store-app", "applier: LZ4 of values (pack)", "turnd_store::logged::codec::pack"),
     ("turnd-store-app", "applier: value file appends", "turnd_store::sled::values::ValueFile::append"),
-    ("turnd-log-write", "log writer: write and fdatasync", "SegmentWriter::append_group"),
+    ("turnd-log-write", "log writer: write and fdatasync", "as turnd_store::log::CommitLog>::append"),
     ("turnd-log-write", "log writer: overlay insert", "Overlay::put_group"),
     ("sled-io", "sled's IO threads", ""),
 ]
