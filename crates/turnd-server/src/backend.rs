@@ -33,8 +33,8 @@ impl Backend {
             Backend::Single(e) => router::run(e, caller, op, args, origin).await,
             // Boxed: a node's future (forwarding over NATS) is about twice a
             // single engine's, and would size every request task of a daemon on
-            // its own (`router::own_size`).
-            Backend::Cluster(n) => Box::pin(n.run(caller, op, args, origin)).await,
+            // its own.
+            Backend::Cluster(n) => router::own_size(n.run(caller, op, args, origin)).await,
         }
     }
 

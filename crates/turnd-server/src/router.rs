@@ -115,12 +115,12 @@ pub async fn run(
     reply.map(Answer::Reply)
 }
 
-/// Await `f` in an allocation of its own. A request's task is as large as the
+/// `f` in an allocation of its own, to await. A request's task is as large as the
 /// largest future it may await, whichever op it runs, and the tasks of `turn.wait`
 /// live until their turns end: with every op's future boxed at its own size, a
 /// request's task holds only the op it runs (a `turn.wait` about a third of what it
 /// held), for one small allocation more per request.
-fn own_size<F: std::future::Future>(f: F) -> std::pin::Pin<Box<F>> {
+pub(crate) fn own_size<F: std::future::Future>(f: F) -> std::pin::Pin<Box<F>> {
     Box::pin(f)
 }
 

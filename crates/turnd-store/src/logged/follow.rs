@@ -9,9 +9,9 @@
 //! write since the last time, when asked ([`Follower::sync`]: a standby with nothing
 //! to read) and as it closes, as the daemon's own applier does: sled may hold writes
 //! past its durable mark, and a start replays from the mark, writing the same
-//! absolute values again. Not syncing each batch spares the standbys a sync of sled
-//! for every few messages, which on the benchmarks' two cores took three fifths of
-//! the nodes' CPU. A batch with a window drop is made durable at once (the drop is
+//! absolute values again. Not syncing each batch spares a partition's standbys a
+//! sync of sled for every append of a session run one turn at a time, on the cores
+//! and disk the next append needs. A batch with a window drop is made durable at once (the drop is
 //! finished only after sled holds it). What the directory holds at its durable mark
 //! is exactly what a [`super::LoggedKv`] that replayed the same records would hold.
 //! It makes no time windows of its own: routing follows the windows the directory
