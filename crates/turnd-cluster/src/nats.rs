@@ -8,7 +8,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -84,6 +84,9 @@ pub struct Nats {
     /// The bound of one request to the control buckets (leases, members), in ms:
     /// [`Nats::control`].
     control_ms: AtomicU64,
+    /// A connection held to each configured server, for [`Nats::on_server`]
+    /// (none until [`Nats::connect_each`]).
+    each: Mutex<Vec<async_nats::Client>>,
 }
 
 /// The control buckets' bound until [`Nats::set_control_timeout`]: JetStream's
@@ -127,7 +130,57 @@ impl Nats {
             js,
             rt: Runtime(Some(rt)),
             control_ms: AtomicU64::new(CONTROL_TIMEOUT.as_millis() as u64),
+            each: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// Hold a connection to each of `urls` besides the main one, each kept to its
+    /// own server (it reconnects to that server alone), so that [`Nats::on_server`]
+    /// finds the one to a server by its name: a partition's appends go to its
+    /// stream's leader without a hop through another server. The connections are
+    /// made in the background: one to a server that is down now is made when it is
+    /// back, and until then the main connection carries what it would have.
+    pub async fn connect_each(&self, urls: &[String], name: &str) -> Result<(), LogError> {
+        let mut made = Vec::with_capacity(urls.len());
+        for url in urls {
+            let opts = async_nats::ConnectOptions::new()
+                .name(format!("{name}-direct"))
+                .connection_timeout(CONNECT_TIMEOUT)
+                .max_reconnects(None)
+                .ignore_discovered_servers()
+                .retry_on_initial_connect()
+                .event_callback(move |event| async move {
+                    tracing::debug!("NATS (a server's own connection): {event}");
+                });
+            let opts = with_url_auth(opts, std::slice::from_ref(url))?;
+            let to = url.clone();
+            // With `retry_on_initial_connect` this returns at once, and the client's
+            // connection task runs on this runtime.
+            let client = self
+                .spawn(async move { async_nats::connect_with_options(to, opts).await })
+                .await
+                .map_err(|e| LogError::nats("connect", e))?
+                .map_err(|e| LogError::nats(&format!("connect to {}", shown(url)), e))?;
+            made.push(client);
+        }
+        if let Ok(mut each) = self.each.lock() {
+            *each = made;
+        }
+        Ok(())
+    }
+
+    /// A connection up now to the server named `server`: the main one when it is
+    /// on that server, else the one [`Nats::connect_each`] holds to it.
+    pub fn on_server(&self, server: &str) -> Option<async_nats::Client> {
+        let up = |c: &async_nats::Client| {
+            c.connection_state() == async_nats::connection::State::Connected
+                && c.server_info().server_name == server
+        };
+        if up(&self.client) {
+            return Some(self.client.clone());
+        }
+        let each = self.each.lock().ok()?;
+        each.iter().find(|c| up(c)).cloned()
     }
 
     /// Bound each request to the control buckets (a lease's renewal or take, a

@@ -3,8 +3,9 @@
 //! larger than one is refused with nothing written, exactly one of two racing
 //! leaders leads and the other is deposed, a deposed leader's append that the
 //! server lets in is void by the rule for every reader, an append that cannot
-//! reach any server waits until the node's stop, and trims wait for the replicas'
-//! marks.
+//! reach any server waits until the node's stop, trims wait for the replicas'
+//! marks, and appends go out on a connection to the stream's leader, following it
+//! when it moves.
 
 mod common;
 
@@ -14,7 +15,7 @@ use common::{append, cfg, lead, record};
 use turnd_cluster::log::{lsn, read_valid, seq_of};
 use turnd_cluster::marks::Marks;
 use turnd_cluster::testing::Rig;
-use turnd_cluster::{need_nats, JetStreamLog, LogError};
+use turnd_cluster::{need_nats, JetStreamLog, LogConfig, LogError};
 use turnd_store::log::CommitLog;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -350,4 +351,84 @@ async fn a_full_stream_refuses_a_group_with_nothing_written() {
     append(&log, vec![record("after", 4000)])
         .await
         .expect("a group after the trim");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_go_out_on_the_stream_leaders_own_connection_and_follow_it_when_it_moves() {
+    need_nats!();
+    let rig = Rig::start(3).await.expect("rig");
+    let c = LogConfig {
+        follow_leader_every: Duration::from_millis(100),
+        ..cfg(40, 3)
+    };
+    let probe = rig.connect_to(0, "probe").await.expect("connect");
+    drop(lead(&probe, &c, "setup", 0).await.expect("make the stream"));
+    let stream = turnd_cluster::log::stream_name(40);
+    let leader = Rig::stream_leader(&probe, &stream).await.expect("a leader");
+    let at = rig.index_of(&leader).expect("a server of the rig");
+    // The main connection on another server than the stream's leader, and one held
+    // to each server.
+    let nats = rig.connect_to((at + 1) % 3, "w").await.expect("connect");
+    nats.connect_each(&rig.urls(), "w")
+        .await
+        .expect("connect each");
+    let mut direct = None;
+    for _ in 0..100 {
+        direct = nats.on_server(&leader);
+        if direct.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let direct = direct.expect("a connection up to the stream's leader");
+    let log = lead(&nats, &c, "w", 0).await.expect("lead").log;
+    assert_eq!(log.status().appends_on.as_deref(), Some(leader.as_str()));
+
+    let sent = |c: &async_nats::Client| {
+        c.statistics()
+            .out_messages
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let (direct_before, main_before) = (sent(&direct), sent(nats.client()));
+    let n = 20;
+    for i in 0..n {
+        append(&log, vec![record(&format!("g{i}"), 100)])
+            .await
+            .expect("append");
+    }
+    assert!(
+        sent(&direct) - direct_before >= n,
+        "{} of {n} appends went out on the leader's own connection",
+        sent(&direct) - direct_before
+    );
+    assert!(
+        sent(nats.client()) - main_before < n,
+        "the main connection carried {} messages for {n} appends",
+        sent(nats.client()) - main_before
+    );
+
+    // The stream's leader moves: the appends follow it, and every one counts.
+    let moved = Rig::move_leader(&probe, &stream, |l| l != leader)
+        .await
+        .expect("move the leader");
+    let mut i = n;
+    let mut followed = false;
+    for _ in 0..100 {
+        append(&log, vec![record(&format!("g{i}"), 100)])
+            .await
+            .expect("append while the leader moves");
+        i += 1;
+        if log.status().appends_on.as_deref() == Some(moved.as_str()) {
+            followed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        followed,
+        "the appends did not follow the stream's leader to {moved} (on {:?})",
+        log.status().appends_on
+    );
+    let read = read_valid(&probe, &c, 0).await.expect("read");
+    assert_eq!(read.records.len() as u64, i, "every append counted once");
 }

@@ -53,6 +53,11 @@ pub struct ClusterConfig {
     /// of a batch before it applies (and syncs) them as one (ms); 0 applies what
     /// is there at once.
     pub standby_linger_ms: u64,
+    /// Hold a connection to each server of `nats` besides the main one, and publish
+    /// each led partition's appends on the one to its stream's leader: a publish
+    /// and its acknowledgement then pass through no other server. Off: every
+    /// append goes out on the main connection.
+    pub publish_to_stream_leader: bool,
     /// Run on NATS servers that cannot be shown to sync to disk before they
     /// acknowledge (older than 2.10.23, or unknown): an acknowledged turn may then be
     /// lost to a power failure of a majority of them.
@@ -75,6 +80,7 @@ impl Default for ClusterConfig {
             trim_every: 1024,
             trim_interval_ms: 5_000,
             standby_linger_ms: 10,
+            publish_to_stream_leader: true,
             allow_unsafe_nats: false,
         }
     }

@@ -147,8 +147,11 @@ impl JetStreamLog {
         let mut in_doubt = false;
         let mut pause = cfg.retry_min;
         loop {
+            // The first try on the stream leader's own connection; the tries of an
+            // append in doubt on the main one, which finds a server that answers.
+            let direct = if in_doubt { None } else { self.publisher() };
             let outcome = stream::publish(
-                &self.inner.nats,
+                direct.as_ref().unwrap_or(self.inner.nats.client()),
                 &self.inner.subject,
                 Some(prev),
                 id,

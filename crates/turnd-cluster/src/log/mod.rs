@@ -40,6 +40,7 @@ mod append;
 mod open;
 pub(crate) use open::check_node;
 pub mod reader;
+mod route;
 pub mod stream;
 
 use std::collections::BTreeMap;
@@ -98,6 +99,8 @@ struct State {
     /// When a trim was last tried, and the other nodes' marks as last seen.
     trimmed_at: Option<Instant>,
     liveness: Liveness,
+    /// The connection appends go out on when it is not the main one.
+    route: Option<route::Route>,
 }
 
 /// What the node reads of its log.
@@ -111,6 +114,9 @@ pub struct LogStatus {
     pub settled_in_doubt: u64,
     /// Set once the log failed for good (deposed, or stopped in doubt).
     pub failure: Option<String>,
+    /// The server whose own connection carries the appends (the stream's leader
+    /// as last read); None: the node's main connection does.
+    pub appends_on: Option<String>,
 }
 
 impl JetStreamLog {
@@ -147,6 +153,10 @@ impl JetStreamLog {
                 Ok(s) => s.failure.clone(),
                 Err(e) => Some(e.to_string()),
             },
+            appends_on: s
+                .as_ref()
+                .ok()
+                .and_then(|s| s.route.as_ref().map(|r| r.server.clone())),
         }
     }
 

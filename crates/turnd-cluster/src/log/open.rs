@@ -62,6 +62,11 @@ impl JetStreamLog {
         check_node(node)?;
         let s = nats.block_on(stream::ensure(nats, cfg))?;
         let read = nats.block_on(read_to_end(&s, cfg, applied))?;
+        let stream_leader = s
+            .cached_info()
+            .cluster
+            .as_ref()
+            .and_then(|c| c.leader.clone());
         let log = JetStreamLog {
             inner: Arc::new(Inner {
                 nats: nats.clone(),
@@ -81,10 +86,13 @@ impl JetStreamLog {
                     settled: 0,
                     trimmed_at: None,
                     liveness: Liveness::default(),
+                    route: None,
                 }),
             }),
         };
+        log.route_to(stream_leader.as_deref());
         log.fence()?;
+        log.follow_stream_leader();
         Ok(Opened {
             log,
             records: read.records,
@@ -164,7 +172,7 @@ impl JetStreamLog {
         let (_, msg) = self.whole_message(Kind::Data, records)?;
         let id = format!("unchecked.{}", nonce());
         let out = self.inner.nats.block_on(stream::publish(
-            &self.inner.nats,
+            self.inner.nats.client(),
             &self.inner.subject,
             None,
             &id,

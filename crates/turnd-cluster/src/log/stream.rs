@@ -51,6 +51,9 @@ pub struct LogConfig {
     /// groups rather than once a message. Its lag grows by at most this much; no
     /// turn waits for a standby.
     pub standby_linger: Duration,
+    /// How often a leader reads its stream's leader, to publish its appends on a
+    /// connection to that server ([`super::route`]); zero: never after the open.
+    pub follow_leader_every: Duration,
     /// Never purge the stream: every node can then open the partition from the
     /// stream's start, whatever its store holds (until a node can copy a peer's
     /// checkpoint, a node behind a trimmed stream cannot take the partition over).
@@ -73,6 +76,7 @@ impl LogConfig {
             trim_interval: Duration::from_secs(5),
             replica_timeout: Duration::from_secs(60),
             standby_linger: Duration::from_millis(10),
+            follow_leader_every: Duration::from_secs(2),
             keep_all: false,
         }
     }
@@ -207,7 +211,7 @@ const API_TRIES: u32 = 8;
 /// stream, its bounds, a reader of it). Those calls read, bind the stream (made
 /// once), or make an ephemeral reader the server drops once unused: a try
 /// abandoned and made again changes nothing that counts.
-const API_TRY_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const API_TRY_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// `f` until it works, up to [`API_TRIES`] times (each bounded by
 /// [`API_TRY_TIMEOUT`]) with a pause from 100 ms doubling in between; the last
@@ -311,10 +315,10 @@ const WRONG_LAST_SEQUENCE: u64 = 10071;
 const MESSAGE_TOO_LARGE: u64 = 10054;
 const STORE_FAILED: u64 = 10077;
 
-/// Publish `payload` on `subject` with the stream's expected last sequence and a
-/// message id, and sort the answer.
+/// Publish `payload` on `subject` over `client` with the stream's expected last
+/// sequence and a message id, and sort the answer.
 pub(crate) async fn publish(
-    nats: &Nats,
+    client: &async_nats::Client,
     subject: &str,
     expect_last: Option<u64>,
     msg_id: &str,
@@ -333,7 +337,7 @@ pub(crate) async fn publish(
         .headers(h)
         .payload(payload)
         .timeout(Some(wait));
-    let reply = match nats.client().send_request(subject.to_string(), req).await {
+    let reply = match client.send_request(subject.to_string(), req).await {
         Ok(m) => m,
         Err(e) => {
             return match e.kind() {

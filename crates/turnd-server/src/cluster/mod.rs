@@ -142,6 +142,11 @@ impl Node {
         // The loop tries again every third of a lease: a lease or membership
         // request not answered by then is tried again rather than waited for.
         nats.set_control_timeout(Duration::from_millis((cluster.lease_ms / 3).max(100)));
+        if cluster.publish_to_stream_leader && cluster.nats.len() > 1 {
+            nats.connect_each(&cluster.nats, &format!("turnd-{}", cluster.node_id))
+                .await
+                .context("connect to each NATS server (cluster.publish_to_stream_leader)")?;
+        }
         let owners = Owners::open(&nats, replicas)
             .await
             .context("owners bucket")?;

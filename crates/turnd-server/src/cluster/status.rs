@@ -63,6 +63,11 @@ pub struct ClusterStatus {
     pub members: Vec<turnd_cluster::members::Member>,
     /// Partitions this node leads.
     pub leading: Vec<u32>,
+    /// Of the partitions this node leads, those whose appends go out on a
+    /// connection to their stream leader's server, with that server's name
+    /// (`cluster.publish_to_stream_leader`); the others' go out on the main one.
+    #[serde(default)]
+    pub appends_on: std::collections::BTreeMap<u32, String>,
     pub standbys: Vec<StandbyRow>,
     pub forwarded: u64,
     pub takeovers: u64,
@@ -115,6 +120,11 @@ impl Node {
             partitions,
             members: self.members.all().await?,
             leading: self.all_led().into_iter().map(|(p, _)| p).collect(),
+            appends_on: self
+                .all_led()
+                .into_iter()
+                .filter_map(|(p, led)| led.log.status().appends_on.map(|s| (p, s)))
+                .collect(),
             standbys,
             forwarded: self.counters.forwarded.get(),
             takeovers: self.counters.takeovers.get(),

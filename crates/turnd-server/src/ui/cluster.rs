@@ -52,7 +52,10 @@ fn partitions_table(st: &ClusterStatus, now: u64) -> Markup {
                         td.epoch.num { (p.epoch) }
                         td { @if lease_state(p, now) == "runs" { span.ok { "runs" } } @else { span.bad { (lease_state(p, now)) } } }
                         td {
-                            @if st.leading.contains(&p.partition) { "led here" }
+                            @if st.leading.contains(&p.partition) {
+                                "led here"
+                                @if let Some(s) = st.appends_on.get(&p.partition) { ", appends on " (s) }
+                            }
                             @else if let Some(s) = standby(p.partition) { "standby, lag " (s.lag) }
                             @else { span.muted { "-" } }
                         }
