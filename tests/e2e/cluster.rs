@@ -664,6 +664,7 @@ async fn measure_sequential_turns() -> anyhow::Result<()> {
     settled_leaders(&nodes[0].admin).await?;
     let turns = usize::try_from(env_or("TURNS", 500))?;
     let led = leaders(&nodes[0].admin).await?;
+    appends_on(nodes).await?;
     // A session of a partition each node leads, measured through its leader; the
     // worker's first URL is node 0's, so the sessions of the other two show what a
     // worker sees of the partitions led elsewhere. Then one forwarded.
@@ -697,7 +698,21 @@ async fn measure_sequential_turns() -> anyhow::Result<()> {
             ms[ms.len() - 1]
         );
     }
+    appends_on(nodes).await?;
     cl.stop().await
+}
+
+/// Print where each node's led partitions' appends go out: partition to the
+/// server (its stream's leader) on whose own connection they are published.
+async fn appends_on(nodes: &[BinDaemon]) -> anyhow::Result<()> {
+    for (i, n) in nodes.iter().enumerate() {
+        let st = status(&n.admin).await?;
+        println!(
+            "n{i} leads {} and publishes on the stream leader's server for {}",
+            st["leading"], st["appends_on"]
+        );
+    }
+    Ok(())
 }
 
 /// `name` from the environment, or `default`.

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use common::{cfg, lead, open_store, record, store_opts};
 use turnd_cluster::need_nats;
 use turnd_cluster::testing::Rig;
+use turnd_cluster::JetStreamLog;
 use turnd_store::log::CommitLog;
 use turnd_store::{keys, Batch, Kv};
 
@@ -30,45 +31,94 @@ async fn sequential_appends_of_a_1kb_group_at_r3() {
     let probe = rig.connect_to(0, "probe").await.expect("connect");
     drop(lead(&probe, &c, "setup", 0).await.expect("make the stream"));
     // Write from the server that leads the stream (one hop less per append).
-    let mut s = probe
-        .jetstream()
-        .get_stream("TURND_P30")
-        .await
-        .expect("stream");
-    let leader = s
-        .info()
-        .await
-        .expect("info")
-        .cluster
-        .as_ref()
-        .and_then(|c| c.leader.clone());
+    let leader = Rig::stream_leader(&probe, "TURND_P30").await;
     let at = leader.and_then(|l| rig.index_of(&l)).unwrap_or(0);
     let nats = rig.connect_to(at, "w").await.expect("connect");
     let log = lead(&nats, &c, "w", 0).await.expect("lead").log;
     let n = 2000;
-    let times = tokio::task::spawn_blocking(move || {
-        let group = [record("one-kb-group", 1024)];
-        let refs: Vec<&[u8]> = group.iter().map(Vec::as_slice).collect();
-        let mut times = Vec::with_capacity(n);
-        for _ in 0..n {
-            let t = Instant::now();
-            log.append(&refs, true).expect("append");
-            times.push(t.elapsed());
-        }
-        times
-    })
-    .await
-    .expect("thread");
-    let mut sorted = times.clone();
-    sorted.sort();
-    let total: Duration = times.iter().sum();
+    let t = tokio::task::spawn_blocking(move || time_appends(log, n))
+        .await
+        .expect("thread");
     println!(
         "sequential 1 KB appends, R3, sync always, writer on the stream leader's server: n={n} p50={:.2} ms p99={:.2} ms max={:.2} ms ({:.0} appends/s)",
-        percentile(&sorted, 0.5).as_secs_f64() * 1e3,
-        percentile(&sorted, 0.99).as_secs_f64() * 1e3,
-        sorted[n - 1].as_secs_f64() * 1e3,
-        n as f64 / total.as_secs_f64()
+        t.p50, t.p99, t.max, t.rate
     );
+}
+
+/// What [`time_appends`] measured: p50, p99 and max in ms, and appends a second.
+struct Timed {
+    p50: f64,
+    p99: f64,
+    max: f64,
+    rate: f64,
+}
+
+/// `n` sequential appends of a 1 KB group on `log`, timed.
+fn time_appends(log: JetStreamLog, n: usize) -> Timed {
+    let group = [record("one-kb-group", 1024)];
+    let refs: Vec<&[u8]> = group.iter().map(Vec::as_slice).collect();
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        log.append(&refs, true).expect("append");
+        times.push(t.elapsed());
+    }
+    let total: Duration = times.iter().sum();
+    times.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    Timed {
+        p50: ms(percentile(&times, 0.5)),
+        p99: ms(percentile(&times, 0.99)),
+        max: ms(times[n - 1]),
+        rate: n as f64 / total.as_secs_f64(),
+    }
+}
+
+/// A writer whose main connection is on a server that does not lead the stream,
+/// in rounds: its appends published on that connection (routed to the leader and
+/// acknowledged back through it), then on a connection of its own to the leader's
+/// server (`Nats::connect_each`, as a node with `cluster.publish_to_stream_leader`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement"]
+async fn sequential_appends_through_another_server_and_on_the_leaders_own_connection() {
+    need_nats!();
+    let rig = Rig::start(3).await.expect("rig");
+    let c = cfg(32, 3);
+    let probe = rig.connect_to(0, "probe").await.expect("connect");
+    drop(lead(&probe, &c, "setup", 0).await.expect("make the stream"));
+    let leader = Rig::stream_leader(&probe, "TURND_P32")
+        .await
+        .expect("a leader");
+    let other = (rig.index_of(&leader).expect("a rig server") + 1) % 3;
+    let routed = rig.connect_to(other, "routed").await.expect("connect");
+    let direct = rig.connect_to(other, "direct").await.expect("connect");
+    direct
+        .connect_each(&rig.urls(), "direct")
+        .await
+        .expect("connect each");
+    for _ in 0..100 {
+        if direct.on_server(&leader).is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let n = 1000;
+    let rounds = 3;
+    for round in 1..=rounds {
+        for (label, nats) in [("routed", &routed), ("direct", &direct)] {
+            // Each writer leads in turn: its fence follows the other's messages.
+            let log = lead(nats, &c, label, 0).await.expect("lead").log;
+            let on = log.status().appends_on;
+            let t = tokio::task::spawn_blocking(move || time_appends(log, n))
+                .await
+                .expect("thread");
+            println!(
+                "round {round}, {label} (appends on {}): n={n} p50={:.2} ms p99={:.2} ms ({:.0} appends/s)",
+                on.as_deref().unwrap_or("the main connection, on a server that does not lead"),
+                t.p50, t.p99, t.rate
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
