@@ -58,6 +58,11 @@ impl ActiveTurns {
         }
     }
 
+    /// The turn with the highest `seq`: the newest admitted.
+    pub fn last(&self) -> Option<&TurnRecord> {
+        self.0.last().map(|(_, t)| &**t)
+    }
+
     /// The turns in `seq` order.
     pub fn iter(&self) -> impl Iterator<Item = &TurnRecord> {
         self.0.iter().map(|(_, t)| &**t)
