@@ -95,11 +95,12 @@ test-cluster: venv ## The cluster's end-to-end tests alone: three nats-server an
 	$(BUILD_DAEMON)
 	$(TEST_ENV) $(CARGO) nextest run -p turnd-tests --test cluster --test cluster_trim --test cluster_watch --test cluster_members --test cluster_page --test cluster_iii --test cluster_faults --no-fail-fast
 
-SEEDS ?= 1,2,3
+# Each seeded target has its own default for SEEDS (one `SEEDS ?=` would set both).
+CLUSTER_SEEDS := 1,2,3
 FAULTS ?= 12
 test-cluster-long: venv ## Longer seeded fault schedules on the cluster, each checked: SEEDS=1,2,3 (or SEEDS=random:N), FAULTS=12 per seed
 	$(BUILD_DAEMON)
-	$(TEST_ENV) SEEDS=$(SEEDS) FAULTS=$(FAULTS) $(CARGO) nextest run -p turnd-tests --test cluster_faults --run-ignored only --no-capture seeded_faults_long
+	$(TEST_ENV) SEEDS=$(or $(SEEDS),$(CLUSTER_SEEDS)) FAULTS=$(FAULTS) $(CARGO) nextest run -p turnd-tests --test cluster_faults --run-ignored only --no-capture seeded_faults_long
 
 bench-failover: venv ## How long a killed node's partitions take to serve again (alone, and with a NATS server killed too), and what a rolling restart fails; RUNS=10
 	$(BUILD_DAEMON)
@@ -226,11 +227,11 @@ powerloss: ## Power-loss exploration of the real binary: every sync point of a s
 	$(TEST_ENV) POWERLOSS_SEEDS=$(POWERLOSS_SEEDS) POWERLOSS_CUTS=$(POWERLOSS_CUTS) POWERLOSS_BUDGET_S=$(POWERLOSS_BUDGET_S) \
 		$(CARGO) test -p turnd-tests --test powerloss -- --nocapture --test-threads=1
 
-SEEDS ?= 0..1000
+SIM_SEEDS := 0..1000
 SIM_PLANTED := planted-ack-before-commit planted-reconcile-skips-finished planted-stop-keeps-lock
 
 sim: ## Explore simulator seeds SEEDS (default 0..1000, e.g. make sim SEEDS=0..100000) on every core, release build; SIM_ARGS="…" go to turnd-sim (docs/simulator.md)
-	$(CARGO) run --release -p turnd-sim -- --seeds $(SEEDS) $(SIM_ARGS)
+	$(CARGO) run --release -p turnd-sim -- --seeds $(or $(SEEDS),$(SIM_SEEDS)) $(SIM_ARGS)
 
 sim-planted: ## The simulator against each of its planted bugs: the seeds named for each must break an invariant (docs/simulator.md)
 	@for f in $(SIM_PLANTED); do \
