@@ -28,8 +28,11 @@ use crate::ledger::Ledger;
 /// A broken invariant, or a store read that failed where none may.
 pub type Checked = Result<(), String>;
 
+/// How a failed store read is named in a [`Checked`] error.
+pub const READ_FAILED: &str = "store read failed";
+
 fn read(e: StoreError) -> String {
-    format!("store read failed: {e}")
+    format!("{READ_FAILED}: {e}")
 }
 
 /// What the checks of dispatches remember between them.

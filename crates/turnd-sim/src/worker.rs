@@ -117,9 +117,7 @@ impl Worker {
         if env.now < self.stalled_until {
             return;
         }
-        for (conn, f) in std::mem::take(&mut self.inbox) {
-            self.take(env, conn, &f);
-        }
+        self.drain_inbox(env);
         match self.link {
             Link::Down(at) if env.now >= at => self.connect(env),
             Link::Hello { conn, at, .. } if env.now >= at + HELLO_MS => self.lose(env, conn),
@@ -248,7 +246,17 @@ impl Worker {
             self.inbox.push((conn, text.to_string()));
             return;
         }
+        // A stream delivers in order: what arrived during a stall that just ended
+        // is read before this frame, even when it comes before the worker's step.
+        self.drain_inbox(env);
         self.take(env, conn, text);
+    }
+
+    /// Read the frames that arrived during a stall, in the order they came.
+    fn drain_inbox(&mut self, env: &mut Env) {
+        for (conn, f) in std::mem::take(&mut self.inbox) {
+            self.take(env, conn, &f);
+        }
     }
 
     fn take(&mut self, env: &mut Env, conn: u64, text: &str) {
@@ -448,5 +456,59 @@ fn plan(env: &mut Env, inv: &Invoke) -> Outcome {
             Outcome::Continue(json!({"steps": steps, "by": inv.invocation_id}))
         }
         _ => Outcome::Complete(json!({"by": inv.invocation_id})),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::ledger::Ledger;
+    use crate::peer::Trace;
+
+    /// A frame on `conn` at `now`: what the worker sent back.
+    fn deliver(
+        w: &mut Worker,
+        ledger: &mut Ledger,
+        now: u64,
+        conn: u64,
+        frame: &str,
+    ) -> Vec<String> {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut trace = Trace::new(false);
+        let mut next_conn = 10;
+        let mut env = Env {
+            now,
+            rng: &mut rng,
+            ledger,
+            trace: &mut trace,
+            sends: Vec::new(),
+            opened: Vec::new(),
+            cut: Vec::new(),
+            next_conn: &mut next_conn,
+        };
+        w.frame(&mut env, conn, frame);
+        env.sends.into_iter().map(|(_, f)| f).collect()
+    }
+
+    #[test]
+    fn frames_that_arrived_during_a_stall_are_read_before_a_later_one() {
+        let mut w = Worker::new(0);
+        w.link = Link::Ready(1);
+        let mut ledger = Ledger::default();
+        w.stall(0, 100);
+        let invoke = json!({"push": "invoke", "invocation_id": "inv_a", "function_id": FUNCTIONS[1].0,
+            "session_id": "s", "turn_id": "t", "step": 0, "attempt": 1, "input": {}, "deadline_ms": 1000});
+        assert!(deliver(&mut w, &mut ledger, 10, 1, &invoke.to_string()).is_empty());
+        // The stall ends; a probe arrives before the worker's next step.
+        let probe = json!({"push": "probe", "invocation_id": "inv_a"});
+        let sent = deliver(&mut w, &mut ledger, 100, 1, &probe.to_string());
+        assert!(
+            sent.iter()
+                .any(|f| f.contains("invocation.status") && f.contains("\"running\"")),
+            "the probe of an invocation received before it is answered running: {sent:?}"
+        );
     }
 }
