@@ -199,10 +199,17 @@ async fn a_node_behind_trimmed_streams_copies_checkpoints_and_serves_every_turn(
     let nats = Nats::connect(&rig.urls(), "turnd-test").await?;
     let marks = Marks::open(&nats, 3).await?;
 
-    // Under load the streams are trimmed: their first messages move up.
+    // Under load the streams are trimmed: their first messages move up. A trim
+    // waits for the standbys' durable marks (made once a second at most while
+    // messages come, and when a standby reads nothing new): within seconds.
     let mut acked = submit(&urls[0], "a", 120).await?;
     all_completed(&urls[0], &acked).await?;
-    let firsts = first_seqs(&nats).await?;
+    let mut firsts = first_seqs(&nats).await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while firsts.iter().filter(|f| **f > 1).count() < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        firsts = first_seqs(&nats).await?;
+    }
     eprintln!("first messages held after the first load: {firsts:?}");
     assert!(
         firsts.iter().filter(|f| **f > 1).count() >= 2,
