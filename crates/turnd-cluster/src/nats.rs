@@ -8,7 +8,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -63,6 +63,33 @@ pub async fn connect_any(urls: &[String]) -> Result<async_nats::Client, LogError
         .map_err(|e| LogError::nats(&format!("connect to {}", shown.join(",")), e))
 }
 
+/// The options every connection of a node starts from: named `name`, reconnecting
+/// for ever.
+fn reconnecting(name: &str) -> async_nats::ConnectOptions {
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(CONNECT_TIMEOUT)
+        .max_reconnects(None)
+}
+
+/// Connect to `urls` with `opts` (and the first URL's user and password) from a task
+/// on `rt`, so that the client's connection task runs on that runtime.
+async fn connect_on(
+    rt: &tokio::runtime::Handle,
+    urls: &[String],
+    opts: async_nats::ConnectOptions,
+) -> Result<async_nats::Client, LogError> {
+    let opts = with_url_auth(opts, urls)?;
+    let addrs = urls.to_vec();
+    rt.spawn(async move { async_nats::connect_with_options(addrs, opts).await })
+        .await
+        .map_err(|e| LogError::nats("connect", e))?
+        .map_err(|e| {
+            let shown: Vec<String> = urls.iter().map(|u| shown(u)).collect();
+            LogError::nats(&format!("connect to {}", shown.join(",")), e)
+        })
+}
+
 /// A tokio runtime that shuts down in the background when dropped, so that a
 /// [`Nats`] may be dropped from async code too.
 struct Runtime(Option<tokio::runtime::Runtime>);
@@ -86,7 +113,7 @@ pub struct Nats {
     control_ms: AtomicU64,
     /// A connection held to each configured server, for [`Nats::on_server`]
     /// (none until [`Nats::connect_each`]).
-    each: Mutex<Vec<async_nats::Client>>,
+    each: OnceLock<Vec<async_nats::Client>>,
 }
 
 /// The control buckets' bound until [`Nats::set_control_timeout`]: JetStream's
@@ -103,34 +130,21 @@ impl Nats {
             .enable_all()
             .build()
             .map_err(|e| LogError::Config(format!("start the NATS runtime: {e}")))?;
-        let opts = async_nats::ConnectOptions::new()
-            .name(name)
-            .connection_timeout(CONNECT_TIMEOUT)
-            .max_reconnects(None)
-            .event_callback(|event| async move {
-                match event {
-                    async_nats::Event::Connected => tracing::info!("NATS connected"),
-                    async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
-                    e => tracing::debug!("NATS: {e}"),
-                }
-            });
-        let opts = with_url_auth(opts, urls)?;
-        let addrs: Vec<String> = urls.to_vec();
-        let client = rt
-            .spawn(async move { async_nats::connect_with_options(addrs, opts).await })
-            .await
-            .map_err(|e| LogError::nats("connect", e))?
-            .map_err(|e| {
-                let shown: Vec<String> = urls.iter().map(|u| shown(u)).collect();
-                LogError::nats(&format!("connect to {}", shown.join(",")), e)
-            })?;
+        let opts = reconnecting(name).event_callback(|event| async move {
+            match event {
+                async_nats::Event::Connected => tracing::info!("NATS connected"),
+                async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
+                e => tracing::debug!("NATS: {e}"),
+            }
+        });
+        let client = connect_on(rt.handle(), urls, opts).await?;
         let js = jetstream::new(client.clone());
         Ok(Arc::new(Nats {
             client,
             js,
             rt: Runtime(Some(rt)),
             control_ms: AtomicU64::new(CONTROL_TIMEOUT.as_millis() as u64),
-            each: Mutex::new(Vec::new()),
+            each: OnceLock::new(),
         }))
     }
 
@@ -141,32 +155,23 @@ impl Nats {
     /// made in the background: one to a server that is down now is made when it is
     /// back, and until then the main connection carries what it would have.
     pub async fn connect_each(&self, urls: &[String], name: &str) -> Result<(), LogError> {
+        let Some(rt) = &self.rt.0 else {
+            unreachable!("the runtime lives as long as its Nats")
+        };
         let mut made = Vec::with_capacity(urls.len());
         for url in urls {
-            let opts = async_nats::ConnectOptions::new()
-                .name(format!("{name}-direct"))
-                .connection_timeout(CONNECT_TIMEOUT)
-                .max_reconnects(None)
+            // With `retry_on_initial_connect` the connect returns at once.
+            let opts = reconnecting(&format!("{name}-direct"))
                 .ignore_discovered_servers()
                 .retry_on_initial_connect()
                 .event_callback(move |event| async move {
                     tracing::debug!("NATS (a server's own connection): {event}");
                 });
-            let opts = with_url_auth(opts, std::slice::from_ref(url))?;
-            let to = url.clone();
-            // With `retry_on_initial_connect` this returns at once, and the client's
-            // connection task runs on this runtime.
-            let client = self
-                .spawn(async move { async_nats::connect_with_options(to, opts).await })
-                .await
-                .map_err(|e| LogError::nats("connect", e))?
-                .map_err(|e| LogError::nats(&format!("connect to {}", shown(url)), e))?;
-            made.push(client);
+            made.push(connect_on(rt.handle(), std::slice::from_ref(url), opts).await?);
         }
-        if let Ok(mut each) = self.each.lock() {
-            *each = made;
-        }
-        Ok(())
+        self.each
+            .set(made)
+            .map_err(|_| LogError::Config("the connections to each server are made once".into()))
     }
 
     /// A connection up now to the server named `server`: the main one when it is
@@ -179,8 +184,7 @@ impl Nats {
         if up(&self.client) {
             return Some(self.client.clone());
         }
-        let each = self.each.lock().ok()?;
-        each.iter().find(|c| up(c)).cloned()
+        self.each.get()?.iter().find(|c| up(c)).cloned()
     }
 
     /// Bound each request to the control buckets (a lease's renewal or take, a

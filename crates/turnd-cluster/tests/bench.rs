@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{cfg, lead, open_store, record, store_opts};
+use common::{cfg, held_to, lead, open_store, record, store_opts, three_with_stream};
 use turnd_cluster::need_nats;
 use turnd_cluster::testing::Rig;
 use turnd_cluster::JetStreamLog;
@@ -26,13 +26,10 @@ fn percentile(sorted: &[Duration], q: f64) -> Duration {
 #[ignore = "a measurement"]
 async fn sequential_appends_of_a_1kb_group_at_r3() {
     need_nats!();
-    let rig = Rig::start(3).await.expect("rig");
     let c = cfg(30, 3);
-    let probe = rig.connect_to(0, "probe").await.expect("connect");
-    drop(lead(&probe, &c, "setup", 0).await.expect("make the stream"));
+    let (rig, _, leader) = three_with_stream(&c).await;
     // Write from the server that leads the stream (one hop less per append).
-    let leader = Rig::stream_leader(&probe, "TURND_P30").await;
-    let at = leader.and_then(|l| rig.index_of(&l)).unwrap_or(0);
+    let at = rig.index_of(&leader).expect("a rig server");
     let nats = rig.connect_to(at, "w").await.expect("connect");
     let log = lead(&nats, &c, "w", 0).await.expect("lead").log;
     let n = 2000;
@@ -82,26 +79,12 @@ fn time_appends(log: JetStreamLog, n: usize) -> Timed {
 #[ignore = "a measurement"]
 async fn sequential_appends_through_another_server_and_on_the_leaders_own_connection() {
     need_nats!();
-    let rig = Rig::start(3).await.expect("rig");
     let c = cfg(32, 3);
-    let probe = rig.connect_to(0, "probe").await.expect("connect");
-    drop(lead(&probe, &c, "setup", 0).await.expect("make the stream"));
-    let leader = Rig::stream_leader(&probe, "TURND_P32")
-        .await
-        .expect("a leader");
+    let (rig, _, leader) = three_with_stream(&c).await;
     let other = (rig.index_of(&leader).expect("a rig server") + 1) % 3;
     let routed = rig.connect_to(other, "routed").await.expect("connect");
     let direct = rig.connect_to(other, "direct").await.expect("connect");
-    direct
-        .connect_each(&rig.urls(), "direct")
-        .await
-        .expect("connect each");
-    for _ in 0..100 {
-        if direct.on_server(&leader).is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    held_to(&rig, &direct, "direct", &leader).await;
     let n = 1000;
     let rounds = 3;
     for round in 1..=rounds {

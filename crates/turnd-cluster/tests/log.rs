@@ -11,7 +11,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{append, cfg, lead, record};
+use common::{append, cfg, held_to, lead, record, three_with_stream};
 use turnd_cluster::log::{lsn, read_valid, seq_of};
 use turnd_cluster::marks::Marks;
 use turnd_cluster::testing::Rig;
@@ -356,31 +356,17 @@ async fn a_full_stream_refuses_a_group_with_nothing_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn appends_go_out_on_the_stream_leaders_own_connection_and_follow_it_when_it_moves() {
     need_nats!();
-    let rig = Rig::start(3).await.expect("rig");
     let c = LogConfig {
         follow_leader_every: Duration::from_millis(100),
         ..cfg(40, 3)
     };
-    let probe = rig.connect_to(0, "probe").await.expect("connect");
-    drop(lead(&probe, &c, "setup", 0).await.expect("make the stream"));
+    let (rig, probe, leader) = three_with_stream(&c).await;
     let stream = turnd_cluster::log::stream_name(40);
-    let leader = Rig::stream_leader(&probe, &stream).await.expect("a leader");
     let at = rig.index_of(&leader).expect("a server of the rig");
     // The main connection on another server than the stream's leader, and one held
     // to each server.
     let nats = rig.connect_to((at + 1) % 3, "w").await.expect("connect");
-    nats.connect_each(&rig.urls(), "w")
-        .await
-        .expect("connect each");
-    let mut direct = None;
-    for _ in 0..100 {
-        direct = nats.on_server(&leader);
-        if direct.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let direct = direct.expect("a connection up to the stream's leader");
+    let direct = held_to(&rig, &nats, "w", &leader).await;
     let log = lead(&nats, &c, "w", 0).await.expect("lead").log;
     assert_eq!(log.status().appends_on.as_deref(), Some(leader.as_str()));
 

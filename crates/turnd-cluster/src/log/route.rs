@@ -42,13 +42,12 @@ impl JetStreamLog {
             })
         });
         if let Ok(mut s) = self.state() {
-            let was = s.route.as_ref().map(|r| r.server.clone());
-            let now = route.as_ref().map(|r| r.server.clone());
-            if was != now {
+            let now = route.as_ref().map(|r| r.server.as_str());
+            if s.route.as_ref().map(|r| r.server.as_str()) != now {
                 tracing::debug!(
                     "partition {}: appends published on {}",
                     self.inner.cfg.partition,
-                    now.as_deref().unwrap_or("the main connection")
+                    now.unwrap_or("the main connection")
                 );
             }
             s.route = route;

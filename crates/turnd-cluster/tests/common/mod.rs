@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use turnd_cluster::testing::Rig;
 use turnd_cluster::{JetStreamLog, LogConfig, LogError, Nats};
 use turnd_store::log::{CommitLog, Opened};
 use turnd_store::StoreError;
@@ -88,4 +89,32 @@ pub fn store_opts() -> turnd_store::LoggedOptions {
         apply_delay: Duration::ZERO,
         ..turnd_store::LoggedOptions::default()
     }
+}
+
+/// A rig of three servers on which partition `c.partition`'s stream is made: the
+/// rig, a connection to server 0, and the name of the server leading the stream.
+pub async fn three_with_stream(c: &LogConfig) -> (Rig, Arc<Nats>, String) {
+    let rig = Rig::start(3).await.expect("rig");
+    let probe = rig.connect_to(0, "probe").await.expect("connect");
+    drop(lead(&probe, c, "setup", 0).await.expect("make the stream"));
+    let stream = turnd_cluster::log::stream_name(c.partition);
+    let leader = Rig::stream_leader(&probe, &stream)
+        .await
+        .expect("the stream has a leader");
+    (rig, probe, leader)
+}
+
+/// `nats` holding a connection to each of `rig`'s servers, once the one to `server`
+/// is up (waited for, at most 5 s): that connection.
+pub async fn held_to(rig: &Rig, nats: &Nats, name: &str, server: &str) -> async_nats::Client {
+    nats.connect_each(&rig.urls(), name)
+        .await
+        .expect("connect each");
+    for _ in 0..100 {
+        if let Some(c) = nats.on_server(server) {
+            return c;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no connection up to {server} within 5 s");
 }

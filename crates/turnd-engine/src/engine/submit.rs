@@ -79,20 +79,16 @@ impl Engine {
             .map_err(unavailable)?;
         let stopped = interrupted.turn_ids.len() as u64;
         Counters::add(&self.inner.counters.interrupted, stopped);
-        // The turn admitted is the session's newest: its view is made from it in
+        // The turn admitted is the session's newest (admission gives it the next
+        // seq, and nothing ends it before the answer): its view is made from it in
         // place, without a search of the session's turns or a copy of its record.
-        let turn = match st.active.last().filter(|t| t.turn_id == turn_id) {
-            Some(t) => self.turn_view(&st, t),
-            None => {
-                let t = self
-                    .turn_record_locked(&st, &turn_id)
-                    .map_err(read_failed)?
-                    .ok_or_else(|| EngineError::invariant("admitted turn vanished"))?;
-                self.turn_view(&st, &t)
-            }
-        };
+        let t = st
+            .active
+            .last()
+            .filter(|t| t.turn_id == turn_id)
+            .ok_or_else(|| EngineError::invariant("admitted turn is not the session's newest"))?;
         Ok(SubmitOk {
-            turn,
+            turn: self.turn_view(&st, t),
             deduplicated: false,
         })
     }
