@@ -104,6 +104,7 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
         window_close_after: (cfg.storage.window_close_ms > 0)
             .then(|| Duration::from_millis(cfg.storage.window_close_ms)),
         overlay_bytes: turnd_store::DEFAULT_OVERLAY_BYTES,
+        overlay_keys: turnd_store::DEFAULT_OVERLAY_KEYS,
         mark_interval: turnd_store::DEFAULT_MARK_INTERVAL,
     })
 }

@@ -45,7 +45,7 @@ pub use kv::{CommitReply, CommitTicket, Kv};
 pub use log::{CommitLog, LocalLog, MemLog};
 pub use logged::{
     LoggedKv, LoggedOptions, Replayed, DEFAULT_IDLE_REOPEN, DEFAULT_MARK_INTERVAL,
-    DEFAULT_OVERLAY_BYTES,
+    DEFAULT_OVERLAY_BYTES, DEFAULT_OVERLAY_KEYS,
 };
 pub use model::records::*;
 pub use model::{

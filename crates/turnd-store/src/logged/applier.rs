@@ -601,10 +601,9 @@ pub(super) fn applier_loop(
         upkeep_failed: None,
     };
     loop {
-        // Behind (a quarter of the overlay's room used): no pause between rounds,
-        // and no write waits for its delay.
-        let behind = inner.behind();
-        let (pause, delay) = if behind {
+        // Half the overlay's room used: no pause between rounds, and no write waits
+        // for its delay.
+        let (pause, delay) = if inner.eager() {
             (Duration::ZERO, Duration::ZERO)
         } else {
             (opts.apply_interval, opts.apply_delay)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::codec::encode;
-use super::overlay::{OKey, Write, MAX_OVERLAY_KEYS};
+use super::overlay::{OKey, Write};
 use super::{lock_err, Ctl, Inner, LoggedOptions};
 use crate::error::StoreError;
 use crate::kv::CommitReply;
@@ -67,7 +67,8 @@ impl LogJob {
     }
 }
 
-/// Wait while the overlay holds more than [`MAX_OVERLAY_KEYS`], asking the applier
+/// Wait while the overlay is full ([`super::LoggedOptions::overlay_keys`] keys or
+/// [`super::LoggedOptions::overlay_bytes`] bytes), asking the applier
 /// to run now, and count the wait in the commit stats. Err when no room came within
 /// `patience`: the applier is stuck or failing, and the group is refused rather than
 /// left waiting for good.
@@ -77,6 +78,7 @@ fn wait_for_room(
     patience: Duration,
 ) -> Result<(), StoreError> {
     let full = || inner.overlay.read().map(|o| o.full()).unwrap_or(false);
+    let waiting = || inner.overlay.read().map(|o| o.map.len()).unwrap_or(0);
     if !full() {
         return Ok(());
     }
@@ -85,15 +87,17 @@ fn wait_for_room(
     while full() {
         if Instant::now() >= give_up {
             return Err(StoreError::Write(format!(
-                "sled behind the commit log has taken nothing for {} ms; {MAX_OVERLAY_KEYS} keys wait for it",
-                patience.as_millis()
+                "sled behind the commit log has taken nothing for {} ms; {} keys wait for it",
+                patience.as_millis(),
+                waiting()
             )));
         }
         if nudge.send(Ctl::Nudge).is_err() {
             // Nothing will take the overlay's keys to sled any more: refuse rather
             // than let it grow with every commit.
             return Err(StoreError::Write(format!(
-                "the store's applier thread has ended; {MAX_OVERLAY_KEYS} keys wait for sled"
+                "the store's applier thread has ended; {} keys wait for sled",
+                waiting()
             )));
         }
         let Ok(g) = inner.applied_mx.lock() else {

@@ -95,8 +95,8 @@ pub use codec::{decode, encode};
 pub use follow::Follower;
 pub use options::{
     LoggedOptions, DEFAULT_APPLY_DELAY_MS, DEFAULT_APPLY_INTERVAL_MS, DEFAULT_HEAL_INTERVAL_MS,
-    DEFAULT_IDLE_REOPEN, DEFAULT_MARK_INTERVAL, DEFAULT_OVERLAY_BYTES, DEFAULT_SEGMENT_KB,
-    DEFAULT_WINDOW_CLOSE_MS,
+    DEFAULT_IDLE_REOPEN, DEFAULT_MARK_INTERVAL, DEFAULT_OVERLAY_BYTES, DEFAULT_OVERLAY_KEYS,
+    DEFAULT_SEGMENT_KB, DEFAULT_WINDOW_CLOSE_MS,
 };
 
 use applier::applier_loop;
@@ -186,8 +186,8 @@ fn lock_err(what: &str) -> StoreError {
 
 impl Inner {
     /// Whether the overlay is past the eager share of its room ([`Overlay::behind`]).
-    fn behind(&self) -> bool {
-        self.overlay.read().map(|o| o.behind()).unwrap_or(false)
+    fn eager(&self) -> bool {
+        self.overlay.read().map(|o| o.eager()).unwrap_or(false)
     }
 
     /// The sessions held now ([`Kv::hold_event_merges`]).
@@ -230,7 +230,11 @@ impl LoggedKv {
         let inner = Arc::new(Inner {
             sled,
             windows: wins,
-            overlay: RwLock::new(Overlay::new(opts.overlay_bytes, committed)),
+            overlay: RwLock::new(Overlay::new(
+                opts.overlay_bytes,
+                opts.overlay_keys,
+                committed,
+            )),
             stats: Mutex::new(CommitStats::default()),
             log,
             apply_error: Mutex::new(None),
@@ -468,7 +472,7 @@ impl Kv for LoggedKv {
     }
 
     fn busy(&self) -> bool {
-        self.inner.behind()
+        self.inner.overlay.read().map(|o| o.busy()).unwrap_or(false)
     }
 
     fn commit_stats(&self) -> CommitStats {

@@ -17,6 +17,19 @@ pub const DEFAULT_MARK_INTERVAL: Duration = Duration::from_secs(1);
 /// Default of [`LoggedOptions::overlay_bytes`].
 pub const DEFAULT_OVERLAY_BYTES: usize = 256 * 1024 * 1024;
 
+/// Default of [`LoggedOptions::overlay_keys`]: keys the overlay may hold
+/// before commits wait for the applier, so that a burst of commits faster than sled
+/// takes them is held back here rather than in memory. At full load with retention
+/// deleting, an apply round now and then takes 0.2 – 0.3 s (sled, or a window
+/// reopened on the applier's thread); with 32k keys of room commits waited for such
+/// rounds 1 – 23 times in 45 s, with 64k none. A burst of queued turns holds far
+/// more live keys than that while they wait their delay (1,000 sessions with 20
+/// turns each: over 64k), and the applier must not write those to sled only to
+/// delete them again, so the room is 256k keys, of which half may wait their
+/// delay (`docs/benchmarks.md`). Memory stays bounded by
+/// [`LoggedOptions::overlay_bytes`] as well.
+pub const DEFAULT_OVERLAY_KEYS: usize = 256 * 1024;
+
 /// Defaults of the `[storage]` settings of the commit path.
 pub const DEFAULT_SEGMENT_KB: u64 = 32 * 1024;
 pub const DEFAULT_APPLY_INTERVAL_MS: u64 = 200;
@@ -53,11 +66,15 @@ pub struct LoggedOptions {
     /// `None`: windows stay open.
     pub window_close_after: Option<Duration>,
     /// Bytes of keys and values the overlay may hold before commits wait for the
-    /// applier, whatever the number of keys ([`super::overlay::MAX_OVERLAY_KEYS`]):
+    /// applier, whatever the number of keys ([`LoggedOptions::overlay_keys`]):
     /// large values (inputs and outputs near the frame limit) would fill memory long
-    /// before the room in keys. A quarter of it counts as behind, as
-    /// [`super::overlay::EAGER_OVERLAY_KEYS`].
+    /// before the room in keys. From a quarter of it the applier takes everything
+    /// at once and retention holds back.
     pub overlay_bytes: usize,
+    /// Keys the overlay may hold before commits wait for the applier
+    /// ([`DEFAULT_OVERLAY_KEYS`]). From half of it the applier takes everything at
+    /// once, without waiting out `apply_delay`.
+    pub overlay_keys: usize,
     /// Longest time between two applied marks written to the main database while
     /// rounds apply ([`DEFAULT_MARK_INTERVAL`]).
     pub mark_interval: Duration,
@@ -81,6 +98,7 @@ impl Default for LoggedOptions {
             idle_reopen: DEFAULT_IDLE_REOPEN,
             window_close_after: Some(Duration::from_millis(DEFAULT_WINDOW_CLOSE_MS)),
             overlay_bytes: DEFAULT_OVERLAY_BYTES,
+            overlay_keys: DEFAULT_OVERLAY_KEYS,
             mark_interval: DEFAULT_MARK_INTERVAL,
         }
     }

@@ -12,20 +12,11 @@ use std::time::{Duration, Instant};
 
 use crate::model::keys;
 
-/// Keys the overlay may hold before commits wait for the applier: a burst of
-/// commits faster than sled takes them is held back here rather than in memory.
-/// At full load with retention deleting, an apply round now and then takes 0.2 –
-/// 0.3 s (sled, or a window reopened on the applier's thread); with 32k keys of
-/// room commits waited for such rounds 1 – 23 times in 45 s, with 64k none
-/// (`docs/benchmarks.md`).
-pub(super) const MAX_OVERLAY_KEYS: usize = 64 * 1024;
-
-/// Keys the overlay may hold before the applier takes every entry at once (no
-/// [`super::LoggedOptions::apply_delay`]) and rounds follow each other without a
-/// pause: under steady load the delay keeps about 10 – 13k keys waiting here. Past
-/// it the store is behind ([`crate::Kv::busy`]): retention's sweep holds back.
-pub(super) const EAGER_OVERLAY_KEYS: usize = 16 * 1024;
-const _: () = assert!(EAGER_OVERLAY_KEYS < MAX_OVERLAY_KEYS);
+/// Keys the overlay may hold before retention's sweep holds back
+/// ([`crate::Kv::busy`]): under steady load the delay keeps about 10 – 13k keys
+/// waiting here; a sweep that held back only from 32k deleted more at the price of
+/// the turns' throughput (`docs/benchmarks.md`).
+pub(super) const BUSY_OVERLAY_KEYS: usize = 16 * 1024;
 
 /// A value as the overlay holds it (`None`: deleted).
 pub(super) type Value = Option<Arc<[u8]>>;
@@ -66,6 +57,8 @@ pub(super) struct Overlay {
     pub(super) bytes: usize,
     /// [`super::LoggedOptions::overlay_bytes`].
     max_bytes: usize,
+    /// [`super::LoggedOptions::overlay_keys`].
+    max_keys: usize,
     /// The last lsn whose writes are in `map` (or in sled).
     pub(super) committed: u64,
     /// When each group not yet settled was put in `map`, with its last lsn (oldest
@@ -77,11 +70,12 @@ pub(super) struct Overlay {
 
 impl Overlay {
     /// An empty overlay over a store that holds everything up to `committed`.
-    pub(super) fn new(max_bytes: usize, committed: u64) -> Overlay {
+    pub(super) fn new(max_bytes: usize, max_keys: usize, committed: u64) -> Overlay {
         Overlay {
             map: BTreeMap::new(),
             bytes: 0,
             max_bytes,
+            max_keys,
             committed,
             groups: VecDeque::new(),
             settled: committed,
@@ -90,13 +84,20 @@ impl Overlay {
 
     /// Past the room: commits wait for the applier.
     pub(super) fn full(&self) -> bool {
-        self.map.len() > MAX_OVERLAY_KEYS || self.bytes > self.max_bytes
+        self.map.len() > self.max_keys || self.bytes > self.max_bytes
     }
 
-    /// Past the eager share of the room: the applier takes everything at once, and
-    /// the store counts as behind.
-    pub(super) fn behind(&self) -> bool {
-        self.map.len() > EAGER_OVERLAY_KEYS || self.bytes > self.max_bytes / 4
+    /// Past half the room in keys, or a quarter of it in bytes: the applier takes
+    /// everything at once, without waiting out the delay, and rounds follow each
+    /// other without a pause, so that commits do not come to wait for room.
+    pub(super) fn eager(&self) -> bool {
+        self.map.len() > self.max_keys / 2 || self.bytes > self.max_bytes / 4
+    }
+
+    /// Past [`BUSY_OVERLAY_KEYS`], or a quarter of the room in bytes: the store counts
+    /// as busy, and retention's sweep holds back.
+    pub(super) fn busy(&self) -> bool {
+        self.map.len() > BUSY_OVERLAY_KEYS || self.bytes > self.max_bytes / 4
     }
 
     /// The last lsn of the groups put in the overlay at least `delay` before `now`

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::apply::{applied_mark, APPLIED_KEY, APPLY_KEYS};
-use super::overlay::{EAGER_OVERLAY_KEYS, MAX_OVERLAY_KEYS};
+use super::overlay::BUSY_OVERLAY_KEYS;
 use super::*;
 use crate::keys;
 use crate::sled::Shared;
@@ -60,24 +60,68 @@ async fn a_round_ending_at_a_slice_boundary_applies_everything() {
     }
 }
 
-/// The store is busy while more than the eager share of the overlay's room waits
-/// for sled (a quarter: retention holds back long before commits would wait),
-/// and not once the applier took it.
+/// The store is busy while more than `BUSY_OVERLAY_KEYS` wait for sled (retention
+/// holds back long before commits would wait), and not once the applier took them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_store_is_busy_while_a_quarter_of_the_overlay_waits_for_sled() {
+async fn the_store_is_busy_while_16k_keys_wait_for_sled() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (kv, _) = LoggedKv::open(dir.path(), slow()).expect("open");
     assert!(!kv.busy());
     let mut b = Batch::new();
-    for i in 0..EAGER_OVERLAY_KEYS as u64 {
+    for i in 0..BUSY_OVERLAY_KEYS as u64 {
         b.put_raw(keys::event("s", i), b"v".to_vec());
     }
     commit(&kv, b).await;
-    assert!(!kv.busy(), "a quarter of the room is not yet behind");
+    assert!(!kv.busy(), "16k keys waiting are not yet busy");
     commit(&kv, put(&keys::event("t", 0), "v")).await;
-    assert!(kv.busy(), "more than a quarter of the room waits for sled");
+    assert!(kv.busy(), "more than 16k keys wait for sled");
     kv.sync().expect("apply");
     assert!(!kv.busy());
+}
+
+/// Live records wait their delay while up to half the overlay's room in keys waits,
+/// however many they are (a burst of queued turns holds many, and writing them to
+/// sled only to delete them again is most of what such a burst costs); past half
+/// of it the applier takes everything at once, so that commits do not come to wait
+/// for room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_records_wait_their_delay_up_to_half_the_room_and_go_at_once_past_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let room = 4 * BUSY_OVERLAY_KEYS;
+    let held = LoggedOptions {
+        apply_delay: Duration::from_secs(3600),
+        overlay_keys: room,
+        ..opts()
+    };
+    let (kv, _) = LoggedKv::open(dir.path(), held).expect("open");
+    let live = |i: u64| keys::turn(&format!("t{i:08}"));
+    let mut b = Batch::new();
+    for i in 0..(room / 2) as u64 {
+        b.put_raw(live(i), b"queued".to_vec());
+    }
+    commit(&kv, b).await;
+    assert!(kv.busy(), "the store counts as busy for retention");
+    // Rounds run every 5 ms: none of them takes a waiting write.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let s = kv.commit_stats();
+    assert_eq!(
+        (kv.overlay_len(), s.applied_keys),
+        (room / 2, 0),
+        "live records within half the room went to sled before their delay"
+    );
+    assert!(!in_sled(&kv.inner.sled, &live(0)));
+    commit(&kv, put(&live(room as u64), "queued")).await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while kv.overlay_len() > 0 {
+        assert!(
+            Instant::now() < until,
+            "past half the room the applier did not take everything ({} keys left)",
+            kv.overlay_len()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(in_sled(&kv.inner.sled, &live(0)));
+    assert_eq!(kv.get(&live(1)).expect("get"), Some(b"queued".to_vec()));
 }
 
 /// Once writes pause for `idle_reopen`, sled is checkpointed (closed and opened
@@ -233,17 +277,19 @@ pub(crate) fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// Commits faster than the applier's interval do not pile up in memory: past
-/// MAX_OVERLAY_KEYS the committer makes the applier run at once and waits for it.
+/// `overlay_keys` the committer makes the applier run at once and waits for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_overlay_makes_commits_wait_for_the_applier() {
     let dir = tempfile::tempdir().expect("tempdir");
+    let room = 64 * 1024;
     let slow = LoggedOptions {
         segment_bytes: 64 << 20,
+        overlay_keys: room,
         ..slow()
     };
     let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
     let per_batch = 100u64;
-    let batches = (MAX_OVERLAY_KEYS as u64 * 3 / 2) / per_batch;
+    let batches = (room as u64 * 3 / 2) / per_batch;
     let mut most = 0;
     for i in 0..batches {
         let mut b = Batch::new();
@@ -254,7 +300,7 @@ async fn a_full_overlay_makes_commits_wait_for_the_applier() {
         most = most.max(kv.overlay_len());
     }
     assert!(
-        most <= MAX_OVERLAY_KEYS + 2 * per_batch as usize,
+        most <= room + 2 * per_batch as usize,
         "the overlay held {most} keys"
     );
     let s = kv.commit_stats();
@@ -316,9 +362,11 @@ async fn large_values_make_commits_wait_for_the_applier() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_overlay_with_no_applier_refuses_commits() {
     let dir = tempfile::tempdir().expect("tempdir");
+    let room = 64 * 1024;
     let slow = LoggedOptions {
         segment_bytes: 64 << 20,
         heal_interval: Duration::from_millis(20),
+        overlay_keys: room,
         ..slow()
     };
     let (kv, _) = LoggedKv::open(dir.path(), slow).expect("open");
@@ -337,7 +385,7 @@ async fn a_full_overlay_with_no_applier_refuses_commits() {
     }
     assert!(kv.health().is_err(), "the applier's end is reported");
     let mut b = Batch::new();
-    for j in 0..=MAX_OVERLAY_KEYS as u64 {
+    for j in 0..=room as u64 {
         b.put_raw(keys::event("s", j), b"v".to_vec());
     }
     commit(&kv, b).await;
@@ -346,7 +394,7 @@ async fn a_full_overlay_with_no_applier_refuses_commits() {
         .await
         .expect("answered");
     assert!(refused.is_err(), "a commit past a full overlay was taken");
-    assert_eq!(kv.overlay_len(), MAX_OVERLAY_KEYS + 1);
+    assert_eq!(kv.overlay_len(), room + 1);
 }
 
 pub(crate) fn turn_at(ms: u64, n: u8) -> String {
