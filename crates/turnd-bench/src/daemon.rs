@@ -15,7 +15,7 @@ use turnd_client::{Caller, FunctionSpec, InvocationCtx, Worker, WorkerHandle, Wo
 use turnd_server::{open_store, Config, Daemon, Listeners};
 
 use crate::Common;
-use turnd_store::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, LoggedKv, StoreError};
+use turnd_store::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, LoggedKv, MemKv, StoreError};
 
 /// The function every benchmark turn runs: completes with its input after
 /// `input.steps` steps (default 1), continuing with the same state until then.
@@ -78,10 +78,10 @@ impl KvSnapshot {
     }
 }
 
-/// Forwards everything to the sled store and counts it (a few relaxed atomic adds
-/// per call: no measurable cost next to a commit).
+/// Forwards everything to the store and counts it (a few relaxed atomic adds per
+/// call: no measurable cost next to a commit).
 pub struct CountingKv {
-    inner: Arc<LoggedKv>,
+    inner: Arc<dyn Kv>,
     counts: Arc<KvCounts>,
 }
 
@@ -126,6 +126,10 @@ impl Kv for CountingKv {
         self.inner.commit_stats()
     }
 
+    fn busy(&self) -> bool {
+        self.inner.busy()
+    }
+
     fn hold_event_merges(&self, session_id: &str) {
         self.inner.hold_event_merges(session_id);
     }
@@ -142,7 +146,9 @@ impl Kv for CountingKv {
 /// An in-process daemon on its own data directory.
 pub struct BenchDaemon {
     pub daemon: Daemon,
-    pub kv: Arc<LoggedKv>,
+    /// The sled store (None with `--store memory`).
+    pub kv: Option<Arc<LoggedKv>>,
+    counting: Arc<CountingKv>,
     pub counts: Arc<KvCounts>,
     pub url: String,
 }
@@ -154,17 +160,23 @@ impl BenchDaemon {
         cfg.storage.apply_delay_ms = common.apply_delay_ms;
         cfg.validate()?;
         let listeners = Listeners::bind(&cfg).await?;
-        let kv = open_store(&cfg)?;
+        let (kv, inner): (_, Arc<dyn Kv>) = if common.store == "memory" {
+            (None, Arc::new(MemKv::new()))
+        } else {
+            let kv = open_store(&cfg)?;
+            (Some(kv.clone()), kv)
+        };
         let counts = Arc::new(KvCounts::default());
         let counting = Arc::new(CountingKv {
-            inner: kv.clone(),
+            inner,
             counts: counts.clone(),
         });
-        let daemon = Daemon::start(cfg, listeners, counting).await?;
+        let daemon = Daemon::start(cfg, listeners, counting.clone()).await?;
         let url = daemon.ws_url();
         Ok(BenchDaemon {
             daemon,
             kv,
+            counting,
             counts,
             url,
         })
@@ -181,7 +193,12 @@ impl BenchDaemon {
     }
 
     pub fn commit_stats(&self) -> CommitStats {
-        self.kv.commit_stats()
+        self.counting.commit_stats()
+    }
+
+    /// Keys committed but not yet in sled (0 with `--store memory`).
+    pub fn overlay_len(&self) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.overlay_len())
     }
 
     /// Graceful shutdown (drain, sync). The store closes when the last reference to

@@ -93,6 +93,12 @@ pub struct Common {
     /// before it is written to sled.
     #[arg(long, default_value_t = turnd_store::logged::DEFAULT_APPLY_DELAY_MS)]
     pub apply_delay_ms: u64,
+    /// The in-process daemon's store: `sled` (the commit log in front of sled, as
+    /// `turnd serve` runs) or `memory` (NOT DURABLE, nothing on disk: the in-memory
+    /// store the tests use, to show what the engine, the protocol and the connections
+    /// cost without the storage path). Ignored by the scenarios that spawn `turnd`.
+    #[arg(long, default_value = "sled", value_parser = ["sled", "memory"])]
+    pub store: String,
 }
 
 #[derive(Subcommand)]

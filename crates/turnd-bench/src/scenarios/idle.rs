@@ -46,12 +46,12 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
     let rss_loaded = proc_status_kb("VmRSS");
     // What the store still held in memory for sled then, and the resident size once
     // sled has taken it (connections still open), up to 2 s later.
-    let overlay_loaded = d.kv.overlay_len();
+    let overlay_loaded = d.overlay_len();
     let drained_by = Instant::now() + Duration::from_secs(2);
-    while d.kv.overlay_len() > 0 && Instant::now() < drained_by {
+    while d.overlay_len() > 0 && Instant::now() < drained_by {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let overlay_after = d.kv.overlay_len();
+    let overlay_after = d.overlay_len();
     let rss_applied = proc_status_kb("VmRSS");
     let alloc_applied = crate::measure::alloc_stats();
     close_callers(cs).await;
@@ -72,7 +72,7 @@ pub async fn idle(common: &Common, n: usize, inflight: usize) -> anyhow::Result<
     );
     let row = Row {
         scenario: "idle".into(),
-        sync: sync_label(&common.sync),
+        sync: sync_label(common),
         work: format!(
             "{n} sessions × 1 queued turn, no worker; {} caller conns, {inflight} submits in flight",
             common.callers
@@ -163,7 +163,7 @@ pub async fn idle_finished(common: &Common, n: usize, inflight: usize) -> anyhow
     };
     let row = Row {
         scenario: "idle (finished)".into(),
-        sync: sync_label(&common.sync),
+        sync: sync_label(common),
         work: format!(
             "{n} sessions × 1 turn run to completion, then idle; {} caller conns, {inflight} turns in flight",
             common.callers
@@ -232,7 +232,7 @@ pub async fn idle_unknown(common: &Common, n: usize, inflight: usize) -> anyhow:
     };
     let row = Row {
         scenario: "idle (unknown ids)".into(),
-        sync: sync_label(&common.sync),
+        sync: sync_label(common),
         work: format!(
             "{n} reads of unknown ids (inspect, list, events, stop, get); {} caller conns, {inflight} in flight",
             common.callers

@@ -215,10 +215,12 @@ fn data_dir(common: &Common) -> anyhow::Result<(tempfile::TempDir, PathBuf)> {
     Ok((tmp, data))
 }
 
-fn sync_label(sync: &str) -> String {
-    match sync {
-        "never" => "**never (NOT durable)**".into(),
-        other => other.into(),
+/// The sync column: the store's durability as the run had it.
+fn sync_label(common: &Common) -> String {
+    match (common.store.as_str(), common.sync.as_str()) {
+        ("memory", _) => "**in memory (NOT durable)**".into(),
+        (_, "never") => "**never (NOT durable)**".into(),
+        (_, other) => other.into(),
     }
 }
 
@@ -262,7 +264,7 @@ fn report_turns(
     }
     let row = Row {
         scenario: scenario.into(),
-        sync: sync_label(&common.sync),
+        sync: sync_label(common),
         work,
         wall: Some(run.wall),
         throughput,

@@ -458,13 +458,10 @@ async fn time_reopens(data: &Path, repeat: usize) -> anyhow::Result<Reopens> {
 fn recovery_sync(common: &Common, a: &RecoveryArgs, reused: bool) -> String {
     match (reused, a.top_up > 0) {
         (true, false) => "restarts: always; store reused as it was".to_string(),
-        (true, true) => format!(
-            "restarts: always; top-up writes: {}",
-            sync_label(&common.sync)
-        ),
+        (true, true) => format!("restarts: always; top-up writes: {}", sync_label(common)),
         (false, _) => format!(
             "restarts: always; fill: {}{}",
-            sync_label(&common.sync),
+            sync_label(common),
             if a.kill { ", ended by SIGKILL" } else { "" }
         ),
     }
