@@ -15,7 +15,9 @@ use turnd_client::{Caller, FunctionSpec, InvocationCtx, Worker, WorkerHandle, Wo
 use turnd_server::{open_store, Config, Daemon, Listeners};
 
 use crate::Common;
-use turnd_store::{Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, LoggedKv, MemKv, StoreError};
+use turnd_store::{
+    Batch, CommitStats, CommitTicket, Entry, Kv, KvOp, LoggedKv, MemKv, StoreError, WindowInfo,
+};
 
 /// The function every benchmark turn runs: completes with its input after
 /// `input.steps` steps (default 1), continuing with the same state until then.
@@ -79,7 +81,9 @@ impl KvSnapshot {
 }
 
 /// Forwards everything to the store and counts it (a few relaxed atomic adds per
-/// call: no measurable cost next to a commit).
+/// call: no measurable cost next to a commit). Every method of [`Kv`] is passed on,
+/// so that the in-process daemon reads through the time windows and holds back
+/// retention as `turnd serve` does.
 pub struct CountingKv {
     inner: Arc<dyn Kv>,
     counts: Arc<KvCounts>,
@@ -100,6 +104,43 @@ impl Kv for CountingKv {
     ) -> Result<Vec<Entry>, StoreError> {
         self.counts.reads.fetch_add(1, Ordering::Relaxed);
         self.inner.scan(start, end, reverse, limit)
+    }
+
+    fn scan_session(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+        from_ms: Option<u64>,
+    ) -> Result<Vec<Entry>, StoreError> {
+        self.counts.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.scan_session(start, end, reverse, limit, from_ms)
+    }
+
+    fn scan_one(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        from_ms: Option<u64>,
+    ) -> Result<Option<Entry>, StoreError> {
+        self.counts.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.scan_one(start, end, from_ms)
+    }
+
+    fn scan_window(
+        &self,
+        window_start: u64,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        self.counts.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.scan_window(window_start, start, end, limit)
+    }
+
+    fn windows(&self) -> Result<Vec<WindowInfo>, StoreError> {
+        self.inner.windows()
     }
 
     fn commit(&self, batch: Batch) -> CommitTicket {
@@ -305,5 +346,88 @@ mod tests {
             echoed(&json!({"i": 1, "pad": "abc", "reverse_pad": true})),
             json!({"i": 1, "pad": "cba", "reverse_pad": true})
         );
+    }
+
+    /// A store with one window, always busy, whose session reads answer from the
+    /// windows only (`scan` alone finds nothing), `scan_one` with a key of its own.
+    struct Windowed(MemKv);
+
+    const IN_WINDOW: &[u8] = b"Lin-window";
+    const ONE: &[u8] = b"Lthe-newest-window";
+
+    impl Kv for Windowed {
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            self.0.get(key)
+        }
+        fn scan(&self, s: &[u8], e: &[u8], r: bool, l: usize) -> Result<Vec<Entry>, StoreError> {
+            self.0.scan(s, e, r, l)
+        }
+        fn scan_session(
+            &self,
+            _: &[u8],
+            _: &[u8],
+            _: bool,
+            _: usize,
+            _: Option<u64>,
+        ) -> Result<Vec<Entry>, StoreError> {
+            Ok(vec![(IN_WINDOW.to_vec(), b"v".to_vec())])
+        }
+        fn scan_one(
+            &self,
+            _: &[u8],
+            _: &[u8],
+            _: Option<u64>,
+        ) -> Result<Option<Entry>, StoreError> {
+            Ok(Some((ONE.to_vec(), b"v".to_vec())))
+        }
+        fn scan_window(
+            &self,
+            _: u64,
+            _: &[u8],
+            _: &[u8],
+            _: usize,
+        ) -> Result<Vec<Entry>, StoreError> {
+            Ok(vec![(IN_WINDOW.to_vec(), b"v".to_vec())])
+        }
+        fn commit(&self, batch: Batch) -> CommitTicket {
+            self.0.commit(batch)
+        }
+        fn sync(&self) -> Result<(), StoreError> {
+            self.0.sync()
+        }
+        fn busy(&self) -> bool {
+            true
+        }
+        fn windows(&self) -> Result<Vec<WindowInfo>, StoreError> {
+            Ok(vec![WindowInfo {
+                start_ms: 7,
+                end_ms: None,
+                bytes: 0,
+                dropped: false,
+            }])
+        }
+    }
+
+    /// The counting wrapper passes on what the daemon asks of a store with time
+    /// windows: a default method left in its place would read every window, or see
+    /// none, and never hold retention back.
+    #[test]
+    fn the_counting_store_passes_windows_busy_and_session_reads_on() {
+        let kv = CountingKv {
+            inner: Arc::new(Windowed(MemKv::new())),
+            counts: Arc::new(KvCounts::default()),
+        };
+        assert!(kv.busy());
+        let wins = kv.windows().expect("windows");
+        assert_eq!(wins.iter().map(|w| w.start_ms).collect::<Vec<_>>(), [7]);
+        let found = kv.scan_one(b"L", b"M", Some(7)).expect("scan_one");
+        assert_eq!(found.map(|(k, _)| k), Some(ONE.to_vec()));
+        let listed = kv
+            .scan_session(b"L", b"M", false, 10, Some(7))
+            .expect("scan");
+        assert_eq!(listed.len(), 1);
+        let window = kv.scan_window(7, b"L", b"M", 10).expect("scan_window");
+        assert_eq!(window.len(), 1);
+        assert_eq!(kv.counts.reads.load(Ordering::Relaxed), 3);
     }
 }
