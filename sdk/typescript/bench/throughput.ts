@@ -13,7 +13,9 @@
  * `server.max_inflight_per_connection` of 1024): every session submits its
  * turns one after another (each as soon as the previous submit is acknowledged) and
  * waits for each in the background. The daemon's CPU is read from /proc before and
- * after the load, the driver's (callers and worker) from the processes themselves.
+ * after the load, each time once its store has written to sled what the load left
+ * waiting (so that the writes a load defers count as its own), the driver's (callers
+ * and worker) from the processes themselves.
  * Then one session alone runs `--single` turns, each submitted once the previous one
  * completed: the latency of a turn on an idle daemon. Prints one markdown row.
  */
@@ -106,6 +108,25 @@ function cpuOf(pid: number): number {
   }
 }
 
+/**
+ * Wait until the daemon's store has written everything committed to sled
+ * (`turnd_storage_unapplied_keys` 0 on its metrics), at most `limitMs`; the seconds
+ * waited, or undefined when it had not. The writes a load leaves waiting their delay
+ * (`storage.apply_delay_ms`) are part of what it cost, and a phase that begins with
+ * them still waiting would count another's. Polled every 100 ms: each poll costs the
+ * daemon a metrics page.
+ */
+async function settled(adminUrl: string, limitMs = 30000): Promise<number | undefined> {
+  const t0 = performance.now();
+  while (performance.now() - t0 < limitMs) {
+    const text = await (await fetch(`${adminUrl}/metrics`)).text();
+    const m = /^turnd_storage_unapplied_keys (\d+)$/m.exec(text);
+    if (m && Number(m[1]) === 0) return (performance.now() - t0) / 1000;
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  return undefined;
+}
+
 async function main(): Promise<void> {
   if (process.argv.includes("--role-worker")) return runWorker();
   const sessions = arg("sessions", 100);
@@ -136,6 +157,7 @@ async function main(): Promise<void> {
     if (warmup > 0) await drive(clients, Math.min(sessions, warmup), 1, "warmup");
     child.stdin.write("mark\n");
     await new Promise((r) => setTimeout(r, 50));
+    if ((await settled(turnd.adminUrl)) === undefined) throw new Error("the store did not settle after the warm-up");
     const load0 = loadavg()[0] ?? 0;
     const daemonCpu0 = cpuOf(turnd.pid);
     const callerCpu0 = process.cpuUsage();
@@ -144,6 +166,7 @@ async function main(): Promise<void> {
     const wall = (performance.now() - t0) / 1000;
     const callerCpu = process.cpuUsage(callerCpu0);
     const load1 = loadavg()[0] ?? 0;
+    const settle = await settled(turnd.adminUrl);
     const daemonCpu = cpuOf(turnd.pid) - daemonCpu0;
     child.stdin.write("report\n");
     const report = JSON.parse((await lines(2))[1] ?? "{}") as {
@@ -163,7 +186,8 @@ async function main(): Promise<void> {
     console.log(
       `| \`${cmd}\` | ${sessions} × ${turns} | ${wall.toFixed(2)} s | ${Math.round(total / wall)} turns/s | ` +
         `${pct(latencies, 50)} / ${pct(latencies, 99)} ms | ` +
-        `daemon CPU ${daemonCpu.toFixed(2)} s (${perTurn(daemonCpu)} µs per turn) | ` +
+        `daemon CPU ${daemonCpu.toFixed(2)} s (${perTurn(daemonCpu)} µs per turn, ` +
+        `${settle === undefined ? "store NOT settled" : `until the store settled ${settle.toFixed(2)} s after the last turn`}) | ` +
         `driver CPU ${(cpuS + callerS).toFixed(2)} s (${perTurn(cpuS + callerS)} µs per turn: ` +
         `worker ${perTurn(cpuS)}, callers ${perTurn(callerS)}), worker RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
         `one session alone, ${single} turns: ${pct(alone, 50)} / ${pct(alone, 99)} ms | ` +

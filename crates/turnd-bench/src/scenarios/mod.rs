@@ -55,7 +55,55 @@ pub struct Measured {
     pub notes: String,
 }
 
+/// Longest [`settled`] waits for the store.
+const SETTLE_LIMIT: Duration = Duration::from_secs(30);
+
+/// Wait until the store has written everything committed to sled (the overlay
+/// empty), at most [`SETTLE_LIMIT`]: the writes a load leaves waiting their delay
+/// (`storage.apply_delay_ms`) are part of what it cost, and a phase that begins
+/// with them still waiting would count another's. Returns how long it waited, or
+/// None when the overlay was still not empty.
+pub async fn settled(d: &BenchDaemon) -> Option<Duration> {
+    let t0 = Instant::now();
+    while d.overlay_len() > 0 {
+        if t0.elapsed() >= SETTLE_LIMIT {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Some(t0.elapsed())
+}
+
 impl Probe {
+    /// Start measuring once the store has settled ([`settled`]).
+    pub async fn start_settled(d: &BenchDaemon) -> Probe {
+        if settled(d).await.is_none() {
+            tracing::warn!("the store did not settle before the measured phase");
+        }
+        Probe::start(d)
+    }
+
+    /// Finish once the store has settled: the CPU, the keys written to sled and the
+    /// threads' times include the writes the phase left waiting (the wall time for
+    /// throughput is the caller's).
+    pub async fn finish_settled(self, d: &BenchDaemon) -> Measured {
+        let waited = settled(d).await;
+        let mut m = self.finish(d);
+        m.notes = match waited {
+            Some(w) => format!(
+                "{}; measured until the store settled, {} ms after the last turn",
+                m.notes,
+                w.as_millis()
+            ),
+            None => format!(
+                "{}; the store had NOT settled {} s after the last turn",
+                m.notes,
+                SETTLE_LIMIT.as_secs()
+            ),
+        };
+        m
+    }
+
     pub fn start(d: &BenchDaemon) -> Probe {
         Probe {
             cpu: Cpu::now(),
@@ -301,9 +349,9 @@ pub async fn sessions(
     let cs = callers(&d.url, common.callers).await?;
     // Warm up connections and code paths; not measured.
     run_turns(&cs, "warm", cs.len(), 2, 1, common.input_bytes).await?;
-    let probe = Probe::start(&d);
+    let probe = Probe::start_settled(&d).await;
     let run = run_turns(&cs, "bench", k, m, steps, common.input_bytes).await?;
-    let measured = probe.finish(&d);
+    let measured = probe.finish_settled(&d).await;
     let work = if steps > 1 {
         format!(
             "{k} sessions × {m} turns × {steps} steps; {} workers × concurrency {}; {} caller conns",
@@ -357,7 +405,7 @@ pub async fn sequential(common: &Common, n: usize, warmup: usize) -> anyhow::Res
         }
     }
     run.wall = start.elapsed();
-    let measured = probe.finish(&d);
+    let measured = probe.finish_settled(&d).await;
     close_callers(cs).await;
     workers.stop().await?;
     d.shutdown().await?;
