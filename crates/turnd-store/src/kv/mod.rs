@@ -101,8 +101,8 @@ pub trait Kv: Send + Sync + 'static {
     fn commit_stats(&self) -> CommitStats {
         CommitStats::default()
     }
-    /// Whether the store is behind: commits may come to wait for it (`LoggedKv`: more
-    /// than 16k keys of the commit log not yet in sled). Background writers
+    /// Whether the store is behind: commits may come to wait for it (`LoggedKv`: a
+    /// quarter of the overlay's room not yet in sled). Background writers
     /// (retention) hold back while it is, so that they do not push the commits of
     /// live work into that wait.
     fn busy(&self) -> bool {

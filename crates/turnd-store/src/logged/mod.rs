@@ -185,7 +185,7 @@ fn lock_err(what: &str) -> StoreError {
 }
 
 impl Inner {
-    /// Whether the overlay is past the eager share of its room ([`Overlay::behind`]).
+    /// Whether the applier should take everything at once ([`Overlay::eager`]).
     fn eager(&self) -> bool {
         self.overlay.read().map(|o| o.eager()).unwrap_or(false)
     }

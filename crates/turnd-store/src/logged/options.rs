@@ -73,7 +73,8 @@ pub struct LoggedOptions {
     pub overlay_bytes: usize,
     /// Keys the overlay may hold before commits wait for the applier
     /// ([`DEFAULT_OVERLAY_KEYS`]). From half of it the applier takes everything at
-    /// once, without waiting out `apply_delay`.
+    /// once, without waiting out `apply_delay`; from a quarter of it retention holds
+    /// back.
     pub overlay_keys: usize,
     /// Longest time between two applied marks written to the main database while
     /// rounds apply ([`DEFAULT_MARK_INTERVAL`]).

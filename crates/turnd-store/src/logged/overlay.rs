@@ -12,12 +12,6 @@ use std::time::{Duration, Instant};
 
 use crate::model::keys;
 
-/// Keys the overlay may hold before retention's sweep holds back
-/// ([`crate::Kv::busy`]): under steady load the delay keeps about 10 – 13k keys
-/// waiting here; a sweep that held back only from 32k deleted more at the price of
-/// the turns' throughput (`docs/benchmarks.md`).
-pub(super) const BUSY_OVERLAY_KEYS: usize = 16 * 1024;
-
 /// A value as the overlay holds it (`None`: deleted).
 pub(super) type Value = Option<Arc<[u8]>>;
 
@@ -94,10 +88,13 @@ impl Overlay {
         self.map.len() > self.max_keys / 2 || self.bytes > self.max_bytes / 4
     }
 
-    /// Past [`BUSY_OVERLAY_KEYS`], or a quarter of the room in bytes: the store counts
-    /// as busy, and retention's sweep holds back.
+    /// Past a quarter of the room in keys or in bytes: the store counts as busy, and
+    /// retention's sweep holds back, well before the applier turns eager. At full
+    /// load the delay keeps 45 – 55k keys waiting (of the 256k default room), under
+    /// it: a sweep held back whenever 16k waited deleted a third of what the load
+    /// made (`docs/benchmarks.md`).
     pub(super) fn busy(&self) -> bool {
-        self.map.len() > BUSY_OVERLAY_KEYS || self.bytes > self.max_bytes / 4
+        self.map.len() > self.max_keys / 4 || self.bytes > self.max_bytes / 4
     }
 
     /// The last lsn of the groups put in the overlay at least `delay` before `now`
