@@ -41,7 +41,7 @@ pub fn bench_config(data_dir: &Path, sync: &str, checkpoint_mb: u64) -> Config {
 }
 
 /// What the engine asks of the store: batches, key-value operations and bytes
-/// committed, and reads. Counted by [`CountingKv`] around the real sled store.
+/// committed, and reads. Counted by [`CountingKv`] around the store.
 #[derive(Debug, Default)]
 pub struct KvCounts {
     pub batches: AtomicU64,
@@ -86,7 +86,7 @@ impl KvSnapshot {
 /// retention as `turnd serve` does.
 pub struct CountingKv {
     inner: Arc<dyn Kv>,
-    counts: Arc<KvCounts>,
+    counts: KvCounts,
 }
 
 impl Kv for CountingKv {
@@ -190,7 +190,6 @@ pub struct BenchDaemon {
     /// The sled store (None with `--store memory`).
     pub kv: Option<Arc<LoggedKv>>,
     counting: Arc<CountingKv>,
-    pub counts: Arc<KvCounts>,
     pub url: String,
 }
 
@@ -207,10 +206,9 @@ impl BenchDaemon {
             let kv = open_store(&cfg)?;
             (Some(kv.clone()), kv)
         };
-        let counts = Arc::new(KvCounts::default());
         let counting = Arc::new(CountingKv {
             inner,
-            counts: counts.clone(),
+            counts: KvCounts::default(),
         });
         let daemon = Daemon::start(cfg, listeners, counting.clone()).await?;
         let url = daemon.ws_url();
@@ -218,13 +216,12 @@ impl BenchDaemon {
             daemon,
             kv,
             counting,
-            counts,
             url,
         })
     }
 
     pub fn kv_counts(&self) -> KvSnapshot {
-        let c = &self.counts;
+        let c = &self.counting.counts;
         KvSnapshot {
             batches: c.batches.load(Ordering::Relaxed),
             ops: c.ops.load(Ordering::Relaxed),
@@ -415,7 +412,7 @@ mod tests {
     fn the_counting_store_passes_windows_busy_and_session_reads_on() {
         let kv = CountingKv {
             inner: Arc::new(Windowed(MemKv::new())),
-            counts: Arc::new(KvCounts::default()),
+            counts: KvCounts::default(),
         };
         assert!(kv.busy());
         let wins = kv.windows().expect("windows");

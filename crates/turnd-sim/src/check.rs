@@ -31,7 +31,8 @@ pub type Checked = Result<(), String>;
 /// How a failed store read is named in a [`Checked`] error.
 pub const READ_FAILED: &str = "store read failed";
 
-fn read(e: StoreError) -> String {
+/// A failed store read as a [`Checked`] error.
+pub fn read(e: StoreError) -> String {
     format!("{READ_FAILED}: {e}")
 }
 

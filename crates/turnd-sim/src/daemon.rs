@@ -301,7 +301,7 @@ fn answered(engine: &Engine, op: &str, args: &str) -> check::Checked {
         "turn.stop" => match router::decode::<StopArgs>(args) {
             Ok(a) => store
                 .turn(&a.turn_id)
-                .map_err(|e| format!("{}: {e}", check::READ_FAILED))?
+                .map_err(check::read)?
                 .map(|t| t.session_id),
             Err(_) => None,
         },

@@ -190,6 +190,11 @@ impl Inner {
         self.overlay.read().map(|o| o.eager()).unwrap_or(false)
     }
 
+    /// Whether retention should hold back ([`Overlay::busy`]).
+    fn busy(&self) -> bool {
+        self.overlay.read().map(|o| o.busy()).unwrap_or(false)
+    }
+
     /// The sessions held now ([`Kv::hold_event_merges`]).
     fn held_sessions(&self) -> HashSet<String> {
         self.held
@@ -472,7 +477,7 @@ impl Kv for LoggedKv {
     }
 
     fn busy(&self) -> bool {
-        self.inner.overlay.read().map(|o| o.busy()).unwrap_or(false)
+        self.inner.busy()
     }
 
     fn commit_stats(&self) -> CommitStats {
