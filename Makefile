@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster test-cluster-long bench-cluster bench-cluster-throughput bench-failover
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-external-ab bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster test-cluster-long bench-cluster bench-cluster-throughput bench-failover
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -188,6 +188,17 @@ bench-external: $(TS_SDK)/node_modules/.ci-stamp ## Turns/s, the daemon's and th
 	@if [ "$(BENCH_TURND)" = "$(CURDIR)/target/release/turnd" ]; then $(CARGO) build --release -p turnd --bin turnd; fi
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
 	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(BENCH_TURND) --sessions $(SESSIONS) --turns $(TURNS)
+
+# Builds measured against each other by the external driver, interleaved round by
+# round (bench/ab.ts): BUILDS="old=/tmp/old/turnd new=target/release/turnd", ROUNDS
+# (6) runs of each, AB_ENV="new:TURND_STORAGE__SYNC=never" for settings of one build.
+ROUNDS ?= 6
+BUILDS ?=
+AB_ENV ?=
+bench-external-ab: $(TS_SDK)/node_modules/.ci-stamp ## Builds of turnd against each other under the external driver, interleaved: BUILDS="a=PATH b=PATH" (labels and binaries), ROUNDS (6), SESSIONS x TURNS, AB_ENV="b:KEY=VALUE" settings of one build; mean, range and rounds lower of each
+	@if [ -z "$(BUILDS)" ]; then echo 'name the builds: make bench-external-ab BUILDS="old=/tmp/old/turnd new=target/release/turnd"'; exit 2; fi
+	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
+	cd $(TS_SDK) && node build/sdk/typescript/bench/ab.js --base $(CURDIR) $(foreach b,$(BUILDS),--build $(b)) $(foreach e,$(AB_ENV),--env $(e)) --rounds $(ROUNDS) --sessions $(SESSIONS) --turns $(TURNS)
 
 # The same load shape against Restate (bench/restate/drive.mjs: the npm restate-server
 # and the Restate TypeScript SDK, pinned in its package-lock.json), for a comparison

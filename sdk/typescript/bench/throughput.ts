@@ -17,7 +17,8 @@
  * waiting (so that the writes a load defers count as its own), the driver's (callers
  * and worker) from the processes themselves.
  * Then one session alone runs `--single` turns, each submitted once the previous one
- * completed: the latency of a turn on an idle daemon. Prints one markdown row.
+ * completed: the latency of a turn on an idle daemon. Prints one markdown row, or with
+ * `--json` one JSON object of the same numbers (what `bench/ab.ts` reads).
  */
 import { spawn } from "node:child_process";
 import { readFileSync } from "node:fs";
@@ -91,6 +92,29 @@ async function sequential(client: Client, turns: number): Promise<number[]> {
     latencies.push(performance.now() - start);
   }
   return latencies.sort((a, b) => a - b);
+}
+
+/** What one run measured, as `--json` prints it. */
+export interface RunResult {
+  sessions: number;
+  turns: number;
+  wallS: number;
+  turnsPerS: number;
+  /** A turn's latency under the load, submit to completion. */
+  p50Ms: number;
+  p99Ms: number;
+  /** The daemon's CPU (user + system, /proc) over the load, until its store settled. */
+  daemonCpuS: number;
+  daemonUsPerTurn: number;
+  /** How long after the last turn the store settled (null: it did not within 30 s). */
+  settledS: number | null;
+  workerUsPerTurn: number;
+  callersUsPerTurn: number;
+  /** One session alone, each turn submitted once the previous one completed. */
+  aloneP50Ms: number;
+  aloneP99Ms: number;
+  /** The one-minute load average before and after the load. */
+  load: [number, number];
 }
 
 function pct(sorted: number[], p: number): string {
@@ -182,6 +206,26 @@ async function main(): Promise<void> {
     const perTurn = (s: number) => ((s / total) * 1e6).toFixed(0);
     const cpuS = (report.cpu.user + report.cpu.system) / 1e6;
     const callerS = (callerCpu.user + callerCpu.system) / 1e6;
+    if (process.argv.includes("--json")) {
+      const result: RunResult = {
+        sessions,
+        turns,
+        wallS: wall,
+        turnsPerS: total / wall,
+        p50Ms: Number(pct(latencies, 50)),
+        p99Ms: Number(pct(latencies, 99)),
+        daemonCpuS: daemonCpu,
+        daemonUsPerTurn: (daemonCpu / total) * 1e6,
+        settledS: settle ?? null,
+        workerUsPerTurn: (cpuS / total) * 1e6,
+        callersUsPerTurn: (callerS / total) * 1e6,
+        aloneP50Ms: Number(pct(alone, 50)),
+        aloneP99Ms: Number(pct(alone, 99)),
+        load: [load0, load1],
+      };
+      console.log(JSON.stringify(result));
+      return;
+    }
     const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}`;
     console.log(
       `| \`${cmd}\` | ${sessions} × ${turns} | ${wall.toFixed(2)} s | ${Math.round(total / wall)} turns/s | ` +
