@@ -102,10 +102,9 @@ function median(xs: number[]): number {
 async function main(): Promise<void> {
   const list = builds();
   const rounds = num("rounds", 6);
-  const load = ["sessions", "turns", "single", "warmup"].flatMap((k) => {
-    const v = args(k).at(-1);
-    return v === undefined ? [] : [`--${k}`, String(num(k, 1, k === "warmup" ? 0 : 1))];
-  });
+  const load = ["sessions", "turns", "single", "warmup"].flatMap((k) =>
+    args(k).length === 0 ? [] : [`--${k}`, String(num(k, 1, k === "warmup" ? 0 : 1))],
+  );
   const results = new Map<string, RunResult[]>(list.map((b) => [b.label, []]));
   for (let r = 1; r <= rounds; r++) {
     const order = r % 2 === 1 ? list : [...list].reverse();

@@ -203,38 +203,38 @@ async function main(): Promise<void> {
     await Promise.all(clients.map((c) => c.close()));
     latencies.sort((a, b) => a - b);
     const total = sessions * turns;
-    const perTurn = (s: number) => ((s / total) * 1e6).toFixed(0);
     const cpuS = (report.cpu.user + report.cpu.system) / 1e6;
     const callerS = (callerCpu.user + callerCpu.system) / 1e6;
+    const result: RunResult = {
+      sessions,
+      turns,
+      wallS: wall,
+      turnsPerS: total / wall,
+      p50Ms: Number(pct(latencies, 50)),
+      p99Ms: Number(pct(latencies, 99)),
+      daemonCpuS: daemonCpu,
+      daemonUsPerTurn: (daemonCpu / total) * 1e6,
+      settledS: settle ?? null,
+      workerUsPerTurn: (cpuS / total) * 1e6,
+      callersUsPerTurn: (callerS / total) * 1e6,
+      aloneP50Ms: Number(pct(alone, 50)),
+      aloneP99Ms: Number(pct(alone, 99)),
+      load: [load0, load1],
+    };
     if (process.argv.includes("--json")) {
-      const result: RunResult = {
-        sessions,
-        turns,
-        wallS: wall,
-        turnsPerS: total / wall,
-        p50Ms: Number(pct(latencies, 50)),
-        p99Ms: Number(pct(latencies, 99)),
-        daemonCpuS: daemonCpu,
-        daemonUsPerTurn: (daemonCpu / total) * 1e6,
-        settledS: settle ?? null,
-        workerUsPerTurn: (cpuS / total) * 1e6,
-        callersUsPerTurn: (callerS / total) * 1e6,
-        aloneP50Ms: Number(pct(alone, 50)),
-        aloneP99Ms: Number(pct(alone, 99)),
-        load: [load0, load1],
-      };
       console.log(JSON.stringify(result));
       return;
     }
+    const driverUs = result.workerUsPerTurn + result.callersUsPerTurn;
     const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}`;
     console.log(
-      `| \`${cmd}\` | ${sessions} × ${turns} | ${wall.toFixed(2)} s | ${Math.round(total / wall)} turns/s | ` +
-        `${pct(latencies, 50)} / ${pct(latencies, 99)} ms | ` +
-        `daemon CPU ${daemonCpu.toFixed(2)} s (${perTurn(daemonCpu)} µs per turn, ` +
+      `| \`${cmd}\` | ${sessions} × ${turns} | ${result.wallS.toFixed(2)} s | ${Math.round(result.turnsPerS)} turns/s | ` +
+        `${result.p50Ms.toFixed(1)} / ${result.p99Ms.toFixed(1)} ms | ` +
+        `daemon CPU ${daemonCpu.toFixed(2)} s (${result.daemonUsPerTurn.toFixed(0)} µs per turn, ` +
         `${settle === undefined ? "store NOT settled" : `until the store settled ${settle.toFixed(2)} s after the last turn`}) | ` +
-        `driver CPU ${(cpuS + callerS).toFixed(2)} s (${perTurn(cpuS + callerS)} µs per turn: ` +
-        `worker ${perTurn(cpuS)}, callers ${perTurn(callerS)}), worker RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
-        `one session alone, ${single} turns: ${pct(alone, 50)} / ${pct(alone, 99)} ms | ` +
+        `driver CPU ${(cpuS + callerS).toFixed(2)} s (${driverUs.toFixed(0)} µs per turn: ` +
+        `worker ${result.workerUsPerTurn.toFixed(0)}, callers ${result.callersUsPerTurn.toFixed(0)}), worker RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
+        `one session alone, ${single} turns: ${result.aloneP50Ms.toFixed(1)} / ${result.aloneP99Ms.toFixed(1)} ms | ` +
         `load ${load0.toFixed(1)} → ${load1.toFixed(1)} |`,
     );
   } finally {
