@@ -191,14 +191,17 @@ bench-external: $(TS_SDK)/node_modules/.ci-stamp ## Turns/s, the daemon's and th
 
 # Builds measured against each other by the external driver, interleaved round by
 # round (bench/ab.ts): BUILDS="old=/tmp/old/turnd new=target/release/turnd", ROUNDS
-# (6) runs of each, AB_ENV="new:TURND_STORAGE__SYNC=never" for settings of one build.
+# (6) runs of each, AB_ENV="new:TURND_STORAGE__SYNC=never" for settings of one build,
+# AB_DRIVER="old:/tmp/sdk/build/sdk/typescript/bench/throughput.js" for the driver of
+# another build of the SDK (its callers and worker) with one build.
 ROUNDS ?= 6
 BUILDS ?=
 AB_ENV ?=
-bench-external-ab: $(TS_SDK)/node_modules/.ci-stamp ## Builds of turnd against each other under the external driver, interleaved: BUILDS="a=PATH b=PATH" (labels and binaries), ROUNDS (6), SESSIONS x TURNS, AB_ENV="b:KEY=VALUE" settings of one build; mean, range and rounds lower of each
+AB_DRIVER ?=
+bench-external-ab: $(TS_SDK)/node_modules/.ci-stamp ## Builds of turnd against each other under the external driver, interleaved: BUILDS="a=PATH b=PATH" (labels and binaries), ROUNDS (6), SESSIONS x TURNS, AB_ENV="b:KEY=VALUE" settings of one build, AB_DRIVER="a:PATH" another SDK build's throughput.js for one; mean, range and rounds lower of each
 	@if [ -z "$(BUILDS)" ]; then echo 'name the builds: make bench-external-ab BUILDS="old=/tmp/old/turnd new=target/release/turnd"'; exit 2; fi
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
-	cd $(TS_SDK) && node build/sdk/typescript/bench/ab.js --base $(CURDIR) $(foreach b,$(BUILDS),--build $(b)) $(foreach e,$(AB_ENV),--env $(e)) --rounds $(ROUNDS) --sessions $(SESSIONS) --turns $(TURNS)
+	cd $(TS_SDK) && node build/sdk/typescript/bench/ab.js --base $(CURDIR) $(foreach b,$(BUILDS),--build $(b)) $(foreach e,$(AB_ENV),--env $(e)) $(foreach d,$(AB_DRIVER),--driver $(d)) --rounds $(ROUNDS) --sessions $(SESSIONS) --turns $(TURNS)
 
 # The same load shape against Restate (bench/restate/drive.mjs: the npm restate-server
 # and the Restate TypeScript SDK, pinned in its package-lock.json), for a comparison

@@ -1,16 +1,20 @@
 /**
- * Builds of the daemon (or one build under different settings) measured against each
- * other by the external driver, interleaved: `make bench-external-ab`.
+ * Builds of the daemon (or one build under different settings, or the SDK's driver of
+ * another build) measured against each other by the external driver, interleaved:
+ * `make bench-external-ab`.
  *
  *     node build/sdk/typescript/bench/ab.js --build old=/tmp/old/turnd --build new=target/release/turnd
  *                                           [--env new:TURND_STORAGE__SYNC=never] [--rounds 6] [--base DIR]
+ *                                           [--driver old:/tmp/sdk/build/sdk/typescript/bench/throughput.js]
  *                                           [--sessions 1000] [--turns 20] [--single 500]
  *
  * Each round runs `bench/throughput.js --json` once per build, in a fresh daemon and
  * data directory, the builds' order reversed every other round so that neither always
  * runs first (a relative PATH is taken from `--base`, else the current directory);
  * `--env LABEL:KEY=VALUE` sets a variable for that build's daemon only
- * (the daemon takes its settings from `TURND_*` variables). On a shared machine one
+ * (the daemon takes its settings from `TURND_*` variables), and `--driver LABEL:PATH`
+ * runs that build with the `throughput.js` at PATH (the SDK's callers and worker of
+ * another build of it) in place of this one's. On a shared machine one
  * run's CPU per turn varies by ±10 %: only many interleaved rounds tell a change of a
  * few per cent, so the summary gives each build's mean, its range and, against the
  * first build, the rounds it was lower in. Prints a line per run, then a markdown table.
@@ -24,6 +28,8 @@ interface Build {
   label: string;
   binary: string;
   env: Record<string, string>;
+  /** The driver script this build runs with (`--driver`), else this build's own. */
+  driver?: string;
 }
 
 function args(name: string): string[] {
@@ -44,11 +50,11 @@ function num(name: string, fallback: number, min = 1): number {
 }
 
 function builds(): Build[] {
-  const list = args("build").map((b) => {
+  const list = args("build").map((b): Build => {
     const eq = b.indexOf("=");
     if (eq < 1 || eq === b.length - 1) throw new Error(`--build takes LABEL=PATH, not ${b}`);
-    const binary = resolve(args("base").at(-1) ?? process.cwd(), b.slice(eq + 1));
-    return { label: b.slice(0, eq), binary, env: {} as Record<string, string> };
+    const binary = resolve(base(), b.slice(eq + 1));
+    return { label: b.slice(0, eq), binary, env: {} };
   });
   if (list.length < 2) throw new Error("name at least two builds: --build LABEL=PATH --build LABEL=PATH");
   if (new Set(list.map((b) => b.label)).size !== list.length) throw new Error("each --build needs a label of its own");
@@ -58,12 +64,23 @@ function builds(): Build[] {
     if (!m || !build) throw new Error(`--env takes LABEL:KEY=VALUE for a named build, not ${e}`);
     build.env[m[2] as string] = m[3] as string;
   }
+  for (const d of args("driver")) {
+    const m = /^([^:]+):(.+)$/.exec(d);
+    const build = m ? list.find((b) => b.label === m[1]) : undefined;
+    if (!m || !build) throw new Error(`--driver takes LABEL:PATH for a named build, not ${d}`);
+    build.driver = resolve(base(), m[2] as string);
+  }
   return list;
+}
+
+/** Where relative paths are taken from. */
+function base(): string {
+  return args("base").at(-1) ?? process.cwd();
 }
 
 /** One run of the driver against `build`: its JSON result. */
 function run(build: Build, load: string[]): Promise<RunResult> {
-  const script = fileURLToPath(new URL("./throughput.js", import.meta.url));
+  const script = build.driver ?? fileURLToPath(new URL("./throughput.js", import.meta.url));
   return new Promise((resolve, reject) => {
     const child = spawn(process.execPath, [script, "--json", "--binary", build.binary, ...load], {
       env: { ...process.env, ...build.env },
@@ -125,17 +142,20 @@ async function main(): Promise<void> {
       .map(([k, v]) => `${k}=${v}`)
       .join(" ");
   console.log(
-    "\n| build | daemon CPU per turn, mean (range) | lower than the first build | turns/s, mean | driver CPU per turn, mean | one session alone, median p50 / p99 |",
+    "\n| build | daemon CPU per turn, mean (range) | lower than the first build | turns/s, mean | driver CPU per turn, mean (worker + callers) | driver lower than the first build | one session alone, median p50 / p99 |",
   );
-  console.log("|---|---|---|---|---|---|");
+  console.log("|---|---|---|---|---|---|---|");
   for (const b of list) {
     const rs = results.get(b.label) ?? [];
     const us = rs.map((x) => x.daemonUsPerTurn);
-    const lower = b === list[0] ? "" : `${rs.filter((x, i) => x.daemonUsPerTurn < (first[i]?.daemonUsPerTurn ?? 0)).length} of ${rs.length}`;
+    const driver = (x: RunResult) => x.workerUsPerTurn + x.callersUsPerTurn;
+    const lower = (of: (x: RunResult) => number) =>
+      b === list[0] ? "" : `${rs.filter((x, i) => of(x) < (first[i] ? of(first[i]) : 0)).length} of ${rs.length}`;
+    const label = [env(b), b.driver ? `driver ${b.driver}` : ""].filter((x) => x).join(", ");
     console.log(
-      `| ${b.label}${env(b) ? ` (${env(b)})` : ""} | ${mean(us).toFixed(1)} µs (${Math.min(...us).toFixed(0)} – ${Math.max(...us).toFixed(0)}) | ${lower} | ` +
-        `${mean(rs.map((x) => x.turnsPerS)).toFixed(0)} | ${mean(rs.map((x) => x.workerUsPerTurn + x.callersUsPerTurn)).toFixed(1)} µs | ` +
-        `${median(rs.map((x) => x.aloneP50Ms)).toFixed(1)} / ${median(rs.map((x) => x.aloneP99Ms)).toFixed(1)} ms |`,
+      `| ${b.label}${label ? ` (${label})` : ""} | ${mean(us).toFixed(1)} µs (${Math.min(...us).toFixed(0)} – ${Math.max(...us).toFixed(0)}) | ${lower((x) => x.daemonUsPerTurn)} | ` +
+        `${mean(rs.map((x) => x.turnsPerS)).toFixed(0)} | ${mean(rs.map(driver)).toFixed(1)} µs (${mean(rs.map((x) => x.workerUsPerTurn)).toFixed(1)} + ${mean(rs.map((x) => x.callersUsPerTurn)).toFixed(1)}) | ` +
+        `${lower(driver)} | ${median(rs.map((x) => x.aloneP50Ms)).toFixed(1)} / ${median(rs.map((x) => x.aloneP99Ms)).toFixed(1)} ms |`,
     );
   }
 }
