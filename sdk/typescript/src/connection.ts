@@ -141,6 +141,8 @@ export class Connection {
   private frameLimit = DEFAULT_MAX_FRAME_BYTES;
   /** The message of the daemon's `id: null` `too_large` that precedes its 1009 close. */
   private refusedFrame: string | undefined;
+  /** Whether the socket's writes are held until the end of the tick ({@link corkTick}). */
+  private corked = false;
 
   private constructor(ws: WebSocket, opts: ConnectOptions) {
     this.ws = ws;
@@ -271,11 +273,34 @@ export class Connection {
     }
     return new Promise((resolve, reject) => {
       this.pending.set(id, { op, text, size, resolve, reject, onOk });
+      this.corkTick();
       this.ws.send(text, (err) => {
         if (err && this.pending.delete(id)) {
           reject(new ConnectionError(`send failed (${op}): ${err.message}`, { cause: err }));
         }
       });
+    });
+  }
+
+  /**
+   * Hold the socket's writes until this tick's callbacks and the promise
+   * continuations they start have run, so that the frames sent meanwhile leave in
+   * one write (one `writev`, usually one TCP segment) rather than one each: a
+   * worker answering the invocations of one read, or callers submitting for many
+   * sessions at once, made a system call per frame, and the daemon a read per
+   * segment. `ws` writes each frame within a cork of its own, which nests in this
+   * one. Only an optimisation: where `ws` keeps no socket to reach, every frame is
+   * written as it is sent.
+   */
+  private corkTick(): void {
+    if (this.corked) return;
+    const socket = (this.ws as unknown as { _socket?: { cork?: () => void; uncork?: () => void } | null })._socket;
+    if (!socket || typeof socket.cork !== "function" || typeof socket.uncork !== "function") return;
+    this.corked = true;
+    socket.cork();
+    process.nextTick(() => {
+      this.corked = false;
+      socket.uncork?.();
     });
   }
 

@@ -1,5 +1,6 @@
 /** Client behaviour against the real daemon: every op, typed errors, idempotency, watch resume. */
 import assert from "node:assert/strict";
+import { Socket } from "node:net";
 import { after, before, describe, it } from "node:test";
 import { type Client, ConnectionError, connect, type Event, TurndError, type Worker } from "../src/index.js";
 import type { Turnd } from "../src/testing.js";
@@ -51,6 +52,38 @@ describe("client", () => {
     assert.equal(err.op, "turn.submit");
     const page = await c.list("idem-1");
     assert.equal(page.turns.length, 1);
+  });
+
+  it("sends the frames of one tick in one write to its socket", async () => {
+    // Every write a TCP socket of this process makes while 40 submits are sent at
+    // once (to a function no worker serves, so that no worker answers meanwhile);
+    // the test runner's own output goes to a pipe.
+    const proto = Socket.prototype as unknown as Record<"_write" | "_writev", (...a: unknown[]) => unknown>;
+    const [write, writev] = [proto._write, proto._writev];
+    let writes = 0;
+    const count = (socket: Socket) => {
+      if (socket.remotePort !== undefined) writes += 1;
+    };
+    proto._write = function (this: Socket, ...a: unknown[]) {
+      count(this);
+      return write.apply(this, a);
+    };
+    proto._writev = function (this: Socket, ...a: unknown[]) {
+      count(this);
+      return writev.apply(this, a);
+    };
+    let turns: { turnId: string }[];
+    try {
+      turns = await Promise.all(
+        Array.from({ length: 40 }, (_, i) => c.submit(`cl-tick-${process.pid}-${i}`, "cl.nobody", { i })),
+      );
+    } finally {
+      proto._write = write;
+      proto._writev = writev;
+    }
+    assert.equal(new Set(turns.map((t) => t.turnId)).size, 40);
+    // One for the 40 frames; a heartbeat's ping may add one.
+    assert.ok(writes <= 2, `${writes} writes for 40 frames sent in one tick`);
   });
 
   it("surfaces the daemon's errors as TurndError with code and retryable", async () => {
