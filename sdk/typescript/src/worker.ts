@@ -31,7 +31,7 @@ import {
   Suspend,
   type TurnContext,
 } from "./handler.js";
-import { type Link, Links, message, sleep } from "./links.js";
+import { type Link, Links, message, sleep, whenAborted } from "./links.js";
 import { Live, type LiveCounters, type Route, type Running } from "./live.js";
 import type { Reconciled } from "./types.js";
 
@@ -149,9 +149,6 @@ export class Worker extends EventEmitter {
   private lastReconciled: Reconciled | undefined;
   /** Aborted at the hard stop: no more reconnects, pumps end. */
   private readonly halt = new AbortController();
-  private readonly halted: Promise<void> = new Promise((resolve) => {
-    this.halt.signal.addEventListener("abort", () => resolve(), { once: true });
-  });
   private supervisor: Promise<void> | undefined;
   /** Set by `stop()`: functions are not registered again on a reconnect. */
   private draining = false;
@@ -197,7 +194,6 @@ export class Worker extends EventEmitter {
     this.links = new Links({
       urls: this.urls,
       halt: this.halt,
-      halted: this.halted,
       reconnectDelayMs: this.opts.reconnectDelayMs,
       maxReconnectDelayMs: this.opts.maxReconnectDelayMs,
       open: (index, url) => this.connectAndRegister(index, url),
@@ -661,6 +657,7 @@ export class Worker extends EventEmitter {
       first = false;
       const woken = wakeup();
       let timer: NodeJS.Timeout | undefined;
+      const halted = whenAborted(this.halt.signal, { kind: "halt" as const });
       const result = await Promise.race([
         link.conn.request("invocation.result", args).then(
           (ok) => ({ kind: "ok" as const, ok }),
@@ -670,8 +667,9 @@ export class Worker extends EventEmitter {
         new Promise<{ kind: "timeout" }>((resolve) => {
           timer = setTimeout(() => resolve({ kind: "timeout" }), ackMs);
         }),
-        this.halted.then(() => ({ kind: "halt" as const })),
+        halted.promise,
       ]);
+      halted.cancel();
       clearTimeout(timer);
       switch (result.kind) {
         case "ok": {
