@@ -18,7 +18,7 @@
  *   (`links.ts`) with these same tables: a probe on any of them is answered from all.
  */
 import { randomUUID } from "node:crypto";
-import { EventEmitter } from "node:events";
+import { EventEmitter, setMaxListeners } from "node:events";
 import { Connection, DEFAULT_MAX_FRAME_BYTES, type HelloArgs, PROTOCOL_VERSION, type PushFrame } from "./connection.js";
 import { ConnectionError, TurndError } from "./errors.js";
 import {
@@ -173,6 +173,9 @@ export class Worker extends EventEmitter {
 
   constructor(options: WorkerOptions) {
     super();
+    // Every result in delivery listens for the halt (`whenAborted`), as many at once
+    // as results are unacknowledged: past Node's default of 10 that is not a leak.
+    setMaxListeners(0, this.halt.signal);
     this.workerId = options.workerId;
     this.instanceId = options.instanceId ?? randomUUID();
     this.opts = {

@@ -58,7 +58,7 @@ describe("worker", () => {
     );
   });
 
-  it("keeps no memory per result it delivered", async () => {
+  it("keeps no memory per result it delivered, and warns of no listeners", async () => {
     // The heap after 1,000 turns and after 4,000 more, each measured after full
     // collections: a worker that kept what each result's delivery held (as a race
     // against a promise settled only at the stop did) grew by about 5 MB here.
@@ -81,10 +81,16 @@ describe("worker", () => {
           }
         }),
       );
+    const warnings: string[] = [];
+    const onWarning = (w: Error) => warnings.push(`${w.name}: ${w.message}`);
+    process.on("warning", onWarning);
     await run(1000);
     const before = heap();
     await run(4000);
     const grown = heap() - before;
+    process.off("warning", onWarning);
+    // Results in delivery, up to 64 at once, each listening for the worker's halt.
+    assert.deepEqual(warnings, []);
     assert.ok(w.stats.resultsAcked >= 4000, `${w.stats.resultsAcked} results acknowledged`);
     assert.ok(grown < 2 * 2 ** 20, `the heap grew by ${(grown / 2 ** 20).toFixed(1)} MB over 4,000 turns`);
   });
