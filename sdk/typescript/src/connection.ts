@@ -283,14 +283,15 @@ export class Connection {
   }
 
   /**
-   * Hold the socket's writes until this tick's callbacks and the promise
-   * continuations they start have run, so that the frames sent meanwhile leave in
-   * one write (one `writev`, usually one TCP segment) rather than one each: a
-   * worker answering the invocations of one read, or callers submitting for many
-   * sessions at once, made a system call per frame, and the daemon a read per
-   * segment. `ws` writes each frame within a cork of its own, which nests in this
-   * one. Only an optimisation: where `ws` keeps no socket to reach, every frame is
-   * written as it is sent.
+   * Hold the socket's writes until Node next runs its `process.nextTick` queue, so
+   * that the frames sent by one piece of synchronous code, or by the promise
+   * continuations that run together in one microtask drain (a worker's handlers
+   * answering the invocations of one read, callers submitting for many sessions),
+   * leave in one write (one `writev`, usually one TCP segment) rather than one
+   * each: they made a system call per frame, and the daemon a read per segment.
+   * `ws` writes each frame within a cork of its own, which nests in this one. Only
+   * an optimisation: where `ws` keeps no socket to reach, every frame is written
+   * as it is sent.
    */
   private corkTick(): void {
     if (this.corked) return;
