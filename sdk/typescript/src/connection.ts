@@ -141,7 +141,7 @@ export class Connection {
   private frameLimit = DEFAULT_MAX_FRAME_BYTES;
   /** The message of the daemon's `id: null` `too_large` that precedes its 1009 close. */
   private refusedFrame: string | undefined;
-  /** Whether the socket's writes are held until the end of the tick ({@link corkTick}). */
+  /** Whether the socket's writes are held until the next `process.nextTick` run ({@link corkTick}). */
   private corked = false;
 
   private constructor(ws: WebSocket, opts: ConnectOptions) {
