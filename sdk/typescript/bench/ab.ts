@@ -106,6 +106,11 @@ function run(build: Build, load: string[]): Promise<RunResult> {
   });
 }
 
+/** The driver's CPU per turn: its worker's and its callers'. */
+function driverUs(x: RunResult): number {
+  return x.workerUsPerTurn + x.callersUsPerTurn;
+}
+
 function mean(xs: number[]): number {
   return xs.reduce((a, b) => a + b, 0) / xs.length;
 }
@@ -130,7 +135,7 @@ async function main(): Promise<void> {
       results.get(b.label)?.push(res);
       console.log(
         `round ${r} ${b.label}: ${res.turnsPerS.toFixed(0)} turns/s, daemon ${res.daemonUsPerTurn.toFixed(1)} µs/turn, ` +
-          `driver ${(res.workerUsPerTurn + res.callersUsPerTurn).toFixed(1)} µs/turn, ` +
+          `driver ${driverUs(res).toFixed(1)} µs/turn, ` +
           `alone p50/p99 ${res.aloneP50Ms} / ${res.aloneP99Ms} ms, load ${res.load[0].toFixed(1)} → ${res.load[1].toFixed(1)}` +
           (res.settledS === null ? ", store NOT settled" : ""),
       );
@@ -148,14 +153,13 @@ async function main(): Promise<void> {
   for (const b of list) {
     const rs = results.get(b.label) ?? [];
     const us = rs.map((x) => x.daemonUsPerTurn);
-    const driver = (x: RunResult) => x.workerUsPerTurn + x.callersUsPerTurn;
     const lower = (of: (x: RunResult) => number) =>
       b === list[0] ? "" : `${rs.filter((x, i) => of(x) < (first[i] ? of(first[i]) : 0)).length} of ${rs.length}`;
     const label = [env(b), b.driver ? `driver ${b.driver}` : ""].filter((x) => x).join(", ");
     console.log(
       `| ${b.label}${label ? ` (${label})` : ""} | ${mean(us).toFixed(1)} µs (${Math.min(...us).toFixed(0)} – ${Math.max(...us).toFixed(0)}) | ${lower((x) => x.daemonUsPerTurn)} | ` +
-        `${mean(rs.map((x) => x.turnsPerS)).toFixed(0)} | ${mean(rs.map(driver)).toFixed(1)} µs (${mean(rs.map((x) => x.workerUsPerTurn)).toFixed(1)} + ${mean(rs.map((x) => x.callersUsPerTurn)).toFixed(1)}) | ` +
-        `${lower(driver)} | ${median(rs.map((x) => x.aloneP50Ms)).toFixed(1)} / ${median(rs.map((x) => x.aloneP99Ms)).toFixed(1)} ms |`,
+        `${mean(rs.map((x) => x.turnsPerS)).toFixed(0)} | ${mean(rs.map(driverUs)).toFixed(1)} µs (${mean(rs.map((x) => x.workerUsPerTurn)).toFixed(1)} + ${mean(rs.map((x) => x.callersUsPerTurn)).toFixed(1)}) | ` +
+        `${lower(driverUs)} | ${median(rs.map((x) => x.aloneP50Ms)).toFixed(1)} / ${median(rs.map((x) => x.aloneP99Ms)).toFixed(1)} ms |`,
     );
   }
 }

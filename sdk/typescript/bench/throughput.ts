@@ -117,9 +117,10 @@ export interface RunResult {
   load: [number, number];
 }
 
-function pct(sorted: number[], p: number): string {
+/** The `p`th percentile of `sorted`, to 0.1. */
+function pct(sorted: number[], p: number): number {
   const v = sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] ?? 0;
-  return v.toFixed(1);
+  return Number(v.toFixed(1));
 }
 
 /** CPU seconds (user + system) of a process so far, from /proc (Linux; 0 elsewhere). */
@@ -210,15 +211,15 @@ async function main(): Promise<void> {
       turns,
       wallS: wall,
       turnsPerS: total / wall,
-      p50Ms: Number(pct(latencies, 50)),
-      p99Ms: Number(pct(latencies, 99)),
+      p50Ms: pct(latencies, 50),
+      p99Ms: pct(latencies, 99),
       daemonCpuS: daemonCpu,
       daemonUsPerTurn: (daemonCpu / total) * 1e6,
       settledS: settle ?? null,
       workerUsPerTurn: (cpuS / total) * 1e6,
       callersUsPerTurn: (callerS / total) * 1e6,
-      aloneP50Ms: Number(pct(alone, 50)),
-      aloneP99Ms: Number(pct(alone, 99)),
+      aloneP50Ms: pct(alone, 50),
+      aloneP99Ms: pct(alone, 99),
       load: [load0, load1],
     };
     if (process.argv.includes("--json")) {

@@ -8,6 +8,7 @@
  * the request that caused it.
  */
 import type { IncomingMessage } from "node:http";
+import type { Socket } from "node:net";
 import WebSocket from "ws";
 import { BadUrl, ConnectionError, errorFromWire, TurndError } from "./errors.js";
 import type { Reconciled } from "./types.js";
@@ -295,13 +296,14 @@ export class Connection {
    */
   private corkTick(): void {
     if (this.corked) return;
-    const socket = (this.ws as unknown as { _socket?: { cork?: () => void; uncork?: () => void } | null })._socket;
-    if (!socket || typeof socket.cork !== "function" || typeof socket.uncork !== "function") return;
+    const socket = (this.ws as unknown as { _socket?: Partial<Pick<Socket, "cork" | "uncork">> | null })._socket;
+    const { cork, uncork } = socket ?? {};
+    if (!socket || typeof cork !== "function" || typeof uncork !== "function") return;
     this.corked = true;
-    socket.cork();
+    cork.call(socket);
     process.nextTick(() => {
       this.corked = false;
-      socket.uncork?.();
+      uncork.call(socket);
     });
   }
 

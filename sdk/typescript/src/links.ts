@@ -58,12 +58,11 @@ function fatal(err: unknown): boolean {
 
 /**
  * A promise of `value` once `signal` aborts, and `cancel`, which takes its listener
- * off the signal again. A race against a promise that settles only at the stop (a
- * `then` on it per race) leaves a reaction on that promise for as long as the worker
- * runs, and through it everything the racing function holds: a worker's heap grew
- * by about 1.3 KB per result sent that way.
+ * off the signal again: a race against a promise that settles only at the stop (a
+ * `then` on it per race) would leave a reaction on that promise, and through it
+ * everything the racing function holds, for as long as the worker runs.
  */
-export function whenAborted<T>(signal: AbortSignal, value: T): { promise: Promise<T>; cancel: () => void } {
+function whenAborted<T>(signal: AbortSignal, value: T): { promise: Promise<T>; cancel: () => void } {
   let cancel = () => {};
   const promise = new Promise<T>((resolve) => {
     if (signal.aborted) return resolve(value);

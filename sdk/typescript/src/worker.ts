@@ -18,7 +18,7 @@
  *   (`links.ts`) with these same tables: a probe on any of them is answered from all.
  */
 import { randomUUID } from "node:crypto";
-import { EventEmitter, setMaxListeners } from "node:events";
+import { EventEmitter } from "node:events";
 import { Connection, DEFAULT_MAX_FRAME_BYTES, type HelloArgs, PROTOCOL_VERSION, type PushFrame } from "./connection.js";
 import { ConnectionError, TurndError } from "./errors.js";
 import {
@@ -31,7 +31,7 @@ import {
   Suspend,
   type TurnContext,
 } from "./handler.js";
-import { type Link, Links, message, sleep, whenAborted } from "./links.js";
+import { type Link, Links, message, sleep } from "./links.js";
 import { Live, type LiveCounters, type Route, type Running } from "./live.js";
 import type { Reconciled } from "./types.js";
 
@@ -173,9 +173,14 @@ export class Worker extends EventEmitter {
 
   constructor(options: WorkerOptions) {
     super();
-    // Every result in delivery listens for the halt (`whenAborted`), as many at once
-    // as results are unacknowledged: past Node's default of 10 that is not a leak.
-    setMaxListeners(0, this.halt.signal);
+    // The halt ends every result's delivery: its pump, woken, finds no link to send on.
+    this.halt.signal.addEventListener(
+      "abort",
+      () => {
+        for (const held of this.unacked.values()) held.wake();
+      },
+      { once: true },
+    );
     this.workerId = options.workerId;
     this.instanceId = options.instanceId ?? randomUUID();
     this.opts = {
@@ -654,13 +659,13 @@ export class Worker extends EventEmitter {
     let first = true;
     for (;;) {
       const link = await this.links.wait(() => held.home, dead);
-      if (!link) return;
+      // A halt while it waited woke the round before's wakeup, not this one's.
+      if (!link || this.halt.signal.aborted) return;
       if (first) this.counters.resultsSent += 1;
       else this.counters.resultsResent += 1;
       first = false;
       const woken = wakeup();
       let timer: NodeJS.Timeout | undefined;
-      const halted = whenAborted(this.halt.signal, { kind: "halt" as const });
       const result = await Promise.race([
         link.conn.request("invocation.result", args).then(
           (ok) => ({ kind: "ok" as const, ok }),
@@ -670,9 +675,7 @@ export class Worker extends EventEmitter {
         new Promise<{ kind: "timeout" }>((resolve) => {
           timer = setTimeout(() => resolve({ kind: "timeout" }), ackMs);
         }),
-        halted.promise,
       ]);
-      halted.cancel();
       clearTimeout(timer);
       switch (result.kind) {
         case "ok": {
@@ -688,8 +691,6 @@ export class Worker extends EventEmitter {
           this.release(invocationId, held);
           return;
         }
-        case "halt":
-          return;
         case "wake":
         case "timeout":
           continue;
