@@ -183,11 +183,12 @@ bench-sdk-typescript: $(TS_SDK)/node_modules/.ci-stamp ## One Node worker's thro
 # names another build to measure (an older binary for an A/B comparison).
 SESSIONS ?= 1000
 TURNS ?= 20
+MESSAGES ?= 0
 BENCH_TURND ?= $(CURDIR)/target/release/turnd
-bench-external: $(TS_SDK)/node_modules/.ci-stamp ## Turns/s, the daemon's and the driver's CPU per turn, one session's p50/p99: SESSIONS (1000) x TURNS (20) from Node callers and worker against a release turnd (or BENCH_TURND)
+bench-external: $(TS_SDK)/node_modules/.ci-stamp ## Turns/s, the daemon's and the driver's CPU per turn, one session's p50/p99: SESSIONS (1000) x TURNS (20) from Node callers and worker against a release turnd (or BENCH_TURND); MESSAGES=N gives each turn an agent's input of N chat messages
 	@if [ "$(BENCH_TURND)" = "$(CURDIR)/target/release/turnd" ]; then $(CARGO) build --release -p turnd --bin turnd; fi
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
-	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(BENCH_TURND) --sessions $(SESSIONS) --turns $(TURNS)
+	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(BENCH_TURND) --sessions $(SESSIONS) --turns $(TURNS) --messages $(MESSAGES)
 
 # Builds measured against each other by the external driver, interleaved round by
 # round (bench/ab.ts): BUILDS="old=/tmp/old/turnd new=target/release/turnd", ROUNDS
@@ -198,10 +199,10 @@ ROUNDS ?= 6
 BUILDS ?=
 AB_ENV ?=
 AB_DRIVER ?=
-bench-external-ab: $(TS_SDK)/node_modules/.ci-stamp ## Builds of turnd against each other under the external driver, interleaved: BUILDS="a=PATH b=PATH" (labels and binaries), ROUNDS (6), SESSIONS x TURNS, AB_ENV="b:KEY=VALUE" settings of one build, AB_DRIVER="a:PATH" another SDK build's throughput.js for one; mean, range and rounds lower of each
+bench-external-ab: $(TS_SDK)/node_modules/.ci-stamp ## Builds of turnd against each other under the external driver, interleaved: BUILDS="a=PATH b=PATH" (labels and binaries), ROUNDS (6), SESSIONS x TURNS, AB_ENV="b:KEY=VALUE" settings of one build, AB_DRIVER="a:PATH" another SDK build's throughput.js for one, MESSAGES as for bench-external; mean, range and rounds lower of each
 	@if [ -z "$(BUILDS)" ]; then echo 'name the builds: make bench-external-ab BUILDS="old=/tmp/old/turnd new=target/release/turnd"'; exit 2; fi
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
-	cd $(TS_SDK) && node build/sdk/typescript/bench/ab.js --base $(CURDIR) $(foreach b,$(BUILDS),--build $(b)) $(foreach e,$(AB_ENV),--env $(e)) $(foreach d,$(AB_DRIVER),--driver $(d)) --rounds $(ROUNDS) --sessions $(SESSIONS) --turns $(TURNS)
+	cd $(TS_SDK) && node build/sdk/typescript/bench/ab.js --base $(CURDIR) $(foreach b,$(BUILDS),--build $(b)) $(foreach e,$(AB_ENV),--env $(e)) $(foreach d,$(AB_DRIVER),--driver $(d)) --rounds $(ROUNDS) --sessions $(SESSIONS) --turns $(TURNS) --messages $(MESSAGES)
 
 # The same load shape against Restate (bench/restate/drive.mjs: the npm restate-server
 # and the Restate TypeScript SDK, pinned in its package-lock.json), for a comparison

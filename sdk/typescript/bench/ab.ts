@@ -6,7 +6,7 @@
  *     node build/sdk/typescript/bench/ab.js --build old=/tmp/old/turnd --build new=target/release/turnd
  *                                           [--env new:TURND_STORAGE__SYNC=never] [--rounds 6] [--base DIR]
  *                                           [--driver old:/tmp/sdk/build/sdk/typescript/bench/throughput.js]
- *                                           [--sessions 1000] [--turns 20] [--single 500]
+ *                                           [--sessions 1000] [--turns 20] [--single 500] [--messages 0]
  *
  * Each round runs `bench/throughput.js --json` once per build, in a fresh daemon and
  * data directory, the builds' order reversed every other round so that neither always
@@ -124,8 +124,8 @@ function median(xs: number[]): number {
 async function main(): Promise<void> {
   const list = builds();
   const rounds = num("rounds", 6);
-  const load = ["sessions", "turns", "single", "warmup"].flatMap((k) =>
-    args(k).length === 0 ? [] : [`--${k}`, String(num(k, 1, k === "warmup" ? 0 : 1))],
+  const load = ["sessions", "turns", "single", "warmup", "messages"].flatMap((k) =>
+    args(k).length === 0 ? [] : [`--${k}`, String(num(k, 1, k === "warmup" || k === "messages" ? 0 : 1))],
   );
   const results = new Map<string, RunResult[]>(list.map((b) => [b.label, []]));
   for (let r = 1; r <= rounds; r++) {

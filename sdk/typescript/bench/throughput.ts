@@ -4,6 +4,7 @@
  *
  *     node build/sdk/typescript/bench/throughput.js [--sessions 100] [--turns 20] [--concurrency 128]
  *                                    [--warmup 200] [--single 500] [--connections N] [--binary PATH]
+ *                                    [--messages 0]
  *
  * Starts a real daemon (`--binary`, else $TURND_BIN, else `turnd` on the PATH) on
  * free ports with a fresh data directory and the default config (durable commits),
@@ -17,7 +18,9 @@
  * waiting (so that the writes a load defers count as its own), the driver's (callers
  * and worker) from the processes themselves.
  * Then one session alone runs `--single` turns, each submitted once the previous one
- * completed: the latency of a turn on an idle daemon. Prints one markdown row, or with
+ * completed: the latency of a turn on an idle daemon. `--messages N` gives each turn
+ * of the load an input like an agent's, a conversation of N chat messages (about
+ * 170 bytes of JSON each), which the worker echoes as the output. Prints one markdown row, or with
  * `--json` one JSON object of the same numbers (what `bench/ab.ts` reads).
  */
 import { spawn } from "node:child_process";
@@ -59,7 +62,21 @@ async function runWorker(): Promise<void> {
   });
 }
 
-async function drive(clients: Client[], sessions: number, turns: number, tag: string): Promise<number[]> {
+/** A conversation of `n` chat messages, as an agent's turn carries it. */
+function conversation(n: number): { role: string; content: string }[] {
+  return Array.from({ length: n }, (_, i) => ({
+    role: i % 2 === 0 ? "user" : "assistant",
+    content: `Message ${i} of the conversation: the quick brown fox jumps over the lazy dog, and a few more words to give it the length of a short chat turn.`,
+  }));
+}
+
+async function drive(
+  clients: Client[],
+  sessions: number,
+  turns: number,
+  tag: string,
+  messages: { role: string; content: string }[] = [],
+): Promise<number[]> {
   const latencies: number[] = [];
   await Promise.all(
     Array.from({ length: sessions }, async (_, s) => {
@@ -67,7 +84,8 @@ async function drive(clients: Client[], sessions: number, turns: number, tag: st
       const waits: Promise<void>[] = [];
       for (let t = 0; t < turns; t++) {
         const start = performance.now();
-        const turn = await c.submit(`${tag}-${s}`, "bench.echo", { s, t });
+        const input = messages.length > 0 ? { s, t, messages } : { s, t };
+        const turn = await c.submit(`${tag}-${s}`, "bench.echo", input);
         waits.push(
           c.wait(turn.turnId).then((done) => {
             if (done.status !== "completed") throw new Error(`turn ${done.turnId} ${done.status}`);
@@ -159,6 +177,7 @@ async function main(): Promise<void> {
   const concurrency = arg("concurrency", 128);
   const warmup = arg("warmup", 200);
   const single = arg("single", 500);
+  const messages = conversation(arg("messages", 0));
   const connections = arg("connections", Math.max(8, Math.ceil((sessions * turns) / 800)));
   const binary = argStr("binary");
   const turnd = await startTurnd(binary ? { binary } : {});
@@ -187,7 +206,7 @@ async function main(): Promise<void> {
     const daemonCpu0 = cpuOf(turnd.pid);
     const callerCpu0 = process.cpuUsage();
     const t0 = performance.now();
-    const latencies = await drive(clients, sessions, turns, "bench");
+    const latencies = await drive(clients, sessions, turns, "bench", messages);
     const wall = (performance.now() - t0) / 1000;
     const callerCpu = process.cpuUsage(callerCpu0);
     const load1 = loadavg()[0] ?? 0;
@@ -227,7 +246,8 @@ async function main(): Promise<void> {
       return;
     }
     const driverUs = result.workerUsPerTurn + result.callersUsPerTurn;
-    const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}`;
+    const more = messages.length > 0 ? ` --messages ${messages.length}` : "";
+    const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}${more}`;
     console.log(
       `| \`${cmd}\` | ${sessions} × ${turns} | ${result.wallS.toFixed(2)} s | ${Math.round(result.turnsPerS)} turns/s | ` +
         `${result.p50Ms.toFixed(1)} / ${result.p99Ms.toFixed(1)} ms | ` +
