@@ -9,8 +9,9 @@ use crate::machine::held_until;
 use crate::registry::Supply;
 use crate::session::SessionState;
 
-/// The protocol view of a stored turn.
-pub fn to_turn(t: &TurnRecord, wait: Option<Wait>) -> Turn {
+/// The protocol view of a stored turn, its input and output as the JSON text stored
+/// (sent as it is, never parsed into a tree and written again).
+pub fn to_turn(t: &TurnRecord, wait: Option<Wait>) -> Turn<RawJson> {
     Turn {
         turn_id: t.turn_id.clone(),
         session_id: t.session_id.clone(),
@@ -19,8 +20,8 @@ pub fn to_turn(t: &TurnRecord, wait: Option<Wait>) -> Turn {
         status: t.status,
         step: t.step,
         attempt: t.attempt,
-        input: t.input.to_value(),
-        output: t.output.as_ref().map(RawJson::to_value),
+        input: RawJson::clone(&t.input),
+        output: t.output.clone(),
         error: t.error.as_deref().cloned(),
         stop: t.stop.as_deref().cloned(),
         superseded: t.superseded,
@@ -323,4 +324,81 @@ fn inv_wait(t: &TurnRecord, inv: &InvocationRecord, fmt_ms: &dyn Fn(u64) -> Stri
     w.invocation_id = Some(id.clone());
     w.worker_id = Some(inv.worker_id.clone());
     w
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+    use turnd_proto::frame::to_json_text;
+    use turnd_proto::{Invoke, PreviousTurn, Push, TurnOk, TurnStatus};
+    use turnd_store::{RawJson, TurnRecord};
+
+    use super::to_turn;
+    use crate::registry::{invoke_frame, push_frame};
+
+    /// Payloads of many shapes: nesting, floats, escapes, non-ASCII text, integers at
+    /// the ends of their range.
+    fn payloads() -> Vec<Value> {
+        vec![
+            json!(null),
+            json!({
+                "messages": [{"role": "user", "content": "h\u{e9}llo \"quoted\" \\ \n\t\u{1} \u{1F600}"}],
+                "t": 0.1, "big": u64::MAX, "neg": i64::MIN, "e": 1e300, "small": 5e-324, "z": {}, "a": [],
+            }),
+            json!([1, 2.5, "x", true, false, null, -0.0]),
+            json!("a string"),
+        ]
+    }
+
+    /// A turn is sent with its input and output as the store holds their text: the
+    /// frame is the one the same turn with parsed values makes, byte for byte.
+    #[test]
+    fn turns_sent_from_stored_text_are_the_frames_parsed_values_make() {
+        for (i, input) in payloads().into_iter().enumerate() {
+            let mut t =
+                TurnRecord::admitted(format!("t{i}"), "s", 1, "f", RawJson::from_value(&input), 5);
+            t.status = TurnStatus::Completed;
+            t.output = Some(RawJson::from_value(&json!({"echo": input})));
+            let raw = to_turn(&t, None);
+            let parsed = raw.clone().map_json(|j| j.to_value());
+            assert_eq!(parsed.input, input);
+            assert_eq!(parsed.output, Some(json!({"echo": input})));
+            let sent = to_json_text(&TurnOk { turn: raw }, 64).expect("stored text");
+            let made = to_json_text(&TurnOk { turn: parsed }, 64).expect("parsed values");
+            assert_eq!(sent, made);
+        }
+    }
+
+    /// An invoke push of `input`, from a turn that interrupted one with `state`.
+    fn invoke<J>(input: J, state: J) -> Invoke<J> {
+        Invoke {
+            invocation_id: "i1".into(),
+            function_id: "f".into(),
+            session_id: "s".into(),
+            turn_id: "t1".into(),
+            step: 0,
+            attempt: 2,
+            input,
+            deadline_ms: 9,
+            previous: Some(PreviousTurn {
+                turn_id: "t0".into(),
+                status: TurnStatus::Cancelled,
+                state,
+            }),
+        }
+    }
+
+    /// The same for an invoke push, its interrupted turn's state included.
+    #[test]
+    fn invokes_sent_from_stored_text_are_the_frames_parsed_values_make() {
+        for input in payloads() {
+            let state = json!({"state": input});
+            let sent = invoke_frame(invoke(
+                RawJson::from_value(&input),
+                RawJson::from_value(&state),
+            ));
+            let made = push_frame(&Push::Invoke(invoke(input.clone(), state.clone())));
+            assert_eq!(sent, made);
+        }
+    }
 }

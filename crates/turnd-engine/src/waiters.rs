@@ -1,11 +1,11 @@
 //! The `turn.wait` requests waiting for a turn's end, by turn id: each is sent the
 //! turn, as committed, once it is terminal.
 
+use crate::TurnView;
 use std::collections::HashMap;
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
-use turnd_proto::Turn;
 use turnd_store::TurnRecord;
 
 use crate::view::to_turn;
@@ -13,12 +13,12 @@ use crate::view::to_turn;
 /// Waiters by turn id (see the module doc).
 #[derive(Default)]
 pub(crate) struct Waiters {
-    by_turn: Mutex<HashMap<String, Vec<oneshot::Sender<Turn>>>>,
+    by_turn: Mutex<HashMap<String, Vec<oneshot::Sender<TurnView>>>>,
 }
 
 impl Waiters {
     /// Wait for `turn_id` to end: the receiver gets the terminal turn.
-    pub(crate) fn add(&self, turn_id: &str) -> oneshot::Receiver<Turn> {
+    pub(crate) fn add(&self, turn_id: &str) -> oneshot::Receiver<TurnView> {
         let (tx, rx) = oneshot::channel();
         self.by_turn
             .lock()

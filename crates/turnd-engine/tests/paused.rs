@@ -23,7 +23,7 @@ async fn advance(ms: u64) {
     settle().await;
 }
 
-fn wait_of(t: &Turn) -> Wait {
+fn wait_of<J>(t: &Turn<J>) -> Wait {
     t.wait
         .clone()
         .expect("a non-terminal turn says what it waits for")

@@ -126,7 +126,10 @@ impl Daemon for Engine {
         args: SubmitArgs,
         opts: SubmitOptions,
     ) -> BoxFuture<'_, Result<SubmitOk, ErrorBody>> {
-        Box::pin(async move { Ok(self.submit_with(args, opts).await?) })
+        Box::pin(async move {
+            let ok = self.submit_with(args, opts).await?;
+            Ok(ok.map_json(|j| j.to_value()))
+        })
     }
 
     fn list_sessions(

@@ -437,11 +437,12 @@ pub fn encode_request_typed<A: Serialize + ?Sized>(
 /// Bytes reserved for a frame before it is written (most frames are smaller).
 pub const FRAME_CAPACITY: usize = 512;
 
-/// A server push, tagged by its `push` member.
+/// A server push, tagged by its `push` member (`J`: the form of an invoke's input, see
+/// [`crate::Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "push", rename_all = "snake_case")]
-pub enum Push {
-    Invoke(crate::objects::Invoke),
+pub enum Push<J = Value> {
+    Invoke(crate::objects::Invoke<J>),
     Cancel {
         invocation_id: String,
         reason: String,

@@ -201,9 +201,12 @@ pub struct Wait {
     pub last_error: Option<String>,
 }
 
-/// A turn as the protocol shows it.
+/// A turn as the protocol shows it. `J` is the form of its input and output: a parsed
+/// [`Value`] by default, or JSON text the daemon sends as it stores it, never parsed
+/// into a tree and written again (the same JSON on the wire).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Turn {
+#[serde(bound(deserialize = "J: Deserialize<'de>"))]
+pub struct Turn<J = Value> {
     pub turn_id: String,
     pub session_id: String,
     pub seq: u64,
@@ -211,9 +214,9 @@ pub struct Turn {
     pub status: TurnStatus,
     pub step: u32,
     pub attempt: u32,
-    pub input: Value,
+    pub input: J,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub output: Option<Value>,
+    pub output: Option<J>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<TurnError>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -235,6 +238,33 @@ pub struct Turn {
     pub progress: Option<ProgressView>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait: Option<Wait>,
+}
+
+impl<J> Turn<J> {
+    /// The same turn with its input and output in another form (`f` of each).
+    pub fn map_json<K>(self, mut f: impl FnMut(J) -> K) -> Turn<K> {
+        Turn {
+            turn_id: self.turn_id,
+            session_id: self.session_id,
+            seq: self.seq,
+            function_id: self.function_id,
+            status: self.status,
+            step: self.step,
+            attempt: self.attempt,
+            input: f(self.input),
+            output: self.output.map(&mut f),
+            error: self.error,
+            stop: self.stop,
+            superseded: self.superseded,
+            recovered: self.recovered,
+            created_at_ms: self.created_at_ms,
+            updated_at_ms: self.updated_at_ms,
+            finished_at_ms: self.finished_at_ms,
+            input_request: self.input_request,
+            progress: self.progress,
+            wait: self.wait,
+        }
+    }
 }
 
 /// What ends a suspended turn's wait for input at its deadline.
@@ -279,14 +309,15 @@ pub struct ProgressView {
     pub at_ms: u64,
 }
 
-/// The `previous` of an interrupting turn's first step: the lock holder it stopped.
+/// The `previous` of an interrupting turn's first step: the lock holder it stopped
+/// (`J`: see [`Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PreviousTurn {
+pub struct PreviousTurn<J = Value> {
     pub turn_id: String,
     pub status: TurnStatus,
     /// Its last durable state: its last `continue` (or `suspend`) state, or its
     /// input at step 0.
-    pub state: Value,
+    pub state: J,
 }
 
 /// `Session.lock`.
@@ -470,20 +501,21 @@ fn registered_default() -> bool {
     true
 }
 
-/// The `invoke` push: run one attempt of one step of a turn.
+/// The `invoke` push: run one attempt of one step of a turn (`J`: see [`Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Invoke {
+#[serde(bound(deserialize = "J: Deserialize<'de>"))]
+pub struct Invoke<J = Value> {
     pub invocation_id: String,
     pub function_id: String,
     pub session_id: String,
     pub turn_id: String,
     pub step: u32,
     pub attempt: u32,
-    pub input: Value,
+    pub input: J,
     pub deadline_ms: u64,
     /// At step 0 of a turn that interrupted another: the lock holder it stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub previous: Option<PreviousTurn>,
+    pub previous: Option<PreviousTurn<J>>,
 }
 
 /// A worker-reported failure.

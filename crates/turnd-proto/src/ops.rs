@@ -323,9 +323,19 @@ pub struct ResumeArgs {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SubmitOk {
-    pub turn: Turn,
+pub struct SubmitOk<J = Value> {
+    pub turn: Turn<J>,
     pub deduplicated: bool,
+}
+
+impl<J> SubmitOk<J> {
+    /// The same answer with its turn's input and output in another form.
+    pub fn map_json<K>(self, f: impl FnMut(J) -> K) -> SubmitOk<K> {
+        SubmitOk {
+            turn: self.turn.map_json(f),
+            deduplicated: self.deduplicated,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -334,8 +344,8 @@ pub struct TurnIdArgs {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TurnOk {
-    pub turn: Turn,
+pub struct TurnOk<J = Value> {
+    pub turn: Turn<J>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -364,8 +374,8 @@ pub struct SessionStopArgs {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TurnsOk {
-    pub turns: Vec<Turn>,
+pub struct TurnsOk<J = Value> {
+    pub turns: Vec<Turn<J>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -384,8 +394,8 @@ pub const PAGE_DEFAULT: u64 = 100;
 pub const PAGE_MAX: u64 = 1000;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ListOk {
-    pub turns: Vec<Turn>,
+pub struct ListOk<J = Value> {
+    pub turns: Vec<Turn<J>>,
     pub next_before_seq: Option<u64>,
 }
 

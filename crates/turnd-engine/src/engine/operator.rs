@@ -3,7 +3,8 @@
 //! make), and a session's turns with the worker that ran each. Read-only, answered
 //! under the session's lock like `session.inspect`.
 
-use turnd_proto::{ListArgs, Turn};
+use crate::TurnView;
+use turnd_proto::ListArgs;
 use turnd_store::InvocationRecord;
 
 use super::{check_id, read_failed, ApiResult, Engine};
@@ -13,7 +14,7 @@ use crate::wait_index::{StuckRule, WaitEntry};
 #[derive(Debug, Clone)]
 pub struct BlockedOn {
     /// The lock holder as `turn.get` shows it (with its wait).
-    pub turn: Turn,
+    pub turn: TurnView,
     pub locked_since_ms: u64,
     /// The live invocation, when one was dispatched.
     pub invocation: Option<LiveInvocation>,
@@ -68,7 +69,7 @@ impl LiveInvocation {
 /// A turn of a session with the invocation that ran it last and its worker.
 #[derive(Debug, Clone)]
 pub struct TurnRun {
-    pub turn: Turn,
+    pub turn: TurnView,
     /// The current (or last) invocation, when the turn was dispatched.
     pub invocation_id: Option<String>,
     /// Its worker, when the invocation's record is still there.

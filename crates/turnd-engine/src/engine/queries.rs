@@ -1,12 +1,14 @@
 //! Queries: `turn.get`, `turn.wait`, `turn.list`, `session.inspect`, `session.events`,
 //! stats, the registry views and `store.check`, and the view of a turn they share.
 
+use crate::TurnView;
 use std::collections::HashSet;
 use std::time::Duration;
+use turnd_store::RawJson;
 
 use turnd_proto::{
     EventsArgs, EventsOk, Function, ListArgs, ListOk, QueuedTurn, Session, SessionLock,
-    SessionStats, Stats, Turn, TurnCounts, Violation, Worker, WAIT_DEFAULT_MS, WAIT_MAX_MS,
+    SessionStats, Stats, TurnCounts, Violation, Worker, WAIT_DEFAULT_MS, WAIT_MAX_MS,
 };
 use turnd_store::{check_store, StoreError, TurnRecord};
 
@@ -42,7 +44,7 @@ impl Engine {
     }
 
     /// `turn.get`.
-    pub async fn get_turn(&self, turn_id: &str) -> ApiResult<Turn> {
+    pub async fn get_turn(&self, turn_id: &str) -> ApiResult<TurnView> {
         // A live turn's id is one this daemon minted, so only ids that pass
         // `check_id` (in `stored_turn`) can be found here.
         if let Some(cell) = self.sessions().of_live_turn(turn_id) {
@@ -66,7 +68,7 @@ impl Engine {
     }
 
     /// `turn.wait`.
-    pub async fn wait_turn(&self, turn_id: &str, timeout_ms: Option<u64>) -> ApiResult<Turn> {
+    pub async fn wait_turn(&self, turn_id: &str, timeout_ms: Option<u64>) -> ApiResult<TurnView> {
         let timeout = timeout_ms.unwrap_or(WAIT_DEFAULT_MS);
         if timeout > WAIT_MAX_MS {
             return Err(EngineError::out_of_range(
@@ -115,7 +117,7 @@ impl Engine {
     }
 
     /// `turn.list`.
-    pub async fn list_turns(&self, args: ListArgs) -> ApiResult<ListOk> {
+    pub async fn list_turns(&self, args: ListArgs) -> ApiResult<ListOk<RawJson>> {
         let mut turns = Vec::new();
         let next_before_seq = self
             .list_turns_with(args, |st, t| {
@@ -298,7 +300,7 @@ impl Engine {
     }
 
     /// The protocol view of a turn of the locked session `st`, with its wait.
-    pub(super) fn turn_view(&self, st: &SessionState, t: &TurnRecord) -> Turn {
+    pub(super) fn turn_view(&self, st: &SessionState, t: &TurnRecord) -> TurnView {
         let wait = if t.status.is_terminal() {
             None
         } else {

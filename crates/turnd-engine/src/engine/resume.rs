@@ -2,6 +2,7 @@
 //! machine's `resume` under the session's lock and answered once durable.
 
 use turnd_proto::{ResumeArgs, SubmitOk};
+use turnd_store::RawJson;
 use turnd_store::TurnRecord;
 
 use super::{read_failed, unavailable, ApiResult, Engine};
@@ -14,7 +15,7 @@ impl Engine {
     /// `turn.resume`: `conflict` unless the turn awaits input (or the resume repeats
     /// one of its earlier resumes: the same key and input get the turn as it is now,
     /// `deduplicated`).
-    pub async fn resume(&self, args: ResumeArgs) -> ApiResult<SubmitOk> {
+    pub async fn resume(&self, args: ResumeArgs) -> ApiResult<SubmitOk<RawJson>> {
         let input = self.checked_input(&args.input, args.idempotency_key.as_deref())?;
         let rec = self.stored_turn(&args.turn_id)?;
         let cell = self.sessions().cell(&rec.session_id);
@@ -53,7 +54,7 @@ impl Engine {
         st: &SessionState,
         t: &TurnRecord,
         verdict: ResumeVerdict,
-    ) -> ApiResult<SubmitOk> {
+    ) -> ApiResult<SubmitOk<RawJson>> {
         let deduplicated = match verdict {
             ResumeVerdict::Resumed => false,
             ResumeVerdict::Duplicate => {

@@ -1,6 +1,6 @@
 //! Stop: `turn.stop` and `session.stop`.
 
-use turnd_proto::Turn;
+use crate::TurnView;
 
 use super::{check_id, read_failed, unavailable, ApiResult, Engine};
 use crate::error::EngineError;
@@ -9,7 +9,7 @@ use crate::view::to_turn;
 
 impl Engine {
     /// `turn.stop`.
-    pub async fn stop_turn(&self, turn_id: &str, reason: Option<String>) -> ApiResult<Turn> {
+    pub async fn stop_turn(&self, turn_id: &str, reason: Option<String>) -> ApiResult<TurnView> {
         let rec = self.stored_turn(turn_id)?;
         let cell = self.sessions().cell(&rec.session_id);
         let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
@@ -45,7 +45,7 @@ impl Engine {
         &self,
         session_id: &str,
         reason: Option<String>,
-    ) -> ApiResult<Vec<Turn>> {
+    ) -> ApiResult<Vec<TurnView>> {
         check_id("session_id", session_id)?;
         let cell = self.sessions().cell(session_id);
         let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;

@@ -1,7 +1,8 @@
 //! `turn.submit`: the checks of its arguments, the idempotency key, `on_busy`, then
 //! the machine's `submit` under the session's lock.
 
-use turnd_proto::{new_turn_id, new_turn_id_in, OnBusy, SubmitArgs, SubmitOk, Turn};
+use crate::TurnView;
+use turnd_proto::{new_turn_id, new_turn_id_in, OnBusy, SubmitArgs, SubmitOk};
 use turnd_store::{RawJson, TurnDispatch};
 
 use super::{check_id, read_failed, unavailable, ApiResult, Engine};
@@ -36,13 +37,17 @@ impl SubmitOptions {
 
 impl Engine {
     /// `turn.submit`.
-    pub async fn submit(&self, args: SubmitArgs) -> ApiResult<SubmitOk> {
+    pub async fn submit(&self, args: SubmitArgs) -> ApiResult<SubmitOk<RawJson>> {
         self.submit_with(args, SubmitOptions::default()).await
     }
 
     /// `turn.submit` with settings of the turn's own ([`SubmitOptions`]). A resent
     /// submit that finds its idempotency key returns the turn it admitted.
-    pub async fn submit_with(&self, args: SubmitArgs, opts: SubmitOptions) -> ApiResult<SubmitOk> {
+    pub async fn submit_with(
+        &self,
+        args: SubmitArgs,
+        opts: SubmitOptions,
+    ) -> ApiResult<SubmitOk<RawJson>> {
         let input = self.check_submit(&args, &opts)?;
         let cell = self.sessions().cell(&args.session_id);
         let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
@@ -151,7 +156,7 @@ impl Engine {
 
     /// The turn a submit with the same idempotency key admitted before, if any; a
     /// conflict if that one had another function or input.
-    fn admitted_before(&self, st: &SessionState, args: &SubmitArgs) -> ApiResult<Option<Turn>> {
+    fn admitted_before(&self, st: &SessionState, args: &SubmitArgs) -> ApiResult<Option<TurnView>> {
         let Some(key) = &args.idempotency_key else {
             return Ok(None);
         };

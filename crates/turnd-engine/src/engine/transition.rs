@@ -14,7 +14,7 @@ use turnd_store::{Phase, StoreError};
 use super::Engine;
 use crate::machine::{self, Effect, Tx};
 use crate::metrics::Counters;
-use crate::registry::{push_frame, Assignment, Registry};
+use crate::registry::{invoke_frame, push_frame, Assignment, Registry};
 use crate::session::SessionState;
 use crate::sessions::SessionCell;
 use crate::wait_index::WaitEntry;
@@ -143,7 +143,7 @@ impl Engine {
                     .registry()
                     .outbox_of(&worker_id, &instance_id)
                     .filter(|o| o.conn_id == conn_id);
-                (o, push_frame(&Push::Invoke(invoke)))
+                (o, invoke_frame(invoke))
             }
             Effect::Cancel {
                 worker_id,

@@ -3,6 +3,7 @@
 
 use serde_json::{json, Value};
 use turnd_proto::{ErrorCause, EventKind, Invoke, PreviousTurn, TurnStatus};
+use turnd_store::RawJson;
 use turnd_store::{InvState, InvWait, InvocationRecord, Phase, TurnRecord};
 
 use super::outcomes::fail;
@@ -113,7 +114,7 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
             turn_id: h.turn_id.clone(),
             step: h.step,
             attempt,
-            input: h.state().to_value(),
+            input: h.state().clone(),
             deadline_ms: inv.deadline_ms,
             previous: previous_of(&h),
         },
@@ -197,11 +198,11 @@ pub(super) fn dispatch_detail(
 }
 
 /// The `previous` of an invoke of `h`: the turn it interrupted, at its step 0.
-fn previous_of(h: &TurnRecord) -> Option<PreviousTurn> {
+fn previous_of(h: &TurnRecord) -> Option<PreviousTurn<RawJson>> {
     let p = h.previous.as_deref().filter(|_| h.step == 0)?;
     Some(PreviousTurn {
         turn_id: p.turn_id.clone(),
         status: p.status,
-        state: p.state.to_value(),
+        state: p.state.clone(),
     })
 }

@@ -199,7 +199,7 @@ fn an_interrupt_stops_every_unfinished_turn_and_holds_for_the_running_step() {
     assert_eq!(invoke.len(), 1, "{e:?}");
     assert_eq!(invoke[0].turn_id, c);
     assert_eq!(
-        invoke[0].previous.as_ref().map(|p| p.state.clone()),
+        invoke[0].previous.as_ref().map(|p| p.state.to_value()),
         Some(json!({"n": 1}))
     );
 }

@@ -36,6 +36,7 @@
 //! timer must fire next.
 
 use turnd_proto::Invoke;
+use turnd_store::RawJson;
 use turnd_store::{FunctionSettings, Phase, SessionMeta, TurnRecord};
 
 use crate::config::EngineConfig;
@@ -100,7 +101,7 @@ pub enum Effect {
         worker_id: String,
         instance_id: String,
         conn_id: String,
-        invoke: Invoke,
+        invoke: Invoke<RawJson>,
     },
     /// Tell the worker to stop running an invocation.
     Cancel {

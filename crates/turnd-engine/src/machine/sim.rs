@@ -210,7 +210,7 @@ impl Sim {
 }
 
 /// The invocations the effects send.
-pub(super) fn invokes(effects: &[Effect]) -> Vec<&Invoke> {
+pub(super) fn invokes(effects: &[Effect]) -> Vec<&Invoke<RawJson>> {
     effects
         .iter()
         .filter_map(|e| match e {

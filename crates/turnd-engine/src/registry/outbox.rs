@@ -13,6 +13,13 @@ pub(crate) fn push_frame(p: &Push) -> String {
         .expect("push frames serialize")
 }
 
+/// The text of an `invoke` push, its input the JSON text the store holds.
+pub(crate) fn invoke_frame(invoke: turnd_proto::Invoke<turnd_store::RawJson>) -> String {
+    // As `push_frame`: built from our own types, and stored JSON text is valid JSON.
+    turnd_proto::frame::to_json_text(&Push::Invoke(invoke), turnd_proto::frame::FRAME_CAPACITY)
+        .expect("push frames serialize")
+}
+
 /// Why an outgoing frame is sent; the connection task closes with the right code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CloseReason {

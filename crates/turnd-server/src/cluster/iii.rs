@@ -88,7 +88,8 @@ impl NodeIii {
         let p = session_partition(&args.session_id, node.cluster.partitions);
         if let Some(led) = node.led(p).filter(|l| super::lease_runs(&l.lease)) {
             let run = led.engine.submit_with(args, opts);
-            return Ok(led.inflight.track_future(run).await?);
+            let ok = led.inflight.track_future(run).await?;
+            return Ok(ok.map_json(|j| j.to_value()));
         }
         let f = Forwarded {
             role: Role::Client,

@@ -148,6 +148,14 @@ impl PartialEq for RawJson {
     }
 }
 
+/// The same JSON as a parsed value (compared parsed: the text's spacing and key
+/// order do not count).
+impl PartialEq<Value> for RawJson {
+    fn eq(&self, other: &Value) -> bool {
+        self.to_value() == *other
+    }
+}
+
 impl std::fmt::Debug for RawJson {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.0.get())
