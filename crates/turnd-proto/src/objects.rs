@@ -576,24 +576,36 @@ impl Suspend {
     }
 }
 
-impl From<Suspend> for Outcome {
-    fn from(s: Suspend) -> Outcome {
+impl<J> From<Suspend> for Outcome<J> {
+    fn from(s: Suspend) -> Outcome<J> {
         Outcome::Suspend(s)
     }
 }
 
-/// The outcome of one invocation, as a worker reports it.
+/// The outcome of one invocation, as a worker reports it (`J`: the form of a
+/// `complete` or `continue` value, see [`Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Outcome {
-    Complete(Value),
-    Continue(Value),
+pub enum Outcome<J = Value> {
+    Complete(J),
+    Continue(J),
     Fail(Failure),
     Cancelled(Cancelled),
     Suspend(Suspend),
 }
 
-impl Outcome {
+impl<J> Outcome<J> {
+    /// The same outcome with its value in another form.
+    pub fn map_json<K>(self, f: impl FnOnce(J) -> K) -> Outcome<K> {
+        match self {
+            Outcome::Complete(v) => Outcome::Complete(f(v)),
+            Outcome::Continue(v) => Outcome::Continue(f(v)),
+            Outcome::Fail(x) => Outcome::Fail(x),
+            Outcome::Cancelled(x) => Outcome::Cancelled(x),
+            Outcome::Suspend(x) => Outcome::Suspend(x),
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             Outcome::Complete(_) => "complete",

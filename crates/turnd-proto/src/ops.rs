@@ -207,10 +207,22 @@ pub struct FunctionIdArgs {
     pub function_id: String,
 }
 
+/// `invocation.result` (`J`: the form of a `complete` or `continue` value, see
+/// [`Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ResultArgs {
+pub struct ResultArgs<J = Value> {
     pub invocation_id: String,
-    pub outcome: Outcome,
+    pub outcome: Outcome<J>,
+}
+
+impl<J> ResultArgs<J> {
+    /// The same result with its value in another form.
+    pub fn map_json<K>(self, f: impl FnOnce(J) -> K) -> ResultArgs<K> {
+        ResultArgs {
+            invocation_id: self.invocation_id,
+            outcome: self.outcome.map_json(f),
+        }
+    }
 }
 
 /// How the server took an `invocation.result`.
@@ -298,18 +310,34 @@ impl OnBusy {
     }
 }
 
+/// `turn.submit` (`J`: the form of its input, see [`Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SubmitArgs {
+#[serde(bound(deserialize = "J: Deserialize<'de> + Default"))]
+pub struct SubmitArgs<J = Value> {
     pub session_id: String,
     pub function_id: String,
     #[serde(default)]
-    pub input: Value,
+    pub input: J,
     #[serde(default)]
     pub idempotency_key: Option<String>,
     #[serde(default)]
     pub turn_timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_busy: Option<OnBusy>,
+}
+
+impl<J> SubmitArgs<J> {
+    /// The same submit with its input in another form.
+    pub fn map_input<K>(self, f: impl FnOnce(J) -> K) -> SubmitArgs<K> {
+        SubmitArgs {
+            session_id: self.session_id,
+            function_id: self.function_id,
+            input: f(self.input),
+            idempotency_key: self.idempotency_key,
+            turn_timeout_ms: self.turn_timeout_ms,
+            on_busy: self.on_busy,
+        }
+    }
 }
 
 /// `turn.resume`: the input a suspended turn waits for.

@@ -12,9 +12,10 @@
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use turnd_engine::{Caller, Engine};
+use turnd_engine::{Caller, Engine, SubmitOptions};
 use turnd_proto::frame::{encode_ok, to_json_text, FRAME_CAPACITY};
 use turnd_proto::*;
+use turnd_store::RawJson;
 
 /// An op's answer as JSON text, written into the `ok` frame as it is.
 pub type Reply = String;
@@ -142,7 +143,12 @@ async fn worker_op(
             engine.unregister(&worker, &a.function_id)?;
             Ok(EMPTY.to_string())
         }
-        Op::InvocationResult => encode(&own_size(engine.result(caller, decode(args)?)).await?),
+        // The value is taken as the JSON text the frame carried (never built into a
+        // tree: `IntoRawJson`), as is a submit's input.
+        Op::InvocationResult => {
+            let a: ResultArgs<RawJson> = decode(args)?;
+            encode(&own_size(engine.result_raw(caller, a)).await?)
+        }
         Op::InvocationHeartbeat => {
             let a: InvocationIdArgs = decode(args)?;
             encode(&own_size(engine.heartbeat(caller, &a.invocation_id)).await?)
@@ -159,7 +165,10 @@ async fn worker_op(
 /// The ops of a caller: turns, sessions and the daemon's lists.
 async fn caller_op(engine: &Engine, op: Op, args: &str) -> Result<Reply, ErrorBody> {
     match op {
-        Op::TurnSubmit => encode(&own_size(engine.submit(decode(args)?)).await?),
+        Op::TurnSubmit => {
+            let a: SubmitArgs<RawJson> = decode(args)?;
+            encode(&own_size(engine.submit_raw(a, SubmitOptions::default())).await?)
+        }
         Op::TurnResume => encode(&own_size(engine.resume(decode(args)?)).await?),
         Op::TurnGet => {
             let a: TurnIdArgs = decode(args)?;

@@ -4,7 +4,7 @@
 use turnd_proto::{
     Accepted, HeartbeatOk, InvocationState, Outcome, ResultArgs, ResultOk, StatusArgs,
 };
-use turnd_store::{FoldedTurn, InvState, InvocationRecord, TurnRecord};
+use turnd_store::{FoldedTurn, IntoRawJson, InvState, InvocationRecord, RawJson, TurnRecord};
 
 use super::{read_failed, unavailable, ApiResult, Caller, Engine};
 use crate::error::EngineError;
@@ -14,6 +14,23 @@ use crate::metrics::Counters;
 impl Engine {
     /// `invocation.result`.
     pub async fn result(&self, caller: &Caller, args: ResultArgs) -> ApiResult<ResultOk> {
+        let args = args.map_json(|v| RawJson::from_value(&v));
+        Box::pin(self.take_result(caller, args)).await
+    }
+
+    /// `invocation.result` with its value as the JSON text the request carried, taken
+    /// as it is when compact ([`IntoRawJson`]).
+    pub async fn result_raw(
+        &self,
+        caller: &Caller,
+        args: ResultArgs<RawJson>,
+    ) -> ApiResult<ResultOk> {
+        let args = args.map_json(IntoRawJson::into_raw_json);
+        Box::pin(self.take_result(caller, args)).await
+    }
+
+    /// A result with its value as the daemon keeps it.
+    async fn take_result(&self, caller: &Caller, args: ResultArgs<RawJson>) -> ApiResult<ResultOk> {
         let unknown = || {
             Counters::inc(&self.inner.counters.results_unknown);
             Ok(ResultOk {
@@ -91,7 +108,7 @@ impl Engine {
     fn late_result_records(
         &self,
         rec: &InvocationRecord,
-        outcome: &Outcome,
+        outcome: &Outcome<RawJson>,
     ) -> ApiResult<(Option<FoldedTurn>, Option<TurnRecord>)> {
         let recordable = !rec.late && !matches!(rec.state, InvState::Finished | InvState::Active);
         let folded = if recordable {

@@ -16,7 +16,8 @@ impl Engine {
     /// one of its earlier resumes: the same key and input get the turn as it is now,
     /// `deduplicated`).
     pub async fn resume(&self, args: ResumeArgs) -> ApiResult<SubmitOk<RawJson>> {
-        let input = self.checked_input(&args.input, args.idempotency_key.as_deref())?;
+        let input = RawJson::from_value(&args.input);
+        self.checked_input(&input, args.idempotency_key.as_deref())?;
         let rec = self.stored_turn(&args.turn_id)?;
         let cell = self.sessions().cell(&rec.session_id);
         let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;

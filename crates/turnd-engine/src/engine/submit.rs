@@ -3,7 +3,7 @@
 
 use crate::TurnView;
 use turnd_proto::{new_turn_id, new_turn_id_in, OnBusy, SubmitArgs, SubmitOk};
-use turnd_store::{RawJson, TurnDispatch};
+use turnd_store::{IntoRawJson, RawJson, TurnDispatch};
 
 use super::{check_id, read_failed, unavailable, ApiResult, Engine};
 use crate::error::EngineError;
@@ -48,7 +48,28 @@ impl Engine {
         args: SubmitArgs,
         opts: SubmitOptions,
     ) -> ApiResult<SubmitOk<RawJson>> {
-        let input = self.check_submit(&args, &opts)?;
+        let args = args.map_input(|v| RawJson::from_value(&v));
+        Box::pin(self.admit(args, opts)).await
+    }
+
+    /// `turn.submit` with its input as the JSON text the request carried, taken as
+    /// it is when compact ([`IntoRawJson`]).
+    pub async fn submit_raw(
+        &self,
+        args: SubmitArgs<RawJson>,
+        opts: SubmitOptions,
+    ) -> ApiResult<SubmitOk<RawJson>> {
+        let args = args.map_input(IntoRawJson::into_raw_json);
+        Box::pin(self.admit(args, opts)).await
+    }
+
+    /// A submit of an input as the daemon keeps it.
+    async fn admit(
+        &self,
+        args: SubmitArgs<RawJson>,
+        opts: SubmitOptions,
+    ) -> ApiResult<SubmitOk<RawJson>> {
+        self.check_submit(&args, &opts)?;
         let cell = self.sessions().cell(&args.session_id);
         let mut st = self.sessions().lock(&cell).await.map_err(read_failed)?;
         if let Some(turn) = self.admitted_before(&st, &args)? {
@@ -67,7 +88,7 @@ impl Engine {
         let submission = machine::Submission {
             turn_id: turn_id.clone(),
             function_id: args.function_id,
-            input,
+            input: args.input,
             idempotency_key: args.idempotency_key,
             turn_timeout_ms: args.turn_timeout_ms,
             dispatch: opts.dispatch,
@@ -126,37 +147,36 @@ impl Engine {
 
     /// A caller's `input` as stored, and its idempotency key, checked: `too_large`
     /// over `turns.max_value_bytes` (a submit's and a resume's alike).
-    pub(super) fn checked_input(
-        &self,
-        input: &serde_json::Value,
-        key: Option<&str>,
-    ) -> ApiResult<RawJson> {
+    pub(super) fn checked_input(&self, input: &RawJson, key: Option<&str>) -> ApiResult<()> {
         if let Some(k) = key {
             check_id("idempotency_key", k)?;
         }
         let max = self.inner.cfg.turns.max_value_bytes;
-        let input = RawJson::from_value(input);
         if input.len() as u64 > max {
             return Err(EngineError::InputTooLarge { max });
         }
-        Ok(input)
+        Ok(())
     }
 
-    /// Check a submit's arguments; its input as stored.
-    fn check_submit(&self, args: &SubmitArgs, opts: &SubmitOptions) -> ApiResult<RawJson> {
+    /// Check a submit's arguments.
+    fn check_submit(&self, args: &SubmitArgs<RawJson>, opts: &SubmitOptions) -> ApiResult<()> {
         opts.check()?;
         check_id("session_id", &args.session_id)?;
         check_id("function_id", &args.function_id)?;
-        let input = self.checked_input(&args.input, args.idempotency_key.as_deref())?;
+        self.checked_input(&args.input, args.idempotency_key.as_deref())?;
         if args.turn_timeout_ms == Some(0) {
             return Err(EngineError::out_of_range("turn_timeout_ms", "positive"));
         }
-        Ok(input)
+        Ok(())
     }
 
     /// The turn a submit with the same idempotency key admitted before, if any; a
     /// conflict if that one had another function or input.
-    fn admitted_before(&self, st: &SessionState, args: &SubmitArgs) -> ApiResult<Option<TurnView>> {
+    fn admitted_before(
+        &self,
+        st: &SessionState,
+        args: &SubmitArgs<RawJson>,
+    ) -> ApiResult<Option<TurnView>> {
         let Some(key) = &args.idempotency_key else {
             return Ok(None);
         };
@@ -176,7 +196,9 @@ impl Engine {
                     rec.turn_id
                 ))
             })?;
-        if t.function_id != args.function_id || t.input.to_value() != args.input {
+        // Compared parsed: the same input sent with its members in another order is
+        // the same input.
+        if t.function_id != args.function_id || *t.input != args.input.to_value() {
             return Err(EngineError::IdempotencyConflict {
                 key: key.clone(),
                 turn_id: t.turn_id.clone(),

@@ -5,7 +5,7 @@ use serde_json::json;
 use turnd_proto::{Delivery, ErrorCause, Failure, OnDeadline, Outcome, TurnStatus, WaitState};
 use turnd_store::{InvState, TurnDispatch};
 
-use super::sim::{invokes, Sim};
+use super::sim::{invokes, raw, Sim};
 use super::*;
 use crate::view::wait_of;
 
@@ -56,7 +56,7 @@ fn a_stopped_invocation_that_cannot_be_cancelled_holds_the_session_until_its_res
     // Its result arrives (late): the next turn is dispatched in the same write.
     let rec = sim.inv(&inv).clone();
     let mut v = LateVerdict::Duplicate;
-    let e = sim.run(|cx, tx| v = late_result(cx, tx, &rec, &complete(), None));
+    let e = sim.run(|cx, tx| v = late_result(cx, tx, &rec, &raw(complete()), None));
     assert_eq!(v, LateVerdict::Recorded);
     assert_eq!(invokes(&e).len(), 1, "{e:?}");
     assert_eq!(invokes(&e)[0].turn_id, b);

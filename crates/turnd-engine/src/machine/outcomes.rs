@@ -86,7 +86,7 @@ pub(super) fn apply_outcome(
     tx: &mut Tx,
     mut h: TurnRecord,
     inv: InvocationRecord,
-    outcome: Outcome,
+    outcome: Outcome<RawJson>,
 ) {
     let max_value = cx.cfg.turns.max_value_bytes;
     tx.event(
@@ -106,7 +106,6 @@ pub(super) fn apply_outcome(
     done.outcome = Some(outcome.kind().to_string());
     give_up(cx, tx, done, InvState::Finished);
     let stopped = h.stop.is_some();
-    // A step's value is serialized once, for the size limit and for the record.
     let too_large = |v: &RawJson| v.len() as u64 > max_value;
     let fail_too_large = |tx: &mut Tx, h: TurnRecord, inv_id: String| {
         fail(
@@ -120,16 +119,14 @@ pub(super) fn apply_outcome(
         );
     };
     match outcome {
-        Outcome::Complete(v) => {
-            let output = RawJson::from_value(&v);
+        Outcome::Complete(output) => {
             if too_large(&output) {
                 fail_too_large(tx, h, inv_id);
             } else {
                 complete(cx, tx, h, output);
             }
         }
-        Outcome::Continue(v) => {
-            let state = RawJson::from_value(&v);
+        Outcome::Continue(state) => {
             if too_large(&state) {
                 fail_too_large(tx, h, inv_id);
             } else if stopped {

@@ -115,7 +115,7 @@ fn apply(sim: &mut Sim, op: &Op, minted: &mut Vec<String>) {
             // As the shell does: not current, so its stored record decides.
             let rec = sim.inv(&inv).clone();
             let turn = sim.turns.get(&rec.turn_id).cloned();
-            let o = outcome(*k);
+            let o = outcome(*k).map_json(|v| turnd_store::RawJson::from_value(&v));
             let mut v = LateVerdict::Duplicate;
             sim.run(|cx, tx| v = late_result(cx, tx, &rec, &o, turn.as_ref()));
             assert_ne!(

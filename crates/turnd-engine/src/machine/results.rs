@@ -14,7 +14,7 @@ use super::{held_until, Ctx, Tx};
 /// Event "result": the outcome of `invocation_id`. Returns false, and builds nothing,
 /// when it is not the session's live invocation (the shell then looks up its record
 /// for [`late_result`]).
-pub fn result(cx: &Ctx, tx: &mut Tx, invocation_id: &str, outcome: Outcome) -> bool {
+pub fn result(cx: &Ctx, tx: &mut Tx, invocation_id: &str, outcome: Outcome<RawJson>) -> bool {
     let Some(inv) = tx
         .live(cx.st)
         .filter(|i| i.invocation_id == invocation_id)
@@ -48,7 +48,7 @@ pub fn late_result(
     cx: &Ctx,
     tx: &mut Tx,
     rec: &InvocationRecord,
-    outcome: &Outcome,
+    outcome: &Outcome<RawJson>,
     turn: Option<&TurnRecord>,
 ) -> LateVerdict {
     if rec.state == InvState::Finished || rec.late {
@@ -79,7 +79,7 @@ pub fn late_result(
                     && e.invocation_id.as_deref() == Some(&rec.invocation_id)
             })
             .unwrap_or(false);
-    let output = RawJson::from_value(output);
+    let output = output.clone();
     if names_it && output.len() as u64 <= cx.cfg.turns.max_value_bytes {
         let before = json!({"status": t.status, "error": t.error});
         let mut amended = t.clone();

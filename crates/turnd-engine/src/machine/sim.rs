@@ -174,6 +174,7 @@ impl Sim {
 
     /// A result for `inv`; whether it was the live one.
     pub fn result(&mut self, inv: &str, outcome: Outcome) -> bool {
+        let outcome = raw(outcome);
         self.step(|cx, tx| result(cx, tx, inv, outcome)).0
     }
 
@@ -207,6 +208,11 @@ impl Sim {
             .find(|e| e.kind == kind)
             .expect("an event of that kind")
     }
+}
+
+/// An outcome as the engine takes it: its value as compact JSON text.
+pub(super) fn raw(outcome: Outcome) -> Outcome<RawJson> {
+    outcome.map_json(|v| RawJson::from_value(&v))
 }
 
 /// The invocations the effects send.

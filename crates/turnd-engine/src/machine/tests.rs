@@ -7,7 +7,7 @@ use turnd_proto::{
 };
 use turnd_store::{InvState, InvWait, Phase, RawJson};
 
-use super::sim::{cancels, invokes, probes, Sim};
+use super::sim::{cancels, invokes, probes, raw, Sim};
 use super::*;
 
 fn complete() -> Outcome {
@@ -51,7 +51,14 @@ fn the_invoke_effect_carries_the_step_and_goes_to_the_granted_connection() {
     sim.submit();
     let inv = sim.live();
     let mut applied = false;
-    let e = sim.run(|cx, tx| applied = result(cx, tx, &inv, Outcome::Continue(json!({"k": 2}))));
+    let e = sim.run(|cx, tx| {
+        applied = result(
+            cx,
+            tx,
+            &inv,
+            Outcome::Continue(RawJson::from_value(&json!({"k": 2}))),
+        )
+    });
     assert!(applied);
     let next = sim.live();
     assert_eq!(sim.inv(&next).step, 1);
@@ -458,7 +465,7 @@ fn stopping_with_the_worker_away_cancels_at_once() {
     // A result that still arrives is late.
     let rec = sim.inv(&inv).clone();
     let mut v = LateVerdict::Duplicate;
-    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &complete(), None));
+    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &raw(complete()), None));
     assert_eq!(v, LateVerdict::Recorded);
     assert!(sim.inv(&inv).late);
 }
@@ -536,7 +543,7 @@ fn a_late_complete_amends_the_outcome_unknown_failure_naming_it() {
     let rec = sim.inv(&inv).clone();
     let turn = sim.turn(&a).clone();
     let mut v = LateVerdict::Duplicate;
-    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &complete(), Some(&turn)));
+    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &raw(complete()), Some(&turn)));
     assert_eq!(v, LateVerdict::Recorded);
     let t = sim.turn(&a);
     assert_eq!(t.status, TurnStatus::Completed);
@@ -549,7 +556,7 @@ fn a_late_complete_amends_the_outcome_unknown_failure_naming_it() {
     // The same result again is a duplicate and changes nothing.
     let rec = sim.inv(&inv).clone();
     let before = sim.events.len();
-    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &complete(), Some(&turn)));
+    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &raw(complete()), Some(&turn)));
     assert_eq!(v, LateVerdict::Duplicate);
     assert_eq!(sim.events.len(), before);
 }
@@ -566,7 +573,7 @@ fn a_late_failure_or_a_late_result_of_another_invocation_amends_nothing() {
     let rec = sim.inv(&first).clone();
     let turn = sim.turn(&a).clone();
     let mut v = LateVerdict::Duplicate;
-    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &complete(), Some(&turn)));
+    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &raw(complete()), Some(&turn)));
     assert_eq!(v, LateVerdict::Recorded);
     assert_eq!(sim.turn(&a).status, TurnStatus::Running);
     assert_eq!(sim.live(), second);
@@ -606,7 +613,7 @@ fn a_late_complete_never_amends_a_failure_of_another_cause() {
     let rec = sim.inv(&inv).clone();
     let turn = sim.turn(&a).clone();
     let mut v = LateVerdict::Duplicate;
-    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &complete(), Some(&turn)));
+    sim.run(|cx, tx| v = late_result(cx, tx, &rec, &raw(complete()), Some(&turn)));
     assert_eq!(v, LateVerdict::Recorded);
     assert_eq!(sim.turn(&a).status, TurnStatus::Failed);
     assert!(!sim.kinds(&a).contains(&EventKind::Amended));

@@ -148,6 +148,63 @@ impl PartialEq for RawJson {
     }
 }
 
+/// JSON `null`: what an absent `input` is.
+impl Default for RawJson {
+    fn default() -> RawJson {
+        RawJson::from_value(&Value::Null)
+    }
+}
+
+/// A payload as a request carried it, in the form the daemon keeps: a parsed value
+/// written as compact text, or JSON text the request carried, taken as it is when it
+/// is compact (no whitespace outside strings: what every SDK sends) and else written
+/// again compact. Either way the daemon keeps and measures compact text; text taken
+/// as it is keeps the caller's member order and number spelling, and is never built
+/// into a tree.
+pub trait IntoRawJson {
+    fn into_raw_json(self) -> RawJson;
+}
+
+impl IntoRawJson for Value {
+    fn into_raw_json(self) -> RawJson {
+        RawJson::from_value(&self)
+    }
+}
+
+impl IntoRawJson for RawJson {
+    fn into_raw_json(self) -> RawJson {
+        if self.is_compact() {
+            self
+        } else {
+            RawJson::from_value(&self.to_value())
+        }
+    }
+}
+
+impl RawJson {
+    /// Whether the text has no whitespace outside its strings.
+    pub fn is_compact(&self) -> bool {
+        let mut in_string = false;
+        let mut escaped = false;
+        for &b in self.0.get().as_bytes() {
+            if in_string {
+                if escaped {
+                    escaped = false;
+                } else if b == b'\\' {
+                    escaped = true;
+                } else if b == b'"' {
+                    in_string = false;
+                }
+            } else if b == b'"' {
+                in_string = true;
+            } else if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                return false;
+            }
+        }
+        true
+    }
+}
+
 /// The same JSON as a parsed value (compared parsed: the text's spacing and key
 /// order do not count).
 impl PartialEq<Value> for RawJson {
@@ -646,6 +703,37 @@ pub struct SessionKeys<'a> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Text a request carried is kept as it is when it has no whitespace outside its
+    /// strings (escaped quotes and backslashes inside them included), and written
+    /// again compact when it has.
+    #[test]
+    fn request_text_is_kept_when_compact() {
+        let text = |t: &str| RawJson::from_stored(t.as_bytes()).expect("JSON");
+        for kept in [
+            r#"{"z":1,"a":"x y \" z\\","b":[1.50,1e2]}"#,
+            r#""\\""#,
+            "[]",
+            "12345678901234567890123",
+        ] {
+            let raw = text(kept);
+            assert!(raw.is_compact(), "{kept}");
+            assert_eq!(raw.into_raw_json().as_str(), kept);
+        }
+        for (spaced, compact) in [
+            ("{ \"b\":1,\"a\":2}", r#"{"a":2,"b":1}"#),
+            ("[1,\n2]", "[1,2]"),
+            (
+                "{\"a\":\"\\\\\",\t\"b\":\"x y\"}",
+                r#"{"a":"\\","b":"x y"}"#,
+            ),
+            ("[\"\\\"\" ,\r1]", r#"["\"",1]"#),
+        ] {
+            let raw = text(spaced);
+            assert!(!raw.is_compact(), "{spaced}");
+            assert_eq!(raw.into_raw_json().as_str(), compact);
+        }
+    }
 
     #[test]
     fn raw_json_keeps_the_value_and_its_stored_form() {
