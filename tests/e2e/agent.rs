@@ -71,6 +71,20 @@ async fn progress(w: &mut Raw, inv: &Value, data: Value) -> Result<Value> {
     .await
 }
 
+/// A turn of `session` running on worker `w1`, and a watcher that asked for its
+/// progress: the worker, the caller, the watcher, the turn's id and its invocation's.
+async fn streaming(url: &str, session: &str) -> Result<(Raw, Raw, Raw, Value, Value)> {
+    let mut w = worker(url, "w1").await?;
+    let mut c = client(url).await?;
+    let mut asked = client(url).await?;
+    asked
+        .ok("watch", json!({"session_id": session, "progress": true}))
+        .await?;
+    let t = submit(&mut c, session, json!(1), json!({})).await?["turn"]["turn_id"].clone();
+    let inv = next_of(&mut w, "invoke").await?["invocation_id"].clone();
+    Ok((w, c, asked, t, inv))
+}
+
 async fn result(w: &mut Raw, inv: &Value, outcome: Value) -> Result<Value> {
     w.ok(
         "invocation.result",
@@ -113,6 +127,34 @@ fn code(frame: &Value) -> &str {
         .pointer("/error/code")
         .and_then(Value::as_str)
         .unwrap_or("ok")
+}
+
+/// Progress `data` reaches a watcher as the compact text the worker sent (members in
+/// its order, an integer past 64 bits with its digits); text with whitespace outside
+/// its strings is written again compact, and measured so against
+/// `turns.max_progress_bytes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_data_keeps_the_text_the_worker_sent() -> Result<()> {
+    let d = TestDaemon::start(|c| c.turns.max_progress_bytes = 40).await?;
+    let (mut w, _c, mut asked, _, inv) = streaming(&d.url, "pt").await?;
+    let data = r#"{"z":1,"a":12345678901234567890123}"#;
+    w.send_text(&format!(
+        r#"{{"id":90,"op":"invocation.progress","args":{{"invocation_id":{inv},"data":{data}}}}}"#
+    ))
+    .await?;
+    ensure!(w.text_with(r#""id":90"#).await?.contains(r#""seq":1"#));
+    let pushed = asked.text_with(r#""push":"progress""#).await?;
+    ensure!(pushed.contains(&format!(r#""data":{data}"#)), "{pushed}");
+    // 62 bytes as sent, 13 compact: within the limit of 40, and sent compact.
+    let spaced = format!("{{ \"b\" : [ 1 , 2 ] ,{} \"a\" : 3 }}", " ".repeat(40));
+    w.send_text(&format!(
+        r#"{{"id":91,"op":"invocation.progress","args":{{"invocation_id":{inv},"data":{spaced}}}}}"#
+    ))
+    .await?;
+    ensure!(w.text_with(r#""id":91"#).await?.contains(r#""seq":2"#));
+    let pushed = asked.text_with(r#""push":"progress""#).await?;
+    ensure!(pushed.contains(r#""data":{"a":3,"b":[1,2]}"#), "{pushed}");
+    d.shutdown().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -203,14 +245,7 @@ async fn progress_reaches_the_watchers_that_asked_in_order_and_only_while_curren
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn progress_of_an_invocation_reconciled_as_lost_is_refused() -> Result<()> {
     let d = TestDaemon::start(|c| c.turns.reconnect_grace_ms = 60_000).await?;
-    let mut w = worker(&d.url, "w1").await?;
-    let mut c = client(&d.url).await?;
-    let mut asked = client(&d.url).await?;
-    asked
-        .ok("watch", json!({"session_id": "r", "progress": true}))
-        .await?;
-    let t = submit(&mut c, "r", json!(1), json!({})).await?["turn"]["turn_id"].clone();
-    let inv = next_of(&mut w, "invoke").await?["invocation_id"].clone();
+    let (mut w, mut c, mut asked, t, inv) = streaming(&d.url, "r").await?;
     assert_eq!(progress(&mut w, &inv, json!("one")).await?["ok"]["seq"], 1);
     // The worker comes back as a new instance that runs nothing: the invocation is
     // reconciled as lost (an at_most_once turn fails).

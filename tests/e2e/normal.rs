@@ -712,24 +712,6 @@ async fn max_steps_reached_fails_with_step_limit() -> Result<()> {
     d.shutdown().await
 }
 
-/// The text of the next frame on `r` that contains `part`, at most 5 s (frames before
-/// it are dropped).
-async fn text_with(r: &mut Raw, part: &str) -> Result<String> {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, r.ws.next()).await {
-            Ok(Some(Ok(Message::Text(t)))) if t.as_str().contains(part) => {
-                return Ok(t.as_str().to_string())
-            }
-            Ok(Some(Ok(_))) => continue,
-            Ok(Some(Err(e))) => bail!("socket error: {e}"),
-            Ok(None) => bail!("connection ended"),
-            Err(_) => bail!("no frame with {part} within 5 s"),
-        }
-    }
-}
-
 /// Payloads travel as the compact JSON text a peer sent: a submit's input and a
 /// step's output reach the worker and the callers member for member and digit for
 /// digit (members out of order, an integer no 64-bit type holds, `1.50`, `1e2`).
@@ -747,9 +729,9 @@ async fn payloads_keep_the_text_a_peer_sent() -> Result<()> {
         r#"{{"id":7,"op":"turn.submit","args":{{"session_id":"s-text","function_id":"raw.keep","input":{input}}}}}"#
     ))
     .await?;
-    let answer = text_with(&mut c, r#""id":7"#).await?;
+    let answer = c.text_with(r#""id":7"#).await?;
     ensure!(answer.contains(&format!(r#""input":{input}"#)), "{answer}");
-    let invoke = text_with(&mut w, r#""push":"invoke""#).await?;
+    let invoke = w.text_with(r#""push":"invoke""#).await?;
     ensure!(invoke.contains(&format!(r#""input":{input}"#)), "{invoke}");
     let pushed: Value = serde_json::from_str(&invoke)?;
     let inv_id = pushed["invocation_id"].as_str().context("invocation_id")?;
@@ -759,12 +741,12 @@ async fn payloads_keep_the_text_a_peer_sent() -> Result<()> {
         r#"{{"id":8,"op":"invocation.result","args":{{"invocation_id":"{inv_id}","outcome":{{"complete":{output}}}}}}}"#
     ))
     .await?;
-    ensure!(text_with(&mut w, r#""id":8"#).await?.contains("applied"));
+    ensure!(w.text_with(r#""id":8"#).await?.contains("applied"));
     c.send_text(&format!(
         r#"{{"id":9,"op":"turn.wait","args":{{"turn_id":"{turn_id}"}}}}"#
     ))
     .await?;
-    let done = text_with(&mut c, r#""id":9"#).await?;
+    let done = c.text_with(r#""id":9"#).await?;
     ensure!(done.contains(&format!(r#""output":{output}"#)), "{done}");
     ensure!(done.contains(r#""status":"completed""#), "{done}");
 
@@ -777,7 +759,7 @@ async fn payloads_keep_the_text_a_peer_sent() -> Result<()> {
         r#"{{"id":10,"op":"turn.submit","args":{{"session_id":"s-text-2","function_id":"raw.keep","input":{spaced}}}}}"#
     ))
     .await?;
-    let answer = text_with(&mut c, r#""id":10"#).await?;
+    let answer = c.text_with(r#""id":10"#).await?;
     ensure!(
         answer.contains(r#""input":{"a":"p q","b":[1,2]}"#),
         "{answer}"
@@ -788,7 +770,7 @@ async fn payloads_keep_the_text_a_peer_sent() -> Result<()> {
         r#"{{"id":11,"op":"turn.submit","args":{{"session_id":"s-text-3","function_id":"raw.keep","input":{long}}}}}"#
     ))
     .await?;
-    let refused = text_with(&mut c, r#""id":11"#).await?;
+    let refused = c.text_with(r#""id":11"#).await?;
     ensure!(refused.contains("too_large"), "{refused}");
     d.shutdown().await
 }

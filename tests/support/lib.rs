@@ -325,6 +325,23 @@ impl Raw {
         }
     }
 
+    /// The text of the next frame that contains `part`, at most 5 s (frames before it
+    /// are dropped): for tests of the bytes a frame carries.
+    pub async fn text_with(&mut self, part: &str) -> anyhow::Result<String> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            match tokio::time::timeout_at(deadline, self.ws.next()).await {
+                Ok(Some(Ok(Message::Text(t)))) if t.as_str().contains(part) => {
+                    return Ok(t.as_str().to_string())
+                }
+                Ok(Some(Ok(_))) => continue,
+                Ok(Some(Err(e))) => bail!("socket error: {e}"),
+                Ok(None) => bail!("connection ended"),
+                Err(_) => bail!("no frame with {part} within 5 s"),
+            }
+        }
+    }
+
     /// The next push (from the kept ones first), at most 5 s.
     pub async fn next_push(&mut self) -> anyhow::Result<Value> {
         if !self.pushes.is_empty() {

@@ -265,11 +265,12 @@ pub struct StatusArgs {
     pub state: InvocationState,
 }
 
-/// `invocation.progress`: a live invocation's partial output.
+/// `invocation.progress`: a live invocation's partial output (`J`: the form of its
+/// `data`, see [`Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ProgressArgs {
+pub struct ProgressArgs<J = Value> {
     pub invocation_id: String,
-    pub data: Value,
+    pub data: J,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -157,7 +157,10 @@ async fn worker_op(
             own_size(engine.status(caller, &decode(args)?)).await?;
             Ok(EMPTY.to_string())
         }
-        Op::InvocationProgress => encode(&engine.progress(caller, &decode(args)?)?),
+        Op::InvocationProgress => {
+            let a: ProgressArgs<RawJson> = decode(args)?;
+            encode(&engine.progress(caller, a)?)
+        }
         other => Err(not_routed(other)),
     }
 }

@@ -3,6 +3,7 @@
 
 use serde_json::value::RawValue;
 use turnd_proto::{ProgressArgs, ProgressOk, Role};
+use turnd_store::{IntoRawJson, RawJson};
 
 use super::{check_id, ApiResult, Caller, Engine};
 use crate::error::EngineError;
@@ -12,8 +13,10 @@ use crate::progress::Refused;
 impl Engine {
     /// `invocation.progress`: `not_found` unless the invocation is its session's
     /// live one and its turn has no stop request; `forbidden` for a worker's frame of
-    /// another worker's invocation; `too_large` over `turns.max_progress_bytes`.
-    pub fn progress(&self, caller: &Caller, args: &ProgressArgs) -> ApiResult<ProgressOk> {
+    /// another worker's invocation; `too_large` over `turns.max_progress_bytes`. The
+    /// data is the JSON text the frame carried, taken as it is when compact
+    /// ([`IntoRawJson`]).
+    pub fn progress(&self, caller: &Caller, args: ProgressArgs<RawJson>) -> ApiResult<ProgressOk> {
         let c = &self.inner.counters;
         let refused = |e: EngineError| {
             Counters::inc(&c.progress_refused);
@@ -21,10 +24,11 @@ impl Engine {
         };
         check_id("invocation_id", &args.invocation_id)?;
         let max = self.inner.cfg.turns.max_progress_bytes;
-        let data = match serde_json::value::to_raw_value(&args.data) {
-            Ok(d) if d.get().len() as u64 <= max => d,
-            _ => return refused(EngineError::ProgressTooLarge { max }),
-        };
+        let data = args.data.into_raw_json();
+        if data.len() as u64 > max {
+            return refused(EngineError::ProgressTooLarge { max });
+        }
+        let data = data.into_raw_value();
         let worker = match caller.role {
             Role::Worker => caller.worker_id.as_deref(),
             _ => None,

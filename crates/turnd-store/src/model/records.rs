@@ -64,6 +64,11 @@ impl RawJson {
         self.0.get()
     }
 
+    /// The text as serde_json's raw value.
+    pub fn into_raw_value(self) -> Box<RawValue> {
+        self.0
+    }
+
     /// A value read back from the store as JSON text; `None` if it is not JSON.
     pub fn from_stored(bytes: &[u8]) -> Option<RawJson> {
         serde_json::from_slice::<Box<RawValue>>(bytes)
