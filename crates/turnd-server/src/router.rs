@@ -144,7 +144,7 @@ async fn worker_op(
             Ok(EMPTY.to_string())
         }
         // The value is taken as the JSON text the frame carried (never built into a
-        // tree: `IntoRawJson`), as is a submit's input.
+        // tree: `RawJson::compacted`), as is a submit's input.
         Op::InvocationResult => {
             let a: ResultArgs<RawJson> = decode(args)?;
             encode(&own_size(engine.result_raw(caller, a)).await?)

@@ -3,7 +3,7 @@
 
 use serde_json::value::RawValue;
 use turnd_proto::{ProgressArgs, ProgressOk, Role};
-use turnd_store::{IntoRawJson, RawJson};
+use turnd_store::RawJson;
 
 use super::{check_id, ApiResult, Caller, Engine};
 use crate::error::EngineError;
@@ -15,7 +15,7 @@ impl Engine {
     /// live one and its turn has no stop request; `forbidden` for a worker's frame of
     /// another worker's invocation; `too_large` over `turns.max_progress_bytes`. The
     /// data is the JSON text the frame carried, taken as it is when compact
-    /// ([`IntoRawJson`]).
+    /// ([`RawJson::compacted`]).
     pub fn progress(&self, caller: &Caller, args: ProgressArgs<RawJson>) -> ApiResult<ProgressOk> {
         let c = &self.inner.counters;
         let refused = |e: EngineError| {
@@ -24,7 +24,7 @@ impl Engine {
         };
         check_id("invocation_id", &args.invocation_id)?;
         let max = self.inner.cfg.turns.max_progress_bytes;
-        let data = args.data.into_raw_json();
+        let data = args.data.compacted();
         if data.len() as u64 > max {
             return refused(EngineError::ProgressTooLarge { max });
         }

@@ -4,7 +4,7 @@
 use turnd_proto::{
     Accepted, HeartbeatOk, InvocationState, Outcome, ResultArgs, ResultOk, StatusArgs,
 };
-use turnd_store::{FoldedTurn, IntoRawJson, InvState, InvocationRecord, RawJson, TurnRecord};
+use turnd_store::{FoldedTurn, InvState, InvocationRecord, RawJson, TurnRecord};
 
 use super::{read_failed, unavailable, ApiResult, Caller, Engine};
 use crate::error::EngineError;
@@ -19,13 +19,13 @@ impl Engine {
     }
 
     /// `invocation.result` with its value as the JSON text the request carried, taken
-    /// as it is when compact ([`IntoRawJson`]).
+    /// as it is when compact ([`RawJson::compacted`]).
     pub async fn result_raw(
         &self,
         caller: &Caller,
         args: ResultArgs<RawJson>,
     ) -> ApiResult<ResultOk> {
-        let args = args.map_json(IntoRawJson::into_raw_json);
+        let args = args.map_json(RawJson::compacted);
         Box::pin(self.take_result(caller, args)).await
     }
 

@@ -3,7 +3,7 @@
 
 use crate::TurnView;
 use turnd_proto::{new_turn_id, new_turn_id_in, OnBusy, SubmitArgs, SubmitOk};
-use turnd_store::{IntoRawJson, RawJson, TurnDispatch};
+use turnd_store::{RawJson, TurnDispatch};
 
 use super::{check_id, read_failed, unavailable, ApiResult, Engine};
 use crate::error::EngineError;
@@ -53,13 +53,13 @@ impl Engine {
     }
 
     /// `turn.submit` with its input as the JSON text the request carried, taken as
-    /// it is when compact ([`IntoRawJson`]).
+    /// it is when compact ([`RawJson::compacted`]).
     pub async fn submit_raw(
         &self,
         args: SubmitArgs<RawJson>,
         opts: SubmitOptions,
     ) -> ApiResult<SubmitOk<RawJson>> {
-        let args = args.map_input(IntoRawJson::into_raw_json);
+        let args = args.map_input(RawJson::compacted);
         Box::pin(self.admit(args, opts)).await
     }
 

@@ -8,7 +8,7 @@ use turnd_proto::{
 };
 use turnd_store::{InvState, Phase, RawJson};
 
-use super::sim::{cancels, invokes, Sim};
+use super::sim::{cancels, invokes, raw, Sim};
 use super::*;
 use crate::view::wait_of;
 
@@ -192,15 +192,8 @@ fn an_interrupt_stops_every_unfinished_turn_and_holds_for_the_running_step() {
     // turn is dispatched (with `previous`) in the same write.
     let rec = sim.inv(&inv).clone();
     let mut v = LateVerdict::Duplicate;
-    let e = sim.run(|cx, tx| {
-        v = late_result(
-            cx,
-            tx,
-            &rec,
-            &Outcome::Complete(RawJson::from_value(&json!(1))),
-            None,
-        )
-    });
+    let e =
+        sim.run(|cx, tx| v = late_result(cx, tx, &rec, &raw(Outcome::Complete(json!(1))), None));
     assert_eq!(v, LateVerdict::Recorded);
     assert_eq!(sim.turn(&a).status, TurnStatus::Cancelled);
     let invoke = invokes(&e);

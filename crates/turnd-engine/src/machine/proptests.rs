@@ -9,7 +9,7 @@ use serde_json::json;
 use turnd_proto::{Cancelled, Delivery, EventKind, Failure, InvocationState, Outcome, TurnStatus};
 use turnd_store::{InvState, Phase};
 
-use super::sim::Sim;
+use super::sim::{raw, Sim};
 use super::*;
 
 #[derive(Debug, Clone, Copy)]
@@ -115,7 +115,7 @@ fn apply(sim: &mut Sim, op: &Op, minted: &mut Vec<String>) {
             // As the shell does: not current, so its stored record decides.
             let rec = sim.inv(&inv).clone();
             let turn = sim.turns.get(&rec.turn_id).cloned();
-            let o = outcome(*k).map_json(|v| turnd_store::RawJson::from_value(&v));
+            let o = raw(outcome(*k));
             let mut v = LateVerdict::Duplicate;
             sim.run(|cx, tx| v = late_result(cx, tx, &rec, &o, turn.as_ref()));
             assert_ne!(

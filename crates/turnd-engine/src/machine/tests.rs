@@ -51,14 +51,8 @@ fn the_invoke_effect_carries_the_step_and_goes_to_the_granted_connection() {
     sim.submit();
     let inv = sim.live();
     let mut applied = false;
-    let e = sim.run(|cx, tx| {
-        applied = result(
-            cx,
-            tx,
-            &inv,
-            Outcome::Continue(RawJson::from_value(&json!({"k": 2}))),
-        )
-    });
+    let e =
+        sim.run(|cx, tx| applied = result(cx, tx, &inv, raw(Outcome::Continue(json!({"k": 2})))));
     assert!(applied);
     let next = sim.live();
     assert_eq!(sim.inv(&next).step, 1);

@@ -8,15 +8,18 @@ use turnd_proto::Push;
 
 /// The text of a push frame.
 pub(crate) fn push_frame(p: &Push) -> String {
-    // Pushes are built from our own types; serialization cannot fail.
-    turnd_proto::frame::to_json_text(p, turnd_proto::frame::FRAME_CAPACITY)
-        .expect("push frames serialize")
+    frame_of(p)
 }
 
 /// The text of an `invoke` push, its input the JSON text the store holds.
 pub(crate) fn invoke_frame(invoke: turnd_proto::Invoke<turnd_store::RawJson>) -> String {
-    // As `push_frame`: built from our own types, and stored JSON text is valid JSON.
-    turnd_proto::frame::to_json_text(&Push::Invoke(invoke), turnd_proto::frame::FRAME_CAPACITY)
+    frame_of(&Push::Invoke(invoke))
+}
+
+fn frame_of<J: serde::Serialize>(p: &Push<J>) -> String {
+    // Pushes are built from our own types, and stored JSON text is valid JSON:
+    // serialization cannot fail.
+    turnd_proto::frame::to_json_text(p, turnd_proto::frame::FRAME_CAPACITY)
         .expect("push frames serialize")
 }
 

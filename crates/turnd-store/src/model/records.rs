@@ -160,33 +160,20 @@ impl Default for RawJson {
     }
 }
 
-/// A payload as a request carried it, in the form the daemon keeps: a parsed value
-/// written as compact text, or JSON text the request carried, taken as it is when it
-/// is compact (no whitespace outside strings: what every SDK sends) and else written
-/// again compact. Either way the daemon keeps and measures compact text; text taken
-/// as it is keeps the caller's member order and number spelling, and is never built
-/// into a tree.
-pub trait IntoRawJson {
-    fn into_raw_json(self) -> RawJson;
-}
-
-impl IntoRawJson for Value {
-    fn into_raw_json(self) -> RawJson {
-        RawJson::from_value(&self)
-    }
-}
-
-impl IntoRawJson for RawJson {
-    fn into_raw_json(self) -> RawJson {
+impl RawJson {
+    /// JSON text a request carried, in the form the daemon keeps: as it is when it is
+    /// compact (no whitespace outside its strings: what every SDK sends), else written
+    /// again compact. Either way the daemon keeps and measures compact text; text taken
+    /// as it is keeps the caller's member order and number spelling, and is never built
+    /// into a tree.
+    pub fn compacted(self) -> RawJson {
         if self.is_compact() {
             self
         } else {
             RawJson::from_value(&self.to_value())
         }
     }
-}
 
-impl RawJson {
     /// Whether the text has no whitespace outside its strings.
     pub fn is_compact(&self) -> bool {
         let mut in_string = false;
@@ -723,7 +710,7 @@ mod tests {
         ] {
             let raw = text(kept);
             assert!(raw.is_compact(), "{kept}");
-            assert_eq!(raw.into_raw_json().as_str(), kept);
+            assert_eq!(raw.compacted().as_str(), kept);
         }
         for (spaced, compact) in [
             ("{ \"b\":1,\"a\":2}", r#"{"a":2,"b":1}"#),
@@ -736,7 +723,7 @@ mod tests {
         ] {
             let raw = text(spaced);
             assert!(!raw.is_compact(), "{spaced}");
-            assert_eq!(raw.into_raw_json().as_str(), compact);
+            assert_eq!(raw.compacted().as_str(), compact);
         }
     }
 
