@@ -6,6 +6,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use turnd_proto::{Event, EventKind};
+use turnd_store::RawJson;
 
 /// Monotonic counters. Gauges (turns by status, sessions by wait state, in-flight
 /// invocations) are computed from live state when scraped.
@@ -113,7 +114,7 @@ impl Counters {
     }
 
     /// Count a durable event (and log it with the identity fields of its turn).
-    pub(crate) fn count_event(&self, e: &Event) {
+    pub(crate) fn count_event(&self, e: &Event<RawJson>) {
         log_event(e);
         let c = self;
         match e.kind {
@@ -129,8 +130,8 @@ impl Counters {
             EventKind::Completed => Counters::inc(&c.completed),
             EventKind::Cancelled => Counters::inc(&c.cancelled),
             EventKind::Failed => {
-                let cause = e
-                    .detail
+                let detail = e.detail.to_value();
+                let cause = detail
                     .get("error")
                     .and_then(|x| x.get("cause"))
                     .and_then(Value::as_str)
@@ -145,7 +146,7 @@ impl Counters {
 }
 
 /// Log a durable event with the identity fields every turn log line carries.
-fn log_event(e: &Event) {
+fn log_event(e: &Event<RawJson>) {
     // The fields are looked up only for a line that is written: every transition
     // passes here, and most of its events log at debug.
     let enabled = match e.kind {
@@ -169,7 +170,7 @@ fn log_event(e: &Event) {
     if !enabled {
         return;
     }
-    let d = &e.detail;
+    let d = &e.detail.to_value();
     let step = d.get("step").and_then(Value::as_u64);
     let attempt = d.get("attempt").and_then(Value::as_u64);
     let inv = d.get("invocation_id").and_then(Value::as_str).unwrap_or("");

@@ -16,7 +16,7 @@ mod tests;
 mod views;
 mod waiting;
 
-pub(crate) use outbox::{invoke_frame, push_frame};
+pub(crate) use outbox::{event_frame, invoke_frame, push_frame};
 pub use outbox::{CloseReason, Outbox};
 
 /// A live invocation assigned to a worker.

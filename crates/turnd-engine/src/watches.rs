@@ -20,10 +20,11 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use serde_json::value::RawValue;
 use turnd_proto::{new_watch_id, Event, Push};
+use turnd_store::RawJson;
 
 use crate::error::EngineError;
 use crate::progress::Taken;
-use crate::registry::{push_frame, Outbox};
+use crate::registry::{event_frame, push_frame, Outbox};
 
 /// Progress frames a watch lost, of one invocation.
 struct Dropped {
@@ -218,7 +219,7 @@ impl Watches {
 
     /// Push a committed transition's events to the session's live watches (a
     /// replaying one notes them, to read them back).
-    pub(crate) fn publish(&self, session_id: &str, events: &[Event]) {
+    pub(crate) fn publish(&self, session_id: &str, events: &[Event<RawJson>]) {
         let Some(last) = events.last().map(|e| e.seq) else {
             return;
         };
@@ -235,10 +236,8 @@ impl Watches {
             for e in events {
                 if e.seq > sub.sent && sub.turn_id.as_ref().is_none_or(|t| *t == e.turn_id) {
                     sub.announce_dropped();
-                    sub.outbox.push(push_frame(&Push::Event {
-                        watch_id: sub.watch_id.clone(),
-                        event: e.clone(),
-                    }));
+                    sub.outbox
+                        .push(event_frame(sub.watch_id.clone(), e.clone()));
                 }
             }
             sub.sent = sub.sent.max(last);

@@ -437,10 +437,11 @@ pub fn encode_request_typed<A: Serialize + ?Sized>(
 /// Bytes reserved for a frame before it is written (most frames are smaller).
 pub const FRAME_CAPACITY: usize = 512;
 
-/// A server push, tagged by its `push` member (`J`: the form of an invoke's input, see
-/// [`crate::Turn`]).
+/// A server push, tagged by its `push` member (`J`: the form of an invoke's input and
+/// of an event's detail, see [`crate::Turn`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "push", rename_all = "snake_case")]
+#[serde(bound(deserialize = "J: Deserialize<'de> + Default"))]
 pub enum Push<J = Value> {
     Invoke(crate::objects::Invoke<J>),
     Cancel {
@@ -452,7 +453,7 @@ pub enum Push<J = Value> {
     },
     Event {
         watch_id: String,
-        event: crate::objects::Event,
+        event: crate::objects::Event<J>,
     },
     /// A live invocation's progress, to a watch that asked for it.
     Progress(ProgressPush),

@@ -412,16 +412,19 @@ pub enum EventKind {
     Resumed,
 }
 
-/// A durable, ordered session event.
+/// A durable, ordered session event. `D` is the form of its detail: a parsed
+/// [`Value`] by default, or the JSON text the daemon writes once when the event
+/// happens and stores and pushes as it is (the same JSON on the wire).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Event {
+#[serde(bound(deserialize = "D: Deserialize<'de> + Default"))]
+pub struct Event<D = Value> {
     pub seq: u64,
     pub session_id: String,
     pub turn_id: String,
     pub at_ms: u64,
     pub kind: EventKind,
     #[serde(default)]
-    pub detail: Value,
+    pub detail: D,
 }
 
 /// Daemon-wide counters.

@@ -2,10 +2,10 @@
 //! dispatched; with `on_busy` `interrupt` or `rollback` it first stops the
 //! session's unfinished turns.
 
-use serde_json::json;
 use turnd_proto::{EventKind, OnBusy};
 use turnd_store::{IdempotencyRecord, RawJson, TurnDispatch, TurnRecord};
 
+use super::details;
 use super::dispatch::promote;
 use super::stop::{interrupt, Interrupt, Interrupted};
 use super::{Ctx, Tx};
@@ -53,12 +53,14 @@ pub fn submit(cx: &Ctx, tx: &mut Tx, s: Submission) -> Interrupted {
         t.backoff_ms = b;
     }
     t.previous = interrupted.previous.clone().map(Box::new);
-    let mut detail =
-        json!({"function_id": t.function_id, "seq": seq, "idempotency_key": t.idempotency_key});
-    if s.on_busy.interrupts() {
-        detail["on_busy"] = json!(s.on_busy);
-        detail["interrupted"] = json!(interrupted.turn_ids);
-    }
+    let detail = details::admitted(
+        &t.function_id,
+        seq,
+        t.idempotency_key.as_deref(),
+        s.on_busy
+            .interrupts()
+            .then_some((s.on_busy, &interrupted.turn_ids[..])),
+    );
     tx.event(&st.id, &s.turn_id, EventKind::Admitted, detail);
     if let Some(key) = s.idempotency_key {
         tx.idempotency = Some((key, IdempotencyRecord { turn_id: s.turn_id }));

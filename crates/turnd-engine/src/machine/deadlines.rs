@@ -115,7 +115,7 @@ fn probe(cx: &Ctx, tx: &mut Tx, h: &TurnRecord, mut inv: InvocationRecord) {
     inv.wait = InvWait::Probing;
     inv.wait_since_ms = now;
     inv.deadline_ms = now + cx.cfg.turns.probe_timeout_ms;
-    tx.event(
+    tx.event_value(
         &st.id,
         &h.turn_id,
         EventKind::ProbeSent,
@@ -263,7 +263,7 @@ pub(super) fn outcome_unknown(
     inv: InvocationRecord,
     reason: &str,
 ) {
-    tx.event(
+    tx.event_value(
         &cx.st.id,
         &h.turn_id,
         EventKind::OutcomeUnknown,

@@ -1,11 +1,12 @@
 //! Dispatch: wanting a worker slot for the session's next step, the slot granted (or
 //! refused), promoting the next queued turn, and cancels sent to workers.
 
-use serde_json::{json, Value};
+use serde_json::json;
 use turnd_proto::{ErrorCause, EventKind, Invoke, PreviousTurn, TurnStatus};
 use turnd_store::RawJson;
 use turnd_store::{InvState, InvWait, InvocationRecord, Phase, TurnRecord};
 
+use super::details;
 use super::outcomes::fail;
 use super::{Ctx, Effect, Grant, Previous, Tx, Want};
 
@@ -29,7 +30,7 @@ pub(super) fn send_cancel_recorded(
     reason: &str,
 ) {
     send_cancel(tx, inv, reason);
-    tx.event(
+    tx.event_value(
         session_id,
         turn_id,
         EventKind::CancelSent,
@@ -98,9 +99,9 @@ pub fn grant(cx: &Ctx, tx: &mut Tx, slot: Option<Grant>) {
     let (kind, detail) = match &previous {
         Some(prev) => (
             EventKind::Redispatched,
-            dispatch_detail(&inv, Some(&prev.invocation_id), Some(&prev.reason)),
+            details::dispatched(&inv, Some(&prev.invocation_id), Some(&prev.reason)),
         ),
-        None => (EventKind::Dispatched, dispatch_detail(&inv, None, None)),
+        None => (EventKind::Dispatched, details::dispatched(&inv, None, None)),
     };
     tx.event(&st.id, &h.turn_id, kind, detail);
     tx.effects.push(Effect::Invoke {
@@ -173,28 +174,6 @@ pub(super) fn promote(cx: &Ctx, tx: &mut Tx) {
         return;
     }
     dispatch(tx, h, None);
-}
-
-/// Detail of a dispatch event.
-pub(super) fn dispatch_detail(
-    inv: &InvocationRecord,
-    previous: Option<&str>,
-    reason: Option<&str>,
-) -> Value {
-    let mut d = json!({
-        "invocation_id": inv.invocation_id,
-        "worker_id": inv.worker_id,
-        "step": inv.step,
-        "attempt": inv.attempt,
-        "deadline_ms": inv.deadline_ms,
-    });
-    if let Some(p) = previous {
-        d["previous_invocation_id"] = json!(p);
-    }
-    if let Some(r) = reason {
-        d["reason"] = json!(r);
-    }
-    d
 }
 
 /// The `previous` of an invoke of `h`: the turn it interrupted, at its step 0.

@@ -61,7 +61,7 @@ pub(super) fn suspend(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, inv_id: String, 
     }
     let now = tx.now;
     let deadline_ms = s.timeout_ms.map(|t| now.saturating_add(t));
-    tx.event(
+    tx.event_value(
         &cx.st.id,
         &h.turn_id,
         EventKind::Suspended,
@@ -160,7 +160,7 @@ fn next_step(
     if let (Some(k), Some(i)) = (&key, &input) {
         h.resume_keys.push(ResumeKey::new(k.clone(), i));
     }
-    tx.event(
+    tx.event_value(
         &cx.st.id,
         &h.turn_id,
         EventKind::Resumed,

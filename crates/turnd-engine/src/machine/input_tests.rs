@@ -137,7 +137,7 @@ fn the_input_deadline_fails_the_turn_or_runs_the_next_step_without_input() {
         json!({"state": {"draft": 1}, "input": null})
     );
     assert_eq!(
-        sim.last_event(EventKind::Resumed).detail["timed_out"],
+        sim.last_event(EventKind::Resumed).detail.to_value()["timed_out"],
         json!(true)
     );
 }
@@ -219,7 +219,7 @@ fn an_interrupt_without_a_running_step_dispatches_at_once() {
         Some(json!({"draft": 1}))
     );
     assert_eq!(
-        sim.last_event(EventKind::Admitted).detail["interrupted"],
+        sim.last_event(EventKind::Admitted).detail.to_value()["interrupted"],
         json!([a])
     );
 }

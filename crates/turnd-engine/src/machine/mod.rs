@@ -44,6 +44,7 @@ use crate::session::SessionState;
 
 mod admission;
 mod deadlines;
+mod details;
 mod dispatch;
 mod input;
 mod lifecycle;

@@ -1,11 +1,12 @@
 //! Outcomes: a step's result applied to its turn (completed, failed, cancelled, retry,
 //! next step) and the terminal records.
 
-use serde_json::{json, Value};
+use serde_json::json;
 use turnd_proto::{ErrorCause, EventKind, Failure, Outcome, StopInfo, TurnError, TurnStatus};
 use turnd_store::{InvState, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
 
 use super::deadlines::{attempt_timed_out, give_up};
+use super::details;
 use super::dispatch::{dispatch, promote};
 use super::input::suspend;
 use super::{Ctx, Tx};
@@ -16,7 +17,7 @@ pub(super) fn terminal(
     tx: &mut Tx,
     mut h: TurnRecord,
     status: TurnStatus,
-    detail: Value,
+    detail: RawJson,
 ) {
     let kind = match status {
         TurnStatus::Completed => EventKind::Completed,
@@ -51,14 +52,14 @@ pub(super) fn fail(
         step: h.step,
         invocation_id,
     };
-    let detail = json!({ "error": error, "step": h.step });
+    let detail = RawJson::from_value(&json!({ "error": error, "step": h.step }));
     h.error = Some(Box::new(error));
     terminal(cx, tx, h, TurnStatus::Failed, detail);
 }
 
 fn complete(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, output: RawJson) {
     h.output = output.non_null();
-    let detail = json!({ "step": h.step });
+    let detail = details::completed(h.step);
     terminal(cx, tx, h, TurnStatus::Completed, detail);
 }
 
@@ -76,7 +77,7 @@ pub(super) fn cancel_turn(cx: &Ctx, tx: &mut Tx, mut h: TurnRecord, worker_messa
             ),
         }));
     }
-    let detail = json!({ "stop": h.stop, "step": h.step });
+    let detail = RawJson::from_value(&json!({ "stop": h.stop, "step": h.step }));
     terminal(cx, tx, h, TurnStatus::Cancelled, detail);
 }
 
@@ -93,7 +94,7 @@ pub(super) fn apply_outcome(
         &cx.st.id,
         &h.turn_id,
         EventKind::Result,
-        json!({"invocation_id": inv.invocation_id, "outcome": outcome.kind(), "step": inv.step, "attempt": inv.attempt}),
+        details::result(&inv, outcome.kind()),
     );
     let settings = inv.settings;
     let inv_id = inv.invocation_id.clone();
@@ -233,7 +234,7 @@ pub(super) fn schedule_retry(
     h.phase_since_ms = tx.now;
     h.retry_at_ms = Some(tx.now + delay);
     h.last_error = Some(error.clone());
-    tx.event(
+    tx.event_value(
         &cx.st.id,
         &h.turn_id,
         EventKind::RetryScheduled,

@@ -61,7 +61,7 @@ pub fn late_result(
     let mut late = rec.clone();
     late.late = true;
     tx.put_invocation(st, late);
-    tx.event(
+    tx.event_value(
         &st.id,
         &rec.turn_id,
         EventKind::LateResult,
@@ -87,7 +87,7 @@ pub fn late_result(
         amended.output = output.non_null();
         amended.recovered = true;
         amended.error = None;
-        tx.event(
+        tx.event_value(
             &st.id,
             &t.turn_id,
             EventKind::Amended,

@@ -27,7 +27,7 @@ pub(super) struct Sim {
     /// Slots granted and not freed, by invocation id.
     pub slots: BTreeSet<String>,
     /// Every durable event, in order.
-    pub events: Vec<Event>,
+    pub events: Vec<Event<RawJson>>,
     /// Every turn and invocation as last written.
     pub turns: HashMap<String, TurnRecord>,
     pub invs: HashMap<String, InvocationRecord>,
@@ -201,7 +201,7 @@ impl Sim {
             .collect()
     }
 
-    pub fn last_event(&self, kind: EventKind) -> &Event {
+    pub fn last_event(&self, kind: EventKind) -> &Event<RawJson> {
         self.events
             .iter()
             .rev()

@@ -29,7 +29,7 @@ pub fn stop_turn(cx: &Ctx, tx: &mut Tx, seq: u64, reason: String) {
         requested_at_ms: tx.now,
         reason: reason.clone(),
     }));
-    tx.event(
+    tx.event_value(
         &st.id,
         &t.turn_id,
         EventKind::StopRequested,
@@ -76,7 +76,7 @@ fn cancelled_in_place(cx: &Ctx, tx: &mut Tx, mut t: turnd_store::TurnRecord) {
     t.status = TurnStatus::Cancelled;
     t.phase = Phase::Done;
     t.finished_at_ms = Some(tx.now);
-    tx.event(&cx.st.id, &t.turn_id, EventKind::Cancelled, detail);
+    tx.event_value(&cx.st.id, &t.turn_id, EventKind::Cancelled, detail);
     tx.put_turn(cx.st, t);
 }
 
@@ -132,7 +132,7 @@ pub fn interrupt(cx: &Ctx, tx: &mut Tx, how: Interrupt) -> Interrupted {
             if how.superseded {
                 detail["superseded"] = json!(true);
             }
-            tx.event(&st.id, &t.turn_id, EventKind::StopRequested, detail);
+            tx.event_value(&st.id, &t.turn_id, EventKind::StopRequested, detail);
         }
         out.turn_ids.push(t.turn_id.clone());
         if Some(seq) != holder {
@@ -191,6 +191,6 @@ fn cancel_queued(tx: &mut Tx, st: &crate::session::SessionState, mut t: TurnReco
     t.status = TurnStatus::Cancelled;
     t.phase = Phase::Done;
     t.finished_at_ms = Some(tx.now);
-    tx.event(&st.id, &t.turn_id, EventKind::Cancelled, detail);
+    tx.event_value(&st.id, &t.turn_id, EventKind::Cancelled, detail);
     tx.put_turn(st, t);
 }

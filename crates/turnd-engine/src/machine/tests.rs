@@ -251,7 +251,7 @@ fn silence_past_the_probe_redispatches_at_least_once_then_exhausts() {
     assert_ne!(first, second);
     assert_eq!(invokes(&e)[0].attempt, 2);
     let ev = sim.last_event(EventKind::Redispatched);
-    assert_eq!(ev.detail["previous_invocation_id"], json!(first));
+    assert_eq!(ev.detail.to_value()["previous_invocation_id"], json!(first));
     to_probing(&mut sim);
     sim.advance(100);
     assert_eq!(cause(&sim, &a), ErrorCause::AttemptsExhausted);
@@ -544,7 +544,7 @@ fn a_late_complete_amends_the_outcome_unknown_failure_naming_it() {
     assert!(t.recovered);
     assert!(t.error.is_none());
     assert_eq!(
-        sim.last_event(EventKind::Amended).detail["invocation_id"],
+        sim.last_event(EventKind::Amended).detail.to_value()["invocation_id"],
         json!(inv)
     );
     // The same result again is a duplicate and changes nothing.

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde_json::Value;
 use turnd_proto::{Event, EventKind, TurnStatus};
 use turnd_store::{
-    Batch, FoldedTurn, IdempotencyRecord, InvocationRecord, SessionMeta, TurnRecord,
+    Batch, FoldedTurn, IdempotencyRecord, InvocationRecord, RawJson, SessionMeta, TurnRecord,
 };
 
 use super::{Effect, Slot, Want};
@@ -35,7 +35,9 @@ pub struct Tx {
     /// as read before it, by turn id: what it writes goes into them.
     pub folded: HashMap<String, FoldedTurn>,
     pub idempotency: Option<(String, IdempotencyRecord)>,
-    pub events: Vec<Event>,
+    /// The transition's events, each detail as the JSON text it is stored and
+    /// pushed as.
+    pub events: Vec<Event<RawJson>>,
     /// What to do once the transaction is durable.
     pub effects: Vec<Effect>,
     /// The slots of the invocations this transaction ended, for the engine to free.
@@ -134,7 +136,9 @@ impl Tx {
         self.put_invocation(st, inv);
     }
 
-    pub fn event(&mut self, session_id: &str, turn_id: &str, kind: EventKind, detail: Value) {
+    /// Add an event to the transition, its detail written as JSON text
+    /// (`machine/details.rs` writes the details of the events every turn has).
+    pub fn event(&mut self, session_id: &str, turn_id: &str, kind: EventKind, detail: RawJson) {
         self.meta.last_event_seq += 1;
         self.events.push(Event {
             seq: self.meta.last_event_seq,
@@ -144,6 +148,11 @@ impl Tx {
             kind,
             detail,
         });
+    }
+
+    /// [`Tx::event`] of a detail built as a [`Value`]: the rarer events'.
+    pub fn event_value(&mut self, session_id: &str, turn_id: &str, kind: EventKind, detail: Value) {
+        self.event(session_id, turn_id, kind, RawJson::from_value(&detail));
     }
 
     /// Build on the stored folded record of a finished turn (read before a late
@@ -274,6 +283,6 @@ pub struct Applied {
     /// Id bits ([`turnd_proto::turn_id_bits`]) of the turns the transaction admitted
     /// and left unfinished.
     pub admitted: Vec<u128>,
-    pub events: Vec<Event>,
+    pub events: Vec<Event<RawJson>>,
     pub effects: Vec<Effect>,
 }

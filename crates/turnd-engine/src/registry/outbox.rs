@@ -16,6 +16,15 @@ pub(crate) fn invoke_frame(invoke: turnd_proto::Invoke<turnd_store::RawJson>) ->
     frame_of(&Push::Invoke(invoke))
 }
 
+/// The text of an `event` push of an event just committed, its detail the JSON text
+/// the store holds.
+pub(crate) fn event_frame(
+    watch_id: String,
+    event: turnd_proto::Event<turnd_store::RawJson>,
+) -> String {
+    frame_of(&Push::Event { watch_id, event })
+}
+
 fn frame_of<J: serde::Serialize>(p: &Push<J>) -> String {
     // Pushes are built from our own types, and stored JSON text is valid JSON:
     // serialization cannot fail.

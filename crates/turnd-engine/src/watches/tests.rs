@@ -1,19 +1,20 @@
 use serde_json::{json, Value};
 use tokio::sync::mpsc::Receiver;
 use turnd_proto::{Event, EventKind};
+use turnd_store::RawJson;
 
 use super::{PageEnd, Replay, Watches};
 use crate::error::EngineError;
 use crate::registry::Outbox;
 
-fn event(seq: u64, turn_id: &str) -> Event {
+fn event(seq: u64, turn_id: &str) -> Event<RawJson> {
     Event {
         seq,
         session_id: "s".into(),
         turn_id: turn_id.into(),
         at_ms: 0,
         kind: EventKind::Admitted,
-        detail: json!({}),
+        detail: RawJson::from_value(&json!({})),
     }
 }
 

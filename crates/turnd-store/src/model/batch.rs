@@ -161,7 +161,7 @@ impl Batch {
     ///
     /// A value is routed by the newest turn among its events (see [`keys`]), when
     /// every one of them is a minted turn id; otherwise it has no route.
-    pub fn put_events(&mut self, events: &[Event]) {
+    pub fn put_events<D: serde::Serialize>(&mut self, events: &[Event<D>]) {
         let from = self.ops.len();
         self.put_events_in(events, true);
         // A transition's events have `seq`s the session never had: their keys are new.
@@ -171,7 +171,7 @@ impl Batch {
     /// [`Batch::put_events`], with no route when `routed` is false: retention writes a
     /// value that had no route (one holding an event of a turn id that is not minted)
     /// again in the same form, so that it stays where reads of the session look.
-    pub fn put_events_in(&mut self, events: &[Event], routed: bool) {
+    pub fn put_events_in<D: serde::Serialize>(&mut self, events: &[Event<D>], routed: bool) {
         for group in events.chunks(EVENTS_PER_VALUE) {
             let Some(last) = group.last() else { continue };
             let route = if routed {
@@ -188,7 +188,7 @@ impl Batch {
     }
 
     /// The route of an event value: its newest turn's time, noting every turn's.
-    fn events_route(&mut self, group: &[Event]) -> Option<u64> {
+    fn events_route<D>(&mut self, group: &[Event<D>]) -> Option<u64> {
         let (mut oldest, mut newest) = (u64::MAX, 0);
         for e in group {
             let ms = keys::route_of(&e.turn_id)?;

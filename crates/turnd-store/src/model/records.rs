@@ -27,6 +27,14 @@ pub(crate) fn decode<'a, T: serde::Deserialize<'a>>(
 pub struct RawJson(Box<RawValue>);
 
 impl RawJson {
+    /// The compact text of `t`, one of the daemon's own typed values (an event's
+    /// detail), written without building a [`Value`] tree first.
+    pub fn of<T: serde::Serialize>(t: &T) -> RawJson {
+        // The daemon's own types serialize: their maps have string keys, their
+        // numbers are integers.
+        RawJson(serde_json::value::to_raw_value(t).expect("a typed value serializes"))
+    }
+
     /// The compact text of `v`.
     pub fn from_value(v: &Value) -> RawJson {
         // A `Value` always serializes: its map keys are strings and its numbers finite.
