@@ -37,10 +37,6 @@ mod watches;
 mod workers;
 
 pub use clock::{fmt_time, fmt_utc, Clock};
-
-/// A turn as the engine shows it: the protocol's `Turn` with its input and output as
-/// the JSON text the store holds, serialized into frames as it is.
-pub type TurnView = turnd_proto::Turn<turnd_store::RawJson>;
 pub use config::{EngineConfig, Partition, TurnsConfig};
 pub use engine::{
     sessions_cursor, BlockedOn, Caller, Engine, LiveInvocation, RowDetail, SessionsPage,
@@ -50,3 +46,7 @@ pub use error::{EngineError, EngineResult};
 pub use registry::{CloseReason, Outbox, WorkerCaps};
 pub use wait_index::StuckRule;
 pub use workers::{AttachedWorker, WakeHook, Workers};
+
+/// A turn as the engine shows it: the protocol's `Turn` with its input and output as
+/// the JSON text the store holds, serialized into frames as it is.
+pub type TurnView = turnd_proto::Turn<turnd_store::RawJson>;

@@ -1,7 +1,6 @@
 //! The `turn.wait` requests waiting for a turn's end, by turn id: each is sent the
 //! turn, as committed, once it is terminal.
 
-use crate::TurnView;
 use std::collections::HashMap;
 
 use parking_lot::Mutex;
@@ -9,6 +8,7 @@ use tokio::sync::oneshot;
 use turnd_store::TurnRecord;
 
 use crate::view::to_turn;
+use crate::TurnView;
 
 /// Waiters by turn id (see the module doc).
 #[derive(Default)]

@@ -3,12 +3,12 @@
 //! make), and a session's turns with the worker that ran each. Read-only, answered
 //! under the session's lock like `session.inspect`.
 
-use crate::TurnView;
 use turnd_proto::ListArgs;
 use turnd_store::InvocationRecord;
 
 use super::{check_id, read_failed, ApiResult, Engine};
 use crate::wait_index::{StuckRule, WaitEntry};
+use crate::TurnView;
 
 /// What a session's lock holder is blocked on, for an operator's view of one session.
 #[derive(Debug, Clone)]

@@ -1,16 +1,14 @@
 //! Queries: `turn.get`, `turn.wait`, `turn.list`, `session.inspect`, `session.events`,
 //! stats, the registry views and `store.check`, and the view of a turn they share.
 
-use crate::TurnView;
 use std::collections::HashSet;
 use std::time::Duration;
-use turnd_store::RawJson;
 
 use turnd_proto::{
     EventsArgs, EventsOk, Function, ListArgs, ListOk, QueuedTurn, Session, SessionLock,
     SessionStats, Stats, TurnCounts, Violation, Worker, WAIT_DEFAULT_MS, WAIT_MAX_MS,
 };
-use turnd_store::{check_store, StoreError, TurnRecord};
+use turnd_store::{check_store, RawJson, StoreError, TurnRecord};
 
 use super::{check_id, page_limit, read_failed, ApiResult, Engine};
 use crate::clock::fmt_time;
@@ -18,6 +16,7 @@ use crate::error::EngineError;
 use crate::registry::Supply;
 use crate::session::SessionState;
 use crate::view::{to_turn, wait_of};
+use crate::TurnView;
 
 impl Engine {
     /// A turn as the session (locked) knows it: from memory if non-terminal, else

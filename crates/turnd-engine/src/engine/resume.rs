@@ -2,8 +2,7 @@
 //! machine's `resume` under the session's lock and answered once durable.
 
 use turnd_proto::{ResumeArgs, SubmitOk};
-use turnd_store::RawJson;
-use turnd_store::TurnRecord;
+use turnd_store::{RawJson, TurnRecord};
 
 use super::{read_failed, unavailable, ApiResult, Engine};
 use crate::error::EngineError;

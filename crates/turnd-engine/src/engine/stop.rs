@@ -1,11 +1,10 @@
 //! Stop: `turn.stop` and `session.stop`.
 
-use crate::TurnView;
-
 use super::{check_id, read_failed, unavailable, ApiResult, Engine};
 use crate::error::EngineError;
 use crate::machine;
 use crate::view::to_turn;
+use crate::TurnView;
 
 impl Engine {
     /// `turn.stop`.

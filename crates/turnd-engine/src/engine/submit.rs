@@ -1,7 +1,6 @@
 //! `turn.submit`: the checks of its arguments, the idempotency key, `on_busy`, then
 //! the machine's `submit` under the session's lock.
 
-use crate::TurnView;
 use turnd_proto::{new_turn_id, new_turn_id_in, OnBusy, SubmitArgs, SubmitOk};
 use turnd_store::{RawJson, TurnDispatch};
 
@@ -10,6 +9,7 @@ use crate::error::EngineError;
 use crate::machine;
 use crate::metrics::Counters;
 use crate::session::SessionState;
+use crate::TurnView;
 
 /// What an endpoint in process may give a turn beyond `turn.submit`'s arguments.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -3,8 +3,7 @@
 
 use serde_json::json;
 use turnd_proto::{ErrorCause, EventKind, Invoke, PreviousTurn, TurnStatus};
-use turnd_store::RawJson;
-use turnd_store::{InvState, InvWait, InvocationRecord, Phase, TurnRecord};
+use turnd_store::{InvState, InvWait, InvocationRecord, Phase, RawJson, TurnRecord};
 
 use super::details;
 use super::outcomes::fail;

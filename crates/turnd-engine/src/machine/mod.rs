@@ -36,8 +36,7 @@
 //! timer must fire next.
 
 use turnd_proto::Invoke;
-use turnd_store::RawJson;
-use turnd_store::{FunctionSettings, Phase, SessionMeta, TurnRecord};
+use turnd_store::{FunctionSettings, Phase, RawJson, SessionMeta, TurnRecord};
 
 use crate::config::EngineConfig;
 use crate::session::SessionState;

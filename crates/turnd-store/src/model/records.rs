@@ -27,18 +27,17 @@ pub(crate) fn decode<'a, T: serde::Deserialize<'a>>(
 pub struct RawJson(Box<RawValue>);
 
 impl RawJson {
-    /// The compact text of `t`, one of the daemon's own typed values (an event's
-    /// detail), written without building a [`Value`] tree first.
+    /// The compact text of `t`: a [`Value`], or one of the daemon's own typed values
+    /// (an event's detail), written without building a [`Value`] tree first.
     pub fn of<T: serde::Serialize>(t: &T) -> RawJson {
-        // The daemon's own types serialize: their maps have string keys, their
-        // numbers are integers.
+        // The daemon's own types and `Value`s serialize: their maps have string keys
+        // and their numbers are finite.
         RawJson(serde_json::value::to_raw_value(t).expect("a typed value serializes"))
     }
 
     /// The compact text of `v`.
     pub fn from_value(v: &Value) -> RawJson {
-        // A `Value` always serializes: its map keys are strings and its numbers finite.
-        RawJson(serde_json::value::to_raw_value(v).expect("a JSON value serializes"))
+        RawJson::of(v)
     }
 
     /// The value, parsed.
@@ -75,6 +74,41 @@ impl RawJson {
     /// The text as serde_json's raw value.
     pub fn into_raw_value(self) -> Box<RawValue> {
         self.0
+    }
+
+    /// JSON text a request carried, in the form the daemon keeps: as it is when it is
+    /// compact (no whitespace outside its strings: what every SDK sends), else written
+    /// again compact. Either way the daemon keeps and measures compact text; text taken
+    /// as it is keeps the caller's member order and number spelling, and is never built
+    /// into a tree.
+    pub fn compacted(self) -> RawJson {
+        if self.is_compact() {
+            self
+        } else {
+            RawJson::from_value(&self.to_value())
+        }
+    }
+
+    /// Whether the text has no whitespace outside its strings.
+    pub fn is_compact(&self) -> bool {
+        let mut in_string = false;
+        let mut escaped = false;
+        for &b in self.0.get().as_bytes() {
+            if in_string {
+                if escaped {
+                    escaped = false;
+                } else if b == b'\\' {
+                    escaped = true;
+                } else if b == b'"' {
+                    in_string = false;
+                }
+            } else if b == b'"' {
+                in_string = true;
+            } else if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                return false;
+            }
+        }
+        true
     }
 
     /// A value read back from the store as JSON text; `None` if it is not JSON.
@@ -165,43 +199,6 @@ impl PartialEq for RawJson {
 impl Default for RawJson {
     fn default() -> RawJson {
         RawJson::from_value(&Value::Null)
-    }
-}
-
-impl RawJson {
-    /// JSON text a request carried, in the form the daemon keeps: as it is when it is
-    /// compact (no whitespace outside its strings: what every SDK sends), else written
-    /// again compact. Either way the daemon keeps and measures compact text; text taken
-    /// as it is keeps the caller's member order and number spelling, and is never built
-    /// into a tree.
-    pub fn compacted(self) -> RawJson {
-        if self.is_compact() {
-            self
-        } else {
-            RawJson::from_value(&self.to_value())
-        }
-    }
-
-    /// Whether the text has no whitespace outside its strings.
-    pub fn is_compact(&self) -> bool {
-        let mut in_string = false;
-        let mut escaped = false;
-        for &b in self.0.get().as_bytes() {
-            if in_string {
-                if escaped {
-                    escaped = false;
-                } else if b == b'\\' {
-                    escaped = true;
-                } else if b == b'"' {
-                    in_string = false;
-                }
-            } else if b == b'"' {
-                in_string = true;
-            } else if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
-                return false;
-            }
-        }
-        true
     }
 }
 
