@@ -5,10 +5,9 @@
 //! answers the committers. sled is not on this path.
 
 use std::sync::mpsc;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::codec::encode;
+use super::codec::encode_shared;
 use super::overlay::{OKey, Write};
 use super::{lock_err, Ctl, Inner, LoggedOptions};
 use crate::error::StoreError;
@@ -28,7 +27,8 @@ const NOTED_SYNC: Duration = Duration::from_millis(10);
 const MAX_GROUP: usize = 4096;
 
 /// A batch on its way to the committer thread, already in the two forms the thread
-/// needs: its log record ([`encode`]) and its writes as the overlay holds them. The
+/// needs: its log record and its writes as the overlay holds them, their values
+/// slices of one buffer ([`encode_shared`]). The
 /// committing task prepares both (see [`LogJob::new`]), so the one thread every
 /// commit passes through only frames, writes, syncs and publishes.
 pub(super) struct LogJob {
@@ -43,20 +43,21 @@ pub(super) struct LogJob {
 /// then hold the overlay values the group replaced (every write replaces at most
 /// one).
 struct Spent {
-    record: Vec<u8>,
+    record: bytes::Bytes,
     /// Each write's key, value and whether it creates the key.
     writes: Vec<Write>,
 }
 
 impl LogJob {
     pub(super) fn new(batch: Batch, reply: CommitReply) -> LogJob {
-        let record = encode(&batch);
+        let (record, values) = encode_shared(&batch);
         let (ops, created) = batch.into_parts();
         let writes = ops
             .into_iter()
+            .zip(values)
             .enumerate()
-            .map(|(i, op)| match op {
-                KvOp::Put(k, v) => (OKey::from_vec(k), Some(Arc::from(v)), created.contains(&i)),
+            .map(|(i, (op, value))| match op {
+                KvOp::Put(k, _) => (OKey::from_vec(k), value, created.contains(&i)),
                 KvOp::Delete(k) => (OKey::from_vec(k), None, false),
             })
             .collect();
@@ -374,7 +375,7 @@ impl Committer<'_> {
     /// Append the group's records to the log: the first one's lsn, and how long the
     /// write and sync alone took (noted when long: see [`note_sync`]).
     fn append(&mut self, jobs: &[LogJob], bytes: u64) -> (Result<u64, StoreError>, Duration) {
-        let records: Vec<&[u8]> = jobs.iter().map(|j| j.spent.record.as_slice()).collect();
+        let records: Vec<&[u8]> = jobs.iter().map(|j| &j.spent.record[..]).collect();
         let writing = Instant::now();
         let result = self
             .inner
