@@ -16,6 +16,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use serde_json::value::RawValue;
 use turnd_proto::ProgressView;
+use turnd_store::RawJson;
 
 use crate::session::SessionState;
 
@@ -29,7 +30,7 @@ struct Live {
     attempt: u32,
     seq: u64,
     /// The last frame's data and when it came (Unix ms).
-    last: Option<(Box<RawValue>, u64)>,
+    last: Option<(RawJson, u64)>,
 }
 
 /// A progress frame taken: where it belongs and its number.
@@ -112,7 +113,7 @@ impl ProgressTable {
         &self,
         invocation_id: &str,
         worker: Option<&str>,
-        data: Box<RawValue>,
+        data: RawJson,
         now: u64,
         publish: impl FnOnce(&Taken, &RawValue) -> R,
     ) -> Result<R, Refused> {
@@ -136,7 +137,7 @@ impl ProgressTable {
             seq: live.seq,
         };
         let (data, _) = live.last.insert((data, now));
-        Ok(publish(&taken, data))
+        Ok(publish(&taken, data.as_raw()))
     }
 
     /// The last progress frame of the turn `turn_id` of session `session_id`, while
@@ -150,7 +151,7 @@ impl ProgressTable {
             step: live.step,
             attempt: live.attempt,
             seq: live.seq,
-            data: serde_json::from_str(data.get()).unwrap_or_default(),
+            data: serde_json::from_str(data.as_str()).unwrap_or_default(),
             at_ms: *at_ms,
         })
     }

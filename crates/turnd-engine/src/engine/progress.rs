@@ -28,7 +28,6 @@ impl Engine {
         if data.len() as u64 > max {
             return refused(EngineError::ProgressTooLarge { max });
         }
-        let data = data.into_raw_value();
         let worker = match caller.role {
             Role::Worker => caller.worker_id.as_deref(),
             _ => None,

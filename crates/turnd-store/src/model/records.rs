@@ -2,6 +2,8 @@
 //! idempotency keys. Times are Unix milliseconds, so deadlines survive a restart and
 //! are re-armed from their absolute value.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -22,9 +24,25 @@ pub(crate) fn decode<'a, T: serde::Deserialize<'a>>(
 /// memory, and a parsed `Value` costs several hundred bytes per small object where the
 /// text costs its length; the text is also written to the store and sent to workers
 /// without being rebuilt.
-#[derive(Clone, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct RawJson(Box<RawValue>);
+///
+/// The text is shared: a clone is a reference count, not a copy. A transition
+/// builds on copies of the records it changes (the session's own stay as they were
+/// until its write is durable), and a one-step turn's record is copied four times
+/// or more, its input with it.
+#[derive(Clone)]
+pub struct RawJson(Arc<RawValue>);
+
+impl Serialize for RawJson {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RawJson {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawJson, D::Error> {
+        Box::<RawValue>::deserialize(d).map(|b| RawJson(Arc::from(b)))
+    }
+}
 
 impl RawJson {
     /// The compact text of `t`: a [`Value`], or one of the daemon's own typed values
@@ -32,7 +50,9 @@ impl RawJson {
     pub fn of<T: serde::Serialize>(t: &T) -> RawJson {
         // The daemon's own types and `Value`s serialize: their maps have string keys
         // and their numbers are finite.
-        RawJson(serde_json::value::to_raw_value(t).expect("a typed value serializes"))
+        RawJson(Arc::from(
+            serde_json::value::to_raw_value(t).expect("a typed value serializes"),
+        ))
     }
 
     /// The compact text of `v`.
@@ -72,8 +92,8 @@ impl RawJson {
     }
 
     /// The text as serde_json's raw value.
-    pub fn into_raw_value(self) -> Box<RawValue> {
-        self.0
+    pub fn as_raw(&self) -> &RawValue {
+        &self.0
     }
 
     /// JSON text a request carried, in the form the daemon keeps: as it is when it is
@@ -113,9 +133,7 @@ impl RawJson {
 
     /// A value read back from the store as JSON text; `None` if it is not JSON.
     pub fn from_stored(bytes: &[u8]) -> Option<RawJson> {
-        serde_json::from_slice::<Box<RawValue>>(bytes)
-            .ok()
-            .map(RawJson)
+        serde_json::from_slice::<RawJson>(bytes).ok()
     }
 }
 
