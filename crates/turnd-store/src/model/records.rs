@@ -25,22 +25,43 @@ pub(crate) fn decode<'a, T: serde::Deserialize<'a>>(
 /// text costs its length; the text is also written to the store and sent to workers
 /// without being rebuilt.
 ///
-/// The text is shared: a clone is a reference count, not a copy. A transition
-/// builds on copies of the records it changes (the session's own stay as they were
-/// until its write is durable), and a one-step turn's record is copied four times
-/// or more, its input with it.
+/// A text of [`SHARED_FROM`] bytes or more is shared: a clone is a reference count,
+/// not a copy. A transition builds on copies of the records it changes (the
+/// session's own stay as they were until its write is durable), and a one-step
+/// turn's record is copied four times or more, its input with it. A shorter text
+/// (an event's detail, a small input) is copied: that costs less than the second
+/// allocation a shared one takes when it is made.
 #[derive(Clone)]
-pub struct RawJson(Arc<RawValue>);
+pub struct RawJson(Text);
+
+/// Texts at least this long are shared by reference count (see [`RawJson`]).
+pub const SHARED_FROM: usize = 256;
+
+#[derive(Clone)]
+enum Text {
+    Copied(Box<RawValue>),
+    Shared(Arc<RawValue>),
+}
+
+impl From<Box<RawValue>> for RawJson {
+    fn from(b: Box<RawValue>) -> RawJson {
+        if b.get().len() >= SHARED_FROM {
+            RawJson(Text::Shared(Arc::from(b)))
+        } else {
+            RawJson(Text::Copied(b))
+        }
+    }
+}
 
 impl Serialize for RawJson {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(s)
+        self.as_raw().serialize(s)
     }
 }
 
 impl<'de> Deserialize<'de> for RawJson {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawJson, D::Error> {
-        Box::<RawValue>::deserialize(d).map(|b| RawJson(Arc::from(b)))
+        Box::<RawValue>::deserialize(d).map(RawJson::from)
     }
 }
 
@@ -50,9 +71,7 @@ impl RawJson {
     pub fn of<T: serde::Serialize>(t: &T) -> RawJson {
         // The daemon's own types and `Value`s serialize: their maps have string keys
         // and their numbers are finite.
-        RawJson(Arc::from(
-            serde_json::value::to_raw_value(t).expect("a typed value serializes"),
-        ))
+        RawJson::from(serde_json::value::to_raw_value(t).expect("a typed value serializes"))
     }
 
     /// The compact text of `v`.
@@ -64,7 +83,7 @@ impl RawJson {
     pub fn to_value(&self) -> Value {
         // The text was produced by serializing a `Value` or validated as JSON when the
         // record was read, so it parses.
-        serde_json::from_str(self.0.get()).unwrap_or_else(|e| {
+        serde_json::from_str(self.as_raw().get()).unwrap_or_else(|e| {
             tracing::error!("stored JSON value does not parse: {e}");
             Value::Null
         })
@@ -72,28 +91,31 @@ impl RawJson {
 
     /// Length of the JSON text in bytes.
     pub fn len(&self) -> usize {
-        self.0.get().len()
+        self.as_raw().get().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.get().is_empty()
+        self.as_raw().get().is_empty()
     }
 
     /// `Some(self)` unless the value is JSON `null`. An optional field holding `null`
     /// is read back from the store as absent, so the engine keeps it absent in memory
     /// too, and a turn reads the same from memory and from disk.
     pub fn non_null(self) -> Option<RawJson> {
-        (self.0.get() != "null").then_some(self)
+        (self.as_raw().get() != "null").then_some(self)
     }
 
     /// The compact JSON text.
     pub fn as_str(&self) -> &str {
-        self.0.get()
+        self.as_raw().get()
     }
 
     /// The text as serde_json's raw value.
     pub fn as_raw(&self) -> &RawValue {
-        &self.0
+        match &self.0 {
+            Text::Copied(b) => b,
+            Text::Shared(a) => a,
+        }
     }
 
     /// JSON text a request carried, in the form the daemon keeps: as it is when it is
@@ -113,7 +135,7 @@ impl RawJson {
     pub fn is_compact(&self) -> bool {
         let mut in_string = false;
         let mut escaped = false;
-        for &b in self.0.get().as_bytes() {
+        for &b in self.as_raw().get().as_bytes() {
             if in_string {
                 if escaped {
                     escaped = false;
@@ -209,7 +231,7 @@ impl<'de> Deserialize<'de> for TurnInput {
 
 impl PartialEq for RawJson {
     fn eq(&self, other: &Self) -> bool {
-        self.0.get() == other.0.get()
+        self.as_raw().get() == other.as_raw().get()
     }
 }
 
@@ -230,7 +252,7 @@ impl PartialEq<Value> for RawJson {
 
 impl std::fmt::Debug for RawJson {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0.get())
+        f.write_str(self.as_raw().get())
     }
 }
 
@@ -718,6 +740,29 @@ pub struct SessionKeys<'a> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A copy of a long text is the same text in memory (a reference count); a short
+    /// one is copied. Either way it reads, compares and writes as the text it was
+    /// read from.
+    #[test]
+    fn long_texts_are_shared_and_short_ones_copied() {
+        let long = format!(r#"{{"messages":"{}"}}"#, "x".repeat(SHARED_FROM));
+        for (text, shared) in [(long.as_str(), true), (r#"{"t":1}"#, false)] {
+            let a = RawJson::from_stored(text.as_bytes()).expect("JSON");
+            let b = a.clone();
+            assert_eq!(
+                a.as_str().as_ptr() == b.as_str().as_ptr(),
+                shared,
+                "{} bytes",
+                text.len()
+            );
+            assert_eq!(b.as_str(), text);
+            assert!(a == b);
+            assert_eq!(serde_json::to_string(&b).expect("serialize"), text);
+            let typed = RawJson::of(&serde_json::from_str::<Value>(text).expect("parse"));
+            assert_eq!(typed.as_str(), text);
+        }
+    }
 
     /// Text a request carried is kept as it is when it has no whitespace outside its
     /// strings (escaped quotes and backslashes inside them included), and written
