@@ -2,7 +2,7 @@
  * The external driver's load against Restate (make bench-restate), for a side-by-side
  * comparison with turnd's (sdk/typescript/bench/throughput.ts, make bench-external).
  *
- *     node drive.mjs [--sessions 1000] [--turns 20] [--warmup 200] [--single 500]
+ *     node drive.mjs [--sessions 1000] [--turns 20] [--warmup 200] [--single 500] [--single-warmup 2000]
  *
  * The same shape on both: a session is a virtual object key (Restate runs one call of
  * a key at a time, as turnd runs one turn of a session), a turn is one call of the
@@ -10,7 +10,9 @@
  * this process plays the callers over HTTP: every session sends its calls one after
  * another (`/send`, each as soon as the previous send is acknowledged) and waits for
  * each in the background (`/restate/invocation/ID/attach`). Then one session alone
- * runs `--single` calls, each sent once the previous one returned. The server's CPU
+ * runs `--single` calls, each sent once the previous one returned, after
+ * `--single-warmup` such calls not counted (as turnd's driver does; the first
+ * `--single` of them are reported as the cold p99). The server's CPU
  * is read from /proc before and after the load. Prints one markdown row.
  */
 import { spawn } from "node:child_process";
@@ -118,11 +120,14 @@ async function drive(ingress, sessions, turns, tag) {
   return latencies.sort((a, b) => a - b);
 }
 
+/** One session alone: latencies (ms) in order. */
 async function alone(ingress, turns) {
   const latencies = [];
   for (let t = 0; t < turns; t++) latencies.push(await (await call(ingress, "alone", { s: 0, t }))());
-  return latencies.sort((a, b) => a - b);
+  return latencies;
 }
+
+const ascending = (values) => [...values].sort((a, b) => a - b);
 
 const pct = (sorted, p) => (sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] ?? 0).toFixed(1);
 
@@ -154,6 +159,7 @@ async function main() {
   const turns = arg("turns", 20);
   const warmup = arg("warmup", 200);
   const single = arg("single", 500);
+  const singleWarmup = arg("single-warmup", 2000);
   const work = mkdtempSync(join(tmpdir(), "restate-bench-"));
   const { server, admin, ingress, servicePort } = await startServer(work);
   const service = spawn(process.execPath, [fileURLToPath(import.meta.url), "--role-service"], {
@@ -191,7 +197,10 @@ async function main() {
     const serverCpu = cpuOf(server.pid) - serverCpu0;
     service.stdin.write("report\n");
     const report = JSON.parse(await line((l) => l.startsWith("{")));
-    const solo = await alone(ingress, single);
+    const run = await alone(ingress, singleWarmup + single);
+    const solo = ascending(run.slice(singleWarmup));
+    const cold = singleWarmup > 0 ? ascending(run.slice(0, Math.min(single, singleWarmup))) : null;
+    const coldText = cold ? ` after ${singleWarmup} not counted (the first ${cold.length}: p99 ${pct(cold, 99)} ms)` : "";
     const total = sessions * turns;
     const perTurn = (s) => ((s / total) * 1e6).toFixed(0);
     const serviceS = (report.cpu.user + report.cpu.system) / 1e6;
@@ -202,7 +211,7 @@ async function main() {
         `server CPU ${serverCpu.toFixed(2)} s (${perTurn(serverCpu)} µs per turn) | ` +
         `driver CPU ${(serviceS + callerS).toFixed(2)} s (${perTurn(serviceS + callerS)} µs per turn: ` +
         `service ${perTurn(serviceS)}, callers ${perTurn(callerS)}) | ` +
-        `one session alone, ${single} turns: ${pct(solo, 50)} / ${pct(solo, 99)} ms | ` +
+        `one session alone, ${single} turns${coldText}: ${pct(solo, 50)} / ${pct(solo, 99)} ms | ` +
         `load ${load0.toFixed(1)} → ${load1.toFixed(1)} |`,
     );
   } finally {

@@ -136,7 +136,7 @@ async function main(): Promise<void> {
       console.log(
         `round ${r} ${b.label}: ${res.turnsPerS.toFixed(0)} turns/s, daemon ${res.daemonUsPerTurn.toFixed(1)} µs/turn, ` +
           `driver ${driverUs(res).toFixed(1)} µs/turn, ` +
-          `alone p50/p99 ${res.aloneP50Ms} / ${res.aloneP99Ms} ms, load ${res.load[0].toFixed(1)} → ${res.load[1].toFixed(1)}` +
+          `alone p50/p99 ${res.aloneP50Ms} / ${res.aloneP99Ms} ms (cold p99 ${res.aloneColdP99Ms ?? "–"}), load ${res.load[0].toFixed(1)} → ${res.load[1].toFixed(1)}` +
           (res.settledS === null ? ", store NOT settled" : ""),
       );
     }

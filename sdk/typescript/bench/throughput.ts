@@ -3,8 +3,8 @@
  * from outside the daemon (`make bench-external`, `make bench-sdk-typescript`).
  *
  *     node build/sdk/typescript/bench/throughput.js [--sessions 100] [--turns 20] [--concurrency 128]
- *                                    [--warmup 200] [--single 500] [--connections N] [--binary PATH]
- *                                    [--messages 0]
+ *                                    [--warmup 200] [--single 500] [--single-warmup 2000]
+ *                                    [--connections N] [--binary PATH] [--messages 0]
  *
  * Starts a real daemon (`--binary`, else $TURND_BIN, else `turnd` on the PATH) on
  * free ports with a fresh data directory and the default config (durable commits),
@@ -18,7 +18,12 @@
  * waiting (so that the writes a load defers count as its own), the driver's (callers
  * and worker) from the processes themselves.
  * Then one session alone runs `--single` turns, each submitted once the previous one
- * completed: the latency of a turn on an idle daemon. `--messages N` gives each turn
+ * completed: the latency of a turn on an idle daemon. They come after
+ * `--single-warmup` such turns of the same session that are not counted: in its first
+ * few thousand sequential turns a Node process's p99 is that of V8 compiling and
+ * tiering up the SDK's code (3 – 5 ms, against a warm daemon as much as a fresh one;
+ * `docs/benchmarks.md`), not the daemon's. The first `--single` of them are reported
+ * too, as the cold p99. `--messages N` gives each turn
  * of the load an input like an agent's, a conversation of N chat messages (about
  * 170 bytes of JSON each), which the worker echoes as the output. Prints one markdown row, or with
  * `--json` one JSON object of the same numbers (what `bench/ab.ts` reads).
@@ -99,7 +104,7 @@ async function drive(
   return latencies;
 }
 
-/** One session alone: each turn submitted once the previous one completed; sorted latencies (ms). */
+/** One session alone: each turn submitted once the previous one completed; latencies (ms), in order. */
 async function sequential(client: Client, turns: number): Promise<number[]> {
   const latencies: number[] = [];
   for (let t = 0; t < turns; t++) {
@@ -109,7 +114,12 @@ async function sequential(client: Client, turns: number): Promise<number[]> {
     if (done.status !== "completed") throw new Error(`turn ${done.turnId} ${done.status}`);
     latencies.push(performance.now() - start);
   }
-  return latencies.sort((a, b) => a - b);
+  return latencies;
+}
+
+/** Sorted ascending, for [`pct`]. */
+function ascending(values: number[]): number[] {
+  return [...values].sort((a, b) => a - b);
 }
 
 /** What one run measured, as `--json` prints it. */
@@ -128,9 +138,12 @@ export interface RunResult {
   settledS: number | null;
   workerUsPerTurn: number;
   callersUsPerTurn: number;
-  /** One session alone, each turn submitted once the previous one completed. */
+  /** One session alone, each turn submitted once the previous one completed, after
+   * `--single-warmup` such turns not counted. */
   aloneP50Ms: number;
   aloneP99Ms: number;
+  /** The p99 of the first `--single` of the warm-up turns (null without a warm-up). */
+  aloneColdP99Ms: number | null;
   /** The one-minute load average before and after the load. */
   load: [number, number];
 }
@@ -177,6 +190,7 @@ async function main(): Promise<void> {
   const concurrency = arg("concurrency", 128);
   const warmup = arg("warmup", 200);
   const single = arg("single", 500);
+  const singleWarmup = arg("single-warmup", 2000);
   const messages = conversation(arg("messages", 0));
   const connections = arg("connections", Math.max(8, Math.ceil((sessions * turns) / 800)));
   const binary = argStr("binary");
@@ -218,7 +232,9 @@ async function main(): Promise<void> {
       rss: number;
       stats: { invocationsStarted: number };
     };
-    const alone = await sequential(clients[0] as Client, single);
+    const run = await sequential(clients[0] as Client, singleWarmup + single);
+    const alone = ascending(run.slice(singleWarmup));
+    const cold = singleWarmup > 0 ? ascending(run.slice(0, Math.min(single, singleWarmup))) : null;
     child.stdin.write("stop\n");
     await Promise.all(clients.map((c) => c.close()));
     latencies.sort((a, b) => a - b);
@@ -239,6 +255,7 @@ async function main(): Promise<void> {
       callersUsPerTurn: (callerS / total) * 1e6,
       aloneP50Ms: pct(alone, 50),
       aloneP99Ms: pct(alone, 99),
+      aloneColdP99Ms: cold ? pct(cold, 99) : null,
       load: [load0, load1],
     };
     if (process.argv.includes("--json")) {
@@ -248,6 +265,7 @@ async function main(): Promise<void> {
     const driverUs = result.workerUsPerTurn + result.callersUsPerTurn;
     const more = messages.length > 0 ? ` --messages ${messages.length}` : "";
     const cmd = `node build/sdk/typescript/bench/throughput.js --sessions ${sessions} --turns ${turns} --concurrency ${concurrency}${more}`;
+    const coldText = cold ? ` after ${singleWarmup} not counted (the first ${cold.length}: p99 ${pct(cold, 99).toFixed(1)} ms)` : "";
     console.log(
       `| \`${cmd}\` | ${sessions} × ${turns} | ${result.wallS.toFixed(2)} s | ${Math.round(result.turnsPerS)} turns/s | ` +
         `${result.p50Ms.toFixed(1)} / ${result.p99Ms.toFixed(1)} ms | ` +
@@ -255,7 +273,7 @@ async function main(): Promise<void> {
         `${settle === undefined ? "store NOT settled" : `until the store settled ${settle.toFixed(2)} s after the last turn`}) | ` +
         `driver CPU ${(cpuS + callerS).toFixed(2)} s (${driverUs.toFixed(0)} µs per turn: ` +
         `worker ${result.workerUsPerTurn.toFixed(0)}, callers ${result.callersUsPerTurn.toFixed(0)}), worker RSS ${(report.rss / 2 ** 20).toFixed(0)} MB | ` +
-        `one session alone, ${single} turns: ${result.aloneP50Ms.toFixed(1)} / ${result.aloneP99Ms.toFixed(1)} ms | ` +
+        `one session alone, ${single} turns${coldText}: ${result.aloneP50Ms.toFixed(1)} / ${result.aloneP99Ms.toFixed(1)} ms | ` +
         `load ${load0.toFixed(1)} → ${load1.toFixed(1)} |`,
     );
   } finally {
