@@ -2,10 +2,6 @@
 //! record ([`encode`], [`decode`]), and a value as sled holds it ([`pack`],
 //! [`unpack`]), each LZ4-compressed when that saves space.
 
-use std::ops::Range;
-
-use bytes::Bytes;
-
 use crate::error::StoreError;
 use crate::model::{Batch, KvOp};
 use crate::sled::values;
@@ -66,49 +62,30 @@ const LOG_UNPACKED_MAX: usize = 1 << 30;
 /// about 4.6 KB (`docs/benchmarks.md`). It runs on the committing caller's
 /// thread, not the log writer's.
 pub fn encode(batch: &Batch) -> Vec<u8> {
-    let (plain, _) = encode_plain(batch);
-    compress(&plain).unwrap_or(plain)
-}
-
-/// [`encode`] for the committer: the record, and each operation's value (`None` for
-/// a delete) as a slice of the record's plain form, one buffer shared by the batch's
-/// values rather than a copy of each. The overlay holds those slices until sled has
-/// them; the buffer goes when the last of them does.
-pub(super) fn encode_shared(batch: &Batch) -> (Bytes, Vec<Option<Bytes>>) {
-    let (plain, ranges) = encode_plain(batch);
-    let packed = compress(&plain);
-    // Sized exactly ([`encode_plain`]): taken over without a copy.
-    let plain = Bytes::from(plain);
-    let values = ranges
-        .into_iter()
-        .map(|r| r.map(|r| plain.slice(r)))
-        .collect();
-    (packed.map_or(plain, Bytes::from), values)
-}
-
-/// The compressed form of a plain record, when it is long enough and saves space.
-fn compress(plain: &[u8]) -> Option<Vec<u8>> {
+    let plain = encode_plain(batch);
     if plain.len() < LOG_PACK_FROM {
-        return None;
+        return plain;
     }
-    let size = u32::try_from(plain.len()).ok()?;
+    let Ok(size) = u32::try_from(plain.len()) else {
+        return plain;
+    };
     // The marker, the plain size (u32 LE) and the block, compressed in place: the
     // layout `compress_prepend_size` gives after the marker, without its copy.
     let head = LOG_PACKED.len() + 4;
     let mut out = vec![0u8; head + lz4_flex::block::get_maximum_output_size(plain.len())];
     out[..LOG_PACKED.len()].copy_from_slice(&LOG_PACKED);
     out[LOG_PACKED.len()..head].copy_from_slice(&size.to_le_bytes());
-    match lz4_flex::block::compress_into(plain, &mut out[head..]) {
+    match lz4_flex::block::compress_into(&plain, &mut out[head..]) {
         Ok(n) if head + n < plain.len() => {
             out.truncate(head + n);
-            Some(out)
+            out
         }
-        _ => None,
+        _ => plain,
     }
 }
 
-/// [`encode`] without compression, and where each put's value lies in it.
-fn encode_plain(batch: &Batch) -> (Vec<u8>, Vec<Option<Range<usize>>>) {
+/// [`encode`] without compression.
+fn encode_plain(batch: &Batch) -> Vec<u8> {
     let size: usize = batch
         .ops
         .iter()
@@ -118,27 +95,24 @@ fn encode_plain(batch: &Batch) -> (Vec<u8>, Vec<Option<Range<usize>>>) {
         })
         .sum();
     let mut out = Vec::with_capacity(size);
-    let mut ranges = Vec::with_capacity(batch.ops.len());
     let mut bytes = |b: &[u8]| {
         out.extend_from_slice(&(b.len() as u32).to_le_bytes());
         out.extend_from_slice(b);
-        out.len() - b.len()..out.len()
     };
     for op in &batch.ops {
         match op {
             KvOp::Put(k, v) => {
                 bytes(&[1]);
                 bytes(k);
-                ranges.push(Some(bytes(v)));
+                bytes(v);
             }
             KvOp::Delete(k) => {
                 bytes(&[2]);
                 bytes(k);
-                ranges.push(None);
             }
         }
     }
-    (out, ranges)
+    out
 }
 
 /// The operations of a record written by [`encode`].
@@ -244,17 +218,17 @@ mod tests {
             format!("{:?}", b.ops)
         );
         assert_eq!(
-            format!("{:?}", decode(&encode_plain(&b).0).expect("plain")),
+            format!("{:?}", decode(&encode_plain(&b)).expect("plain")),
             format!("{:?}", b.ops)
         );
         let short = put(b"k", "v");
-        assert_eq!(encode(&short), encode_plain(&short).0);
+        assert_eq!(encode(&short), encode_plain(&short));
         let noise: String = (0..2000u32)
             .map(|i| char::from(b'!' + (i.wrapping_mul(2_654_435_761).rotate_left(13) % 90) as u8))
             .collect();
         let random = put(b"k", &noise);
         let r = encode(&random);
-        assert!(r.starts_with(&LOG_PACKED) == (r.len() < encode_plain(&random).0.len()));
+        assert!(r.starts_with(&LOG_PACKED) == (r.len() < encode_plain(&random).len()));
         assert!(decode(&rec[..rec.len() - 3]).is_err());
         let mut huge = LOG_PACKED.to_vec();
         huge.extend_from_slice(&u32::MAX.to_le_bytes());

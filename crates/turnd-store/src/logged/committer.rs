@@ -5,9 +5,10 @@
 //! answers the committers. sled is not on this path.
 
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::codec::encode_shared;
+use super::codec::encode;
 use super::overlay::{OKey, Write};
 use super::{lock_err, Ctl, Inner, LoggedOptions};
 use crate::error::StoreError;
@@ -27,8 +28,7 @@ const NOTED_SYNC: Duration = Duration::from_millis(10);
 const MAX_GROUP: usize = 4096;
 
 /// A batch on its way to the committer thread, already in the two forms the thread
-/// needs: its log record and its writes as the overlay holds them, their values
-/// slices of one buffer ([`encode_shared`]). The
+/// needs: its log record ([`encode`]) and its writes as the overlay holds them. The
 /// committing task prepares both (see [`LogJob::new`]), so the one thread every
 /// commit passes through only frames, writes, syncs and publishes.
 pub(super) struct LogJob {
@@ -43,21 +43,20 @@ pub(super) struct LogJob {
 /// then hold the overlay values the group replaced (every write replaces at most
 /// one).
 struct Spent {
-    record: bytes::Bytes,
+    record: Vec<u8>,
     /// Each write's key, value and whether it creates the key.
     writes: Vec<Write>,
 }
 
 impl LogJob {
     pub(super) fn new(batch: Batch, reply: CommitReply) -> LogJob {
-        let (record, values) = encode_shared(&batch);
+        let record = encode(&batch);
         let (ops, created) = batch.into_parts();
         let writes = ops
             .into_iter()
-            .zip(values)
             .enumerate()
-            .map(|(i, (op, value))| match op {
-                KvOp::Put(k, _) => (OKey::from_vec(k), value, created.contains(&i)),
+            .map(|(i, op)| match op {
+                KvOp::Put(k, v) => (OKey::from_vec(k), Some(Arc::from(v)), created.contains(&i)),
                 KvOp::Delete(k) => (OKey::from_vec(k), None, false),
             })
             .collect();
@@ -375,7 +374,7 @@ impl Committer<'_> {
     /// Append the group's records to the log: the first one's lsn, and how long the
     /// write and sync alone took (noted when long: see [`note_sync`]).
     fn append(&mut self, jobs: &[LogJob], bytes: u64) -> (Result<u64, StoreError>, Duration) {
-        let records: Vec<&[u8]> = jobs.iter().map(|j| &j.spent.record[..]).collect();
+        let records: Vec<&[u8]> = jobs.iter().map(|j| j.spent.record.as_slice()).collect();
         let writing = Instant::now();
         let result = self
             .inner

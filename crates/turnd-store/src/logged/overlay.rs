@@ -7,14 +7,13 @@
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::model::keys;
 
-/// A value as the overlay holds it (`None`: deleted): the batch's own buffer, taken
-/// over rather than copied ([`bytes::Bytes::from`] of a `Vec` keeps its allocation),
-/// and shared by reference count with the reads and the applier that clone it.
-pub(super) type Value = Option<bytes::Bytes>;
+/// A value as the overlay holds it (`None`: deleted).
+pub(super) type Value = Option<Arc<[u8]>>;
 
 /// A key as the overlay holds it: its bytes inline when they fit (every key of
 /// the layout with a session id of up to 45 bytes), so that a search compares

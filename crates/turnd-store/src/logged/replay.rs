@@ -70,7 +70,7 @@ pub(super) fn coalesce(records: &[Record]) -> Result<BTreeMap<Vec<u8>, (u64, Val
     for r in records {
         for op in decode(&r.payload)? {
             match op {
-                KvOp::Put(k, v) => map.insert(k, (r.lsn, Some(bytes::Bytes::from(v)))),
+                KvOp::Put(k, v) => map.insert(k, (r.lsn, Some(Arc::from(v)))),
                 KvOp::Delete(k) => map.insert(k, (r.lsn, None)),
             };
         }

@@ -107,7 +107,7 @@ fn taken_at(key: Vec<u8>, value: Option<&str>, fresh: bool, lsn: u64) -> Taken {
     Taken {
         key: OKey::from_vec(key),
         lsn,
-        value: value.map(|v| bytes::Bytes::copy_from_slice(v.as_bytes())),
+        value: value.map(|v| Arc::from(v.as_bytes())),
         fresh,
         pristine: true,
         gap_before: false,
