@@ -16,6 +16,7 @@
 
 pub mod frame;
 pub mod ids;
+pub mod json_text;
 pub mod objects;
 pub mod ops;
 pub mod partition;

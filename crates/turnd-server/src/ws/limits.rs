@@ -67,32 +67,7 @@ impl ConnectionCounts {
 /// Whether a JSON text nests deeper than `max` (counted without parsing, so a
 /// hostile frame cannot make the parser recurse).
 pub(super) fn too_deep(text: &str, max: u64) -> bool {
-    let mut depth = 0u64;
-    let mut in_str = false;
-    let mut escaped = false;
-    for b in text.bytes() {
-        if in_str {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_str = true,
-            b'{' | b'[' => {
-                depth += 1;
-                if depth > max {
-                    return true;
-                }
-            }
-            b'}' | b']' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    false
+    turnd_proto::json_text::nests_deeper_than(text, max)
 }
 
 /// A token bucket: `rate` requests per second, bursts up to `rate`.

@@ -133,24 +133,7 @@ impl RawJson {
 
     /// Whether the text has no whitespace outside its strings.
     pub fn is_compact(&self) -> bool {
-        let mut in_string = false;
-        let mut escaped = false;
-        for &b in self.as_raw().get().as_bytes() {
-            if in_string {
-                if escaped {
-                    escaped = false;
-                } else if b == b'\\' {
-                    escaped = true;
-                } else if b == b'"' {
-                    in_string = false;
-                }
-            } else if b == b'"' {
-                in_string = true;
-            } else if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
-                return false;
-            }
-        }
-        true
+        turnd_proto::json_text::is_compact(self.as_str())
     }
 
     /// A value read back from the store as JSON text; `None` if it is not JSON.
