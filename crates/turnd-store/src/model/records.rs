@@ -83,7 +83,7 @@ impl RawJson {
     pub fn to_value(&self) -> Value {
         // The text was produced by serializing a `Value` or validated as JSON when the
         // record was read, so it parses.
-        serde_json::from_str(self.as_raw().get()).unwrap_or_else(|e| {
+        serde_json::from_str(self.as_str()).unwrap_or_else(|e| {
             tracing::error!("stored JSON value does not parse: {e}");
             Value::Null
         })
@@ -91,18 +91,18 @@ impl RawJson {
 
     /// Length of the JSON text in bytes.
     pub fn len(&self) -> usize {
-        self.as_raw().get().len()
+        self.as_str().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.as_raw().get().is_empty()
+        self.as_str().is_empty()
     }
 
     /// `Some(self)` unless the value is JSON `null`. An optional field holding `null`
     /// is read back from the store as absent, so the engine keeps it absent in memory
     /// too, and a turn reads the same from memory and from disk.
     pub fn non_null(self) -> Option<RawJson> {
-        (self.as_raw().get() != "null").then_some(self)
+        (self.as_str() != "null").then_some(self)
     }
 
     /// The compact JSON text.
@@ -214,7 +214,7 @@ impl<'de> Deserialize<'de> for TurnInput {
 
 impl PartialEq for RawJson {
     fn eq(&self, other: &Self) -> bool {
-        self.as_raw().get() == other.as_raw().get()
+        self.as_str() == other.as_str()
     }
 }
 
@@ -235,7 +235,7 @@ impl PartialEq<Value> for RawJson {
 
 impl std::fmt::Debug for RawJson {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_raw().get())
+        f.write_str(self.as_str())
     }
 }
 
