@@ -266,6 +266,7 @@ async fn fill_and_kill(common: &Common, data: &Path, a: &RecoveryArgs) -> anyhow
         .args(["--callers", &common.callers.to_string()])
         .args(["--checkpoint-mb", &common.checkpoint_mb.to_string()])
         .args(["--cache-mb", &common.cache_mb.to_string()])
+        .args(["--apply-delay-ms", &common.apply_delay_ms.to_string()])
         .args(["--input-bytes", &common.input_bytes.to_string()])
         .arg("--data-dir")
         .arg(data)
