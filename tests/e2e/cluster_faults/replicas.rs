@@ -2,8 +2,8 @@
 //! of each partition (`<data_dir>/p<p>`, a leader's or a standby's) is opened here
 //! as a node taking the partition over would open it — the records of the stream
 //! past the store's applied mark, read with the validity rule
-//! (`turnd_cluster::log::read_valid`), replayed into it — and every key and value
-//! it then holds is compared with the other nodes' (a session's events one by one:
+//! (`turnd_cluster::log::read_valid`), replayed into it and written to sled — and
+//! every key and value it then holds is compared with the other nodes' (a session's events one by one:
 //! how they are grouped into values is the local store's own layout). A replica that applied a record
 //! the rule voids, missed one, or applied one differently keeps that difference
 //! below its mark, where no replay repairs it: the first differing key is the
@@ -81,6 +81,9 @@ fn contents(dir: &Path, records: &[Record]) -> anyhow::Result<(u64, Contents)> {
         })
     })
     .with_context(|| format!("open {}", dir.display()))?;
+    // The replayed records wait in the overlay for the applier: written to sled
+    // first, so that every replica's applied mark is the stream's last record.
+    kv.sync()?;
     let all = kv.scan(&[], &[0xff; 32], false, usize::MAX)?;
     kv.close()?;
     let mut out = BTreeMap::new();

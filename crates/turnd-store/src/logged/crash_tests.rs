@@ -149,3 +149,52 @@ async fn the_store_on_an_in_memory_log_keeps_every_acknowledged_batch_through_a_
     acknowledged(&kv, batch(41)).await;
     assert_eq!(present(&kv, 41), Some(true));
 }
+
+/// A start puts what the log holds past sled's mark in the overlay and serves from
+/// there at once; the applier writes it to sled afterwards, and only then is it
+/// trimmed from the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_serves_the_logs_tail_from_the_overlay_and_writes_it_to_sled_after() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = MemLog::new();
+    let (kv, _) = open_on(dir.path(), slow(), &log);
+    for i in 0..10 {
+        acknowledged(&kv, batch(i)).await;
+    }
+    // The crash: the applier never ran, so sled holds none of them.
+    let survivor = log.crash();
+    let copy = tempfile::tempdir().expect("tempdir");
+    copy_dir(dir.path(), copy.path());
+    std::mem::forget(kv);
+
+    let (kv, replayed) = open_on(copy.path(), slow(), &survivor);
+    assert_eq!(replayed, 10);
+    assert_eq!(
+        kv.overlay_len(),
+        30,
+        "the log's tail waits in the overlay: the start wrote none of it to sled"
+    );
+    for i in 0..10 {
+        assert_eq!(present(&kv, i), Some(true), "batch {i} is read at once");
+    }
+    assert_eq!(
+        survivor.lsns(),
+        (1..=10).collect::<Vec<_>>(),
+        "kept until applied"
+    );
+    kv.sync().expect("apply and trim");
+    assert_eq!(kv.overlay_len(), 0);
+    assert!(survivor.lsns().is_empty(), "trimmed once sled has it");
+
+    // Another crash now: sled has every batch, and the log nothing to replay.
+    let last = survivor.crash();
+    let again = tempfile::tempdir().expect("tempdir");
+    copy_dir(copy.path(), again.path());
+    std::mem::forget(kv);
+    let (kv, replayed) = open_on(again.path(), slow(), &last);
+    assert_eq!(replayed, 0);
+    for i in 0..10 {
+        assert_eq!(present(&kv, i), Some(true), "batch {i} is in sled");
+    }
+    kv.close().expect("close");
+}

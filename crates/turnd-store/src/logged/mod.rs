@@ -225,8 +225,10 @@ impl LoggedKv {
         let (sled, wins, applied) = replay::open_databases(dir, &opts)?;
         let opened = open_log(applied)?;
         let log: Arc<dyn CommitLog> = Arc::from(opened.log);
-        replay::replay(&sled, &wins, &*log, &opened.records)?;
         let committed = log.next_lsn() - 1;
+        let mut overlay = Overlay::new(opts.overlay_bytes, opts.overlay_keys, committed);
+        let applied =
+            replay::replay(&sled, &wins, &*log, &opened.records, &mut overlay)?.unwrap_or(applied);
         let replayed = Replayed {
             records: opened.records.len(),
             bytes: opened.bytes,
@@ -235,11 +237,7 @@ impl LoggedKv {
         let inner = Arc::new(Inner {
             sled,
             windows: wins,
-            overlay: RwLock::new(Overlay::new(
-                opts.overlay_bytes,
-                opts.overlay_keys,
-                committed,
-            )),
+            overlay: RwLock::new(overlay),
             stats: Mutex::new(CommitStats::default()),
             log,
             apply_error: Mutex::new(None),
@@ -254,16 +252,12 @@ impl LoggedKv {
             #[cfg(test)]
             after_sources: Mutex::new(None),
         });
-        Ok((LoggedKv::start(inner, committed, opts)?, replayed))
+        Ok((LoggedKv::start(inner, applied, opts)?, replayed))
     }
 
     /// Start the committer and applier threads over `inner`, whose sled holds
-    /// everything up to `committed`.
-    fn start(
-        inner: Arc<Inner>,
-        committed: u64,
-        opts: LoggedOptions,
-    ) -> Result<LoggedKv, StoreError> {
+    /// everything up to `applied` (its overlay the rest).
+    fn start(inner: Arc<Inner>, applied: u64, opts: LoggedOptions) -> Result<LoggedKv, StoreError> {
         let (tx, rx) = mpsc::channel::<LogJob>();
         let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
@@ -284,7 +278,7 @@ impl LoggedKv {
             let inner = inner.clone();
             spawn(
                 "turnd-store-applier",
-                Box::new(move || applier_loop(&inner, ctl_rx, &opts, committed)),
+                Box::new(move || applier_loop(&inner, ctl_rx, &opts, applied)),
             )?
         };
         Ok(LoggedKv {

@@ -1,8 +1,8 @@
 //! A start: sled and the time windows opened, and what the commit log holds past
-//! the applied mark sled recorded written to them (coalesced by key, as the applier
-//! does), flushed and synced before the store serves. The same coalescing serves
-//! the applier's repair after sled failed ([`coalesce`]), and the same writing a
-//! warm standby's store ([`super::follow`]).
+//! the applied mark sled recorded read back, coalesced by key ([`coalesce`]) and
+//! put in the overlay for the applier, or written at once when it drops a window
+//! ([`replay`]). The same coalescing serves the applier's repair after sled failed,
+//! and the same writing a warm standby's store ([`super::follow`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -12,7 +12,7 @@ use super::apply::{
     applied_mark, apply_routed, apply_to_sled, drops, recorded_drops, sync_windows, take_drop,
 };
 use super::codec::decode;
-use super::overlay::Value;
+use super::overlay::{Overlay, Value};
 use super::LoggedOptions;
 use crate::error::StoreError;
 use crate::log::{CommitLog, Record};
@@ -46,21 +46,31 @@ pub(super) fn open_databases(
     Ok((sled, wins, applied))
 }
 
-/// Write `records`, read back from `log` at open, to sled and the windows, make them
-/// durable, and let the log trim them.
+/// Take `records`, read back from `log` at open, where they go. Without a window
+/// drop among them they go into `overlay`, as they were before the stop, and the
+/// applier writes them to sled in its first round: the store serves without waiting
+/// for those writes (they were most of a start after a crash under load). A window
+/// drop is finished before the store serves (its window's directory deleted, what it
+/// still held moved): then they are written to sled and the windows, made durable,
+/// and trimmed from the log, and the lsn sled now holds is returned.
 pub(super) fn replay(
     sled: &Shared,
     wins: &Windows,
     log: &dyn CommitLog,
     records: &[Record],
-) -> Result<(), StoreError> {
+    overlay: &mut Overlay,
+) -> Result<Option<u64>, StoreError> {
     let Some(last) = records.last().map(|r| r.lsn) else {
-        return Ok(());
+        return Ok(None);
     };
     let map = coalesce(records)?;
+    if map_drops(&map).is_empty() {
+        overlay.refill(map);
+        return Ok(None);
+    }
     replay_into(sled, wins, &map, last)?;
     log.trim(last)?;
-    Ok(())
+    Ok(Some(last))
 }
 
 /// The newest value of each key in `records`, with the lsn that wrote it, in key
