@@ -110,13 +110,14 @@ pub fn store_options(cfg: &Config) -> anyhow::Result<LoggedOptions> {
 }
 
 /// Open the store the config names: the commit log in front, sled behind. What the
-/// log holds past sled's applied mark is written to sled before this returns.
+/// log holds past sled's applied mark is read back before this returns (the store's
+/// applier writes it to sled).
 pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<LoggedKv>> {
     let (kv, replayed) = LoggedKv::open(&cfg.storage.data_dir, store_options(cfg)?)
         .with_context(|| format!("open store in {}", cfg.storage.data_dir.display()))?;
     if replayed.records > 0 {
         tracing::info!(
-            "wrote {} records ({} bytes) of the commit log to sled in {} ms",
+            "read back {} records ({} bytes) of the commit log past sled's mark in {} ms",
             replayed.records,
             replayed.bytes,
             replayed.millis
