@@ -96,6 +96,14 @@ mod tests {
         (deeper, compact)
     }
 
+    #[test]
+    fn depth_is_counted_outside_strings() {
+        assert!(!nests_deeper_than(r#"{"a":[1,{"b":2}]}"#, 3));
+        assert!(nests_deeper_than(r#"{"a":[1,{"b":[2]}]}"#, 3));
+        assert!(!nests_deeper_than(r#"{"a":"[[[[[[[[[[\"[[[["}"#, 2));
+        assert!(nests_deeper_than(&"[".repeat(100), 64));
+    }
+
     /// Every text of up to 7 bytes over the bytes the scans look at (and one they
     /// do not), and longer texts with long strings, escapes and unclosed strings,
     /// give the same answers as the byte-by-byte scan, for every depth limit.

@@ -3,8 +3,9 @@
 //! as a node taking the partition over would open it — the records of the stream
 //! past the store's applied mark, read with the validity rule
 //! (`turnd_cluster::log::read_valid`), replayed into it and written to sled — and
-//! every key and value it then holds is compared with the other nodes' (a session's events one by one:
-//! how they are grouped into values is the local store's own layout). A replica that applied a record
+//! every key and value it then holds is compared with the other nodes' (a
+//! session's events one by one: how they are grouped into values is the local
+//! store's own layout). A replica that applied a record
 //! the rule voids, missed one, or applied one differently keeps that difference
 //! below its mark, where no replay repairs it: the first differing key is the
 //! answer.

@@ -64,12 +64,6 @@ impl ConnectionCounts {
     }
 }
 
-/// Whether a JSON text nests deeper than `max` (counted without parsing, so a
-/// hostile frame cannot make the parser recurse).
-pub(super) fn too_deep(text: &str, max: u64) -> bool {
-    turnd_proto::json_text::nests_deeper_than(text, max)
-}
-
 /// A token bucket: `rate` requests per second, bursts up to `rate`.
 #[derive(Debug)]
 pub(super) struct Bucket {
@@ -201,14 +195,6 @@ impl Drop for InFlight {
 mod tests {
     use super::*;
     use std::time::Duration;
-
-    #[test]
-    fn depth_is_counted_outside_strings() {
-        assert!(!too_deep(r#"{"a":[1,{"b":2}]}"#, 3));
-        assert!(too_deep(r#"{"a":[1,{"b":[2]}]}"#, 3));
-        assert!(!too_deep(r#"{"a":"[[[[[[[[[[\"[[[["}"#, 2));
-        assert!(too_deep(&"[".repeat(100), 64));
-    }
 
     #[tokio::test(start_paused = true)]
     async fn bucket_refills_with_time() {

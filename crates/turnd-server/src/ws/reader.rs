@@ -17,7 +17,7 @@ use turnd_proto::{
     CLOSE_TOO_BIG, MAX_BAD_FRAMES,
 };
 
-use super::limits::{too_deep, Bucket, Exempted};
+use super::limits::{Bucket, Exempted};
 use super::{request, Conn};
 
 /// The close frame a connection ends with (code, reason); `None`: no frame of ours.
@@ -171,7 +171,7 @@ impl Reader {
     /// A text frame: a request, unless it nests too deep or does not decode.
     async fn text(&mut self, text: &str) -> Flow {
         let max_depth = self.conn.shared.config.server.max_json_depth;
-        if too_deep(text, max_depth) {
+        if turnd_proto::json_text::nests_deeper_than(text, max_depth) {
             let body = ErrorBody::new(
                 ErrorCode::TooLarge,
                 format!("JSON nests deeper than server.max_json_depth ({max_depth})"),

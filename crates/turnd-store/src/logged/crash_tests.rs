@@ -150,6 +150,22 @@ async fn the_store_on_an_in_memory_log_keeps_every_acknowledged_batch_through_a_
     assert_eq!(present(&kv, 41), Some(true));
 }
 
+/// A crash of `kv`, whose sled lives in `dir`, on `log`: the store opened again on
+/// a copy of sled's files as they are and on the records the log kept. Returns the
+/// copy's directory, the log, the store and the records it replayed.
+fn crash_and_reopen(
+    kv: LoggedKv,
+    log: &MemLog,
+    dir: &std::path::Path,
+) -> (tempfile::TempDir, MemLog, LoggedKv, usize) {
+    let survivor = log.crash();
+    let copy = tempfile::tempdir().expect("tempdir");
+    copy_dir(dir, copy.path());
+    std::mem::forget(kv);
+    let (kv, replayed) = open_on(copy.path(), slow(), &survivor);
+    (copy, survivor, kv, replayed)
+}
+
 /// A start puts what the log holds past sled's mark in the overlay and serves from
 /// there at once; the applier writes it to sled afterwards, and only then is it
 /// trimmed from the log.
@@ -162,12 +178,7 @@ async fn a_start_serves_the_logs_tail_from_the_overlay_and_writes_it_to_sled_aft
         acknowledged(&kv, batch(i)).await;
     }
     // The crash: the applier never ran, so sled holds none of them.
-    let survivor = log.crash();
-    let copy = tempfile::tempdir().expect("tempdir");
-    copy_dir(dir.path(), copy.path());
-    std::mem::forget(kv);
-
-    let (kv, replayed) = open_on(copy.path(), slow(), &survivor);
+    let (copy, survivor, kv, replayed) = crash_and_reopen(kv, &log, dir.path());
     assert_eq!(replayed, 10);
     assert_eq!(
         kv.overlay_len(),
@@ -187,11 +198,7 @@ async fn a_start_serves_the_logs_tail_from_the_overlay_and_writes_it_to_sled_aft
     assert!(survivor.lsns().is_empty(), "trimmed once sled has it");
 
     // Another crash now: sled has every batch, and the log nothing to replay.
-    let last = survivor.crash();
-    let again = tempfile::tempdir().expect("tempdir");
-    copy_dir(copy.path(), again.path());
-    std::mem::forget(kv);
-    let (kv, replayed) = open_on(again.path(), slow(), &last);
+    let (_again, _log, kv, replayed) = crash_and_reopen(kv, &survivor, copy.path());
     assert_eq!(replayed, 0);
     for i in 0..10 {
         assert_eq!(present(&kv, i), Some(true), "batch {i} is in sled");

@@ -225,13 +225,8 @@ impl LoggedKv {
         let (sled, wins, applied) = replay::open_databases(dir, &opts)?;
         let opened = open_log(applied)?;
         let log: Arc<dyn CommitLog> = Arc::from(opened.log);
-        // The overlay holds everything up to the tail's last record: the applier's
-        // first round records that as its mark, as a start that wrote the tail did
-        // (a cluster's log may number its next append past a gap, a fence).
-        let tail = opened.records.last().map_or(applied, |r| r.lsn);
-        let mut overlay = Overlay::new(opts.overlay_bytes, opts.overlay_keys, tail);
-        let applied =
-            replay::replay(&sled, &wins, &*log, &opened.records, &mut overlay)?.unwrap_or(applied);
+        let (overlay, applied) =
+            replay::replay(&sled, &wins, &*log, &opened.records, applied, &opts)?;
         let replayed = Replayed {
             records: opened.records.len(),
             bytes: opened.bytes,

@@ -46,31 +46,39 @@ pub(super) fn open_databases(
     Ok((sled, wins, applied))
 }
 
-/// Take `records`, read back from `log` at open, where they go. Without a window
-/// drop among them they go into `overlay`, as they were before the stop, and the
-/// applier writes them to sled in its first round: the store serves without waiting
-/// for those writes (they were most of a start after a crash under load). A window
-/// drop is finished before the store serves (its window's directory deleted, what it
-/// still held moved): then they are written to sled and the windows, made durable,
-/// and trimmed from the log, and the lsn sled now holds is returned.
+/// Take `records`, read back from `log` at open past sled's mark `applied`, where
+/// they go; returns the overlay the store starts with and the lsn sled then holds.
+/// Without a window drop among them they go into the overlay, as they were before
+/// the stop, and the applier writes them to sled in its first round: the store
+/// serves without waiting for those writes (they were most of a start after a crash
+/// under load). A window drop is finished before the store serves (its window's
+/// directory deleted, what it still held moved): then they are written to sled and
+/// the windows, made durable, and trimmed from the log.
+///
+/// The overlay holds everything up to the last record, which the applier's first
+/// round records as its mark (a cluster's log may number its next append past a
+/// gap, a fence: the mark stays at the last record, as on every replica).
 pub(super) fn replay(
     sled: &Shared,
     wins: &Windows,
     log: &dyn CommitLog,
     records: &[Record],
-    overlay: &mut Overlay,
-) -> Result<Option<u64>, StoreError> {
-    let Some(last) = records.last().map(|r| r.lsn) else {
-        return Ok(None);
-    };
+    applied: u64,
+    opts: &LoggedOptions,
+) -> Result<(Overlay, u64), StoreError> {
+    let last = records.last().map_or(applied, |r| r.lsn);
+    let mut overlay = Overlay::new(opts.overlay_bytes, opts.overlay_keys, last);
+    if records.is_empty() {
+        return Ok((overlay, applied));
+    }
     let map = coalesce(records)?;
     if map_drops(&map).is_empty() {
         overlay.refill(map);
-        return Ok(None);
+        return Ok((overlay, applied));
     }
     replay_into(sled, wins, &map, last)?;
     log.trim(last)?;
-    Ok(Some(last))
+    Ok((overlay, last))
 }
 
 /// The newest value of each key in `records`, with the lsn that wrote it, in key
