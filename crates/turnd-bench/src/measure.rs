@@ -229,6 +229,7 @@ pub fn commit_delta(after: &CommitStats, before: &CommitStats) -> CommitStats {
         merged_event_values: after
             .merged_event_values
             .saturating_sub(before.merged_event_values),
+        carried_records: after.carried_records.saturating_sub(before.carried_records),
         room_waits: after.room_waits.saturating_sub(before.room_waits),
         room_wait_micros: after
             .room_wait_micros
@@ -263,11 +264,12 @@ pub fn fmt_commits(c: &CommitStats) -> String {
     );
     if c.applies > 0 {
         s.push_str(&format!(
-            " / {} applies to sled, {} keys ({} deletes dropped, {} event values merged), {:.0} ms in all",
+            " / {} applies to sled, {} keys ({} deletes dropped, {} event values merged, {} live records carried), {:.0} ms in all",
             c.applies,
             c.applied_keys,
             c.dropped_deletes,
             c.merged_event_values,
+            c.carried_records,
             c.apply_micros as f64 / 1000.0
         ));
     }

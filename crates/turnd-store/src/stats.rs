@@ -62,6 +62,9 @@ pub struct CommitStats {
     /// Event values those rounds wrote as part of a later value of the same session
     /// instead of under their own key.
     pub merged_event_values: u64,
+    /// Records of live turns and invocations appended to the commit log again
+    /// instead of written to sled (carried: the applier's `carries`).
+    pub carried_records: u64,
     /// Group commits that waited before their write because the overlay was full
     /// (more keys committed but not yet in sled than it may hold): sled was behind.
     pub room_waits: u64,

@@ -464,6 +464,12 @@ fn register_commit_log(reg: &mut Registry, cs: &CommitStats) {
         "Event values written to sled inside a later value of the same session instead of under their own key",
         cs.merged_event_values,
     );
+    counter(
+        reg,
+        "storage_carried_records",
+        "Records of live turns and invocations appended to the commit log again instead of written to sled",
+        cs.carried_records,
+    );
     seconds(
         reg,
         "storage_apply_seconds",

@@ -40,6 +40,19 @@ impl CommitTicket {
     }
 }
 
+impl CommitTicket {
+    /// The answer, if it came (a store that went away without answering: `Closed`);
+    /// None while the batch is still on its way.
+    pub(crate) fn try_answer(&mut self) -> Option<Result<(), StoreError>> {
+        use tokio::sync::oneshot::error::TryRecvError;
+        match self.0.try_recv() {
+            Ok(answer) => Some(answer.result),
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Closed) => Some(Err(StoreError::Closed)),
+        }
+    }
+}
+
 impl std::future::Future for CommitTicket {
     type Output = Result<Result<(), StoreError>, tokio::sync::oneshot::error::RecvError>;
 

@@ -14,14 +14,25 @@ use std::time::{Duration, Instant};
 use super::apply::{
     applied_mark, apply_routed, apply_to_sled, drops, sync_windows, take_drop, APPLY_KEYS,
 };
-use super::overlay::{delays, OKey};
+use super::committer::LogJob;
+use super::overlay::{carries, delays, OKey, CARRIED_KINDS};
 use super::replay::coalesce;
 use super::runs::{drop_applied, event_runs, forget_fresh, sled_writes, Run, Taken};
 use super::{lock_err, Ctl, Inner, LoggedOptions};
 use crate::error::{IoOp, StoreError};
+use crate::kv::CommitTicket;
 use crate::model::keys;
 use crate::sled::{Checkpoints, Shared};
 use crate::windows::store::{Switch, Upkeep};
+
+/// Most records one round carries (`overlay::carries`): at full load a round
+/// settles a few thousand live records at most, so this only bounds the log a round
+/// can add when more wait (the rest are written to sled as before).
+const MAX_CARRIED_PER_ROUND: usize = 8192;
+
+/// A settled live record a round carries: its key, the lsn the overlay held it at
+/// and its value.
+type Carried = (OKey, u64, Arc<[u8]>);
 
 /// Bytes [`probe_disk`] writes.
 const PROBE_BYTES: usize = 64 * 1024;
@@ -75,6 +86,9 @@ struct Applier<'a> {
     window_close_after: Option<Duration>,
     /// When the log's upkeep last failed (tried again after `heal_interval`).
     upkeep_failed: Option<Instant>,
+    /// The answer to the last carry sent to the committer: no round carries again
+    /// before it came.
+    carry_ticket: Option<CommitTicket>,
 }
 
 /// Run once the hook a test left in `slot`, if any.
@@ -93,6 +107,8 @@ struct Begun {
     end: Option<OKey>,
     /// The window drops committed by then: start and lsn of each.
     drops: Vec<(u64, u64)>,
+    /// The overlay was past a quarter of its room ([`super::overlay::Overlay::busy`]).
+    busy: bool,
 }
 
 /// What a round's walk of the overlay took.
@@ -134,6 +150,7 @@ impl Applier<'_> {
             settled,
             end,
             drops: pending,
+            busy,
         } = self.settle(started, delay)?;
         #[cfg(test)]
         run_test_hook(&self.inner.after_settle);
@@ -154,7 +171,24 @@ impl Applier<'_> {
             self.applied = committed;
             return self.mark_if_due(false);
         };
+        // Carry only in a round that waits out the delay (not at a flush, a close or
+        // while eager), with room to spare, and once the last carry was answered. A
+        // carried record is in sled at no lsn, and in the log again only once its
+        // carry is appended: the round's mark stays before it, chosen before the walk
+        // so that its runs of event values end at that mark too (see `runs`); the
+        // next round finds it at its new lsn (or written again meanwhile).
+        let carried = if !delay.is_zero() && !dropping && !busy && self.carry_answered() {
+            self.to_carry(mark)?
+        } else {
+            Vec::new()
+        };
+        let mark = carried
+            .iter()
+            .map(|c| c.1)
+            .min()
+            .map_or(mark, |lsn| mark.min(lsn - 1).max(self.applied));
         let walked = self.walk(&end, mark, dropping)?;
+        self.carry(carried);
         let leftovers = self.take_drops(pending)?;
         // A run that stayed has every value after `applied` (see `event_runs`).
         let mark = walked.kept.map_or(mark, |lsn| {
@@ -197,7 +231,66 @@ impl Applier<'_> {
             settled,
             end: o.map.keys().next_back().cloned(),
             drops,
+            busy: o.busy(),
         })
+    }
+
+    /// Whether the last carry was answered (its failure is only noted: its records
+    /// are still in the overlay, and a later round takes them).
+    fn carry_answered(&mut self) -> bool {
+        let Some(ticket) = self.carry_ticket.as_mut() else {
+            return true;
+        };
+        match ticket.try_answer() {
+            None => false,
+            Some(answer) => {
+                if let Err(e) = answer {
+                    tracing::debug!("a carry of live records failed: {e}");
+                }
+                self.carry_ticket = None;
+                true
+            }
+        }
+    }
+
+    /// The settled live records this round carries (`overlay::carries`), up to
+    /// [`MAX_CARRIED_PER_ROUND`].
+    fn to_carry(&self, mark: u64) -> Result<Vec<Carried>, StoreError> {
+        let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
+        let mut carried = Vec::new();
+        for prefix in CARRIED_KINDS {
+            let kind = (
+                Bound::Included(&[prefix][..]),
+                Bound::Excluded(&[prefix + 1][..]),
+            );
+            for (k, p) in o.map.range::<[u8], _>(kind) {
+                if carried.len() == MAX_CARRIED_PER_ROUND {
+                    return Ok(carried);
+                }
+                if let (true, Some(v)) = (p.lsn <= mark && carries(k, p), &p.value) {
+                    carried.push((k.clone(), p.lsn, v.clone()));
+                }
+            }
+        }
+        Ok(carried)
+    }
+
+    /// Send a round's carried records to the committer (whether or not they are
+    /// appended, the round's mark stays before them).
+    fn carry(&mut self, carried: Vec<Carried>) {
+        if carried.is_empty() {
+            return;
+        }
+        let (reply, ticket) = CommitTicket::new();
+        let job = LogJob::carry(carried, reply);
+        match self.inner.tx.lock() {
+            Ok(tx) => match tx.as_ref() {
+                Some(tx) if tx.send(job).is_ok() => self.carry_ticket = Some(ticket),
+                // Closing: the round that flushes writes them to sled.
+                _ => {}
+            },
+            Err(_) => tracing::debug!("the commit queue's lock is poisoned: nothing carried"),
+        }
     }
 
     /// Start a new time window when one is due, but only when turns were admitted or
@@ -599,6 +692,7 @@ pub(super) fn applier_loop(
         idle_reopen: opts.idle_reopen,
         window_close_after: opts.window_close_after,
         upkeep_failed: None,
+        carry_ticket: None,
     };
     loop {
         // Half the overlay's room used: no pause between rounds, and no write waits

@@ -36,6 +36,9 @@ pub(super) struct LogJob {
     /// with the buffers it holds (see [`Spent`]).
     spent: Box<Spent>,
     pub(super) reply: CommitReply,
+    /// A carry from the applier ([`LogJob::carry`]): the lsn at which the overlay
+    /// held each write's value when the applier took it; empty for a commit.
+    expect: Vec<u64>,
 }
 
 /// A job's buffers, sent back with its answer once the committer is done with them
@@ -63,7 +66,31 @@ impl LogJob {
         LogJob {
             spent: Box::new(Spent { record, writes }),
             reply,
+            expect: Vec::new(),
         }
+    }
+
+    /// The applier's carry of settled live records (`overlay::carries`): each key,
+    /// the lsn of the value the overlay held when the applier took it, and that
+    /// value. The committer appends the values still held at those lsns as one
+    /// record, first in its group ([`Committer::prepare_carries`]).
+    pub(super) fn carry(entries: Vec<(OKey, u64, Arc<[u8]>)>, reply: CommitReply) -> LogJob {
+        let (writes, expect) = entries
+            .into_iter()
+            .map(|(k, lsn, v)| ((k, Some(v), false), lsn))
+            .unzip();
+        LogJob {
+            spent: Box::new(Spent {
+                record: Vec::new(),
+                writes,
+            }),
+            reply,
+            expect,
+        }
+    }
+
+    fn is_carry(&self) -> bool {
+        !self.expect.is_empty()
     }
 }
 
@@ -317,12 +344,71 @@ impl Committer<'_> {
         jobs
     }
 
+    /// Put the group's carries first and keep of each only the writes whose value
+    /// the overlay still holds at the lsn the applier saw (a newer write of the key
+    /// is in the log already, and must stay the newest); encode what is left. A
+    /// carry with nothing left is answered at once and leaves the group. Returns
+    /// how many carries lead the group. The check holds until the group is in the
+    /// overlay: only this thread puts writes there, and the applier, which drops
+    /// entries, never takes a carried one (its lsn is the one it passed over).
+    fn prepare_carries(&self, jobs: &mut Vec<LogJob>) -> usize {
+        if !jobs.iter().any(LogJob::is_carry) {
+            return 0;
+        }
+        let (mut carries, commits): (Vec<LogJob>, Vec<LogJob>) =
+            std::mem::take(jobs).into_iter().partition(LogJob::is_carry);
+        if let Ok(o) = self.inner.overlay.read() {
+            for c in &mut carries {
+                let expect = std::mem::take(&mut c.expect);
+                let spent = &mut *c.spent;
+                let mut i = 0;
+                spent.writes.retain(|(k, _, _)| {
+                    let lsn = expect[i];
+                    i += 1;
+                    o.map.get(k.as_slice()).is_some_and(|p| p.lsn == lsn)
+                });
+                let mut batch = Batch::new();
+                for (k, v, _) in &spent.writes {
+                    if let Some(v) = v {
+                        batch.put_raw(k.to_vec(), v.to_vec());
+                    }
+                }
+                spent.record = encode(&batch);
+            }
+        } else {
+            // No overlay to check against: carry nothing.
+            for c in &mut carries {
+                c.spent.writes.clear();
+            }
+        }
+        for c in carries {
+            if c.spent.writes.is_empty() {
+                if c.reply.send(Ok(())).is_err() {
+                    tracing::debug!("the applier went away before its carry was answered");
+                }
+            } else {
+                jobs.push(c);
+            }
+        }
+        let leading = jobs.len();
+        jobs.extend(commits);
+        leading
+    }
+
     /// Append the group to the log, put its writes into the overlay once it is
     /// durable, count it, and answer every batch of it.
     fn commit_group(&mut self, mut jobs: Vec<LogJob>) {
         let started = Instant::now();
         self.heal_if_due(started);
+        let carries = self.prepare_carries(&mut jobs);
+        if jobs.is_empty() {
+            return;
+        }
         let bytes: u64 = jobs.iter().map(|j| j.spent.record.len() as u64).sum();
+        let carried: u64 = jobs[..carries]
+            .iter()
+            .map(|j| j.spent.writes.len() as u64)
+            .sum();
         let (result, synced) = self.append(&jobs, bytes);
         let result = result.and_then(|first_lsn| {
             let mut o = self
@@ -330,7 +416,11 @@ impl Committer<'_> {
                 .overlay
                 .write()
                 .map_err(|_| lock_err("overlay"))?;
-            o.put_group(first_lsn, jobs.iter_mut().map(|j| &mut j.spent.writes));
+            o.put_group(
+                first_lsn,
+                carries,
+                jobs.iter_mut().map(|j| &mut j.spent.writes),
+            );
             Ok(())
         });
         if let Err(e) = &result {
@@ -343,6 +433,9 @@ impl Committer<'_> {
             s.record_sync(synced);
             s.max_group = s.max_group.max(jobs.len() as u64);
             s.log_bytes += bytes;
+            if result.is_ok() {
+                s.carried_records += carried;
+            }
         }
         for job in jobs {
             if job

@@ -59,6 +59,8 @@
 
 mod applier;
 mod apply;
+#[cfg(test)]
+mod carry_tests;
 mod checkpoint;
 mod codec;
 mod committer;
@@ -136,6 +138,9 @@ struct Inner {
     stats: Mutex<CommitStats>,
     /// The commit log: appended to by the committer, read and trimmed by the applier.
     log: Arc<dyn CommitLog>,
+    /// The committer's queue: commits, and the applier's carries (`overlay::carries`).
+    /// Taken at close, which ends the committer once it took what was queued.
+    tx: Mutex<Option<mpsc::Sender<LogJob>>>,
     /// The last applier error and since when it has been failing, until an apply
     /// and flush succeed again.
     apply_error: Mutex<Option<(String, Instant)>>,
@@ -165,7 +170,6 @@ struct Inner {
 /// The store: commit log in front, sled behind. See the module documentation.
 pub struct LoggedKv {
     inner: Arc<Inner>,
-    tx: Mutex<Option<mpsc::Sender<LogJob>>>,
     ctl: Mutex<Option<mpsc::Sender<Ctl>>>,
     committer: Mutex<Option<std::thread::JoinHandle<()>>>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -238,6 +242,7 @@ impl LoggedKv {
             overlay: RwLock::new(overlay),
             stats: Mutex::new(CommitStats::default()),
             log,
+            tx: Mutex::new(None),
             apply_error: Mutex::new(None),
             apply_patience: opts.heal_interval.saturating_mul(10),
             applied_cv: std::sync::Condvar::new(),
@@ -257,6 +262,7 @@ impl LoggedKv {
     /// everything up to `applied` (its overlay the rest).
     fn start(inner: Arc<Inner>, applied: u64, opts: LoggedOptions) -> Result<LoggedKv, StoreError> {
         let (tx, rx) = mpsc::channel::<LogJob>();
+        *inner.tx.lock().map_err(|_| lock_err("commit queue"))? = Some(tx);
         let (ctl_tx, ctl_rx) = mpsc::channel::<Ctl>();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -281,7 +287,6 @@ impl LoggedKv {
         };
         Ok(LoggedKv {
             inner,
-            tx: Mutex::new(Some(tx)),
             ctl: Mutex::new(Some(ctl_tx)),
             committer: Mutex::new(Some(committer)),
             applier: Mutex::new(Some(applier)),
@@ -291,7 +296,7 @@ impl LoggedKv {
     /// Commit everything queued, apply it to sled, flush and sync sled, trim the
     /// log, and stop both threads. The next open then reads no log.
     pub fn close(&self) -> Result<(), StoreError> {
-        drop(self.tx.lock().map_err(|_| StoreError::Closed)?.take());
+        drop(self.inner.tx.lock().map_err(|_| StoreError::Closed)?.take());
         if let Some(c) = self
             .committer
             .lock()
@@ -447,7 +452,7 @@ impl Kv for LoggedKv {
     fn commit(&self, batch: Batch) -> CommitTicket {
         let (reply, rx) = CommitTicket::new();
         let job = LogJob::new(batch, reply);
-        let sent = match self.tx.lock() {
+        let sent = match self.inner.tx.lock() {
             Ok(tx) => match tx.as_ref() {
                 Some(tx) => tx.send(job).map_err(|e| e.0.reply),
                 None => Err(job.reply),

@@ -37,6 +37,9 @@ pub(super) struct Pending {
     /// The value is the one the put that created the key wrote, and nothing wrote
     /// the key since (see [`super::runs`]).
     pub(super) pristine: bool,
+    /// How often the applier had this value appended to the log again instead of
+    /// writing it to sled ([`carries`]).
+    pub(super) carried: u8,
 }
 
 /// What an overlay entry counts toward [`super::LoggedOptions::overlay_bytes`]: its
@@ -111,15 +114,20 @@ impl Overlay {
     }
 
     /// Put a durable group in: the writes of its batches, the first batch's record
-    /// at `first_lsn` and each next one's at the next lsn. Each write's slot takes the
-    /// value it replaces here (its key is moved in), so that the committing task
-    /// frees that with the rest of its batch.
+    /// at `first_lsn` and each next one's at the next lsn; the first `carries` batches
+    /// are the applier's carries ([`carries`]). Each write's slot takes the value it
+    /// replaces here (its key is moved in), so that the committing task frees that
+    /// with the rest of its batch.
     pub(super) fn put_group<'a>(
         &mut self,
         first_lsn: u64,
+        carries: usize,
         batches: impl ExactSizeIterator<Item = &'a mut Vec<Write>>,
     ) {
         let count = batches.len() as u64;
+        if count == 0 {
+            return;
+        }
         for (i, writes) in batches.enumerate() {
             let lsn = first_lsn + i as u64;
             for (k, value, created) in writes {
@@ -128,16 +136,18 @@ impl Overlay {
                     value: value.take(),
                     fresh: *created,
                     pristine: *created,
+                    carried: 0,
                 };
-                *value = self.put(std::mem::take(k), pending);
+                *value = self.put(std::mem::take(k), pending, i < carries);
             }
         }
         self.committed = first_lsn + count - 1;
         self.groups.push_back((Instant::now(), self.committed));
     }
 
-    /// Put `pending` in as `key`'s newest value; returns the value it replaced.
-    fn put(&mut self, key: OKey, mut pending: Pending) -> Value {
+    /// Put `pending` in as `key`'s newest value (`carry`: the same value again, from
+    /// the applier's carry); returns the value it replaced.
+    fn put(&mut self, key: OKey, mut pending: Pending, carry: bool) -> Value {
         let added = weight(&key, &pending.value);
         let (removed, replaced) = match self.map.entry(key) {
             Entry::Vacant(e) => {
@@ -150,6 +160,9 @@ impl Overlay {
                 // already).
                 pending.fresh = e.get().fresh;
                 pending.pristine = false;
+                if carry {
+                    pending.carried = e.get().carried.saturating_add(1);
+                }
                 let replaced = std::mem::replace(e.get_mut(), pending).value;
                 (weight(e.key(), &replaced), replaced)
             }
@@ -171,6 +184,7 @@ impl Overlay {
                     // sled may hold it: its delete is written, and it is in no run.
                     fresh: false,
                     pristine: false,
+                    carried: 0,
                 });
                 self.bytes += w;
             }
@@ -195,4 +209,33 @@ impl Overlay {
 /// idempotency keys) and window drops are taken at the next round.
 pub(super) fn delays(key: &[u8]) -> bool {
     matches!(key.first(), Some(b'T' | b'I' | b'N' | b'M' | b'E'))
+}
+
+/// Most times one value is carried ([`carries`]): a record that outlives them (a step
+/// or a queue wait of more than a few seconds) is written to sled as before, so that
+/// a long wait costs a bounded number of appends.
+pub(super) const MAX_CARRIES: u8 = 3;
+
+/// The key prefixes of the records [`carries`] may carry: invocations', turns'
+/// inputs kept apart, and turns'.
+pub(super) const CARRIED_KINDS: [u8; 3] = [b'I', b'N', b'T'];
+
+/// Whether the applier may carry `pending`, a settled write of `key`, instead of
+/// writing it to sled: the value of a live turn's record, an invocation's record or
+/// a turn's input kept apart that no store but the overlay holds ([`Pending::fresh`]),
+/// carried fewer than [`MAX_CARRIES`] times.
+///
+/// **Carry.** Such a record is deleted when its turn ends; written to sled while it
+/// lives (a turn queued behind others, a step that runs longer than
+/// `apply_delay_ms`), it costs a put and later a delete there (a tenth of the daemon's
+/// CPU under a queue of 20 turns per session, `docs/benchmarks.md`). Carried, the
+/// committer appends the same value to the commit log again (only if the overlay
+/// still holds it at the lsn the applier saw: a newer write wins) and the overlay
+/// entry takes the new lsn, so the applied mark can pass the old one while sled never
+/// sees the key; when the turn ends within the carries, its delete is dropped.
+pub(super) fn carries(key: &[u8], pending: &Pending) -> bool {
+    key.first().is_some_and(|k| CARRIED_KINDS.contains(k))
+        && pending.fresh
+        && pending.value.is_some()
+        && pending.carried < MAX_CARRIES
 }

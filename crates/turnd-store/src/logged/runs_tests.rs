@@ -269,6 +269,7 @@ fn a_run_leaves_the_overlay_whole_or_not_at_all() {
                     value: t.value.clone(),
                     fresh: true,
                     pristine: true,
+                    carried: 0,
                 };
                 (t.key.clone(), p)
             })
@@ -399,6 +400,40 @@ async fn a_crash_after_a_mark_between_two_event_values_loses_no_event() {
     super::tests::copy_dir(dir.path(), copy.path());
     let (crashed, replayed) = LoggedKv::open(copy.path(), manual()).expect("open copy");
     assert_eq!(replayed.records, 1);
+    let crashed = Store::new(Arc::new(crashed));
+    assert_eq!(seqs(&crashed, "s"), vec![1, 2]);
+    assert_eq!(seqs(&store, "s"), vec![1, 2]);
+}
+
+/// A round that carries a live record (`overlay::carries`) committed between two
+/// event values of a session records its mark before that record: its runs must end
+/// at that mark too, or a crash would replay the later value's own events over a run
+/// that held the earlier one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_carry_between_two_event_values_keeps_them_apart_and_a_crash_loses_no_event() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kv, store) = open(dir.path());
+    let t = turn_at(1000, 1);
+    store.commit(events("s", 1..=1, &t)).await.expect("commit");
+    let mut queued = Batch::new();
+    queued.put_raw(keys::turn(&t), b"queued".to_vec());
+    queued.created_last();
+    kv.commit(queued)
+        .await
+        .expect("answered")
+        .expect("committed");
+    store.commit(events("s", 2..=2, &t)).await.expect("commit");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // Everything is settled; the turn's record is carried, so the round records lsn
+    // 1, and writes the first event value alone.
+    kv.round_with(std::time::Duration::from_millis(100));
+    let sled = &kv.inner.sled;
+    assert_eq!(applied_mark(sled).expect("mark"), 1);
+    assert_eq!(sled_event_keys(&kv, "s"), vec![1]);
+    sled.with(|h| sled.sync_files(h)).expect("sync sled");
+    let copy = tempfile::tempdir().expect("tempdir");
+    super::tests::copy_dir(dir.path(), copy.path());
+    let (crashed, _) = LoggedKv::open(copy.path(), manual()).expect("open copy");
     let crashed = Store::new(Arc::new(crashed));
     assert_eq!(seqs(&crashed, "s"), vec![1, 2]);
     assert_eq!(seqs(&store, "s"), vec![1, 2]);

@@ -546,6 +546,7 @@ fn commit_hook(
     batch: Batch,
 ) -> (Box<dyn FnOnce() + Send>, Arc<Mutex<Option<bool>>>) {
     let tx = kv
+        .inner
         .tx
         .lock()
         .expect("lock")
@@ -563,7 +564,7 @@ fn commit_hook(
     (hook, committed)
 }
 
-fn put_new(k: &[u8], v: &str) -> Batch {
+pub(crate) fn put_new(k: &[u8], v: &str) -> Batch {
     let mut b = put(k, v);
     b.created_last();
     b
