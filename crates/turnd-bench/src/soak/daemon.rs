@@ -46,6 +46,15 @@ pub(super) fn disk_parts(data: &Path) -> (u64, u64, u64) {
     (all.saturating_sub(windows + log), windows, log)
 }
 
+/// Bytes the process has had written to the disk (`write_bytes` of `/proc/PID/io`:
+/// the page-cache pages it dirtied, which their writeback sends to the disk whole).
+pub(super) fn written_bytes(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 pub(super) fn rss_kb(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()

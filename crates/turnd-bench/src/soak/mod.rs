@@ -37,7 +37,10 @@ use turnd_client::Caller;
 use crate::daemon::{callers, close_callers, Workers, ECHO};
 use crate::machine::{MachineWatch, Seen, Span};
 use crate::measure::{http_get, Latencies};
-use daemon::{disk_bytes, disk_parts, rss_kb, sample, spawn, store_metrics, sync_summary, Daemon};
+use daemon::{
+    disk_bytes, disk_parts, rss_kb, sample, spawn, store_metrics, sync_summary, written_bytes,
+    Daemon,
+};
 use report::report;
 
 /// What one soak run is.
@@ -165,6 +168,8 @@ struct Run {
 /// What was read of the daemon once the load ended.
 struct End {
     disk: u64,
+    /// Bytes the daemon had written to the disk by the end of the load.
+    written: Option<u64>,
     rss_kb: Option<u64>,
     /// `--idle-after`'s line.
     idle: Option<String>,
@@ -186,6 +191,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     let run = closed_loop(&a, &d, &cs, &data).await?;
     let disk_end = disk_bytes(&data);
     let rss_end = rss_kb(d.pid);
+    let written = written_bytes(d.pid);
     let idle = if a.idle_after > 0 {
         Some(at_rest(&a, &d, &cs, &data).await?)
     } else {
@@ -209,6 +215,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     }
     let end = End {
         disk: disk_end,
+        written,
         rss_kb: rss_end,
         idle,
         sync_histogram,

@@ -154,9 +154,14 @@ pub(super) fn report(a: &SoakArgs, mut run: Run, end: &End) {
         ms(l.latencies.pct_ms(1.0)),
     );
     println!(
-        "disk at end {:.1} MB · {:.0} bytes per turn · daemon RSS {} MB",
+        "disk at end {:.1} MB · {:.0} bytes per turn · written to the disk {} · daemon RSS {} MB",
         end.disk as f64 / 1e6,
         end.disk as f64 / n.max(1) as f64,
+        end.written.map_or("n/a".into(), |w| format!(
+            "{:.0} MB, {:.1} kB per turn",
+            w as f64 / 1e6,
+            w as f64 / 1e3 / n.max(1) as f64
+        )),
         end.rss_kb
             .map_or("n/a".into(), |k| format!("{:.0}", k as f64 / 1024.0))
     );
