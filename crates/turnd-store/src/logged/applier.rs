@@ -22,13 +22,20 @@ use super::{lock_err, Ctl, Inner, LoggedOptions};
 use crate::error::{IoOp, StoreError};
 use crate::kv::CommitTicket;
 use crate::model::keys;
-use crate::sled::{Checkpoints, Shared};
+use crate::sled::{Checkpoints, Shared, SyncMode};
 use crate::windows::store::{Switch, Upkeep};
 
 /// Most records one round carries (`overlay::carries`): at full load a round
 /// settles a few thousand live records at most, so this only bounds the log a round
-/// can add when more wait (the rest are written to sled as before).
+/// can add when more wait (the rest are left to the next rounds, which write them
+/// to sled once they were carried as often as they may be).
 const MAX_CARRIED_PER_ROUND: usize = 8192;
+
+/// Most bytes of keys and values one round carries, but for its first record: one
+/// record of the log under the largest a log takes (a JetStream message's 1 MiB by
+/// default), whatever the records' sizes. A single record is no larger than the
+/// commit that wrote it.
+const MAX_CARRIED_BYTES: usize = 256 * 1024;
 
 /// A settled live record a round carries: its key, the lsn the overlay held it at
 /// and its value.
@@ -89,6 +96,13 @@ struct Applier<'a> {
     /// The answer to the last carry sent to the committer: no round carries again
     /// before it came.
     carry_ticket: Option<CommitTicket>,
+    /// After a carry failed, no round carries before this (`heal_interval` later):
+    /// the records are written to sled meanwhile.
+    carry_paused_until: Option<Instant>,
+    /// Whether rounds carry at all: only while the log is synced before every
+    /// answer (`storage.sync = "always"`). Unsynced, a carry could be the only copy
+    /// of a record whose first write a synced mark has passed.
+    carrying: bool,
 }
 
 /// Run once the hook a test left in `slot`, if any.
@@ -177,16 +191,15 @@ impl Applier<'_> {
         // carry is appended: the round's mark stays before it, chosen before the walk
         // so that its runs of event values end at that mark too (see `runs`); the
         // next round finds it at its new lsn (or written again meanwhile).
-        let carried = if !delay.is_zero() && !dropping && !busy && self.carry_answered() {
-            self.to_carry(mark)?
-        } else {
-            Vec::new()
-        };
-        let mark = carried
-            .iter()
-            .map(|c| c.1)
-            .min()
-            .map_or(mark, |lsn| mark.min(lsn - 1).max(self.applied));
+        let carried =
+            if self.carrying && !delay.is_zero() && !dropping && !busy && self.carry_answered() {
+                self.to_carry(mark)?
+            } else {
+                Vec::new()
+            };
+        let mark = carried.iter().map(|c| c.1).min().map_or(mark, |lsn| {
+            mark.min(lsn.saturating_sub(1)).max(self.applied)
+        });
         let walked = self.walk(&end, mark, dropping)?;
         self.carry(carried);
         let leftovers = self.take_drops(pending)?;
@@ -235,22 +248,24 @@ impl Applier<'_> {
         })
     }
 
-    /// Whether the last carry was answered (its failure is only noted: its records
-    /// are still in the overlay, and a later round takes them).
+    /// Whether a round may carry: the last carry was answered, and none failed in
+    /// the last `heal_interval` (its records are still in the overlay, and the
+    /// rounds meanwhile write them to sled).
     fn carry_answered(&mut self) -> bool {
-        let Some(ticket) = self.carry_ticket.as_mut() else {
-            return true;
-        };
-        match ticket.try_answer() {
-            None => false,
-            Some(answer) => {
-                if let Err(e) = answer {
-                    tracing::debug!("a carry of live records failed: {e}");
+        let now = Instant::now();
+        if let Some(ticket) = self.carry_ticket.as_mut() {
+            match ticket.try_answer() {
+                None => return false,
+                Some(answer) => {
+                    if let Err(e) = answer {
+                        tracing::debug!("a carry of live records failed: {e}");
+                        self.carry_paused_until = Some(now + self.heal_interval);
+                    }
+                    self.carry_ticket = None;
                 }
-                self.carry_ticket = None;
-                true
             }
         }
+        self.carry_paused_until.is_none_or(|until| now >= until)
     }
 
     /// The settled live records this round carries (`overlay::carries`), up to
@@ -258,16 +273,20 @@ impl Applier<'_> {
     fn to_carry(&self, mark: u64) -> Result<Vec<Carried>, StoreError> {
         let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
         let mut carried = Vec::new();
+        let mut bytes = 0;
         for prefix in CARRIED_KINDS {
             let kind = (
                 Bound::Included(&[prefix][..]),
                 Bound::Excluded(&[prefix + 1][..]),
             );
             for (k, p) in o.map.range::<[u8], _>(kind) {
-                if carried.len() == MAX_CARRIED_PER_ROUND {
-                    return Ok(carried);
-                }
                 if let (true, Some(v)) = (p.lsn <= mark && carries(k, p), &p.value) {
+                    bytes += k.len() + v.len();
+                    if carried.len() == MAX_CARRIED_PER_ROUND
+                        || (bytes > MAX_CARRIED_BYTES && !carried.is_empty())
+                    {
+                        return Ok(carried);
+                    }
                     carried.push((k.clone(), p.lsn, v.clone()));
                 }
             }
@@ -693,6 +712,8 @@ pub(super) fn applier_loop(
         window_close_after: opts.window_close_after,
         upkeep_failed: None,
         carry_ticket: None,
+        carry_paused_until: None,
+        carrying: opts.sled.sync == SyncMode::Always,
     };
     loop {
         // Half the overlay's room used: no pause between rounds, and no write waits

@@ -6,7 +6,9 @@
 //! **Write** ([`LoggedKv::write_checkpoint`]). The applied mark `M` is read first,
 //! then every key and value of sled, while the applier goes on. sled holds every
 //! record up to `M` then (the applier records a mark only after everything up to it
-//! is written), and each key only moves forward after that: a key read later may
+//! is written), but for the live records the applier carried instead: their newest
+//! value is in a record after `M` (`overlay::carries`). Each key only moves forward
+//! after that: a key read later may
 //! hold a newer value than at `M`, but only one written by a record after `M`.
 //! Every record the log applies is a whole value or a delete of its key, so
 //! applying the log's records after `M` on top (as a start or a standby does) ends

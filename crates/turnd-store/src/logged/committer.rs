@@ -344,71 +344,84 @@ impl Committer<'_> {
         jobs
     }
 
-    /// Put the group's carries first and keep of each only the writes whose value
-    /// the overlay still holds at the lsn the applier saw (a newer write of the key
-    /// is in the log already, and must stay the newest); encode what is left. A
-    /// carry with nothing left is answered at once and leaves the group. Returns
-    /// how many carries lead the group. The check holds until the group is in the
-    /// overlay: only this thread puts writes there, and the applier, which drops
-    /// entries, never takes a carried one (its lsn is the one it passed over).
-    fn prepare_carries(&self, jobs: &mut Vec<LogJob>) -> usize {
+    /// Take the group's carries out of `jobs` and keep of each only the writes whose
+    /// value the overlay still holds at the lsn the applier saw (a newer write of the
+    /// key is in the log already, and must stay the newest), then encode what is left
+    /// (outside the overlay's lock). A carry with nothing left is answered at once.
+    ///
+    /// The check holds until the carries are in the overlay: only this thread puts
+    /// writes there, and they are appended and put in before the rest of the group.
+    /// The applier may meanwhile write a checked entry to sled and drop it (a round
+    /// without the delay); the carry then puts the same value back as not fresh, so
+    /// the turn's later delete reaches sled, which holds the value already.
+    fn prepare_carries(&self, jobs: &mut Vec<LogJob>) -> Vec<LogJob> {
         if !jobs.iter().any(LogJob::is_carry) {
-            return 0;
+            return Vec::new();
         }
         let (mut carries, commits): (Vec<LogJob>, Vec<LogJob>) =
             std::mem::take(jobs).into_iter().partition(LogJob::is_carry);
-        if let Ok(o) = self.inner.overlay.read() {
-            for c in &mut carries {
-                let expect = std::mem::take(&mut c.expect);
-                let spent = &mut *c.spent;
-                let mut i = 0;
-                spent.writes.retain(|(k, _, _)| {
-                    let lsn = expect[i];
-                    i += 1;
-                    o.map.get(k.as_slice()).is_some_and(|p| p.lsn == lsn)
-                });
-                let mut batch = Batch::new();
-                for (k, v, _) in &spent.writes {
-                    if let Some(v) = v {
-                        batch.put_raw(k.to_vec(), v.to_vec());
-                    }
+        *jobs = commits;
+        match self.inner.overlay.read() {
+            Ok(o) => {
+                for c in &mut carries {
+                    let expect = std::mem::take(&mut c.expect);
+                    let writes = std::mem::take(&mut c.spent.writes);
+                    c.spent.writes = writes
+                        .into_iter()
+                        .zip(expect)
+                        .filter(|((k, _, _), lsn)| {
+                            o.map.get(k.as_slice()).is_some_and(|p| p.lsn == *lsn)
+                        })
+                        .map(|(w, _)| w)
+                        .collect();
                 }
-                spent.record = encode(&batch);
             }
-        } else {
             // No overlay to check against: carry nothing.
-            for c in &mut carries {
-                c.spent.writes.clear();
-            }
+            Err(_) => carries.iter_mut().for_each(|c| c.spent.writes.clear()),
         }
-        for c in carries {
+        let mut kept = Vec::with_capacity(carries.len());
+        for mut c in carries {
             if c.spent.writes.is_empty() {
                 if c.reply.send(Ok(())).is_err() {
                     tracing::debug!("the applier went away before its carry was answered");
                 }
-            } else {
-                jobs.push(c);
+                continue;
             }
+            let mut batch = Batch::new();
+            for (k, v, _) in &c.spent.writes {
+                if let Some(v) = v {
+                    batch.put_raw(k.to_vec(), v.to_vec());
+                }
+            }
+            c.spent.record = encode(&batch);
+            kept.push(c);
         }
-        let leading = jobs.len();
-        jobs.extend(commits);
-        leading
+        kept
     }
 
-    /// Append the group to the log, put its writes into the overlay once it is
-    /// durable, count it, and answer every batch of it.
+    /// Commit a group: the applier's carries first, as a group of their own (so
+    /// that a carry the log refuses fails no commit), then the rest.
     fn commit_group(&mut self, mut jobs: Vec<LogJob>) {
+        let carries = self.prepare_carries(&mut jobs);
+        for (group, carry) in [(carries, true), (jobs, false)] {
+            if !group.is_empty() {
+                self.publish(group, carry);
+            }
+        }
+    }
+
+    /// Append a group to the log, put its writes into the overlay once it is
+    /// durable, count it, and answer every batch of it (`carry`: every batch is one
+    /// of the applier's carries).
+    fn publish(&mut self, mut jobs: Vec<LogJob>, carry: bool) {
         let started = Instant::now();
         self.heal_if_due(started);
-        let carries = self.prepare_carries(&mut jobs);
-        if jobs.is_empty() {
-            return;
-        }
         let bytes: u64 = jobs.iter().map(|j| j.spent.record.len() as u64).sum();
-        let carried: u64 = jobs[..carries]
-            .iter()
-            .map(|j| j.spent.writes.len() as u64)
-            .sum();
+        let carried: u64 = if carry {
+            jobs.iter().map(|j| j.spent.writes.len() as u64).sum()
+        } else {
+            0
+        };
         let (result, synced) = self.append(&jobs, bytes);
         let result = result.and_then(|first_lsn| {
             let mut o = self
@@ -416,6 +429,7 @@ impl Committer<'_> {
                 .overlay
                 .write()
                 .map_err(|_| lock_err("overlay"))?;
+            let carries = if carry { jobs.len() } else { 0 };
             o.put_group(
                 first_lsn,
                 carries,
@@ -424,7 +438,11 @@ impl Committer<'_> {
             Ok(())
         });
         if let Err(e) = &result {
-            tracing::error!("failed to commit a group of {} batches: {e}", jobs.len());
+            if carry {
+                tracing::warn!("failed to carry {carried} live records in the commit log: {e}");
+            } else {
+                tracing::error!("failed to commit a group of {} batches: {e}", jobs.len());
+            }
         }
         if let Ok(mut s) = self.inner.stats.lock() {
             s.syncs += 1;

@@ -283,7 +283,22 @@ impl LoggedKv {
             spawn(
                 "turnd-store-applier",
                 Box::new(move || applier_loop(&inner, ctl_rx, &opts, applied)),
-            )?
+            )
+        };
+        let applier = match applier {
+            Ok(a) => a,
+            Err(e) => {
+                // The queue's sender lives in `inner`, which the committer holds: take
+                // it, or the committer waits for jobs for good, holding the log and
+                // sled.
+                if let Ok(mut tx) = inner.tx.lock() {
+                    tx.take();
+                }
+                if committer.join().is_err() {
+                    tracing::error!("log writer thread panicked");
+                }
+                return Err(e);
+            }
         };
         Ok(LoggedKv {
             inner,
