@@ -31,11 +31,12 @@ use crate::windows::store::{Switch, Upkeep};
 /// to sled once they were carried as often as they may be).
 const MAX_CARRIED_PER_ROUND: usize = 8192;
 
-/// Most bytes of keys and values one round carries, but for its first record: one
-/// record of the log under the largest a log takes (a JetStream message's 1 MiB by
-/// default), whatever the records' sizes. A single record is no larger than the
-/// commit that wrote it.
-const MAX_CARRIED_BYTES: usize = 256 * 1024;
+/// Most bytes of keys and values in one record of a carry (a carry of more is
+/// several records, appended as one group), but for its first value: each record
+/// stays under the largest a log takes (a JetStream message's 1 MiB by default),
+/// whatever the values' sizes. A single value is no larger than the commit that
+/// wrote it.
+const MAX_CARRY_RECORD_BYTES: usize = 256 * 1024;
 
 /// A settled live record a round carries: its key, the lsn the overlay held it at
 /// and its value.
@@ -93,9 +94,9 @@ struct Applier<'a> {
     window_close_after: Option<Duration>,
     /// When the log's upkeep last failed (tried again after `heal_interval`).
     upkeep_failed: Option<Instant>,
-    /// The answer to the last carry sent to the committer: no round carries again
-    /// before it came.
-    carry_ticket: Option<CommitTicket>,
+    /// The answers to the last carry's records sent to the committer: no round
+    /// carries again before they came.
+    carry_tickets: Vec<CommitTicket>,
     /// After a carry failed, no round carries before this (`heal_interval` later):
     /// the records are written to sled meanwhile.
     carry_paused_until: Option<Instant>,
@@ -253,7 +254,7 @@ impl Applier<'_> {
     /// rounds meanwhile write them to sled).
     fn carry_answered(&mut self) -> bool {
         let now = Instant::now();
-        if let Some(ticket) = self.carry_ticket.as_mut() {
+        while let Some(ticket) = self.carry_tickets.last_mut() {
             match ticket.try_answer() {
                 None => return false,
                 Some(answer) => {
@@ -261,7 +262,7 @@ impl Applier<'_> {
                         tracing::debug!("a carry of live records failed: {e}");
                         self.carry_paused_until = Some(now + self.heal_interval);
                     }
-                    self.carry_ticket = None;
+                    self.carry_tickets.pop();
                 }
             }
         }
@@ -273,20 +274,16 @@ impl Applier<'_> {
     fn to_carry(&self, mark: u64) -> Result<Vec<Carried>, StoreError> {
         let o = self.inner.overlay.read().map_err(|_| lock_err("overlay"))?;
         let mut carried = Vec::new();
-        let mut bytes = 0;
         for prefix in CARRIED_KINDS {
             let kind = (
                 Bound::Included(&[prefix][..]),
                 Bound::Excluded(&[prefix + 1][..]),
             );
             for (k, p) in o.map.range::<[u8], _>(kind) {
+                if carried.len() == MAX_CARRIED_PER_ROUND {
+                    return Ok(carried);
+                }
                 if let (true, Some(v)) = (p.lsn <= mark && carries(k, p), &p.value) {
-                    bytes += k.len() + v.len();
-                    if carried.len() == MAX_CARRIED_PER_ROUND
-                        || (bytes > MAX_CARRIED_BYTES && !carried.is_empty())
-                    {
-                        return Ok(carried);
-                    }
                     carried.push((k.clone(), p.lsn, v.clone()));
                 }
             }
@@ -294,21 +291,39 @@ impl Applier<'_> {
         Ok(carried)
     }
 
-    /// Send a round's carried records to the committer (whether or not they are
-    /// appended, the round's mark stays before them).
+    /// Send a round's carried records to the committer, as records of at most
+    /// [`MAX_CARRY_RECORD_BYTES`] each (whether or not they are appended, the round's
+    /// mark stays before them).
     fn carry(&mut self, carried: Vec<Carried>) {
-        if carried.is_empty() {
-            return;
+        let mut records: Vec<Vec<Carried>> = Vec::new();
+        let mut bytes = 0;
+        for c in carried {
+            let size = c.0.len() + c.2.len();
+            match records.last_mut() {
+                Some(r) if bytes + size <= MAX_CARRY_RECORD_BYTES => {
+                    bytes += size;
+                    r.push(c);
+                }
+                _ => {
+                    bytes = size;
+                    records.push(vec![c]);
+                }
+            }
         }
-        let (reply, ticket) = CommitTicket::new();
-        let job = LogJob::carry(carried, reply);
-        match self.inner.tx.lock() {
-            Ok(tx) => match tx.as_ref() {
-                Some(tx) if tx.send(job).is_ok() => self.carry_ticket = Some(ticket),
-                // Closing: the round that flushes writes them to sled.
-                _ => {}
-            },
-            Err(_) => tracing::debug!("the commit queue's lock is poisoned: nothing carried"),
+        let Ok(tx) = self.inner.tx.lock() else {
+            tracing::debug!("the commit queue's lock is poisoned: nothing carried");
+            return;
+        };
+        // Closing (no queue): the round that flushes writes them to sled.
+        let Some(tx) = tx.as_ref() else {
+            return;
+        };
+        for record in records {
+            let (reply, ticket) = CommitTicket::new();
+            if tx.send(LogJob::carry(record, reply)).is_err() {
+                return;
+            }
+            self.carry_tickets.push(ticket);
         }
     }
 
@@ -711,7 +726,7 @@ pub(super) fn applier_loop(
         idle_reopen: opts.idle_reopen,
         window_close_after: opts.window_close_after,
         upkeep_failed: None,
-        carry_ticket: None,
+        carry_tickets: Vec::new(),
         carry_paused_until: None,
         carrying: opts.sled.sync == SyncMode::Always,
     };

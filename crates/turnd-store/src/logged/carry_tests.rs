@@ -275,15 +275,7 @@ async fn a_carry_the_log_refuses_fails_no_commit_and_the_next_rounds_write_to_sl
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let queued: Vec<Vec<u8>> = (0..3).map(|i| keys::turn(&format!("t{i}"))).collect();
     for k in &queued {
-        let noise: String = (0..900)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                char::from(b"0123456789abcdef"[(seed % 16) as usize])
-            })
-            .collect();
-        commit(&kv, put_new(k, &noise)).await;
+        commit(&kv, put_new(k, &noise(&mut seed, 900))).await;
     }
     gate.set(|s| s.max_record = Some(1000));
     tokio::time::sleep(DELAY * 2).await;
@@ -312,6 +304,39 @@ async fn a_carry_the_log_refuses_fails_no_commit_and_the_next_rounds_write_to_sl
     }
     assert!(applied_mark(&kv.inner.sled).expect("mark") >= 3);
     assert_eq!(kv.commit_stats().carried_records, 0);
+}
+
+/// `len` hexadecimal digits that LZ4 does not shrink (xorshift from `seed`).
+fn noise(seed: &mut u64, len: usize) -> String {
+    (0..len)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            char::from(b"0123456789abcdef"[(*seed % 16) as usize])
+        })
+        .collect()
+}
+
+/// A carry of more than one record's worth of values goes as several records, each
+/// under what the log takes: five queued turns of 100 KiB each, on a log whose
+/// largest record is 300 KiB, are all carried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_carry_is_split_into_records_the_log_takes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gate = Arc::new(Gate::default());
+    let kv = open_gated(dir.path(), gate.clone());
+    gate.set(|s| s.max_record = Some(300 * 1024));
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let queued: Vec<Vec<u8>> = (0..5).map(|i| keys::turn(&format!("t{i}"))).collect();
+    for k in &queued {
+        commit(&kv, put_new(k, &noise(&mut seed, 100 * 1024))).await;
+    }
+    settled_round(&kv).await;
+    carried(&kv, 5).await;
+    for k in &queued {
+        assert!(!in_sled(&kv.inner.sled, k), "carried, not written");
+    }
 }
 
 /// A round without the delay (a flush, a nudge) may write a record to sled and drop
