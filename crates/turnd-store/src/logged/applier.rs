@@ -32,7 +32,8 @@ use crate::windows::store::{Switch, Upkeep};
 const MAX_CARRIED_PER_ROUND: usize = 8192;
 
 /// Most bytes of keys and values in one record of a carry (a carry of more is
-/// several records, appended as one group), but for its first value: each record
+/// several records, which the committer appends apart from commits, together when
+/// it takes them at once), but for its first value: each record
 /// stays under the largest a log takes (a JetStream message's 1 MiB by default),
 /// whatever the values' sizes. A single value is no larger than the commit that
 /// wrote it.
