@@ -46,20 +46,23 @@ pub(super) fn disk_parts(data: &Path) -> (u64, u64, u64) {
     (all.saturating_sub(windows + log), windows, log)
 }
 
+/// The number after `key` in the `/proc/PID/<file>` of `pid` (a unit after it, as
+/// `kB`, is left out).
+fn proc_field(pid: u32, file: &str, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
 /// Bytes the process has had written to the disk (`write_bytes` of `/proc/PID/io`:
 /// the page-cache pages it dirtied, which their writeback sends to the disk whole).
 pub(super) fn written_bytes(pid: u32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("write_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
+    proc_field(pid, "io", "write_bytes:")
 }
 
 pub(super) fn rss_kb(pid: u32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+    proc_field(pid, "status", "VmRSS:")
 }
 
 pub(super) struct Daemon {

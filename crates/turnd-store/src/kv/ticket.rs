@@ -38,9 +38,7 @@ impl CommitTicket {
         }
         ticket
     }
-}
 
-impl CommitTicket {
     /// The answer, if it came (a store that went away without answering: `Closed`);
     /// None while the batch is still on its way.
     pub(crate) fn try_answer(&mut self) -> Option<Result<(), StoreError>> {

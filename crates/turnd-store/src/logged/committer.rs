@@ -429,10 +429,9 @@ impl Committer<'_> {
                 .overlay
                 .write()
                 .map_err(|_| lock_err("overlay"))?;
-            let carries = if carry { jobs.len() } else { 0 };
             o.put_group(
                 first_lsn,
-                carries,
+                carry,
                 jobs.iter_mut().map(|j| &mut j.spent.writes),
             );
             Ok(())

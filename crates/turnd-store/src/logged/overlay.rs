@@ -114,20 +114,17 @@ impl Overlay {
     }
 
     /// Put a durable group in: the writes of its batches, the first batch's record
-    /// at `first_lsn` and each next one's at the next lsn; the first `carries` batches
-    /// are the applier's carries ([`carries`]). Each write's slot takes the value it
-    /// replaces here (its key is moved in), so that the committing task frees that
-    /// with the rest of its batch.
+    /// at `first_lsn` and each next one's at the next lsn (`carry`: a group of the
+    /// applier's carries, [`carries`]). Each write's slot takes the value it replaces
+    /// here (its key is moved in), so that the committing task frees that with the
+    /// rest of its batch.
     pub(super) fn put_group<'a>(
         &mut self,
         first_lsn: u64,
-        carries: usize,
+        carry: bool,
         batches: impl ExactSizeIterator<Item = &'a mut Vec<Write>>,
     ) {
         let count = batches.len() as u64;
-        if count == 0 {
-            return;
-        }
         for (i, writes) in batches.enumerate() {
             let lsn = first_lsn + i as u64;
             for (k, value, created) in writes {
@@ -138,7 +135,7 @@ impl Overlay {
                     pristine: *created,
                     carried: 0,
                 };
-                *value = self.put(std::mem::take(k), pending, i < carries);
+                *value = self.put(std::mem::take(k), pending, carry);
             }
         }
         self.committed = first_lsn + count - 1;
