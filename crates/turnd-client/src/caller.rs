@@ -20,7 +20,7 @@ use turnd_proto::{
     CheckOk, ErrorCode, EventsArgs, EventsOk, FunctionsOk, HelloArgs, ListArgs, ListOk, Role,
     Session, SessionIdArgs, SessionOk, SessionStopArgs, SessionsListArgs, SessionsListOk, StatsOk,
     StopArgs, SubmitArgs, SubmitOk, TurnIdArgs, TurnOk, TurnsOk, WaitArgs, WatchArgs, WatchIdArgs,
-    WatchOk, WorkersOk, PROTOCOL_VERSION, WAIT_MAX_MS,
+    WatchOk, WorkersOk, WAIT_MAX_MS,
 };
 use turnd_proto::{Function, OnBusy, ResumeArgs, Stats, Turn, Violation, CLOSE_GOING_AWAY};
 
@@ -171,14 +171,9 @@ impl Caller {
         token: Option<&str>,
     ) -> Result<Caller, ClientError> {
         let hello = HelloArgs {
-            protocol: PROTOCOL_VERSION,
-            role,
             token: token.map(str::to_string),
             name: Some("turnd-client".to_string()),
-            worker_id: None,
-            instance_id: None,
-            inflight: Vec::new(),
-            finished: Vec::new(),
+            ..HelloArgs::new(role)
         };
         let urls = urls.iter().map(|u| u.as_ref().to_string()).collect();
         let dial = Dial::new(urls, hello)?;

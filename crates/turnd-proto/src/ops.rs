@@ -163,6 +163,23 @@ pub struct HelloArgs {
     pub finished: Vec<String>,
 }
 
+impl HelloArgs {
+    /// A hello of protocol [`crate::PROTOCOL_VERSION`] with `role`, and nothing else
+    /// (no token, name, worker id or invocations).
+    pub fn new(role: Role) -> HelloArgs {
+        HelloArgs {
+            protocol: crate::PROTOCOL_VERSION,
+            role,
+            token: None,
+            name: None,
+            worker_id: None,
+            instance_id: None,
+            inflight: Vec::new(),
+            finished: Vec::new(),
+        }
+    }
+}
+
 /// What the server concluded about every invocation assigned to a reconnecting worker.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Reconciled {

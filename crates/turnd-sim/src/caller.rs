@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use turnd_proto::frame::{decode_server_frame, ServerFrame};
 use turnd_proto::{
     HelloArgs, Role, SessionIdArgs, SessionOk, SessionStopArgs, StopArgs, SubmitArgs, SubmitOk,
-    TurnOk, WaitState, PROTOCOL_VERSION,
+    TurnOk, WaitState,
 };
 
 use crate::ledger::Admitted;
@@ -213,16 +213,7 @@ impl CallerPeer {
 
     fn connect(&mut self, env: &mut Env) {
         let conn = env.open();
-        let hello = HelloArgs {
-            protocol: PROTOCOL_VERSION,
-            role: Role::Client,
-            token: None,
-            name: None,
-            worker_id: None,
-            instance_id: None,
-            inflight: Vec::new(),
-            finished: Vec::new(),
-        };
+        let hello = HelloArgs::new(Role::Client);
         self.next_id += 1;
         let id = self.next_id;
         self.pending.insert(id, (Req::Hello, env.now));
