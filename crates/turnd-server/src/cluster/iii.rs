@@ -86,11 +86,13 @@ impl NodeIii {
     ) -> Result<SubmitOk, ErrorBody> {
         let node = &self.node;
         let p = session_partition(&args.session_id, node.cluster.partitions);
-        if let Some(led) = node.led(p).filter(|l| super::lease_runs(&l.lease)) {
-            let run = led.engine.submit_with(args, opts);
-            let ok = led.inflight.track_future(run).await?;
-            return Ok(ok.map_json(|j| j.to_value()));
-        }
+        let (args, opts) = match node.led(p).filter(|l| super::lease_runs(&l.lease)) {
+            Some(led) => match led.track_with(args, opts, Engine::submit_with) {
+                Ok(run) => return Ok(run.await?.map_json(|j| j.to_value())),
+                Err(back) => back,
+            },
+            None => (args, opts),
+        };
         let f = Forwarded {
             role: Role::Client,
             worker_id: None,

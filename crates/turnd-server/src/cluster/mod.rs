@@ -58,14 +58,41 @@ pub(crate) struct Led {
     pub log: JetStreamLog,
     /// Shared with the forwarded requests' server, which serves only while it runs.
     pub lease: Arc<Mutex<Lease>>,
-    /// Serves forwarded requests; stopped (`rpc_stop`, then drained) when the node
-    /// hands the partition over, aborted when it must stop at once.
-    pub rpc: tokio::task::JoinHandle<()>,
-    pub rpc_stop: CancellationToken,
+    /// Whether forwarded requests still start on the engine ([`rpc`]): closed
+    /// (under the write lock) when the node hands the partition over.
+    pub intake: RwLock<bool>,
     /// The requests running on the engine (local and forwarded): a hand-over waits
     /// for them before it stops the log.
     pub inflight: tokio_util::task::TaskTracker,
     pub kv: Arc<turnd_store::LoggedKv>,
+}
+
+impl Led {
+    /// `f` counted among the partition's requests ([`Led::inflight`]), or none once
+    /// its intake closed for a hand-over: the request then takes the forward path.
+    pub fn track<F: std::future::Future>(
+        &self,
+        f: F,
+    ) -> Option<tokio_util::task::task_tracker::TrackedFuture<F>> {
+        let open = self.intake.read();
+        (*open).then(|| self.inflight.track_future(f))
+    }
+
+    /// [`Led::track`] of `run(engine, a, b)`, made only while the intake is open;
+    /// `a` and `b` back when it is closed.
+    pub fn track_with<'e, A, B, F: std::future::Future + 'e>(
+        &'e self,
+        a: A,
+        b: B,
+        run: impl FnOnce(&'e Engine, A, B) -> F,
+    ) -> Result<tokio_util::task::task_tracker::TrackedFuture<F>, (A, B)> {
+        let open = self.intake.read();
+        if *open {
+            Ok(self.inflight.track_future(run(&self.engine, a, b)))
+        } else {
+            Err((a, b))
+        }
+    }
 }
 
 /// Whether `lease` runs now by this node's own clock. A partition's requests, made
@@ -110,6 +137,9 @@ pub struct Node {
     pub(crate) draining: CancellationToken,
     /// Ends the node's loop.
     pub(crate) stop: CancellationToken,
+    /// Cancelled when the node is dropped: ends its forwards' subscription, which
+    /// outlives the loop and the drain ([`rpc`]).
+    pub(crate) gone: CancellationToken,
     /// Where this node's listeners are, as members show them.
     pub(crate) endpoints: (String, String),
     /// Forwarded requests, takeovers and hand-overs counted for `/metrics`.
@@ -123,6 +153,12 @@ pub struct Node {
     pub(crate) feeds: Arc<std::sync::atomic::AtomicU64>,
     /// What is not yet proven of the NATS servers ([`servers`]).
     pub(crate) servers: servers::Checks,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.gone.cancel();
+    }
 }
 
 impl Node {
@@ -181,6 +217,7 @@ impl Node {
             boot_id: uuid::Uuid::new_v4().simple().to_string(),
             draining: CancellationToken::new(),
             stop: CancellationToken::new(),
+            gone: CancellationToken::new(),
             endpoints,
             counters: status::Counters::default(),
             looping: Mutex::new(None),
@@ -198,6 +235,9 @@ impl Node {
         checkpoint::serve(&node)
             .await
             .context("serve checkpoints")?;
+        rpc::serve(&node)
+            .await
+            .context("serve forwarded requests")?;
         *node.looping.lock() = Some(slots::spawn(&node));
         Ok(node)
     }

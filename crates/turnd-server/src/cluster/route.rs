@@ -156,8 +156,9 @@ impl Node {
         // another node may lead already, and this engine's reads would be stale
         // until the next round notices the loss. The lease's holder is then asked.
         if let Some(led) = self.led(p).filter(|l| super::lease_runs(&l.lease)) {
-            let run = router::run(&led.engine, caller, op, args, origin);
-            return led.inflight.track_future(run).await;
+            if let Some(run) = led.track(router::run(&led.engine, caller, op, args, origin)) {
+                return run.await;
+            }
         }
         self.forward(p, caller, op, args).await.map(Answer::Reply)
     }
@@ -238,7 +239,7 @@ impl Node {
                 // once more, to the lease's holder now.
                 Ok(Ok(ForwardReply::NotLeading)) => {}
                 Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {}
-                Err(e) => return Err(forward_failed(p, op, &e)),
+                Err(e) => return Err(forward_failed(p, &to, op, &e)),
             }
             let now = self.leader_of(p, true).await;
             if now == leader {
@@ -322,7 +323,7 @@ fn no_leader(p: u32) -> ErrorBody {
 }
 
 /// The answer to a forward that failed.
-fn forward_failed(p: u32, op: Op, e: &async_nats::RequestError) -> ErrorBody {
+fn forward_failed(p: u32, to: &str, op: Op, e: &async_nats::RequestError) -> ErrorBody {
     use async_nats::RequestErrorKind as K;
     match e.kind() {
         // Nobody received it: nothing changed.
@@ -333,9 +334,9 @@ fn forward_failed(p: u32, op: Op, e: &async_nats::RequestError) -> ErrorBody {
         ),
         _ if reads(op) => ErrorBody::new(
             ErrorCode::Unavailable,
-            format!("partition {p}'s leader did not answer: {e}"),
+            format!("partition {p}'s leader {to} did not answer: {e}"),
         ),
         // Sent, and maybe done: no answer may say it was not.
-        _ => ErrorBody::in_doubt(format!("partition {p}'s leader did not answer: {e}")),
+        _ => ErrorBody::in_doubt(format!("partition {p}'s leader {to} did not answer: {e}")),
     }
 }

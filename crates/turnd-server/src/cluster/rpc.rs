@@ -1,23 +1,28 @@
-//! The leader's side of a forwarded request: partition `p`'s leader subscribes to
-//! `turnd.p.<p>.rpc.<node>` (in the queue group of the partition, so that a request
-//! reaches one engine even if a node subscribed twice), runs
-//! each request through the router on its engine as the caller that sent it, and
-//! replies with the answer, a coded error, or "in doubt". A relayed `watch` starts
-//! a feed ([`super::feed`]) and is answered with where it starts. A hand-over stops
-//! its intake gracefully: the subscription is drained (the requests NATS already
-//! delivered are still run and answered), and every request in progress is tracked
-//! so that the hand-over can wait for it before the log stops. A request that
-//! arrives once this node's lease has run out by its own clock is not run: another
-//! node may lead already, and this engine's reads would miss its writes. It is
-//! answered "not leading", and the sender asks the lease's holder.
+//! The leader's side of a forwarded request. A node subscribes once, for its whole
+//! life, to `turnd.p.*.rpc.<node>` (in a queue group of its own, so that a request
+//! reaches one engine even if a node subscribed twice): a request for partition `p`
+//! is run through the router on `p`'s engine as the caller that sent it, and
+//! answered with the answer, a coded error, or "in doubt"; a relayed `watch` starts
+//! a feed ([`super::feed`]) and is answered with where it starts. A request for a
+//! partition this node does not lead (handed over, never taken, or its lease run
+//! out by this node's own clock: another node may lead already, and this engine's
+//! reads would miss its writes) is not run: it is answered "not leading", and the
+//! sender asks the lease's holder.
+//!
+//! The subscription outlives every hand-over on purpose. One that ends loses the
+//! requests NATS delivers to it in that instant: async-nats (0.52) removes a
+//! drained subscription as soon as its unsubscribe is written, not once the server
+//! has processed it, and drops what arrives for it after. Their senders would wait
+//! out the whole forward timeout, for a write in doubt. Kept, the subscription
+//! answers every request it gets.
+//! A hand-over closes the partition's intake ([`Led::intake`]) and waits for the
+//! requests it started ([`Led::inflight`]) before the log stops.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use turnd_cluster::lease::Lease;
 use turnd_engine::{Caller, Engine};
 use turnd_proto::{ErrorBody, ErrorCode, Op, Role};
@@ -55,15 +60,6 @@ pub(super) enum ForwardReply {
     NotLeading,
 }
 
-/// What serves a partition's forwarded requests: its engine while `lease` runs,
-/// until `stop`, each request a task of `inflight`.
-pub(super) struct Serving {
-    pub engine: Engine,
-    pub lease: Arc<parking_lot::Mutex<Lease>>,
-    pub stop: CancellationToken,
-    pub inflight: TaskTracker,
-}
-
 /// The subject of partition `p`'s requests to `node`, its leader: a request goes
 /// to the leader the sender knows, never to whichever node still listens (a leader
 /// paused past its lease keeps its subscriptions until it wakes).
@@ -71,21 +67,31 @@ pub(super) fn subject(p: u32, node: &str) -> String {
     format!("turnd.p.{p}.rpc.{node}")
 }
 
-/// Serve partition `p`'s forwarded requests on `s.engine` until `s.stop` (then the
-/// subscription is drained: what NATS delivered already is still served) or until
-/// aborted. Each request runs as a task of `s.inflight`.
-pub(super) async fn serve(
-    node: &Arc<Node>,
-    p: u32,
-    s: Serving,
-) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let Serving {
-        engine,
-        lease: held,
-        stop,
-        inflight,
-    } = s;
+/// The subject of every partition's requests to `node`.
+fn subject_all(node: &str) -> String {
+    format!("turnd.p.*.rpc.{node}")
+}
+
+/// The partition a forward's `subject` names.
+fn partition_of(subject: &str) -> Option<u32> {
+    subject
+        .strip_prefix("turnd.p.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Serve the node's forwarded requests until the node is dropped: each request for
+/// a partition it leads, while its intake is open and its lease runs, as a task of
+/// the partition's [`Led::inflight`]; any other is answered "not leading".
+pub(super) async fn serve(node: &Arc<Node>) -> anyhow::Result<()> {
     let client = node.nats.client().clone();
+    let all = subject_all(&node.id);
+    let mut sub = client
+        .queue_subscribe(all.clone(), format!("turnd-rpc-{}", node.id))
+        .await
+        .map_err(|e| anyhow::anyhow!("subscribe to {all}: {e}"))?;
     let lease = Duration::from_millis(node.cluster.lease_ms);
     let cfg = FeedCfg {
         capacity: usize::try_from(node.cfg.server.outbox_frames).unwrap_or(usize::MAX),
@@ -93,35 +99,28 @@ pub(super) async fn serve(
         silence: lease * 3,
         running: node.feeds.clone(),
     };
-    let mut sub = client
-        .queue_subscribe(subject(p, &node.id), format!("turnd-p{p}"))
-        .await
-        .map_err(|e| anyhow::anyhow!("subscribe to {}: {e}", subject(p, &node.id)))?;
-    Ok(tokio::spawn(async move {
-        let mut draining = false;
+    let (weak, gone) = (Arc::downgrade(node), node.gone.clone());
+    tokio::spawn(async move {
         loop {
-            let next = tokio::select! {
+            let msg = tokio::select! {
                 m = sub.next() => m,
-                () = stop.cancelled(), if !draining => {
-                    draining = true;
-                    if let Err(e) = sub.drain().await {
-                        tracing::debug!(partition = p, "cluster: drain the forwards' subscription: {e}");
-                        break;
-                    }
-                    continue;
-                }
+                () = gone.cancelled() => None,
             };
-            let Some(msg) = next else { break };
+            let (Some(msg), Some(node)) = (msg, weak.upgrade()) else {
+                break;
+            };
             let Some(reply_to) = msg.reply.clone() else {
                 continue;
             };
-            let (client, engine, cfg) = (client.clone(), engine.clone(), cfg.clone());
-            let held = held.clone();
-            inflight.spawn(async move {
-                let reply = if super::lease_runs(&held) {
-                    answer(&client, &engine, &msg.payload, cfg).await
-                } else {
-                    ForwardReply::NotLeading
+            let led = partition_of(msg.subject.as_str()).and_then(|p| node.led(p));
+            drop(node);
+            let (client, cfg) = (client.clone(), cfg.clone());
+            let job = move |run: Option<(Engine, Arc<parking_lot::Mutex<Lease>>)>| async move {
+                let reply = match run {
+                    Some((engine, held)) if super::lease_runs(&held) => {
+                        answer(&client, &engine, &msg.payload, cfg).await
+                    }
+                    _ => ForwardReply::NotLeading,
                 };
                 match serde_json::to_vec(&reply) {
                     Ok(body) => {
@@ -131,9 +130,23 @@ pub(super) async fn serve(
                     }
                     Err(e) => tracing::warn!("cluster: encode a forward's reply: {e}"),
                 }
-            });
+            };
+            let Some(led) = led else {
+                tokio::spawn(job(None));
+                continue;
+            };
+            // Under the intake's read lock: a hand-over that closed it waits for
+            // every request started before, and none starts after.
+            let open = led.intake.read();
+            if *open {
+                led.inflight
+                    .spawn(job(Some((led.engine.clone(), led.lease.clone()))));
+            } else {
+                tokio::spawn(job(None));
+            }
         }
-    }))
+    });
+    Ok(())
 }
 
 /// Run one forwarded request.

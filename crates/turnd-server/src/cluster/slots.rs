@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use turnd_cluster::lease::{Lease, Owner};
 use turnd_cluster::members::{self, Member};
@@ -436,29 +435,17 @@ async fn lead(node: &Arc<Node>, p: u32, lease: Lease) -> anyhow::Result<()> {
     let engine = Engine::open_with(Store::new(kv.clone()), ecfg, node.workers.clone())
         .await
         .context("recover the partition's turns")?;
-    let (rpc_stop, inflight) = (CancellationToken::new(), TaskTracker::new());
-    let lease = Arc::new(parking_lot::Mutex::new(lease));
-    let serving = super::rpc::Serving {
-        engine: engine.clone(),
-        lease: lease.clone(),
-        stop: rpc_stop.clone(),
-        inflight: inflight.clone(),
-    };
-    let rpc = super::rpc::serve(node, p, serving)
-        .await
-        .context("serve forwarded requests")?;
     let led = Arc::new(Led {
         engine,
         log,
-        lease,
-        rpc,
-        rpc_stop,
-        inflight,
+        lease: Arc::new(parking_lot::Mutex::new(lease)),
+        intake: parking_lot::RwLock::new(true),
+        inflight: TaskTracker::new(),
         kv,
     });
     // The epoch into the lease at once, for `cluster status`.
     if !renew(node, &led, members::now_ms()).await {
-        led.rpc.abort();
+        *led.intake.write() = false;
         led.log.stop();
         led.engine.shutdown();
         anyhow::bail!("lost the lease while opening");
@@ -637,7 +624,7 @@ pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str, settle: bool)
     if settle && led.log.status().failure.is_none() {
         settled(&led, Duration::from_millis(node.cluster.lease_ms / 3)).await;
     }
-    led.rpc.abort();
+    *led.intake.write() = false;
     led.engine.shutdown();
     led.log.stop();
     let lease = led.lease.lock().clone();
@@ -657,17 +644,14 @@ pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str, settle: bool)
 /// Stop `led`'s intake of forwarded requests and wait (at most `limit`) until
 /// every request running on its engine has been answered.
 async fn settled(led: &Led, limit: Duration) {
-    led.rpc_stop.cancel();
+    // No forwarded request starts after this; the node answers them "not leading".
+    *led.intake.write() = false;
     led.inflight.close();
     let started = std::time::Instant::now();
-    let drained = async {
-        // The subscription drained: no forwarded request can start after this.
-        while !led.rpc.is_finished() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        led.inflight.wait().await;
-    };
-    if tokio::time::timeout(limit, drained).await.is_err() {
+    if tokio::time::timeout(limit, led.inflight.wait())
+        .await
+        .is_err()
+    {
         tracing::warn!(
             running = led.inflight.len(),
             "cluster: requests still running after {limit:?}; stopping the log under them"
