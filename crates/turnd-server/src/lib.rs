@@ -407,8 +407,9 @@ async fn serve(
         backend::Backend::Cluster(node) => {
             node.drain().await;
             // Each connection stops reading, answers what it started, and closes.
+            // `draining` stays as it is: a request read in the instant its
+            // connection saw `closing` is forwarded like any other, never refused.
             shared.closing.cancel();
-            shared.draining.cancel();
         }
     }
     shared.requests.close();
