@@ -193,13 +193,36 @@ impl Cluster {
         self.state[i] = NodeState::Up;
     }
 
-    /// Wait until every partition is led by a node that is up; how long it took.
+    /// Wait until every partition is led by a node that is up, as every node that
+    /// is up sees it, and every such node is ready (a node back from a cut reaches
+    /// NATS again); how long it took.
     pub async fn settled(&self, secs: u64) -> anyhow::Result<Duration> {
-        let up: Vec<&str> = (0..3)
-            .filter(|i| self.state[*i] == NodeState::Up)
-            .map(|i| NAMES[i])
-            .collect();
-        all_led(self.admin()?, &up, secs).await
+        let start = Instant::now();
+        let up: Vec<usize> = (0..3).filter(|i| self.state[*i] == NodeState::Up).collect();
+        let names: Vec<&str> = up.iter().map(|i| NAMES[*i]).collect();
+        all_led(self.admin()?, &names, secs).await?;
+        let led = start.elapsed();
+        for i in up {
+            let left = Duration::from_secs(secs).saturating_sub(start.elapsed());
+            all_led(&self.admins[i], &names, left.as_secs().max(1)).await?;
+            self.readyz_says(i, "ready", left).await?;
+        }
+        Ok(led)
+    }
+
+    /// Wait (at most `limit`) until node `i`'s `/readyz` says `what`.
+    pub async fn readyz_says(&self, i: usize, what: &str, limit: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let said = turnd_tests::http_get(&self.admins[i], "/readyz").await;
+            if matches!(&said, Ok((_, body)) if body.trim() == what) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("n{i}'s /readyz did not say {what:?} within {limit:?}: {said:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// kill -9 every node (the end of a run: their stores are then read here).

@@ -36,6 +36,23 @@ pub struct Seen {
     pub retryable: bool,
 }
 
+impl Seen {
+    /// When the request was sent, as the daemons' logs print time (UTC, of day).
+    pub fn sent_utc(&self) -> String {
+        let at = std::time::SystemTime::now()
+            .checked_sub(self.sent.elapsed())
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_millis() % 86_400_000);
+        format!(
+            "{:02}:{:02}:{:02}.{:03}Z",
+            at / 3_600_000,
+            at / 60_000 % 60,
+            at / 1_000 % 60,
+            at % 1_000
+        )
+    }
+}
+
 /// Running callers.
 pub struct Load {
     stop: CancellationToken,

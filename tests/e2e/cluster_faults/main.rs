@@ -139,8 +139,10 @@ async fn check_all(
 ) -> anyhow::Result<Result<(), String>> {
     if let Some(f) = load.fatal().first() {
         return Ok(Err(format!(
-            "a request to n{} failed for good: {}",
-            f.node, f.what
+            "a request to n{} sent at {} failed for good: {}",
+            f.node,
+            f.sent_utc(),
+            f.what
         )));
     }
     // A rolling restart fails no request: a draining node forwards its
@@ -166,10 +168,11 @@ async fn check_all(
     if let Some(f) = failed.first() {
         let failed: Vec<load::Seen> = failed.iter().map(|e| (*e).clone()).collect();
         return Ok(Err(format!(
-            "a rolling restart failed {} requests (by kind {:?}), the first to n{}: {}",
+            "a rolling restart failed {} requests (by kind {:?}), the first to n{} sent at {}: {}",
             failed.len(),
             load::tally(&failed),
             f.node,
+            f.sent_utc(),
             f.what
         )));
     }

@@ -149,6 +149,9 @@ pub async fn apply(c: &mut Cluster, load: &Load, f: Fault) -> anyhow::Result<App
         }
         Fault::CutNode { node, ms } => {
             c.cut(node);
+            // A node cut from NATS says so: load balancers take it out of rotation.
+            c.readyz_says(node, "NATS unreachable", Duration::from_secs(SETTLE_SECS))
+                .await?;
             out.failover = Some(c.settled(SETTLE_SECS).await?);
             sleep_ms(ms).await;
             c.heal(node);

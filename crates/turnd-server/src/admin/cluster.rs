@@ -40,6 +40,11 @@ async fn readyz(State(s): State<NodeState>) -> impl IntoResponse {
     if s.shared.draining.is_cancelled() || s.node.draining.is_cancelled() {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n");
     }
+    // A node that cannot reach NATS serves nothing: it leads no partition it can
+    // write, and cannot forward a request to one that does.
+    if s.node.nats.client().connection_state() != async_nats::connection::State::Connected {
+        return (StatusCode::SERVICE_UNAVAILABLE, "NATS unreachable\n");
+    }
     (StatusCode::OK, "ready\n")
 }
 
