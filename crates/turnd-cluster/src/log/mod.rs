@@ -56,7 +56,7 @@ use crate::marks::{Liveness, Marks};
 use crate::nats::Nats;
 pub use open::{read_valid, Valid};
 pub use reader::{lsn, seq_of};
-pub use stream::{stream_name, subject, LogConfig};
+pub use stream::{stream_name, subject, LogConfig, API_TRY_TIMEOUT};
 
 /// A partition's commit log on JetStream. Clones are handles of one log: the store
 /// holds one, the node another (status, stop).

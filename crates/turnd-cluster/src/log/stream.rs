@@ -211,7 +211,7 @@ const API_TRIES: u32 = 8;
 /// stream, its bounds, a reader of it). Those calls read, bind the stream (made
 /// once), or make an ephemeral reader the server drops once unused: a try
 /// abandoned and made again changes nothing that counts.
-pub(crate) const API_TRY_TIMEOUT: Duration = Duration::from_secs(1);
+pub const API_TRY_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// `f` until it works, up to [`API_TRIES`] times (each bounded by
 /// [`API_TRY_TIMEOUT`]) with a pause from 100 ms doubling in between; the last

@@ -203,11 +203,14 @@ impl Node {
             .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("encode a forward: {e}")))?;
         let body = Bytes::from(body);
         // A partition between leaders (a hand-over, a drain, a takeover) is
-        // waited for, up to two leases, before the request is refused: nothing has
-        // been sent yet, so the wait changes nothing but the answer's time. A node
-        // that drains waits too: it closes its connections only once their
-        // requests are answered.
-        let patience = Instant::now() + Duration::from_millis(2 * self.cluster.lease_ms);
+        // waited for, up to two leases and two tries of a takeover's stream
+        // requests (a try the stream does not answer waits out its bound),
+        // before the request is refused: nothing has been sent yet, so the wait
+        // changes nothing but the answer's time. A node that drains waits too: it
+        // closes its connections only once their requests are answered.
+        let patience = Instant::now()
+            + 2 * Duration::from_millis(self.cluster.lease_ms)
+            + 2 * turnd_cluster::log::API_TRY_TIMEOUT;
         let mut leader = self.leader_of(p, false).await;
         loop {
             let Some(to) = leader.clone() else {
