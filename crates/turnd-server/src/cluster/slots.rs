@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use futures_util::StreamExt;
 use tokio_util::task::TaskTracker;
 use turnd_cluster::lease::{Lease, Owner};
 use turnd_cluster::members::{self, Member};
@@ -63,7 +62,7 @@ impl Heartbeats {
         };
         loop {
             let msg = tokio::select! {
-                m = sub.next() => m,
+                m = futures_util::StreamExt::next(&mut sub) => m,
                 _ = node.stop.cancelled() => None,
             };
             let Some(msg) = msg else { break };
@@ -174,22 +173,13 @@ async fn round(node: &Arc<Node>) -> anyhow::Result<()> {
         }
     };
     put_marks(node).await;
-    // The partitions side by side (up to `ROUND_AT_ONCE`): a node that takes
-    // several over (its peer drained, or died) opens them together, so that the
-    // last of them is not led a takeover's time per partition after the first.
-    let rounds = (0..node.cluster.partitions)
-        .filter(|p| !node.busy.lock().contains(p))
-        .map(|p| {
-            let placement = place(p, &live, node.cluster.standbys as usize);
-            async move { (p, partition_round(node, p, placement, now).await) }
-        });
-    let done: Vec<_> = futures_util::stream::iter(rounds)
-        .buffer_unordered(ROUND_AT_ONCE)
-        .collect()
-        .await;
     let mut hand_over = Vec::new();
-    for (p, r) in done {
-        match r {
+    for p in 0..node.cluster.partitions {
+        if node.busy.lock().contains(&p) {
+            continue;
+        }
+        let placement = place(p, &live, node.cluster.standbys as usize);
+        match partition_round(node, p, placement, now).await {
             Ok(true) => hand_over.push(p),
             Ok(false) => {}
             Err(e) => tracing::warn!(partition = p, "cluster: {e:#}"),
@@ -206,9 +196,6 @@ async fn round(node: &Arc<Node>) -> anyhow::Result<()> {
     .await;
     Ok(())
 }
-
-/// How many partitions a round looks after at once (takeovers among them).
-const ROUND_AT_ONCE: usize = 8;
 
 /// Renew this node's membership (whether it drains: a draining node is placed
 /// nowhere).
