@@ -86,13 +86,12 @@ impl NodeIii {
     ) -> Result<SubmitOk, ErrorBody> {
         let node = &self.node;
         let p = session_partition(&args.session_id, node.cluster.partitions);
-        let (args, opts) = match node.led(p).filter(|l| super::lease_runs(&l.lease)) {
-            Some(led) => match led.track_with(args, opts, Engine::submit_with) {
-                Ok(run) => return Ok(run.await?.map_json(|j| j.to_value())),
-                Err(back) => back,
-            },
-            None => (args, opts),
-        };
+        if let Some(led) = node.led(p).filter(|l| super::lease_runs(&l.lease)) {
+            if let Some(_admitted) = led.admit() {
+                let ok = led.engine.submit_with(args, opts).await?;
+                return Ok(ok.map_json(|j| j.to_value()));
+            }
+        }
         let f = Forwarded {
             role: Role::Client,
             worker_id: None,

@@ -68,30 +68,19 @@ pub(crate) struct Led {
 }
 
 impl Led {
-    /// `f` counted among the partition's requests ([`Led::inflight`]), or none once
-    /// its intake closed for a hand-over: the request then takes the forward path.
-    pub fn track<F: std::future::Future>(
-        &self,
-        f: F,
-    ) -> Option<tokio_util::task::task_tracker::TrackedFuture<F>> {
+    /// A place among the partition's requests ([`Led::inflight`]), held while the
+    /// request runs; none once the intake closed for a hand-over (the request then
+    /// takes the forward path, or is answered "not leading").
+    pub fn admit(&self) -> Option<tokio_util::task::task_tracker::TaskTrackerToken> {
         let open = self.intake.read();
-        (*open).then(|| self.inflight.track_future(f))
+        (*open).then(|| self.inflight.token())
     }
 
-    /// [`Led::track`] of `run(engine, a, b)`, made only while the intake is open;
-    /// `a` and `b` back when it is closed.
-    pub fn track_with<'e, A, B, F: std::future::Future + 'e>(
-        &'e self,
-        a: A,
-        b: B,
-        run: impl FnOnce(&'e Engine, A, B) -> F,
-    ) -> Result<tokio_util::task::task_tracker::TrackedFuture<F>, (A, B)> {
-        let open = self.intake.read();
-        if *open {
-            Ok(self.inflight.track_future(run(&self.engine, a, b)))
-        } else {
-            Err((a, b))
-        }
+    /// Close the intake: no request is admitted once this returns, and
+    /// [`Led::inflight`] ends with the last one admitted before.
+    pub fn close_intake(&self) {
+        *self.intake.write() = false;
+        self.inflight.close();
     }
 }
 

@@ -156,8 +156,8 @@ impl Node {
         // another node may lead already, and this engine's reads would be stale
         // until the next round notices the loss. The lease's holder is then asked.
         if let Some(led) = self.led(p).filter(|l| super::lease_runs(&l.lease)) {
-            if let Some(run) = led.track(router::run(&led.engine, caller, op, args, origin)) {
-                return run.await;
+            if let Some(_admitted) = led.admit() {
+                return router::run(&led.engine, caller, op, args, origin).await;
             }
         }
         self.forward(p, caller, op, args).await.map(Answer::Reply)

@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use turnd_cluster::lease::Lease;
 use turnd_engine::{Caller, Engine};
 use turnd_proto::{ErrorBody, ErrorCode, Op, Role};
 
@@ -112,13 +111,17 @@ pub(super) async fn serve(node: &Arc<Node>) -> anyhow::Result<()> {
             let Some(reply_to) = msg.reply.clone() else {
                 continue;
             };
-            let led = partition_of(msg.subject.as_str()).and_then(|p| node.led(p));
+            // Admitted under the intake's read lock: a hand-over that closed it
+            // waits for every request admitted before, and none is after.
+            let run = partition_of(msg.subject.as_str())
+                .and_then(|p| node.led(p))
+                .and_then(|led| led.admit().map(|admitted| (led, admitted)));
             drop(node);
             let (client, cfg) = (client.clone(), cfg.clone());
-            let job = move |run: Option<(Engine, Arc<parking_lot::Mutex<Lease>>)>| async move {
-                let reply = match run {
-                    Some((engine, held)) if super::lease_runs(&held) => {
-                        answer(&client, &engine, &msg.payload, cfg).await
+            tokio::spawn(async move {
+                let reply = match &run {
+                    Some((led, _admitted)) if super::lease_runs(&led.lease) => {
+                        answer(&client, &led.engine, &msg.payload, cfg).await
                     }
                     _ => ForwardReply::NotLeading,
                 };
@@ -130,20 +133,9 @@ pub(super) async fn serve(node: &Arc<Node>) -> anyhow::Result<()> {
                     }
                     Err(e) => tracing::warn!("cluster: encode a forward's reply: {e}"),
                 }
-            };
-            let Some(led) = led else {
-                tokio::spawn(job(None));
-                continue;
-            };
-            // Under the intake's read lock: a hand-over that closed it waits for
-            // every request started before, and none starts after.
-            let open = led.intake.read();
-            if *open {
-                led.inflight
-                    .spawn(job(Some((led.engine.clone(), led.lease.clone()))));
-            } else {
-                tokio::spawn(job(None));
-            }
+                // The place among the partition's requests is held until here.
+                drop(run);
+            });
         }
     });
     Ok(())

@@ -445,7 +445,6 @@ async fn lead(node: &Arc<Node>, p: u32, lease: Lease) -> anyhow::Result<()> {
     });
     // The epoch into the lease at once, for `cluster status`.
     if !renew(node, &led, members::now_ms()).await {
-        *led.intake.write() = false;
         led.log.stop();
         led.engine.shutdown();
         anyhow::bail!("lost the lease while opening");
@@ -620,11 +619,13 @@ pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str, settle: bool)
     };
     node.busy.lock().insert(p);
     tracing::info!(partition = p, "cluster: stepping down: {why}");
+    // No request starts on the engine after this; a forward is answered "not
+    // leading".
+    led.close_intake();
     // A log that takes no more appends has nothing to settle.
     if settle && led.log.status().failure.is_none() {
         settled(&led, Duration::from_millis(node.cluster.lease_ms / 3)).await;
     }
-    *led.intake.write() = false;
     led.engine.shutdown();
     led.log.stop();
     let lease = led.lease.lock().clone();
@@ -641,12 +642,9 @@ pub(super) async fn step_down(node: &Arc<Node>, p: u32, why: &str, settle: bool)
     node.busy.lock().remove(&p);
 }
 
-/// Stop `led`'s intake of forwarded requests and wait (at most `limit`) until
-/// every request running on its engine has been answered.
+/// Wait (at most `limit`) until every request admitted on `led`'s engine before
+/// its intake closed has been answered.
 async fn settled(led: &Led, limit: Duration) {
-    // No forwarded request starts after this; the node answers them "not leading".
-    *led.intake.write() = false;
-    led.inflight.close();
     let started = std::time::Instant::now();
     if tokio::time::timeout(limit, led.inflight.wait())
         .await
