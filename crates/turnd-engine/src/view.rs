@@ -9,6 +9,16 @@ use crate::machine::held_until;
 use crate::registry::Supply;
 use crate::session::SessionState;
 
+/// How a wait's reason writes a time, or None for a wait without its reason: the
+/// wait index keeps only a wait's state and times, and writing the text of every
+/// lock holder's wait at every transition was most of what indexing it cost.
+type Said<'a> = Option<&'a dyn Fn(u64) -> String>;
+
+/// The reason `text` writes with `said`'s times, or an empty one without.
+fn say(said: Said<'_>, text: impl FnOnce(&dyn Fn(u64) -> String) -> String) -> String {
+    said.map(text).unwrap_or_default()
+}
+
 /// The protocol view of a stored turn, its input and output as the JSON text stored
 /// (sent as it is, never parsed into a tree and written again).
 pub fn to_turn(t: &TurnRecord, wait: Option<Wait>) -> Turn<RawJson> {
@@ -54,15 +64,17 @@ pub fn prompt_text(prompt: Option<&RawJson>) -> String {
 }
 
 /// The wait of a lock holder whose last step suspended it for input.
-fn input_wait(t: &TurnRecord, w: &InputWait, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
+fn input_wait(t: &TurnRecord, w: &InputWait, said: Said<'_>) -> Wait {
     let mut wait = base_wait(
         WaitState::AwaitingInput,
-        format!(
-            "awaiting input after step {} (since {}): {}",
-            t.step,
-            fmt_ms(w.since_ms),
-            prompt_text(w.prompt.as_ref())
-        ),
+        say(said, |fmt_ms| {
+            format!(
+                "awaiting input after step {} (since {}): {}",
+                t.step,
+                fmt_ms(w.since_ms),
+                prompt_text(w.prompt.as_ref())
+            )
+        }),
         w.since_ms,
     );
     if let Some(d) = w.deadline_ms {
@@ -102,25 +114,27 @@ fn on_unknown(inv: &InvocationRecord) -> OnDeadline {
 fn awaiting_worker(
     t: &TurnRecord,
     dispatch_timeout_ms: Option<u64>,
-    fmt_ms: &dyn Fn(u64) -> String,
+    said: Said<'_>,
     supply: Option<Supply>,
 ) -> Wait {
     let f = &t.function_id;
-    let why = match supply {
-        Some(Supply {
-            registered: false, ..
-        }) => format!("no worker has registered {f}"),
-        Some(Supply { connected: 0, .. }) => {
-            format!("no connected worker serves {f} (the workers that registered it are gone)")
-        }
-        Some(Supply { connected, .. }) => {
-            format!("all {connected} connected worker(s) serving {f} are busy")
-        }
-        None => format!("no connected worker serving {f} has free capacity"),
-    };
     let mut w = base_wait(
         WaitState::AwaitingWorker,
-        format!("{why} (waiting since {})", fmt_ms(t.phase_since_ms)),
+        say(said, |fmt_ms| {
+            let why = match supply {
+                Some(Supply {
+                    registered: false, ..
+                }) => format!("no worker has registered {f}"),
+                Some(Supply { connected: 0, .. }) => format!(
+                    "no connected worker serves {f} (the workers that registered it are gone)"
+                ),
+                Some(Supply { connected, .. }) => {
+                    format!("all {connected} connected worker(s) serving {f} are busy")
+                }
+                None => format!("no connected worker serving {f} has free capacity"),
+            };
+            format!("{why} (waiting since {})", fmt_ms(t.phase_since_ms))
+        }),
         t.phase_since_ms,
     );
     let by = t.dispatch.as_deref().and_then(|d| d.dispatch_by_ms);
@@ -134,16 +148,18 @@ fn awaiting_worker(
 
 /// The wait of a lock holder the session's hold keeps back: an earlier turn's
 /// invocation, given up on a worker that cannot cancel it, may still be running.
-fn held_wait(t: &TurnRecord, held: &Held, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
+fn held_wait(t: &TurnRecord, held: &Held, said: Said<'_>) -> Wait {
     let mut w = base_wait(
         WaitState::Held,
-        format!(
+        say(said, |fmt_ms| {
+            format!(
             "invocation {} of turn {} was given up on worker {}, which cannot cancel it, and may still be running; held until its result or its deadline at {}",
             held.invocation_id,
             held.turn_id,
             held.worker_id,
             fmt_ms(held.until_ms)
-        ),
+        )
+        }),
         held.since_ms.max(t.phase_since_ms),
     );
     w.deadline_ms = Some(held.until_ms);
@@ -164,16 +180,38 @@ pub fn wait_of(
     fmt_ms: &dyn Fn(u64) -> String,
     supply: Option<Supply>,
 ) -> Wait {
+    wait_said(st, t, dispatch_timeout_ms, Some(fmt_ms), supply)
+}
+
+/// [`wait_of`] without its reason (left empty): the state, times and deadline
+/// only, for the wait index.
+pub(crate) fn wait_shape(
+    st: &SessionState,
+    t: &TurnRecord,
+    dispatch_timeout_ms: Option<u64>,
+) -> Wait {
+    wait_said(st, t, dispatch_timeout_ms, None, None)
+}
+
+fn wait_said(
+    st: &SessionState,
+    t: &TurnRecord,
+    dispatch_timeout_ms: Option<u64>,
+    said: Said<'_>,
+    supply: Option<Supply>,
+) -> Wait {
     let holder = st.holder().map(|h| h.seq);
     if holder != Some(t.seq) {
         let ahead = st.active.count_before(t.seq) as u64;
-        let h = st.holder().map(|h| h.turn_id.clone()).unwrap_or_default();
+        let h = st.holder().map(|h| h.turn_id.as_str()).unwrap_or_default();
         let mut w = base_wait(
             WaitState::QueuedBehind,
-            format!(
-                "queued behind turn {h} ({ahead} ahead in session {})",
-                st.id
-            ),
+            say(said, |_| {
+                format!(
+                    "queued behind turn {h} ({ahead} ahead in session {})",
+                    st.id
+                )
+            }),
             t.created_at_ms,
         );
         w.ahead = Some(ahead);
@@ -182,17 +220,19 @@ pub fn wait_of(
     if let Some(p) = &st.pending {
         let mut w = base_wait(
             WaitState::Finalizing,
-            format!(
-                "a state change could not be written; retrying since {}: {}",
-                fmt_ms(p.since_ms),
-                p.error
-            ),
+            say(said, |fmt_ms| {
+                format!(
+                    "a state change could not be written; retrying since {}: {}",
+                    fmt_ms(p.since_ms),
+                    p.error
+                )
+            }),
             p.since_ms,
         );
         w.deadline_ms = Some(p.retry_at_ms);
         w.on_deadline = Some(OnDeadline::Retry);
         w.last_error = Some(p.error.clone());
-        return with_turn_deadline(w, t);
+        return with_turn_deadline(w, t, said.is_some());
     }
     let held = st
         .meta
@@ -200,104 +240,73 @@ pub fn wait_of(
         .as_deref()
         .filter(|_| held_until(&st.meta, t).is_some());
     let w = match (held, t.phase) {
-        (Some(held), _) => held_wait(t, held, fmt_ms),
+        (Some(held), _) => held_wait(t, held, said),
         (None, Phase::Queued | Phase::AwaitingWorker | Phase::Done) => {
-            awaiting_worker(t, dispatch_timeout_ms, fmt_ms, supply)
+            awaiting_worker(t, dispatch_timeout_ms, said, supply)
         }
-        (None, Phase::BackingOff) => {
-            let mut w = base_wait(
-                WaitState::BackingOff,
-                format!(
-                    "attempt {} of step {} failed ({}); retrying at {}",
-                    t.attempt,
-                    t.step,
-                    t.last_error.as_deref().unwrap_or("retryable failure"),
-                    fmt_ms(t.retry_at_ms.unwrap_or(0))
-                ),
-                t.phase_since_ms,
-            );
-            w.deadline_ms = t.retry_at_ms;
-            w.on_deadline = Some(OnDeadline::Retry);
-            w.last_error = t.last_error.clone();
-            w
-        }
+        (None, Phase::BackingOff) => backoff_wait(t, said),
         (None, Phase::AwaitingInput) => match t.input_request.as_deref() {
-            Some(w) => input_wait(t, w, fmt_ms),
+            Some(w) => input_wait(t, w, said),
             None => base_wait(
                 WaitState::AwaitingInput,
-                "awaiting input (its request is missing)".into(),
+                say(said, |_| "awaiting input (its request is missing)".into()),
                 t.phase_since_ms,
             ),
         },
         (None, Phase::Invoked) => match &st.inv {
-            Some(inv) => inv_wait(t, inv, fmt_ms),
+            Some(inv) => inv_wait(t, inv, said),
             None => base_wait(
                 WaitState::AwaitingWorker,
-                "invocation record missing; waiting to dispatch again".into(),
+                say(said, |_| {
+                    "invocation record missing; waiting to dispatch again".into()
+                }),
                 t.phase_since_ms,
             ),
         },
     };
-    with_turn_deadline(w, t)
+    with_turn_deadline(w, t, said.is_some())
 }
 
-fn with_turn_deadline(mut w: Wait, t: &TurnRecord) -> Wait {
+/// The wait of a lock holder whose step failed and is retried after a backoff.
+fn backoff_wait(t: &TurnRecord, said: Said<'_>) -> Wait {
+    let mut w = base_wait(
+        WaitState::BackingOff,
+        say(said, |fmt_ms| {
+            format!(
+                "attempt {} of step {} failed ({}); retrying at {}",
+                t.attempt,
+                t.step,
+                t.last_error.as_deref().unwrap_or("retryable failure"),
+                fmt_ms(t.retry_at_ms.unwrap_or(0))
+            )
+        }),
+        t.phase_since_ms,
+    );
+    w.deadline_ms = t.retry_at_ms;
+    w.on_deadline = Some(OnDeadline::Retry);
+    w.last_error = t.last_error.clone();
+    w
+}
+
+fn with_turn_deadline(mut w: Wait, t: &TurnRecord, said: bool) -> Wait {
     if let Some(d) = t.deadline_ms {
         if w.deadline_ms.map(|x| d < x).unwrap_or(true) {
             w.deadline_ms = Some(d);
             w.on_deadline = Some(OnDeadline::Fail);
-            w.reason.push_str(" (the turn's own deadline comes first)");
+            if said {
+                w.reason.push_str(" (the turn's own deadline comes first)");
+            }
         }
     }
     w
 }
 
-fn inv_wait(t: &TurnRecord, inv: &InvocationRecord, fmt_ms: &dyn Fn(u64) -> String) -> Wait {
-    let id = &inv.invocation_id;
-    let (state, reason, on) = match inv.wait {
-        InvWait::AwaitingResult => (
-            WaitState::AwaitingResult,
-            format!(
-                "awaiting result of {id} ({}) from worker {} since {}",
-                t.function_id,
-                inv.worker_id,
-                fmt_ms(inv.wait_since_ms)
-            ),
-            OnDeadline::Probe,
-        ),
-        InvWait::Probing => (
-            WaitState::AwaitingResult,
-            format!(
-                "deadline of {id} passed; probe sent to worker {} at {}, awaiting its status",
-                inv.worker_id,
-                fmt_ms(inv.wait_since_ms)
-            ),
-            on_unknown(inv),
-        ),
-        InvWait::AwaitingResend => (
-            WaitState::AwaitingResult,
-            format!(
-                "worker {} reported {id} finished at {}; awaiting the resent result",
-                inv.worker_id,
-                fmt_ms(inv.wait_since_ms)
-            ),
-            on_unknown(inv),
-        ),
+fn inv_wait(t: &TurnRecord, inv: &InvocationRecord, said: Said<'_>) -> Wait {
+    let (state, on) = match inv.wait {
+        InvWait::AwaitingResult => (WaitState::AwaitingResult, OnDeadline::Probe),
+        InvWait::Probing | InvWait::AwaitingResend => (WaitState::AwaitingResult, on_unknown(inv)),
         InvWait::Cancelling => (
             WaitState::Cancelling,
-            if t.stop.is_some() {
-                format!(
-                    "stop requested; cancel of {id} sent to worker {} at {}",
-                    inv.worker_id,
-                    fmt_ms(inv.wait_since_ms)
-                )
-            } else {
-                format!(
-                    "{id} ran past its deadline; cancel sent to worker {} at {}",
-                    inv.worker_id,
-                    fmt_ms(inv.wait_since_ms)
-                )
-            },
             if t.stop.is_some() {
                 OnDeadline::Cancel
             } else if inv.settings.delivery == Delivery::AtLeastOnce
@@ -308,22 +317,48 @@ fn inv_wait(t: &TurnRecord, inv: &InvocationRecord, fmt_ms: &dyn Fn(u64) -> Stri
                 OnDeadline::Fail
             },
         ),
-        InvWait::AwaitingReconnect => (
-            WaitState::AwaitingReconnect,
-            format!(
-                "worker {} running {id} is disconnected since {}; awaiting its reconnect",
-                inv.worker_id,
-                fmt_ms(inv.wait_since_ms)
-            ),
-            on_unknown(inv),
-        ),
+        InvWait::AwaitingReconnect => (WaitState::AwaitingReconnect, on_unknown(inv)),
     };
-    let mut w = base_wait(state, reason, inv.wait_since_ms);
+    let mut w = base_wait(
+        state,
+        say(said, |fmt_ms| inv_reason(t, inv, fmt_ms)),
+        inv.wait_since_ms,
+    );
     w.deadline_ms = Some(inv.deadline_ms);
     w.on_deadline = Some(on);
-    w.invocation_id = Some(id.clone());
-    w.worker_id = Some(inv.worker_id.clone());
+    if said.is_some() {
+        w.invocation_id = Some(inv.invocation_id.clone());
+        w.worker_id = Some(inv.worker_id.clone());
+    }
     w
+}
+
+/// Why a turn waits for its invocation, in words.
+fn inv_reason(t: &TurnRecord, inv: &InvocationRecord, fmt_ms: &dyn Fn(u64) -> String) -> String {
+    let id = &inv.invocation_id;
+    let worker = &inv.worker_id;
+    let since = fmt_ms(inv.wait_since_ms);
+    match inv.wait {
+        InvWait::AwaitingResult => format!(
+            "awaiting result of {id} ({}) from worker {worker} since {since}",
+            t.function_id
+        ),
+        InvWait::Probing => format!(
+            "deadline of {id} passed; probe sent to worker {worker} at {since}, awaiting its status"
+        ),
+        InvWait::AwaitingResend => {
+            format!("worker {worker} reported {id} finished at {since}; awaiting the resent result")
+        }
+        InvWait::Cancelling if t.stop.is_some() => {
+            format!("stop requested; cancel of {id} sent to worker {worker} at {since}")
+        }
+        InvWait::Cancelling => {
+            format!("{id} ran past its deadline; cancel sent to worker {worker} at {since}")
+        }
+        InvWait::AwaitingReconnect => format!(
+            "worker {worker} running {id} is disconnected since {since}; awaiting its reconnect"
+        ),
+    }
 }
 
 #[cfg(test)]

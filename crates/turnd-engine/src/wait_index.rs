@@ -18,7 +18,7 @@ use turnd_proto::{SessionOrder, WaitState};
 use turnd_store::InvWait;
 
 use crate::session::SessionState;
-use crate::view::wait_of;
+use crate::view::wait_shape;
 
 /// What the index records of one session's lock holder.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,7 +41,7 @@ impl<'a> WaitEntry<'a> {
         dispatch_timeout_ms: Option<u64>,
     ) -> Option<WaitEntry<'a>> {
         let h = st.holder()?;
-        let w = wait_of(st, h, dispatch_timeout_ms, &|_| String::new(), None);
+        let w = wait_shape(st, h, dispatch_timeout_ms);
         let stale_at_ms = match (&st.inv, w.state) {
             (Some(inv), WaitState::AwaitingResult) if inv.wait == InvWait::AwaitingResult => {
                 let timeout = inv.settings.timeout_ms;

@@ -11,6 +11,7 @@ use turnd_store::{InvState, Phase};
 
 use super::sim::{raw, Sim};
 use super::*;
+use crate::view::{wait_of, wait_shape};
 
 #[derive(Debug, Clone, Copy)]
 enum Kind {
@@ -290,6 +291,34 @@ fn check(sim: &Sim, terminal_seen: &mut HashMap<String, TurnStatus>) {
                 "a terminal turn is still active"
             );
         }
+    }
+    // The wait the index keeps (no words) is the wait a view shows, words aside.
+    for t in sim.st.active.iter() {
+        let dispatch_timeout = Some(5_000);
+        let shown = wait_of(&sim.st, t, dispatch_timeout, &|ms| ms.to_string(), None);
+        let kept = wait_shape(&sim.st, t, dispatch_timeout);
+        assert!(!shown.reason.is_empty() && kept.reason.is_empty());
+        assert_eq!(
+            (
+                kept.state,
+                kept.since_ms,
+                kept.deadline_ms,
+                kept.on_deadline
+            ),
+            (
+                shown.state,
+                shown.since_ms,
+                shown.deadline_ms,
+                shown.on_deadline
+            ),
+            "the index's wait of {} against the shown one ({})",
+            t.turn_id,
+            shown.reason
+        );
+        assert_eq!(
+            (kept.ahead, &kept.last_error),
+            (shown.ahead, &shown.last_error)
+        );
     }
     // Events are numbered without gaps.
     for (i, e) in sim.events.iter().enumerate() {
