@@ -164,8 +164,10 @@ fn held_wait(t: &TurnRecord, held: &Held, said: Said<'_>) -> Wait {
     );
     w.deadline_ms = Some(held.until_ms);
     w.on_deadline = Some(OnDeadline::Dispatch);
-    w.invocation_id = Some(held.invocation_id.clone());
-    w.worker_id = Some(held.worker_id.clone());
+    if said.is_some() {
+        w.invocation_id = Some(held.invocation_id.clone());
+        w.worker_id = Some(held.worker_id.clone());
+    }
     w
 }
 
@@ -183,8 +185,9 @@ pub fn wait_of(
     wait_said(st, t, dispatch_timeout_ms, Some(fmt_ms), supply)
 }
 
-/// [`wait_of`] without its reason (left empty): the state, times and deadline
-/// only, for the wait index.
+/// [`wait_of`] without its words: the reason left empty and the invocation and
+/// worker it names left out; the state, times and deadline only, for the wait
+/// index.
 pub(crate) fn wait_shape(
     st: &SessionState,
     t: &TurnRecord,

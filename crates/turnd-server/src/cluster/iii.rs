@@ -86,11 +86,9 @@ impl NodeIii {
     ) -> Result<SubmitOk, ErrorBody> {
         let node = &self.node;
         let p = session_partition(&args.session_id, node.cluster.partitions);
-        if let Some(led) = node.led(p).filter(|l| super::lease_runs(&l.lease)) {
-            if let Some(_admitted) = led.admit() {
-                let ok = led.engine.submit_with(args, opts).await?;
-                return Ok(ok.map_json(|j| j.to_value()));
-            }
+        if let Some((led, _admitted)) = node.serving(p) {
+            let ok = led.engine.submit_with(args, opts).await?;
+            return Ok(ok.map_json(|j| j.to_value()));
         }
         let f = Forwarded {
             role: Role::Client,

@@ -302,6 +302,20 @@ impl Node {
         self.led.read().get(&p).cloned()
     }
 
+    /// Partition `p`'s engine for a request, with its place among the partition's
+    /// requests ([`Led::admit`], held while the request runs): only while this node
+    /// leads `p` and its lease runs by its own clock (past it, another node may lead
+    /// already, and this engine's reads would be stale until the next round notices
+    /// the loss), and the intake is open. None: the lease's holder must answer.
+    pub(crate) fn serving(
+        &self,
+        p: u32,
+    ) -> Option<(Arc<Led>, tokio_util::task::task_tracker::TaskTrackerToken)> {
+        let led = self.led(p).filter(|l| lease_runs(&l.lease))?;
+        let admitted = led.admit()?;
+        Some((led, admitted))
+    }
+
     /// Every partition this node leads.
     pub(crate) fn all_led(&self) -> Vec<(u32, Arc<Led>)> {
         let mut v: Vec<_> = self

@@ -152,13 +152,8 @@ impl Node {
         args: &str,
         origin: Option<&Origin<'_>>,
     ) -> Result<Answer, ErrorBody> {
-        // Served here only while this node's lease runs by its own clock: past it,
-        // another node may lead already, and this engine's reads would be stale
-        // until the next round notices the loss. The lease's holder is then asked.
-        if let Some(led) = self.led(p).filter(|l| super::lease_runs(&l.lease)) {
-            if let Some(_admitted) = led.admit() {
-                return router::run(&led.engine, caller, op, args, origin).await;
-            }
+        if let Some((led, _admitted)) = self.serving(p) {
+            return router::run(&led.engine, caller, op, args, origin).await;
         }
         self.forward(p, caller, op, args).await.map(Answer::Reply)
     }

@@ -113,17 +113,13 @@ pub(super) async fn serve(node: &Arc<Node>) -> anyhow::Result<()> {
             };
             // Admitted under the intake's read lock: a hand-over that closed it
             // waits for every request admitted before, and none is after.
-            let run = partition_of(msg.subject.as_str())
-                .and_then(|p| node.led(p))
-                .and_then(|led| led.admit().map(|admitted| (led, admitted)));
+            let run = partition_of(msg.subject.as_str()).and_then(|p| node.serving(p));
             drop(node);
             let (client, cfg) = (client.clone(), cfg.clone());
             tokio::spawn(async move {
                 let reply = match &run {
-                    Some((led, _admitted)) if super::lease_runs(&led.lease) => {
-                        answer(&client, &led.engine, &msg.payload, cfg).await
-                    }
-                    _ => ForwardReply::NotLeading,
+                    Some((led, _admitted)) => answer(&client, &led.engine, &msg.payload, cfg).await,
+                    None => ForwardReply::NotLeading,
                 };
                 match serde_json::to_vec(&reply) {
                     Ok(body) => {

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use futures_util::StreamExt;
 use tokio_util::task::TaskTracker;
 use turnd_cluster::lease::{Lease, Owner};
 use turnd_cluster::members::{self, Member};
@@ -62,7 +63,7 @@ impl Heartbeats {
         };
         loop {
             let msg = tokio::select! {
-                m = futures_util::StreamExt::next(&mut sub) => m,
+                m = sub.next() => m,
                 _ = node.stop.cancelled() => None,
             };
             let Some(msg) = msg else { break };
