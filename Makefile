@@ -23,7 +23,7 @@ INSTALL_BIN ?= target/release/turnd
 DEBUGDIR ?= /usr/lib/debug
 OBJCOPY ?= objcopy
 
-.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-external-ab bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster test-cluster-long bench-cluster bench-cluster-throughput bench-failover
+.PHONY: help build release install run venv browser test check-repo test-rust test-python test-sdk-python test-sdk-typescript test-iii lint lint-sdk-python lint-sdk-typescript bench-sdk-typescript bench-external bench-external-ab bench-callgrind bench-restate fmt doc bench check-fsync powerloss sim sim-planted fuzz clean ui-screenshots sdk test-cluster test-cluster-long bench-cluster bench-cluster-throughput bench-failover
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -189,6 +189,20 @@ bench-external: $(TS_SDK)/node_modules/.ci-stamp ## Turns/s, the daemon's and th
 	@if [ "$(BENCH_TURND)" = "$(CURDIR)/target/release/turnd" ]; then $(CARGO) build --release -p turnd --bin turnd; fi
 	cd $(TS_SDK) && npx tsc -p tsconfig.json && npx tsc -p tsconfig.test.json
 	cd $(TS_SDK) && node build/sdk/typescript/bench/throughput.js --binary $(BENCH_TURND) --sessions $(SESSIONS) --turns $(TURNS) --messages $(MESSAGES)
+
+# Instructions per turn under valgrind's callgrind: a count that moves little with
+# the machine's load, for changes too small to show in CPU time (docs/benchmarks.md).
+# turnd-bench is built apart with rustix's libc backend (rustix's vDSO lookup faults
+# under valgrind 3.19); CG_BENCH=PATH measures another build's turnd-bench instead.
+CG_ARGS ?= --sessions 200 --turns 10 --apply-delay-ms 10000
+CG_BENCH ?=
+CG_TARGET := $(CURDIR)/target/callgrind
+bench-callgrind: ## Instructions per turn of `turnd-bench sessions` (CG_ARGS) under callgrind, the whole process, and its top functions; CG_BENCH=PATH for another build's turnd-bench
+	@command -v valgrind >/dev/null || { echo "bench-callgrind needs valgrind (apt-get install valgrind)"; exit 2; }
+	@mkdir -p $(CG_TARGET)
+	@if [ -z "$(CG_BENCH)" ]; then RUSTFLAGS="--cfg rustix_use_libc" CARGO_TARGET_DIR=$(CG_TARGET) $(CARGO) build --release -p turnd-bench; fi
+	valgrind --tool=callgrind --callgrind-out-file=$(CG_TARGET)/callgrind.out $(or $(CG_BENCH),$(CG_TARGET)/release/turnd-bench) sessions $(CG_ARGS) > $(CG_TARGET)/sessions.out 2> $(CG_TARGET)/valgrind.log
+	$(PYTHON) scripts/callgrind-per-turn.py $(CG_TARGET)/callgrind.out $(CG_TARGET)/sessions.out
 
 # Builds measured against each other by the external driver, interleaved round by
 # round (bench/ab.ts): BUILDS="old=/tmp/old/turnd new=target/release/turnd", ROUNDS
