@@ -555,7 +555,10 @@ impl Shared {
         if !current.conn.is_closed() {
             return Ok(current);
         }
-        let opened = dial.open_from(current.at + 1).await?;
+        // Boxed: dialing's state (a TCP connect and a WebSocket handshake) is several
+        // KB, and every request's future would carry room for it, while a request
+        // dials only after its connection was lost.
+        let opened = Box::pin(dial.open_from(current.at + 1)).await?;
         debug!(url = ?dial.urls.get(opened.at), "connected again");
         let link = Link::new(opened.conn, opened.at);
         let live = link.live();

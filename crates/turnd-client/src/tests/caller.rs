@@ -266,3 +266,21 @@ async fn wait_terminal_times_out() {
         .expect("server script ends")
         .expect("join");
 }
+
+/// A request's future holds no room for dialing again (which only a lost
+/// connection needs): a caller that spawns a task per wait or submit moved about
+/// 12 KB per task with that room inline, and moves about 1 KB without it.
+#[tokio::test]
+async fn a_request_future_is_small() {
+    let server = FakeServer::start().await;
+    let (caller, _peer) = connected(&server).await;
+    let wait = caller.wait_terminal("t_1", Duration::from_secs(1));
+    let wait_size = std::mem::size_of_val(&wait);
+    drop(wait);
+    let submit = caller.submit_simple("s-1", "f", json!({}));
+    let submit_size = std::mem::size_of_val(&submit);
+    drop(submit);
+    for (what, size) in [("wait_terminal", wait_size), ("submit_simple", submit_size)] {
+        assert!(size < 4096, "{what}'s future is {size} bytes");
+    }
+}
