@@ -153,12 +153,13 @@ fn held_wait(t: &TurnRecord, held: &Held, said: Said<'_>) -> Wait {
         WaitState::Held,
         say(said, |fmt_ms| {
             format!(
-            "invocation {} of turn {} was given up on worker {}, which cannot cancel it, and may still be running; held until its result or its deadline at {}",
-            held.invocation_id,
-            held.turn_id,
-            held.worker_id,
-            fmt_ms(held.until_ms)
-        )
+                "invocation {} of turn {} was given up on worker {}, which cannot cancel it, \
+                 and may still be running; held until its result or its deadline at {}",
+                held.invocation_id,
+                held.turn_id,
+                held.worker_id,
+                fmt_ms(held.until_ms)
+            )
         }),
         held.since_ms.max(t.phase_since_ms),
     );
@@ -203,10 +204,10 @@ fn wait_said(
     said: Said<'_>,
     supply: Option<Supply>,
 ) -> Wait {
-    let holder = st.holder().map(|h| h.seq);
-    if holder != Some(t.seq) {
+    let holder = st.holder();
+    if holder.map(|h| h.seq) != Some(t.seq) {
         let ahead = st.active.count_before(t.seq) as u64;
-        let h = st.holder().map(|h| h.turn_id.as_str()).unwrap_or_default();
+        let h = holder.map(|h| h.turn_id.as_str()).unwrap_or_default();
         let mut w = base_wait(
             WaitState::QueuedBehind,
             say(said, |_| {
