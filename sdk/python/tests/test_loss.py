@@ -32,14 +32,15 @@ def of_kind(events: list[Event], kind: str) -> list[Event]:
     return [e for e in events if e.kind == kind]
 
 
-async def test_heartbeats_keep_a_long_handler_alive(
-    server: TurndServer, client: Client, sid: str
-) -> None:
-    worker = Worker(server.url, "w-long")
+async def think_long(url: str, name: str, client: Client, sid: str) -> Worker:
+    """Run one turn of a handler that takes five times its 300 ms attempt timeout,
+    with the worker's own heartbeats; check it completed on its first attempt and was
+    never probed nor dispatched twice (the deadline kept moving)."""
+    worker = Worker(url, name)
 
     @worker.function("think", timeout_ms=300)
     async def think(ctx: TurnContext, input: Any) -> Any:
-        await asyncio.sleep(1.5)  # five times the attempt timeout
+        await asyncio.sleep(1.5)
         return {"attempt": ctx.attempt}
 
     await serving(worker)
@@ -48,10 +49,38 @@ async def test_heartbeats_keep_a_long_handler_alive(
     finally:
         await stopped(worker)
     assert turn.status == "completed" and turn.output == {"attempt": 1}
-    assert worker.stats.heartbeats_sent >= 3
     events = await client.all_events(sid)
-    # Never probed, never dispatched twice: the deadline kept moving.
     assert kinds(events) == ["admitted", "dispatched", "result", "completed"]
+    return worker
+
+
+async def test_heartbeats_keep_a_long_handler_alive(
+    server: TurndServer, client: Client, sid: str
+) -> None:
+    worker = await think_long(server.url, "w-long", client, sid)
+    assert worker.stats.heartbeats_sent >= 3
+
+
+async def test_heartbeats_keep_their_schedule_while_answers_are_slow(
+    server: TurndServer, client: Client, sid: str
+) -> None:
+    # Every heartbeat's answer comes 250 ms late, as from a daemon whose disk is slow
+    # to make the new deadline durable. Beats sent only after the last answer would
+    # reach the daemon 350 ms apart, past the 300 ms attempt timeout.
+    async with FrameProxy(server.url) as proxy:
+
+        def heartbeat_answer(frame: dict[str, Any]) -> bool:
+            ids = {
+                f.get("id")
+                for d, f in proxy.seen
+                if d == "up" and f.get("op") == "invocation.heartbeat"
+            }
+            return "ok" in frame and frame.get("id") in ids
+
+        proxy.delay("down", heartbeat_answer, 0.25, times=1000)
+        await think_long(proxy.url, "w-slow-answers", client, sid)
+    sent = [f for d, f in proxy.seen if d == "up" and f.get("op") == "invocation.heartbeat"]
+    assert len(sent) >= 10
 
 
 async def test_lost_result_is_resent_and_applied(

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("turnd.worker")
 
+# Heartbeats of one invocation sent and not yet answered, at most: as many as one
+# attempt timeout holds at three beats per timeout.
+_BEATS_IN_FLIGHT = 3
+
 
 class Live:
     """Heartbeats and progress of one worker's running invocations."""
@@ -72,7 +76,13 @@ class Live:
         return deadline
 
     async def heartbeat_loop(self, ctx: TurnContext, spec: FunctionSpec) -> None:
-        """Renew the deadline at a third of the attempt timeout while the handler runs."""
+        """Renew the deadline at a third of the attempt timeout while the handler runs.
+
+        The beats keep their schedule whatever the answers take: the daemon moves the
+        deadline when a heartbeat arrives, and answers once the move is durable, so a
+        slow disk must not also space the heartbeats out (waiting for each answer before
+        the next interval would let the deadline pass between two of them). At most
+        ``_BEATS_IN_FLIGHT`` go unanswered; a tick finding that many skips its beat."""
         if spec.timeout_ms is not None:
             timeout_s = spec.timeout_ms / 1000
         else:
@@ -83,14 +93,31 @@ class Live:
             if timeout_s <= 0.15:
                 timeout_s = 30.0
         interval = max(0.05, timeout_s / 3)
-        while True:
-            await asyncio.sleep(interval)
+        loop = asyncio.get_running_loop()
+        beats: set[asyncio.Task[None]] = set()
+        ended = False
+
+        async def beat() -> None:
+            nonlocal ended
             try:
                 await self.heartbeat(ctx)
             except NotFound:
-                return
+                ended = True
             except TurndError as e:
                 ctx.log.debug("heartbeat failed: %s", e)
+
+        next_at = loop.time()
+        try:
+            while not ended:
+                next_at = max(next_at + interval, loop.time())
+                await asyncio.sleep(next_at - loop.time())
+                if not ended and len(beats) < _BEATS_IN_FLIGHT:
+                    task = loop.create_task(beat())
+                    beats.add(task)
+                    task.add_done_callback(beats.discard)
+        finally:
+            for task in beats:
+                task.cancel()
 
     # ------------------------------------------------------------------ progress
 
