@@ -259,11 +259,24 @@ export class Connection {
    * frame is handled (used to route the pushes of a new watch).
    */
   request(op: string, args: unknown, onOk?: (ok: unknown) => void): Promise<unknown> {
+    return this.send(op, (id) => JSON.stringify({ id, op, args }), onOk);
+  }
+
+  /**
+   * {@link request} with its arguments already written as JSON (`argsJson`, one
+   * JSON value): a request sent again, or whose size was measured before, is not
+   * written out again each time.
+   */
+  requestWithArgs(op: string, argsJson: string): Promise<unknown> {
+    return this.send(op, (id) => `{"id":${id},"op":${JSON.stringify(op)},"args":${argsJson}}`);
+  }
+
+  private send(op: string, frame: (id: number) => string, onOk?: (ok: unknown) => void): Promise<unknown> {
     if (this.ended || this.ws.readyState !== WebSocket.OPEN) {
       return Promise.reject(new ConnectionError(`not connected (${op})`));
     }
     const id = this.nextId++;
-    const text = JSON.stringify({ id, op, args });
+    const text = frame(id);
     const size = Buffer.byteLength(text);
     if (size > this.frameLimit) {
       // The daemon would answer too_large and close the connection (1009); refusing

@@ -98,6 +98,8 @@ interface Registered {
 
 interface Held {
   outcome: Outcome;
+  /** The `invocation.result` request's arguments as JSON, written once. */
+  args: string;
   /** The index of the URL whose daemon last pushed about the invocation. */
   home: number;
   /** Makes the pump send the result again now. */
@@ -114,6 +116,28 @@ function logToStderr(workerId: string): (level: LogLevel, message: string) => vo
 }
 
 /** What a handler's return value says: another step, a wait for input, or the output. */
+/** An outcome as it is held for sending, with its request's arguments written. */
+interface Sendable {
+  outcome: Outcome;
+  args: string;
+}
+
+/** The `invocation.result` request's arguments as JSON. */
+function resultArgs(invocationId: string, outcome: Outcome): string {
+  return JSON.stringify({ invocation_id: invocationId, outcome });
+}
+
+/** A `fail` outcome (not retryable) and its arguments. */
+function failed(invocationId: string, code: string, text: string): Sendable {
+  const outcome: Outcome = { fail: { code, message: text, retryable: false } };
+  return { outcome, args: resultArgs(invocationId, outcome) };
+}
+
+/** The bytes of an `invocation.result` frame besides its arguments, at the longest id. */
+const RESULT_FRAME_BYTES =
+  Buffer.byteLength(JSON.stringify({ id: Number.MAX_SAFE_INTEGER, op: "invocation.result", args: null })) -
+  "null".length;
+
 function outcomeOf(value: unknown): Outcome {
   if (value instanceof Continue) return { continue: value.state ?? null };
   if (value instanceof Suspend) return { suspend: value.toWire() };
@@ -577,7 +601,7 @@ export class Worker extends EventEmitter {
       return;
     }
     // Not running here (never received, or already delivered): say so.
-    this.holdResult(invocationId, { cancelled: { message: "not running" } }, index);
+    this.holdResult(invocationId, this.sendable(invocationId, { cancelled: { message: "not running" } }), index);
   }
 
   private onProbe(conn: Connection, invocationId: string): void {
@@ -608,32 +632,31 @@ export class Worker extends EventEmitter {
    * would refuse (closing the connection, so that resending would never end),
    * becomes a `fail` that says so.
    */
-  private sendable(invocationId: string, outcome: Outcome): Outcome {
-    let size: number;
+  private sendable(invocationId: string, outcome: Outcome): Sendable {
+    let args: string;
     try {
-      const args = { invocation_id: invocationId, outcome };
-      size = Buffer.byteLength(JSON.stringify({ id: Number.MAX_SAFE_INTEGER, op: "invocation.result", args }));
+      args = resultArgs(invocationId, outcome);
     } catch (err) {
-      return { fail: { code: "invalid_output", message: `result is not JSON: ${message(err)}`, retryable: false } };
+      return failed(invocationId, "invalid_output", `result is not JSON: ${message(err)}`);
     }
+    const size = RESULT_FRAME_BYTES + Buffer.byteLength(args);
     if (size > this.maxFrameBytes) {
-      return {
-        fail: {
-          code: "too_large",
-          message: `result frame of ${size} bytes exceeds the daemon's max_frame_bytes ${this.maxFrameBytes}`,
-          retryable: false,
-        },
-      };
+      return failed(
+        invocationId,
+        "too_large",
+        `result frame of ${size} bytes exceeds the daemon's max_frame_bytes ${this.maxFrameBytes}`,
+      );
     }
-    return outcome;
+    return { outcome, args };
   }
 
-  private holdResult(invocationId: string, outcome: Outcome, home = 0): void {
+  private holdResult(invocationId: string, { outcome, args }: Sendable, home = 0): void {
     const running = this.running.get(invocationId);
     this.running.delete(invocationId);
     let wake: () => void = () => {};
     const held: Held = {
       outcome,
+      args,
       home: running?.home ?? home,
       wake: () => wake(),
     };
@@ -653,7 +676,6 @@ export class Worker extends EventEmitter {
   /** Deliver one result until the daemon acknowledges it (or refuses it for good). */
   private async pump(invocationId: string, held: Held, wakeup: () => Promise<void>): Promise<void> {
     const ackMs = this.opts.resultAckTimeoutMs;
-    const args: { invocation_id: string; outcome: Outcome } = { invocation_id: invocationId, outcome: held.outcome };
     // Generations of connections gone, or whose daemon never stored the invocation.
     const dead = new Set<number>();
     let first = true;
@@ -667,7 +689,7 @@ export class Worker extends EventEmitter {
       const woken = wakeup();
       let timer: NodeJS.Timeout | undefined;
       const result = await Promise.race([
-        link.conn.request("invocation.result", args).then(
+        link.conn.requestWithArgs("invocation.result", held.args).then(
           (ok) => ({ kind: "ok" as const, ok }),
           (err: unknown) => ({ kind: "err" as const, err }),
         ),
@@ -700,12 +722,11 @@ export class Worker extends EventEmitter {
             dead.add(link.generation);
             continue;
           }
-          if (err instanceof TurndError && err.code === "too_large" && !("fail" in args.outcome)) {
+          if (err instanceof TurndError && err.code === "too_large" && !("fail" in held.outcome)) {
             // Nested deeper than the daemon's max_json_depth (which `hello` does not
             // say): the handler's answer can never be delivered, but that fact can.
             this.log("error", `${invocationId}: result refused (${err.message}); sending it as a fail`);
-            args.outcome = { fail: { code: "too_large", message: `result refused: ${err.message}`, retryable: false } };
-            held.outcome = args.outcome;
+            Object.assign(held, failed(invocationId, "too_large", `result refused: ${err.message}`));
             continue;
           }
           if (err instanceof TurndError && !err.retryable) {
