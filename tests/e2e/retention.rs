@@ -686,12 +686,15 @@ async fn unused_windows_are_closed_and_opened_again_by_a_read() -> anyhow::Resul
     let ids = turns_for_a_dozen_windows(&c).await?;
     let pid = d.child.id().context("daemon pid")?;
     // The applier makes the window of the last turns' records in a round after
-    // they finished: the open windows are read once every window it counts is.
-    let open_before = turnd_tests::eventually(10, "every window open", || async {
+    // they finished (`apply_delay_ms` later): the open windows are read once it has
+    // applied every write, so no window is made after, and every one it counts is
+    // open.
+    let open_before = turnd_tests::eventually(10, "every window made and open", || async {
         let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
+        let unapplied = metric(&m, "turnd_storage_unapplied_keys")?;
         let n = metric(&m, "turnd_storage_windows")?;
         let open = windows_with_sled_open(pid, &data);
-        (open.len() as f64 >= n).then_some(open)
+        (unapplied == 0.0 && open.len() as f64 >= n).then_some(open)
     })
     .await?;
     let closed_gauge = || async {
