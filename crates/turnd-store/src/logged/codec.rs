@@ -32,8 +32,12 @@ thread_local! {
     /// The hash table LZ4 compresses with, one per thread (the committing callers'
     /// and the applier's): a new one is an 8 KB allocation, and a turn compresses
     /// about five times.
-    static TABLE: RefCell<CompressTable> = RefCell::new(CompressTable::default());
+    static TABLE: RefCell<CompressTable> = RefCell::new(CompressTable::small());
 }
+
+/// Inputs shorter than this use the thread's table (16-bit positions, as a new table
+/// for them has); lz4_flex chooses the same.
+const SMALL_TABLE_UNDER: usize = u16::MAX as usize;
 
 /// `marker`, `plain`'s length (u32 LE) and its LZ4 block (after the marker, the
 /// layout `decompress_size_prepended` reads), when that is shorter than `plain`.
@@ -43,9 +47,16 @@ fn compressed(marker: &[u8], plain: &[u8]) -> Option<Vec<u8>> {
     let mut out = vec![0u8; head + lz4_flex::block::get_maximum_output_size(plain.len())];
     out[..marker.len()].copy_from_slice(marker);
     out[marker.len()..head].copy_from_slice(&size.to_le_bytes());
-    let n = TABLE
-        .with_borrow_mut(|t| lz4_flex::block::compress_into_with_table(plain, &mut out[head..], t))
-        .ok()?;
+    let n = if plain.len() < SMALL_TABLE_UNDER {
+        TABLE.with_borrow_mut(|t| {
+            lz4_flex::block::compress_into_with_table(plain, &mut out[head..], t)
+        })
+    } else {
+        // A table given an input this long is replaced by a large one for good, which
+        // hashes differently: such inputs get a table of their own.
+        lz4_flex::block::compress_into(plain, &mut out[head..])
+    }
+    .ok()?;
     if head + n >= plain.len() {
         return None;
     }
@@ -231,14 +242,25 @@ mod tests {
             format!("{:?}", decode(&encode_plain(&b)).expect("plain")),
             format!("{:?}", b.ops)
         );
-        // The thread's table, used again for other input, compresses as a new one.
-        let other = put(
-            b"T2",
-            &r#"{"invocation_id":"i_0002","attempt":2}"#.repeat(30),
-        );
-        let again = encode(&other);
-        let fresh = lz4_flex::block::compress_prepend_size(&encode_plain(&other));
-        assert_eq!(&again[LOG_PACKED.len()..], &fresh[..]);
+        // The thread's table, used again for other input, compresses as a new one,
+        // a record too long for it in between included.
+        let long = put(b"T3", &json.repeat(70));
+        assert!(encode_plain(&long).len() >= SMALL_TABLE_UNDER);
+        let varied: String = (0..300u32)
+            .map(|i| {
+                format!(
+                    r#"{{"invocation_id":"i_{:05}","attempt":{}}}"#,
+                    i * 7919 % 10007,
+                    i % 7
+                )
+            })
+            .collect();
+        let other = put(b"T2", &varied);
+        for b in [&long, &other] {
+            let again = encode(b);
+            let fresh = lz4_flex::block::compress_prepend_size(&encode_plain(b));
+            assert_eq!(&again[LOG_PACKED.len()..], &fresh[..]);
+        }
         let short = put(b"k", "v");
         assert_eq!(encode(&short), encode_plain(&short));
         let noise: String = (0..2000u32)
