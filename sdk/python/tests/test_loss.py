@@ -80,7 +80,8 @@ async def test_heartbeats_keep_their_schedule_while_answers_are_slow(
         proxy.delay("down", heartbeat_answer, 0.25, times=1000)
         await think_long(proxy.url, "w-slow-answers", client, sid)
     sent = [f for d, f in proxy.seen if d == "up" and f.get("op") == "invocation.heartbeat"]
-    assert len(sent) >= 10
+    # Beats spaced by their answers would be 350 ms apart: four or five in 1.5 s.
+    assert len(sent) >= 7
 
 
 async def test_lost_result_is_resent_and_applied(

@@ -72,14 +72,15 @@ class Live:
         self._worker.stats.heartbeats_sent += 1
         deadline = int(ok.get("deadline_ms", 0)) if isinstance(ok, dict) else 0
         if deadline:
-            ctx.deadline_ms = deadline
+            # Answers of heartbeats in flight together may come in any order.
+            ctx.deadline_ms = max(ctx.deadline_ms, deadline)
         return deadline
 
     async def heartbeat_loop(self, ctx: TurnContext, spec: FunctionSpec) -> None:
         """Renew the deadline at a third of the attempt timeout while the handler runs.
 
         The beats keep their schedule whatever the answers take: the daemon moves the
-        deadline when a heartbeat arrives, and answers once the move is durable, so a
+        deadline when it takes a heartbeat up, and answers once the move is durable, so a
         slow disk must not also space the heartbeats out (waiting for each answer before
         the next interval would let the deadline pass between two of them). At most
         ``_BEATS_IN_FLIGHT`` go unanswered; a tick finding that many skips its beat."""
@@ -105,6 +106,8 @@ class Live:
                 ended = True
             except TurndError as e:
                 ctx.log.debug("heartbeat failed: %s", e)
+            except Exception:
+                ctx.log.exception("heartbeat failed")
 
         next_at = loop.time()
         try:
@@ -118,6 +121,7 @@ class Live:
         finally:
             for task in beats:
                 task.cancel()
+            await asyncio.gather(*beats, return_exceptions=True)
 
     # ------------------------------------------------------------------ progress
 
