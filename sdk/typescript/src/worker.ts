@@ -96,10 +96,7 @@ interface Registered {
   handler: Handler;
 }
 
-interface Held {
-  outcome: Outcome;
-  /** The `invocation.result` request's arguments as JSON, written once. */
-  args: string;
+interface Held extends Sendable {
   /** The index of the URL whose daemon last pushed about the invocation. */
   home: number;
   /** Makes the pump send the result again now. */
@@ -115,11 +112,12 @@ function logToStderr(workerId: string): (level: LogLevel, message: string) => vo
   };
 }
 
-/** What a handler's return value says: another step, a wait for input, or the output. */
-/** An outcome as it is held for sending, with its request's arguments written. */
+/** An outcome as it is held for sending: its request's arguments, written. */
 interface Sendable {
-  outcome: Outcome;
+  /** The `invocation.result` request's arguments as JSON, written once. */
   args: string;
+  /** Whether the outcome is a `fail`. */
+  fails: boolean;
 }
 
 /** The `invocation.result` request's arguments as JSON. */
@@ -130,7 +128,7 @@ function resultArgs(invocationId: string, outcome: Outcome): string {
 /** A `fail` outcome (not retryable) and its arguments. */
 function failed(invocationId: string, code: string, text: string): Sendable {
   const outcome: Outcome = { fail: { code, message: text, retryable: false } };
-  return { outcome, args: resultArgs(invocationId, outcome) };
+  return { args: resultArgs(invocationId, outcome), fails: true };
 }
 
 /** The bytes of an `invocation.result` frame besides its arguments, at the longest id. */
@@ -138,6 +136,7 @@ const RESULT_FRAME_BYTES =
   Buffer.byteLength(JSON.stringify({ id: Number.MAX_SAFE_INTEGER, op: "invocation.result", args: null })) -
   "null".length;
 
+/** What a handler's return value says: another step, a wait for input, or the output. */
 function outcomeOf(value: unknown): Outcome {
   if (value instanceof Continue) return { continue: value.state ?? null };
   if (value instanceof Suspend) return { suspend: value.toWire() };
@@ -647,16 +646,16 @@ export class Worker extends EventEmitter {
         `result frame of ${size} bytes exceeds the daemon's max_frame_bytes ${this.maxFrameBytes}`,
       );
     }
-    return { outcome, args };
+    return { args, fails: "fail" in outcome };
   }
 
-  private holdResult(invocationId: string, { outcome, args }: Sendable, home = 0): void {
+  private holdResult(invocationId: string, { args, fails }: Sendable, home = 0): void {
     const running = this.running.get(invocationId);
     this.running.delete(invocationId);
     let wake: () => void = () => {};
     const held: Held = {
-      outcome,
       args,
+      fails,
       home: running?.home ?? home,
       wake: () => wake(),
     };
@@ -722,7 +721,7 @@ export class Worker extends EventEmitter {
             dead.add(link.generation);
             continue;
           }
-          if (err instanceof TurndError && err.code === "too_large" && !("fail" in held.outcome)) {
+          if (err instanceof TurndError && err.code === "too_large" && !held.fails) {
             // Nested deeper than the daemon's max_json_depth (which `hello` does not
             // say): the handler's answer can never be delivered, but that fact can.
             this.log("error", `${invocationId}: result refused (${err.message}); sending it as a fail`);
