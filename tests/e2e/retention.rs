@@ -77,8 +77,11 @@ async fn terminal_turns_expire_and_unfinished_ones_stay() -> anyhow::Result<()> 
     // Two finished turns in "done"; in "mixed", a finished one ahead of one that
     // waits for a worker nobody serves.
     let mut finished = Vec::new();
+    // Before the last finished turn was submitted: it finished after this.
+    let mut last_submitted = Instant::now();
     for (i, session) in ["done", "done", "mixed"].into_iter().enumerate() {
         let key = format!("k{i}");
+        last_submitted = Instant::now();
         let t = c
             .submit(submit(session, "echo", Some(&key), i as u64))
             .await?;
@@ -111,8 +114,11 @@ async fn terminal_turns_expire_and_unfinished_ones_stay() -> anyhow::Result<()> 
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Measured from before the last turn was submitted, not from after its answer
+    // and the next submit (two durable commits later, which a slow disk can make
+    // longer than any slack): the turn finished after that instant.
     assert!(
-        finished_at.elapsed() >= Duration::from_millis(TERMINAL_MS - 50),
+        last_submitted.elapsed() >= Duration::from_millis(TERMINAL_MS - 50),
         "deleted before terminal_ms had passed"
     );
 
@@ -686,9 +692,10 @@ async fn unused_windows_are_closed_and_opened_again_by_a_read() -> anyhow::Resul
     let ids = turns_for_a_dozen_windows(&c).await?;
     let pid = d.child.id().context("daemon pid")?;
     // The applier makes the window of the last turns' records in a round after
-    // they finished (`apply_delay_ms` later): the open windows are read once it has
-    // applied every write, so no window is made after, and every one it counts is
-    // open.
+    // they finished (a round of `apply_interval_ms`, later on a loaded machine): the
+    // open windows are read once it has applied every write (the live records'
+    // `apply_delay_ms` too), so no window is made after, and every one it counts
+    // is open.
     let open_before = turnd_tests::eventually(10, "every window made and open", || async {
         let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
         let unapplied = metric(&m, "turnd_storage_unapplied_keys")?;
@@ -707,26 +714,27 @@ async fn unused_windows_are_closed_and_opened_again_by_a_read() -> anyhow::Resul
     };
     // A window is closed once it was opened again after its last write (5 s after
     // writes pause) and then not used for 300 ms: every one but the newest.
+    // Only the windows still open have their sled files open: read with the gauge,
+    // since a window counts as closed just before its sled files are closed.
     let got = turnd_tests::eventually(30, "unused windows are closed", || async {
         closed_gauge()
             .await
             .filter(|(n, closed, _)| *n >= 6.0 && *closed >= *n - 1.0)
+            .map(|g| (g, windows_with_sled_open(pid, &data)))
+            .filter(|((n, closed, _), open)| open.len() as f64 == n - closed)
     })
     .await;
-    let (windows, closed, reopens) = match got {
+    let ((windows, closed, reopens), open_after) = match got {
         Ok(v) => v,
-        Err(e) => anyhow::bail!("{e}: windows, closed, reopens = {:?}", closed_gauge().await),
+        Err(e) => anyhow::bail!(
+            "{e}: windows, closed, reopens = {:?}, with sled open {:?}",
+            closed_gauge().await,
+            windows_with_sled_open(pid, &data)
+        ),
     };
     assert_eq!(reopens, 0.0, "nothing read them yet");
-    // Only the windows still open have their sled files open.
-    let open_after = windows_with_sled_open(pid, &data);
     println!("{closed} of {windows} windows closed; windows with sled open {open_before:?} -> {open_after:?}");
     assert!(open_before.len() as f64 >= windows, "{open_before:?}");
-    assert_eq!(
-        open_after.len() as f64,
-        windows - closed,
-        "closing {closed} of {windows} windows closed their sled files: {open_after:?}"
-    );
     // The session's list reads the windows its turns are in, each opened again as
     // it is read.
     let listed = c
