@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
+use tokio::io::AsyncBufReadExt;
 use turnd_tests::{BinDaemon, Raw, TestDaemon};
 
 const F: &str = "agent";
@@ -808,16 +809,25 @@ async fn the_cli_watches_progress_and_resumes() -> Result<()> {
     let t = submit(&mut c, "cli", json!("go"), json!({})).await?["turn"]["turn_id"].clone();
     let tid = t.as_str().context("turn id")?.to_string();
     let inv = next_of(&mut w, "invoke").await?["invocation_id"].clone();
-    let watcher = turnd_cmd(&bin, &d.url, &["watch", &tid, "--progress"])
+    let mut watcher = turnd_cmd(&bin, &d.url, &["watch", &tid, "--progress"])
         .stdout(std::process::Stdio::piped())
         .spawn()?;
-    // The watch is registered, then replays the turn's two events (progress meanwhile
-    // would count as lost for it) and goes live.
-    turnd_tests::eventually(10, "the CLI's watch", || async {
-        (d.engine().watch_count() == 1).then_some(())
+    let mut lines = tokio::io::BufReader::new(watcher.stdout.take().context("CLI stdout")?).lines();
+    let mut text = String::new();
+    // The watch replays the turn's two events (progress meanwhile would count as lost
+    // for it) and goes live as it sends the last: progress goes out once the CLI
+    // printed that one.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(line) = lines.next_line().await? {
+            text.push_str(&line);
+            text.push('\n');
+            if line.contains("dispatched") {
+                return Ok(());
+            }
+        }
+        anyhow::bail!("the CLI ended before it printed the dispatch: {text}")
     })
-    .await?;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    .await??;
     for tok in ["tok1", "tok2"] {
         assert_eq!(code(&progress(&mut w, &inv, json!(tok)).await?), "ok");
     }
@@ -850,9 +860,15 @@ async fn the_cli_watches_progress_and_resumes() -> Result<()> {
     let next = next_of(&mut w, "invoke").await?;
     assert_eq!(next["input"]["input"], "yes");
     result(&mut w, &next["invocation_id"], json!({"complete": 1})).await?;
-    let out = tokio::time::timeout(Duration::from_secs(10), watcher.wait_with_output()).await??;
-    let text = String::from_utf8_lossy(&out.stdout);
-    ensure!(out.status.success(), "{text}");
+    let status = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(line) = lines.next_line().await? {
+            text.push_str(&line);
+            text.push('\n');
+        }
+        anyhow::Ok(watcher.wait().await?)
+    })
+    .await??;
+    ensure!(status.success(), "{text}");
     for line in [
         "progress step 0 #1: tok1",
         "progress step 0 #2: tok2",

@@ -392,15 +392,20 @@ async fn sigkill_during_retention_sweeps_leaves_a_consistent_store() -> anyhow::
             });
         }
         tokio::time::sleep(Duration::from_millis(1_800 + prng.below(800))).await;
-        let (_, m) = http_get(&d.admin, "/metrics").await?;
-        let deleted = metric(&m, "turnd_retention_deleted_turns_total").unwrap_or(0.0);
+        // The kill falls among sweeps once one has deleted a turn: on a slow machine
+        // the first turns of a life may finish too late for one by then.
+        let (deleted, m) = turnd_tests::eventually(10, "a turn deleted", || async {
+            let (_, m) = http_get(&d.admin, "/metrics").await.ok()?;
+            let deleted = metric(&m, "turnd_retention_deleted_turns_total")?;
+            (deleted > 0.0).then_some((deleted, m))
+        })
+        .await?;
         d.kill().await?;
         w.shutdown();
         load.abort_all();
         while load.join_next().await.is_some() {}
         let dropped = metric(&m, "turnd_retention_dropped_windows_total").unwrap_or(0.0);
         println!("life {life}: killed after deleting {deleted} turns and {dropped} windows");
-        anyhow::ensure!(deleted > 0.0, "life {life} deleted nothing before its kill");
     }
     // A last life: the checks once more, then everything ends and expires.
     let d = BinDaemon::start(&data, &env).await?;
