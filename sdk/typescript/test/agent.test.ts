@@ -162,7 +162,11 @@ describe("agent turns", () => {
           void (async () => {
             await until("frames 6 and 7 taken", () => w.stats.progressSent >= 7);
             proxy.refuse = false;
-            await until("the watch reopened", () => proxy.sentToServer.filter((f) => f.op === "watch").length >= 2);
+            // Answered, the reopened watch goes live at once (nothing to replay): frames
+            // sent before the daemon took the watch up would reach no watch at all.
+            const answered = () =>
+              proxy.sentToClient.filter((f) => typeof (f.ok as { watch_id?: unknown } | undefined)?.watch_id === "string");
+            await until("the watch reopened", () => answered().length >= 2);
             put(8, 9, 0);
           })();
         }
