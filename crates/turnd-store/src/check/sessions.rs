@@ -208,8 +208,10 @@ pub(super) fn counts(
 /// Whether a session's stored counts are those of its stored turns, read again on
 /// their own: on a live daemon a turn admitted or ended between the whole-store
 /// reads of `check_store` makes them differ there. The session's meta is read
-/// before and after its turns, and the reads are repeated while it changed.
-fn counts_agree_now(store: &Store, session_id: &str) -> Result<bool, StoreError> {
+/// before and after its turns, and the reads are repeated while it changed: its
+/// last event (a turn admitted or ended) or its counts (retention deletes turns and
+/// lowers the counts without an event).
+pub(super) fn counts_agree_now(store: &Store, session_id: &str) -> Result<bool, StoreError> {
     let mut agree = false;
     for _ in 0..5 {
         let Some(before) = store.session_meta(session_id)? else {
@@ -223,7 +225,9 @@ fn counts_agree_now(store: &Store, session_id: &str) -> Result<bool, StoreError>
         }
         let after = store.session_meta(session_id)?;
         agree = have == before.counts;
-        if after.is_some_and(|a| a.last_event_seq == before.last_event_seq) {
+        if after
+            .is_some_and(|a| a.last_event_seq == before.last_event_seq && a.counts == before.counts)
+        {
             break;
         }
     }

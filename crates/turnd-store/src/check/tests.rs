@@ -159,3 +159,37 @@ async fn a_suspended_turn_is_the_lock_holder_without_an_invocation() {
         "{found:?}"
     );
 }
+
+/// Retention deletes turns and lowers the session's counts without an event: a sweep
+/// committed between a session's reads of its counts and of its turns is read again,
+/// not reported as counts that disagree.
+#[tokio::test]
+async fn counts_read_across_a_retention_sweep_are_read_again() {
+    let kv = Arc::new(crate::kv::mem::CommitsAfterRead::new());
+    let store = Store::new(kv.clone());
+    let mut meta = SessionMeta::new("s");
+    let mut b = Batch::new();
+    for seq in 1..=3 {
+        let input = RawJson::from_value(&json!(null));
+        let mut t = TurnRecord::admitted(format!("t{seq}"), "s", seq, "f", input, 0);
+        t.status = TurnStatus::Completed;
+        t.phase = Phase::Done;
+        b.put_admission(&t);
+        b.put_turn(&t);
+    }
+    meta.last_turn_seq = 3;
+    meta.counts.completed = 3;
+    b.put_session_meta(&meta);
+    store.commit(b).await.expect("commit");
+    assert!(sessions::counts_agree_now(&store, "s").expect("check"));
+    // The sweep: t1's record and list entry gone, the counts one lower, the last
+    // event the same.
+    let mut sweep = Batch::new();
+    sweep.delete(keys::turn("t1"));
+    sweep.delete(keys::session_turn("s", 1));
+    meta.counts.completed = 2;
+    sweep.put_session_meta(&meta);
+    kv.arm(sweep);
+    assert!(sessions::counts_agree_now(&store, "s").expect("check"));
+    assert!(invariants(&store).is_empty(), "{:?}", invariants(&store));
+}

@@ -194,3 +194,55 @@ impl Kv for MemKv {
             .list(|start| s.bytes.get(&start).copied().unwrap_or(0)))
     }
 }
+
+/// For tests: a [`MemKv`] that commits a batch given to [`CommitsAfterRead::arm`]
+/// right after the next read it answers, as a writer whose commit falls between two
+/// reads of a reader.
+#[cfg(test)]
+pub(crate) struct CommitsAfterRead {
+    inner: MemKv,
+    armed: Mutex<Option<Batch>>,
+}
+
+#[cfg(test)]
+impl CommitsAfterRead {
+    pub(crate) fn new() -> CommitsAfterRead {
+        CommitsAfterRead {
+            inner: MemKv::new(),
+            armed: Mutex::new(None),
+        }
+    }
+
+    /// Commit `batch` right after the next `get` has read.
+    pub(crate) fn arm(&self, batch: Batch) {
+        *self.armed.lock().expect("lock") = Some(batch);
+    }
+}
+
+#[cfg(test)]
+impl Kv for CommitsAfterRead {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        let got = self.inner.get(key)?;
+        let armed = self.armed.lock().expect("lock").take();
+        if let Some(b) = armed {
+            // MemKv applies a batch as it is queued.
+            drop(self.inner.commit(b));
+        }
+        Ok(got)
+    }
+    fn scan(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        self.inner.scan(start, end, reverse, limit)
+    }
+    fn commit(&self, batch: Batch) -> CommitTicket {
+        self.inner.commit(batch)
+    }
+    fn sync(&self) -> Result<(), StoreError> {
+        self.inner.sync()
+    }
+}

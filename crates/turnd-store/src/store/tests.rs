@@ -9,8 +9,7 @@ use turnd_proto::{Event, EventKind};
 
 use super::*;
 use crate::check::check_store;
-use crate::kv::{mem, CommitTicket};
-use crate::model::keys::Entry;
+use crate::kv::mem;
 use crate::model::records::{
     FunctionSettings, InvState, InvWait, Phase, TurnInput, INPUT_APART_BYTES,
 };
@@ -168,40 +167,6 @@ fn turn(sid: &str, seq: u64, status: turnd_proto::TurnStatus) -> TurnRecord {
     t
 }
 
-/// A store whose first read of a key runs `finish` right after it answered: the
-/// turn's end committed between the two reads of a lookup.
-struct EndsBetweenReads {
-    inner: mem::MemKv,
-    finish: std::sync::Mutex<Option<Batch>>,
-}
-
-impl Kv for EndsBetweenReads {
-    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let got = self.inner.get(key)?;
-        let finish = self.finish.lock().expect("lock").take();
-        if let Some(b) = finish {
-            // MemKv applies a batch as it is queued.
-            drop(self.inner.commit(b));
-        }
-        Ok(got)
-    }
-    fn scan(
-        &self,
-        start: &[u8],
-        end: &[u8],
-        reverse: bool,
-        limit: usize,
-    ) -> Result<Vec<Entry>, StoreError> {
-        self.inner.scan(start, end, reverse, limit)
-    }
-    fn commit(&self, batch: Batch) -> CommitTicket {
-        self.inner.commit(batch)
-    }
-    fn sync(&self) -> Result<(), StoreError> {
-        self.inner.sync()
-    }
-}
-
 /// A turn that finishes while it is being read is found, live or folded, by
 /// every lookup: its own keys and its folded record change in one batch, so the
 /// lookups must read its own keys first.
@@ -221,16 +186,14 @@ async fn a_turn_that_finishes_between_two_reads_is_still_found() {
         let mut finish = Batch::new();
         finish.put_finished(&FoldedTurn::new(&done, Vec::new()), apart);
         for read in 0..3 {
-            let kv = Arc::new(EndsBetweenReads {
-                inner: mem::MemKv::new(),
-                finish: std::sync::Mutex::new(None),
-            });
+            // The turn's end committed between the two reads of a lookup.
+            let kv = Arc::new(mem::CommitsAfterRead::new());
             let store = Store::new(kv.clone());
             let mut b = Batch::new();
             b.put_admission(&live);
             b.put_turn(&live);
             store.commit(b).await.expect("commit");
-            *kv.finish.lock().expect("lock") = Some(finish.clone());
+            kv.arm(finish.clone());
             let found = match read {
                 0 => store
                     .turn("t-race")
