@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use serde_json::{json, Value};
 use turnd_client::{Caller, WorkerHandle};
 use turnd_cluster::testing::Rig;
@@ -534,14 +534,17 @@ async fn leaders_serve_on_while_the_owners_bucket_elects_a_leader() -> anyhow::R
     // Hand-overs to the preferred leaders wait for their standbys to catch up: the
     // leaders read the same over 3 s are where the placement puts them.
     let mut before = settled_leaders(&admin).await?;
+    let mut settled = false;
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_secs(3)).await;
         let now = settled_leaders(&admin).await?;
-        if now == before {
+        settled = now == before;
+        before = now;
+        if settled {
             break;
         }
-        before = now;
     }
+    ensure!(settled, "the leaders did not settle in 30 s: {before:?}");
     for p in 0..PARTITIONS {
         let stream = turnd_cluster::log::stream::stream_name(p);
         Rig::move_leader(&nats, &stream, |l| l != "n3")
@@ -552,7 +555,16 @@ async fn leaders_serve_on_while_the_owners_bucket_elects_a_leader() -> anyhow::R
     for i in 0..12 {
         one_turn(&c, &format!("s{i}"), json!({ "warm": i })).await?;
     }
-    let moves = moves_of(&nodes).await?;
+    // No hand-over still under way: the nodes' moves read the same 2 s apart.
+    let mut moves = moves_of(&nodes).await?;
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = moves_of(&nodes).await?;
+        if now == moves {
+            break;
+        }
+        moves = now;
+    }
     rig.pause(2);
     let paused = Instant::now();
     let mut turns = 0;
