@@ -2,10 +2,6 @@
 //! record ([`encode`], [`decode`]), and a value as sled holds it ([`pack`],
 //! [`unpack`]), each LZ4-compressed when that saves space.
 
-use std::cell::RefCell;
-
-use lz4_flex::block::CompressTable;
-
 use crate::error::StoreError;
 use crate::model::{Batch, KvOp};
 use crate::sled::values;
@@ -21,47 +17,15 @@ const PACK_FROM: usize = 96;
 /// invocation records and events are JSON with many repeated field names).
 pub(super) fn pack(v: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     if v.len() >= PACK_FROM {
-        if let Some(out) = compressed(&PACKED, v) {
+        let c = lz4_flex::block::compress_prepend_size(v);
+        if c.len() + PACKED.len() < v.len() {
+            let mut out = Vec::with_capacity(c.len() + PACKED.len());
+            out.extend_from_slice(&PACKED);
+            out.extend_from_slice(&c);
             return std::borrow::Cow::Owned(out);
         }
     }
     std::borrow::Cow::Borrowed(v)
-}
-
-thread_local! {
-    /// The hash table LZ4 compresses with, one per thread (the committing callers'
-    /// and the applier's): a new one is an 8 KB allocation, and a turn compresses
-    /// about five times.
-    static TABLE: RefCell<CompressTable> = RefCell::new(CompressTable::small());
-}
-
-/// Inputs shorter than this use the thread's table (16-bit positions, as a new table
-/// for them has); lz4_flex chooses the same.
-const SMALL_TABLE_UNDER: usize = u16::MAX as usize;
-
-/// `marker`, `plain`'s length (u32 LE) and its LZ4 block (after the marker, the
-/// layout `decompress_size_prepended` reads), when that is shorter than `plain`.
-fn compressed(marker: &[u8], plain: &[u8]) -> Option<Vec<u8>> {
-    let size = u32::try_from(plain.len()).ok()?;
-    let head = marker.len() + 4;
-    let mut out = vec![0u8; head + lz4_flex::block::get_maximum_output_size(plain.len())];
-    out[..marker.len()].copy_from_slice(marker);
-    out[marker.len()..head].copy_from_slice(&size.to_le_bytes());
-    let n = if plain.len() < SMALL_TABLE_UNDER {
-        TABLE.with_borrow_mut(|t| {
-            lz4_flex::block::compress_into_with_table(plain, &mut out[head..], t)
-        })
-    } else {
-        // A table given an input this long is replaced by a large one for good, which
-        // hashes differently: such inputs get a table of their own.
-        lz4_flex::block::compress_into(plain, &mut out[head..])
-    }
-    .ok()?;
-    if head + n >= plain.len() {
-        return None;
-    }
-    out.truncate(head + n);
-    Some(out)
 }
 
 /// A value read from sled (with a value file pointer resolved:
@@ -102,7 +66,22 @@ pub fn encode(batch: &Batch) -> Vec<u8> {
     if plain.len() < LOG_PACK_FROM {
         return plain;
     }
-    compressed(&LOG_PACKED, &plain).unwrap_or(plain)
+    let Ok(size) = u32::try_from(plain.len()) else {
+        return plain;
+    };
+    // The marker, the plain size (u32 LE) and the block, compressed in place: the
+    // layout `compress_prepend_size` gives after the marker, without its copy.
+    let head = LOG_PACKED.len() + 4;
+    let mut out = vec![0u8; head + lz4_flex::block::get_maximum_output_size(plain.len())];
+    out[..LOG_PACKED.len()].copy_from_slice(&LOG_PACKED);
+    out[LOG_PACKED.len()..head].copy_from_slice(&size.to_le_bytes());
+    match lz4_flex::block::compress_into(&plain, &mut out[head..]) {
+        Ok(n) if head + n < plain.len() => {
+            out.truncate(head + n);
+            out
+        }
+        _ => plain,
+    }
 }
 
 /// [`encode`] without compression.
@@ -242,25 +221,6 @@ mod tests {
             format!("{:?}", decode(&encode_plain(&b)).expect("plain")),
             format!("{:?}", b.ops)
         );
-        // The thread's table, used again for other input, compresses as a new one,
-        // a record too long for it in between included.
-        let long = put(b"T3", &json.repeat(70));
-        assert!(encode_plain(&long).len() >= SMALL_TABLE_UNDER);
-        let varied: String = (0..300u32)
-            .map(|i| {
-                format!(
-                    r#"{{"invocation_id":"i_{:05}","attempt":{}}}"#,
-                    i * 7919 % 10007,
-                    i % 7
-                )
-            })
-            .collect();
-        let other = put(b"T2", &varied);
-        for b in [&long, &other] {
-            let again = encode(b);
-            let fresh = lz4_flex::block::compress_prepend_size(&encode_plain(b));
-            assert_eq!(&again[LOG_PACKED.len()..], &fresh[..]);
-        }
         let short = put(b"k", "v");
         assert_eq!(encode(&short), encode_plain(&short));
         let noise: String = (0..2000u32)
