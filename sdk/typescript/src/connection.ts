@@ -126,6 +126,16 @@ function jsonDepth(text: string): number {
   return max;
 }
 
+/** A request frame's text, its arguments already written as JSON. */
+function frameText(id: number, op: string, argsJson: string): string {
+  return `{"id":${id},"op":${JSON.stringify(op)},"args":${argsJson}}`;
+}
+
+/** The bytes of a request frame of `op` besides its arguments, at the longest id. */
+export function frameOverhead(op: string): number {
+  return Buffer.byteLength(frameText(Number.MAX_SAFE_INTEGER, op, ""));
+}
+
 export class Connection {
   private readonly ws: WebSocket;
   private readonly pending = new Map<number, Pending>();
@@ -268,7 +278,7 @@ export class Connection {
    * written out again each time.
    */
   requestWithArgs(op: string, argsJson: string): Promise<unknown> {
-    return this.send(op, (id) => `{"id":${id},"op":${JSON.stringify(op)},"args":${argsJson}}`);
+    return this.send(op, (id) => frameText(id, op, argsJson));
   }
 
   private send(op: string, frame: (id: number) => string, onOk?: (ok: unknown) => void): Promise<unknown> {

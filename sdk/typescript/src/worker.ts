@@ -19,7 +19,14 @@
  */
 import { randomUUID } from "node:crypto";
 import { EventEmitter } from "node:events";
-import { Connection, DEFAULT_MAX_FRAME_BYTES, type HelloArgs, PROTOCOL_VERSION, type PushFrame } from "./connection.js";
+import {
+  Connection,
+  DEFAULT_MAX_FRAME_BYTES,
+  frameOverhead,
+  type HelloArgs,
+  PROTOCOL_VERSION,
+  type PushFrame,
+} from "./connection.js";
 import { ConnectionError, TurndError } from "./errors.js";
 import {
   Cancelled,
@@ -132,9 +139,7 @@ function failed(invocationId: string, code: string, text: string): Sendable {
 }
 
 /** The bytes of an `invocation.result` frame besides its arguments, at the longest id. */
-const RESULT_FRAME_BYTES =
-  Buffer.byteLength(JSON.stringify({ id: Number.MAX_SAFE_INTEGER, op: "invocation.result", args: null })) -
-  "null".length;
+const RESULT_FRAME_BYTES = frameOverhead("invocation.result");
 
 /** What a handler's return value says: another step, a wait for input, or the output. */
 function outcomeOf(value: unknown): Outcome {
