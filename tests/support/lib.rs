@@ -307,6 +307,46 @@ impl Raw {
         }
     }
 
+    /// Send `n` requests `op` with `args` at once, without waiting for answers, and
+    /// return their response frames in the order sent (pushes are kept aside), with
+    /// the time from before the first was sent until the last answer was read: the
+    /// daemon read every one of them within that time.
+    pub async fn burst(
+        &mut self,
+        op: &str,
+        args: &Value,
+        n: usize,
+    ) -> anyhow::Result<(Vec<Value>, Duration)> {
+        let first = self.next_id;
+        self.next_id += n as u64;
+        let started = std::time::Instant::now();
+        for id in first..first + n as u64 {
+            let frame = json!({"id": id, "op": op, "args": args}).to_string();
+            self.ws.feed(Message::text(frame)).await?;
+        }
+        self.ws.flush().await?;
+        let mut answers: Vec<Option<Value>> = vec![None; n];
+        let mut left = n;
+        while left > 0 {
+            let f = self.recv().await?;
+            if f.get("push").is_some() {
+                self.pushes.push(f);
+                continue;
+            }
+            let slot = f
+                .get("id")
+                .and_then(Value::as_u64)
+                .and_then(|id| id.checked_sub(first))
+                .and_then(|i| usize::try_from(i).ok())
+                .and_then(|i| answers.get_mut(i));
+            if let Some(slot) = slot.filter(|s| s.is_none()) {
+                *slot = Some(f);
+                left -= 1;
+            }
+        }
+        Ok((answers.into_iter().flatten().collect(), started.elapsed()))
+    }
+
     /// Send a request and return its `ok` member, failing on an error response.
     pub async fn ok(&mut self, op: &str, args: Value) -> anyhow::Result<Value> {
         let f = self.request(op, args).await?;
