@@ -492,10 +492,13 @@ async fn resumes_race_to_one_winner_and_a_stop_ends_a_suspended_turn() -> Result
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_input_deadline_fails_the_turn_or_continues_without_input() -> Result<()> {
-    let d = TestDaemon::start(|_| {}).await?;
+    // The raw worker reads nothing while the first deadline runs out.
+    let d = TestDaemon::start(|c| c.server.heartbeat_ms = 60_000).await?;
     let mut w = worker(&d.url, "w1").await?;
     let mut c = client(&d.url).await?;
-    let t = suspended_turn(&mut c, &mut w, "late", json!({"timeout_ms": 200})).await?;
+    // Long enough for the wait to be read before the deadline ends it, however
+    // slowly this machine runs.
+    let t = suspended_turn(&mut c, &mut w, "late", json!({"timeout_ms": 2_000})).await?;
     let got = turn(&mut c, &t).await?;
     assert_eq!(got["wait"]["on_deadline"], "fail", "{got}");
     let failed = until_status(&mut c, &t, "failed").await?;

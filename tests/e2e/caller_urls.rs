@@ -103,8 +103,13 @@ async fn requests_a_stopping_daemon_never_read_are_sent_again_and_run_once() -> 
             anyhow::Ok(())
         }));
     }
-    // Let the callers run on A, then stop it while they send.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Let the callers run on A (some rounds acknowledged, however slowly this
+    // machine started them), then stop it while they send.
+    turnd_tests::eventually(30, "submits acknowledged by A", || {
+        let acked = acked.clone();
+        async move { (acked.load(std::sync::atomic::Ordering::Relaxed) >= 32).then_some(()) }
+    })
+    .await?;
     let a_dir = a.data_dir.clone();
     let status = a.terminate().await?;
     assert!(status.success(), "A exited with {status}");

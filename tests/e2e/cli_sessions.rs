@@ -54,7 +54,13 @@ fn json_out(o: &Output) -> anyhow::Result<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_lists_filters_and_status_shows_the_oldest_waits() -> anyhow::Result<()> {
-    let d = TestDaemon::start(|c| c.turns.dispatch_timeout_ms = Some(60_000)).await?;
+    // The raw worker below reads nothing while the CLI runs (a dozen processes):
+    // a long heartbeat keeps the daemon from closing it as silent meanwhile.
+    let d = TestDaemon::start(|c| {
+        c.turns.dispatch_timeout_ms = Some(60_000);
+        c.server.heartbeat_ms = 60_000;
+    })
+    .await?;
     let c = d.caller().await?;
     // Two sessions wait for `nobody`; one runs `hold` on a worker that keeps it.
     c.submit_simple("s-old", "nobody", json!(1)).await?;

@@ -431,10 +431,13 @@ async fn turn_waits_leave_nothing_behind_once_answered() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn departed_workers_and_their_functions_are_forgotten_after_the_linger() -> anyhow::Result<()>
 {
-    let td = TestDaemon::start(|c| c.turns.worker_linger_ms = 400).await?;
+    // Long enough for the lists right after the worker leaves to be read within it
+    // on a busy machine.
+    const LINGER_MS: u64 = 2_000;
+    let td = TestDaemon::start(|c| c.turns.worker_linger_ms = LINGER_MS).await?;
     let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
     let w = turnd_tests::echo_worker(&td.url, "w-gone", 1).await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(LINGER_MS + 200)).await;
     let f = r.ok("functions.list", json!({})).await?;
     assert_eq!(
         f["functions"][0]["function_id"], "echo",
@@ -512,7 +515,13 @@ async fn next_frame(r: &mut turnd_tests::RawTcp) -> anyhow::Result<Value> {
 /// gets every event once, in order, then the live ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reading_client_replays_a_session_larger_than_its_queue() -> anyhow::Result<()> {
-    let td = TestDaemon::start(|c| c.server.outbox_frames = 16).await?;
+    // The watcher reads nothing for seconds: a long heartbeat keeps the daemon
+    // from closing it as silent meanwhile.
+    let td = TestDaemon::start(|c| {
+        c.server.outbox_frames = 16;
+        c.server.heartbeat_ms = 60_000;
+    })
+    .await?;
     let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
     // About 6 MB of events (two of each turn's three carry the reason).
     fill_session(&mut r, "long", 150, &"r".repeat(20_000)).await?;

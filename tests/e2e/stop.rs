@@ -583,9 +583,14 @@ async fn live_invocation_is_cancelled_when_the_worker_answers_cancelled() -> any
 ///    comes afterwards is `late` and changes nothing. A raw worker sees the exact frames.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ignored_cancel_ends_at_the_grace_and_the_later_result_is_late() -> anyhow::Result<()> {
-    // Long enough for the heartbeat below to land inside it on a busy machine.
-    const GRACE: u64 = 1_000;
-    let d = TestDaemon::start(|c| c.turns.cancel_grace_ms = GRACE).await?;
+    // Long enough for the stop's answer, the cancel push and the heartbeat below to
+    // land inside it on a busy machine; the raw worker answers no pings meanwhile.
+    const GRACE: u64 = 5_000;
+    let d = TestDaemon::start(|c| {
+        c.turns.cancel_grace_ms = GRACE;
+        c.server.heartbeat_ms = 60_000;
+    })
+    .await?;
     let (mut raw, _) = Raw::hello(
         &d.url,
         "worker",
@@ -630,7 +635,7 @@ async fn ignored_cancel_ends_at_the_grace_and_the_later_result_is_late() -> anyh
         "a heartbeat moved the cancel deadline: {hb}"
     );
     // The worker says nothing else; the grace decides.
-    let done = wait_done(&c, &a.turn_id, 3).await?;
+    let done = wait_done(&c, &a.turn_id, 30).await?;
     assert_cancelled(&done, "too slow")?;
     let requested = done.stop.as_ref().expect("checked").requested_at_ms;
     ensure!(
@@ -1245,8 +1250,8 @@ async fn stop_survives_a_kill_before_the_grace_ends() -> anyhow::Result<()> {
         );
     }
     // Terminal by the original deadline (or at once if the restart came after it),
-    // with a second of slack for a busy machine.
-    let bound = (deadline.max(booted_at) + 1_000).saturating_sub(now_ms());
+    // with slack for a busy machine (a lost stop would leave it running for good).
+    let bound = (deadline.max(booted_at) + 5_000).saturating_sub(now_ms());
     let done = c
         .wait_terminal(&a.turn_id, Duration::from_millis(bound.max(100)))
         .await
@@ -1431,6 +1436,13 @@ async fn stop_after_a_redispatch_targets_the_current_invocation() -> anyhow::Res
     let inv1 = expect_push(&mut raw, "invoke").await?["invocation_id"].clone();
     let probe = expect_push(&mut raw, "probe").await?;
     ensure!(probe["invocation_id"] == inv1, "{probe}");
+    // The next dispatch gets a minute: the stop below must find its invocation
+    // still live, not probed, however slowly this machine runs.
+    raw.ok(
+        "function.register",
+        json!({"function_id": F, "concurrency": 2, "timeout_ms": 60_000}),
+    )
+    .await?;
     raw.ok(
         "invocation.status",
         json!({"invocation_id": inv1, "state": "unknown"}),
@@ -1594,7 +1606,13 @@ async fn reconnecting_worker_learns_its_stopped_invocation_is_void() -> anyhow::
 async fn a_stop_wins_over_the_turns_own_deadline_during_the_grace() -> anyhow::Result<()> {
     // Stopped first, then its turn_timeout_ms passes while the worker ignores the
     // cancel: the turn ends cancelled (the stop is what ended it), not timed out.
-    let td = TestDaemon::start(|c| c.turns.cancel_grace_ms = 5_000).await?;
+    // The deadline leaves the stop 3 s to land first, however slowly this machine
+    // runs, and passes long before the grace would end the turn.
+    let td = TestDaemon::start(|c| {
+        c.turns.cancel_grace_ms = 60_000;
+        c.server.heartbeat_ms = 60_000;
+    })
+    .await?;
     let c = td.caller().await?;
     let (mut w, _) = Raw::hello(
         &td.url,
@@ -1610,7 +1628,7 @@ async fn a_stop_wins_over_the_turns_own_deadline_during_the_grace() -> anyhow::R
             function_id: "hang".into(),
             input: json!(null),
             idempotency_key: None,
-            turn_timeout_ms: Some(400),
+            turn_timeout_ms: Some(3_000),
             on_busy: None,
         })
         .await?
@@ -1618,7 +1636,7 @@ async fn a_stop_wins_over_the_turns_own_deadline_during_the_grace() -> anyhow::R
     let _invoke = w.next_push().await?;
     let stopped = c.stop(&t.turn_id, "user pressed stop").await?;
     assert_eq!(stopped.status, TurnStatus::Running);
-    let done = wait_done(&c, &t.turn_id, 10).await?;
+    let done = wait_done(&c, &t.turn_id, 30).await?;
     assert_eq!(done.status, TurnStatus::Cancelled, "{done:?}");
     assert_eq!(
         done.stop.map(|s| s.reason),

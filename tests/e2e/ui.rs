@@ -43,7 +43,13 @@ const EVIL_FUNCTION: &str = "<b>fn</b>";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> {
-    let td = TestDaemon::start(|c| c.turns.dispatch_timeout_ms = Some(60_000)).await?;
+    // The raw worker below answers no pings while the screens render: a long
+    // heartbeat keeps the daemon from closing it as silent meanwhile.
+    let td = TestDaemon::start(|c| {
+        c.turns.dispatch_timeout_ms = Some(60_000);
+        c.server.heartbeat_ms = 60_000;
+    })
+    .await?;
     let c = td.caller().await?;
     // A session whose id, function and input are markup, waiting for a worker.
     let evil = c
@@ -62,8 +68,13 @@ async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> 
         json!({"worker_id": "w-<b>fn</b>", "instance_id": "i1", "name": "<script>alert(4)</script>"}),
     )
     .await?;
-    w.ok("function.register", json!({"function_id": "f"}))
-        .await?;
+    // A minute's timeout: `s-run` below would look stuck after half of it without a
+    // heartbeat, and the screens read before its heartbeat must not find it so.
+    w.ok(
+        "function.register",
+        json!({"function_id": "f", "timeout_ms": 60_000}),
+    )
+    .await?;
     let failed = c.submit_simple("s-fail", "f", json!("in")).await?;
     let invoke = w.next_push().await?;
     w.ok(

@@ -113,7 +113,8 @@ async fn the_watchdog_is_pinged_while_the_store_is_healthy_and_no_longer_once_it
     .await?;
     let before = notify.until("READY=1", WAIT).await?;
     assert_eq!(pings(&before), 0, "pinged before READY=1: {before:?}");
-    let healthy = notify.during(PING_PERIOD * 6).await?;
+    // Three pings in fifteen periods: more than a loaded machine can delay them by.
+    let healthy = notify.during(PING_PERIOD * 15).await?;
     assert!(pings(&healthy) >= 3, "pings while healthy: {healthy:?}");
     assert!(
         healthy.iter().all(|l| l == "WATCHDOG=1"),
