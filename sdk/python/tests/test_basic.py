@@ -199,7 +199,9 @@ async def test_tokens_refused_as_not_authenticated(
     tokens = tmp_path / "tokens"
     tokens.write_text("client client-secret-1\nworker worker-secret-1\n", encoding="utf-8")
     server = await make_server(**{"auth.token_file": str(tokens)})
-    worker = Worker(server.url, "w-auth", token="wrong-token-0")
+    # Retrying would be slow on purpose: the worker's second try would come 15 s or
+    # more after its first, the client's tries go on for a minute.
+    worker = Worker(server.url, "w-auth", token="wrong-token-0", reconnect_delay=30)
 
     @worker.function("echo")
     async def echo(ctx: TurnContext, input: Any) -> Any:
@@ -208,11 +210,11 @@ async def test_tokens_refused_as_not_authenticated(
     # Refused for good, at once: no retrying a token that cannot change.
     started = time.monotonic()
     with pytest.raises(turnd.NotAuthenticated) as err:
-        async with Client(server.url, token="wrong-token-0") as c:
+        async with Client(server.url, token="wrong-token-0", reconnect_timeout=60) as c:
             await c.ping()
     with pytest.raises(turnd.NotAuthenticated) as werr:
-        await asyncio.wait_for(worker.serve(), 5)
-    assert time.monotonic() - started < 1
+        await asyncio.wait_for(worker.serve(), 20)
+    assert time.monotonic() - started < 10
     for refused in (err.value, werr.value):
         assert refused.code == "not_authenticated" and not refused.retryable
         assert server.url in str(refused) and str(refused).count("token not accepted") == 1

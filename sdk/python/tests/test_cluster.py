@@ -210,8 +210,13 @@ async def test_submits_a_stopping_daemon_never_read_are_sent_again_and_run_once(
             await asyncio.gather(*(submitter(c, f"s{t}-{i}") for i in range(in_flight)))
 
     tasks = asyncio.gather(*(client(t) for t in range(clients)))
-    # Let the clients run on A, then stop it while they send.
-    await asyncio.sleep(0.5)
+    # Let the clients run on A (B is their second URL) until it acknowledged a hundred
+    # submits, then stop it while they send.
+    wait_until = loop.time() + 10
+    while acked < 100 and not tasks.done():
+        assert loop.time() < wait_until, f"only {acked} submits acknowledged by A in 10 s"
+        await asyncio.sleep(0.01)
+    deadline = loop.time() + 20  # for the submitters, from A's stop on
     await a.stop()
     await tasks
     await a.start()  # on its data directory

@@ -31,6 +31,17 @@ function within<T>(ms: number, p: Promise<T>): Promise<T> {
   return Promise.race([p, limit]).finally(() => clearTimeout(timer));
 }
 
+/**
+ * "At once" is measured against a retry made long on purpose: a connect that retried
+ * would wait at least 15 s before its second try (half of `reconnectDelayMs`, the
+ * rest random) and go on for a minute, so a rejection within `AT_ONCE_MS` was not
+ * retried, even when a loaded machine stalls the test for a few seconds.
+ */
+const NO_QUICK_RETRY = { reconnectDelayMs: 30_000, reconnectTimeoutMs: 60_000 };
+const AT_ONCE_MS = 10_000;
+/** A bound for `within`: a retrying connect is cut off there, well before its minute. */
+const RETRY_CUT_MS = 20_000;
+
 /** Nested arrays `depth` deep. */
 function nested(depth: number): unknown {
   let v: unknown = "leaf";
@@ -65,35 +76,35 @@ describe("URLs that can never work", () => {
 
   it("a URL that is not one, or not ws(s), fails connect() at once with BadUrl", async () => {
     for (const url of ["not a url at all", "ftp://127.0.0.1/v1"]) {
-      const { ms, err } = await timed(() => connect({ url }));
+      const { ms, err } = await timed(() => within(RETRY_CUT_MS, connect({ url, ...NO_QUICK_RETRY })));
       assert.ok(err instanceof BadUrl, `expected BadUrl for ${url}, got ${String(err)}`);
       assert.ok(err instanceof ConnectionError);
       assert.equal(err.retryable, false);
       assert.equal(err.status, undefined);
       assert.ok(err.message.includes(JSON.stringify(url)), err.message);
-      assert.ok(ms < 1000, `${url}: rejected after ${ms} ms`);
+      assert.ok(ms < AT_ONCE_MS, `${url}: rejected after ${ms} ms`);
     }
   });
 
   it("a path other than /v1 fails connect() at once with the daemon's 404 and its words", async () => {
     const url = turnd.url.replace(/\/v1$/, "");
-    const { ms, err } = await timed(() => connect({ url }));
+    const { ms, err } = await timed(() => within(RETRY_CUT_MS, connect({ url, ...NO_QUICK_RETRY })));
     assert.ok(err instanceof BadUrl, String(err));
     assert.equal(err.status, 404);
     assert.equal(err.retryable, false);
     assert.match(err.message, /HTTP 404: no such path; protocol v1 is served at \/v1$/);
-    assert.ok(ms < 1000, `rejected after ${ms} ms`);
+    assert.ok(ms < AT_ONCE_MS, `rejected after ${ms} ms`);
   });
 
   it("an upgrade refused for good is BadUrl at once; a 503 is retried until reconnectTimeoutMs", async () => {
     const forbidden = await httpServer(403, "forbidden by the proxy");
     const down = await httpServer(503, "upstream restarting");
     try {
-      const refused = await timed(() => connect({ url: forbidden.url }));
+      const refused = await timed(() => within(RETRY_CUT_MS, connect({ url: forbidden.url, ...NO_QUICK_RETRY })));
       assert.ok(refused.err instanceof BadUrl, String(refused.err));
       assert.equal(refused.err.status, 403);
       assert.match(refused.err.message, /HTTP 403: forbidden by the proxy$/);
-      assert.ok(refused.ms < 1000, `rejected after ${refused.ms} ms`);
+      assert.ok(refused.ms < AT_ONCE_MS, `rejected after ${refused.ms} ms`);
       assert.equal(forbidden.hits(), 1);
 
       const passing = await timed(() => connect({ url: down.url, reconnectDelayMs: 20, reconnectTimeoutMs: 400 }));
@@ -117,11 +128,15 @@ describe("URLs that can never work", () => {
 
   it("Worker.start() and run() reject at once on such a URL, and say why on stderr by default", async (t) => {
     const logged = t.mock.method(console, "error", () => {});
-    const w = new Worker({ url: turnd.url.replace(/\/v1$/, "/v2"), workerId: "w-bad-path" });
+    const w = new Worker({
+      url: turnd.url.replace(/\/v1$/, "/v2"),
+      workerId: "w-bad-path",
+      reconnectDelayMs: NO_QUICK_RETRY.reconnectDelayMs,
+    });
     w.function("never", async () => null);
-    const { ms, err } = await timed(() => within(5000, w.start()));
+    const { ms, err } = await timed(() => within(RETRY_CUT_MS, w.start()));
     assert.ok(err instanceof BadUrl && err.status === 404, String(err));
-    assert.ok(ms < 1000, `rejected after ${ms} ms`);
+    assert.ok(ms < AT_ONCE_MS, `rejected after ${ms} ms`);
     assert.equal(w.state, "stopped");
     const lines = logged.mock.calls.map((c) => String(c.arguments[0]));
     assert.ok(
@@ -130,10 +145,18 @@ describe("URLs that can never work", () => {
     );
 
     const ran = await timed(() =>
-      within(5000, new Worker({ url: "not a url at all", workerId: "w-no-url", log: () => {} }).run()),
+      within(
+        RETRY_CUT_MS,
+        new Worker({
+          url: "not a url at all",
+          workerId: "w-no-url",
+          log: () => {},
+          reconnectDelayMs: NO_QUICK_RETRY.reconnectDelayMs,
+        }).run(),
+      ),
     );
     assert.ok(ran.err instanceof BadUrl, String(ran.err));
-    assert.ok(ran.ms < 1000, `rejected after ${ran.ms} ms`);
+    assert.ok(ran.ms < AT_ONCE_MS, `rejected after ${ran.ms} ms`);
   });
 });
 
@@ -152,17 +175,17 @@ describe("requests over the daemon's limits", () => {
 
   it("a hello over max_frame_bytes fails at once with too_large, for a client and a worker", async () => {
     const token = "t".repeat(2000);
-    const { ms, err } = await timed(() => connect({ url: turnd.url, token, reconnectTimeoutMs: 5000 }));
+    const { ms, err } = await timed(() => within(RETRY_CUT_MS, connect({ url: turnd.url, token, ...NO_QUICK_RETRY })));
     assert.ok(err instanceof TurndError, String(err));
     assert.equal(err.code, "too_large");
     assert.equal(err.retryable, false);
     assert.equal(err.op, "hello");
     assert.match(err.message, /frame over max_frame_bytes \(1024\)/);
-    assert.ok(ms < 2000, `rejected after ${ms} ms`);
+    assert.ok(ms < AT_ONCE_MS, `rejected after ${ms} ms`);
 
-    const w = worker(turnd.url, { token, log: () => {} });
+    const w = worker(turnd.url, { token, log: () => {}, reconnectDelayMs: NO_QUICK_RETRY.reconnectDelayMs });
     w.function("never", async () => null);
-    const started = await timed(() => within(5000, w.start()));
+    const started = await timed(() => within(RETRY_CUT_MS, w.start()));
     assert.ok(started.err instanceof TurndError && started.err.code === "too_large", String(started.err));
     assert.equal(w.state, "stopped");
   });

@@ -8,12 +8,19 @@ import { startTurnd, type Turnd } from "../src/testing.js";
  * Timers short enough for each loss case to play out in a second or two. No test
  * waits for a probe or a cancel to go unanswered, so those two windows are wide
  * enough for an answer delayed by a stall of the disk (a commit's `fdatasync` took
- * over half a second at times on a shared 2-core machine).
+ * over half a second at times on a shared 2-core machine) or of a process (a Node
+ * process on a loaded 2-core machine can stall for a few seconds).
+ *
+ * The heartbeat is the daemon's default: a connection silent for three of them is
+ * ended by both sides (the SDK's watchdog, the daemon's reader), so a short one would
+ * end healthy connections whenever Node's event loop stalls, and break every test that
+ * counts connections. Only a test that waits for silence to be noticed takes
+ * `SHORT_HEARTBEAT`, on a daemon of its own.
  */
 export const FAST = {
-  server: { heartbeat_ms: 500 },
+  server: { heartbeat_ms: 5000 },
   turns: {
-    probe_timeout_ms: 1000,
+    probe_timeout_ms: 5000,
     reconnect_grace_ms: 5000,
     cancel_grace_ms: 3000,
     retry_backoff_ms: 50,
@@ -21,8 +28,11 @@ export const FAST = {
   },
 };
 
-export function daemon(): Promise<Turnd> {
-  return startTurnd({ config: FAST });
+/** FAST with a heartbeat short enough for a silent connection to be noticed in 1.5 s. */
+export const SHORT_HEARTBEAT = { ...FAST, server: { heartbeat_ms: 500 } };
+
+export function daemon(config: typeof FAST = FAST): Promise<Turnd> {
+  return startTurnd({ config });
 }
 
 let workerSeq = 0;

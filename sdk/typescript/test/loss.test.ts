@@ -7,7 +7,7 @@ import { after, before, describe, it } from "node:test";
 import type { Client, Reconciled, Worker } from "../src/index.js";
 import type { Turnd } from "../src/testing.js";
 import { startTurnd } from "../src/testing.js";
-import { allEvents, client, daemon, dropFirst, FAST, FrameProxy, sleep, until, worker } from "./helpers.js";
+import { allEvents, client, daemon, dropFirst, FAST, FrameProxy, SHORT_HEARTBEAT, sleep, until, worker } from "./helpers.js";
 
 describe("loss", () => {
   let turnd: Turnd;
@@ -88,18 +88,24 @@ describe("loss", () => {
     };
     proxy.toServer = (f) => f.op === "invocation.heartbeat" && !probed;
     const w = worker(proxy.url);
-    w.function("probe.alive", { timeoutMs: 300 }, async (ctx) => {
-      await sleep(900);
+    // The probe comes 3 s after the dispatch; the handler ends 2 s later, while the
+    // heartbeats (every second from the probe on) keep the deadline 3 s ahead: a stall
+    // under 2 s neither lets the result overtake the probe nor brings a second probe.
+    w.function("probe.alive", { timeoutMs: 3000 }, async (ctx) => {
+      await sleep(5000);
       return { aborted: ctx.signal.aborted };
     });
     await started(w);
     const submitted = await c.submit("probe-alive", "probe.alive", null);
-    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 20_000 });
     assert.equal(turn.status, "completed");
     assert.deepEqual(turn.output, { aborted: false });
     const kinds = (await allEvents(c, "probe-alive")).map((e) => e.kind);
     assert.deepEqual(kinds, ["admitted", "dispatched", "probe_sent", "result", "completed"]);
     assert.equal(proxy.sentToServer.filter((f) => f.op === "invocation.status").length, 0);
+    // The probe was answered, by a heartbeat (the only ones let through came after it):
+    // the result alone, coming within probe_timeout_ms, would give the same events.
+    assert.ok(proxy.sentToServer.some((f) => f.op === "invocation.heartbeat"), "no heartbeat answered the probe");
   });
 
   it("reconnects with the running invocation in inflight, and it is kept", async () => {
@@ -134,7 +140,14 @@ describe("loss", () => {
   });
 
   it("a silent (half-open) connection is noticed by its silence and replaced", async () => {
-    const proxy = await proxied();
+    // A daemon of its own, with a heartbeat short enough for the silence to be
+    // noticed in a test (FAST's is the daemon's default, 5 s).
+    const own = await daemon(SHORT_HEARTBEAT);
+    cleanups.push(() => own.stop());
+    const oc = await client(own.url);
+    cleanups.push(() => oc.close());
+    const proxy = await FrameProxy.start(own.url);
+    cleanups.push(() => proxy.close());
     let release!: () => void;
     const gate = new Promise<void>((r) => {
       release = r;
@@ -145,17 +158,17 @@ describe("loss", () => {
       return "heard";
     });
     await started(w);
-    const submitted = await c.submit("rc-silent", "rc.silent", null);
+    const submitted = await oc.submit("rc-silent", "rc.silent", null);
     const inv = await until("the handler to start", () => w.inflight[0]);
     const before = Date.now();
     proxy.stall();
     // heartbeat_ms is 500: three intervals of silence end the connection on both sides.
-    await until("the worker to reconnect", () => w.stats.connections === 2 && w.state === "connected", 5000);
+    await until("the worker to reconnect", () => w.stats.connections === 2 && w.state === "connected", 10_000);
     const silentFor = Date.now() - before;
     assert.ok(silentFor >= 1400, `reconnected after ${silentFor} ms of silence`);
     assert.deepEqual(w.reconciled, { kept: [inv], redispatched: [], unknown: [] });
     release();
-    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    const turn = await oc.wait(submitted.turnId, { timeoutMs: 5000 });
     assert.equal(turn.output, "heard");
   });
 

@@ -214,14 +214,17 @@ describe("worker", () => {
   });
 
   it("keeps a handler that runs past its timeout alive with heartbeats", async () => {
+    // A 3 s attempt timeout, heartbeats every second: the deadline passes only if the
+    // worker (or the daemon) stalls for 2 s between two beats, not for a short stall of
+    // a loaded machine. The handler runs twice the timeout.
     const w = worker(turnd.url);
-    w.function("beat.long", { timeoutMs: 300, delivery: "at_least_once" }, async (_ctx, input: { ms: number }) => {
+    w.function("beat.long", { timeoutMs: 3000, delivery: "at_least_once" }, async (_ctx, input: { ms: number }) => {
       await sleep(input.ms);
       return "done";
     });
     await start(w);
-    const submitted = await c.submit("beat-1", "beat.long", { ms: 1500 });
-    const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
+    const submitted = await c.submit("beat-1", "beat.long", { ms: 6000 });
+    const turn = await c.wait(submitted.turnId, { timeoutMs: 20_000 });
     assert.equal(turn.status, "completed");
     assert.equal(turn.attempt, 1);
     const kinds = (await allEvents(c, "beat-1")).map((e) => e.kind);
