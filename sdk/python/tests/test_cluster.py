@@ -9,6 +9,7 @@ it; these do not).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from turnd import Client, ShuttingDown, TurnContext, Worker, WorkerState
@@ -213,9 +214,16 @@ async def test_submits_a_stopping_daemon_never_read_are_sent_again_and_run_once(
     # Let the clients run on A (B is their second URL) until it acknowledged a hundred
     # submits, then stop it while they send.
     wait_until = loop.time() + 10
-    while acked < 100 and not tasks.done():
-        assert loop.time() < wait_until, f"only {acked} submits acknowledged by A in 10 s"
-        await asyncio.sleep(0.01)
+    try:
+        while acked < 100 and not tasks.done():
+            assert loop.time() < wait_until, f"only {acked} submits acknowledged by A in 10 s"
+            await asyncio.sleep(0.01)
+    except BaseException:
+        # No client outlives the test: its submitters would go on against the daemons.
+        tasks.cancel()
+        with contextlib.suppress(BaseException):
+            await tasks
+        raise
     deadline = loop.time() + 20  # for the submitters, from A's stop on
     await a.stop()
     await tasks

@@ -103,9 +103,16 @@ async def test_frame_the_daemon_refuses_as_too_large_is_not_resent(
                 assert time.monotonic() - started < AT_ONCE
                 assert not err.value.retryable
                 assert "max_frame_bytes" in str(err.value)
-            # Each oversized frame was sent once and never again (the second one can
-            # be sent on the connection the daemon is closing, or on the next one).
-            assert len(submits(proxy)) == 2
+            # Each oversized frame was sent once and never again. The first reached
+            # the daemon (which refused it). The second can go out on the next
+            # connection; or on the one the daemon is closing, where the proxy may
+            # not read it before the close; or not at all, when the client sees that
+            # connection closing as it sends (then it fails as large as the one the
+            # daemon refused): at most once, whatever the timing.
+            keys = [args.get("idempotency_key") for _, args in submits(proxy)]
+            assert keys.count(None) == 1, keys
+            assert keys.count("k-big") <= 1, keys
+            assert len(keys) <= 2, keys
             assert c.connections <= 2
             await c.ping()  # a new connection, for a request that fits
             with pytest.raises(turnd.NotFound):

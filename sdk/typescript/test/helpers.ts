@@ -37,13 +37,17 @@ export function daemon(config: typeof FAST = FAST): Promise<Turnd> {
 
 let workerSeq = 0;
 
-/** A worker with fast resend and reconnect timers. */
+/**
+ * A worker with fast reconnect timers. A result unanswered for `resultAckTimeoutMs` is
+ * sent again: that window is wide enough for an answer delayed by a stall, so no
+ * result is resent but for a loss a test made. A test of that resend passes its own.
+ */
 export function worker(url: string | readonly string[], opts: Partial<WorkerOptions> = {}): Worker {
   workerSeq += 1;
   return new Worker({
     url,
     workerId: `w-${process.pid}-${workerSeq}`,
-    resultAckTimeoutMs: 400,
+    resultAckTimeoutMs: 5000,
     reconnectDelayMs: 50,
     maxReconnectDelayMs: 200,
     drainTimeoutMs: 2000,

@@ -39,16 +39,31 @@ describe("loss", () => {
   it("resends a result whose frame was lost, and it is applied", async () => {
     const proxy = await proxied();
     proxy.toServer = dropFirst((f) => f.op === "invocation.result");
-    const w = worker(proxy.url);
+    // Resent after 400 ms without an answer: once for the lost frame, and again each
+    // time a stall delays the daemon's answer past 400 ms (answered as a duplicate).
+    const w = worker(proxy.url, { resultAckTimeoutMs: 400 });
     w.function("lost.result", async (_ctx, input) => ({ echo: input }));
     await started(w);
     const submitted = await c.submit("lost-result", "lost.result", 7);
     const turn = await c.wait(submitted.turnId, { timeoutMs: 5000 });
     assert.equal(turn.status, "completed");
     assert.deepEqual(turn.output, { echo: 7 });
+    await until("the result to be acknowledged", () => w.finished.length === 0);
+    assert.equal(w.stats.resultsAcked, 1);
+    // The first frame was lost; every frame the daemon got was a resend.
     assert.equal(proxy.dropped.filter((f) => f.op === "invocation.result").length, 1);
-    assert.equal(proxy.sentToServer.filter((f) => f.op === "invocation.result").length, 1);
-    assert.equal(w.stats.resultsResent, 1);
+    assert.ok(w.stats.resultsResent >= 1, "the lost result was never resent");
+    const passed = () => proxy.sentToServer.filter((f) => f.op === "invocation.result");
+    await until("every resend to pass the proxy", () => passed().length === w.stats.resultsResent);
+    const resends = passed();
+    // Applied exactly once: one of the resends, and any other a duplicate.
+    const answers = () => resends.map((r) => proxy.sentToClient.find((f) => f.id === r.id));
+    await until("every resend to be answered", () => answers().every((a) => a !== undefined));
+    const accepted = answers()
+      .map((a) => (a?.ok as { accepted?: string } | undefined)?.accepted)
+      .sort();
+    const duplicates = Array.from({ length: resends.length - 1 }, () => "duplicate");
+    assert.deepEqual(accepted, ["applied", ...duplicates].sort());
     const results = (await allEvents(c, "lost-result")).filter((e) => e.kind === "result");
     assert.equal(results.length, 1);
   });

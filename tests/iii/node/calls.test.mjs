@@ -4,7 +4,7 @@
 import assert from 'node:assert/strict'
 import { after, before, test } from 'node:test'
 import { TriggerAction, registerWorker } from 'iii-sdk'
-import { sleep, startTurnd, until, V1 } from './lib.mjs'
+import { gate, sleep, startTurnd, until, V1 } from './lib.mjs'
 
 // call_grace_ms: a call that waited for a reattaching worker would wait this long
 // (capped at call_dispatch_timeout_ms, 30 s), so the calls answered at once below
@@ -20,14 +20,21 @@ const AT_ONCE_MS = 10_000
 // must not take it as their deadline.
 const DEFAULT_TIMEOUT_MS = 300
 
+// Reconnects come fast and at most 400 ms apart (iii-sdk's backoff would grow to 30 s).
+const RECONNECT = { initialDelayMs: 100, maxDelayMs: 400, jitterFactor: 0 }
+
 let turnd, worker, caller, v1
 const started = []
 const calls = { slow: 0 }
+// The fifo test's gates: each group's first message waits for the other's to start (so
+// the two overlap if, and only if, the daemon runs the groups in parallel), and a's
+// also for the test to have read the queue's depth (so work is in flight then).
+const fifo = { a: gate(), b: gate(), depthRead: gate() }
 
 before(async () => {
   turnd = await startTurnd({ toml: TOML, config: { turns: { default_timeout_ms: DEFAULT_TIMEOUT_MS } } })
   // Telemetry stays on (the SDK's default): turnd accepts and drops the /otel socket.
-  worker = registerWorker(turnd.iiiUrl, { workerName: 'node-worker', reconnectionConfig: { initialDelayMs: 100, jitterFactor: 0 } })
+  worker = registerWorker(turnd.iiiUrl, { workerName: 'node-worker', reconnectionConfig: RECONNECT })
   worker.registerFunction('demo::echo', async (input, metadata) => ({ echoed: input, metadata }))
   worker.registerFunction('demo::fail', async (_input, metadata) => {
     started.push(metadata.turnd.turn_id)
@@ -42,12 +49,17 @@ before(async () => {
   const seen = []
   worker.registerFunction('demo::fifo', async (input) => {
     seen.push({ at: 'start', g: input.g, n: input.n, t: Date.now() })
+    if (input.n === 1) {
+      fifo[input.g].open()
+      await fifo[input.g === 'a' ? 'b' : 'a'].wait(10_000)
+      if (input.g === 'a') await fifo.depthRead.wait(10_000)
+    }
     await sleep(150)
     seen.push({ at: 'end', g: input.g, n: input.n, t: Date.now() })
     return { n: input.n }
   })
   worker.seen = seen
-  caller = registerWorker(turnd.iiiUrl, { workerName: 'node-caller', reconnectionConfig: { initialDelayMs: 100, jitterFactor: 0 } })
+  caller = registerWorker(turnd.iiiUrl, { workerName: 'node-caller', reconnectionConfig: RECONNECT })
   v1 = await V1.connect(turnd.wsUrl)
   await until('the worker registered', async () => {
     const { functions } = await v1.call('functions.list')
@@ -56,6 +68,7 @@ before(async () => {
 })
 
 after(async () => {
+  for (const g of Object.values(fifo)) g.open()
   v1?.close()
   await worker?.shutdown()
   await caller?.shutdown()
@@ -180,12 +193,13 @@ test('a fifo queue runs serial within a group and parallel across groups', async
       receipts.push({ g, n, id: r.messageReceiptId })
     }
   }
-  // Live depth counts the work in flight.
+  // Live depth counts the work in flight (group a's first message waits for this).
   const stats = await caller.trigger({ function_id: 'engine::queue::topic_stats', payload: { topic: 'orders' } })
+  fifo.depthRead.open()
   assert.ok(stats.depth > 0, `depth ${stats.depth} with work in flight`)
   assert.equal(stats.config.message_group_field, 'g')
   for (const r of receipts) {
-    const t = await v1.wait(r.id)
+    const t = await v1.wait(r.id, 30_000)
     assert.equal(t.status, 'completed', JSON.stringify(t))
     assert.equal(t.session_id, `orders:${r.g}`)
     assert.deepEqual(t.output, { n: r.n })
@@ -201,7 +215,8 @@ test('a fifo queue runs serial within a group and parallel across groups', async
       ['start1', 'end1', 'start2', 'end2', 'start3', 'end3'],
     )
   }
-  // Across groups, handlers overlapped.
+  // Across groups, handlers overlapped (each first one waited up to 10 s for the other's
+  // start: run one group after the other, they would not have).
   const a1 = seen.find((e) => e.g === 'a' && e.n === 1 && e.at === 'start')
   const b1 = seen.find((e) => e.g === 'b' && e.n === 1 && e.at === 'start')
   const a1end = seen.find((e) => e.g === 'a' && e.n === 1 && e.at === 'end')
@@ -231,13 +246,17 @@ test('queue::define refuses what turnd does not honour, naming it', async () => 
 
 test('a queue definition survives a restart of turnd', async () => {
   await turnd.restart()
-  await until('the caller is back', async () => {
-    try {
-      return await caller.trigger({ function_id: 'queue::define', payload: { queue: 'orders', config: { type: 'fifo', message_group_field: 'g' } }, timeoutMs: 500 })
-    } catch {
-      return false
-    }
-  }).then((r) => assert.equal(r.changed, false))
+  await until(
+    'the caller is back',
+    async () => {
+      try {
+        return await caller.trigger({ function_id: 'queue::define', payload: { queue: 'orders', config: { type: 'fifo', message_group_field: 'g' } }, timeoutMs: 2000 })
+      } catch {
+        return false
+      }
+    },
+    30_000,
+  ).then((r) => assert.equal(r.changed, false))
   v1.close()
   v1 = await V1.connect(turnd.wsUrl)
 })

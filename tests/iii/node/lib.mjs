@@ -10,8 +10,30 @@ const BIN = process.env.TURND_BIN || resolve(import.meta.dirname, '../../../targ
 
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 
-/** Poll `f` until it returns something truthy, or throw after `ms`. */
-export async function until(what, f, ms = 8000) {
+/**
+ * A gate a handler waits at until the test opens it: what the handler does then
+ * happens after what the test checked meanwhile, however slow the machine. `wait`
+ * gives up after `ms` (then the check that needed the gate fails instead of hanging).
+ */
+export function gate() {
+  let open
+  const opened = new Promise((r) => {
+    open = r
+  })
+  return {
+    open: () => open(),
+    wait(ms = 20_000) {
+      let timer
+      const late = new Promise((r) => {
+        timer = setTimeout(r, ms)
+      })
+      return Promise.race([opened, late]).finally(() => clearTimeout(timer))
+    },
+  }
+}
+
+/** Poll `f` until it returns something truthy, or throw after `ms` (generous: only a failing test waits it out). */
+export async function until(what, f, ms = 20_000) {
   const deadline = Date.now() + ms
   for (;;) {
     const v = await f()
@@ -21,9 +43,15 @@ export async function until(what, f, ms = 8000) {
   }
 }
 
-/** Short timers so each loss case plays out in a second or two. */
+/**
+ * Short turn timers so each loss case plays out in a second or two. The heartbeat is
+ * the daemon's default: a connection silent for three of them is ended, so a short
+ * one would end healthy connections whenever the test process (whose iii-sdk workers
+ * answer the pings) stalls for a second or two on a loaded machine. No iii test waits
+ * for silence to be noticed: a killed worker's socket is closed by its kernel.
+ */
 export const FAST = {
-  server: { heartbeat_ms: 500 },
+  server: { heartbeat_ms: 5000 },
   storage: { sync: 'never' },
   turns: { probe_timeout_ms: 300, reconnect_grace_ms: 3000, cancel_grace_ms: 600, retry_backoff_ms: 50, retry_backoff_max_ms: 200 },
 }

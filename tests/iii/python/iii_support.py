@@ -18,7 +18,9 @@ from turnd_client import Client  # noqa: E402
 RECONNECT = ReconnectionConfig(initial_delay_ms=100, max_delay_ms=400, jitter_factor=0.0)
 
 
-def until(what: str, f: Callable[[], Any], secs: float = 8.0) -> Any:
+def until(what: str, f: Callable[[], Any], secs: float = 20.0) -> Any:
+    """Poll ``f`` until it returns something truthy (generous: only a failing test
+    waits it out)."""
     deadline = time.time() + secs
     while True:
         v = f()

@@ -30,11 +30,16 @@ from iii_support import RECONNECT, registered, until  # noqa: E402
 
 BIN = os.environ.get("TURND_BIN", str(ROOT / "target" / "debug" / "turnd"))
 AT_ONCE_S = 10.0
+# The heartbeat is the daemon's default: a connection silent for three of them is
+# ended, so a short one would end healthy connections whenever this process (whose
+# iii-sdk workers answer the pings) stalls on a loaded machine. No test here waits for
+# silence to be noticed, nor for the reconnect grace to pass: a worker whose socket
+# closed reattaches within it even after a stall of a few seconds.
 FAST = {
-    "TURND_SERVER__HEARTBEAT_MS": "500",
+    "TURND_SERVER__HEARTBEAT_MS": "5000",
     "TURND_STORAGE__SYNC": "never",
     "TURND_TURNS__PROBE_TIMEOUT_MS": "300",
-    "TURND_TURNS__RECONNECT_GRACE_MS": "3000",
+    "TURND_TURNS__RECONNECT_GRACE_MS": "10000",
     "TURND_TURNS__CANCEL_GRACE_MS": "600",
 }
 
@@ -94,6 +99,9 @@ def env() -> Iterator[dict[str, Any]]:
     d = Turnd("[iii]\nconcurrency = 4\ncall_grace_ms = 60000\n")
     seen: list[dict[str, Any]] = []
     lock = threading.Lock()
+    # A py::slow call given {"gate": name} runs until the test sets gates[name] (at
+    # most 20 s), instead of sleeping: it ends after what the test did meanwhile.
+    gates: dict[str, threading.Event] = {}
 
     def echo(data: Any, metadata: Any = None) -> Any:
         return {"echoed": data, "metadata": metadata}
@@ -104,7 +112,10 @@ def env() -> Iterator[dict[str, Any]]:
     def slow(data: Any, metadata: Any = None) -> Any:
         with lock:
             seen.append({"at": "start", **(metadata or {}).get("turnd", {})})
-        time.sleep(data["ms"] / 1000)
+        if "gate" in data:
+            gates[data["gate"]].wait(20)
+        else:
+            time.sleep(data["ms"] / 1000)
         with lock:
             seen.append({"at": "end", **(metadata or {}).get("turnd", {})})
         return {"slept": data["ms"]}
@@ -121,8 +132,17 @@ def env() -> Iterator[dict[str, Any]]:
     c = Client(d.ws, role="operator")
     until("the worker registered", lambda: registered(c, "py::slow"))
     try:
-        yield {"turnd": d, "worker": worker, "caller": caller, "c": c, "seen": seen}
+        yield {
+            "turnd": d,
+            "worker": worker,
+            "caller": caller,
+            "c": c,
+            "seen": seen,
+            "gates": gates,
+        }
     finally:
+        for g in gates.values():
+            g.set()
         c.close()
         worker.shutdown()
         caller.shutdown()
@@ -165,11 +185,18 @@ def test_void_runs_and_answers_nothing(env: dict[str, Any]) -> None:
 
 def test_caller_timeout_leaves_the_turn_to_complete(env: dict[str, Any]) -> None:
     n = len(env["seen"])
+    # The handler ends only after the caller gave up.
+    env["gates"]["timeout"] = gate = threading.Event()
     with pytest.raises(Exception) as e:
         env["caller"].trigger(
-            {"function_id": "py::slow", "payload": {"ms": 600}, "timeout_ms": 150}
+            {
+                "function_id": "py::slow",
+                "payload": {"ms": 600, "gate": "timeout"},
+                "timeout_ms": 150,
+            }
         )
     assert getattr(e.value, "code", None) == "TIMEOUT"
+    gate.set()
     start = until(
         "the handler started", lambda: len(env["seen"]) > n and env["seen"][n]
     )
@@ -210,10 +237,12 @@ def test_worker_socket_closed_mid_handler_reattaches_and_the_result_is_applied(
     worker, seen = env["worker"], env["seen"]
     n = len(seen)
     out: dict[str, Any] = {}
+    # The handler ends only after its socket was closed.
+    env["gates"]["closed"] = gate = threading.Event()
 
     def call() -> None:
         out["r"] = env["caller"].trigger(
-            {"function_id": "py::slow", "payload": {"ms": 700}}
+            {"function_id": "py::slow", "payload": {"ms": 700, "gate": "closed"}}
         )
 
     th = threading.Thread(target=call)
@@ -221,7 +250,8 @@ def test_worker_socket_closed_mid_handler_reattaches_and_the_result_is_applied(
     start = until("the handler started", lambda: len(seen) > n and seen[n])
     # Close the SDK's socket from under it, as a dropped connection would.
     asyncio.run_coroutine_threadsafe(worker._ws.close(), worker._loop).result(5)
-    th.join(10)
+    gate.set()
+    th.join(30)
     assert out["r"] == {"slept": 700}
     assert [e["at"] for e in seen[n:] if e["turn_id"] == start["turn_id"]] == [
         "start",
@@ -260,9 +290,11 @@ def test_iii_token_is_required_and_accepted() -> None:
             stderr=subprocess.DEVNULL,
         )
         try:
+            # A Python process that imports iii-sdk first: slow on a loaded machine.
             until(
                 "the refusal in turnd's log",
                 lambda: d.stderr().count("iii connection refused") >= 3,
+                secs=60.0,
             )
         finally:
             refused.kill()
