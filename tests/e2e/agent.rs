@@ -280,7 +280,7 @@ async fn a_slow_watcher_loses_progress_with_a_marker_but_never_an_event() -> Res
         // The watcher and the client read nothing while the frames are sent: on a
         // busy machine that may take longer than the 3 heartbeats of silence after
         // which the daemon closes a connection.
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let mut w = worker(&d.url, "w1").await?;
@@ -493,7 +493,7 @@ async fn resumes_race_to_one_winner_and_a_stop_ends_a_suspended_turn() -> Result
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_input_deadline_fails_the_turn_or_continues_without_input() -> Result<()> {
     // The raw worker reads nothing while the first deadline runs out.
-    let d = TestDaemon::start(|c| c.server.heartbeat_ms = 60_000).await?;
+    let d = TestDaemon::start(turnd_tests::quiet_raw_peers).await?;
     let mut w = worker(&d.url, "w1").await?;
     let mut c = client(&d.url).await?;
     // Long enough for the wait to be read before the deadline ends it, however

@@ -58,7 +58,7 @@ async fn sessions_lists_filters_and_status_shows_the_oldest_waits() -> anyhow::R
     // a long heartbeat keeps the daemon from closing it as silent meanwhile.
     let d = TestDaemon::start(|c| {
         c.turns.dispatch_timeout_ms = Some(60_000);
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let c = d.caller().await?;

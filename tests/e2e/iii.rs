@@ -264,7 +264,7 @@ async fn an_unanswered_invocation_is_an_unknown_outcome_at_its_deadline_without_
         c.turns.probe_timeout_ms = 60_000;
         c.turns.default_timeout_ms = 120_000;
         // The iii worker below sends nothing until the late result.
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let url = iii_url(&d);

@@ -519,7 +519,7 @@ async fn a_reading_client_replays_a_session_larger_than_its_queue() -> anyhow::R
     // from closing it as silent meanwhile.
     let td = TestDaemon::start(|c| {
         c.server.outbox_frames = 16;
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;
@@ -569,7 +569,7 @@ async fn a_watcher_that_never_reads_does_not_delay_its_session() -> anyhow::Resu
     let td = TestDaemon::start(|c| {
         c.server.outbox_frames = 16;
         c.server.write_stall_ms = 60_000;
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let (mut r, _) = Raw::hello(&td.url, "client", json!({})).await?;

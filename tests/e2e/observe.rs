@@ -63,15 +63,6 @@ async fn assert_everywhere(
     Ok(())
 }
 
-/// The raw workers of these tests neither read nor send while the test looks at
-/// the daemon (so they answer no pings): a daemon that hears nothing from a
-/// connection for 3 heartbeats closes it, which on a busy machine could happen
-/// within the test's waits. Long heartbeats keep them connected; none of these
-/// tests is about them.
-fn quiet_raw_workers(c: &mut turnd_server::config::Config) {
-    c.server.heartbeat_ms = 60_000;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_behind_and_awaiting_worker() -> anyhow::Result<()> {
     let td = TestDaemon::start(|c| c.turns.dispatch_timeout_ms = Some(60_000)).await?;
@@ -167,7 +158,7 @@ async fn awaiting_worker_says_why_no_worker_runs_it() -> anyhow::Result<()> {
 async fn awaiting_result_then_reconnect_and_in_flight_work_is_counted() -> anyhow::Result<()> {
     let td = TestDaemon::start(|c| {
         c.turns.reconnect_grace_ms = 60_000;
-        quiet_raw_workers(c);
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let c = td.caller().await?;
@@ -253,7 +244,7 @@ async fn backing_off_and_cancelling() -> anyhow::Result<()> {
     let td = TestDaemon::start(|c| {
         c.turns.retry_backoff_ms = 60_000;
         c.turns.cancel_grace_ms = 60_000;
-        quiet_raw_workers(c);
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let c = td.caller().await?;
@@ -303,7 +294,7 @@ async fn backing_off_and_cancelling() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finalizing_is_visible_and_readyz_fails() -> anyhow::Result<()> {
-    let td = TestDaemon::start_faulty(quiet_raw_workers).await?;
+    let td = TestDaemon::start_faulty(turnd_tests::quiet_raw_peers).await?;
     let c = td.caller().await?;
     let t = c.submit_simple("fin", "echo", json!(1)).await?;
     let faults = td.faults.clone().expect("faulty store");
@@ -434,7 +425,7 @@ async fn watch_delivers_every_event_once_in_order_across_a_reconnect() -> anyhow
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_terminal_transitions_by_cause_and_health_answers() -> anyhow::Result<()> {
-    let td = TestDaemon::start(quiet_raw_workers).await?;
+    let td = TestDaemon::start(turnd_tests::quiet_raw_peers).await?;
     let c = td.caller().await?;
     let (mut w, _) = Raw::hello(
         &td.url,

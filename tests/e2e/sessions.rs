@@ -47,14 +47,6 @@ async fn row_in(c: &Caller, session: &str, state: WaitState) -> anyhow::Result<S
     .await
 }
 
-/// The raw workers here neither read nor send while the test looks at the daemon
-/// (so they answer no pings): a daemon that hears nothing from a connection for 3
-/// heartbeats closes it, which on a busy machine could happen within the test's
-/// waits. Long heartbeats keep them connected; none of these tests is about them.
-fn quiet_raw_workers(c: &mut turnd_server::config::Config) {
-    c.server.heartbeat_ms = 60_000;
-}
-
 async fn next_invoke(w: &mut Raw) -> anyhow::Result<Value> {
     loop {
         let p = w.next_push().await?;
@@ -71,7 +63,7 @@ async fn every_wait_state_is_listed_and_filtered() -> anyhow::Result<()> {
         c.turns.retry_backoff_ms = 60_000;
         c.turns.cancel_grace_ms = 60_000;
         c.turns.reconnect_grace_ms = 60_000;
-        quiet_raw_workers(c);
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let c = td.caller().await?;
@@ -287,7 +279,7 @@ async fn every_wait_state_is_listed_and_filtered() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_invocation_turns_stuck_before_its_deadline() -> anyhow::Result<()> {
-    let td = TestDaemon::start(quiet_raw_workers).await?;
+    let td = TestDaemon::start(turnd_tests::quiet_raw_peers).await?;
     let c = td.caller().await?;
     let (mut w, _) = Raw::hello(
         &td.url,
@@ -332,7 +324,7 @@ async fn a_silent_invocation_turns_stuck_before_its_deadline() -> anyhow::Result
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finalizing_is_listed() -> anyhow::Result<()> {
-    let td = TestDaemon::start_faulty(quiet_raw_workers).await?;
+    let td = TestDaemon::start_faulty(turnd_tests::quiet_raw_peers).await?;
     let c = td.caller().await?;
     c.submit_simple("fin", "echo", json!(1)).await?;
     let faults = td.faults.clone().expect("faulty store");

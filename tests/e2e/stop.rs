@@ -588,7 +588,7 @@ async fn ignored_cancel_ends_at_the_grace_and_the_later_result_is_late() -> anyh
     const GRACE: u64 = 5_000;
     let d = TestDaemon::start(|c| {
         c.turns.cancel_grace_ms = GRACE;
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let (mut raw, _) = Raw::hello(
@@ -1610,7 +1610,7 @@ async fn a_stop_wins_over_the_turns_own_deadline_during_the_grace() -> anyhow::R
     // runs, and passes long before the grace would end the turn.
     let td = TestDaemon::start(|c| {
         c.turns.cancel_grace_ms = 60_000;
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let c = td.caller().await?;

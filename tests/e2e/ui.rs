@@ -47,7 +47,7 @@ async fn every_screen_renders_and_escapes_what_it_shows() -> anyhow::Result<()> 
     // heartbeat keeps the daemon from closing it as silent meanwhile.
     let td = TestDaemon::start(|c| {
         c.turns.dispatch_timeout_ms = Some(60_000);
-        c.server.heartbeat_ms = 60_000;
+        turnd_tests::quiet_raw_peers(c);
     })
     .await?;
     let c = td.caller().await?;

@@ -37,6 +37,15 @@ pub fn test_config(data_dir: &Path) -> Config {
     c
 }
 
+/// For a test whose peers go quiet (a raw worker or watcher that neither reads nor
+/// sends while the test looks at the daemon, so it answers no pings): a daemon that
+/// hears nothing from a connection for 3 heartbeats closes it, which on a busy
+/// machine could happen within the test's waits. A minute's heartbeat keeps such
+/// peers connected; a test that uses it is not about heartbeats.
+pub fn quiet_raw_peers(c: &mut Config) {
+    c.server.heartbeat_ms = 60_000;
+}
+
 /// An in-process daemon and its data directory.
 pub struct TestDaemon {
     pub daemon: Option<Daemon>,
